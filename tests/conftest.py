@@ -1,0 +1,70 @@
+"""Shared fixtures: offline environment, a model cache shared by the whole session, temp data roots.
+
+Prefect's test harness is a session fixture that only flow tests request (it costs ~15 s to start).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from clawrl.config import apply_offline_env, load_settings
+
+apply_offline_env()  # before transformers/prefect/mlflow are imported by any test module
+
+REPO = Path(__file__).resolve().parent.parent
+# Built/converted models are reused across test runs on one machine (CI starts empty).
+MODEL_CACHE = Path(os.environ.get("CLAWRL_TEST_MODEL_CACHE", REPO / ".cache" / "models"))
+
+
+@pytest.fixture(scope="session")
+def model_cache() -> Path:
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    return MODEL_CACHE
+
+
+@pytest.fixture
+def make_settings(tmp_path, model_cache):
+    """Settings with a temp data root and the shared model cache; keyword overrides as 'section.key'."""
+
+    def make(overrides: dict | None = None, **kw):
+        merged = {"storage.data_root": str(tmp_path / "data"), "storage.model_cache": str(model_cache),
+                  "model.name": "tiny"}
+        merged.update(overrides or {})
+        merged.update({k.replace("__", "."): v for k, v in kw.items()})
+        return load_settings(env={}, overrides=merged)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(model_cache) -> Path:
+    from clawrl.models import resolve_model_dir
+
+    return resolve_model_dir("tiny", model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(model_cache) -> Path:
+    from clawrl.models import resolve_model_dir
+
+    return resolve_model_dir("tiny-qwen3", model_cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(model_cache) -> Path:
+    from clawrl.models import resolve_model_dir
+
+    return resolve_model_dir("smollm2-135m", model_cache)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """One Prefect test server for the session (startup ~15 s on 2 cores; default timeout is too short)."""
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
