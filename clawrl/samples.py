@@ -1,0 +1,125 @@
+"""The records that flow through clawrl: turns, next states, verdicts, samples, fates, batches.
+
+Each record is one row of an append-only table in ``storage/`` (one pyarrow schema per record,
+derived from these dataclasses). Token lists are the exact ids the engine saw and sampled; nothing
+downstream re-tokenizes. Log-prob names say whose they are (STYLE.md): ``rollout_logprobs`` are the
+engine's at sampling time, ``teacher_logprobs`` the teacher's over the same output ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def make_turn_id(namespace: str, session_id: str, turn_index: int) -> str:
+    """Deterministic id of a turn: the same (namespace, session, index) always maps to one id."""
+    return hashlib.sha256(f"{namespace}\x00{session_id}\x00{turn_index}".encode()).hexdigest()[:24]
+
+
+class TurnType(str, Enum):
+    MAIN = "main"  # trainable once its next state arrives
+    SIDE = "side"  # heartbeats, memory flushes: served and logged, never trained on
+
+
+class Fate(str, Enum):
+    """What became of a turn. Every turn that leaves the judge gets exactly one fate per judge config."""
+
+    SAMPLE = "sample"
+    SIDE_TURN = "side_turn"
+    NO_NEXT_STATE = "no_next_state"
+    SCORE_ZERO = "score_zero"
+    NO_HINT = "no_hint"
+    JUDGE_ERROR = "judge_error"
+    TOO_STALE = "too_stale"
+
+
+@dataclass
+class TurnRecord:
+    """One served assistant turn, exactly as generated."""
+
+    turn_id: str
+    session_id: str
+    turn_index: int  # 0-based position among this session's turns
+    turn_type: str  # TurnType value
+    namespace: str  # API-key namespace ("open" when no keys are configured)
+    model: str  # served model name
+    weight_version: str  # version that produced the turn (the engine's label at completion)
+    request_messages: str  # JSON: the messages the client sent
+    request_tools: str | None  # JSON: the tools the client sent
+    request_params: str  # JSON: sampling parameters actually used
+    prompt_ids: list[int]  # the chat template rendered once into ids
+    output_ids: list[int]  # sampled ids, untrimmed (EOS included)
+    rollout_logprobs: list[float]  # the engine's logprob of each output id
+    text: str  # assistant content returned to the client
+    tool_calls: str | None  # JSON: OpenAI tool_calls returned to the client
+    finish_reason: str  # OpenAI finish reason: stop | length | tool_calls | abort
+    created_at: datetime  # request received
+    completed_at: datetime  # response complete
+    latency_ms: float
+    weight_versions: str = "[]"  # JSON spans when an update happened mid-turn
+
+
+@dataclass
+class NextStateRecord:
+    """The evidence for a turn: what the session said next, or that nothing will come."""
+
+    turn_id: str
+    session_id: str
+    turn_index: int
+    has_next_state: bool
+    messages: str | None  # JSON list of messages added after the turn (user reply / tool results)
+    reason: str  # next_request | session_done | idle_timeout | evicted | shutdown
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class JudgeVerdict:
+    """The judged outcome of one turn under one judge configuration."""
+
+    turn_id: str
+    judge_config_hash: str
+    judge_backend: str
+    score: int  # -1 / 0 / +1 after the majority vote
+    score_reason: str  # majority | tie | all_failed | rule:<which rule>
+    votes: list[int | None]  # per vote; None = unparseable
+    raw_outputs: str  # JSON list of every raw judge output
+    hint: str | None = None  # selected hindsight hint (OPD)
+    hint_raw_outputs: str | None = None  # JSON list of raw hint votes
+    error: str | None = None  # set when the judge backend failed after retries
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class SampleRecord:
+    """One trainable sample: exact tokens, behaviour log-probs and the learning signal."""
+
+    sample_id: str
+    turn_id: str
+    session_id: str
+    judge_config_hash: str
+    method: str  # Method value
+    prompt_ids: list[int]
+    output_ids: list[int]
+    rollout_logprobs: list[float]  # len == len(output_ids)
+    reward: float  # judge score (0.0 when the method uses none)
+    has_teacher: bool
+    teacher_logprobs: list[float] | None  # len == len(output_ids) when has_teacher
+    weight_version: str  # policy version that sampled output_ids
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class FateRecord:
+    turn_id: str
+    session_id: str
+    judge_config_hash: str
+    fate: str  # Fate value
+    detail: str = ""
+    created_at: datetime = field(default_factory=utcnow)
