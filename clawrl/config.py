@@ -132,6 +132,32 @@ class PPOSettings(_Section):
     rollout_batch_size: int = Field(32, ge=1, description="Trainable samples that trigger one PPO step.")
     max_new_tokens: int = Field(512, ge=1, description="Default completion budget per turn.")
     temperature: float = Field(0.7, ge=0, description="Default sampling temperature for served turns.")
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="'torch': plain PyTorch (CPU or one GPU). 'megatron': megatron-core GPTModel (TP)."
+    )
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.98, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 = off.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward (grad accumulation).")
+    ppo_epochs: int = Field(1, ge=1, description="Optimizer passes over each batch (>1 makes the ratio != 1).")
+    kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator to the reference model.")
+    entropy_coef: float = Field(0.0, description="Entropy bonus coefficient (subtracted from the loss).")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How per-token losses become one number."
+    )
+    dual_clip: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 = off.")
+    tis_cap: float = Field(2.0, ge=0, description="Truncated importance sampling cap vs rollout logprobs; 0 = off.")
+    max_staleness: int = Field(
+        4, ge=0, description="Samples from policies more than this many versions old are excluded (too_stale)."
+    )
+    w_rl: float = Field(1.0, description="Combine: weight of the judge reward term.")
+    w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term.")
+    group_norm: bool = Field(False, description="GRPO: subtract the group mean reward (per prompt group).")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank for the torch backend; 0 = full fine-tune.")
+    lora_alpha: float = Field(32.0, gt=0)
+    deterministic: bool = Field(True, description="torch deterministic algorithms + seeds (exact replay).")
 
     @model_validator(mode="after")
     def _check_clip(self) -> PPOSettings:

@@ -123,3 +123,31 @@ class FateRecord:
     fate: str  # Fate value
     detail: str = ""
     created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class BatchRecord:
+    """A training batch: which samples one PPO step consumed (written before the step runs)."""
+
+    batch_id: str
+    step: int
+    sample_ids: list[str]
+    session_ids: list[str]
+    method: str
+    config_hash: str
+    parent_version: str  # weight version the step starts from
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class CheckpointRecord:
+    """A saved policy version and what produced it."""
+
+    weight_version: str
+    step: int
+    batch_id: str
+    parent_version: str
+    path: str
+    sha256: str  # of the checkpoint's safetensors bytes
+    mlflow_run_id: str | None
+    created_at: datetime = field(default_factory=utcnow)

@@ -20,6 +20,10 @@ class EngineError(RuntimeError):
     """The engine could not serve a request (unreachable, timed out, internal failure)."""
 
 
+class EngineTimeoutError(EngineError):
+    """The engine did not answer within the configured timeout (the gateway maps this to 504)."""
+
+
 class BadRequestError(ValueError):
     """A request the engine refuses (SGLang answers these with HTTP 400)."""
 

@@ -1,0 +1,146 @@
+"""Model quirks: how OpenAI messages and tools become prompt token ids, and how tool calls are
+read back out of the model's text.
+
+Tool calls use the Hermes/Qwen2.5 format (SGLang's ``qwen25``/``hermes`` parsers)::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Chat templates that render ``tools`` themselves (Qwen3, Llama 3.x) get them passed through. For
+templates that know nothing of tools (SmolLM2's: role + content only) the adapter renders the tool
+list into the system message and assistant tool calls / tool results into message content, in the
+same format the parser reads back, so a tool-call round trip keeps its shape in the prompt.
+Limitation: no grammar-constrained decoding, so ``tool_choice: "required"`` or a named function is
+an instruction in the prompt, not a guarantee (SGLang constrains decoding there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawrl.gateway.schemas import ChatMessage, ToolDef
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool_calls objects
+
+
+class ChatAdapter:
+    """Renders requests into prompt ids with the tokenizer's chat template; parses tool calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template or ""
+        self.native_tools = "tools" in template  # the template renders a `tools` variable itself
+
+    # ------------------------------------------------------------------------------ render
+    def render(self, messages: list[ChatMessage], tools: list[ToolDef] | None = None,
+               tool_choice: str | dict | None = None) -> list[int]:
+        use_tools = bool(tools) and tool_choice != "none"
+        msgs = [self._message_dict(m) for m in messages]
+        kwargs: dict[str, Any] = {}
+        if use_tools and self.native_tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools or []]
+        elif use_tools:
+            block = _tools_block(tools or [], tool_choice)
+            if msgs and msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": (msgs[0]["content"] + "\n\n" + block).strip()}
+            else:
+                msgs.insert(0, {"role": "system", "content": block})
+        ids = self.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
+        return list(ids)
+
+    def _message_dict(self, m: ChatMessage) -> dict[str, Any]:
+        role = "system" if m.role == "developer" else m.role
+        content = m.text()
+        if m.role == "assistant" and m.tool_calls:
+            if self.native_tools:
+                return {"role": "assistant", "content": content,
+                        "tool_calls": [tc.model_dump(exclude_none=True) for tc in m.tool_calls]}
+            rendered = [
+                f"{TOOL_CALL_OPEN}\n" + json.dumps({"name": tc.function.name, "arguments": _loads_or_str(tc.function.arguments)})
+                + f"\n{TOOL_CALL_CLOSE}"
+                for tc in m.tool_calls
+            ]
+            content = "\n".join(([content] if content else []) + rendered)
+        elif m.role == "tool" and not self.native_tools:
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        out: dict[str, Any] = {"role": role, "content": content}
+        if m.role == "tool" and m.tool_call_id and self.native_tools:
+            out["tool_call_id"] = m.tool_call_id
+        return out
+
+    # ------------------------------------------------------------------------------- parse
+    def parse(self, text: str, tools: list[ToolDef] | None, tool_choice: str | dict | None = None) -> ParsedOutput:
+        """Split model text into content and OpenAI tool calls (only for declared tool names)."""
+        if not tools or tool_choice == "none" or TOOL_CALL_OPEN not in text:
+            return ParsedOutput(content=text)
+        names = {t.function.name for t in tools}
+        calls: list[dict[str, Any]] = []
+        kept_spans: list[tuple[int, int]] = []
+        for i, m in enumerate(_TOOL_CALL_RE.finditer(text)):
+            call = _parse_call(m.group(1), names)
+            if call is None:
+                continue
+            name, args = call
+            digest = hashlib.sha256(f"{i}:{name}:{args}:{text}".encode()).hexdigest()[:24]
+            calls.append({"id": f"call_{digest}", "type": "function",
+                          "function": {"name": name, "arguments": args}})
+            kept_spans.append(m.span())
+        if not calls:
+            return ParsedOutput(content=text)
+        content, last = [], 0
+        for a, b in kept_spans:
+            content.append(text[last:a])
+            last = b
+        content.append(text[last:])
+        rest = "".join(content).strip()
+        return ParsedOutput(content=rest or None, tool_calls=calls)
+
+
+def _parse_call(body: str, names: set[str]) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args)
+
+
+def _loads_or_str(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except (json.JSONDecodeError, TypeError):
+        return s
+
+
+def _tools_block(tools: list[ToolDef], tool_choice: str | dict | None) -> str:
+    sigs = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in tools)
+    text = (
+        "You can call functions. Their signatures are inside <tools></tools>:\n"
+        f"<tools>\n{sigs}\n</tools>\n"
+        "To call a function, reply with one JSON object per call inside <tool_call></tool_call> tags:\n"
+        f'{TOOL_CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{TOOL_CALL_CLOSE}'
+    )
+    if tool_choice == "required":
+        text += "\nYou must call at least one function."
+    elif isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if name:
+            text += f"\nYou must call the function {name}."
+    return text

@@ -1,0 +1,377 @@
+"""Serve one chat completion through the engine and record the turn exactly.
+
+The chat template is rendered once into prompt ids; the engine is called with ``input_ids`` and
+``return_logprob`` so the turn keeps the exact prompt ids, sampled ids and their log-probs, and the
+weight version that produced them. The gateway never judges, builds samples or waits on training.
+
+Durability point: a turn is appended to the session log (a write-ahead-log write that survives a
+kill -9 of this process) *before* the client receives the end of its response — the JSON body of a
+non-streamed completion, or the final chunk of a stream. A response the client has received in full
+is therefore always in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from clawrl.engine.types import (
+    BadRequestError,
+    Engine,
+    EngineError,
+    EngineTimeoutError,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+)
+from clawrl.gateway.adapters import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
+from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    Choice,
+    ChoiceLogprobs,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session_id, validate_session_id
+from clawrl.samples import NextStateRecord, TurnRecord, TurnType, utcnow
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status and an OpenAI error type."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    served_model_name: str
+    default_turn_type: str
+    default_temperature: float
+    default_max_tokens: int
+    engine_timeout_s: float
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """Who is asking and the session fields from headers (body fields win)."""
+
+    namespace: str
+    session_id: str | None = None
+    turn_type: str | None = None
+    session_done: bool | None = None
+
+
+@dataclass
+class _Turn:
+    state: SessionState
+    session_id: str
+    turn_type: str
+    done: bool
+    messages: list[dict[str, Any]]
+    tools_json: str | None
+    prompt_ids: list[int]
+    gen: GenerateRequest
+    created_at: Any
+    t0: float
+
+
+class ChatService:
+    def __init__(self, engine: Engine, tokenizer, store, tracker: SessionTracker, options: GatewayOptions,
+                 metrics: GatewayMetrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.adapter = ChatAdapter(tokenizer)
+        self.store = store
+        self.tracker = tracker
+        self.options = options
+        self.metrics = metrics
+        self.weight_version = "unknown"
+        self._decode = lru_cache(maxsize=65536)(lambda tid: tokenizer.decode([tid]))
+
+    # --------------------------------------------------------------------------- public API
+    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> ChatCompletion:
+        turn = self._prepare(req, ctx)
+        async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
+            self._link_next_state(turn)
+            result = await self._generate(turn.gen)
+            parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
+            finish = _finish_reason(result, parsed)
+            index = self._record(turn, result, parsed, finish)
+        return ChatCompletion(
+            id=f"chatcmpl-{turn.gen.rid}", created=int(time.time()), model=self.options.served_model_name,
+            choices=[Choice(
+                message=ResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls or None),
+                logprobs=self._logprobs(result, 0, len(result.output_ids), req) if req.logprobs else None,
+                finish_reason=finish,
+            )],
+            usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                        total_tokens=result.prompt_tokens + result.completion_tokens),
+            session_id=turn.session_id, turn_type=turn.turn_type, turn_index=index,
+            weight_version=result.weight_version,
+        )
+
+    async def stream(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, str], AsyncIterator[str]]:
+        """Headers to send and an async iterator of SSE lines. Validation errors raise before any byte."""
+        turn = self._prepare(req, ctx)
+        headers = {"X-Session-Id": turn.session_id, "X-Turn-Type": turn.turn_type}
+        return headers, self._stream_events(req, turn)
+
+    # ---------------------------------------------------------------------------- internals
+    def _prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> _Turn:
+        if req.n != 1:
+            raise GatewayError(400, "n > 1 is not supported: send n separate requests", param="n")
+        if req.top_logprobs and not req.logprobs:
+            raise GatewayError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise GatewayError(400, "response_format other than 'text' is not supported", param="response_format")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        session_id = req.session_id or ctx.session_id
+        if session_id is None:
+            session_id = derive_session_id(ctx.namespace, messages, req.user)
+        try:
+            validate_session_id(session_id)
+        except ValueError as e:
+            raise GatewayError(400, str(e), param="session_id") from None
+        turn_type = req.turn_type or ctx.turn_type or self.options.default_turn_type
+        if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
+            raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
+        done = bool(req.session_done if req.session_done is not None else ctx.session_done)
+        try:
+            prompt_ids = self.adapter.render(req.messages, req.tools, req.tool_choice)
+        except Exception as e:  # a template error is the client's message shape, not a server fault
+            raise GatewayError(400, f"could not apply the chat template: {e}", param="messages") from None
+        sp: dict[str, Any] = {
+            "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.options.default_max_tokens,
+            "temperature": self.options.default_temperature if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+        }
+        if req.stop:
+            sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if req.seed is not None:
+            sp["sampling_seed"] = req.seed
+        for k in ("frequency_penalty", "presence_penalty", "logit_bias"):
+            if getattr(req, k):
+                sp[k] = getattr(req, k)
+        try:
+            sampling = SamplingParams.from_dict(sp)
+        except BadRequestError as e:
+            raise GatewayError(400, str(e)) from None
+        gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
+                              top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0)
+        state, evicted = self.tracker.open(ctx.namespace, session_id)
+        self._write_next_states(evicted)
+        tools_json = json.dumps([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools else None
+        return _Turn(state, session_id, turn_type, done, messages, tools_json, prompt_ids, gen, utcnow(),
+                     time.perf_counter())
+
+    def _link_next_state(self, turn: _Turn) -> None:
+        if turn.turn_type == TurnType.MAIN.value:
+            rec = self.tracker.link_next_state(turn.state, turn.messages)
+            if rec is not None:
+                self._write_next_states([rec])
+
+    async def _generate(self, gen: GenerateRequest) -> GenerateResult:
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(self.engine.generate(gen), self.options.engine_timeout_s)
+        except (asyncio.TimeoutError, EngineTimeoutError):
+            raise GatewayError(504, f"engine did not answer within {self.options.engine_timeout_s:g} s",
+                               "engine_timeout") from None
+        except BadRequestError as e:
+            raise GatewayError(400, str(e)) from None
+        except EngineError as e:
+            raise GatewayError(502, f"engine unavailable: {e}", "engine_unavailable") from None
+        self.metrics.engine_latency.observe(time.perf_counter() - t0)
+        self.weight_version = result.weight_version
+        return result
+
+    def _record(self, turn: _Turn, result: GenerateResult, parsed: ParsedOutput, finish: str) -> int:
+        """Append the turn (the acknowledgement point) and update the session. Returns its index."""
+        state = turn.state
+        index = self.tracker.allocate_index(state)
+        rec = TurnRecord(
+            turn_id=uuid.uuid4().hex,
+            session_id=turn.session_id,
+            turn_index=index,
+            turn_type=turn.turn_type,
+            namespace=state.namespace,
+            model=self.options.served_model_name,
+            weight_version=result.weight_version,
+            request_messages=json.dumps(turn.messages),
+            request_tools=turn.tools_json,
+            request_params=json.dumps(turn.gen.sampling_params.to_dict()),
+            prompt_ids=list(turn.prompt_ids),
+            output_ids=list(result.output_ids),
+            rollout_logprobs=list(result.output_logprobs or []),
+            text=result.text,
+            tool_calls=json.dumps(parsed.tool_calls) if parsed.tool_calls else None,
+            finish_reason=finish,
+            created_at=turn.created_at,
+            completed_at=utcnow(),
+            latency_ms=(time.perf_counter() - turn.t0) * 1000.0,
+            weight_versions=json.dumps(result.weight_versions or []),
+        )
+        if len(rec.rollout_logprobs) != len(rec.output_ids):
+            # Never record a turn whose log-probs do not align with its tokens (the reference pads).
+            raise GatewayError(502, "engine returned log-probs that do not align with its output ids",
+                               "engine_protocol_error")
+        self.store.append(rec)
+        self.metrics.turns_recorded.labels(turn.turn_type).inc()
+        self.metrics.prompt_tokens.inc(result.prompt_tokens)
+        self.metrics.completion_tokens.inc(result.completion_tokens)
+        closing = self.tracker.finish_turn(state, rec.turn_id, index, len(turn.messages),
+                                           main=turn.turn_type == TurnType.MAIN.value, done=turn.done)
+        self._write_next_states(closing)
+        self.metrics.pending_turns.set(self.tracker.pending_turns)
+        self.metrics.open_sessions.set(len(self.tracker))
+        return index
+
+    def _write_next_states(self, records: list[NextStateRecord]) -> None:
+        if records:
+            self.store.append(records)
+            for r in records:
+                self.metrics.next_states.labels(r.reason).inc()
+
+    def _logprobs(self, result: GenerateResult, start: int, end: int, req: ChatCompletionRequest) -> ChoiceLogprobs:
+        ids = result.output_ids
+        if result.finish_reason and result.finish_reason.get("type") == "stop" and isinstance(
+            result.finish_reason.get("matched"), int
+        ) and end == len(ids):
+            end -= 1  # the EOS/stop token is recorded for training but not shown, as OpenAI does
+        lps = result.output_logprobs or []
+        tops = result.output_top_logprobs
+        out = []
+        for i in range(start, max(start, end)):
+            tok = self._decode(ids[i])
+            top = [TopLogprob(token=self._decode(t), logprob=lp, bytes=list(self._decode(t).encode()))
+                   for lp, t in (tops[i] if tops and i < len(tops) else [])][: req.top_logprobs or 0]
+            out.append(TokenLogprob(token=tok, logprob=lps[i], bytes=list(tok.encode()), top_logprobs=top))
+        return ChoiceLogprobs(content=out)
+
+    async def _stream_events(self, req: ChatCompletionRequest, turn: _Turn) -> AsyncIterator[str]:
+        created, cid, model = int(time.time()), f"chatcmpl-{turn.gen.rid}", self.options.served_model_name
+        extras = {"session_id": turn.session_id, "turn_type": turn.turn_type}
+
+        def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> str:
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                    **extras, **more}
+            return f"data: {json.dumps(body)}\n\n"
+
+        holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
+        async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
+            try:
+                self._link_next_state(turn)
+                yield chunk({"role": "assistant", "content": ""})
+                sent_chars, sent_tokens, tool_mode = 0, 0, False
+                result: GenerateResult | None = None
+                stream = self.engine.generate_stream(turn.gen)
+                deadline = time.monotonic() + self.options.engine_timeout_s
+                async for result in _with_deadline(stream, deadline, self.options.engine_timeout_s):
+                    if result.finished:
+                        break
+                    text = result.text
+                    if req.tools and TOOL_CALL_OPEN in text:
+                        tool_mode = True
+                    safe = len(text) if tool_mode else max(sent_chars, len(text) - holdback)
+                    while safe > sent_chars and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 char
+                        safe -= 1
+                    lp = None
+                    if req.logprobs and len(result.output_ids) > sent_tokens:
+                        lp = self._logprobs(result, sent_tokens, len(result.output_ids), req).model_dump()
+                        sent_tokens = len(result.output_ids)
+                    if not tool_mode and safe > sent_chars:
+                        yield chunk({"content": text[sent_chars:safe]}, logprobs=lp)
+                        sent_chars = safe
+                    elif lp is not None:
+                        yield chunk({}, logprobs=lp)
+                if result is None or not result.finished:
+                    raise GatewayError(502, "engine stream ended without a final result", "engine_unavailable")
+                self.weight_version = result.weight_version
+                parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
+                finish = _finish_reason(result, parsed)
+                self._record(turn, result, parsed, finish)  # durable before the client sees the end
+                lp = None
+                if req.logprobs and len(result.output_ids) > sent_tokens:
+                    lp = self._logprobs(result, sent_tokens, len(result.output_ids), req).model_dump()
+                visible = (parsed.content or "") if parsed.tool_calls else result.text
+                delta: dict[str, Any] = {}
+                if len(visible) > sent_chars:
+                    delta["content"] = visible[sent_chars:]
+                if parsed.tool_calls:
+                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(parsed.tool_calls)]
+                yield chunk(delta, finish=finish, logprobs=lp, weight_version=result.weight_version)
+                if req.stream_options and req.stream_options.include_usage:
+                    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                             "total_tokens": result.prompt_tokens + result.completion_tokens}
+                    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": usage, **extras, "weight_version": result.weight_version}
+                    yield f"data: {json.dumps(body)}\n\n"
+                self.metrics.requests.labels("200", "true", turn.turn_type).inc()
+            except GatewayError as e:
+                self.metrics.requests.labels(str(e.status), "true", turn.turn_type).inc()
+                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.type, 'code': e.status}})}\n\n"
+            except BadRequestError as e:
+                self.metrics.requests.labels("400", "true", turn.turn_type).inc()
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
+            except EngineError as e:
+                self.metrics.requests.labels("502", "true", turn.turn_type).inc()
+                yield f"data: {json.dumps({'error': {'message': f'engine unavailable: {e}', 'type': 'engine_unavailable', 'code': 502}})}\n\n"
+            finally:
+                self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
+        yield "data: [DONE]\n\n"
+
+    async def sweep_sessions(self) -> int:
+        records = self.tracker.sweep()
+        self._write_next_states(records)
+        self.metrics.pending_turns.set(self.tracker.pending_turns)
+        self.metrics.open_sessions.set(len(self.tracker))
+        return len(records)
+
+
+def _finish_reason(result: GenerateResult, parsed: ParsedOutput) -> str:
+    if parsed.tool_calls:
+        return "tool_calls"
+    kind = (result.finish_reason or {}).get("type", "stop")
+    return {"stop": "stop", "length": "length"}.get(kind, kind)
+
+
+async def _with_deadline(stream: AsyncIterator[GenerateResult], deadline: float, timeout_s: float):
+    it = stream.__aiter__()
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            item = await asyncio.wait_for(it.__anext__(), max(remaining, 0.001))
+        except StopAsyncIteration:
+            return
+        except (asyncio.TimeoutError, EngineTimeoutError):
+            raise GatewayError(504, f"engine did not answer within {timeout_s:g} s", "engine_timeout") from None
+        yield item
+
+
+class _maybe:
+    """``async with _maybe(lock, cond)``: hold the lock only when cond is true."""
+
+    def __init__(self, lock: asyncio.Lock, cond: bool):
+        self.lock, self.cond = lock, cond
+
+    async def __aenter__(self):
+        if self.cond:
+            await self.lock.acquire()
+
+    async def __aexit__(self, *exc):
+        if self.cond:
+            self.lock.release()

@@ -1,0 +1,162 @@
+"""Session semantics: turn indices, next-state links, closing, bounded memory. No I/O here.
+
+A session is keyed by (API-key namespace, session id), so one key can never add turns to another
+key's session. Each session remembers at most one *pending* main turn: the last one whose next
+state has not arrived. When the session's next main request arrives, the messages it adds after
+that turn's assistant message (a user reply, or every tool result of the turn's tool calls) become
+the pending turn's next state. A session ends on ``session_done``, after ``idle_timeout_s`` without
+a request, or when evicted to keep at most ``max_sessions`` in memory; its pending turn is then
+recorded as having no next state. Nothing waits forever.
+
+Without a session id, :func:`derive_session_id` hashes the namespace, the OpenAI ``user`` field and
+the conversation's first system and user messages: every request of one conversation resends that
+prefix, so it maps to one stable id. Two conversations that open with identical messages (and no
+``user`` field) share an id; clients that care send ``X-Session-Id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawrl.samples import NextStateRecord
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+class BadSessionError(ValueError):
+    pass
+
+
+def validate_session_id(session_id: str) -> str:
+    if not SESSION_ID_RE.match(session_id):
+        raise BadSessionError(
+            "session id must be 1-128 characters from A-Z a-z 0-9 . _ : @ - "
+            f"(got {len(session_id)} characters)"
+        )
+    return session_id
+
+
+def derive_session_id(namespace: str, messages: list[dict[str, Any]], user: str | None) -> str:
+    first_system = next((m.get("content") for m in messages if m.get("role") in ("system", "developer")), None)
+    first_user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+    blob = json.dumps([namespace, user, first_system, first_user], sort_keys=True, default=str)
+    return "auto-" + hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+@dataclass
+class PendingTurn:
+    turn_id: str
+    turn_index: int
+    message_count: int  # messages in the request that produced the turn
+
+
+@dataclass
+class SessionState:
+    namespace: str
+    session_id: str
+    next_index: int = 0
+    pending: PendingTurn | None = None
+    last_active: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises main turns of one session
+
+
+class SessionTracker:
+    def __init__(self, *, idle_timeout_s: float, max_sessions: int, clock=time.monotonic):
+        self.idle_timeout_s = idle_timeout_s
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
+        # Next turn index of sessions no longer in memory, so a returning session never reuses an
+        # index. Bounded too: beyond it, indices restart (turn ids stay unique regardless).
+        self._closed_index: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def pending_turns(self) -> int:
+        return sum(1 for s in self._sessions.values() if s.pending is not None)
+
+    def open(self, namespace: str, session_id: str) -> tuple[SessionState, list[NextStateRecord]]:
+        """The session's state (created on first sight) and records for sessions evicted to make room."""
+        key = (namespace, session_id)
+        evicted: list[NextStateRecord] = []
+        state = self._sessions.get(key)
+        if state is None:
+            state = SessionState(namespace, session_id, next_index=self._closed_index.pop(key, 0))
+            self._sessions[key] = state
+            while len(self._sessions) > self.max_sessions:
+                _, old = next(iter(self._sessions.items()))
+                evicted.extend(self._close(old, "evicted"))
+        self._sessions.move_to_end(key)
+        state.last_active = self.clock()
+        return state, evicted
+
+    def allocate_index(self, state: SessionState) -> int:
+        idx = state.next_index
+        state.next_index += 1
+        return idx
+
+    def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
+        """Called when a new main request arrives: close the pending turn with what was added."""
+        pending = state.pending
+        if pending is None:
+            return None
+        state.pending = None
+        n = pending.message_count
+        if len(messages) > n and messages[n].get("role") == "assistant":
+            added, reason = messages[n + 1 :], "next_request"
+        else:
+            # History was rewritten or truncated: take what follows the last assistant message.
+            last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+            added, reason = messages[last + 1 :], "next_request_realigned"
+        if not added:
+            return NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
+                                   has_next_state=False, messages=None, reason="no_new_messages")
+        return NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
+                               has_next_state=True, messages=json.dumps(added), reason=reason)
+
+    def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, message_count: int,
+                    *, main: bool, done: bool) -> list[NextStateRecord]:
+        """Record a completed turn; returns the records to write if this closes the session."""
+        state.last_active = self.clock()
+        if main:
+            state.pending = PendingTurn(turn_id, turn_index, message_count)
+        if done:
+            return self._close(state, "session_done")
+        return []
+
+    def sweep(self) -> list[NextStateRecord]:
+        """Close sessions idle longer than the timeout."""
+        now = self.clock()
+        out: list[NextStateRecord] = []
+        for state in list(self._sessions.values()):
+            if now - state.last_active >= self.idle_timeout_s and not state.lock.locked():
+                out.extend(self._close(state, "idle_timeout"))
+        return out
+
+    def restore(self, namespace: str, session_id: str, next_index: int, pending: PendingTurn | None,
+                age_s: float = 0.0) -> None:
+        """Rebuild a session from storage after a restart."""
+        state = SessionState(namespace, session_id, next_index=next_index, pending=pending,
+                             last_active=self.clock() - age_s)
+        self._sessions[(namespace, session_id)] = state
+
+    def _close(self, state: SessionState, reason: str) -> list[NextStateRecord]:
+        key = (state.namespace, state.session_id)
+        self._sessions.pop(key, None)
+        self._closed_index[key] = state.next_index
+        while len(self._closed_index) > 10 * self.max_sessions:
+            self._closed_index.popitem(last=False)
+        pending, state.pending = state.pending, None
+        if pending is None:
+            return []
+        return [NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
+                                has_next_state=False, messages=None, reason=reason)]
