@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,7 +13,7 @@ from clawrl.config import ConfigError, Settings, apply_offline_env, dump_toml, l
 
 apply_offline_env()
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Online RL for live agent conversations.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Online RL for live agent conversations.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect the effective configuration.")
 app.add_typer(config_app, name="config")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; results go to docs/benchmarks.md.")
@@ -38,6 +39,203 @@ def settings_or_exit(config: Path | None, overrides: dict | None = None) -> Sett
 def config_show(config: ConfigOpt = None) -> None:
     """Print the effective configuration (defaults + --config + CLAWRL__SECTION__KEY env)."""
     typer.echo(dump_toml(settings_or_exit(config)))
+
+
+@app.command("serve")
+def serve(
+    config: ConfigOpt = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default [server] host).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default [server] api_port).")] = None,
+) -> None:
+    """Start the OpenAI-compatible gateway in front of the engine named in [engine]."""
+    import uvicorn
+
+    from clawrl.gateway.routes import create_app
+
+    overrides = {k: v for k, v in {"server.host": host, "server.api_port": port}.items() if v is not None}
+    settings = settings_or_exit(config, overrides)
+    try:
+        app = create_app(settings)
+    except ConfigError as e:
+        err.print(f"config error: {e}", markup=False, style="red")
+        raise typer.Exit(2) from None
+    console.print(f"gateway on http://{settings.server.host}:{settings.server.api_port}/v1 "
+                  f"(engine: {settings.engine.kind}, model: {settings.model.name}, "
+                  f"data: {settings.storage.data_root})", markup=False)
+    uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
+
+
+@app.command("engine")
+def engine(
+    model: Annotated[Optional[str], typer.Option(help="Model name or HF directory (default: model.name).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default: engine.port).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default: server.host).")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0")."""
+    from clawrl.config import resolve_device
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.server import serve_engine
+    from clawrl.models import ModelNotFoundError, resolve_model_dir
+
+    overrides = {k: v for k, v in {"model.name": model, "engine.port": port, "server.host": host}.items()
+                 if v is not None}
+    s = settings_or_exit(config, overrides)
+    device, device_reason = resolve_device(s.model.device)
+    try:
+        model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, seed=s.model.seed)
+    except ModelNotFoundError as e:
+        err.print(f"model error: {e}", markup=False, style="red", soft_wrap=True)
+        raise typer.Exit(2) from None
+    eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
+                         max_context_len=s.engine.max_context_len, weight_version="0",
+                         served_model_name=s.server.served_model_name)
+    console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
+                  f"device: {device} [{device_reason}], dtype: {s.model.dtype})", markup=False, soft_wrap=True)
+    serve_engine(eng, s.server.host, s.engine.port, model_path=str(model_dir),
+                 served_model_name=s.server.served_model_name, max_context_len=s.engine.max_context_len,
+                 max_running_requests=s.engine.max_batch_size, log_level="warning")
+
+
+class SqlFormat(str, Enum):
+    TABLE = "table"
+    CSV = "csv"
+    JSON = "json"
+    PARQUET = "parquet"
+
+
+@app.command("sql")
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
+                                               "turn_fate, batches, checkpoints (storage/catalog.py).")],
+    fmt: Annotated[SqlFormat, typer.Option("--format", "-f", help="parquet needs --out.")] = SqlFormat.TABLE,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Query the recorded data with DuckDB (read-only in intent; data root: storage.data_root)."""
+    import duckdb
+    from rich.table import Table
+    from rich.text import Text
+
+    from storage.catalog import export_table, format_cell, run_query
+
+    if fmt is SqlFormat.PARQUET and out is None:
+        err.print("--format parquet needs --out FILE", markup=False)
+        raise typer.Exit(2)
+    data_root = settings_or_exit(config).storage.data_root
+    try:
+        result = run_query(data_root, query)
+    except duckdb.Error as e:
+        err.print(str(e), markup=False, highlight=False, style="red", soft_wrap=True)
+        raise typer.Exit(2) from None
+    if fmt is not SqlFormat.TABLE:
+        text = export_table(result, fmt.value, out)
+        if text is not None:
+            typer.echo(text, nl=False)
+        return
+    view = Table(caption=f"{result.num_rows} rows")
+    for name in result.column_names:
+        view.add_column(Text(name))
+    for row in result.to_pylist():
+        # Token and log-prob lists are long: cut cells so the table stays readable. Text, not
+        # markup: a "[red]" inside recorded text must print as is.
+        view.add_row(*(Text(_cut(format_cell(v), 80)) for v in row.values()))
+    if out is None:
+        console.print(view)
+    else:
+        with out.open("w") as f:
+            Console(file=f, width=200).print(view)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@bench_app.command("engine")
+def bench_engine(
+    models: Annotated[str, typer.Option(help="Comma-separated model names.")] = "tiny,smollm2-135m",
+    concurrency: Annotated[str, typer.Option(help="Comma-separated engine concurrencies.")] = "1,4,16",
+    hf_batch: Annotated[str, typer.Option(help="Comma-separated HF generate batch sizes ('' = skip).")] = "1,16",
+    new_tokens: Annotated[int, typer.Option(help="Tokens per request (greedy, ignore_eos).")] = 32,
+    out: Annotated[Path, typer.Option(help="Markdown file whose engine section is rewritten.")] = Path("docs/benchmarks.md"),
+    config: ConfigOpt = None,
+) -> None:
+    """Embedded-engine tokens/s at several concurrencies vs HF generate; writes docs/benchmarks.md."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from clawrl.bench.engine import count_bench_runs, format_engine_rows, run_engine_bench, write_engine_results_markdown
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+
+    names = tuple(m.strip() for m in models.split(",") if m.strip())
+    conc, hf = ints(concurrency), ints(hf_batch)
+    s = settings_or_exit(config)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("engine bench", total=count_bench_runs(names, conc, hf))
+        rows = run_engine_bench(names, conc, new_tokens, cache_dir=s.storage.models_dir, hf_batch_sizes=hf,
+                                progress=lambda label: bar.update(task, advance=1, description=label))
+    typer.echo(format_engine_rows(rows))
+    write_engine_results_markdown(rows, out)
+    console.print(f"wrote {out}", markup=False)
+
+
+@app.command("judge")
+def judge(
+    config: ConfigOpt = None,
+    limit: Annotated[Optional[int], typer.Option(help="Most turns to judge (default [prm] batch_limit).")] = None,
+) -> None:
+    """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
+    settings_or_exit(config)
+    from flows.judge import judge_flow
+
+    out = judge_flow(config_path=str(config) if config else None, limit=limit)
+    console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
+    _print_status(out["status"], out["judge_config_hash"])
+
+
+@app.command("status")
+def status(config: ConfigOpt = None) -> None:
+    """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
+    s = settings_or_exit(config)
+    from clawrl.judge.runner import build_judge_config_hash
+    from storage.catalog import open_catalog, pending_counts
+
+    chash = build_judge_config_hash(s)
+    con = open_catalog(s.storage.data_root)
+    try:
+        counts = pending_counts(con, chash, s.ppo.rollout_batch_size)
+        versions = con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()
+    finally:
+        con.close()
+    _print_status(counts, chash, versions[0] if versions else None)
+
+
+def _print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    rows = [
+        ("turns (main / side)", f"{c['turns']} ({c['main_turns']} / {c['side_turns']})"),
+        ("awaiting next state", c["awaiting_next_state"]),
+        ("pending judgment", c["pending_judgment"] + c["pending_no_next_state"]),
+        ("judged", c["judged"]),
+        ("trainable samples waiting", f"{c['trainable']} / rollout_batch_size {c['rollout_batch_size']}"),
+        ("samples consumed by batches", f"{c['consumed']} in {c['batches']} batches"),
+    ]
+    if c["samples_needed"]:
+        rows.append(("next training step needs", f"{c['samples_needed']} more samples"))
+    if latest:
+        rows.append(("latest checkpoint", f"weight_version {latest[0]} (step {latest[1]})"))
+    for k, v in rows:
+        t.add_row(k, str(v))
+    for fate, n in sorted(c["fates"].items()):
+        if fate != "sample":
+            t.add_row(f"  excluded: {fate}", str(n))
+    console.print(t)
 
 
 def main() -> None:  # pragma: no cover - console entry point

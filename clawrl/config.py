@@ -173,13 +173,35 @@ class PRMSettings(_Section):
     backend: Literal["rule", "engine", "sglang", "provider"] = Field(
         "rule",
         description="'rule': deterministic rule-based judge (tests, CPU demo). 'engine': embedded "
-        "engine holding the frozen initial weights. 'sglang': an SGLang server. 'provider': [provider].",
+        "engine holding the frozen initial weights. 'sglang': an SGLang server at prm.url. "
+        "'provider': the external API in [provider].",
     )
+    url: str = Field("", description="SGLang server of the judge model (backend = 'sglang').")
+    temperature: float = Field(0.6, ge=0, description="Judge sampling temperature (votes must differ).")
+    max_new_tokens: int = Field(512, ge=1, description="Judge completion budget (reasoning + boxed score).")
+    budget_chars: int = Field(6000, ge=200, description="Characters of turn + context shown to the judge.")
+    max_in_flight: int = Field(16, ge=1, description="Turns judged concurrently (no global lock).")
+    retries: int = Field(2, ge=0, description="Retries of a failed turn before its fate is judge_error.")
+    retry_delay_s: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
+    batch_limit: int = Field(512, ge=1, description="Most turns one judge flow run takes.")
+
+    @field_validator("url")
+    @classmethod
+    def _strip_url(cls, v: str) -> str:
+        return v.rstrip("/")
 
 
 class OPDSettings(_Section):
     teacher: str = Field(
-        "frozen", description="'frozen' (initial model), 'policy', 'provider', or a local model path."
+        "frozen",
+        description="Who scores the response under the hinted prompt: 'frozen' (the initial model), "
+        "'policy' (the serving engine), a local HF model directory, or an http(s) URL of an SGLang "
+        "server. The teacher must share the policy's tokenizer.",
+    )
+    hint_samples: int = Field(1, ge=1, description="Hint votes per turn.")
+    hint_policy: Literal["longest", "first", "shortest"] = Field("longest", description="Which accepted hint to use.")
+    hint_placement: Literal["append_last_user", "system"] = Field(
+        "append_last_user", description="Where the hint goes in the teacher prompt."
     )
 
 

@@ -153,6 +153,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
+        metrics.requests.labels("400", "unknown", "unknown").inc()
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
@@ -185,7 +186,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             try:
                 resp = await service.complete(body, ctx)
             except GatewayError as e:
-                metrics.requests.labels(str(e.status), "false", body.turn_type or ctx.turn_type or "").inc()
+                turn_type = body.turn_type or ctx.turn_type or settings.server.default_turn_type
+                metrics.requests.labels(str(e.status), "false", turn_type).inc()
                 raise
             metrics.requests.labels("200", "false", resp.turn_type).inc()
             metrics.latency.labels("false").observe(time.perf_counter() - t0)

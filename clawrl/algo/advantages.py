@@ -1,0 +1,99 @@
+"""Per-token advantages for the three methods that share one PPO objective.
+
+    GRPO     A_t = R                                          (judge score, broadcast)
+    OPD      A_t = teacher_lp_t - old_lp_t                    (per token)
+    COMBINE  A_t = w_rl * R + w_opd * (teacher_lp_t - old_lp_t)
+
+Shapes: B samples, T = L-1 next-token positions; per-token tensors are (B, T) aligned with
+``input_ids[:, 1:]`` and zero outside ``mask`` (the response tokens).
+
+Where we depart from textbook GRPO / the reference (OpenClaw-RL):
+  1. No std division by default. Rewards are -1/0/+1 and a group is often 1-3 samples: dividing
+     by the group std turns a 7:1 split into a -2.6 advantage for the odd one out, is undefined
+     for a uniform group, and weights prompts by how (un)certain the policy is (the
+     "question-level difficulty bias" of Dr. GRPO, Liu et al. 2025, arXiv:2503.20783).
+     ``std_normalize=True`` restores it.
+  2. Group-mean subtraction is optional (off by default): live traffic rarely repeats a prompt,
+     and a sample alone in its group would get A = 0. Groups are identical prompt ids.
+  3. The OPD term is masked to zero for samples without a teacher. The reference fills their
+     teacher log-probs with the rollout log-probs, which leaks the rollout-vs-train drift
+     (rollout_lp - old_lp != 0) into their advantage.
+  4. ``old_lp`` is the trainer's log-prob before the step, never the engine's: engine-vs-trainer
+     drift is handled by truncated importance sampling in the loss, not baked into A.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from clawrl.config import Method
+
+
+def normalize_group_rewards(reward: Tensor, group_ids: Tensor, *, std_normalize: bool = False,
+                            eps: float = 1e-6) -> Tensor:
+    """R_i - mean_{j in g(i)} R_j  (optionally / (std_{j in g(i)} R_j + eps)).
+
+    reward: (B,) float; group_ids: (B,) long. Returns (B,). The std is the population std (a
+    group of one has std 0, so its advantage is 0 either way)."""
+    # one-hot sums instead of index_add_/scatter: B is small, and this is deterministic on every device
+    onehot = (group_ids[:, None] == torch.unique(group_ids)[None, :]).to(reward.dtype)  # (B, G)
+    count = onehot.sum(0)  # (G,)
+    mean = (onehot * reward[:, None]).sum(0) / count  # mean_g  (G,)
+    centered = reward - onehot @ mean  # R_i - mean_g(i)  (B,)
+    if not std_normalize:
+        return centered
+    std = ((onehot * centered[:, None] ** 2).sum(0) / count).sqrt()  # population std_g  (G,)
+    return centered / (onehot @ std + eps)  # (R_i - mean_g) / (std_g + eps)  (B,)
+
+
+def compute_grpo_advantages(reward: Tensor, mask: Tensor) -> Tensor:
+    """A_t = R, broadcast over the response tokens.
+
+    reward: (B,); mask: (B, T). Returns (B, T)."""
+    return reward[:, None] * mask  # A_t = R  (B, T)
+
+
+def compute_opd_advantages(teacher_logprobs: Tensor, old_logprobs: Tensor, mask: Tensor,
+                           has_teacher: Tensor) -> Tensor:
+    """A_t = teacher_lp_t - old_lp_t where the sample has a teacher, else 0.
+
+    *_logprobs, mask: (B, T); has_teacher: (B,) bool. Returns (B, T)."""
+    gap = (teacher_logprobs - old_logprobs) * has_teacher[:, None]  # teacher_lp_t - old_lp_t  (B, T)
+    return gap * mask  # (B, T)
+
+
+def compute_combine_advantages(reward: Tensor, teacher_logprobs: Tensor, old_logprobs: Tensor,
+                               mask: Tensor, has_teacher: Tensor, w_rl: float, w_opd: float) -> Tensor:
+    """A_t = w_rl*R + w_opd*(teacher_lp_t - old_lp_t), the OPD term only where has_teacher.
+
+    reward, has_teacher: (B,); *_logprobs, mask: (B, T). Returns (B, T)."""
+    opd = (teacher_logprobs - old_logprobs) * has_teacher[:, None]  # (B, T)
+    return (w_rl * reward[:, None] + w_opd * opd) * mask  # w_rl*R + w_opd*(t_lp - old_lp)  (B, T)
+
+
+_ESTIMATORS: dict[Method, Callable[..., Tensor]] = {
+    Method.GRPO: lambda reward, mask, **_: compute_grpo_advantages(reward, mask),
+    Method.OPD: lambda teacher_logprobs, old_logprobs, mask, has_teacher, **_: compute_opd_advantages(
+        teacher_logprobs, old_logprobs, mask, has_teacher
+    ),
+    Method.COMBINE: compute_combine_advantages,
+}
+
+
+def compute_advantages(method: Method | str, *, reward: Tensor, teacher_logprobs: Tensor,
+                       old_logprobs: Tensor, mask: Tensor, has_teacher: Tensor,
+                       w_rl: float = 1.0, w_opd: float = 1.0) -> Tensor:
+    """Dispatch to the estimator of ``method``; unknown names raise listing the valid ones.
+
+    ``reward`` is taken as given: group normalisation (:func:`normalize_group_rewards`) runs once
+    over the whole batch before micro-batching. Returns (B, T), zero outside ``mask``."""
+    try:
+        estimator = _ESTIMATORS[Method(method)]
+    except ValueError:
+        valid = ", ".join(m.value for m in _ESTIMATORS)
+        raise ValueError(f"unknown advantage method {method!r}; valid: {valid}") from None
+    return estimator(reward=reward, teacher_logprobs=teacher_logprobs, old_logprobs=old_logprobs,
+                     mask=mask, has_teacher=has_teacher, w_rl=w_rl, w_opd=w_opd)

@@ -1,0 +1,194 @@
+"""Engine throughput: the embedded engine at several concurrencies against HF ``generate``.
+
+Every request is greedy with ``ignore_eos`` (HF: ``min_new_tokens``), so each one produces exactly
+``new_tokens`` tokens and tokens/s compares like with like. Prompts are short chat-templated user
+messages. The engine rows keep ``concurrency`` requests in flight (a closed loop over
+``rounds * concurrency`` requests); the HF rows run ``model.generate`` on a static left-padded
+batch. Numbers on a shared machine move with its load, so each row carries the 1-minute load
+average measured around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH_MESSAGES = (
+    "What is the capital of France?", "Give me three tips for sleeping better.", "Explain recursion briefly.",
+    "Write a haiku about autumn.", "How do I reverse a list in Python?", "What causes rain?",
+    "Name two prime numbers above 50.", "Summarise the plot of Hamlet in one line.",
+    "What is 17 times 23?", "Suggest a name for a cat.", "Why is the sky blue?", "Translate 'thank you' into Spanish.",
+    "What does a CPU do?", "List three fruits that are red.", "How far is the Moon?", "Define entropy simply.",
+)
+SECTION_START = "<!-- engine-bench:start -->"
+SECTION_END = "<!-- engine-bench:end -->"
+
+
+def build_bench_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` short chat-templated prompts (the messages cycle when n exceeds them)."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": BENCH_MESSAGES[i % len(BENCH_MESSAGES)]}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(n)]
+
+
+def count_bench_runs(model_names, concurrencies, hf_batch_sizes) -> int:
+    return len(model_names) * (len(concurrencies) + len(hf_batch_sizes))
+
+
+def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
+                     concurrencies: tuple[int, ...] = (1, 4, 16), new_tokens: int = 32, *, cache_dir: Path,
+                     hf_batch_sizes: tuple[int, ...] = (1, 16), rounds: int = 2, max_batch_size: int = 16,
+                     progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One row per (model, system, concurrency): tokens/s of the embedded engine at each
+    concurrency and of HF ``generate`` at each static batch size. ``progress(label)`` is called
+    after each row."""
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.models import load_causal_lm, load_tokenizer, resolve_model_dir
+
+    rows: list[dict[str, Any]] = []
+    for name in model_names:
+        model_dir = resolve_model_dir(name, Path(cache_dir))
+        tok = load_tokenizer(model_dir)
+        prompts = build_bench_prompts(tok, max([*concurrencies, *hf_batch_sizes]) * rounds)
+        engine = EmbeddedEngine(model_dir, max_batch_size=max_batch_size, max_context_len=1024)
+        for c in concurrencies:
+            load_before = os.getloadavg()[0]
+            seconds, tokens, max_batch = asyncio.run(_engine_closed_loop(engine, prompts[: c * rounds], c, new_tokens))
+            rows.append(_row(name, "embedded", c, c * rounds, tokens, seconds, load_before, max_batch=max_batch))
+            if progress:
+                progress(f"{name} embedded c={c}")
+        asyncio.run(engine.close())
+        del engine
+        model = load_causal_lm(model_dir)
+        for b in hf_batch_sizes:
+            load_before = os.getloadavg()[0]
+            seconds, tokens = _hf_generate(model, tok, prompts[: b * rounds], b, new_tokens)
+            rows.append(_row(name, "hf_generate", b, b * rounds, tokens, seconds, load_before))
+            if progress:
+                progress(f"{name} HF generate batch={b}")
+        del model
+    _add_ratios(rows)
+    return rows
+
+
+async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> tuple[float, int, int]:
+    from clawrl.engine.types import GenerateRequest, SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    await engine.start()
+    await engine.generate(GenerateRequest(input_ids=prompts[0], sampling_params=params))  # warm-up
+    engine.reset_stats()  # max_batch_seen of this row only
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(p: list[int]) -> int:
+        async with gate:
+            res = await engine.generate(GenerateRequest(input_ids=p, sampling_params=params))
+            return len(res.output_ids)
+
+    t = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    seconds = time.perf_counter() - t
+    return seconds, sum(counts), engine.stats["max_batch_seen"]
+
+
+@torch.inference_mode()
+def _hf_generate(model, tok, prompts: list[list[int]], batch: int, new_tokens: int) -> tuple[float, int]:
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batches = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+
+    def encode(group):
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        return ids, mask
+
+    def generate(group):
+        ids, mask = encode(group)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - ids.shape[1]) * len(group)
+
+    generate(batches[0][:1])  # warm-up
+    t = time.perf_counter()
+    tokens = sum(generate(g) for g in batches)
+    return time.perf_counter() - t, tokens
+
+
+def _row(model: str, system: str, concurrency: int, requests: int, tokens: int, seconds: float,
+         load_before: float, **extra) -> dict[str, Any]:
+    return dict(model=model, system=system, concurrency=concurrency, requests=requests, tokens=tokens,
+                seconds=round(seconds, 4), tokens_per_s=round(tokens / seconds, 1),
+                load_1m=round(max(load_before, os.getloadavg()[0]), 2), **extra)
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """vs_c1: tokens/s over the engine's concurrency-1 row; vs_hf_b16: over HF generate batch 16."""
+    for r in rows:
+        base = next((x for x in rows if x["model"] == r["model"] and x["system"] == "embedded"
+                     and x["concurrency"] == 1), None)
+        hf16 = next((x for x in rows if x["model"] == r["model"] and x["system"] == "hf_generate"
+                     and x["concurrency"] == 16), None)
+        r["vs_c1"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2) if base and r["system"] == "embedded" else None
+        r["vs_hf_b16"] = round(r["tokens_per_s"] / hf16["tokens_per_s"], 2) if hf16 else None
+
+
+def describe_machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        m = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+        cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    return {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def format_engine_rows(rows: list[dict[str, Any]]) -> str:
+    cols = ["model", "system", "concurrency", "requests", "tokens", "seconds", "tokens_per_s", "vs_c1",
+            "vs_hf_b16", "load_1m"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_engine_results_markdown(rows: list[dict[str, Any]], path: Path,
+                                  machine: dict[str, Any] | None = None) -> None:
+    """Write (or replace) the engine section of ``path``, leaving the rest of the file alone."""
+    m = machine or describe_machine()
+    body = [
+        SECTION_START,
+        "## Embedded engine throughput",
+        "",
+        f"Machine: {m['cores']} cores, {m['cpu']}; torch {m['torch']} ({m['threads']} threads); {m['date']}.",
+        "Greedy, `ignore_eos`, 32 new tokens per request, short chat-templated prompts. `embedded` keeps",
+        "`concurrency` requests in flight; `hf_generate` is `model.generate` on a static left-padded batch.",
+        "`load_1m` is the 1-minute load average around the row (other work on the machine skews numbers).",
+        "",
+        format_engine_rows(rows),
+        "",
+    ]
+    for name in dict.fromkeys(r["model"] for r in rows):
+        c16 = next((r for r in rows if r["model"] == name and r["system"] == "embedded" and r["concurrency"] == 16), None)
+        if c16 and c16.get("vs_c1") is not None and c16.get("vs_hf_b16") is not None:
+            body.append(f"- {name}: 16 concurrent = {c16['vs_c1']}x the engine at 1 (target >= 5) and "
+                        f"{c16['vs_hf_b16']}x HF generate at batch 16 (target >= 0.8).")
+    body += ["", SECTION_END]
+    section = "\n".join(body)
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION_START in text and SECTION_END in text:
+        head, rest = text.split(SECTION_START, 1)
+        text = head + section + rest.split(SECTION_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

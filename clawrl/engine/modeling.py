@@ -1,0 +1,263 @@
+"""A batched forward for the Llama and Qwen3 Hugging Face layouts, with a per-slot KV cache.
+
+The forward reads every weight from the loaded HF model's modules at call time (never a copy), so
+a weight update applied to the HF model is what the next step computes with. The maths follows
+HF transformers 5.24 op for op (``modeling_llama.py`` / ``modeling_qwen3.py``) so fp32 logits
+agree with ``model(input_ids).logits`` to ~1e-5:
+
+* RMSNorm in fp32: ``w * (x * rsqrt(mean(x²) + eps)).to(dtype)``;
+* RoPE, rotate-half convention: ``inv_freq = 1 / theta^(2i/d)``, ``x·cos + rotate_half(x)·sin``;
+* Qwen3 only: RMSNorm over head_dim on q and k (before RoPE);
+* GQA attention through ``scaled_dot_product_attention(enable_gqa=True)``, scale 1/sqrt(head_dim);
+* SwiGLU MLP ``down(silu(gate(x)) * up(x))``; LM head tied or untied.
+
+Two entry points share the layer code:
+
+* :meth:`CausalLMRunner.prefill` runs N prompts (right-padded into one causal batch: a padded
+  position is only ever *after* the real ones, so plain causal masking keeps real queries off
+  the padding) and writes their K/V into cache rows ``rows``;
+* :meth:`CausalLMRunner.decode` feeds one token to each of the first B cache rows, each at its own
+  position, attending over its own cached length through a key mask.
+
+The cache (:class:`KVCache`) is one ``(rows, kv_heads, capacity, head_dim)`` buffer per layer and
+per K/V. Active sequences occupy rows ``0..B-1`` (the engine moves the last row into a freed one),
+so decode reads plain slices, never a gather. Capacity grows by doubling, up to the context limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k
+
+
+def build_model_spec(config) -> ModelSpec:
+    """The shape facts of an HF Llama/Qwen3 config; raises ValueError for anything else."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; only 'default'")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+    if model_type == "qwen3" and getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelSpec(
+        model_type=model_type,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=float(config.rms_norm_eps),
+        rope_theta=float(rope["rope_theta"]),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm: statistics in fp32, scaled back in the input dtype."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def build_rope_tables(head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
+                      device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (max_positions, head_dim), each row computed exactly as HF computes it
+    for that position (``pos.float() * inv_freq``, duplicated halves), so a table lookup equals
+    HF's on-the-fly value bit for bit."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+
+
+class KVCache:
+    """Per-layer K and V buffers of shape (rows, kv_heads, capacity, head_dim).
+
+    ``rows`` is fixed (the engine's max batch size); ``capacity`` grows by doubling when a
+    sequence needs more room and is released by :meth:`reset` when the engine goes idle."""
+
+    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        self.spec, self.rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
+        self.capacity = 0
+
+    @torch.inference_mode()
+    def ensure_capacity(self, length: int) -> None:
+        """Make room for ``length`` positions in every row, keeping what is already cached."""
+        if length <= self.capacity:
+            return
+        if length > self.max_len:
+            raise ValueError(f"KV length {length} exceeds the context limit {self.max_len}")
+        new_cap = min(self.max_len, max(length, 2 * self.capacity, 64))
+        shape = (self.rows, self.spec.num_kv_heads, new_cap, self.spec.head_dim)
+        old_k, old_v, old_cap = self.k, self.v, self.capacity
+        # zeros, not empty: a masked key still enters the attention matmul with weight exactly 0,
+        # and 0 * NaN (uninitialised memory) would poison the row
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        for new, old in zip(self.k + self.v, old_k + old_v):
+            new[:, :, :old_cap].copy_(old)
+        self.capacity = new_cap
+
+    @torch.inference_mode()
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached positions of row ``src`` into row ``dst``."""
+        if src == dst or length == 0:
+            return
+        for buf in self.k + self.v:
+            buf[dst, :, :length].copy_(buf[src, :, :length])
+
+    def reset(self) -> None:
+        """Drop every buffer (the next sequence allocates afresh)."""
+        self.k, self.v, self.capacity = [], [], 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class CausalLMRunner:
+    """Prefill and decode over a KV cache for an HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``."""
+
+    def __init__(self, hf_model, max_positions: int):
+        self.hf = hf_model
+        self.spec = build_model_spec(hf_model.config)
+        param = next(hf_model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.max_positions = max_positions
+        self.cos, self.sin = build_rope_tables(self.spec.head_dim, self.spec.rope_theta, max_positions,
+                                               self.dtype, self.device)
+        self._layers = list(hf_model.model.layers)
+        if len(self._layers) != self.spec.num_layers:
+            raise ValueError(f"config says {self.spec.num_layers} layers, model has {len(self._layers)}")
+
+    def new_cache(self, rows: int) -> KVCache:
+        return KVCache(self.spec, rows, self.max_positions, self.dtype, self.device)
+
+    # ---------------------------------------------------------------------------------------
+    # entry points
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], rows: list[int], cache: KVCache,
+                keep_from: list[int]) -> list[Tensor]:
+        """Run ``prompts`` causally from position 0, writing K/V into cache ``rows``.
+
+        Returns, per prompt i, the final-norm hidden states (len_i - keep_from[i], hidden) of
+        positions ``keep_from[i] .. len_i - 1``; :meth:`lm_head` turns them into logits (the
+        caller decides how many positions at a time, which bounds the logits' memory)."""
+        lengths = [len(p) for p in prompts]
+        n, width = len(prompts), max(lengths)
+        cache.ensure_capacity(width)
+        ids = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        row_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]  # (1, 1, L, hd)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache.k[layer][row_idx, :, :width] = k
+            cache.v[layer][row_idx, :, :width] = v
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        hidden = self._forward(ids, cos, sin, attend)  # (n, L, D)
+        return [hidden[i, start:length] for i, (start, length) in enumerate(zip(keep_from, lengths))]
+
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """One step for cache rows ``0..B-1``: ``tokens[b]`` sits at ``positions[b]`` and attends
+        to that row's cached positions ``0..positions[b]``. Returns fp32 logits (B, vocab)."""
+        b = tokens.shape[0]
+        span = int(positions.max()) + 1
+        cache.ensure_capacity(span)
+        positions = positions.to(self.device)
+        rows = torch.arange(b, device=self.device)
+        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, hd)
+        # key j of row b is visible iff j <= positions[b]: the row's own history plus this token
+        mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = cache.k[layer], cache.v[layer]
+            kc[rows, :, positions] = k[:, :, 0]
+            vc[rows, :, positions] = v[:, :, 0]
+            return F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask,
+                                                  enable_gqa=True)
+
+        hidden = self._forward(tokens[:, None].to(self.device), cos, sin, attend)  # (B, 1, D)
+        return self.lm_head(hidden[:, 0])
+
+    @torch.inference_mode()
+    def forward_full(self, input_ids: Tensor) -> Tensor:
+        """Plain causal forward without a cache: (N, L) ids -> fp32 logits (N, L, vocab)."""
+        width = input_ids.shape[1]
+        cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        hidden = self._forward(input_ids.to(self.device), cos, sin, attend)
+        return self.lm_head(hidden)
+
+    # ---------------------------------------------------------------------------------------
+    # the layers
+
+    def _forward(self, ids: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+        spec, eps = self.spec, self.spec.rms_norm_eps
+        n, length = ids.shape
+        h = F.embedding(ids, self.hf.model.embed_tokens.weight)  # (N, L, D)
+        for i, layer in enumerate(self._layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = rms_norm(h, layer.input_layernorm.weight, eps)
+            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, length, spec.num_heads, spec.head_dim)
+            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, length, spec.num_kv_heads, spec.head_dim)
+            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, length, spec.num_kv_heads, spec.head_dim)
+            if spec.qk_norm:
+                q = rms_norm(q, attn.q_norm.weight, eps)
+                k = rms_norm(k, attn.k_norm.weight, eps)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, heads, L, hd)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = attend(i, q, k, v).transpose(1, 2).reshape(n, length, spec.num_heads * spec.head_dim)
+            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+            x = rms_norm(h, layer.post_attention_layernorm.weight, eps)
+            gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+            h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return rms_norm(h, self.hf.model.norm.weight, eps)
+
+    @torch.inference_mode()
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """Final-norm hidden states (..., hidden) -> fp32 logits (..., vocab)."""
+        head = self.hf.lm_head
+        return F.linear(hidden, head.weight, head.bias).float()

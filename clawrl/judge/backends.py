@@ -1,0 +1,210 @@
+"""Where judge votes come from: one small protocol and three implementations.
+
+* :class:`EngineJudge` - a model behind the :class:`~clawrl.engine.types.Engine` protocol (the
+  embedded torch engine, or an SGLang server through ``SGLangClient``). It must be the FROZEN
+  initial model, never the synced policy: a judge that learns together with the policy can be
+  gamed by it (the policy drifts toward whatever the judge has drifted to like, and the reward
+  stops measuring the user's satisfaction). The reference keeps its PRM out of weight sync for the
+  same reason (ref/openclaw-rl.md §3.1).
+* :class:`ProviderJudge` - an external OpenAI-compatible chat-completions API.
+* :class:`RuleJudge` - deterministic keyword rules, named as such, for tests and the CPU demo.
+
+Every backend issues its n completions concurrently and returns one entry per completion: the text,
+or the exception that completion raised. A failed completion is a failed vote, not a failed turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any, Protocol, runtime_checkable
+
+import httpx
+
+from clawrl.engine.types import Engine, GenerateRequest, SamplingParams
+from clawrl.judge.parse import HINT_END, HINT_START
+from clawrl.judge.prompts import prompt_kind, read_next_state
+
+
+class JudgeBackendError(RuntimeError):
+    """One judge completion failed (HTTP error, timeout, malformed reply)."""
+
+
+@runtime_checkable
+class JudgeBackend(Protocol):
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
+                       max_tokens: int) -> list[str | Exception]:
+        """``n`` independent completions of ``messages``, issued concurrently; a failed one is
+        returned as its exception (never raised)."""
+        ...
+
+
+async def _gather_votes(coros: list) -> list[str | Exception]:
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    out: list[str | Exception] = []
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r  # cancellation and KeyboardInterrupt are not failed votes
+        out.append(r)
+    return out
+
+
+# ------------------------------------------------------------------------------ engine
+class EngineJudge:
+    """Votes sampled from an engine holding the frozen judge model (see the module docstring).
+
+    Messages are rendered with ``tokenizer``'s chat template (generation prompt added); vote i is
+    sampled with ``sampling_seed = seed + i``, so votes differ from each other while a rerun of
+    the same prompt reproduces them."""
+
+    def __init__(self, engine: Engine, tokenizer, *, seed: int = 0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.seed = seed
+
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
+                       max_tokens: int) -> list[str | Exception]:
+        try:
+            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+        except Exception as e:  # noqa: BLE001 - a template failure fails every vote alike
+            return [e] * n
+
+        async def one(i: int) -> str:
+            sp = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, sampling_seed=self.seed + i)
+            result = await self.engine.generate(GenerateRequest(input_ids=ids, sampling_params=sp))
+            return result.text
+
+        return await _gather_votes([one(i) for i in range(n)])
+
+
+# ---------------------------------------------------------------------------- provider
+class ProviderJudge:
+    """Votes from an external OpenAI-compatible API: ``POST {base_url}/chat/completions``.
+
+    n separate requests run concurrently (providers differ in whether they honour ``n``). One
+    ``httpx.AsyncClient`` is opened per :meth:`complete` call, so an instance is not tied to an
+    event loop. Errors come back as :class:`JudgeBackendError` naming the URL, the status and the
+    provider's message."""
+
+    def __init__(self, base_url: str, api_key: str | None, model: str, timeout_s: float = 60.0):
+        if not base_url:
+            raise ValueError("ProviderJudge needs a base_url")
+        self.url = base_url.rstrip("/") + "/chat/completions"  # with or without a trailing slash
+        self.api_key = api_key
+        self.model = model
+        self.timeout_s = timeout_s
+
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
+                       max_tokens: int) -> list[str | Exception]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        body = {"model": self.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
+            return await _gather_votes([self._one(client, body) for _ in range(n)])
+
+    async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+        try:
+            resp = await client.post(self.url, json=body)
+        except httpx.TimeoutException:
+            raise JudgeBackendError(f"provider {self.url} timed out after {self.timeout_s:g} s") from None
+        except httpx.HTTPError as e:
+            raise JudgeBackendError(f"provider {self.url} unreachable: {e!r}") from None
+        if resp.status_code != 200:
+            raise JudgeBackendError(f"provider {self.url} answered HTTP {resp.status_code}: {_error_message(resp)}")
+        try:
+            content = resp.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise JudgeBackendError(f"provider {self.url} sent a malformed reply: {resp.text[:200]!r}") from None
+        if not isinstance(content, str):
+            raise JudgeBackendError(f"provider {self.url} sent no message content: {resp.text[:200]!r}")
+        return content
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()[:200] or "(empty body)"
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    if isinstance(err, str):
+        return err
+    return resp.text.strip()[:200]
+
+
+# -------------------------------------------------------------------------------- rules
+_TOOL_ERROR = re.compile(
+    r"\b(error|errors|exception|traceback|failed|failure|not found|no such file|permission denied|"
+    r"timed out|invalid)\b", re.IGNORECASE)
+_LEAD_IN = re.compile(  # one rejecting or filler phrase at the start of a message, with its punctuation
+    r"^\s*(?:"
+    r"(?:no|nope|actually|hmm|ok|okay|thanks|thank you|but|sorry)\b[\s,.!:;\u2014-]*"
+    r"|(?:wrong|incorrect)\s*[,.!:;\u2014-]+\s*"  # "wrong, ..." is a lead-in; "wrong city" is the content
+    r"|that(?:'s| is) (?:not (?:what i (?:asked|wanted|meant)(?: for)?|right|correct|it)|wrong|incorrect)\b"
+    r"[\s,.!:;\u2014-]*)", re.IGNORECASE)
+_CORRECTION = re.compile(
+    r"(^\s*(no|nope|actually)\b|\bwrong\b|\bincorrect\b|not what i (asked|wanted|meant)|\bredo\b|"
+    r"\btry again\b|\bshorter\b|\blonger\b|\bin lowercase\b|\bin uppercase\b|\bplease use\b|"
+    r"\bi said\b|\bi meant\b)", re.IGNORECASE)
+_PRAISE = re.compile(r"\b(thanks|thank you|great|perfect|next question|moving on|well done)\b", re.IGNORECASE)
+_RETRY_ONLY = re.compile(r"^(please\s+)?(redo( it)?|try again|again)(\s+please)?$", re.IGNORECASE)
+
+
+def correction_to_hint(text: str) -> str | None:
+    """A user correction rewritten as an instruction: rejecting lead-ins stripped ("no, shorter
+    please" -> "shorter please"); None when nothing instructive is left ("no, try again")."""
+    rest = text.strip()
+    while (m := _LEAD_IN.match(rest)) is not None:
+        rest = rest[m.end():]
+    rest = rest.strip().strip(".!").strip()
+    if not rest or _RETRY_ONLY.match(rest):
+        return None
+    return rest
+
+
+def judge_by_rules(next_state: list[tuple[str, str]]) -> tuple[int, str, str | None]:
+    """(score, rule, hint) from role-labelled next-state messages; first matching rule wins:
+
+    1. a tool result reporting an error -> -1 ``tool_error``
+    2. a user message correcting or rejecting the turn -> -1 ``user_correction`` (hint: the
+       correction as an instruction, when it carries one)
+    3. a user message thanking or explicitly moving on -> +1 ``user_praise``
+    4. a tool result without error words -> +1 ``tool_success``: the call ran and returned
+       something, which is what the PRM prompt counts as progress
+    5. otherwise 0 ``no_signal``
+    """
+    tools = [t for label, t in next_state if label == "[tool result]"]
+    users = [t for label, t in next_state if label == "[user]"]
+    if any(_TOOL_ERROR.search(t) for t in tools):
+        return -1, "tool_error", None
+    for t in users:
+        if _CORRECTION.search(t):
+            return -1, "user_correction", correction_to_hint(t)
+    if any(_PRAISE.search(t) for t in users):
+        return 1, "user_praise", None
+    if tools:
+        return 1, "tool_success", None
+    return 0, "no_signal", None
+
+
+class RuleJudge:
+    """Deterministic rule-based judge (not a model): reads the next-state section of the same
+    prompts a model judge gets and answers in the same text format, so its replies take the same
+    parse -> vote path. All n votes are identical."""
+
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
+                       max_tokens: int) -> list[str | Exception]:
+        try:
+            kind = prompt_kind(messages)
+            score, rule, hint = judge_by_rules(read_next_state(messages))
+        except ValueError as e:
+            return [e] * n
+        if kind == "prm":
+            text = f"Rule judge (deterministic): the next state matches rule '{rule}'.\n\\boxed{{{score}}}"
+        elif hint is not None:
+            text = (f"Rule judge (deterministic): the user's correction says what the turn should have done.\n"
+                    f"\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}")
+        else:
+            text = f"Rule judge (deterministic): no instructive correction (rule '{rule}').\n\\boxed{{-1}}"
+        return [text] * n

@@ -1,0 +1,208 @@
+"""Judge one turn: PRM votes and hint votes (concurrently), teacher log-probs, the sample, its fate.
+
+Every turn that reaches this function leaves with exactly one :class:`~clawrl.samples.FateRecord`
+(nothing is dropped silently) and, when the judge ran, a :class:`~clawrl.samples.JudgeVerdict`
+holding every raw judge output. Which turns make samples:
+
+| method  | judge calls    | sample when          | reward          | teacher log-probs | else (fate) |
+|---------|----------------|----------------------|-----------------|-------------------|-------------|
+| grpo    | m PRM votes    | score = ±1           | score           | none              | score_zero  |
+| opd     | m PRM + h hint | a usable hint        | 0.0             | prompt + hint     | no_hint     |
+| combine | m PRM + h hint | score = ±1 or a hint | score (±1 or 0) | only with a hint  | score_zero  |
+
+opd is ``Method.OPD`` (``on_policy_distillation``). Masks: the response mask is all ones over
+``output_ids`` for every sample (the trainer masks the prompt); ``has_teacher`` tells the loss
+whether the OPD term applies, so a combine RL-only sample carries no pseudo-teacher term
+(ref/openclaw-rl.md §10.8). OPD runs the PRM votes too: their score is no reward there, but it is
+the progress metric a user watches.
+
+For every method: a side turn -> ``side_turn`` and a turn without a next state ->
+``no_next_state`` (the caller passes these too; the judge is not called); a judge stage whose
+every vote failed (backend errors, after the caller's retries) or a failed teacher call ->
+``judge_error``, with the error text and all raw outputs in the verdict. A stage where only some
+votes failed goes on with the votes that did not.
+
+The teacher is checked against the turn before it is trusted: rendering the turn's own messages
+with ``teacher_tokenizer`` must give back the turn's ``prompt_ids`` exactly, otherwise the teacher
+would score other tokens than the policy sampled (different tokenizer or template).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from clawrl.config import Method
+from clawrl.engine.types import BadRequestError, Engine, EngineError
+from clawrl.judge.backends import JudgeBackend
+from clawrl.judge.context import build_judge_context
+from clawrl.judge.parse import parse_hint, parse_score
+from clawrl.judge.prompts import PROMPTS_VERSION, build_hint_messages, build_prm_messages
+from clawrl.judge.teacher import TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs
+from clawrl.judge.voting import majority_vote, select_hint
+from clawrl.samples import Fate, FateRecord, JudgeVerdict, NextStateRecord, SampleRecord, TurnRecord, TurnType
+
+ERROR_PREFIX = "[judge error] "  # how a failed vote appears among the raw outputs
+
+
+@dataclass
+class JudgeOutcome:
+    verdict: JudgeVerdict | None  # None when the judge was not called (side turn, no next state)
+    sample: SampleRecord | None
+    fate: FateRecord
+
+    @property
+    def failed(self) -> bool:
+        """The judge or teacher failed: the caller may retry the turn."""
+        return self.fate.fate == Fate.JUDGE_ERROR.value
+
+
+def judge_config_hash(*, backend: str, model: str, method: Method | str, judge_samples: int, hint_samples: int,
+                      temperature: float, max_tokens: int, budget_chars: int, hint_policy: str,
+                      hint_placement: str, teacher: str = "", prompts_version: str = PROMPTS_VERSION) -> str:
+    """A short stable hash of everything that changes what the judge decides; samples and verdicts
+    are keyed by it, so a new configuration judges turns afresh and a rerun of the same one
+    overwrites."""
+    values = {
+        "backend": backend, "model": model, "method": Method(method).value, "judge_samples": judge_samples,
+        "hint_samples": hint_samples, "temperature": float(temperature), "max_tokens": max_tokens,
+        "budget_chars": budget_chars, "hint_policy": hint_policy, "hint_placement": hint_placement,
+        "teacher": teacher, "prompts_version": prompts_version,
+    }
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_sample_id(turn_id: str, config_hash: str) -> str:
+    """Deterministic: one turn judged under one configuration is one sample, however often rerun."""
+    return hashlib.sha256(f"{turn_id}\x00{config_hash}".encode()).hexdigest()[:24]
+
+
+def _raw(r: str | Exception) -> str:
+    return r if isinstance(r, str) else f"{ERROR_PREFIX}{type(r).__name__}: {r}"
+
+
+async def _complete(judge: JudgeBackend, messages: list[dict[str, Any]], n: int, temperature: float,
+                    max_tokens: int) -> list[str | Exception]:
+    try:
+        out = await judge.complete(messages, n=n, temperature=temperature, max_tokens=max_tokens)
+    except Exception as e:  # noqa: BLE001 - a backend that raises despite the contract fails all its votes
+        return [e] * n
+    if len(out) != n:
+        return [RuntimeError(f"judge backend returned {len(out)} completions, asked for {n}")] * n
+    return out
+
+
+def _stage_error(name: str, raw: list[str | Exception]) -> str | None:
+    if raw and all(isinstance(r, Exception) for r in raw):
+        kinds = sorted({_raw(r) for r in raw})
+        return f"{name}: all {len(raw)} votes failed: " + " | ".join(kinds)
+    return None
+
+
+def _teacher_prompt_ids(turn: TurnRecord, tokenizer, hint: str, placement: str) -> list[int]:
+    messages = json.loads(turn.request_messages)
+    tools = json.loads(turn.request_tools) if turn.request_tools else None
+    # TurnRecord does not keep tool_choice; it only changes the rendering when tools are present.
+    for tool_choice in ([None, "none", "required"] if tools else [None]):
+        plain = build_teacher_prompt_ids(tokenizer, messages, tools, None, placement, tool_choice=tool_choice)
+        if plain == turn.prompt_ids:
+            return build_teacher_prompt_ids(tokenizer, messages, tools, hint, placement, tool_choice=tool_choice)
+    raise TeacherAlignmentError(
+        "the teacher tokenizer does not reproduce the turn's prompt ids from its messages (different tokenizer "
+        "or chat template); its log-probs would describe other tokens than the policy sampled")
+
+
+async def judge_turn(
+    turn: TurnRecord,
+    next_state: NextStateRecord | None,
+    *,
+    judge: JudgeBackend,
+    method: Method | str,
+    judge_samples: int,
+    hint_samples: int,
+    temperature: float,
+    max_tokens: int,
+    budget_chars: int,
+    hint_policy: str,
+    teacher: Engine | None,
+    teacher_tokenizer,
+    hint_placement: str,
+    judge_config_hash: str,
+    judge_backend_name: str,
+) -> JudgeOutcome:
+    """Judge ``turn`` given its ``next_state`` under one configuration (module docstring)."""
+    method = Method(method)
+    needs_hint = method in (Method.OPD, Method.COMBINE)
+
+    def fate(kind: Fate, detail: str) -> FateRecord:
+        return FateRecord(turn.turn_id, turn.session_id, judge_config_hash, kind.value, detail)
+
+    if turn.turn_type != TurnType.MAIN.value:
+        return JudgeOutcome(None, None, fate(Fate.SIDE_TURN, f"turn type {turn.turn_type!r} is never trained on"))
+    if next_state is None or not next_state.has_next_state:
+        reason = "no next state recorded" if next_state is None else next_state.reason
+        return JudgeOutcome(None, None, fate(Fate.NO_NEXT_STATE, reason))
+    if len(turn.rollout_logprobs) != len(turn.output_ids):
+        raise ValueError(f"turn {turn.turn_id}: {len(turn.rollout_logprobs)} rollout log-probs for "
+                         f"{len(turn.output_ids)} output ids")
+    if judge_samples < 1 or (needs_hint and hint_samples < 1):
+        raise ValueError(f"{method.value} needs judge_samples >= 1"
+                         + (" and hint_samples >= 1" if needs_hint else "")
+                         + f", got {judge_samples} and {hint_samples}")
+    if needs_hint and (teacher is None or teacher_tokenizer is None):
+        raise ValueError(f"{method.value} needs a teacher engine and its tokenizer")
+
+    ctx = build_judge_context(turn, next_state)
+    prm_call = _complete(judge, build_prm_messages(ctx, budget_chars), judge_samples, temperature, max_tokens)
+    if needs_hint:  # both prompts in flight together: no lock, no waiting on each other
+        hint_call = _complete(judge, build_hint_messages(ctx, budget_chars), hint_samples, temperature, max_tokens)
+        prm_raw, hint_raw = await asyncio.gather(prm_call, hint_call)
+    else:
+        prm_raw, hint_raw = await prm_call, None
+
+    votes = [parse_score(r) if isinstance(r, str) else None for r in prm_raw]
+    score, reason = majority_vote(votes)
+    hint = None
+    if hint_raw is not None:
+        parsed = [parse_hint(r) if isinstance(r, str) else (None, None) for r in hint_raw]
+        hint = select_hint([h for accepted, h in parsed if accepted], hint_policy)
+    stage_errors = [_stage_error("prm", prm_raw)] + ([_stage_error("hint", hint_raw)] if hint_raw is not None else [])
+    errors = [e for e in stage_errors if e]
+    verdict = JudgeVerdict(
+        turn_id=turn.turn_id, judge_config_hash=judge_config_hash, judge_backend=judge_backend_name,
+        score=score, score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in prm_raw]),
+        hint=hint, hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
+        error="; ".join(errors) or None,
+    )
+    if errors:
+        return JudgeOutcome(verdict, None, fate(Fate.JUDGE_ERROR, verdict.error))
+
+    use_teacher = needs_hint and hint is not None
+    makes_sample = {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}[method]
+    if not makes_sample:
+        if method == Method.OPD:
+            return JudgeOutcome(verdict, None, fate(Fate.NO_HINT, f"no usable hint among {hint_samples} votes"))
+        return JudgeOutcome(verdict, None, fate(Fate.SCORE_ZERO, f"score 0 ({reason}; votes {votes})"))
+
+    teacher_logprobs = None
+    if use_teacher:
+        try:
+            prompt_ids = _teacher_prompt_ids(turn, teacher_tokenizer, hint, hint_placement)
+            teacher_logprobs = await compute_teacher_logprobs(teacher, prompt_ids, turn.output_ids)
+        except (TeacherAlignmentError, EngineError, BadRequestError) as e:
+            verdict.error = f"teacher: {type(e).__name__}: {e}"
+            return JudgeOutcome(verdict, None, fate(Fate.JUDGE_ERROR, verdict.error))
+
+    reward = 0.0 if method == Method.OPD else float(score)
+    sample = SampleRecord(
+        sample_id=make_sample_id(turn.turn_id, judge_config_hash), turn_id=turn.turn_id,
+        session_id=turn.session_id, judge_config_hash=judge_config_hash, method=method.value,
+        prompt_ids=list(turn.prompt_ids), output_ids=list(turn.output_ids),
+        rollout_logprobs=list(turn.rollout_logprobs), reward=reward, has_teacher=use_teacher,
+        teacher_logprobs=teacher_logprobs, weight_version=turn.weight_version,
+    )
+    detail = f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}"
+    return JudgeOutcome(verdict, sample, fate(Fate.SAMPLE, detail))

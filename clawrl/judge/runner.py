@@ -1,0 +1,216 @@
+"""What the judge flow calls: build the judge once per process, judge one stored turn, list its records.
+
+:func:`build_judge` is the entry-point factory (it reads Settings); everything below it takes plain
+values. The frozen judge/teacher engine is created once per process and registered in
+:mod:`clawrl.runtime`, so repeated flow runs in one process do not reload the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from clawrl import runtime
+from clawrl.config import Method, Settings, read_secret, resolve_device
+from clawrl.engine.types import Engine
+from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
+from clawrl.judge.pipeline import JudgeOutcome, judge_config_hash, judge_turn
+from clawrl.samples import NextStateRecord, TurnRecord
+
+FROZEN_ENGINE = "frozen-engine"  # runtime registry name of the frozen initial model
+POLICY_ENGINE = "policy-engine"  # runtime registry name of the serving engine, when in-process
+
+
+@dataclass
+class Judge:
+    """Everything needed to judge turns under one configuration (plain values + live backends)."""
+
+    backend: JudgeBackend
+    backend_name: str
+    teacher: Engine | None
+    teacher_tokenizer: Any
+    method: Method
+    judge_samples: int
+    hint_samples: int
+    temperature: float
+    max_tokens: int
+    budget_chars: int
+    hint_policy: str
+    hint_placement: str
+    config_hash: str
+
+    async def judge(self, turn: TurnRecord, next_state: NextStateRecord | None) -> JudgeOutcome:
+        return await judge_turn(
+            turn, next_state, judge=self.backend, method=self.method, judge_samples=self.judge_samples,
+            hint_samples=self.hint_samples, temperature=self.temperature, max_tokens=self.max_tokens,
+            budget_chars=self.budget_chars, hint_policy=self.hint_policy, teacher=self.teacher,
+            teacher_tokenizer=self.teacher_tokenizer, hint_placement=self.hint_placement,
+            judge_config_hash=self.config_hash, judge_backend_name=self.backend_name,
+        )
+
+
+def frozen_engine(settings: Settings):
+    """The embedded engine holding the *initial* weights (never synced), one per process."""
+
+    def make():
+        from clawrl.engine.embedded import EmbeddedEngine
+        from clawrl.models import resolve_model_dir
+
+        model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
+        device, _ = resolve_device(settings.model.device)
+        return EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
+                              max_batch_size=settings.engine.max_batch_size,
+                              max_context_len=settings.engine.max_context_len, weight_version="frozen",
+                              served_model_name="clawrl-frozen")
+
+    return runtime.get_or_create(FROZEN_ENGINE, make)
+
+
+def _judge_model_id(settings: Settings) -> str:
+    prm = settings.prm
+    return {
+        "rule": "rules",
+        "engine": f"frozen:{settings.model.name}",
+        "sglang": prm.url,
+        "provider": f"{settings.provider.base_url}#{settings.provider.model}",
+    }[prm.backend]
+
+
+def _teacher_id(settings: Settings) -> str:
+    name = settings.opd.teacher
+    if name == "frozen":
+        return f"frozen:{settings.model.name}"
+    if name == "policy" or name.startswith(("http://", "https://")):
+        return name
+    return f"local:{name}"
+
+
+def build_judge_config_hash(settings: Settings) -> str:
+    """The judge-config hash of these settings, without loading any model (``clawrl status``)."""
+    prm, opd = settings.prm, settings.opd
+    method = Method(settings.ppo.advantage_estimator)
+    return judge_config_hash(
+        backend=prm.backend, model=_judge_model_id(settings), method=method, judge_samples=prm.judge_samples,
+        hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
+        budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
+        teacher=_teacher_id(settings) if method in (Method.OPD, Method.COMBINE) else "",
+    )
+
+
+def _teacher(settings: Settings) -> tuple[Engine, Any]:
+    """(engine, tokenizer) of the OPD teacher named by ``opd.teacher``."""
+    from clawrl.models import load_tokenizer, resolve_model_dir
+
+    name = settings.opd.teacher
+    policy_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
+    if name == "frozen":
+        eng = frozen_engine(settings)
+        return eng, eng.tokenizer
+    if name == "policy":
+        eng = runtime.lookup(POLICY_ENGINE)
+        if eng is None:
+            if settings.engine.kind != "http":
+                raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
+                                   "engine.kind = 'http'")
+            from clawrl.engine.sglang_client import SGLangClient
+
+            eng = SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s)
+        return eng, load_tokenizer(policy_dir)
+    if name.startswith(("http://", "https://")):
+        from clawrl.engine.sglang_client import SGLangClient
+
+        return SGLangClient(name, timeout_s=settings.engine.request_timeout_s), load_tokenizer(policy_dir)
+
+    def make():
+        from clawrl.engine.embedded import EmbeddedEngine
+
+        device, _ = resolve_device(settings.model.device)
+        return EmbeddedEngine(resolve_model_dir(name, settings.storage.models_dir), dtype=settings.model.dtype,
+                              device=device, max_batch_size=settings.engine.max_batch_size,
+                              max_context_len=settings.engine.max_context_len, weight_version="teacher")
+
+    eng = runtime.get_or_create(f"teacher:{name}", make)
+    return eng, eng.tokenizer
+
+
+def build_judge(settings: Settings) -> Judge:
+    prm, opd = settings.prm, settings.opd
+    method = Method(settings.ppo.advantage_estimator)
+    if prm.backend == "rule":
+        backend: JudgeBackend = RuleJudge()
+    elif prm.backend == "engine":
+        eng = frozen_engine(settings)
+        backend = EngineJudge(eng, eng.tokenizer, seed=settings.model.seed)
+    elif prm.backend == "sglang":
+        if not prm.url:
+            raise ValueError("prm.backend = 'sglang' needs prm.url")
+        from clawrl.engine.sglang_client import SGLangClient
+        from clawrl.models import load_tokenizer, resolve_model_dir
+
+        tok = load_tokenizer(resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed))
+        backend = EngineJudge(SGLangClient(prm.url, timeout_s=settings.engine.request_timeout_s), tok,
+                              seed=settings.model.seed)
+    else:  # provider
+        if not settings.provider.base_url:
+            raise ValueError("prm.backend = 'provider' needs provider.base_url")
+        backend = ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
+                                settings.provider.model, timeout_s=settings.engine.request_timeout_s)
+    teacher = teacher_tok = None
+    if method in (Method.OPD, Method.COMBINE):
+        teacher, teacher_tok = _teacher(settings)
+    return Judge(backend=backend, backend_name=prm.backend, teacher=teacher, teacher_tokenizer=teacher_tok,
+                 method=method, judge_samples=prm.judge_samples, hint_samples=opd.hint_samples,
+                 temperature=prm.temperature, max_tokens=prm.max_new_tokens, budget_chars=prm.budget_chars,
+                 hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
+                 config_hash=build_judge_config_hash(settings))
+
+
+# ------------------------------------------------------------------------------ rows <-> records
+
+_TURN_FIELDS = [f.name for f in fields(TurnRecord)]
+
+
+def turn_from_row(row: dict[str, Any]) -> TurnRecord:
+    return TurnRecord(**{k: row[k] for k in _TURN_FIELDS})
+
+
+def next_state_from_row(row: dict[str, Any]) -> NextStateRecord | None:
+    if row.get("next_reason") is None:
+        return None
+    return NextStateRecord(row["turn_id"], row["session_id"], row["turn_index"],
+                           has_next_state=bool(row.get("next_has_state", True)),
+                           messages=row.get("next_messages"), reason=row["next_reason"],
+                           created_at=row["next_state_at"])
+
+
+def outcome_records(outcome: JudgeOutcome) -> list[Any]:
+    """Records to append, the fate LAST: a turn counts as judged once its fate is stored, so a
+    crash before that re-judges it and the deterministic sample id overwrites any earlier sample."""
+    out: list[Any] = [r for r in (outcome.verdict, outcome.sample) if r is not None]
+    out.append(outcome.fate)
+    return out
+
+
+def failure_records(turn: TurnRecord, judge: Judge, error: str) -> list[Any]:
+    """Verdict + fate for a turn whose every judge attempt raised."""
+    from clawrl.samples import Fate, FateRecord, JudgeVerdict
+
+    verdict = JudgeVerdict(turn_id=turn.turn_id, judge_config_hash=judge.config_hash,
+                           judge_backend=judge.backend_name, score=0, score_reason="all_failed", votes=[],
+                           raw_outputs="[]", error=error)
+    fate = FateRecord(turn.turn_id, turn.session_id, judge.config_hash, Fate.JUDGE_ERROR.value, error)
+    return [verdict, fate]
+
+
+def summarize(outcomes: list[JudgeOutcome]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.fate.fate] = counts.get(o.fate.fate, 0) + 1
+    return counts
+
+
+def describe(outcome: JudgeOutcome) -> str:
+    v = outcome.verdict
+    return json.dumps({"turn_id": outcome.fate.turn_id, "fate": outcome.fate.fate,
+                       "score": None if v is None else v.score, "hint": None if v is None else v.hint})

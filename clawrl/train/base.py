@@ -1,0 +1,207 @@
+"""The contract every training backend implements, and the PPO step they share.
+
+A backend owns a model, an optimizer and its parallelism; the formulas live in ``clawrl/algo`` and
+the step logic (advantages, micro-batching, loss scaling, metrics) lives here, in
+:func:`run_ppo_step`, so the torch and Megatron backends cannot drift apart. A backend hands
+``run_ppo_step`` two callables: ``forward`` (log-probs and entropy of a micro-batch, with grad)
+and ``optimizer_step`` (clip, step, zero grads).
+
+Old log-probs cost no extra forward: an "epoch" is one optimizer step over the whole batch
+(gradient accumulation over micro-batches), so every micro-batch of epoch 0 runs at exactly the
+weights the batch started from, and its detached log-probs *are* the old log-probs. Later epochs
+reuse them. Only the KL reference needs a forward of its own (``compute_logprobs(reference=True)``).
+This needs a deterministic ``forward`` (dropout off), which both backends guarantee.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from clawrl.algo.advantages import compute_advantages, normalize_group_rewards
+from clawrl.algo.losses import compute_ppo_loss, merge_metrics
+from clawrl.config import Method
+from clawrl.train.batch import TokenBatch
+
+if TYPE_CHECKING:
+    from clawrl.config import PPOSettings
+
+
+@dataclass(frozen=True)
+class PPOHyperParams:
+    """Plain values copied from ``PPOSettings`` at the entry point; backends never see Settings."""
+
+    method: Method
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float  # global grad-norm clip; 0 = off
+    micro_batch_size: int  # sequences per forward/backward
+    ppo_epochs: int  # optimizer steps per batch
+    clip_low: float  # epsilon_low: ratio clipped below at 1 - clip_low
+    clip_high: float  # epsilon_high: ratio clipped above at 1 + clip_high
+    dual_clip: float  # c > 1 bounds the loss of negative advantages at c*|A|; 0 = off
+    kl_coef: float
+    kl_type: str  # k1 | k2 | k3
+    entropy_coef: float
+    loss_agg: str  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    tis_cap: float  # truncated IS cap vs rollout logprobs; 0 = off
+    w_rl: float
+    w_opd: float
+    group_norm: bool
+    seed: int
+
+    @classmethod
+    def from_settings(cls, ppo: PPOSettings, seed: int) -> PPOHyperParams:
+        return cls(
+            method=Method(ppo.advantage_estimator),
+            lr=ppo.lr,
+            weight_decay=ppo.weight_decay,
+            betas=(ppo.adam_beta1, ppo.adam_beta2),
+            grad_clip=ppo.grad_clip,
+            micro_batch_size=ppo.micro_batch_size,
+            ppo_epochs=ppo.ppo_epochs,
+            clip_low=ppo.clip_range,
+            clip_high=ppo.clip_range_high,
+            dual_clip=ppo.dual_clip,
+            kl_coef=ppo.kl_coef,
+            kl_type=ppo.kl_type,
+            entropy_coef=ppo.entropy_coef,
+            loss_agg=ppo.loss_agg,
+            tis_cap=ppo.tis_cap,
+            w_rl=ppo.w_rl,
+            w_opd=ppo.w_opd,
+            group_norm=ppo.group_norm,
+            seed=seed,
+        )
+
+
+class TrainBackend(Protocol):
+    """A long-lived trainer: model and optimizer stay in memory between steps."""
+
+    def compute_logprobs(self, batch: TokenBatch, *, reference: bool = False) -> Tensor:
+        """Log-prob of each next token, (B, L-1) float32, no grad; ``reference``: the frozen
+        initial weights instead of the current policy. Only the response positions are part of
+        the contract: a backend may leave prompt and padding positions at 0."""
+        ...
+
+    def train_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One PPO step (``ppo_epochs`` optimizer steps) on ``batch``; returns its metrics."""
+        ...
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Full weights under Hugging Face names (LoRA merged), detached copies."""
+        ...
+
+    def save_checkpoint(self, out_dir: Path) -> Path:
+        """Write an HF safetensors directory at ``out_dir`` atomically (temp dir + rename)."""
+        ...
+
+
+# (micro-batch) -> (logprobs (b, l-1), entropy (b, l-1)); logprobs carry grad, entropy carries
+# grad only when the second argument (entropy needs grad) is True.
+ForwardFn = Callable[[TokenBatch, bool], tuple[Tensor, Tensor]]
+# clips gradients, steps the optimizer, zeroes gradients; returns the pre-clip global grad norm.
+OptimizerStepFn = Callable[[], float]
+
+
+def run_ppo_step(
+    batch: TokenBatch,
+    hp: PPOHyperParams,
+    *,
+    forward: ForwardFn,
+    optimizer_step: OptimizerStepFn,
+    ref_logprobs: Tensor | None = None,
+) -> dict[str, float]:
+    """``hp.ppo_epochs`` optimizer steps over ``batch``, each accumulating micro-batch gradients.
+
+    Every micro-batch's loss is normalised by the token/sequence counts of the *whole* batch, so
+    the accumulated gradient equals the gradient of the full-batch aggregate whatever the
+    micro-batch size. ``ref_logprobs`` (B, L-1) is required when ``hp.kl_coef > 0``.
+    Returned metrics are full-batch values averaged over epochs (``*_min``/``*_max`` taken over
+    all of them), plus ``grad_norm``, ``num_tokens``, ``num_seqs`` and ``rollout_logprob_abs_diff``.
+    """
+    if hp.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the frozen reference's log-probs)")
+    mask = batch.response_mask
+    num_tokens = float(mask.sum())
+    num_seqs = float((mask.sum(-1) > 0).sum())
+    if num_tokens == 0:
+        raise ValueError(f"batch of {len(batch)} samples has no response tokens to train on")
+    reward = batch.reward
+    if hp.group_norm and hp.method in (Method.GRPO, Method.COMBINE):
+        reward = normalize_group_rewards(batch.reward, batch.group_ids)  # over the whole batch
+
+    mbs = hp.micro_batch_size
+    spans = [(s, min(s + mbs, len(batch))) for s in range(0, len(batch), mbs)]
+    old_logprobs: list[Tensor] = []
+    epoch_metrics: list[dict[str, float]] = []
+    for epoch in range(hp.ppo_epochs):
+        parts: list[dict[str, float]] = []
+        for i, (s, e) in enumerate(spans):
+            mb = batch.slice(s, e)
+            width = mb.response_mask.shape[1]  # the micro-batch is trimmed to its own length
+            logprobs, entropy = forward(mb, hp.entropy_coef != 0)
+            if epoch == 0:  # still the weights the batch started from: these are the old logprobs
+                old_logprobs.append(logprobs.detach())
+            old = old_logprobs[i]
+            advantages = compute_advantages(
+                hp.method,
+                reward=reward[s:e],
+                teacher_logprobs=mb.teacher_logprobs,
+                old_logprobs=old,
+                mask=mb.response_mask,
+                has_teacher=mb.has_teacher,
+                w_rl=hp.w_rl,
+                w_opd=hp.w_opd,
+            )
+            loss, metrics = compute_ppo_loss(
+                logprobs,
+                old,
+                advantages,
+                mb.response_mask,
+                rollout_logprobs=mb.rollout_logprobs,
+                ref_logprobs=None if ref_logprobs is None else ref_logprobs[s:e, :width],
+                entropy=entropy,
+                clip_low=hp.clip_low,
+                clip_high=hp.clip_high,
+                dual_clip=hp.dual_clip,
+                tis_cap=hp.tis_cap,
+                kl_coef=hp.kl_coef,
+                kl_type=hp.kl_type,
+                entropy_coef=hp.entropy_coef,
+                loss_agg=hp.loss_agg,
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+            )
+            loss.backward()
+            if epoch == 0:  # drift between the serving engine and the trainer, per token
+                drift = ((old - mb.rollout_logprobs).abs() * mb.response_mask).sum() / num_tokens
+                metrics["rollout_logprob_abs_diff"] = float(drift)
+            parts.append(metrics)
+        merged = merge_metrics(parts)
+        merged["grad_norm"] = float(optimizer_step())
+        epoch_metrics.append(merged)
+
+    out = _mean_over_epochs(epoch_metrics)
+    num_groups = float(torch.unique(batch.group_ids).numel())
+    out.update(num_tokens=num_tokens, num_seqs=num_seqs, num_groups=num_groups)
+    return out
+
+
+def _mean_over_epochs(per_epoch: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in per_epoch[0]:
+        values = [m[key] for m in per_epoch if key in m]
+        if key.endswith("_min"):
+            out[key] = min(values)
+        elif key.endswith("_max"):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

@@ -1,0 +1,133 @@
+"""Sample records -> one right-padded token batch, aligned with next-token targets.
+
+Layout for a sample with P prompt ids and T output ids, padded to length L:
+
+    input_ids      p0 .. p(P-1) o0 .. o(T-1) pad ..        (L,)
+    targets        input_ids[1:]                            (L-1,)
+    response_mask  1.0 at positions P-1 .. P+T-2            (L-1,)  target is an output id
+    *_logprobs     logprob of o_j at position P-1+j, else 0 (L-1,)
+
+The ids are the exact ones the engine saw and sampled: nothing here re-tokenizes. Any length
+mismatch between ids and log-probs raises; nothing is padded or truncated to make it fit (the
+reference zero-pads and silently trains on misaligned log-probs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from clawrl.samples import SampleRecord
+
+
+class BatchAlignmentError(ValueError):
+    """A sample whose ids and log-probs do not line up."""
+
+
+@dataclass
+class TokenBatch:
+    input_ids: Tensor  # (B, L) long, prompt + output, right-padded with pad_id
+    attention_mask: Tensor  # (B, L) long, 1 on real tokens
+    response_mask: Tensor  # (B, L-1) float32, 1.0 where the target input_ids[:, 1:] is an output id
+    rollout_logprobs: Tensor  # (B, L-1) float32, the engine's logprobs at the output positions
+    teacher_logprobs: Tensor  # (B, L-1) float32, the teacher's at the output positions (0 without one)
+    has_teacher: Tensor  # (B,) bool
+    reward: Tensor  # (B,) float32, the judge's score
+    group_ids: Tensor  # (B,) long, samples with identical prompt ids share a group (GRPO)
+    sample_ids: list[str]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, start: int, stop: int) -> TokenBatch:
+        """Rows start:stop, trimmed to their own longest sequence (right padding only, so the
+        dropped columns are padding that no real token attends to)."""
+        rows = slice(start, stop)
+        length = max(int(self.attention_mask[rows].sum(-1).max()), 2)
+        cols, tcols = slice(0, length), slice(0, length - 1)
+        return TokenBatch(
+            input_ids=self.input_ids[rows, cols],
+            attention_mask=self.attention_mask[rows, cols],
+            response_mask=self.response_mask[rows, tcols],
+            rollout_logprobs=self.rollout_logprobs[rows, tcols],
+            teacher_logprobs=self.teacher_logprobs[rows, tcols],
+            has_teacher=self.has_teacher[rows],
+            reward=self.reward[rows],
+            group_ids=self.group_ids[rows],
+            sample_ids=self.sample_ids[rows],
+        )
+
+    def to(self, device: str | torch.device) -> TokenBatch:
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
+
+
+def collate_samples(samples: Sequence[SampleRecord], pad_id: int) -> TokenBatch:
+    """Stack samples into a :class:`TokenBatch`; raises :class:`BatchAlignmentError` on any
+    sample whose log-probs do not match its output ids one for one."""
+    if not samples:
+        raise ValueError("collate_samples needs at least one sample")
+    for s in samples:
+        _check_sample(s)
+    lengths = [len(s.prompt_ids) + len(s.output_ids) for s in samples]
+    B, L = len(samples), max(lengths)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    response_mask = torch.zeros((B, L - 1), dtype=torch.float32)
+    rollout = torch.zeros((B, L - 1), dtype=torch.float32)
+    teacher = torch.zeros((B, L - 1), dtype=torch.float32)
+    groups: dict[tuple[int, ...], int] = {}
+    group_ids = []
+    for i, s in enumerate(samples):
+        P, T = len(s.prompt_ids), len(s.output_ids)
+        input_ids[i, : P + T] = torch.tensor(list(s.prompt_ids) + list(s.output_ids), dtype=torch.long)
+        attention_mask[i, : P + T] = 1
+        out = slice(P - 1, P - 1 + T)  # position t predicts input_ids[t+1]; o_0 sits at P
+        response_mask[i, out] = 1.0
+        rollout[i, out] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        if s.has_teacher:
+            teacher[i, out] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+        group_ids.append(groups.setdefault(tuple(s.prompt_ids), len(groups)))
+    return TokenBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        rollout_logprobs=rollout,
+        teacher_logprobs=teacher,
+        has_teacher=torch.tensor([s.has_teacher for s in samples], dtype=torch.bool),
+        reward=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+        sample_ids=[s.sample_id for s in samples],
+    )
+
+
+def _check_sample(s: SampleRecord) -> None:
+    where = f"sample {s.sample_id}"
+    if not s.prompt_ids:
+        # the first output id is predicted from the last prompt position
+        raise BatchAlignmentError(f"{where}: empty prompt_ids")
+    if not s.output_ids:
+        raise BatchAlignmentError(f"{where}: empty output_ids, nothing to train on")
+    T = len(s.output_ids)
+    if len(s.rollout_logprobs) != T:
+        raise BatchAlignmentError(
+            f"{where}: {len(s.rollout_logprobs)} rollout_logprobs for {T} output_ids"
+        )
+    if s.has_teacher:
+        if s.teacher_logprobs is None:
+            raise BatchAlignmentError(f"{where}: has_teacher but teacher_logprobs is None")
+        if len(s.teacher_logprobs) != T:
+            raise BatchAlignmentError(
+                f"{where}: {len(s.teacher_logprobs)} teacher_logprobs for {T} output_ids"
+            )
+    # has_teacher is the authority: teacher log-probs on a sample without it are never read.
+    used = list(s.rollout_logprobs) + (list(s.teacher_logprobs) if s.has_teacher else [])
+    # a positive value means probabilities or logits were stored, not log-probs (1e-3 of slack
+    # for engines whose float32 log-softmax rounds a near-certain token above 0)
+    bad = [x for x in used if not (math.isfinite(x) and x <= 1e-3)]
+    if bad:
+        raise BatchAlignmentError(f"{where}: log-probs must be finite and <= 0, got {bad[:3]}")

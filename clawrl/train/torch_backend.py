@@ -1,0 +1,201 @@
+"""Plain-PyTorch training backend: one process, CPU or one GPU, full fine-tune or LoRA.
+
+The backend owns the model, the optimizer and the frozen reference; the step logic and every
+formula come from :func:`clawrl.train.base.run_ppo_step` and ``clawrl/algo``. It lives as long as
+the trainer does: weights and AdamW state stay in memory between steps.
+
+Precision: weights, gradients and AdamW state are float32; ``dtype="bfloat16"``/``"float16"``
+runs the forward under autocast. Pure bf16 weights would drop updates smaller than ~1/256 of a
+weight, i.e. every update at lr 1e-5.
+
+The model runs in eval mode (dropout off) while it is trained: the old log-probs are read from the
+first training forward, which must equal a no-grad forward at the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from clawrl.models import torch_dtype
+from clawrl.train.base import PPOHyperParams, run_ppo_step
+from clawrl.train.batch import TokenBatch
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_NOT_COPIED = {"config.json", ".complete"}  # written fresh, or a cache marker
+
+
+class TorchBackend:
+    """The :class:`~clawrl.train.base.TrainBackend` for plain PyTorch."""
+
+    def __init__(self, model_dir: Path, hp: PPOHyperParams, *, dtype: str = "float32", device: str = "cpu",
+                 lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = Path(model_dir)
+        self.hp = hp
+        self.device = torch.device(device)
+        self.compute_dtype = torch_dtype(dtype)
+        self.lora_rank = lora_rank
+        if deterministic:
+            # process-wide switches: a trainer process replays bit-exactly or fails loudly
+            torch.manual_seed(hp.seed)
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        self.hf_config = model.config  # saved with checkpoints unchanged
+        model.to(self.device).eval()
+        self.reference = None
+        if lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            cfg = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
+                             target_modules=list(LORA_TARGETS), bias="none")
+            model = get_peft_model(model, cfg)  # the reference is this model with adapters off
+        elif hp.kl_coef > 0:
+            self.reference = copy.deepcopy(model).requires_grad_(False)  # frozen initial weights
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay,
+                                           fused=self.device.type == "cuda")
+        self.steps_done = 0
+
+    # -- forwards ---------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _window_logits(self, model, mb: TokenBatch) -> tuple[Tensor, int]:
+        """Logits for the target positions start .. l-2, where ``start`` is the micro-batch's first
+        response position: (b, l-1-start, V) float32, and ``start``.
+
+        Only response tokens are trained, so the vocabulary projection (the largest tensor of the
+        step) skips the shared prompt prefix via HF's ``logits_to_keep``; for agent turns (long
+        prompts, short outputs) most of it."""
+        start = int(mb.response_mask.argmax(-1).min())  # first 1.0 of the earliest-starting row
+        length = mb.input_ids.shape[1]
+        # No attention_mask: batches are right-padded, so under the causal mask no real token
+        # attends to padding, and the pure-causal attention path is the fastest one.
+        with self._autocast():
+            logits = model(input_ids=mb.input_ids, use_cache=False, logits_to_keep=length - start).logits
+        return logits[:, :-1].float(), start  # position t predicts input_ids[t+1]
+
+    def _forward(self, mb: TokenBatch, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        """(logprobs, entropy) of a micro-batch, each (b, l-1), 0 before the first response
+        position; logprobs carry grad."""
+        logits, start = self._window_logits(self.model, mb)
+        lse = torch.logsumexp(logits, dim=-1)  # (b, w)
+        targets = mb.input_ids[:, start + 1 :, None]
+        logprobs = logits.gather(-1, targets).squeeze(-1) - lse  # log softmax at the target
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            src = logits if entropy_grad else logits.detach()
+            entropy = lse - (torch.softmax(src, dim=-1) * src).sum(-1)  # H = logsumexp(z) - sum_v p_v z_v
+        if not entropy_grad:
+            entropy = entropy.detach()
+        return F.pad(logprobs, (start, 0)), F.pad(entropy, (start, 0))
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TokenBatch, *, reference: bool = False) -> Tensor:
+        """Log-prob of each next token from the first response position of each micro-batch on,
+        (B, L-1) float32, 0 elsewhere and on padding; no grad."""
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)
+        ctx = nullcontext()
+        model = self.model
+        if reference:
+            if self.lora_rank > 0:
+                ctx = self.model.disable_adapter()
+            elif self.reference is not None:
+                model = self.reference
+            else:
+                raise ValueError("no reference model: it is kept only when kl_coef > 0 or LoRA is on")
+        with ctx:
+            for s in range(0, len(batch), self.hp.micro_batch_size):
+                mb = batch.slice(s, min(s + self.hp.micro_batch_size, len(batch)))
+                logits, start = self._window_logits(model, mb)
+                targets = mb.input_ids[:, start + 1 :, None]
+                lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)
+                lp = lp * mb.attention_mask[:, start + 1 :]  # 0 on padding targets
+                out[s : s + len(mb), start : start + lp.shape[1]] = lp
+        return out
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _optimizer_step(self) -> float:
+        max_norm = self.hp.grad_clip if self.hp.grad_clip > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)  # weights stay as they were
+            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.steps_done}; update skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def train_step(self, batch: TokenBatch) -> dict[str, float]:
+        batch = batch.to(self.device)
+        ref = self.compute_logprobs(batch, reference=True) if self.hp.kl_coef > 0 else None
+        metrics = run_ppo_step(batch, self.hp, forward=self._forward, optimizer_step=self._optimizer_step,
+                               ref_logprobs=ref)
+        self.steps_done += 1
+        metrics["lr"] = self.hp.lr
+        return metrics
+
+    # -- weights out ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Full weights under HF names, float32 copies (LoRA deltas merged in; the live model is
+        untouched). A tied ``lm_head.weight`` is included, like HF's own state_dict."""
+        if self.lora_rank == 0:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        from peft.tuners.lora import LoraLayer
+
+        base = self.model.get_base_model()
+        out: dict[str, Tensor] = {}
+        for key, value in base.state_dict().items():
+            if "lora_" in key:
+                continue
+            out[key.replace(".base_layer.", ".")] = value.detach().clone()
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.active_adapters:
+                    out[f"{name}.weight"] += module.get_delta_weight(adapter)  # W + (alpha/r) B A
+        return out
+
+    def save_checkpoint(self, out_dir: Path) -> Path:
+        """config.json + model.safetensors + the source's tokenizer/generation files, written to
+        a temp dir beside ``out_dir`` and renamed into place; an existing ``out_dir`` raises."""
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        if out_dir.exists():
+            raise FileExistsError(f"checkpoint {out_dir} already exists; checkpoints are never overwritten")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is read by other processes
+            state = self.hf_state_dict()
+            if getattr(self.hf_config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; HF re-ties
+            save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            self.hf_config.save_pretrained(str(tmp))
+            for src in sorted(self.model_dir.iterdir()):
+                if src.is_file() and src.name not in _NOT_COPIED and not src.name.startswith("model"):
+                    shutil.copy2(src, tmp / src.name)
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out_dir

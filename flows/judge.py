@@ -1,0 +1,123 @@
+"""Prefect flow `judge`: turns with a next state -> verdicts, samples and fates, exactly once.
+
+Thin orchestration over clawrl.judge.runner and storage/. One task per turn, run concurrently up to
+``[prm] max_in_flight`` (no global lock), each with Prefect retries and exponential backoff; a turn
+that still fails on its last attempt is recorded with fate ``judge_error`` (raw outputs kept) and
+the other turns go on. Exactly once per (turn, judge-config hash): a turn is judged when its fate
+row exists, the fate is written last, and sample ids are deterministic, so a rerun or a crash half
+way neither duplicates nor loses a judgment. When enough trainable samples wait, the flow emits the
+event ``clawrl.samples.ready`` that the train deployment listens to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
+from prefect.runtime import task_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from clawrl import runtime
+from clawrl.judge.runner import (
+    Judge,
+    build_judge,
+    failure_records,
+    next_state_from_row,
+    outcome_records,
+    turn_from_row,
+)
+from flows.common import data_store, load_flow_settings
+from storage.catalog import open_catalog, pending_counts, turns_to_judge
+
+SAMPLES_READY_EVENT = "clawrl.samples.ready"
+
+
+class JudgeAttemptFailed(RuntimeError):
+    """Raised to make Prefect retry a turn whose judge or teacher failed."""
+
+
+@task(cache_policy=NO_CACHE)
+def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> list[str]:
+    s = load_flow_settings(config_path)
+    con = open_catalog(s.storage.data_root)
+    try:
+        return turns_to_judge(con, judge_config_hash, limit=limit).column("turn_id").to_pylist()
+    finally:
+        con.close()
+
+
+@task(cache_policy=NO_CACHE, task_run_name="judge-{turn_id}")
+def judge_one(config_path: str | None, turn_id: str, retries: int) -> str:
+    """Judge one turn and append its records; raises (-> Prefect retry) while attempts remain."""
+    s = load_flow_settings(config_path)
+    judge: Judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
+    con = open_catalog(s.storage.data_root)
+    try:
+        rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
+    finally:
+        con.close()
+    if not rows:
+        return "already_judged"
+    row = rows[0]
+    outcome = runtime.run(judge.judge(turn_from_row(row), next_state_from_row(row)))
+    if outcome.failed and task_run.get_run_count() <= retries:
+        raise JudgeAttemptFailed(f"turn {turn_id}: {outcome.verdict.error if outcome.verdict else 'failed'}")
+    data_store(s).append(outcome_records(outcome))
+    return outcome.fate.fate
+
+
+@task(cache_policy=NO_CACHE)
+def record_judge_error(config_path: str | None, turn_id: str, error: str) -> str:
+    """The last attempt raised: keep the turn with fate judge_error and the error text."""
+    s = load_flow_settings(config_path)
+    judge: Judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
+    con = open_catalog(s.storage.data_root)
+    try:
+        rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
+    finally:
+        con.close()
+    if not rows:
+        return "already_judged"
+    data_store(s).append(failure_records(turn_from_row(rows[0]), judge, error))
+    return "judge_error"
+
+
+@task(cache_policy=NO_CACHE)
+def count_pending(config_path: str | None, judge_config_hash: str) -> dict[str, Any]:
+    s = load_flow_settings(config_path)
+    data_store(s).flush()
+    con = open_catalog(s.storage.data_root)
+    try:
+        return pending_counts(con, judge_config_hash, s.ppo.rollout_batch_size)
+    finally:
+        con.close()
+
+
+@flow(name="judge", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
+def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict[str, Any]:
+    """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``)."""
+    log = get_run_logger()
+    s = load_flow_settings(config_path)
+    judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
+    turn_ids = find_turns(config_path, judge.config_hash, limit or s.prm.batch_limit)
+    log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
+    delays = [s.prm.retry_delay_s * 2**i for i in range(s.prm.retries)]
+    one = judge_one.with_options(retries=s.prm.retries, retry_delay_seconds=delays or 0)
+    fates: dict[str, int] = {}
+    for i in range(0, len(turn_ids), s.prm.max_in_flight):  # at most max_in_flight in flight
+        futures = [one.submit(config_path, tid, s.prm.retries) for tid in turn_ids[i : i + s.prm.max_in_flight]]
+        for tid, f in zip(turn_ids[i : i + s.prm.max_in_flight], futures):
+            fate = f.result(raise_on_failure=False)
+            if isinstance(fate, BaseException):  # every attempt raised: record it, go on with the rest
+                log.warning("turn %s failed after %d retries: %s", tid, s.prm.retries, fate)
+                fate = record_judge_error(config_path, tid, f"{type(fate).__name__}: {fate}")
+            fates[fate] = fates.get(fate, 0) + 1
+    counts = count_pending(config_path, judge.config_hash)
+    log.info("fates this run: %s; trainable samples %d / rollout_batch_size %d", fates, counts["trainable"],
+             counts["rollout_batch_size"])
+    if counts["full_batches"] > 0:
+        emit_event(event=SAMPLES_READY_EVENT, resource={"prefect.resource.id": f"clawrl.samples.{judge.config_hash}"},
+                   payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
+    return {"judged": len(turn_ids), "fates": fates, "judge_config_hash": judge.config_hash, "status": counts}

@@ -1,0 +1,321 @@
+"""DuckDB over the Parquet tables: views for ad-hoc SQL and the queries the flows and ``clawrl status`` need.
+
+Each call opens an in-memory DuckDB. A ``.duckdb`` file would let only one process open it
+(ref/stack.md section 4); Parquet plus in-memory DuckDB lets any number of readers run next to
+the writers. Readers only ever see complete files (storage/writer.py).
+
+Views (every one exists on an empty data root: empty, with the columns below). Each also has
+``date`` (DATE), the UTC date of ``created_at`` taken from the hive directory ``date=YYYY-MM-DD``;
+filtering on it skips whole directories. Times are TIMESTAMP WITH TIME ZONE (UTC), id lists
+INTEGER[], log-prob lists DOUBLE[] (exact engine values), ``*_json`` columns below are JSON text.
+
+``turns`` -- one served assistant turn, exactly as generated (``TurnRecord``):
+    turn_id, session_id, turn_index (0-based within the session), turn_type ('main' trainable /
+    'side' never trained), namespace (API-key namespace, 'open' without keys), model (served name),
+    weight_version (policy that produced it), request_messages (JSON messages the client sent),
+    request_tools (JSON or NULL), request_params (JSON sampling parameters used), prompt_ids
+    (rendered prompt), output_ids (sampled ids, EOS included), rollout_logprobs (engine log-prob
+    of each output id, same length), text (content returned), tool_calls (JSON or NULL),
+    finish_reason (stop | length | tool_calls | abort), created_at (request received),
+    completed_at (response complete), latency_ms, weight_versions (JSON spans when the weights
+    changed mid-turn, '[]' otherwise).
+``next_states`` -- the evidence for a turn (``NextStateRecord``):
+    turn_id, session_id, turn_index, has_next_state (false: none will come), messages (JSON
+    messages added after the turn: user reply or tool results; NULL without one), reason
+    (next_request | session_done | idle_timeout | evicted | shutdown), created_at.
+``judgments`` -- the judge's verdict per turn and judge configuration (``JudgeVerdict``, stored
+    as table ``verdicts``): turn_id, judge_config_hash, judge_backend, score (-1/0/+1 after the
+    vote), score_reason (majority | tie | all_failed | rule:<rule>), votes (INTEGER[], NULL =
+    unparseable vote), raw_outputs (JSON list of every raw judge reply), hint (selected hindsight
+    hint or NULL), hint_raw_outputs (JSON or NULL), error (judge backend failure or NULL),
+    created_at.
+``samples`` -- one trainable sample (``SampleRecord``): sample_id, turn_id, session_id,
+    judge_config_hash, method (grpo | on_policy_distillation | combine), prompt_ids, output_ids,
+    rollout_logprobs, reward (judge score, 0.0 if the method uses none), has_teacher,
+    teacher_logprobs (DOUBLE[] over output_ids, NULL without a teacher), weight_version (policy
+    that sampled output_ids), created_at.
+``turn_fate`` -- what became of each turn under one judge configuration (``FateRecord``):
+    turn_id, session_id, judge_config_hash, fate (sample | side_turn | no_next_state |
+    score_zero | no_hint | judge_error | too_stale), detail (why, free text), created_at.
+``batches`` -- the samples one PPO step consumed, written before the step (``BatchRecord``):
+    batch_id, step, sample_ids (VARCHAR[]), session_ids (VARCHAR[]), method, config_hash,
+    parent_version (weights the step starts from), created_at.
+``checkpoints`` -- saved policy versions and what produced them (``CheckpointRecord``):
+    weight_version, step, batch_id, parent_version, path, sha256 (of the safetensors bytes),
+    mlflow_run_id (or NULL), created_at.
+
+A view is bound to the files at query time, so a long-lived connection sees new files, except
+that a table with no file at all when the connection was opened stays an empty view until
+``refresh_views`` (DuckDB cannot glob a pattern that matches nothing). ``run_query`` and the
+helpers below open a fresh connection per call, so this only concerns callers of ``open_catalog``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from clawrl.samples import Fate, TurnType
+from storage.schemas import TABLES, duckdb_type
+
+# view name -> table directory under <data_root>/tables/
+VIEWS: dict[str, str] = {
+    "turns": "turns",
+    "next_states": "next_states",
+    "judgments": "verdicts",
+    "samples": "samples",
+    "turn_fate": "turn_fate",
+    "batches": "batches",
+    "checkpoints": "checkpoints",
+}
+
+EXPORT_FORMATS = ("csv", "json", "parquet")
+
+
+def tables_dir(data_root: str | os.PathLike) -> Path:
+    return Path(data_root) / "tables"
+
+
+def open_catalog(data_root: str | os.PathLike) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the views above over ``<data_root>/tables/``."""
+    # No progress bar: it would be drawn into `clawrl sql --format csv` output.
+    con = duckdb.connect(":memory:")
+    con.execute("SET enable_progress_bar = false")
+    refresh_views(con, data_root)
+    return con
+
+
+def refresh_views(con: duckdb.DuckDBPyConnection, data_root: str | os.PathLike) -> None:
+    """(Re)define every view; a table that has gained its first file since the last call now shows it."""
+    root = tables_dir(data_root)
+    for view, table in VIEWS.items():
+        table_dir = root / table
+        if any(table_dir.glob("date=*/*.parquet")):
+            pattern = _sql_str(str(table_dir / "date=*" / "*.parquet"))
+            # union_by_name: files written before a column was added read it as NULL.
+            con.execute(
+                f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet({pattern}, "
+                "hive_partitioning = true, hive_types = {'date': DATE}, union_by_name = true)"
+            )
+        else:
+            # Typed NULLs, not a registered Arrow table: con.register imports pandas (~2 s).
+            columns = [f"NULL::{duckdb_type(f.type)} AS {f.name}" for f in TABLES[table].schema]
+            con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(columns)}, NULL::DATE AS date WHERE false")
+
+
+def run_query(data_root: str | os.PathLike, sql: str) -> pa.Table:
+    """Run SQL over the views in a fresh in-memory DuckDB and return the result.
+
+    Read-only in intent: nothing here writes the data root, though DuckDB's own COPY/EXPORT are
+    not blocked. Raises ``duckdb.Error`` with DuckDB's message for a bad query. A statement with
+    no result (SET, CREATE ...) returns an empty table.
+    """
+    con = open_catalog(data_root)
+    try:
+        rel = con.sql(sql)
+        return rel.to_arrow_table() if rel is not None else pa.table({})
+    finally:
+        con.close()
+
+
+# ------------------------------------------------------------------------------ flow queries
+
+_FIRST_NEXT_STATE = """
+    SELECT turn_id, messages AS next_messages, reason AS next_reason, created_at AS next_state_at
+    FROM next_states WHERE has_next_state
+    QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1
+"""
+
+_MAIN_TURNS = f"""
+    SELECT * EXCLUDE (date) FROM turns WHERE turn_type = '{TurnType.MAIN.value}'
+    QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1
+"""
+
+
+def ready_turns(
+    con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, limit: int | None = None
+) -> pa.Table:
+    """Main turns whose next state has arrived and that have no fate under this judge config.
+
+    Columns: every ``turns`` column (prompt_ids, output_ids, rollout_logprobs, request_messages,
+    ...) plus next_messages, next_reason and next_state_at from the turn's first next state.
+    Oldest first. A turn written twice (same turn_id) appears once.
+    """
+    sql = f"""
+        WITH t AS ({_MAIN_TURNS}), ns AS ({_FIRST_NEXT_STATE})
+        SELECT t.*, ns.next_messages, ns.next_reason, ns.next_state_at
+        FROM t JOIN ns USING (turn_id)
+        WHERE NOT EXISTS (
+            SELECT 1 FROM turn_fate f WHERE f.turn_id = t.turn_id AND f.judge_config_hash = $hash)
+        ORDER BY t.created_at, t.turn_id
+        {'' if limit is None else f'LIMIT {int(limit)}'}
+    """
+    return con.sql(sql, params={"hash": judge_config_hash}).to_arrow_table()
+
+
+def turns_to_judge(
+    con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, limit: int | None = None,
+    turn_id: str | None = None,
+) -> pa.Table:
+    """Every turn the judge flow can decide now, oldest first, with no fate under this config:
+    main turns whose next state arrived (``next_has_state`` true), main turns told that none will
+    come (false), and side turns (NULL next-state columns). Main turns still waiting are left out.
+
+    Columns: every ``turns`` column plus next_has_state, next_messages, next_reason, next_state_at.
+    ``turn_id`` restricts the answer to that one turn.
+    """
+    only = "" if turn_id is None else "WHERE turn_id = $turn_id"
+    params = {"hash": judge_config_hash} | ({} if turn_id is None else {"turn_id": turn_id})
+    sql = f"""
+        WITH t AS (
+            SELECT * EXCLUDE (date) FROM turns {only}
+            QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1),
+        ns AS (
+            SELECT turn_id, has_next_state AS next_has_state, messages AS next_messages,
+                   reason AS next_reason, created_at AS next_state_at
+            FROM next_states {only}
+            QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY has_next_state DESC, created_at) = 1)
+        SELECT t.*, ns.next_has_state, ns.next_messages, ns.next_reason, ns.next_state_at
+        FROM t LEFT JOIN ns USING (turn_id)
+        WHERE (t.turn_type = '{TurnType.SIDE.value}' OR ns.turn_id IS NOT NULL)
+          AND NOT EXISTS (
+            SELECT 1 FROM turn_fate f WHERE f.turn_id = t.turn_id AND f.judge_config_hash = $hash)
+        ORDER BY t.created_at, t.turn_id
+        {'' if limit is None else f'LIMIT {int(limit)}'}
+    """
+    return con.sql(sql, params=params).to_arrow_table()
+
+
+def pending_counts(
+    con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int
+) -> dict[str, Any]:
+    """Where every turn stands under one judge config, for ``clawrl status``.
+
+    Keys: turns (distinct turn ids), main_turns, side_turns; awaiting_next_state (main, no next
+    state row and no fate yet); pending_judgment (main, next state arrived, no fate: what
+    ``ready_turns`` returns); pending_no_next_state (main, told no next state will come, no fate
+    yet: the judge flow's next 'no_next_state' fates); judged (turns with a fate); fates ({fate: turns} for every Fate,
+    0 when none); excluded (judged turns whose fate is not 'sample'); samples (distinct sample
+    ids under this config); consumed (of those, listed in some batch); trainable (not consumed);
+    batches (rows of ``batches``); rollout_batch_size; full_batches (trainable //
+    rollout_batch_size); samples_needed (more samples before the next step can start).
+    """
+    if rollout_batch_size < 1:
+        raise ValueError("rollout_batch_size must be >= 1")
+    row = con.sql(
+        f"""
+        WITH t AS (
+            SELECT turn_id, any_value(turn_type) AS turn_type FROM turns GROUP BY turn_id),
+        ns AS (
+            SELECT turn_id, bool_or(has_next_state) AS has_next FROM next_states GROUP BY turn_id),
+        f AS (
+            SELECT DISTINCT turn_id FROM turn_fate WHERE judge_config_hash = $hash),
+        s AS (
+            SELECT DISTINCT sample_id FROM samples WHERE judge_config_hash = $hash),
+        used AS (
+            SELECT DISTINCT unnest(sample_ids) AS sample_id FROM batches)
+        SELECT
+            (SELECT count(*) FROM t) AS turns,
+            (SELECT count(*) FROM t WHERE turn_type = '{TurnType.MAIN.value}') AS main_turns,
+            (SELECT count(*) FROM t WHERE turn_type = '{TurnType.SIDE.value}') AS side_turns,
+            (SELECT count(*) FROM t LEFT JOIN ns USING (turn_id) ANTI JOIN f USING (turn_id)
+              WHERE t.turn_type = '{TurnType.MAIN.value}' AND ns.turn_id IS NULL) AS awaiting_next_state,
+            (SELECT count(*) FROM t JOIN ns USING (turn_id) ANTI JOIN f USING (turn_id)
+              WHERE t.turn_type = '{TurnType.MAIN.value}' AND ns.has_next) AS pending_judgment,
+            (SELECT count(*) FROM t JOIN ns USING (turn_id) ANTI JOIN f USING (turn_id)
+              WHERE t.turn_type = '{TurnType.MAIN.value}' AND NOT ns.has_next) AS pending_no_next_state,
+            (SELECT count(*) FROM f) AS judged,
+            (SELECT count(*) FROM s) AS samples,
+            (SELECT count(*) FROM s SEMI JOIN used USING (sample_id)) AS consumed,
+            (SELECT count(*) FROM batches) AS batches
+        """,
+        params={"hash": judge_config_hash},
+    ).fetchall()[0]
+    names = ["turns", "main_turns", "side_turns", "awaiting_next_state", "pending_judgment",
+             "pending_no_next_state", "judged", "samples", "consumed", "batches"]
+    counts: dict[str, Any] = dict(zip(names, (int(v) for v in row)))
+    fates = {fate.value: 0 for fate in Fate}
+    for fate, n in con.sql(
+        "SELECT fate, count(DISTINCT turn_id) FROM turn_fate WHERE judge_config_hash = $hash GROUP BY fate",
+        params={"hash": judge_config_hash},
+    ).fetchall():
+        fates[fate] = int(n)
+    trainable = counts["samples"] - counts["consumed"]
+    counts.update(
+        fates=fates,
+        excluded=sum(n for fate, n in fates.items() if fate != Fate.SAMPLE.value),
+        trainable=trainable,
+        rollout_batch_size=rollout_batch_size,
+        full_batches=trainable // rollout_batch_size,
+        samples_needed=max(0, rollout_batch_size - trainable),
+    )
+    return counts
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def export_table(table: pa.Table, fmt: str, out: str | os.PathLike | None = None) -> str | None:
+    """Write a query result as csv / json / parquet to `out`, or return csv / json text.
+
+    csv: one header row; lists as JSON arrays, timestamps ISO 8601. json: one array of row
+    objects. parquet: needs `out`.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
+    if fmt == "parquet":
+        if out is None:
+            raise ValueError("parquet output needs a file")
+        pq.write_table(table, out)
+        return None
+    rows = table.to_pylist()
+    if fmt == "json":
+        data = orjson.dumps(rows, default=_json_default, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+        text = data.decode()
+    else:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(table.column_names)
+        for row in rows:
+            writer.writerow([_csv_cell(v) for v in row.values()])
+        text = buf.getvalue()
+    if out is None:
+        return text
+    Path(out).write_text(text)
+    return None
+
+
+def format_cell(value: Any) -> str:
+    """One value as plain text: lists and dicts as JSON, None as NULL."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, (list, dict)):
+        return orjson.dumps(value, default=_json_default).decode()
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
+
+
+def _csv_cell(value: Any) -> str:
+    return "" if value is None else format_cell(value)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Decimal):  # DuckDB's sum() of integers is a HUGEINT -> decimal128
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _sql_str(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

@@ -1,0 +1,414 @@
+"""SGLangClient against the embedded engine's server (real HTTP, tiny model), plus the error and
+version-compatibility paths against scripted transports."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from clawrl.engine.sglang_client import SGLangClient, parse_error_message
+from clawrl.engine.types import (
+    BadRequestError,
+    Engine,
+    EngineError,
+    EngineTimeoutError,
+    GenerateRequest,
+    SamplingParams,
+)
+from tests.utils.engine_server import CONTEXT, PROMPT, make_tiny_engine, running_engine_server, save_perturbed_copy
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    with running_engine_server(lambda: make_tiny_engine(tiny_dir), model_path=str(tiny_dir),
+                               max_context_len=CONTEXT) as s:
+        yield s
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_client_implements_the_engine_protocol():
+    client = SGLangClient("http://127.0.0.1:1")
+    assert isinstance(client, Engine)
+    run(client.close())
+
+
+# ------------------------------------------------------------------------------ against the server
+
+
+def test_generate_equals_the_in_process_engine(server, tiny_dir):
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1], [100]]
+
+    async def main():
+        async with SGLangClient(server.url + "/") as client:  # trailing slash tolerated
+            remote = [await client.generate(GenerateRequest(input_ids=p, sampling_params=greedy(10),
+                                                            return_logprob=True, top_logprobs_num=2))
+                      for p in prompts]
+        async with make_tiny_engine(tiny_dir) as engine:
+            local = [await engine.generate(GenerateRequest(input_ids=p, sampling_params=greedy(10),
+                                                           return_logprob=True, top_logprobs_num=2))
+                     for p in prompts]
+        return remote, local
+
+    remote, local = run(main())
+    for r, loc in zip(remote, local):
+        assert r.output_ids == loc.output_ids and len(r.output_ids) == 10
+        assert r.output_logprobs == pytest.approx(loc.output_logprobs, abs=1e-6)
+        top_ids = [[t for _, t in row] for row in r.output_top_logprobs]
+        assert top_ids == [[t for _, t in row] for row in loc.output_top_logprobs]
+        assert (r.finish_reason, r.weight_version, r.prompt_tokens) == (loc.finish_reason, "0", loc.prompt_tokens)
+        assert r.weight_versions == [{"version": "0", "start": 0, "end": 10}]
+
+
+def test_prompt_scoring_equals_the_in_process_engine(server, tiny_dir):
+    full = PROMPT + [11, 12, 13, 14]
+
+    def scoring(start: int) -> GenerateRequest:
+        return GenerateRequest(input_ids=full, sampling_params=SamplingParams(max_new_tokens=0),
+                               return_logprob=True, logprob_start_len=start)
+
+    async def main():
+        async with SGLangClient(server.url) as client:
+            remote = [await client.generate(scoring(s)) for s in (0, len(PROMPT) - 1)]
+        async with make_tiny_engine(tiny_dir) as engine:
+            local = [await engine.generate(scoring(s)) for s in (0, len(PROMPT) - 1)]
+        return remote, local
+
+    (r0, r_cheap), (l0, l_cheap) = run(main())
+    assert (r0.output_ids, r0.text, r0.finish_reason) == ([], "", {"type": "length", "length": 0})
+    assert len(r0.input_logprobs) == len(full) and r0.input_logprobs[0] is None
+    assert r0.input_logprobs[1:] == pytest.approx(l0.input_logprobs[1:], abs=1e-6)
+    # logprob_start_len = P-1 -> R+1 entries; entries 1..R are the 4 response tokens
+    assert len(r_cheap.input_logprobs) == 5 and r_cheap.input_logprobs[0] is None
+    assert r_cheap.input_logprobs[1:] == pytest.approx(l_cheap.input_logprobs[1:], abs=1e-6)
+    assert r_cheap.input_logprobs[1:] == pytest.approx(r0.input_logprobs[-4:], abs=1e-6)
+
+
+def test_text_prompt_returns_the_tokenized_prompt(server, tiny_dir):
+    async def main():
+        async with SGLangClient(server.url) as client:
+            return await client.generate(GenerateRequest(text="Hello world", sampling_params=greedy(3)))
+
+    res = run(main())
+    from clawrl.models import load_tokenizer
+
+    assert res.prompt_ids == load_tokenizer(tiny_dir).encode("Hello world")
+    assert res.prompt_tokens == len(res.prompt_ids)
+
+
+def test_stream_yields_cumulative_results_ending_finished(server):
+    async def main():
+        async with SGLangClient(server.url) as client:
+            parts = [p async for p in client.generate_stream(
+                GenerateRequest(input_ids=PROMPT, sampling_params=greedy(6), return_logprob=True))]
+            whole = await client.generate(GenerateRequest(input_ids=PROMPT, sampling_params=greedy(6),
+                                                          return_logprob=True))
+        return parts, whole
+
+    parts, whole = run(main())
+    assert len(parts) >= 2
+    for prev, nxt in zip(parts, parts[1:]):
+        assert nxt.output_ids[: len(prev.output_ids)] == prev.output_ids
+        assert not prev.finished
+    assert parts[-1].finished and parts[-1].output_ids == whole.output_ids
+    assert parts[-1].output_logprobs == pytest.approx(whole.output_logprobs, abs=1e-6)
+
+
+BAD_REQUESTS = {
+    "unknown_sampling_key": lambda: GenerateRequest(input_ids=[1, 2], sampling_params=_unchecked({"max_new_tokenz": 1})),
+    "id_out_of_vocab": lambda: GenerateRequest(input_ids=[1, 10**9]),
+    "prompt_too_long": lambda: GenerateRequest(input_ids=[1] * (CONTEXT + 1)),
+    "negative_max_new_tokens": lambda: GenerateRequest(input_ids=[1], sampling_params=_unchecked({"max_new_tokens": -3})),
+    "logprob_start_past_prompt": lambda: GenerateRequest(input_ids=[1, 2], return_logprob=True, logprob_start_len=9),
+}
+
+
+class _unchecked(SamplingParams):
+    """Sampling params that serialise arbitrary keys: lets the test send what a buggy caller would."""
+
+    def __init__(self, raw: dict):
+        object.__setattr__(self, "_raw", raw)
+
+    def to_dict(self) -> dict:
+        return dict(self._raw)
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_input_raises_bad_request_and_the_server_keeps_serving(server, name, stream):
+    async def main():
+        async with SGLangClient(server.url) as client:
+            req = BAD_REQUESTS[name]()
+            with pytest.raises(BadRequestError) as info:
+                if stream:
+                    async for _ in client.generate_stream(req):
+                        pass
+                else:
+                    await client.generate(req)
+            ok = await client.generate(GenerateRequest(input_ids=PROMPT, sampling_params=greedy(2)))
+            return str(info.value), ok, await client.health()
+
+    message, ok, healthy = run(main())
+    assert message and "HTTP" not in message  # the server's own words, not a status line
+    assert len(ok.output_ids) == 2 and healthy
+
+
+def test_update_session_calls_follow_sglang_errors(server):
+    async def main():
+        async with SGLangClient(server.url) as client:
+            return [await client.end_weight_update(), await client.begin_weight_update(),
+                    await client.begin_weight_update(), await client.end_weight_update()]
+
+    end_first, begin, begin_again, end = run(main())
+    assert [r.success for r in (end_first, begin, begin_again, end)] == [False, True, False, True]
+    assert "already open" in begin_again.message
+
+
+def test_update_weight_version_relabels_without_aborting(server):
+    async def main():
+        async with SGLangClient(server.url) as client:
+            in_flight = asyncio.create_task(client.generate(GenerateRequest(input_ids=PROMPT,
+                                                                            sampling_params=greedy(64))))
+            await asyncio.sleep(0.05)
+            relabel = await client.update_weight_version("v2")
+            try:
+                done = await in_flight
+                info = await client.model_info()
+            finally:
+                await client.update_weight_version("0")
+            return relabel, done, info
+
+    relabel, done, info = run(main())
+    assert (relabel.success, relabel.weight_version) == (True, "v2")
+    assert done.finish_reason == {"type": "length", "length": 64}  # the client sends abort_all_requests false
+    assert info["weight_version"] == "v2"
+
+
+def test_api_key_is_sent_as_bearer(tiny_dir):
+    with running_engine_server(lambda: make_tiny_engine(tiny_dir), model_path=str(tiny_dir),
+                               max_context_len=CONTEXT, api_key="sekret") as s:
+        async def main():
+            async with SGLangClient(s.url, api_key="sekret") as good, SGLangClient(s.url) as anonymous:
+                info = await good.model_info()
+                with pytest.raises(EngineError, match="HTTP 401"):
+                    await anonymous.model_info()
+                return info
+
+        assert run(main())["weight_version"] == "0"
+
+
+# ------------------------------------------------------------------------------ weight sync
+
+
+async def _traffic(client: SGLangClient, stop: asyncio.Event, outcomes: list, in_flight: list[int]) -> None:
+    """One user: sends greedy requests back to back until ``stop``; records each outcome."""
+    while not stop.is_set():
+        in_flight[0] += 1
+        try:
+            res = await client.generate(GenerateRequest(input_ids=PROMPT, sampling_params=greedy(24),
+                                                        return_logprob=True))
+            outcomes.append(res)
+        except Exception as e:  # counted as a failure below
+            outcomes.append(e)
+        finally:
+            in_flight[0] -= 1
+
+
+def test_sync_weights_under_concurrent_traffic_fails_no_request(tiny_dir, tmp_path):
+    perturbed = save_perturbed_copy(tiny_dir, tmp_path / "perturbed")
+    users = 24
+    with running_engine_server(lambda: make_tiny_engine(tiny_dir, max_batch_size=32), model_path=str(tiny_dir),
+                               max_context_len=CONTEXT) as s:
+        async def main():
+            async with SGLangClient(s.url, flush_retry_interval_s=0.05) as client:
+                stop, outcomes, in_flight = asyncio.Event(), [], [0]
+                tasks = [asyncio.create_task(_traffic(client, stop, outcomes, in_flight)) for _ in range(users)]
+                while len(outcomes) < users:  # every user has finished at least one request
+                    await asyncio.sleep(0.01)
+                at_sync = in_flight[0]
+                t0 = time.perf_counter()
+                good = await client.sync_weights_from_disk(str(perturbed), "1")
+                sync_s = time.perf_counter() - t0
+                n_before_bad = len(outcomes)
+                bad = await client.sync_weights_from_disk(str(tmp_path / "no-such-checkpoint"), "2")
+                while len(outcomes) < n_before_bad + users:  # traffic keeps flowing after the failed sync
+                    await asyncio.sleep(0.01)
+                stop.set()
+                await asyncio.gather(*tasks)
+                return good, bad, outcomes, at_sync, sync_s, await client.model_info()
+
+        good, bad, outcomes, at_sync, sync_s, info = run(main())
+
+    failures = [o for o in outcomes if isinstance(o, Exception) or o.finish_reason["type"] != "length"]
+    assert at_sync >= 20, f"only {at_sync} requests were in flight when the sync started"
+    assert failures == []
+    assert good.success and good.weight_version == "1", good.message
+    assert not bad.success and bad.weight_version == "1"  # the failed sync kept the served version
+    assert "not a directory" in bad.message or "no-such-checkpoint" in bad.message
+    assert info["weight_version"] == "1"
+    versions = {o.weight_version for o in outcomes}
+    assert versions == {"0", "1"}
+    # retract mode: requests in flight over the swap resume on the new weights in the same call
+    spanning = [o for o in outcomes if len(o.weight_versions) == 2]
+    assert spanning and all([v["version"] for v in o.weight_versions] == ["0", "1"] for o in spanning)
+    print(f"sync under {at_sync} in-flight requests took {sync_s * 1000:.0f} ms; "
+          f"{len(outcomes)} requests, {len(spanning)} spanning the update")
+
+
+def test_failed_sync_keeps_old_version_and_still_resumes(server, tmp_path):
+    async def main():
+        async with SGLangClient(server.url, flush_retry_interval_s=0.05) as client:
+            result = await client.sync_weights_from_disk(str(tmp_path / "missing"), "7")
+            after = await client.generate(GenerateRequest(input_ids=PROMPT, sampling_params=greedy(2)))
+            ready = (await client._http.get("/ready")).status_code
+            return result, after, ready, await client.model_info()
+
+    result, after, ready, info = run(main())
+    assert (result.success, result.weight_version) == (False, "0")
+    assert info["weight_version"] == "0" and after.weight_version == "0"
+    assert ready == 200  # continue_generation ran although the update failed
+
+
+# ------------------------------------------------------------------------------ errors and compatibility
+
+
+def test_unreachable_engine_raises_engine_error_fast():
+    async def main():
+        async with SGLangClient("http://127.0.0.1:1", timeout_s=5) as client:
+            t0 = time.monotonic()
+            with pytest.raises(EngineError) as info:
+                await client.generate(GenerateRequest(input_ids=[1]))
+            return str(info.value), time.monotonic() - t0, await client.health()
+
+    message, elapsed, healthy = run(main())
+    assert message == "engine at http://127.0.0.1:1 unreachable: connection refused"
+    assert elapsed < 1.0 and healthy is False
+
+
+def scripted(handler) -> httpx.MockTransport:
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize(
+    "status, body, expected",
+    [
+        (400, {"error": "unknown sampling_params key(s): foo"}, "unknown sampling_params key(s): foo"),
+        (400, {"error": {"message": "prompt too long"}}, "prompt too long"),
+        (400, {"object": "error", "message": "bad field", "type": "Bad Request", "param": None, "code": 400}, "bad field"),
+    ],
+)
+def test_each_sglang_400_shape_becomes_bad_request(status, body, expected):
+    async def main():
+        transport = scripted(lambda request: httpx.Response(status, json=body))
+        async with SGLangClient("http://sglang:30000", transport=transport) as client:
+            with pytest.raises(BadRequestError) as info:
+                await client.generate(GenerateRequest(input_ids=[1]))
+            return str(info.value)
+
+    assert run(main()) == expected
+
+
+def test_parse_error_message_reads_plain_text():
+    resp = httpx.Response(400, text="Cache not flushed.\n")
+    assert parse_error_message(resp) == "Cache not flushed."
+
+
+def test_5xx_and_timeout_become_engine_errors_naming_the_url():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/model_info":
+            return httpx.Response(503, text="overloaded")
+        raise httpx.ReadTimeout("slow", request=request)
+
+    async def main():
+        async with SGLangClient("http://sglang:30000/", timeout_s=3, transport=scripted(handler)) as client:
+            with pytest.raises(EngineError) as e5:
+                await client.model_info()
+            with pytest.raises(EngineTimeoutError) as et:
+                await client.generate(GenerateRequest(input_ids=[1]))
+            return str(e5.value), str(et.value)
+
+    e5, et = run(main())
+    assert e5 == "engine at http://sglang:30000 answered HTTP 503 on GET /model_info: overloaded"
+    assert et == "engine at http://sglang:30000 timed out after 3 s on POST /generate"
+
+
+def test_non_json_answer_is_an_engine_error():
+    transport = scripted(lambda request: httpx.Response(200, text="<html>proxy login</html>"))
+
+    async def main():
+        async with SGLangClient("http://sglang", transport=transport) as client:
+            with pytest.raises(EngineError, match="non-JSON: '<html>proxy login</html>'"):
+                await client.model_info()
+
+    run(main())
+
+
+def test_flush_cache_retries_while_busy():
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(200 if len(calls) == 3 else 400, text="busy")
+
+    async def main():
+        async with SGLangClient("http://sglang", transport=scripted(handler), flush_retries=5,
+                                flush_retry_interval_s=0) as client:
+            first = await client.flush_cache()
+            n_first = len(calls)
+            calls.extend([1] * 10)  # from now on every answer is 400
+            async with SGLangClient("http://sglang", transport=scripted(handler), flush_retries=2,
+                                    flush_retry_interval_s=0) as stubborn:
+                second = await stubborn.flush_cache()
+            return first, n_first, second
+
+    first, n_first, second = run(main())
+    assert (first, n_first) == (True, 3)  # 400, 400, 200
+    assert second is False and len(calls) == 3 + 10 + 3  # 1 try + 2 retries
+
+
+def test_begin_weight_update_404_means_old_sglang_and_is_skipped_afterwards():
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async def main():
+        async with SGLangClient("http://old-sglang", transport=scripted(handler)) as client:
+            return [await client.begin_weight_update(), await client.end_weight_update(),
+                    await client.begin_weight_update()]
+
+    results = run(main())
+    assert all(r.success for r in results)
+    assert "SGLang < 0.5.21" in results[0].message
+    assert seen == ["/begin_weight_update"]  # asked once, remembered after
+
+
+def test_sync_resumes_generation_even_when_the_update_call_blows_up():
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/update_weights_from_disk":
+            return httpx.Response(500, text="scheduler died")
+        if request.url.path == "/model_info":
+            return httpx.Response(200, json={"weight_version": "3"})
+        return httpx.Response(200, json={"message": "ok", "status": "ok"})
+
+    async def main():
+        async with SGLangClient("http://sglang", transport=scripted(handler)) as client:
+            with pytest.raises(EngineError, match="HTTP 500"):
+                await client.sync_weights_from_disk("/ckpt", "4")
+
+    run(main())
+    assert seen == ["/model_info", "/pause_generation", "/flush_cache", "/update_weights_from_disk",
+                    "/continue_generation"]

@@ -1,0 +1,246 @@
+"""The scripted session the issue asks for, at library level: real turns from the tiny model, the
+rule judge reading the user's feedback, the tiny model as the teacher, and the fate of every turn."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from clawrl.config import Method
+from clawrl.judge.backends import EngineJudge, RuleJudge
+from clawrl.judge.pipeline import judge_config_hash, judge_turn, make_sample_id
+
+from tests.utils.turns import build_next_state, build_turn, generate_turn
+
+SYSTEM = {"role": "system", "content": "You are a geography tutor."}
+QUESTION = {"role": "user", "content": "What is the capital of France?"}
+CORRECTION = {"role": "user", "content": "no, that's wrong, answer in one word"}
+PRAISE = {"role": "user", "content": "thanks, that's great!"}
+UNCLEAR = {"role": "user", "content": "Can you also tell me about Rome?"}
+
+
+@pytest.fixture(scope="module")
+def session(tiny_engine):
+    """turn 0 -> corrected, turn 1 -> praised, turn 2 -> session ended, plus a side turn."""
+    m0 = [SYSTEM, QUESTION]
+    t0 = generate_turn(tiny_engine, m0, turn_index=0, seed=1)
+    m1 = m0 + [{"role": "assistant", "content": t0.text}, CORRECTION]
+    t1 = generate_turn(tiny_engine, m1, turn_index=1, seed=2)
+    m2 = m1 + [{"role": "assistant", "content": t1.text}, PRAISE]
+    t2 = generate_turn(tiny_engine, m2, turn_index=2, seed=3)
+    side = build_turn([{"role": "user", "content": "heartbeat"}], turn_type="side", turn_index=3)
+    return {
+        "corrected": (t0, build_next_state(t0, [CORRECTION])),
+        "praised": (t1, build_next_state(t1, [PRAISE])),
+        "ended": (t2, build_next_state(t2, None)),
+        "side": (side, None),
+    }
+
+
+def _judge(turn, next_state, method, engine, **overrides):
+    kw = dict(judge=RuleJudge(), method=method, judge_samples=3, hint_samples=2, temperature=0.6, max_tokens=64,
+              budget_chars=6000, hint_policy="longest", teacher=engine, teacher_tokenizer=engine.tokenizer,
+              hint_placement="append_last_user", judge_config_hash=f"cfg-{Method(method).value}",
+              judge_backend_name="rule")
+    kw.update(overrides)
+    return asyncio.run(judge_turn(turn, next_state, **kw))
+
+
+def test_correction_scores_minus_one_and_praise_plus_one_under_grpo(session, tiny_engine):
+    corrected = _judge(*session["corrected"], Method.GRPO, tiny_engine)
+    assert corrected.fate.fate == "sample" and corrected.verdict.score == -1
+    assert corrected.verdict.votes == [-1, -1, -1] and corrected.verdict.score_reason == "majority"
+    raw = json.loads(corrected.verdict.raw_outputs)
+    assert len(raw) == 3 and all(r.endswith(r"\boxed{-1}") for r in raw)
+    assert corrected.verdict.hint is None and corrected.verdict.hint_raw_outputs is None  # grpo asks for no hint
+    s = corrected.sample
+    assert (s.reward, s.has_teacher, s.teacher_logprobs) == (-1.0, False, None)
+    turn = session["corrected"][0]
+    assert s.prompt_ids == turn.prompt_ids and s.output_ids == turn.output_ids
+    assert s.rollout_logprobs == turn.rollout_logprobs and s.weight_version == "0"
+
+    praised = _judge(*session["praised"], Method.GRPO, tiny_engine)
+    assert praised.verdict.score == 1 and praised.sample.reward == 1.0
+
+
+def test_opd_sample_carries_aligned_teacher_logprobs_under_the_hint(session, tiny_engine):
+    turn, ns = session["corrected"]
+    out = _judge(turn, ns, Method.OPD, tiny_engine)
+    assert out.fate.fate == "sample" and out.verdict.hint == "answer in one word"
+    assert len(json.loads(out.verdict.hint_raw_outputs)) == 2
+    s = out.sample
+    assert s.has_teacher and s.reward == 0.0  # OPD uses no scalar reward
+    assert len(s.teacher_logprobs) == len(s.output_ids) == len(s.rollout_logprobs) == 8
+    assert s.prompt_ids == turn.prompt_ids  # the sample keeps the un-hinted prompt: what the policy saw
+    # the teacher saw the hint, so its log-probs differ from the policy's own
+    assert max(abs(a - b) for a, b in zip(s.teacher_logprobs, s.rollout_logprobs)) > 1e-6
+    refused = _judge(turn, ns, Method.OPD, tiny_engine, judge=_NoHintJudge())  # every hint vote says -1
+    assert refused.fate.fate == "no_hint" and refused.sample is None and refused.verdict.hint is None
+
+    praised = _judge(*session["praised"], Method.OPD, tiny_engine)
+    assert praised.fate.fate == "no_hint" and praised.sample is None
+    assert praised.verdict.score == 1  # the PRM score is still recorded (progress metric)
+
+
+def test_combine_mixes_reward_and_teacher_per_turn(session, tiny_engine):
+    corrected = _judge(*session["corrected"], Method.COMBINE, tiny_engine)
+    assert corrected.sample.reward == -1.0 and corrected.sample.has_teacher
+    assert len(corrected.sample.teacher_logprobs) == len(corrected.sample.output_ids)
+    praised = _judge(*session["praised"], Method.COMBINE, tiny_engine)
+    assert praised.sample.reward == 1.0 and not praised.sample.has_teacher  # RL-only: no pseudo-teacher
+    assert praised.sample.teacher_logprobs is None
+
+
+@pytest.mark.parametrize("method,fate", [(Method.GRPO, "score_zero"), (Method.OPD, "no_hint"),
+                                         (Method.COMBINE, "score_zero")])
+def test_unclear_feedback_makes_no_sample(tiny_engine, method, fate):
+    turn = build_turn([QUESTION], text="Paris.")
+    out = _judge(turn, build_next_state(turn, [UNCLEAR]), method, tiny_engine)
+    assert out.fate.fate == fate and out.sample is None
+    assert out.verdict.score == 0 and out.verdict.votes == [0, 0, 0]
+
+
+@pytest.mark.parametrize("method", list(Method))
+def test_side_turns_and_turns_without_next_state_skip_the_judge(session, tiny_engine, method):
+    never = _CountingJudge()
+    side = _judge(*session["side"], method, tiny_engine, judge=never)
+    ended = _judge(*session["ended"], method, tiny_engine, judge=never)
+    missing = _judge(session["praised"][0], None, method, tiny_engine, judge=never)
+    assert (side.fate.fate, ended.fate.fate, missing.fate.fate) == ("side_turn", "no_next_state", "no_next_state")
+    assert ended.fate.detail == "session_done"
+    assert side.verdict is None and ended.verdict is None and never.calls == 0
+    assert side.fate.judge_config_hash == f"cfg-{method.value}"
+
+
+class _CountingJudge:
+    def __init__(self):
+        self.calls = 0
+
+    async def complete(self, messages, *, n, temperature, max_tokens):
+        self.calls += 1
+        return [r"\boxed{1}"] * n
+
+
+class _NoHintJudge:
+    async def complete(self, messages, *, n, temperature, max_tokens):
+        return [r"\boxed{-1}"] * n
+
+
+class _BrokenJudge:
+    def __init__(self, fail_every: int = 1):
+        self.fail_every, self.count = fail_every, 0
+
+    async def complete(self, messages, *, n, temperature, max_tokens):
+        out = []
+        for _ in range(n):
+            self.count += 1
+            out.append(ConnectionError("judge down") if self.count % self.fail_every == 0 else r"\boxed{-1}")
+        return out
+
+
+def test_backend_failure_is_a_judge_error_with_every_raw_output(session, tiny_engine):
+    out = _judge(*session["corrected"], Method.GRPO, tiny_engine, judge=_BrokenJudge())
+    assert out.failed and out.fate.fate == "judge_error" and out.sample is None
+    assert out.verdict.votes == [None, None, None] and out.verdict.score_reason == "all_failed"
+    assert "prm: all 3 votes failed" in out.verdict.error and "ConnectionError: judge down" in out.verdict.error
+    assert json.loads(out.verdict.raw_outputs) == ["[judge error] ConnectionError: judge down"] * 3
+    assert out.fate.detail == out.verdict.error
+
+
+def test_one_failed_vote_does_not_fail_the_turn(session, tiny_engine):
+    out = _judge(*session["corrected"], Method.GRPO, tiny_engine, judge=_BrokenJudge(fail_every=3))
+    assert out.verdict.votes == [-1, -1, None] and out.verdict.score == -1 and out.fate.fate == "sample"
+    assert json.loads(out.verdict.raw_outputs)[2] == "[judge error] ConnectionError: judge down"
+
+
+def test_teacher_that_cannot_reproduce_the_prompt_is_a_judge_error(tiny_engine):
+    turn = build_turn([QUESTION], prompt_ids=[1, 2, 3])  # not what the tiny tokenizer renders
+    out = _judge(turn, build_next_state(turn, [CORRECTION]), Method.OPD, tiny_engine)
+    assert out.fate.fate == "judge_error" and out.sample is None
+    assert "TeacherAlignmentError" in out.verdict.error and "does not reproduce" in out.verdict.error
+    assert out.verdict.hint == "answer in one word"  # the judge's work is kept
+
+
+def test_engine_judge_on_a_random_model_fails_votes_visibly(session, tiny_engine):
+    judge = EngineJudge(tiny_engine, tiny_engine.tokenizer)
+    out = _judge(*session["praised"], Method.GRPO, tiny_engine, judge=judge, max_tokens=12, judge_backend_name="engine")
+    assert out.verdict.votes == [None, None, None]
+    assert (out.verdict.score, out.verdict.score_reason) == (0, "all_failed")
+    assert out.fate.fate == "score_zero" and out.verdict.error is None  # the judge ran; it just never answered
+    raw = json.loads(out.verdict.raw_outputs)
+    assert len(raw) == 3 and all(isinstance(r, str) and r for r in raw)
+
+
+def test_sample_id_is_deterministic_per_turn_and_config(session, tiny_engine):
+    a = _judge(*session["corrected"], Method.GRPO, tiny_engine)
+    b = _judge(*session["corrected"], Method.GRPO, tiny_engine)
+    c = _judge(*session["corrected"], Method.GRPO, tiny_engine, judge_config_hash="other")
+    assert a.sample.sample_id == b.sample.sample_id == make_sample_id(a.sample.turn_id, "cfg-grpo")
+    assert c.sample.sample_id != a.sample.sample_id
+
+
+def test_judge_config_hash_covers_every_judge_setting():
+    base = dict(backend="engine", model="tiny", method=Method.COMBINE, judge_samples=3, hint_samples=1,
+                temperature=0.6, max_tokens=512, budget_chars=6000, hint_policy="longest",
+                hint_placement="append_last_user", teacher="frozen")
+    h = judge_config_hash(**base)
+    assert len(h) == 16 and h == judge_config_hash(**{**base, "method": "combine"})
+    changed = {"backend": "provider", "model": "smollm2-135m", "method": Method.GRPO, "judge_samples": 5,
+               "hint_samples": 3, "temperature": 0.7, "max_tokens": 256, "budget_chars": 4000,
+               "hint_policy": "first", "hint_placement": "system", "teacher": "policy", "prompts_version": "v2"}
+    hashes = {judge_config_hash(**{**base, k: v}) for k, v in changed.items()}
+    assert len(hashes) == len(changed) and h not in hashes
+
+
+def test_opd_without_a_teacher_is_refused(session, tiny_engine):
+    with pytest.raises(ValueError, match="needs a teacher"):
+        _judge(*session["corrected"], Method.OPD, tiny_engine, teacher=None)
+
+
+# ----------------------------------------------------------------------------------- concurrency
+class _SleepyJudge:
+    """Every completion sleeps 0.2 s; records how many were in flight at once."""
+
+    def __init__(self):
+        self.in_flight = self.max_in_flight = 0
+
+    async def _one(self):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.2)
+        finally:
+            self.in_flight -= 1
+        return r"\boxed{1}"
+
+    async def complete(self, messages, *, n, temperature, max_tokens):
+        return list(await asyncio.gather(*(self._one() for _ in range(n))))
+
+
+def test_turns_and_votes_are_judged_concurrently():
+    judge = _SleepyJudge()
+    turns = [build_turn([QUESTION], session_id=f"s{i}") for i in range(8)]
+    kw = dict(judge=judge, method=Method.GRPO, judge_samples=3, hint_samples=0, temperature=0.6, max_tokens=64,
+              budget_chars=6000, hint_policy="longest", teacher=None, teacher_tokenizer=None,
+              hint_placement="append_last_user", judge_config_hash="cfg", judge_backend_name="sleepy")
+
+    async def run_all():
+        return await asyncio.gather(*(judge_turn(t, build_next_state(t, [PRAISE]), **kw) for t in turns))
+
+    t0 = time.perf_counter()
+    outcomes = asyncio.run(run_all())
+    elapsed = time.perf_counter() - t0
+    assert [o.verdict.score for o in outcomes] == [1] * 8
+    assert judge.max_in_flight >= 8  # no global lock: all 24 votes can overlap
+    assert elapsed < 1.5  # serialized would be 8 turns x 3 votes x 0.2 s = 4.8 s
+
+
+def test_prm_and_hint_votes_of_one_turn_overlap(tiny_engine):
+    judge = _SleepyJudge()
+    turn = build_turn([QUESTION])
+    asyncio.run(judge_turn(turn, build_next_state(turn, [PRAISE]), judge=judge, method=Method.COMBINE,
+                           judge_samples=3, hint_samples=2, temperature=0.6, max_tokens=64, budget_chars=6000,
+                           hint_policy="longest", teacher=tiny_engine, teacher_tokenizer=tiny_engine.tokenizer,
+                           hint_placement="append_last_user", judge_config_hash="cfg", judge_backend_name="sleepy"))
+    assert judge.max_in_flight == 5  # 3 PRM votes + 2 hint votes in flight together

@@ -1,0 +1,51 @@
+import pytest
+
+from clawrl.judge.voting import majority_vote, select_hint
+
+VOTE_CASES = [
+    ([1, 1, -1], (1, "majority")),  # 2 of 3 parsed
+    ([-1, -1, 1], (-1, "majority")),
+    ([0, 0, 1], (0, "majority")),  # a real 0 verdict, not a failure
+    ([1, None, None], (1, "majority")),  # 1 of 1 parsed
+    ([1, 1, None], (1, "majority")),
+    ([1, -1, None], (0, "tie")),  # 1 vs 1
+    ([1, -1, 0], (0, "tie")),  # three-way split
+    ([1, 1, -1, -1], (0, "tie")),
+    ([1, 1, -1, 0], (0, "tie")),  # 2 of 4 is a plurality but not a strict majority
+    ([1, 1, 1, -1, 0], (1, "majority")),  # 3 of 5
+    ([None, None, None], (0, "all_failed")),
+    ([], (0, "all_failed")),
+]
+
+
+@pytest.mark.parametrize("votes,expected", VOTE_CASES)
+def test_majority_vote_table(votes, expected):
+    assert majority_vote(votes) == expected
+
+
+HINTS = ["Use metric units.", None, "Answer in exactly one word, lowercase.", "short", "  Be concise please.  "]
+
+
+@pytest.mark.parametrize("policy,expected", [
+    ("longest", "Answer in exactly one word, lowercase."),  # 38 chars beats 17 and 19
+    ("first", "Use metric units."),
+    ("shortest", "Use metric units."),  # "short" (5 chars) is below the 10-character minimum
+])
+def test_select_hint_policies(policy, expected):
+    assert select_hint(HINTS, policy) == expected
+
+
+def test_select_hint_strips_and_breaks_ties_by_order():
+    assert select_hint(["  Be concise please.  "], "first") == "Be concise please."
+    assert select_hint(["aaaaaaaaaaaa", "bbbbbbbbbbbb"], "longest") == "aaaaaaaaaaaa"
+
+
+def test_select_hint_none_when_nothing_usable():
+    assert select_hint([None, "tiny", "   "], "longest") is None
+    assert select_hint([], "first") is None
+    assert select_hint(["tiny"], "first", min_chars=1) == "tiny"
+
+
+def test_select_hint_unknown_policy_lists_valid_ones():
+    with pytest.raises(ValueError, match="first, longest, shortest"):
+        select_hint(["Use metric units."], "random")

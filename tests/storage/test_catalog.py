@@ -1,0 +1,140 @@
+"""DuckDB views over the tables, and the queries the judge flow and `clawrl status` use."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from clawrl.samples import (
+    BatchRecord,
+    CheckpointRecord,
+    FateRecord,
+    JudgeVerdict,
+    NextStateRecord,
+    SampleRecord,
+)
+from storage.catalog import VIEWS, open_catalog, pending_counts, ready_turns, refresh_views, run_query
+from storage.schemas import TABLES
+from storage.writer import DataStore
+
+
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_every_view_exists_on_an_empty_root_with_its_columns(tmp_path, view):
+    result = run_query(tmp_path / "fresh", f"SELECT * FROM {view}")
+    assert result.num_rows == 0
+    assert result.column_names == TABLES[VIEWS[view]].schema.names + ["date"]
+    assert run_query(tmp_path / "fresh", f"SELECT count(*) AS n FROM {view}").to_pylist() == [{"n": 0}]
+
+
+def test_empty_views_have_the_same_column_types_as_populated_ones(data_root, make_turn):
+    def describe():
+        con = open_catalog(data_root)
+        return {view: con.sql(f"DESCRIBE {view}").fetchall() for view in VIEWS}
+
+    empty = describe()
+    with DataStore(data_root, background=False) as store:
+        store.append([
+            make_turn(0),
+            NextStateRecord("turn-000000", "s0", 0, True, "[]", "next_request"),
+            SampleRecord("x", "turn-000000", "s0", "h", "grpo", [1], [2], [-0.5], 1.0, True, [-0.25], "v0"),
+            FateRecord("turn-000000", "s0", "h", "sample"),
+            BatchRecord("b0", 0, ["x"], ["s0"], "grpo", "c", "v0"),
+        ])
+        store.append([JudgeVerdict("turn-000000", "h", "rule", 1, "majority", [1], "[]"),
+                      CheckpointRecord("v1", 1, "b0", "v0", "/ckpt", "ab", None)])
+        store.flush()
+    populated = describe()
+    for view in VIEWS:
+        assert [c[:2] for c in empty[view]] == [c[:2] for c in populated[view]], view  # (name, type)
+
+
+def test_a_long_lived_connection_sees_new_files_and_new_tables_after_refresh(data_root, make_turn):
+    con = open_catalog(data_root)
+    with DataStore(data_root, background=False) as store:
+        store.append(make_turn(0))
+        store.flush()
+        assert con.sql("SELECT count(*) FROM turns").fetchall() == [(0,)]  # no file when opened
+        refresh_views(con, data_root)
+        assert con.sql("SELECT count(*) FROM turns").fetchall() == [(1,)]
+        store.append(make_turn(1))
+        store.flush()
+        assert con.sql("SELECT count(*) FROM turns").fetchall() == [(2,)]  # the glob is re-read per query
+
+
+def test_run_query_of_a_statement_without_result_returns_an_empty_table(tmp_path):
+    assert run_query(tmp_path, "SET threads = 1").num_rows == 0
+
+
+@pytest.fixture
+def judged_root(data_root, make_turn):
+    """Ten turns in two sessions, in every state a turn can be in under judge config 'h1'.
+
+    t0..t7 main, t8 t9 side. Next states: t0..t5 arrived, t6 closed without one, t7 none yet.
+    Fates under h1: t0 sample, t1 sample, t2 score_zero, t8 side_turn. Under h2: t3 sample.
+    Samples under h1: s0 (t0), s1 (t1), and an older s2 (t0 re-judged); batch b0 consumed s0.
+    """
+    turns = [make_turn(i, session=f"sess{i % 2}", turn_type="side" if i >= 8 else "main") for i in range(10)]
+    records = list(turns)
+    records += [NextStateRecord(f"turn-{i:06d}", f"sess{i % 2}", i, True, f'[{{"n": {i}}}]', "next_request",
+                                created_at=turns[i].completed_at) for i in range(6)]
+    records.append(NextStateRecord("turn-000006", "sess0", 6, False, None, "session_done"))
+    # a later duplicate next state for t0 must not duplicate the ready row or change its messages
+    records.append(NextStateRecord("turn-000000", "sess0", 0, True, '["late"]', "session_done",
+                                   created_at=turns[9].completed_at + timedelta(hours=1)))
+    records += [FateRecord("turn-000000", "sess0", "h1", "sample"), FateRecord("turn-000001", "sess1", "h1", "sample"),
+                FateRecord("turn-000002", "sess0", "h1", "score_zero", "tie"),
+                FateRecord("turn-000008", "sess0", "h1", "side_turn"), FateRecord("turn-000003", "sess1", "h2", "sample")]
+    sample = dict(prompt_ids=[1, 2], output_ids=[3], rollout_logprobs=[-0.5], reward=1.0, has_teacher=False,
+                  teacher_logprobs=None, weight_version="v0", method="grpo")
+    records += [SampleRecord("s0", "turn-000000", "sess0", "h1", **sample),
+                SampleRecord("s1", "turn-000001", "sess1", "h1", **sample),
+                SampleRecord("s2", "turn-000000", "sess0", "h1", **sample),
+                SampleRecord("s9", "turn-000003", "sess1", "h2", **sample)]
+    records.append(BatchRecord("b0", 0, ["s0"], ["sess0"], "grpo", "cfg", "v0"))
+    with DataStore(data_root, background=False) as store:
+        store.append(records)
+        store.flush()
+    return data_root
+
+
+def test_ready_turns_are_main_turns_with_a_next_state_and_no_fate_under_that_config(judged_root):
+    con = open_catalog(judged_root)
+    ready = ready_turns(con, "h1")
+    # main t0..t7; next state arrived: t0..t5; fate under h1: t0 t1 t2 -> ready t3 t4 t5
+    assert ready.column("turn_id").to_pylist() == ["turn-000003", "turn-000004", "turn-000005"]
+    assert ready.column("next_messages").to_pylist() == ['[{"n": 3}]', '[{"n": 4}]', '[{"n": 5}]']
+    for needed in ("prompt_ids", "output_ids", "rollout_logprobs", "request_messages", "weight_version"):
+        assert needed in ready.column_names
+    # under h2 only t3 has a fate -> t0 t1 t2 t4 t5; t0 once, with its first next state
+    ready2 = ready_turns(con, "h2")
+    assert ready2.column("turn_id").to_pylist() == [f"turn-{i:06d}" for i in (0, 1, 2, 4, 5)]
+    assert ready2.column("next_messages").to_pylist()[0] == '[{"n": 0}]'
+    assert ready_turns(con, "h2", limit=2).num_rows == 2
+
+
+def test_pending_counts_explain_where_every_turn_is(judged_root):
+    counts = pending_counts(open_catalog(judged_root), "h1", rollout_batch_size=4)
+    assert counts["turns"] == 10 and counts["main_turns"] == 8 and counts["side_turns"] == 2
+    assert counts["awaiting_next_state"] == 1  # t7
+    assert counts["pending_judgment"] == 3  # t3 t4 t5
+    assert counts["pending_no_next_state"] == 1  # t6
+    assert counts["judged"] == 4  # t0 t1 t2 t8
+    assert counts["fates"] == {"sample": 2, "side_turn": 1, "no_next_state": 0, "score_zero": 1,
+                               "no_hint": 0, "judge_error": 0, "too_stale": 0}
+    assert counts["excluded"] == 2  # side_turn + score_zero
+    assert counts["samples"] == 3 and counts["consumed"] == 1  # s0 s1 s2 under h1; b0 took s0
+    assert counts["trainable"] == 2 and counts["batches"] == 1
+    assert counts["full_batches"] == 0  # 2 // 4
+    assert counts["samples_needed"] == 2  # 4 - 2
+
+
+def test_pending_counts_on_an_empty_root_are_zero(tmp_path):
+    counts = pending_counts(open_catalog(tmp_path), "h1", rollout_batch_size=32)
+    assert counts["turns"] == 0 and counts["trainable"] == 0 and counts["samples_needed"] == 32
+    assert sum(counts["fates"].values()) == 0
+
+
+def test_catalog_connections_draw_no_progress_bar(tmp_path):
+    # DuckDB draws one on stdout for queries over ~2 s; it would corrupt `clawrl sql -f csv` output.
+    assert open_catalog(tmp_path).sql("SELECT current_setting('enable_progress_bar')").fetchall() == [(False,)]

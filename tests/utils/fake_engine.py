@@ -1,0 +1,85 @@
+"""A tiny deterministic stand-in for an Engine, for HTTP plumbing the real engine cannot be made to
+do on demand (e.g. fail in the middle of a stream). Token t+1 follows token t; every logprob is -1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from clawrl.engine.types import BadRequestError, GenerateRequest, GenerateResult, UpdateResult
+
+
+class FakeEngine:
+    def __init__(self, vocab_size: int = 100, *, fail_stream_after: int | None = None, step_s: float = 0.0):
+        self.vocab_size = vocab_size
+        self.fail_stream_after = fail_stream_after
+        self.step_s = step_s
+        self.weight_version = "0"
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self.running = 0
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {"running": self.running, "queued": 0, "paused": not self._resume.is_set()}
+
+    def _check(self, req: GenerateRequest) -> list[int]:
+        ids = req.input_ids or [ord(c) % self.vocab_size for c in req.text or ""]
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise BadRequestError(f"token id outside [0, {self.vocab_size})")
+        return ids
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        ids = self._check(req)
+        await self._resume.wait()
+        n = req.sampling_params.max_new_tokens or 0
+        out: list[int] = []
+        self.running += 1
+        try:
+            for i in range(n):
+                if self.fail_stream_after is not None and i == self.fail_stream_after:
+                    raise BadRequestError("fake failure in the middle of the stream")
+                await asyncio.sleep(self.step_s)
+                out.append(((out or ids)[-1] + 1) % self.vocab_size)
+                done = i == n - 1
+                yield GenerateResult(
+                    rid=req.rid, text=" ".join(map(str, out)), output_ids=list(out), prompt_tokens=len(ids),
+                    completion_tokens=len(out), finish_reason={"type": "length", "length": n} if done else None,
+                    weight_version=self.weight_version, output_logprobs=[-1.0] * len(out),
+                    weight_versions=[{"version": self.weight_version, "start": 0, "end": len(out)}] if done else [],
+                )
+        finally:
+            self.running -= 1
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        last = None
+        async for last in self.generate_stream(req):
+            pass
+        return last
+
+    async def model_info(self) -> dict[str, Any]:
+        return {"model_path": "fake", "weight_version": self.weight_version}
+
+    async def health(self) -> bool:
+        return True
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        self._resume.clear()
+
+    async def continue_generation(self) -> None:
+        self._resume.set()
+
+    async def flush_cache(self) -> bool:
+        return self.running == 0 or not self._resume.is_set()
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> UpdateResult:
+        if not Path(model_path).is_dir():
+            return UpdateResult(False, f"{model_path} is not a directory")
+        self.weight_version = weight_version or self.weight_version
+        return UpdateResult(True, "updated", self.weight_version)
+
+    async def close(self) -> None:
+        pass
