@@ -195,6 +195,69 @@ def turns_to_judge(
     return con.sql(sql, params=params).to_arrow_table()
 
 
+_LATEST_FATE = """
+    SELECT turn_id, fate FROM turn_fate WHERE judge_config_hash = $hash
+    QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1
+"""
+
+_CONSUMED = "SELECT DISTINCT unnest(sample_ids) AS sample_id FROM batches"
+
+
+def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) -> pa.Table:
+    """Samples under this judge config not yet consumed by a batch and not excluded as too stale,
+    oldest first (one row per sample id: the latest write of a re-judged turn)."""
+    sql = f"""
+        SELECT * EXCLUDE (date) FROM samples
+        WHERE judge_config_hash = $hash
+          AND sample_id NOT IN ({_CONSUMED})
+          AND turn_id NOT IN (SELECT turn_id FROM turn_fate WHERE judge_config_hash = $hash
+                              AND fate = '{Fate.TOO_STALE.value}')
+        QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY created_at DESC) = 1
+        ORDER BY created_at, sample_id
+    """
+    return con.sql(sql, params={"hash": judge_config_hash}).to_arrow_table()
+
+
+def open_batch(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
+    """The newest batch with no checkpoint yet (a step that was claimed but not finished), or None."""
+    rows = con.sql("""
+        SELECT * EXCLUDE (date) FROM batches b
+        WHERE NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.batch_id = b.batch_id)
+        ORDER BY created_at DESC LIMIT 1
+    """).to_arrow_table().to_pylist()
+    return rows[0] if rows else None
+
+
+def batch_samples(con: duckdb.DuckDBPyConnection, batch_id: str) -> pa.Table:
+    """The samples a batch lists, in the batch's order."""
+    sql = """
+        WITH one AS (SELECT sample_ids FROM batches WHERE batch_id = $batch_id ORDER BY created_at LIMIT 1),
+        b AS (SELECT unnest(sample_ids) AS sample_id, generate_subscripts(sample_ids, 1) AS pos FROM one),
+        s AS (SELECT * EXCLUDE (date) FROM samples
+              QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY created_at DESC) = 1)
+        SELECT s.* FROM b JOIN s USING (sample_id) ORDER BY b.pos
+    """
+    return con.sql(sql, params={"batch_id": batch_id}).to_arrow_table()
+
+
+def batch_manifest(con: duckdb.DuckDBPyConnection, batch_id: str) -> list[dict[str, Any]]:
+    """One row per sample of a batch (lineage): sample_id, session_id, turn_id, reward, has_teacher,
+    weight_version."""
+    cols = ["sample_id", "session_id", "turn_id", "reward", "has_teacher", "weight_version"]
+    return batch_samples(con, batch_id).select(cols).to_pylist()
+
+
+def checkpoint_exists(con: duckdb.DuckDBPyConnection, weight_version: str) -> bool:
+    return con.sql("SELECT count(*) FROM checkpoints WHERE weight_version = $v",
+                   params={"v": str(weight_version)}).fetchone()[0] > 0
+
+
+def latest_version(con: duckdb.DuckDBPyConnection) -> int:
+    """The newest trained weight version recorded in ``checkpoints`` (0 before any step)."""
+    row = con.sql("SELECT max(step) FROM checkpoints").fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
 def pending_counts(
     con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int
 ) -> dict[str, Any]:
@@ -220,7 +283,9 @@ def pending_counts(
         f AS (
             SELECT DISTINCT turn_id FROM turn_fate WHERE judge_config_hash = $hash),
         s AS (
-            SELECT DISTINCT sample_id FROM samples WHERE judge_config_hash = $hash),
+            SELECT DISTINCT sample_id FROM samples WHERE judge_config_hash = $hash
+              AND turn_id NOT IN (SELECT turn_id FROM turn_fate WHERE judge_config_hash = $hash
+                                  AND fate = '{Fate.TOO_STALE.value}')),
         used AS (
             SELECT DISTINCT unnest(sample_ids) AS sample_id FROM batches)
         SELECT
@@ -245,8 +310,7 @@ def pending_counts(
     counts: dict[str, Any] = dict(zip(names, (int(v) for v in row)))
     fates = {fate.value: 0 for fate in Fate}
     for fate, n in con.sql(
-        "SELECT fate, count(DISTINCT turn_id) FROM turn_fate WHERE judge_config_hash = $hash GROUP BY fate",
-        params={"hash": judge_config_hash},
+        f"SELECT fate, count(*) FROM ({_LATEST_FATE}) GROUP BY fate", params={"hash": judge_config_hash}
     ).fetchall():
         fates[fate] = int(n)
     trainable = counts["samples"] - counts["consumed"]

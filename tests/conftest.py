@@ -61,6 +61,21 @@ def smollm2_dir(model_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_engine(tiny_dir):
+    """One started tiny engine (float32, CPU, weight_version "0") shared by the session's tests.
+    Tests must not change its weights; tests that update weights build their own engine."""
+    import asyncio
+
+    from clawrl.engine.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_dir, dtype="float32", device="cpu", max_batch_size=16, max_context_len=2048,
+                            weight_version="0", served_model_name="tiny")
+    asyncio.run(engine.start())
+    yield engine
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
     """One Prefect test server for the session (startup ~15 s on 2 cores; default timeout is too short)."""
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))

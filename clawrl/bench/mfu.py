@@ -6,8 +6,10 @@ plain transformers + torch, on a Qwen3-shaped model with random weights (nothing
     python -m clawrl.bench.mfu --tiny --backend megatron --steps 1        # CPU smoke test
 
 A step is forward + backward + AdamW step on ``batch`` random sequences of ``seq`` tokens with the
-next-token cross-entropy loss. Both backends hold bf16 parameters and gradients and use torch's
-fused AdamW (``--tiny``: float32 on CPU, unfused). Prints one JSON object.
+next-token cross-entropy loss. Both backends start from the same random weights (the megatron
+model is converted from the HF one), hold bf16 parameters and gradients and use torch's fused
+AdamW (``--tiny`` on CPU: float32, unfused). Prints one JSON object; ``loss_first`` of the two
+backends should agree to bf16 precision.
 
 FLOP count (model FLOPs, PaLM's convention: Chowdhery et al. 2022, appendix B):
     N      = L (H·(nq+2·nkv)·hd + nq·hd·H + 3·H·F) + H·V    matmul weights: attention, SwiGLU
@@ -83,7 +85,8 @@ def build_hf_config(s: ModelShape):
 def _build_hf(cfg, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device)
+    with device:  # initialise on the device: a 4B model's CPU init alone takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
 
     def loss_fn(ids: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=ids).logits
@@ -93,14 +96,19 @@ def _build_hf(cfg, dtype: torch.dtype, device: torch.device):
 
 
 def _build_megatron(cfg, dtype: torch.dtype, device: torch.device, attention: str, seed: int):
-    from clawrl.train.convert import megatron_config_from_hf
-    from clawrl.train.megatron_model import build_gpt_model
+    """The megatron twin of the HF model ``_build_hf`` makes for this seed, loaded from its
+    weights, so both backends start from identical weights (and their losses can be compared)."""
+    from clawrl.train.convert import hf_to_megatron, megatron_config_from_hf
+    from clawrl.train.megatron_model import build_gpt_model, load_megatron_weights
     from clawrl.train.megatron_shims import init_megatron
 
     runtime = init_megatron(1, seed)
-    args = megatron_config_from_hf(cfg, dtype=dtype, tp=1, use_cpu_initialization=device.type == "cpu",
-                                   perform_initialization=True)  # random weights: nothing is loaded
+    torch.manual_seed(seed)
+    hf_model, _ = _build_hf(cfg, dtype, device)
+    args = megatron_config_from_hf(cfg, dtype=dtype, tp=1, use_cpu_initialization=device.type == "cpu")
     model = build_gpt_model(args, attention=attention, device=device)
+    load_megatron_weights(model, hf_to_megatron(hf_model.state_dict(), cfg))
+    del hf_model
 
     def loss_fn(ids: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape
@@ -123,6 +131,7 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
     cfg = build_hf_config(shape)
     runtime = None
     if backend == "hf":
+        torch.manual_seed(seed)
         model, loss_fn = _build_hf(cfg, dtype, dev)
     elif backend == "megatron":
         model, loss_fn, runtime = _build_megatron(cfg, dtype, dev, attention, seed)

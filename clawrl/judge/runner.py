@@ -64,7 +64,8 @@ def frozen_engine(settings: Settings):
                               max_context_len=settings.engine.max_context_len, weight_version="frozen",
                               served_model_name="clawrl-frozen")
 
-    return runtime.get_or_create(FROZEN_ENGINE, make)
+    return runtime.get_or_create(f"{FROZEN_ENGINE}:{settings.model.name}:{settings.model.seed}:{settings.model.dtype}",
+                                 make)
 
 
 def _judge_model_id(settings: Settings) -> str:

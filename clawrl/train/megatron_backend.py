@@ -83,6 +83,10 @@ class MegatronBackend:
             raise ValueError(f"device {device!r}: megatron runs on CUDA when it is available and on CPU "
                              f"(with shims) only when it is not; torch.cuda.is_available() is "
                              f"{torch.cuda.is_available()}")
+        if not want_cuda and dtype != "float32":
+            # megatron-core's linear layers re-enter autocast in backward for CUDA only
+            # (custom_bwd(device_type="cuda")): a CPU bf16 backward fails on a dtype mismatch
+            raise ValueError(f"dtype {dtype!r} on CPU: the Megatron backend runs float32 on CPU")
         self.model_dir = Path(model_dir)
         self.hp = hp
         self.compute_dtype = torch_dtype(dtype)
@@ -240,7 +244,7 @@ class MegatronBackend:
         if self.runtime.rank == 0:
             _write_hf_checkpoint(state, self.hf_config, self.model_dir, out_dir)
         if self.runtime.world_size > 1:
-            dist.barrier()
+            dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
         return out_dir
 
 
@@ -318,8 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save", type=Path, default=None, help="write an HF checkpoint here after the steps")
     a = ap.parse_args(argv)
 
-    if not dist.is_initialized():
-        # torchrun exports RANK/WORLD_SIZE/MASTER_ADDR; torch's env:// rendezvous reads them
+    if dist.is_torchelastic_launched() and not dist.is_initialized():
+        # torchrun exports RANK/WORLD_SIZE/MASTER_ADDR; torch's env:// rendezvous reads them.
+        # Without torchrun, MegatronBackend starts a world of one process itself.
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     hp = synthetic_hyperparams(lr=a.lr, micro_batch_size=a.micro_batch_size, ppo_epochs=a.ppo_epochs,
                                kl_coef=a.kl_coef, entropy_coef=a.entropy_coef)
@@ -338,7 +343,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"step": step, "tp": a.tp, **metrics}), flush=True)
     if a.save is not None:
         backend.save_checkpoint(a.save)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -116,13 +116,15 @@ def test_no_reference_without_kl(megatron_tp1, tiny_dir):
         mb.compute_logprobs(_batch(49152), reference=True)
 
 
-def test_cuda_device_without_cuda_is_refused(tiny_dir):
+def test_cuda_device_or_bf16_without_cuda_is_refused(tiny_dir):
     from clawrl.train.megatron_backend import MegatronBackend
 
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only machine's refusal")
     with pytest.raises(ValueError, match="torch.cuda.is_available\\(\\) is False"):
         MegatronBackend(tiny_dir, _hp(), device="cuda")
+    with pytest.raises(ValueError, match="runs float32 on CPU"):
+        MegatronBackend(tiny_dir, _hp(), dtype="bfloat16")
 
 
 # --------------------------------------------------------------------------------------------

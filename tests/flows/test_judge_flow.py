@@ -1,0 +1,99 @@
+"""The judge flow end to end: a scripted session through the gateway (real openai SDK) -> Prefect
+flow -> verdicts, samples and fates in storage, queryable with DuckDB and `clawrl status`."""
+
+import json
+
+import pytest
+from openai import OpenAI
+from typer.testing import CliRunner
+
+from clawrl.config import dump_toml
+from clawrl.gateway.routes import create_app
+from clawrl.judge.runner import build_judge_config_hash
+from storage.catalog import run_query
+from storage.writer import DataStore
+from tests.utils.gateway_server import running_gateway
+
+
+def _session(client, sid, first, reply_after):
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": first}]
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, extra_body={"session_id": sid})
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": reply_after}]
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=4,
+                                   extra_body={"session_id": sid, "session_done": True})
+
+
+@pytest.fixture
+def judged(prefect_harness, make_settings, tiny_engine, tmp_path):
+    def run(method="combine", **kw):
+        s = make_settings({"server.open_mode": True, "ppo.advantage_estimator": method, "ppo.temperature": 1.0,
+                           "ppo.rollout_batch_size": 2, "prm.backend": "rule", **kw})
+        conf = tmp_path / f"{method}.toml"
+        conf.write_text(dump_toml(s))
+        store = DataStore(s.storage.data_root)
+        app = create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
+        with running_gateway(app) as gw:
+            client = OpenAI(base_url=gw.base_url, api_key="x")
+            _session(client, "corrected", "What is the capital of France?", "no, that's wrong, answer in one word")
+            _session(client, "thanked", "Name a primary color.", "thanks, that's great!")
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}], max_tokens=2,
+                                           extra_body={"session_id": "hb", "turn_type": "side"})
+        store.close()
+        from flows.judge import judge_flow
+
+        out = judge_flow(config_path=str(conf))
+        return s, conf, out
+
+    return run
+
+
+def q(s, sql):
+    return run_query(s.storage.data_root, sql).to_pylist()
+
+
+def test_rule_judge_flow_scores_correction_and_thanks(judged, tiny_engine):
+    s, conf, out = judged("combine")
+    chash = build_judge_config_hash(s)
+    assert out["judge_config_hash"] == chash
+    # 2 first turns with a next state, 2 final turns closed by session_done, 1 side turn
+    assert out["judged"] == 5
+    assert out["fates"] == {"sample": 2, "no_next_state": 2, "side_turn": 1}
+    verdicts = {r["session_id"]: r for r in q(s, "select j.*, t.session_id from judgments j join turns t using (turn_id)")}
+    assert verdicts["corrected"]["score"] == -1 and verdicts["thanked"]["score"] == 1
+    assert verdicts["corrected"]["hint"] == "answer in one word" and verdicts["thanked"]["hint"] is None
+    assert all(len(json.loads(v["raw_outputs"])) == s.prm.judge_samples for v in verdicts.values())
+    samples = {r["session_id"]: r for r in q(s, "select * from samples")}
+    corrected, thanked = samples["corrected"], samples["thanked"]
+    assert corrected["reward"] == -1.0 and corrected["has_teacher"]
+    assert len(corrected["teacher_logprobs"]) == len(corrected["output_ids"]) == len(corrected["rollout_logprobs"])
+    assert thanked["reward"] == 1.0 and not thanked["has_teacher"] and thanked["teacher_logprobs"] is None
+    fates = q(s, "select fate, count(*) as n from turn_fate group by fate order by fate")
+    assert fates == [{"fate": "no_next_state", "n": 2}, {"fate": "sample", "n": 2}, {"fate": "side_turn", "n": 1}]
+    assert out["status"]["trainable"] == 2 and out["status"]["full_batches"] == 1
+
+
+def test_rerun_is_exactly_once_and_status_reports(judged):
+    s, conf, out = judged("grpo")
+    from flows.judge import judge_flow
+
+    again = judge_flow(config_path=str(conf))
+    assert again["judged"] == 0
+    assert q(s, "select count(*) as n from turn_fate")[0]["n"] == 5
+    assert q(s, "select count(distinct sample_id) as n, count(*) as rows from samples")[0] == {"n": 2, "rows": 2}
+    from clawrl.cli import app
+
+    res = CliRunner().invoke(app, ["status", "--config", str(conf)])
+    assert res.exit_code == 0, res.output
+    assert "trainable samples waiting" in res.output and "2 / rollout_batch_size 2" in res.output
+    assert "excluded: no_next_state" in res.output and "excluded: side_turn" in res.output
+
+
+def test_opd_teacher_logprobs_align_with_the_rollout(judged):
+    """Teacher = frozen initial model = the policy here (no update yet): with the hint the teacher
+    prompt differs, but the teacher scores exactly len(output_ids) tokens."""
+    s, conf, out = judged("on_policy_distillation")
+    assert out["fates"] == {"sample": 1, "no_hint": 1, "no_next_state": 2, "side_turn": 1}
+    [sample] = q(s, "select * from samples")
+    assert sample["reward"] == 0.0 and sample["has_teacher"]
+    assert len(sample["teacher_logprobs"]) == len(sample["output_ids"])
+    assert all(lp <= 0 for lp in sample["teacher_logprobs"])

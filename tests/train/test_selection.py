@@ -1,0 +1,26 @@
+from clawrl.train.selection import parse_version, select_batch, staleness
+
+
+def s(i, v):
+    return {"sample_id": f"s{i}", "weight_version": v}
+
+
+def test_parse_version_treats_sglang_default_as_zero():
+    assert parse_version("7") == 7 and parse_version("default") == 0 and parse_version(None) == 0
+
+
+def test_staleness_counts_versions():
+    assert staleness("3", 5) == 2 and staleness("5", 5) == 0
+
+
+def test_select_takes_oldest_fresh_and_reports_stale():
+    samples = [s(0, "0"), s(1, "1"), s(2, "4"), s(3, "5"), s(4, "5")]
+    # current 5, cap 2: versions 0 and 1 are 5 and 4 steps old -> too stale
+    batch, stale = select_batch(samples, current_version=5, batch_size=2, max_staleness=2)
+    assert [x["sample_id"] for x in batch] == ["s2", "s3"]
+    assert [x["sample_id"] for x in stale] == ["s0", "s1"]
+
+
+def test_select_waits_for_a_full_batch():
+    batch, stale = select_batch([s(0, "3")], current_version=3, batch_size=2, max_staleness=0)
+    assert batch is None and stale == []
