@@ -212,6 +212,120 @@ def status(config: ConfigOpt = None) -> None:
     _print_status(counts, chash, versions[0] if versions else None)
 
 
+@app.command("train")
+def train(
+    config: ConfigOpt = None,
+    steps: Annotated[int, typer.Option(help="Most PPO steps to run (one per full batch).")] = 1,
+    trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here).")] = None,
+    engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http).")] = None,
+) -> None:
+    """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
+    settings_or_exit(config)
+    from flows.train import train_flow
+
+    out = train_flow(config_path=str(config) if config else None, max_steps=steps, trainer_url=trainer_url,
+                     engine_url=engine_url)
+    if not out["steps"]:
+        console.print("no full batch of trainable samples yet (see `clawrl status`)")
+    for st in out["steps"]:
+        m = st["metrics"]
+        console.print(f"step {st['step']}: weight_version {st['weight_version']}, loss {m.get('loss', float('nan')):.4f}, "
+                      f"{int(m.get('num_seqs', 0))} samples, checkpoint {st['path']}, sync: {st['sync']['message'] or 'ok'}",
+                      markup=False)
+
+
+@app.command("sync")
+def sync(
+    version: Annotated[str, typer.Argument(help="Weight version to push (default: the latest checkpoint).")] = "latest",
+    config: ConfigOpt = None,
+    engine_url: Annotated[Optional[str], typer.Option(help="SGLang server or `clawrl engine` URL.")] = None,
+) -> None:
+    """Push a checkpoint to an HTTP engine: pause -> update_weights_from_disk -> continue."""
+    s = settings_or_exit(config)
+    url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
+    if not url:
+        err.print("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url", style="red")
+        raise typer.Exit(2)
+    from clawrl import runtime
+    from clawrl.engine.sglang_client import SGLangClient
+    from clawrl.sync import sync_from_disk
+    from storage.catalog import open_catalog
+
+    con = open_catalog(s.storage.data_root)
+    try:
+        where = "ORDER BY step DESC LIMIT 1" if version == "latest" else "WHERE weight_version = $v LIMIT 1"
+        rows = con.sql(f"SELECT weight_version, path FROM checkpoints {where}",
+                       params={} if version == "latest" else {"v": version}).fetchall()
+    finally:
+        con.close()
+    if not rows:
+        err.print(f"no checkpoint for version {version!r} in {s.storage.data_root}", style="red", markup=False)
+        raise typer.Exit(2)
+    v, path = rows[0]
+
+    async def go():
+        client = SGLangClient(url, timeout_s=s.engine.request_timeout_s)
+        try:
+            return await sync_from_disk(client, path, v)
+        finally:
+            await client.close()
+
+    rep = runtime.run(go())
+    console.print(f"{'synced' if rep.success else 'FAILED'}: engine serves version {rep.weight_version} "
+                  f"({rep.message}, {rep.seconds:.2f} s)", markup=False)
+    raise typer.Exit(0 if rep.success else 1)
+
+
+@app.command("lineage")
+def lineage(
+    version: Annotated[str, typer.Argument(help="A weight version, e.g. 3.")],
+    config: ConfigOpt = None,
+) -> None:
+    """What trained a version: its batches -> sessions -> turns, with MLflow runs and checkpoint hashes."""
+    s = settings_or_exit(config)
+    from rich.tree import Tree
+
+    from storage.catalog import lineage_chain, open_catalog
+
+    con = open_catalog(s.storage.data_root)
+    try:
+        chain = lineage_chain(con, version)
+    finally:
+        con.close()
+    if not chain:
+        err.print(f"no checkpoint with weight_version {version!r} in {s.storage.data_root}", style="red",
+                  markup=False)
+        raise typer.Exit(2)
+    tree = Tree(f"weight_version {version} (from version 0 = {s.model.name})")
+    for c in chain:
+        node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']} "
+                        f"({len(c['sample_ids'])} samples, {c['method']}), mlflow run {c['mlflow_run_id']}, "
+                        f"sha256 {c['sha256'][:12]}")
+        for sid in c["session_ids"]:
+            node.add(f"session {sid}")
+        node.add(f"turns: {', '.join(t[:8] for t in c['turn_ids'])}")
+    console.print(tree, markup=False)
+
+
+@app.command("trainer")
+def trainer_service(
+    config: ConfigOpt = None,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 30020,
+) -> None:
+    """Run the long-lived trainer service (model + optimizer stay in memory between flow runs)."""
+    s = settings_or_exit(config)
+    import uvicorn
+
+    from clawrl.train.service import create_trainer_app
+    from clawrl.train.trainer import trainer_from_settings
+
+    tr = trainer_from_settings(s)
+    console.print(f"trainer at http://{host}:{port} (weight_version {tr.weight_version}, backend {s.ppo.backend})",
+                  markup=False)
+    uvicorn.run(create_trainer_app(tr, s.storage.data_root), host=host, port=port, log_level="warning")
+
+
 def _print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
     from rich.table import Table
 

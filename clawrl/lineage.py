@@ -111,7 +111,7 @@ def register_checkpoint(c, *, step: dict[str, Any], run_id: str, tags: dict[str,
                "parent_version": step["parent_version"], "sample_count": str(sample_count),
                "checkpoint_sha256": step["sha256"], **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
     mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
-    c.set_registered_model_alias(REGISTERED_MODEL, "latest", str(mv.version))
+    c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
     return mv
 
 

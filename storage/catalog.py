@@ -248,14 +248,33 @@ def batch_manifest(con: duckdb.DuckDBPyConnection, batch_id: str) -> list[dict[s
 
 
 def checkpoint_exists(con: duckdb.DuckDBPyConnection, weight_version: str) -> bool:
-    return con.sql("SELECT count(*) FROM checkpoints WHERE weight_version = $v",
-                   params={"v": str(weight_version)}).fetchone()[0] > 0
+    return con.execute("SELECT count(*) FROM checkpoints WHERE weight_version = $v",
+                       {"v": str(weight_version)}).fetchall()[0][0] > 0
+
+
+def lineage_chain(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
+    """What trained ``weight_version``: that checkpoint and every ancestor back to version 1, each with
+    its batch, sessions and turns (newest first). Empty when the version is unknown."""
+    rows = con.sql("""
+        WITH c AS (SELECT * EXCLUDE (date) FROM checkpoints
+                   QUALIFY row_number() OVER (PARTITION BY weight_version ORDER BY created_at) = 1),
+        b AS (SELECT * EXCLUDE (date) FROM batches
+              QUALIFY row_number() OVER (PARTITION BY batch_id ORDER BY created_at) = 1)
+        SELECT c.weight_version, c.step, c.parent_version, c.batch_id, c.sha256, c.mlflow_run_id, c.path,
+               b.sample_ids, b.session_ids, b.method
+        FROM c JOIN b USING (batch_id)
+        WHERE c.step <= (SELECT max(step) FROM c WHERE weight_version = $v)
+        ORDER BY c.step DESC
+    """, params={"v": str(weight_version)}).to_arrow_table().to_pylist()
+    for r in rows:
+        r["turn_ids"] = [t["turn_id"] for t in batch_manifest(con, r["batch_id"])]
+    return rows
 
 
 def latest_version(con: duckdb.DuckDBPyConnection) -> int:
     """The newest trained weight version recorded in ``checkpoints`` (0 before any step)."""
-    row = con.sql("SELECT max(step) FROM checkpoints").fetchone()
-    return int(row[0]) if row and row[0] is not None else 0
+    value = con.execute("SELECT max(step) FROM checkpoints").fetchall()[0][0]
+    return 0 if value is None else int(value)
 
 
 def pending_counts(

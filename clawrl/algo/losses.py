@@ -17,7 +17,8 @@ Where we depart from textbook PPO (Schulman et al. 2017, eq. 7) and the referenc
   3. Truncated importance sampling against the *rollout* log-probs: the engine that sampled the
      turn may be several weight versions old and numerically different from the trainer, so each
      token is reweighted by min(pi_old / pi_rollout, cap). The reference keeps the ratio at 1 and
-     ignores this gap.
+     ignores this gap. Both log-probs must score the same distribution: rollout log-probs taken
+     at temperature T != 1 against trainer log-probs at T = 1 bias every weight.
   4. KL to the frozen initial model is a loss term (not a reward penalty), estimator k1/k2/k3
      (Schulman 2020, "Approximating KL divergence").
   5. Log-ratios are clamped to [-20, 20] before exp: a masked or diverged token must not turn

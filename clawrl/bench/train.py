@@ -107,9 +107,10 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
                     batch_size: int = 8, seq_len: int = 256, prompt_len: int = 128, warmup: int = 1,
                     repeats: int = 3, device: str = "cpu", dtype: str = "float32",
                     threads: int | None = None) -> list[dict[str, Any]]:
-    """Seconds and tokens/s (all B*L positions) per step for: the plain HF step (the bound), the
-    PPO step with the KL reference (``ppo_step``, the default config) and without it
-    (``ppo_step_no_ref``), and the reference forward alone. ``vs_bound`` = bound time / time."""
+    """Seconds (best and median of ``repeats``) and tokens/s (all B*L positions, best run) per step
+    for: the plain HF step (the bound), the PPO step with the KL reference (``ppo_step``, the
+    default config) and without it (``ppo_step_no_ref``), and the reference forward alone.
+    ``vs_bound`` = best bound time / best time (>= 0.8 is the target)."""
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     if threads:
@@ -138,20 +139,23 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
         for _ in range(repeats):  # interleaved so a load spike on a shared machine hits all rows
             for k, fn in timed.items():
                 samples[k] += _time(fn, warmup=0, repeats=1, device=device)
-        bound = statistics.median(samples["hf_step"])
+        # Best of N: on a shared machine the fastest run is the least disturbed one; the median
+        # is reported beside it so the noise is visible.
+        bound = min(samples["hf_step"])
         for k, times in samples.items():
-            med = statistics.median(times)
+            best = min(times)
             rows.append(dict(model=name, what=k, device=device, dtype=dtype, batch=batch_size, seq_len=seq_len,
-                             threads=torch.get_num_threads(), seconds=round(med, 4),
-                             seconds_min=round(min(times), 4), tokens_per_s=round(tokens / med, 1),
-                             vs_bound=round(bound / med, 3) if k != "ref_forward" else None))
+                             threads=torch.get_num_threads(), seconds=round(best, 4),
+                             seconds_median=round(statistics.median(times), 4),
+                             tokens_per_s=round(tokens / best, 1),
+                             vs_bound=round(bound / best, 3) if k != "ref_forward" else None))
         del plain, with_ref, no_ref
         gc.collect()
     return rows
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    cols = ["model", "what", "device", "threads", "seconds", "seconds_min", "tokens_per_s", "vs_bound"]
+    cols = ["model", "what", "device", "threads", "seconds", "seconds_median", "tokens_per_s", "vs_bound"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     lines += [" | ".join(str(r[c]) for c in cols) for r in rows]
     return "\n".join(lines)

@@ -391,6 +391,7 @@ class EmbeddedEngine:
         await self._call(relabel)
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
+        """Stop stepping (module docstring: abort / retract / in_place); returns once done."""
         if mode not in PAUSE_MODES:
             raise BadRequestError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         with self._cv:
@@ -401,9 +402,15 @@ class EmbeddedEngine:
         await self._call(self._do_continue)
 
     async def flush_cache(self) -> bool:
+        """Free the KV buffers; False (nothing done) while requests run and the engine is not paused,
+        or while in-place-paused requests hold KV (SGLang 0.5.23)."""
         return await self._call(self._do_flush)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> UpdateResult:
+        """Load an HF safetensors directory into new tensors (off the event loop, while serving),
+        check every key and shape, then swap them in between two steps (draining first unless
+        paused). Any failure leaves the old weights and label serving. ``weight_version`` None
+        keeps the label."""
         try:
             new = await asyncio.to_thread(load_checkpoint_tensors, model_path, self._model)
         except WeightLoadError as e:
@@ -417,6 +424,9 @@ class EmbeddedEngine:
         return await self._update(swap, weight_version, model_path)
 
     async def update_weights_from_state_dict(self, state_dict: Mapping[str, Tensor], weight_version: str) -> UpdateResult:
+        """The in-process sync path: check keys and shapes, then copy the tensors into the served
+        parameters between two steps (draining first unless paused). The caller must not modify
+        the tensors until this returns."""
         canonical, aliases = served_tensors(self._model)
         try:
             check_weights(state_dict, canonical, aliases)
@@ -599,7 +609,10 @@ class EmbeddedEngine:
             return
         admitted = self._admit()
         if admitted:
-            self._prefill(admitted)
+            try:
+                self._prefill(admitted)
+            except Exception as e:  # e.g. out of memory on a huge prompt: fail those, keep the batch
+                self._fail_admitted(admitted, EngineError(f"prefill failed: {type(e).__name__}: {e}"))
         if self._running:
             self._decode()
         if not self._running and self._cache.capacity:
@@ -624,7 +637,7 @@ class EmbeddedEngine:
         for seq in seqs:
             seq.row = len(self._running)
             self._running.append(seq)
-        last_logits: dict[int, Tensor] = {}
+        last_hidden: dict[int, Tensor] = {}
         for group in _plan_prefill_groups(seqs):
             prompts = [s.tokens for s in group]
             starts = [self._first_scored_position(s) for s in group]
@@ -635,16 +648,18 @@ class EmbeddedEngine:
                 if not s.prefilled_once and s.req.return_logprob and s.req.logprob_start_len >= 0:
                     self._score_prompt(s, h[:-1])
                 s.prefilled_once = True
-                last_logits[id(s)] = self._runner.lm_head(h[-1:])[0]
-        sampling = [s for s in seqs if s.max_new > 0]
-        for s in seqs:
+                last_hidden[id(s)] = h[-1]
+        # one LM-head call for every new sequence: each call streams the whole (vocab x hidden) matrix
+        last_logits = self._runner.lm_head(torch.stack([last_hidden[id(s)] for s in seqs]))  # (N, vocab)
+        sampling = [i for i, s in enumerate(seqs) if s.max_new > 0]
+        for i, s in enumerate(seqs):
             if s.max_new == 0:  # prefill-only scoring (the teacher path)
                 if s.sampling.top_logprobs_num > 0:
-                    lp = torch.log_softmax(_scale(last_logits[id(s)], s.sampling)[None], dim=-1)
+                    lp = torch.log_softmax(_scale(last_logits[i], s.sampling)[None], dim=-1)
                     s.output_top = top_logprobs(lp, [s.sampling.top_logprobs_num])
                 self._finish(s, {"type": "length", "length": 0})
         if sampling:
-            self._sample_and_append(sampling, torch.stack([last_logits[id(s)] for s in sampling]))
+            self._sample_and_append([seqs[i] for i in sampling], last_logits[sampling])
 
     def _first_scored_position(self, seq: _Sequence) -> int:
         """First position whose logits the prefill must return (the last one is always needed)."""
@@ -790,6 +805,17 @@ class EmbeddedEngine:
             self._abort(s, s.abort_message)
         for s in [s for s in self._running if s.abort_message is not None]:
             self._abort(s, s.abort_message)
+
+    def _fail_admitted(self, seqs: list[_Sequence], exc: EngineError) -> None:
+        for s in seqs:
+            if s.finish_reason is not None:
+                continue
+            if s.row is not None:
+                self._release_row(s)
+            s.finish_reason = {"type": "abort", "message": str(exc), "status_code": 500, "err_type": "EngineError"}
+            with self._cv:
+                self._live.discard(s)
+            s.sink.fail(exc)
 
     def _fail_running(self, exc: EngineError) -> None:
         for s in list(self._running):

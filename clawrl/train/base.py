@@ -15,10 +15,10 @@ This needs a deterministic ``forward`` (dropout off), which both backends guaran
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -100,6 +100,14 @@ class TrainBackend(Protocol):
 
     def save_checkpoint(self, out_dir: Path) -> Path:
         """Write an HF safetensors directory at ``out_dir`` atomically (temp dir + rename)."""
+        ...
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """AdamW moments keyed by parameter name, with a backend-specific ``format`` tag."""
+        ...
+
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`optimizer_state_dict` output (a resume); a foreign ``format`` raises."""
         ...
 
 

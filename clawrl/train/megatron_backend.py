@@ -24,6 +24,7 @@ Multi-GPU, PPO steps on a synthetic batch (the entry point at the bottom of this
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -59,6 +60,7 @@ from clawrl.train.megatron_model import (
 from clawrl.train.megatron_shims import init_megatron
 
 _NOT_COPIED = {"config.json", ".complete"}  # written fresh, or a cache marker
+OPTIMIZER_STATE_FORMAT = "clawrl-megatron-adamw-hf-v1"
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,7 +76,10 @@ class MegatronBackend:
 
     def __init__(self, model_dir: Path, hp: PPOHyperParams, *, dtype: str = "float32", device: str = "cpu",
                  tp_size: int = 1, attention: str = "local", deterministic: bool = True,
-                 vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> None:
+                 reference_dir: Path | None = None, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> None:
+        """``model_dir``: the weights to train (the base model, or a checkpoint to resume from);
+        ``reference_dir``: the frozen KL reference (default ``model_dir``; a resumed trainer
+        passes the base model). Constructing it is collective under torchrun."""
         from megatron.core import parallel_state
         from transformers import AutoConfig
 
@@ -106,11 +111,13 @@ class MegatronBackend:
                                             vocab_multiple=vocab_multiple,
                                             use_cpu_initialization=self.device.type == "cpu")
         self.vocab_start = self.tp_rank * self.args.padded_vocab_size // tp_size
-        weights = hf_to_megatron(load_hf_state_dict(self.model_dir), self.hf_config, self.tp_rank, tp_size,
-                                 vocab_multiple=vocab_multiple)
-        self.model = self._build(weights, attention)
-        # a second model, not a deepcopy: Megatron modules hold process groups, which do not copy
-        self.reference = self._build(weights, attention).requires_grad_(False) if hp.kl_coef > 0 else None
+        self.vocab_multiple = vocab_multiple
+        self.model = self._build(self._load_shard(self.model_dir), attention)
+        self.reference = None
+        if hp.kl_coef > 0:
+            # a second model, not a deepcopy: Megatron modules hold process groups, which do not copy
+            ref_dir = self.model_dir if reference_dir is None else Path(reference_dir)
+            self.reference = self._build(self._load_shard(ref_dir), attention).requires_grad_(False)
         model = self.model
         self.params = list(model.parameters())
         self.sharded = [is_tp_sharded(n) for n, _ in model.named_parameters()]  # aligned with self.params
@@ -120,6 +127,10 @@ class MegatronBackend:
         self.optimizer = torch.optim.AdamW(self.params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay,
                                            fused=self.device.type == "cuda")
         self.steps_done = 0
+
+    def _load_shard(self, model_dir: Path) -> dict[str, Tensor]:
+        return hf_to_megatron(load_hf_state_dict(model_dir), self.hf_config, self.tp_rank, self.tp_size,
+                              vocab_multiple=self.vocab_multiple)
 
     def _build(self, weights: Mapping[str, Tensor], attention: str):
         model = build_gpt_model(self.args, attention=attention, device=self.device)
@@ -212,18 +223,21 @@ class MegatronBackend:
     # -- weights out ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def megatron_shards(self) -> list[dict[str, Tensor]]:
-        """Every TP rank's parameters (CPU copies, rank order), gathered on every rank."""
-        local = {n: p.detach() for n, p in self.model.named_parameters()}
+    def _gather_over_tp(self, local: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
+        """Every TP rank's version of ``local`` (CPU copies, rank order), on every rank."""
         if self.tp_size == 1:
-            return [{n: t.cpu() for n, t in local.items()}]
+            return [{n: t.detach().cpu() for n, t in local.items()}]
         shards: list[dict[str, Tensor]] = [{} for _ in range(self.tp_size)]
         for name, t in local.items():
             parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-            dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+            dist.all_gather(parts, t.detach().contiguous(), group=self.tp_group)
             for rank, part in enumerate(parts):
                 shards[rank][name] = part.cpu()
         return shards
+
+    def megatron_shards(self) -> list[dict[str, Tensor]]:
+        """Every TP rank's parameters (CPU copies, rank order), gathered on every rank."""
+        return self._gather_over_tp(dict(self.model.named_parameters()))
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Full weights under HF names, float32 CPU copies, gathered over TP (collective: every
@@ -232,6 +246,39 @@ class MegatronBackend:
         if getattr(self.hf_config, "tie_word_embeddings", False):
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """AdamW's moments under HF parameter names, gathered over TP (collective), so a resume
+        may use another TP size: {"format", "step", "exp_avg": {hf name: tensor}, "exp_avg_sq": ...}.
+        Moments are elementwise, so they convert exactly like the weights."""
+        names = [n for n, _ in self.model.named_parameters()]
+        state = self.optimizer.state_dict()["state"]  # param index -> {"step", "exp_avg", "exp_avg_sq"}
+        out: dict[str, Any] = {"format": OPTIMIZER_STATE_FORMAT, "step": 0, "exp_avg": {}, "exp_avg_sq": {}}
+        if not state:
+            return out
+        steps = {float(s["step"]) for s in state.values()}
+        if len(steps) != 1 or len(state) != len(names):
+            raise RuntimeError(f"AdamW state covers {len(state)} of {len(names)} parameters at steps {sorted(steps)}")
+        out["step"] = int(steps.pop())
+        for key in ("exp_avg", "exp_avg_sq"):
+            shards = self._gather_over_tp({n: state[i][key] for i, n in enumerate(names)})
+            out[key] = megatron_to_hf(shards, self.hf_config, self.tp_size)
+        return out
+
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`optimizer_state_dict` returned (at any TP size); the learning
+        rate and betas stay this backend's own."""
+        if state.get("format") != OPTIMIZER_STATE_FORMAT:
+            raise ValueError(f"optimizer state format {state.get('format')!r}; expected {OPTIMIZER_STATE_FORMAT!r}")
+        if not state["exp_avg"]:
+            return
+        moments = {key: hf_to_megatron(state[key], self.hf_config, self.tp_rank, self.tp_size,
+                                       vocab_multiple=self.vocab_multiple) for key in ("exp_avg", "exp_avg_sq")}
+        per_param = {i: {"step": torch.tensor(float(state["step"])),
+                         "exp_avg": moments["exp_avg"][n].clone(), "exp_avg_sq": moments["exp_avg_sq"][n].clone()}
+                     for i, (n, _) in enumerate(self.model.named_parameters())}
+        self.optimizer.load_state_dict({"state": per_param,
+                                        "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     def save_checkpoint(self, out_dir: Path) -> Path:
         """config.json + model.safetensors + the source's tokenizer/generation files, written by
@@ -275,8 +322,9 @@ def _write_hf_checkpoint(state: dict[str, Tensor], hf_config: Any, source_dir: P
 
 def build_synthetic_batch(vocab_size: int, *, batch_size: int, prompt_len: int, output_len: int,
                           seed: int) -> TokenBatch:
-    """Random prompts and outputs with +-1 rewards and plausible rollout log-probs, for smoke runs
-    and benchmarks of the training step (the same on every rank for one seed)."""
+    """Random prompts and outputs with alternating +-1 rewards and random rollout log-probs in
+    (-3, 0], for smoke runs of the training step (the same on every rank for one seed); see
+    :func:`with_own_rollout_logprobs` for an on-policy version."""
     from clawrl.samples import SampleRecord
     from clawrl.train.batch import collate_samples
 
@@ -290,6 +338,14 @@ def build_synthetic_batch(vocab_size: int, *, batch_size: int, prompt_len: int, 
             method="grpo", prompt_ids=ids[:prompt_len], output_ids=ids[prompt_len:], rollout_logprobs=lps,
             reward=1.0 if i % 2 == 0 else -1.0, has_teacher=False, teacher_logprobs=None, weight_version="0"))
     return collate_samples(samples, pad_id=0)
+
+
+def with_own_rollout_logprobs(backend, batch: TokenBatch) -> TokenBatch:
+    """``batch`` as if the trainer's current weights had sampled it (on-policy): rollout log-probs
+    are the backend's own, so TIS weights are 1 and the gradients have a realistic size (random
+    rollout log-probs make every TIS weight ~e^-8 and the gradients vanish). Collective under TP."""
+    own = backend.compute_logprobs(batch).cpu() * batch.response_mask
+    return dataclasses.replace(batch, rollout_logprobs=own)
 
 
 def synthetic_hyperparams(*, lr: float, micro_batch_size: int, ppo_epochs: int = 1, kl_coef: float = 0.0,
@@ -333,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
                               deterministic=False)
     batch = build_synthetic_batch(backend.args.vocab_size, batch_size=a.batch_size, prompt_len=a.prompt_len,
                                   output_len=a.output_len, seed=0)
+    batch = with_own_rollout_logprobs(backend, batch)
     for step in range(a.steps):
         t0 = time.perf_counter()
         metrics = backend.train_step(batch)

@@ -19,8 +19,11 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
+from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +35,23 @@ from clawrl.train.batch import TokenBatch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _NOT_COPIED = {"config.json", ".complete"}  # written fresh, or a cache marker
+OPTIMIZER_STATE_FORMAT = "clawrl-torch-adamw-v1"
 
 
 class TorchBackend:
     """The :class:`~clawrl.train.base.TrainBackend` for plain PyTorch."""
 
     def __init__(self, model_dir: Path, hp: PPOHyperParams, *, dtype: str = "float32", device: str = "cpu",
-                 lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True) -> None:
+                 lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True,
+                 reference_dir: Path | None = None) -> None:
+        """``model_dir``: the weights to train (the base model, or a checkpoint to resume from);
+        ``reference_dir``: the frozen KL reference (default ``model_dir``; a resumed trainer
+        passes the base model). The reference is kept only when ``hp.kl_coef > 0`` or LoRA is
+        on; with LoRA and no separate ``reference_dir`` it is the model with adapters off."""
         from transformers import AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
+        ref_dir = self.model_dir if reference_dir is None else Path(reference_dir)
         self.hp = hp
         self.device = torch.device(device)
         self.compute_dtype = torch_dtype(dtype)
@@ -55,16 +65,23 @@ class TorchBackend:
         self.hf_config = model.config  # saved with checkpoints unchanged
         model.to(self.device).eval()
         self.reference = None
+        if hp.kl_coef > 0 and not (lora_rank > 0 and ref_dir.resolve() == self.model_dir.resolve()):
+            if ref_dir.resolve() == self.model_dir.resolve():
+                self.reference = copy.deepcopy(model)  # the weights this trainer starts from
+            else:
+                self.reference = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32)
+                self.reference.to(self.device).eval()
+            self.reference.requires_grad_(False)
         if lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
             cfg = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
                              target_modules=list(LORA_TARGETS), bias="none")
-            model = get_peft_model(model, cfg)  # the reference is this model with adapters off
-        elif hp.kl_coef > 0:
-            self.reference = copy.deepcopy(model).requires_grad_(False)  # frozen initial weights
+            model = get_peft_model(model, cfg)  # adapters off = the weights loaded from model_dir
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.optimizer = torch.optim.AdamW(self.params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay,
                                            fused=self.device.type == "cuda")
         self.steps_done = 0
@@ -114,10 +131,10 @@ class TorchBackend:
         ctx = nullcontext()
         model = self.model
         if reference:
-            if self.lora_rank > 0:
-                ctx = self.model.disable_adapter()
-            elif self.reference is not None:
+            if self.reference is not None:
                 model = self.reference
+            elif self.lora_rank > 0:
+                ctx = self.model.disable_adapter()
             else:
                 raise ValueError("no reference model: it is kept only when kl_coef > 0 or LoRA is on")
         with ctx:
@@ -150,6 +167,47 @@ class TorchBackend:
         self.steps_done += 1
         metrics["lr"] = self.hp.lr
         return metrics
+
+    # -- optimizer state (resume) ---------------------------------------------------------------
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """AdamW's moments by parameter name, on CPU:
+        {"format", "step", "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}."""
+        state = self.optimizer.state_dict()["state"]  # param index -> {"step", "exp_avg", "exp_avg_sq"}
+        out: dict[str, Any] = {"format": OPTIMIZER_STATE_FORMAT, "step": 0, "exp_avg": {}, "exp_avg_sq": {}}
+        if not state:
+            return out
+        steps = {float(s["step"]) for s in state.values()}
+        if len(steps) != 1 or len(state) != len(self.params):
+            raise RuntimeError(f"AdamW state covers {len(state)} of {len(self.params)} parameters "
+                               f"at steps {sorted(steps)}")
+        out["step"] = int(steps.pop())
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = {n: state[i][key].detach().cpu().clone() for i, n in enumerate(self.param_names)}
+        return out
+
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`optimizer_state_dict` returned; lr, betas and weight decay stay this
+        backend's own. With LoRA the adapters restart at zero on the merged weights, so old
+        moments would describe other parameters: they are not loaded (a warning says so)."""
+        if state.get("format") != OPTIMIZER_STATE_FORMAT:
+            raise ValueError(f"optimizer state format {state.get('format')!r}; expected {OPTIMIZER_STATE_FORMAT!r}")
+        if not state["exp_avg"]:
+            return
+        if self.lora_rank > 0:
+            warnings.warn("LoRA resume: adapters restart on the merged checkpoint; AdamW moments not restored",
+                          stacklevel=2)
+            return
+        names = set(self.param_names)
+        missing, unexpected = sorted(names - set(state["exp_avg"])), sorted(set(state["exp_avg"]) - names)
+        if missing or unexpected:
+            raise ValueError(f"optimizer state does not match the model: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
+        per_param = {i: {"step": torch.tensor(float(state["step"])),
+                         "exp_avg": state["exp_avg"][n].clone(), "exp_avg_sq": state["exp_avg_sq"][n].clone()}
+                     for i, n in enumerate(self.param_names)}  # moved to each parameter's device on load
+        self.optimizer.load_state_dict({"state": per_param,
+                                        "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     # -- weights out ------------------------------------------------------------------------
 

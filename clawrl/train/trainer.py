@@ -94,6 +94,7 @@ class Trainer:
                  lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True, keep_weights: int = 3):
         self.base_model_dir = Path(base_model_dir)
         self.checkpoints = Path(checkpoints)
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
         self.hp = hp
         self.pad_id = pad_id
         self.keep_weights = keep_weights

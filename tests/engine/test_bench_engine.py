@@ -16,7 +16,7 @@ from clawrl.models import load_tokenizer
 def test_bench_rows_count_every_generated_token(model_cache):
     labels: list[str] = []
     rows = run_engine_bench(("tiny",), concurrencies=(1, 2), new_tokens=4, cache_dir=model_cache,
-                            hf_batch_sizes=(2,), rounds=2, progress=labels.append)
+                            hf_batch_sizes=(2,), rounds=2, repeats=1, progress=labels.append)
     assert len(labels) == count_bench_runs(("tiny",), (1, 2), (2,)) == 3
     assert [(r["system"], r["concurrency"], r["requests"]) for r in rows] == [
         ("embedded", 1, 2), ("embedded", 2, 4), ("hf_generate", 2, 4)]

@@ -744,3 +744,25 @@ def test_close_fails_inflight_requests_with_engine_error(engine):
         return await engine.generate(GenerateRequest(input_ids=[5, 6], sampling_params=greedy(3)))
 
     assert len(run(scenario()).output_ids) == 3
+
+
+def test_a_failing_prefill_fails_only_the_new_requests(engine, monkeypatch):
+    from clawrl.engine.types import EngineError
+
+    real_prefill = engine._runner.prefill
+
+    def flaky_prefill(prompts, rows, cache, keep_from):
+        if any(p[0] == 999 for p in prompts):
+            raise MemoryError("simulated")
+        return real_prefill(prompts, rows, cache, keep_from)
+
+    monkeypatch.setattr(engine._runner, "prefill", flaky_prefill)
+
+    async def scenario():
+        ok = asyncio.create_task(engine.generate(GenerateRequest(input_ids=[5, 6], sampling_params=greedy(60))))
+        await wait_until(lambda: engine.stats["running"] == 1)
+        with pytest.raises(EngineError, match="prefill failed: MemoryError: simulated"):
+            await engine.generate(GenerateRequest(input_ids=[999, 6], sampling_params=greedy(5)))
+        return await ok
+
+    assert len(run(scenario()).output_ids) == 60  # the running request was not disturbed

@@ -15,6 +15,10 @@ from clawrl.train.convert import (
 )
 
 
+# megatron-core 0.16.1 warns about Transformer Engine/Apex being absent and deprecated arguments
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron",
+                                        "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 def _hf_state(model_dir):
     from clawrl.train.megatron_model import load_hf_state_dict
 

@@ -210,3 +210,36 @@ def test_hyperparams_from_settings_copy_plain_values():
     hp = PPOHyperParams.from_settings(PPOSettings(clip_range=0.1, clip_range_high=0.3, adam_beta2=0.95,
                                                   advantage_estimator="grpo"), seed=7)
     assert (hp.clip_low, hp.clip_high, hp.betas, hp.method, hp.seed) == (0.1, 0.3, (0.9, 0.95), Method.GRPO, 7)
+
+
+def test_train_bench_reports_ppo_and_bound_rows(model_cache):
+    from clawrl.bench.train import run_train_bench
+
+    rows = run_train_bench(("tiny",), cache_dir=model_cache, batch_size=2, seq_len=16, prompt_len=8,
+                           warmup=0, repeats=1)
+    assert [r["what"] for r in rows] == ["hf_step", "ppo_step", "ppo_step_no_ref", "ref_forward"]
+    assert rows[0]["vs_bound"] == 1.0 and rows[3]["vs_bound"] is None
+    for r in rows:  # 2 x 16 tokens per step, from the best run
+        assert r["seconds"] <= r["seconds_median"]
+        assert r["tokens_per_s"] == pytest.approx(32 / r["seconds"], rel=0.05)  # seconds is rounded
+
+
+def test_resume_from_checkpoint_and_optimizer_state_continues_exactly(tiny_dir, tmp_path):
+    hp = dataclasses.replace(HP, kl_coef=0.05)
+    first, second = make_batch(seed=0), make_batch(seed=1)
+    running = TorchBackend(tiny_dir, hp)
+    running.train_step(first)
+    ckpt = running.save_checkpoint(tmp_path / "v1")
+    torch.save(running.optimizer_state_dict(), tmp_path / "optimizer.pt")  # as the trainer stores it
+    state = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    assert state["step"] == 1 and set(state["exp_avg"]) == set(running.param_names)
+    continued = running.train_step(second)
+
+    resumed = TorchBackend(ckpt, hp, reference_dir=tiny_dir)  # KL stays anchored at the base model
+    resumed.load_optimizer_state_dict(state)
+    after_resume = resumed.train_step(second)
+    assert continued["kl"] > 0 and after_resume["kl"] == continued["kl"]
+    ours, theirs = running.hf_state_dict(), resumed.hf_state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # bit-exact continuation on CPU
+    with pytest.raises(ValueError, match="optimizer state format"):
+        resumed.load_optimizer_state_dict({"format": "clawrl-megatron-adamw-hf-v1", "exp_avg": {}})
