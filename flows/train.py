@@ -200,7 +200,8 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
     ensure_trainer_limit()
     steps: list[dict[str, Any]] = []
     for _ in range(max_steps):
-        with concurrency(TRAINER_LIMIT, occupy=1, strict=True):
+        # a killed run stops renewing its lease: its slot frees itself after lease_duration
+        with concurrency(TRAINER_LIMIT, occupy=1, strict=True, lease_duration=60):
             batch_id = claim_batch(config_path)
             if batch_id is None:
                 break
