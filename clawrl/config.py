@@ -235,6 +235,16 @@ class ProviderSettings(_Section):
         return v.rstrip("/")  # a trailing slash must not produce '//chat/completions'
 
 
+class HooksSettings(_Section):
+    """Import paths ('package.module:function') of replacements; '' keeps clawrl's own. Contracts
+    in clawrl/hooks.py."""
+
+    reward: str = Field("", description="Replaces the judge: async fn(turn, next_state) -> (score, hint).")
+    loss: str = Field("", description="Replaces advantage + PPO loss of a micro-batch (see clawrl/train/base.py).")
+    generate: str = Field("", description="Replaces the gateway's engine call: async fn(engine, request).")
+    sample_source: str = Field("", description="Replaces trainable samples: fn(data_root, judge_config_hash, limit).")
+
+
 class Settings(_Section):
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
@@ -244,6 +254,7 @@ class Settings(_Section):
     opd: OPDSettings = OPDSettings()
     storage: StorageSettings = StorageSettings()
     provider: ProviderSettings = ProviderSettings()
+    hooks: HooksSettings = HooksSettings()
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from prefect.concurrency.sync import concurrency
 
 from clawrl import runtime
 from clawrl.config import Settings, config_hash
+from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import POLICY_ENGINE, build_judge_config_hash
 from clawrl.lineage import log_train_step
 from clawrl.samples import BatchRecord, CheckpointRecord, Fate, FateRecord
@@ -39,6 +40,7 @@ from storage.catalog import (
     batch_manifest,
     batch_samples,
     checkpoint_exists,
+    custom_samples,
     latest_version,
     open_batch,
     open_catalog,
@@ -74,7 +76,12 @@ def claim_batch(config_path: str | None) -> str | None:
             log.info("resuming batch %s (claimed, not yet checkpointed)", pending["batch_id"])
             return pending["batch_id"]
         current = latest_version(con)
-        rows = trainable_samples(con, chash).to_pylist()
+        source = load_hook("sample_source", s.hooks.sample_source)
+        if source is None:
+            rows = trainable_samples(con, chash).to_pylist()
+        else:  # custom samples are stored first, so batches and lineage reach them like any other
+            rows = custom_samples(con, source(data_root=s.storage.data_root, judge_config_hash=chash,
+                                              limit=s.ppo.rollout_batch_size), data_store(s))
     finally:
         con.close()
     chosen, stale = select_batch(rows, current_version=current, batch_size=s.ppo.rollout_batch_size,
@@ -122,7 +129,8 @@ def log_lineage(config_path: str | None, step: dict[str, Any]) -> str:
               "clip_range": ppo.clip_range, "clip_range_high": ppo.clip_range_high, "kl_coef": ppo.kl_coef,
               "kl_type": ppo.kl_type, "entropy_coef": ppo.entropy_coef, "batch_size": ppo.rollout_batch_size,
               "seed": s.model.seed, "backend": ppo.backend, "model": s.model.name, "w_rl": ppo.w_rl,
-              "w_opd": ppo.w_opd, "tis_cap": ppo.tis_cap, "max_staleness": ppo.max_staleness}
+              "w_opd": ppo.w_opd, "tis_cap": ppo.tis_cap, "max_staleness": ppo.max_staleness,
+              **hook_params(s.hooks)}
     tags = {"judge_config_hash": build_judge_config_hash(s), "method": ppo.advantage_estimator.value}
     return log_train_step(s.storage.data_root, step=step, params=params, manifest=manifest, tags=tags)
 

@@ -218,6 +218,23 @@ def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) ->
     return con.sql(sql, params={"hash": judge_config_hash}).to_arrow_table()
 
 
+def custom_samples(con: duckdb.DuckDBPyConnection, records: list, store) -> list[dict[str, Any]]:
+    """Samples from a ``[hooks] sample_source``: store the ones not stored yet, drop consumed ones,
+    and return them as rows (oldest first, as the hook gave them)."""
+    from dataclasses import asdict
+
+    ids = [r.sample_id for r in records]
+    known = {r[0] for r in con.execute("SELECT DISTINCT sample_id FROM samples WHERE list_contains($ids, sample_id)",
+                                       {"ids": ids}).fetchall()}
+    used = {r[0] for r in con.execute(f"SELECT sample_id FROM ({_CONSUMED}) WHERE list_contains($ids, sample_id)",
+                                      {"ids": ids}).fetchall()}
+    new = [r for r in records if r.sample_id not in known]
+    if new:
+        store.append(new)
+        store.flush()
+    return [asdict(r) for r in records if r.sample_id not in used]
+
+
 def open_batch(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
     """The newest batch with no checkpoint yet (a step that was claimed but not finished), or None."""
     rows = con.sql("""

@@ -20,6 +20,7 @@ from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest, ModelCard, ModelList
 from clawrl.gateway.service import ChatService, GatewayError, GatewayOptions
 from clawrl.gateway.sessions import SessionTracker
+from clawrl.hooks import load_hook
 
 log = logging.getLogger("clawrl.gateway")
 
@@ -96,6 +97,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
                           "set keys, or server.open_mode = true to serve without authentication")
     metrics = GatewayMetrics()
+    generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -120,6 +122,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             default_temperature=settings.ppo.temperature,
             default_max_tokens=settings.ppo.max_new_tokens,
             engine_timeout_s=settings.engine.request_timeout_s,
+            generate_hook=generate_hook,
         )
         service = ChatService(engine, tokenizer, store, tracker, options, metrics)
         with contextlib.suppress(Exception):

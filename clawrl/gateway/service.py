@@ -62,6 +62,7 @@ class GatewayOptions:
     default_temperature: float
     default_max_tokens: int
     engine_timeout_s: float
+    generate_hook: Any = None  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class ChatService:
     async def _generate(self, gen: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
         try:
-            result = await asyncio.wait_for(self.engine.generate(gen), self.options.engine_timeout_s)
+            result = await asyncio.wait_for(self._engine_call(gen), self.options.engine_timeout_s)
         except (asyncio.TimeoutError, EngineTimeoutError):
             raise GatewayError(504, f"engine did not answer within {self.options.engine_timeout_s:g} s",
                                "engine_timeout") from None
@@ -197,6 +198,19 @@ class ChatService:
         self.metrics.engine_latency.observe(time.perf_counter() - t0)
         self.weight_version = result.weight_version
         return result
+
+    def _engine_call(self, gen: GenerateRequest):
+        hook = self.options.generate_hook
+        return hook(engine=self.engine, request=gen) if hook else self.engine.generate(gen)
+
+    def _engine_stream(self, gen: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        if self.options.generate_hook is None:
+            return self.engine.generate_stream(gen)
+
+        async def one_chunk():  # a generate hook returns the whole result: it streams as one chunk
+            yield await self._engine_call(gen)
+
+        return one_chunk()
 
     def _record(self, turn: _Turn, result: GenerateResult, parsed: ParsedOutput, finish: str) -> int:
         """Append the turn (the acknowledgement point) and update the session. Returns its index."""
@@ -278,7 +292,7 @@ class ChatService:
                 yield chunk({"role": "assistant", "content": ""})
                 sent_chars, sent_tokens, tool_mode = 0, 0, False
                 result: GenerateResult | None = None
-                stream = self.engine.generate_stream(turn.gen)
+                stream = self._engine_stream(turn.gen)
                 deadline = time.monotonic() + self.options.engine_timeout_s
                 async for result in _with_deadline(stream, deadline, self.options.engine_timeout_s):
                     if result.finished:

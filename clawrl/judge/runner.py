@@ -14,6 +14,7 @@ from typing import Any
 from clawrl import runtime
 from clawrl.config import Method, Settings, read_secret, resolve_device
 from clawrl.engine.types import Engine
+from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
 from clawrl.judge.pipeline import JudgeOutcome, judge_config_hash, judge_turn
 from clawrl.samples import NextStateRecord, TurnRecord
@@ -39,15 +40,43 @@ class Judge:
     hint_policy: str
     hint_placement: str
     config_hash: str
+    reward_hook: Any = None  # [hooks] reward: async fn(turn=, next_state=) -> (score, hint | None)
 
     async def judge(self, turn: TurnRecord, next_state: NextStateRecord | None) -> JudgeOutcome:
+        backend = self.backend if self.reward_hook is None else RewardHookBackend(self.reward_hook, turn, next_state)
         return await judge_turn(
-            turn, next_state, judge=self.backend, method=self.method, judge_samples=self.judge_samples,
+            turn, next_state, judge=backend, method=self.method, judge_samples=self.judge_samples,
             hint_samples=self.hint_samples, temperature=self.temperature, max_tokens=self.max_tokens,
             budget_chars=self.budget_chars, hint_policy=self.hint_policy, teacher=self.teacher,
             teacher_tokenizer=self.teacher_tokenizer, hint_placement=self.hint_placement,
             judge_config_hash=self.config_hash, judge_backend_name=self.backend_name,
         )
+
+
+class RewardHookBackend:
+    """Adapts a ``[hooks] reward`` function to the JudgeBackend protocol: its (score, hint) is
+    written in the judge's answer format, so votes, hints, teacher log-probs and fates take the
+    same path as a model judge's."""
+
+    def __init__(self, hook, turn: TurnRecord, next_state: NextStateRecord | None):
+        self.hook, self.turn, self.next_state = hook, turn, next_state
+
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
+                       max_tokens: int) -> list[str | Exception]:
+        from clawrl.judge.parse import HINT_END, HINT_START
+        from clawrl.judge.prompts import prompt_kind
+
+        try:
+            score, hint = await self.hook(turn=self.turn, next_state=self.next_state)
+            if score not in (-1, 0, 1):
+                raise ValueError(f"reward hook returned score {score!r}; expected -1, 0 or 1")
+        except Exception as e:  # a failing hook is a failed vote, like a failing judge model
+            return [e] * n
+        if prompt_kind(messages) == "prm":
+            return [f"reward hook\n\\boxed{{{score}}}"] * n
+        if hint:
+            return [f"reward hook\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}"] * n
+        return ["reward hook: no hint\n\\boxed{-1}"] * n
 
 
 def frozen_engine(settings: Settings):
@@ -70,6 +99,8 @@ def frozen_engine(settings: Settings):
 
 def _judge_model_id(settings: Settings) -> str:
     prm = settings.prm
+    if settings.hooks.reward:
+        return f"hook:{settings.hooks.reward}"
     return {
         "rule": "rules",
         "engine": f"frozen:{settings.model.name}",
@@ -160,11 +191,12 @@ def build_judge(settings: Settings) -> Judge:
     teacher = teacher_tok = None
     if method in (Method.OPD, Method.COMBINE):
         teacher, teacher_tok = _teacher(settings)
-    return Judge(backend=backend, backend_name=prm.backend, teacher=teacher, teacher_tokenizer=teacher_tok,
-                 method=method, judge_samples=prm.judge_samples, hint_samples=opd.hint_samples,
-                 temperature=prm.temperature, max_tokens=prm.max_new_tokens, budget_chars=prm.budget_chars,
-                 hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
-                 config_hash=build_judge_config_hash(settings))
+    return Judge(backend=backend, backend_name="hook" if settings.hooks.reward else prm.backend, teacher=teacher,
+                 teacher_tokenizer=teacher_tok, method=method, judge_samples=prm.judge_samples,
+                 hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
+                 budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
+                 config_hash=build_judge_config_hash(settings),
+                 reward_hook=load_hook("reward", settings.hooks.reward))
 
 
 # ------------------------------------------------------------------------------ rows <-> records

@@ -118,6 +118,46 @@ ForwardFn = Callable[[TokenBatch, bool], tuple[Tensor, Tensor]]
 OptimizerStepFn = Callable[[], float]
 
 
+def default_loss(mb: TokenBatch, *, logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None,
+                 entropy: Tensor, reward: Tensor, hp: PPOHyperParams, num_tokens: float,
+                 num_seqs: float) -> tuple[Tensor, dict[str, float]]:
+    """The advantage + loss of one micro-batch: ``compute_advantages`` for ``hp.method``, then the
+    clipped PPO objective. This is the function the ``[hooks] loss`` setting replaces; a
+    replacement takes the same keyword arguments and returns ``(scalar loss, metrics)``."""
+    advantages = compute_advantages(
+        hp.method,
+        reward=reward,
+        teacher_logprobs=mb.teacher_logprobs,
+        old_logprobs=old_logprobs,
+        mask=mb.response_mask,
+        has_teacher=mb.has_teacher,
+        w_rl=hp.w_rl,
+        w_opd=hp.w_opd,
+    )
+    return compute_ppo_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mb.response_mask,
+        rollout_logprobs=mb.rollout_logprobs,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        clip_low=hp.clip_low,
+        clip_high=hp.clip_high,
+        dual_clip=hp.dual_clip,
+        tis_cap=hp.tis_cap,
+        kl_coef=hp.kl_coef,
+        kl_type=hp.kl_type,
+        entropy_coef=hp.entropy_coef,
+        loss_agg=hp.loss_agg,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
+
+
+LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
+
+
 def run_ppo_step(
     batch: TokenBatch,
     hp: PPOHyperParams,
@@ -125,6 +165,7 @@ def run_ppo_step(
     forward: ForwardFn,
     optimizer_step: OptimizerStepFn,
     ref_logprobs: Tensor | None = None,
+    loss_fn: LossFn = default_loss,
 ) -> dict[str, float]:
     """``hp.ppo_epochs`` optimizer steps over ``batch``, each accumulating micro-batch gradients.
 
@@ -158,32 +199,14 @@ def run_ppo_step(
             if epoch == 0:  # still the weights the batch started from: these are the old logprobs
                 old_logprobs.append(logprobs.detach())
             old = old_logprobs[i]
-            advantages = compute_advantages(
-                hp.method,
-                reward=reward[s:e],
-                teacher_logprobs=mb.teacher_logprobs,
+            loss, metrics = loss_fn(
+                mb,
+                logprobs=logprobs,
                 old_logprobs=old,
-                mask=mb.response_mask,
-                has_teacher=mb.has_teacher,
-                w_rl=hp.w_rl,
-                w_opd=hp.w_opd,
-            )
-            loss, metrics = compute_ppo_loss(
-                logprobs,
-                old,
-                advantages,
-                mb.response_mask,
-                rollout_logprobs=mb.rollout_logprobs,
                 ref_logprobs=None if ref_logprobs is None else ref_logprobs[s:e, :width],
                 entropy=entropy,
-                clip_low=hp.clip_low,
-                clip_high=hp.clip_high,
-                dual_clip=hp.dual_clip,
-                tis_cap=hp.tis_cap,
-                kl_coef=hp.kl_coef,
-                kl_type=hp.kl_type,
-                entropy_coef=hp.entropy_coef,
-                loss_agg=hp.loss_agg,
+                reward=reward[s:e],
+                hp=hp,
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,
             )

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from clawrl.models import torch_dtype
-from clawrl.train.base import PPOHyperParams, run_ppo_step
+from clawrl.train.base import LossFn, PPOHyperParams, default_loss, run_ppo_step
 from clawrl.train.batch import TokenBatch
 from clawrl.train.convert import (
     DEFAULT_VOCAB_MULTIPLE,
@@ -76,7 +76,8 @@ class MegatronBackend:
 
     def __init__(self, model_dir: Path, hp: PPOHyperParams, *, dtype: str = "float32", device: str = "cpu",
                  tp_size: int = 1, attention: str = "local", deterministic: bool = True,
-                 reference_dir: Path | None = None, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> None:
+                 reference_dir: Path | None = None, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE,
+                 loss_fn: LossFn = default_loss) -> None:
         """``model_dir``: the weights to train (the base model, or a checkpoint to resume from);
         ``reference_dir``: the frozen KL reference (default ``model_dir``; a resumed trainer
         passes the base model). Constructing it is collective under torchrun."""
@@ -94,6 +95,7 @@ class MegatronBackend:
             raise ValueError(f"dtype {dtype!r} on CPU: the Megatron backend runs float32 on CPU")
         self.model_dir = Path(model_dir)
         self.hp = hp
+        self.loss_fn = loss_fn  # [hooks] loss, or the default advantage + PPO loss
         self.compute_dtype = torch_dtype(dtype)
         if deterministic:
             torch.use_deterministic_algorithms(True)
@@ -215,7 +217,7 @@ class MegatronBackend:
         batch = batch.to(self.device)
         ref = self.compute_logprobs(batch, reference=True) if self.hp.kl_coef > 0 else None
         metrics = run_ppo_step(batch, self.hp, forward=self._forward, optimizer_step=self._optimizer_step,
-                               ref_logprobs=ref)
+                               ref_logprobs=ref, loss_fn=self.loss_fn)
         self.steps_done += 1
         metrics["lr"] = self.hp.lr
         return metrics

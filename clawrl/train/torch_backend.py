@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from clawrl.models import torch_dtype
-from clawrl.train.base import PPOHyperParams, run_ppo_step
+from clawrl.train.base import LossFn, PPOHyperParams, default_loss, run_ppo_step
 from clawrl.train.batch import TokenBatch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,7 +43,7 @@ class TorchBackend:
 
     def __init__(self, model_dir: Path, hp: PPOHyperParams, *, dtype: str = "float32", device: str = "cpu",
                  lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True,
-                 reference_dir: Path | None = None) -> None:
+                 reference_dir: Path | None = None, loss_fn: LossFn = default_loss) -> None:
         """``model_dir``: the weights to train (the base model, or a checkpoint to resume from);
         ``reference_dir``: the frozen KL reference (default ``model_dir``; a resumed trainer
         passes the base model). The reference is kept only when ``hp.kl_coef > 0`` or LoRA is
@@ -53,6 +53,7 @@ class TorchBackend:
         self.model_dir = Path(model_dir)
         ref_dir = self.model_dir if reference_dir is None else Path(reference_dir)
         self.hp = hp
+        self.loss_fn = loss_fn  # [hooks] loss, or the default advantage + PPO loss
         self.device = torch.device(device)
         self.compute_dtype = torch_dtype(dtype)
         self.lora_rank = lora_rank
@@ -163,7 +164,7 @@ class TorchBackend:
         batch = batch.to(self.device)
         ref = self.compute_logprobs(batch, reference=True) if self.hp.kl_coef > 0 else None
         metrics = run_ppo_step(batch, self.hp, forward=self._forward, optimizer_step=self._optimizer_step,
-                               ref_logprobs=ref)
+                               ref_logprobs=ref, loss_fn=self.loss_fn)
         self.steps_done += 1
         metrics["lr"] = self.hp.lr
         return metrics

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from clawrl.samples import SampleRecord
-from clawrl.train.base import PPOHyperParams
+from clawrl.train.base import LossFn, PPOHyperParams, default_loss
 from clawrl.train.batch import collate_samples
 
 TRAINER_FILE = "trainer.json"
@@ -72,17 +72,18 @@ def read_step_result(ckpt_dir: Path) -> StepResult:
 
 
 def build_backend(kind: str, model_dir: Path, hp: PPOHyperParams, *, reference_dir: Path, dtype: str, device: str,
-                  tp_size: int = 1, lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True):
+                  tp_size: int = 1, lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True,
+                  loss_fn: LossFn = default_loss):
     if kind == "torch":
         from clawrl.train.torch_backend import TorchBackend
 
         return TorchBackend(model_dir, hp, dtype=dtype, device=device, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                            deterministic=deterministic, reference_dir=reference_dir)
+                            deterministic=deterministic, reference_dir=reference_dir, loss_fn=loss_fn)
     if kind == "megatron":
         from clawrl.train.megatron_backend import MegatronBackend
 
         return MegatronBackend(model_dir, hp, dtype=dtype, device=device, tp_size=tp_size,
-                               reference_dir=reference_dir)
+                               reference_dir=reference_dir, deterministic=deterministic, loss_fn=loss_fn)
     raise ValueError(f"unknown training backend {kind!r}; valid: torch, megatron")
 
 
@@ -91,7 +92,8 @@ class Trainer:
 
     def __init__(self, *, base_model_dir: Path, checkpoints: Path, hp: PPOHyperParams, pad_id: int,
                  backend: str = "torch", dtype: str = "float32", device: str = "cpu", tp_size: int = 1,
-                 lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True, keep_weights: int = 3):
+                 lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True, keep_weights: int = 3,
+                 loss_fn: LossFn = default_loss):
         self.base_model_dir = Path(base_model_dir)
         self.checkpoints = Path(checkpoints)
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -104,7 +106,7 @@ class Trainer:
         self.last: StepResult | None = None if latest is None else read_step_result(latest[1])
         self.backend = build_backend(backend, start_dir, hp, reference_dir=self.base_model_dir, dtype=dtype,
                                      device=device, tp_size=tp_size, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, loss_fn=loss_fn)
         if latest is not None and (latest[1] / OPTIMIZER_FILE).is_file():
             self.backend.load_optimizer_state_dict(torch.load(latest[1] / OPTIMIZER_FILE, weights_only=True))
 
@@ -192,8 +194,12 @@ def trainer_from_settings(settings) -> Trainer:
     tok = load_tokenizer(base)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     device, _ = resolve_device(settings.model.device)
+    from clawrl.hooks import load_hook
+
     ppo = settings.ppo
+    loss_fn = load_hook("loss", settings.hooks.loss) or default_loss
     return Trainer(base_model_dir=base, checkpoints=settings.storage.data_root / "checkpoints",
                    hp=PPOHyperParams.from_settings(ppo, settings.model.seed), pad_id=pad_id, backend=ppo.backend,
                    dtype=settings.model.dtype, device=device, tp_size=settings.model.tensor_parallel,
-                   lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha, deterministic=ppo.deterministic)
+                   lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha, deterministic=ppo.deterministic,
+                   loss_fn=loss_fn)
