@@ -181,6 +181,29 @@ def bench_engine(
     console.print(f"wrote {out}", markup=False)
 
 
+@bench_app.command("gateway")
+def bench_gateway(
+    requests: Annotated[int, typer.Option(help="Requests per concurrency and path.")] = 400,
+    concurrency: Annotated[str, typer.Option(help="Comma-separated concurrencies.")] = "1,16",
+    append_turns: Annotated[int, typer.Option(help="Turns for the session-log append rate.")] = 200_000,
+    out: Annotated[Path, typer.Option(help="Markdown report to update.")] = Path("docs/benchmarks.md"),
+    config: ConfigOpt = None,
+) -> None:
+    """Gateway latency added over a direct engine call (p50/p99) and the session-log append rate."""
+    from clawrl.bench.gateway import format_gateway_section, run_gateway_bench
+    from clawrl.bench.report import machine_line, write_section
+
+    s = settings_or_exit(config)
+    conc = tuple(int(x) for x in concurrency.split(",") if x.strip())
+    with console.status("gateway bench: engine + gateway processes, then the append rate"):
+        result = run_gateway_bench(model_cache=s.storage.models_dir, concurrencies=conc, n=requests,
+                                   append_turns=append_turns)
+    section = format_gateway_section(result, machine_line())
+    typer.echo(section)
+    write_section("gateway", section, out)
+    console.print(f"wrote {out}", markup=False)
+
+
 @app.command("judge")
 def judge(
     config: ConfigOpt = None,

@@ -46,7 +46,7 @@ def count_bench_runs(model_names, concurrencies, hf_batch_sizes) -> int:
 
 def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
                      concurrencies: tuple[int, ...] = (1, 4, 16), new_tokens: int = 32, *, cache_dir: Path,
-                     hf_batch_sizes: tuple[int, ...] = (1, 16), rounds: int = 2, repeats: int = 2,
+                     hf_batch_sizes: tuple[int, ...] = (1, 16), rounds: int = 2, repeats: int = 3,
                      max_batch_size: int = 16, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One row per (model, system, concurrency): tokens/s of the embedded engine at each
     concurrency and of HF ``generate`` at each static batch size. Each row is the best of
@@ -63,8 +63,8 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
         engine = EmbeddedEngine(model_dir, max_batch_size=max_batch_size, max_context_len=1024)
         for c in concurrencies:
             load_before = os.getloadavg()[0]
-            seconds, tokens, max_batch = min(asyncio.run(_engine_closed_loop(engine, prompts[: c * rounds], c, new_tokens))
-                                             for _ in range(repeats))
+            seconds, tokens, max_batch = min(
+                asyncio.run(_engine_closed_loop(engine, prompts[: c * rounds], c, new_tokens)) for _ in range(repeats))
             rows.append(_row(name, "embedded", c, c * rounds, tokens, seconds, load_before, max_batch=max_batch))
             if progress:
                 progress(f"{name} embedded c={c}")
@@ -73,7 +73,8 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
         model = load_causal_lm(model_dir)
         for b in hf_batch_sizes:
             load_before = os.getloadavg()[0]
-            seconds, tokens = min(_hf_generate(model, tok, prompts[: b * rounds], b, new_tokens) for _ in range(repeats))
+            seconds, tokens = min(_hf_generate(model, tok, prompts[: b * rounds], b, new_tokens)
+                                  for _ in range(repeats))
             rows.append(_row(name, "hf_generate", b, b * rounds, tokens, seconds, load_before))
             if progress:
                 progress(f"{name} HF generate batch={b}")
@@ -82,7 +83,8 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
     return rows
 
 
-async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> tuple[float, int, int]:
+async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int,
+                              new_tokens: int) -> tuple[float, int, int]:
     from clawrl.engine.types import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -180,7 +182,8 @@ def write_engine_results_markdown(rows: list[dict[str, Any]], path: Path,
         "",
     ]
     for name in dict.fromkeys(r["model"] for r in rows):
-        c16 = next((r for r in rows if r["model"] == name and r["system"] == "embedded" and r["concurrency"] == 16), None)
+        c16 = next((r for r in rows if r["model"] == name and r["system"] == "embedded" and r["concurrency"] == 16),
+                   None)
         if c16 and c16.get("vs_c1") is not None and c16.get("vs_hf_b16") is not None:
             body.append(f"- {name}: 16 concurrent = {c16['vs_c1']}x the engine at 1 (target >= 5) and "
                         f"{c16['vs_hf_b16']}x HF generate at batch 16 (target >= 0.8).")

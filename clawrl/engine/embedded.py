@@ -99,9 +99,11 @@ def check_weights(new: Mapping[str, Tensor], canonical: Mapping[str, Tensor], al
     if missing or unknown:
         parts = []
         if missing:
-            parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            more = " ..." if len(missing) > 5 else ""
+            parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:5])}{more}")
         if unknown:
-            parts.append(f"unexpected {len(unknown)} key(s): {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+            more = " ..." if len(unknown) > 5 else ""
+            parts.append(f"unexpected {len(unknown)} key(s): {', '.join(unknown[:5])}{more}")
         raise WeightLoadError("; ".join(parts))
     for name, tensor in new.items():
         if not isinstance(tensor, Tensor):
@@ -423,7 +425,8 @@ class EmbeddedEngine:
 
         return await self._update(swap, weight_version, model_path)
 
-    async def update_weights_from_state_dict(self, state_dict: Mapping[str, Tensor], weight_version: str) -> UpdateResult:
+    async def update_weights_from_state_dict(self, state_dict: Mapping[str, Tensor],
+                                             weight_version: str) -> UpdateResult:
         """The in-process sync path: check keys and shapes, then copy the tensors into the served
         parameters between two steps (draining first unless paused). The caller must not modify
         the tensors until this returns."""
@@ -699,7 +702,8 @@ class EmbeddedEngine:
 
     def _sample_and_append(self, seqs: list[_Sequence], logits: Tensor) -> None:
         banned = None
-        blocking = [i for i, s in enumerate(seqs) if s.stop_ids and len(s.output_ids) < s.req.sampling_params.min_new_tokens]
+        blocking = [i for i, s in enumerate(seqs)
+                    if s.stop_ids and len(s.output_ids) < s.req.sampling_params.min_new_tokens]
         if blocking:
             banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
             for i in blocking:
@@ -765,12 +769,14 @@ class EmbeddedEngine:
         req, sp = seq.req, seq.req.sampling_params
         reason = seq.finish_reason
         text_ids = seq.output_ids
-        if reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int) and not sp.no_stop_trim:
+        stopped_by_token = reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int)
+        if stopped_by_token and not sp.no_stop_trim:
             text_ids = seq.output_ids[:-1]  # the stop token is in output_ids, not in text
         text = self._decode_text(text_ids, sp.skip_special_tokens)
         if seq.stop_trim is not None and not sp.no_stop_trim:
             text = text[: seq.stop_trim]
         with_lp = req.return_logprob
+        with_top = with_lp and req.top_logprobs_num > 0
         return GenerateResult(
             rid=req.rid,
             text=text,
@@ -781,8 +787,8 @@ class EmbeddedEngine:
             weight_version=self._weight_version,
             output_logprobs=list(seq.output_logprobs) if with_lp else None,
             input_logprobs=seq.input_logprobs if with_lp and req.logprob_start_len >= 0 else None,
-            output_top_logprobs=[list(t or []) for t in seq.output_top] if with_lp and req.top_logprobs_num > 0 else None,
-            input_top_logprobs=seq.input_top if with_lp and req.top_logprobs_num > 0 else None,
+            output_top_logprobs=[list(t or []) for t in seq.output_top] if with_top else None,
+            input_top_logprobs=seq.input_top if with_top else None,
             weight_versions=build_version_spans(seq.versions) if reason is not None else [],
             e2e_latency=time.perf_counter() - seq.started,
             cached_tokens=0,

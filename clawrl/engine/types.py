@@ -123,7 +123,7 @@ class SamplingParams:
             raise bad("stop_token_ids must be non-negative integers")
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}  # shallow: asdict() is slow on a hot path
         d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
         return {k: v for k, v in d.items() if v is not None or k == "max_new_tokens"}
 

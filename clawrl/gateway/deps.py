@@ -7,7 +7,9 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from pydantic import ValidationError
 
+from clawrl.gateway.schemas import ChatCompletionRequest
 from clawrl.gateway.service import ChatService, GatewayError, TurnContext
 
 OPEN_NAMESPACE = "open"
@@ -37,11 +39,11 @@ def check_api_key(presented: str | None, keys: list[str]) -> str:
     return namespace_for_key(matched)
 
 
-def get_service(request: Request) -> ChatService:
+async def get_service(request: Request) -> ChatService:
     return request.app.state.service
 
 
-def get_namespace(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+async def get_namespace(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
     token = None
     if authorization:
         scheme, _, value = authorization.partition(" ")
@@ -60,7 +62,7 @@ def _flag(v: str | None) -> bool | None:
     raise GatewayError(400, f"X-Session-Done must be true or false, got {v!r}", param="X-Session-Done")
 
 
-def get_turn_context(
+async def get_turn_context(
     namespace: Annotated[str, Depends(get_namespace)],
     x_session_id: Annotated[str | None, Header()] = None,
     x_turn_type: Annotated[str | None, Header()] = None,
@@ -69,6 +71,34 @@ def get_turn_context(
     turn_type = x_turn_type.strip().lower() if x_turn_type else None
     return TurnContext(namespace=namespace, session_id=x_session_id, turn_type=turn_type,
                        session_done=_flag(x_session_done))
+
+
+def turn_context_from_headers(headers, api_keys: list[str]) -> TurnContext:
+    """The same as the dependencies above, for the chat route's fast path (no dependency solver)."""
+    authorization = headers.get("authorization")
+    token = None
+    if authorization:
+        scheme, _, value = authorization.partition(" ")
+        token = value.strip() if scheme.lower() == "bearer" else None
+    turn_type = headers.get("x-turn-type")
+    return TurnContext(namespace=check_api_key(token, api_keys), session_id=headers.get("x-session-id"),
+                       turn_type=turn_type.strip().lower() if turn_type else None,
+                       session_done=_flag(headers.get("x-session-done")))
+
+
+def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
+    """Validate a chat-completions body; errors become 400s naming the field (or the JSON error)."""
+    try:
+        return ChatCompletionRequest.model_validate_json(raw)
+    except ValidationError as e:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            raise GatewayError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}") from None
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        msg = first.get("msg", "invalid request")
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise GatewayError(400, f"{loc}: {msg}{more}" if loc else f"{msg}{more}", param=loc or None) from None
 
 
 ServiceDep = Annotated[ChatService, Depends(get_service)]

@@ -584,7 +584,8 @@ def test_failed_disk_updates_keep_old_weights_and_version(engine, tiny_hf, tmp_p
     prompt = [5, 6, 7, 8]
 
     async def scenario():
-        before = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=greedy(5), return_logprob=True))
+        before = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=greedy(5),
+                                                       return_logprob=True))
         outcomes = {name: await engine.update_weights_from_disk(str(path), "bad")
                     for name, (path, _) in cases.items()}
         after = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=greedy(5), return_logprob=True))
