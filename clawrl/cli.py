@@ -349,6 +349,86 @@ def trainer_service(
     uvicorn.run(create_trainer_app(tr, s.storage.data_root), host=host, port=port, log_level="warning")
 
 
+@app.command("demo")
+def demo(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Overlay (default conf/demo.toml).")] = None,
+    steps: Annotated[int, typer.Option(help="Training steps (weight versions).")] = 16,
+    users: Annotated[int, typer.Option(help="Simulated users per step.")] = 16,
+    persona: Annotated[str, typer.Option(help="concise | signoff | lowercase | bullets | french")] = "concise",
+    max_tokens: Annotated[int, typer.Option(help="Answer budget per turn.")] = 64,
+    run_dir: Annotated[Optional[Path], typer.Option(help="Data root of this run (default: a new one).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model (default from the config).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,
+) -> None:
+    """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
+    import datetime as dt
+
+    from clawrl.config import REPO_CONF_DIR, use_prefect_home
+
+    conf = config or REPO_CONF_DIR / "demo.toml"
+    base = settings_or_exit(conf)
+    root = run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
+    overrides = {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir)}
+    if model:
+        overrides["model.name"] = model
+    s = settings_or_exit(conf, overrides)
+    root.mkdir(parents=True, exist_ok=True)
+    run_conf = root / "config.toml"  # the flows read this; replay re-reads it
+    run_conf.write_text(dump_toml(s))
+    use_prefect_home(base.storage.data_root / "prefect")
+    from clawrl import runtime
+    from clawrl.config import resolve_device
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.gateway.routes import create_app
+    from clawrl.judge.runner import POLICY_ENGINE
+    from clawrl.models import resolve_model_dir
+    from clawrl.serving import serve_in_thread
+    from flows.common import data_store
+    from flows.loop import learning_loop
+
+    with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
+        model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
+    device, _ = resolve_device(s.model.device)
+    engine = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
+                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name)
+    runtime.register(POLICY_ENGINE, engine)  # the train flow syncs this engine in-process
+    # the flows and the gateway share one store; settings are cached by config path in flows.common
+    from flows.common import load_flow_settings
+
+    store = data_store(load_flow_settings(str(run_conf)))
+    gw = serve_in_thread(create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store))
+    console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {root}", markup=False)
+    try:
+        out = learning_loop(config_path=str(run_conf), gateway_url=gw.url, steps=steps, users=users,
+                            persona=persona, max_tokens=max_tokens, seed=seed)
+    finally:
+        gw.stop()
+        runtime.unregister(POLICY_ENGINE)
+        store.flush()
+    rows = out["rows"]
+    from rich.table import Table
+
+    t = Table(title=f"held-out score per step (persona {persona})")
+    for col in ("step", "score", "on-topic", "persona", "KL", "words"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["step"]), f"{r['score']:.3f}", f"{r['on_topic_rate']:.3f}", f"{r['persona_rate']:.3f}",
+                  f"{r['kl']:.4f}", f"{r['mean_words']:.1f}")
+    console.print(t)
+    console.print(f"base score {rows[0]['score']:.3f} -> {rows[-1]['score']:.3f} after {len(rows) - 1} steps "
+                  f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
+                  f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
+    console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
+    console.print("\nwhere to look:", markup=False)
+    console.print(f"  clawrl status  -c {run_conf}\n  clawrl sql \"select * from turn_fate\" -c {run_conf}\n"
+                  f"  clawrl lineage {len(rows) - 1} -c {run_conf}\n"
+                  f"  Prefect UI: PREFECT_HOME={base.storage.data_root / 'prefect'} .venv/bin/prefect server start"
+                  f"  -> http://127.0.0.1:4200 (flow runs 'learning-loop', 'judge', 'train')\n"
+                  f"  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{root}/mlflow/mlflow.db"
+                  f"  -> http://127.0.0.1:5000 (experiment 'clawrl', model 'clawrl-policy')\n"
+                  f"  or `clawrl up -c {run_conf}` to bring up the gateway and both UIs on this run's data", markup=False)
+
+
 def _print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
     from rich.table import Table
 

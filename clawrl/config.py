@@ -404,6 +404,12 @@ def apply_offline_env(environ: dict[str, str] | None = None) -> None:
         environ.setdefault(k, v)
 
 
+def use_prefect_home(path: Path) -> None:
+    """Point Prefect at a state directory (flow-run history for the UI) before it is imported."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    os.environ["PREFECT_HOME"] = str(path)
+
+
 def read_secret(env_name: str) -> str | None:
     """The value of the env var a config key names, or None when unset/empty."""
     value = os.environ.get(env_name, "").strip() if env_name else ""

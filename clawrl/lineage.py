@@ -126,3 +126,22 @@ def model_version_for(data_root: Path, weight_version: str):
 
 def log_image(data_root: Path, run_id: str, png: Path, artifact_path: str = "plots") -> None:
     client(data_root).log_artifact(run_id, str(png), artifact_path)
+
+
+def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any],
+                       experiment: str = EXPERIMENT) -> str:
+    """One run for a whole learning loop: the held-out metrics per step, the curve PNG, the rows."""
+    from mlflow.entities import Metric, Param
+
+    c = client(data_root)
+    exp_id = experiment_id(c, data_root, experiment)
+    run = c.create_run(exp_id, run_name="learning-loop", tags={"kind": "learning-loop"})
+    run_id = run.info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric(k, float(r[k]), now, int(r["step"])) for r in rows
+               for k in ("score", "on_topic_rate", "persona_rate", "kl", "mean_words") if r.get(k) is not None]
+    c.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in sorted(params.items())])
+    c.log_artifact(run_id, str(png), "plots")
+    c.log_dict(run_id, {"rows": rows}, "learning_curve.json")
+    c.set_terminated(run_id)
+    return run_id

@@ -288,6 +288,15 @@ def lineage_chain(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[d
     return rows
 
 
+def session_turns(con: duckdb.DuckDBPyConnection, session_pattern: str) -> list[dict[str, Any]]:
+    """Turns of the sessions whose id matches a SQL LIKE pattern, oldest first (one row per turn)."""
+    return con.sql("""
+        SELECT * EXCLUDE (date) FROM turns WHERE session_id LIKE $p
+        QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1
+        ORDER BY session_id, turn_index
+    """, params={"p": session_pattern}).to_arrow_table().to_pylist()
+
+
 def latest_version(con: duckdb.DuckDBPyConnection) -> int:
     """The newest trained weight version recorded in ``checkpoints`` (0 before any step)."""
     value = con.execute("SELECT max(step) FROM checkpoints").fetchall()[0][0]

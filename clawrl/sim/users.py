@@ -1,0 +1,95 @@
+"""Simulated users talking to the gateway through the real openai SDK, and the held-out evaluation.
+
+A training round: each user asks one question (a ``main`` turn), reads the answer, and replies as
+its persona would (thanks / a correction / "that's not what I asked"). The reply is sent as the
+session's next request with ``session_done``, so it becomes the first turn's next state; it asks for
+a single token, since nobody reads that answer.
+
+The evaluation asks the held-out questions as ``side`` turns (served and logged, never trained on)
+with fixed seeds, and scores the first response: persona satisfied AND on topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from clawrl.sim.personas import Persona, on_topic, react
+
+
+@dataclass
+class Interaction:
+    session_id: str
+    question: str
+    answer: str
+    satisfied: bool
+    on_topic: bool
+    reaction: str
+
+
+async def ask(client, question: str, *, session_id: str, turn_type: str, max_tokens: int, temperature: float,
+              seed: int, system_prompt: str | None = None) -> str:
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+        [{"role": "user", "content": question}]
+    r = await client.chat.completions.create(
+        model="clawrl-policy", messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed,
+        extra_body={"session_id": session_id, "turn_type": turn_type})
+    return r.choices[0].message.content or ""
+
+
+async def training_round(client, persona: Persona, questions: list[tuple[str, tuple[str, ...]]], *, round_id: str,
+                         max_tokens: int, temperature: float, seed: int,
+                         system_prompt: str | None = None) -> list[Interaction]:
+    async def one(i: int, q: str, keywords: tuple[str, ...]) -> Interaction:
+        sid = f"{round_id}-u{i:02d}"
+        answer = await ask(client, q, session_id=sid, turn_type="main", max_tokens=max_tokens,
+                           temperature=temperature, seed=seed + i, system_prompt=system_prompt)
+        reaction, liked, topical = react(persona, answer, keywords)
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": q}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": reaction}]
+        await client.chat.completions.create(model="clawrl-policy", messages=messages, max_tokens=1,
+                                             extra_body={"session_id": sid, "session_done": True})
+        return Interaction(sid, q, answer, liked, topical, reaction)
+
+    return list(await asyncio.gather(*(one(i, q, k) for i, (q, k) in enumerate(questions))))
+
+
+async def evaluation_round(client, persona: Persona, questions: list[tuple[str, tuple[str, ...]]], *,
+                           round_id: str, max_tokens: int, temperature: float, seed: int,
+                           system_prompt: str | None = None) -> list[Interaction]:
+    async def one(i: int, q: str, keywords: tuple[str, ...]) -> Interaction:
+        sid = f"{round_id}-e{i:02d}"
+        answer = await ask(client, q, session_id=sid, turn_type="side", max_tokens=max_tokens,
+                           temperature=temperature, seed=seed + i, system_prompt=system_prompt)
+        return Interaction(sid, q, answer, persona.satisfied(answer), on_topic(answer, keywords), "")
+
+    return list(await asyncio.gather(*(one(i, q, k) for i, (q, k) in enumerate(questions))))
+
+
+def score(interactions: list[Interaction]) -> dict[str, float]:
+    """score = fraction satisfying the persona AND on topic; the two rates beside it."""
+    n = max(1, len(interactions))
+    return {
+        "score": sum(x.satisfied and x.on_topic for x in interactions) / n,
+        "persona_rate": sum(x.satisfied for x in interactions) / n,
+        "on_topic_rate": sum(x.on_topic for x in interactions) / n,
+        "mean_words": sum(len(x.answer.split()) for x in interactions) / n,
+    }
+
+
+def kl_to_reference(rollout_logprobs: list[list[float]], reference_logprobs: list[list[float]]) -> float:
+    """Per-token KL(policy || reference) estimated on the policy's own samples (k1 = lp - ref_lp,
+    unbiased when the samples come from the policy at temperature 1)."""
+    num = sum(sum(a - b for a, b in zip(lp, ref)) for lp, ref in zip(rollout_logprobs, reference_logprobs))
+    den = sum(len(lp) for lp in rollout_logprobs)
+    return num / den if den else math.nan
+
+
+def summarize_round(interactions: list[Interaction]) -> dict[str, Any]:
+    reactions: dict[str, int] = {}
+    for x in interactions:
+        reactions[x.reaction] = reactions.get(x.reaction, 0) + 1
+    return {**score(interactions), "reactions": reactions}

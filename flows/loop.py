@@ -1,0 +1,138 @@
+"""Prefect flow `learning-loop`: simulated users -> gateway -> judge -> train -> sync, measured.
+
+The closed loop of `clawrl demo`, in one process: the gateway (real HTTP, in-process embedded
+engine) serves simulated users who talk through the openai SDK; after each round the `judge` and
+`train` flows run as subflows and the new weights are synced into the serving engine; then the
+held-out questions measure the served weights (score = persona satisfied AND on topic, the on-topic
+rate, and the KL to the initial model). The curve is plotted and logged to MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from clawrl import runtime
+from clawrl.judge.runner import frozen_engine
+from clawrl.judge.teacher import compute_teacher_logprobs
+from clawrl.sim.personas import get_persona
+from clawrl.sim.prompts import split_questions
+from clawrl.sim.users import evaluation_round, kl_to_reference, score, summarize_round, training_round
+from flows.common import data_store, load_flow_settings
+from flows.judge import judge_flow
+from flows.train import train_flow
+from storage.catalog import open_catalog, session_turns
+
+
+def _client(url: str):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2, timeout=600)
+
+
+@task(cache_policy=NO_CACHE, task_run_name="users-round-{step}")
+def simulate_users(config_path: str | None, gateway_url: str, step: int, persona_name: str, n_users: int,
+                   max_tokens: int, seed: int) -> dict[str, Any]:
+    s = load_flow_settings(config_path)
+    pool, _ = split_questions(seed=seed)
+    start = ((step - 1) * n_users) % len(pool)
+    questions = [pool[(start + i) % len(pool)] for i in range(n_users)]
+
+    async def go():
+        client = _client(gateway_url)
+        try:
+            return await training_round(client, get_persona(persona_name), questions, round_id=f"train{step:03d}",
+                                        max_tokens=max_tokens, temperature=s.ppo.temperature, seed=seed * 1000 + step * 97)
+        finally:
+            await client.close()
+
+    out = summarize_round(runtime.run(go()))
+    data_store(s).flush()
+    return out
+
+
+@task(cache_policy=NO_CACHE, task_run_name="evaluate-v{step}")
+def evaluate_policy(config_path: str | None, gateway_url: str, step: int, persona_name: str, max_tokens: int,
+                    seed: int) -> dict[str, Any]:
+    """Held-out questions as side turns (never trained on), fixed seeds, temperature 1."""
+    s = load_flow_settings(config_path)
+    _, heldout = split_questions(seed=seed)
+    persona = get_persona(persona_name)
+    round_id = f"eval{step:03d}"
+
+    async def go():
+        client = _client(gateway_url)
+        try:
+            return await evaluation_round(client, persona, heldout, round_id=round_id, max_tokens=max_tokens,
+                                          temperature=1.0, seed=seed * 7919)
+        finally:
+            await client.close()
+
+    interactions = runtime.run(go())
+    data_store(s).flush()
+    con = open_catalog(s.storage.data_root)
+    try:
+        turns = session_turns(con, f"{round_id}-e%")
+    finally:
+        con.close()
+    ref = frozen_engine(s)  # the initial weights: KL(served || initial) on the served model's own samples
+
+    async def reference():
+        return [await compute_teacher_logprobs(ref, t["prompt_ids"], t["output_ids"]) for t in turns]
+
+    ref_lps = runtime.run(reference())
+    metrics = score(interactions)
+    metrics.update(step=step, kl=kl_to_reference([t["rollout_logprobs"] for t in turns], ref_lps),
+                   weight_version=turns[0]["weight_version"] if turns else None,
+                   examples=[{"q": x.question, "a": x.answer[:300], "ok": x.satisfied and x.on_topic}
+                             for x in interactions[:4]])
+    return metrics
+
+
+@task(cache_policy=NO_CACHE)
+def report_curve(config_path: str | None, rows: list[dict[str, Any]], persona_name: str,
+                 params: dict[str, Any]) -> dict[str, str]:
+    from clawrl.lineage import log_learning_curve
+    from clawrl.sim.plot import plot_learning_curve
+
+    s = load_flow_settings(config_path)
+    out_dir = Path(s.storage.data_root) / "reports"
+    png = plot_learning_curve(rows, out_dir / "learning_curve.png",
+                              f"{s.model.name}, persona '{persona_name}', {s.ppo.advantage_estimator.value}")
+    (out_dir / "learning_curve.json").write_text(json.dumps(rows, indent=1))
+    run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params)
+    return {"png": str(png), "mlflow_run_id": run_id}
+
+
+@flow(name="learning-loop", log_prints=True)
+def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
+                  persona: str = "concise", max_tokens: int = 64, seed: int = 0) -> dict[str, Any]:
+    log = get_run_logger()
+    s = load_flow_settings(config_path)
+    rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed)]
+    log.info("base model: score %.3f, on-topic %.3f, persona %.3f", rows[0]["score"], rows[0]["on_topic_rate"],
+             rows[0]["persona_rate"])
+    for step in range(1, steps + 1):
+        rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed)
+        judged = judge_flow(config_path=config_path)
+        trained = train_flow(config_path=config_path, max_steps=1)
+        row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed)
+        row["train_reactions"] = rounds["reactions"]
+        row["samples"] = judged["fates"].get("sample", 0)
+        if trained["steps"]:
+            m = trained["steps"][0]["metrics"]
+            row.update(loss=m.get("loss"), reward_mean=m.get("reward_mean"), train_kl=m.get("kl"))
+        rows.append(row)
+        print(f"step {step:2d}: score {row['score']:.3f}  on-topic {row['on_topic_rate']:.3f}  "
+              f"persona {row['persona_rate']:.3f}  KL {row['kl']:.4f}  words {row['mean_words']:.1f}  "
+              f"(served v{row['weight_version']})")
+    params = {"persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens, "seed": seed,
+              "model": s.model.name, "method": s.ppo.advantage_estimator.value, "lr": s.ppo.lr,
+              "kl_coef": s.ppo.kl_coef, "rollout_batch_size": s.ppo.rollout_batch_size,
+              "temperature": s.ppo.temperature}
+    out = report_curve(config_path, rows, persona, params)
+    return {"rows": rows, **out}
