@@ -157,6 +157,7 @@ def bench_engine(
     concurrency: Annotated[str, typer.Option(help="Comma-separated engine concurrencies.")] = "1,4,16",
     hf_batch: Annotated[str, typer.Option(help="Comma-separated HF generate batch sizes ('' = skip).")] = "1,16",
     new_tokens: Annotated[int, typer.Option(help="Tokens per request (greedy, ignore_eos).")] = 32,
+    repeats: Annotated[int, typer.Option(help="Interleaved passes; each row keeps its best.")] = 3,
     out: Annotated[Path, typer.Option(help="Markdown file whose engine section is rewritten.")] = Path("docs/benchmarks.md"),
     config: ConfigOpt = None,
 ) -> None:
@@ -173,9 +174,9 @@ def bench_engine(
     s = settings_or_exit(config)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("engine bench", total=count_bench_runs(names, conc, hf))
+        task = bar.add_task("engine bench", total=count_bench_runs(names, conc, hf, repeats))
         rows = run_engine_bench(names, conc, new_tokens, cache_dir=s.storage.models_dir, hf_batch_sizes=hf,
-                                progress=lambda label: bar.update(task, advance=1, description=label))
+                                repeats=repeats, progress=lambda label: bar.update(task, advance=1, description=label))
     typer.echo(format_engine_rows(rows))
     write_engine_results_markdown(rows, out)
     console.print(f"wrote {out}", markup=False)

@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from clawrl import runtime
-from clawrl.config import Settings, config_hash
+from clawrl.config import Settings, config_hash, dump_toml
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import POLICY_ENGINE, build_judge_config_hash
 from clawrl.lineage import log_train_step
@@ -45,6 +45,7 @@ from storage.catalog import (
     open_batch,
     open_catalog,
     trainable_samples,
+    write_config_snapshot,
 )
 
 TRAINER_LIMIT = "trainer"
@@ -95,6 +96,7 @@ def claim_batch(config_path: str | None) -> str | None:
     if chosen is None:
         log.info("%d fresh samples wait; rollout_batch_size is %d", len(rows) - len(stale), s.ppo.rollout_batch_size)
         return None
+    write_config_snapshot(s.storage.data_root, config_hash(s), dump_toml(s))  # replay re-reads it by hash
     batch = BatchRecord(batch_id=uuid.uuid4().hex[:16], step=current + 1, sample_ids=[r["sample_id"] for r in chosen],
                         session_ids=sorted({r["session_id"] for r in chosen}), method=s.ppo.advantage_estimator.value,
                         config_hash=config_hash(s), parent_version=str(current))

@@ -297,6 +297,41 @@ def session_turns(con: duckdb.DuckDBPyConnection, session_pattern: str) -> list[
     """, params={"p": session_pattern}).to_arrow_table().to_pylist()
 
 
+def config_snapshot_path(data_root: str | os.PathLike, config_hash: str) -> Path:
+    return Path(data_root) / "configs" / f"{config_hash}.toml"
+
+
+def write_config_snapshot(data_root: str | os.PathLike, config_hash: str, toml_text: str) -> Path:
+    """The full effective config a batch was trained with, kept by hash for replay (written once,
+    atomically)."""
+    path = config_snapshot_path(data_root, config_hash)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(toml_text)
+        os.replace(tmp, path)
+    return path
+
+
+def replay_plan(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
+    """The batches that produced versions 1..``weight_version`` in training order, each with its
+    original checkpoint hash and config hash. Raises when a version in the chain is missing."""
+    rows = con.sql("""
+        WITH c AS (SELECT * EXCLUDE (date) FROM checkpoints
+                   QUALIFY row_number() OVER (PARTITION BY weight_version ORDER BY created_at) = 1),
+        b AS (SELECT * EXCLUDE (date) FROM batches
+              QUALIFY row_number() OVER (PARTITION BY batch_id ORDER BY created_at) = 1)
+        SELECT c.step, c.weight_version, c.batch_id, c.sha256, c.mlflow_run_id, c.path, b.config_hash, b.sample_ids,
+               b.session_ids, b.method
+        FROM c JOIN b USING (batch_id)
+        WHERE c.step <= $v ORDER BY c.step
+    """, params={"v": int(weight_version)}).to_arrow_table().to_pylist()
+    steps = [r["step"] for r in rows]
+    if steps != list(range(1, int(weight_version) + 1)):
+        raise ValueError(f"cannot replay to version {weight_version}: recorded steps are {steps}")
+    return rows
+
+
 def latest_version(con: duckdb.DuckDBPyConnection) -> int:
     """The newest trained weight version recorded in ``checkpoints`` (0 before any step)."""
     value = con.execute("SELECT max(step) FROM checkpoints").fetchall()[0][0]

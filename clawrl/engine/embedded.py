@@ -273,7 +273,7 @@ class EmbeddedEngine:
         self._generator = torch.Generator()  # rows without a sampling_seed share it
         self._generator.seed()
 
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.RLock())
         # guarded by _cv: shared with the submitting threads
         self._waiting: deque[_Sequence] = deque()
         self._commands: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
@@ -603,7 +603,8 @@ class EmbeddedEngine:
         if self._running:
             return False
         barrier = self._updates[0].barrier
-        return not any(s.order <= barrier for s in self._waiting)
+        with self._cv:  # re-entrant; submitters append to _waiting concurrently
+            return not any(s.order <= barrier for s in self._waiting)
 
     def _step(self) -> None:
         while self._updates and self._drained():

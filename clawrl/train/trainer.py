@@ -137,6 +137,7 @@ class Trainer:
         batch = collate_samples(samples, self.pad_id)
         metrics = self.backend.train_step(batch)
         metrics["step_time_s"] = time.perf_counter() - t0
+        metrics["torch_threads"] = torch.get_num_threads()  # replay restores it: CPU reductions depend on it
         parent, self.version = self.version, self.version + 1
         out = version_dir(self.checkpoints, self.version)
         result = self._save(out, batch_id, parent, metrics)
