@@ -350,6 +350,56 @@ def trainer_service(
     uvicorn.run(create_trainer_app(tr, s.storage.data_root), host=host, port=port, log_level="warning")
 
 
+@app.command("replay")
+def replay_cmd(
+    version: Annotated[str, typer.Argument(help="Weight version to rebuild (1..N), 'latest', or an MLflow run id.")],
+    config: ConfigOpt = None,
+    exclude_session: Annotated[Optional[list[str]], typer.Option("--exclude-session", help="Leave this session's samples out (repeatable).")] = None,
+    reason: Annotated[str, typer.Option(help="Why sessions are excluded (kept in the lineage).")] = "",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Counterfactual SECTION.KEY=VALUE (repeatable).")] = None,
+) -> None:
+    """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes."""
+    from rich.table import Table
+
+    s = settings_or_exit(config)
+    if len(version) == 32 and not version.isdigit():  # an MLflow run id: the version it trained
+        from clawrl.lineage import client
+
+        try:
+            version = client(s.storage.data_root).get_run(version).data.tags["weight_version"]
+        except Exception as e:
+            err.print(f"MLflow run {version!r}: {e}", markup=False, style="red")
+            raise typer.Exit(2) from None
+    for item in set_ or []:
+        try:
+            from clawrl.config import parse_override
+
+            parse_override(item)
+        except ConfigError as e:
+            err.print(str(e), markup=False, style="red")
+            raise typer.Exit(2) from None
+    from flows.replay import replay_flow
+
+    try:
+        report = replay_flow(config_path=str(config) if config else None, version=version,
+                             exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])
+    except (ValueError, FileNotFoundError, ConfigError) as e:
+        err.print(f"replay failed: {e}", markup=False, style="red")
+        raise typer.Exit(2) from None
+    t = Table(title=f"replay {report['replay_id']} of version {report['source_version']}")
+    for col in ("step", "batch", "samples", "excluded", "original sha256", "replayed sha256", "identical"):
+        t.add_column(col)
+    for st in report["steps"]:
+        t.add_row(str(st["step"]), st["batch_id"], str(st["samples"]), str(st["excluded_samples"]),
+                  st["original_sha256"][:16], (st["replay_sha256"] or "-")[:16], str(st["identical"]))
+    console.print(t)
+    if report["identical"] is not None:
+        console.print("checkpoints byte-identical: " + ("yes" if report["identical"] else "NO"), markup=False)
+    console.print(f"replayed checkpoint: {report['final_path']} (MLflow run {report['mlflow_run_id']} in "
+                  f"experiment clawrl-replays)", markup=False)
+    raise typer.Exit(0 if report["identical"] is not False else 1)
+
+
 @app.command("demo")
 def demo(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Overlay (default conf/demo.toml).")] = None,

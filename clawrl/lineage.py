@@ -145,3 +145,42 @@ def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path
     c.log_dict(run_id, {"rows": rows}, "learning_curve.json")
     c.set_terminated(run_id)
     return run_id
+
+
+REPLAY_EXPERIMENT = "clawrl-replays"
+REPLAY_MODEL = "clawrl-policy-replays"
+
+
+def log_replay(data_root: Path, report: dict[str, Any]) -> str:
+    """A replay as one MLflow run linked to the run that trained the original version; its final
+    checkpoint as a version of the ``clawrl-policy-replays`` model, tagged with what was excluded."""
+    from mlflow.entities import Metric, Param
+
+    c = client(data_root)
+    exp_id = experiment_id(c, data_root, REPLAY_EXPERIMENT)
+    steps = report["steps"]
+    original = next((s["original_run_id"] for s in reversed(steps) if s.get("original_run_id")), None)
+    kind = "exact" if report["exact"] else ("unlearning" if report["excluded_sessions"] else "counterfactual")
+    tags = {"kind": kind, "replay_id": report["replay_id"], "replay_of_version": str(report["source_version"]),
+            "replay_of_run": original or "", "excluded_sessions": ",".join(report["excluded_sessions"]),
+            "exclusion_reason": report["reason"], "identical": str(report["identical"])}
+    run = c.create_run(exp_id, run_name=f"replay-{kind}-v{report['source_version']}", tags=tags)
+    run_id = run.info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric("identical", float(bool(s["identical"])), now, s["step"]) for s in steps if s["identical"] is not None]
+    metrics += [Metric("excluded_samples", float(s["excluded_samples"]), now, s["step"]) for s in steps]
+    c.log_batch(run_id, metrics=metrics, params=[Param(f"set.{k}", str(v)) for k, v in sorted(report["overrides"].items())])
+    c.log_dict(run_id, report, "replay.json")
+    c.set_terminated(run_id)
+    if report.get("final_path"):
+        try:
+            c.get_registered_model(REPLAY_MODEL)
+        except Exception:
+            try:
+                c.create_registered_model(REPLAY_MODEL, description="Policies re-trained by clawrl replay.")
+            except Exception:
+                pass
+        last = next(s for s in reversed(steps) if s["replay_sha256"])
+        c.create_model_version(REPLAY_MODEL, source=Path(report["final_path"]).as_uri(), run_id=run_id, tags={
+            **{k: v for k, v in tags.items() if v}, "checkpoint_sha256": last["replay_sha256"]})
+    return run_id

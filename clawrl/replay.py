@@ -36,6 +36,7 @@ class ReplayStep:
     samples: int
     excluded_samples: int
     identical: bool | None  # None when the replay changed data or config (no like-for-like comparison)
+    original_run_id: str | None = None
 
 
 @dataclass
@@ -100,7 +101,8 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
         if threads:
             torch.set_num_threads(threads)
         kept = [r for r in rows if r["session_id"] not in excluded]
-        step = ReplayStep(p["step"], p["batch_id"], p["sha256"], None, len(kept), len(rows) - len(kept), None)
+        step = ReplayStep(p["step"], p["batch_id"], p["sha256"], None, len(kept), len(rows) - len(kept), None,
+                          p.get("mlflow_run_id"))
         if kept:
             result = trainer.run(p["batch_id"], samples_from_rows(kept))
             step.replay_sha256 = result.sha256

@@ -1,0 +1,59 @@
+"""Prefect flow `replay`: re-train a run's versions from its logged samples (exact, unlearning or
+counterfactual), compare checkpoint hashes, and record the replay in MLflow linked to the original.
+Runnable from the Prefect UI (``clawrl up`` serves it as a deployment) and by ``clawrl replay``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from clawrl.config import parse_override
+from clawrl.lineage import log_replay
+from clawrl.replay import replay
+from flows.common import load_flow_settings
+
+
+@task(cache_policy=NO_CACHE)
+def run_replay(config_path: str | None, version: str, exclude_sessions: list[str], reason: str,
+               overrides: dict[str, Any]) -> dict[str, Any]:
+    s = load_flow_settings(config_path)
+    log = get_run_logger()
+
+    def progress(step) -> None:
+        verdict = {True: "identical", False: "DIFFERENT", None: "replayed"}[step.identical]
+        log.info("step %d (batch %s): %d samples (%d excluded) -> %s", step.step, step.batch_id, step.samples,
+                 step.excluded_samples, verdict)
+
+    return replay(s, version, exclude_sessions=tuple(exclude_sessions), reason=reason, overrides=overrides,
+                  progress=progress).to_dict()
+
+
+@task(cache_policy=NO_CACHE)
+def record_replay(config_path: str | None, report: dict[str, Any]) -> str:
+    s = load_flow_settings(config_path)
+    return log_replay(s.storage.data_root, report)
+
+
+@flow(name="replay", log_prints=True)
+def replay_flow(config_path: str | None = None, version: str = "latest", exclude_sessions: list[str] | None = None,
+                reason: str = "", set_overrides: list[str] | None = None) -> dict[str, Any]:
+    """``version``: a weight version or 'latest'; ``set_overrides``: ["ppo.lr=1e-5", ...]."""
+    from storage.catalog import latest_version, open_catalog
+
+    if version == "latest":
+        s = load_flow_settings(config_path)
+        con = open_catalog(s.storage.data_root)
+        try:
+            version = str(latest_version(con))
+        finally:
+            con.close()
+    overrides = dict(parse_override(x) for x in (set_overrides or []))
+    report = run_replay(config_path, version, list(exclude_sessions or []), reason, overrides)
+    report["mlflow_run_id"] = record_replay(config_path, report)
+    verdict = report["identical"]
+    print(f"replay {report['replay_id']} of version {version}: "
+          + ("checkpoints byte-identical" if verdict else "CHECKPOINTS DIFFER" if verdict is False
+             else f"{len(report['excluded_sessions'])} sessions excluded, overrides {report['overrides']}"))
+    return report
