@@ -350,6 +350,30 @@ def trainer_service(
     uvicorn.run(create_trainer_app(tr, s.storage.data_root), host=host, port=port, log_level="warning")
 
 
+@app.command("up")
+def up(
+    config: ConfigOpt = None,
+    prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow UI port.")] = 5000,
+    trainer_port: Annotated[int, typer.Option(help="Trainer service port.")] = 30020,
+) -> None:
+    """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
+    from clawrl.supervisor import run_up
+
+    s = settings_or_exit(config)
+    conf = config.resolve() if config else None
+    if conf is None:  # the child processes read the same effective config from a file
+        s.storage.data_root.mkdir(parents=True, exist_ok=True)
+        conf = s.storage.data_root / "up-config.toml"
+        conf.write_text(dump_toml(s))
+    try:
+        run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
+               echo=lambda m: console.print(m, markup=False))
+    except RuntimeError as e:
+        err.print(str(e), markup=False, style="red")
+        raise typer.Exit(1) from None
+
+
 @app.command("replay")
 def replay_cmd(
     version: Annotated[str, typer.Argument(help="Weight version to rebuild (1..N), 'latest', or an MLflow run id.")],

@@ -70,7 +70,9 @@ class _TooLarge(Exception):
 
 
 def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
-    """(engine, tokenizer, owned) for the engine named in [engine]."""
+    """(engine, tokenizer, owned) for the engine named in [engine]. An embedded engine starts from
+    the newest checkpoint under the data root when training already ran (a restart resumes serving
+    the version it served), else from the base model at version 0."""
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
@@ -81,11 +83,16 @@ def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
             load_tokenizer(model_dir), True
     from clawrl.config import resolve_device
     from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.train.trainer import latest_checkpoint
 
+    version = "0"
+    latest = latest_checkpoint(settings.storage.data_root / "checkpoints")
+    if latest is not None and (latest[1] / "model.safetensors").is_file():
+        model_dir, version = latest[1], str(latest[0])
     device, _ = resolve_device(settings.model.device)
     engine = EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
                             max_batch_size=settings.engine.max_batch_size,
-                            max_context_len=settings.engine.max_context_len,
+                            max_context_len=settings.engine.max_context_len, weight_version=version,
                             served_model_name=settings.server.served_model_name)
     return engine, engine.tokenizer, True
 
@@ -98,13 +105,14 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
                           "set keys, or server.open_mode = true to serve without authentication")
     metrics = GatewayMetrics()
     generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
+    owned_engine = engine is None
+    if engine is None:
+        engine, tokenizer, _ = build_engine(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal engine, tokenizer, store
-        owned_engine = owned_store = False
-        if engine is None:
-            engine, tokenizer, owned_engine = build_engine(settings)
+        owned_store = False
         if tokenizer is None:
             tokenizer = engine.tokenizer  # type: ignore[attr-defined]
         if store is None:
@@ -148,6 +156,16 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
 
     app = FastAPI(title="clawrl gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.api_keys = api_keys
+    if hasattr(engine, "update_weights_from_disk") and not hasattr(engine, "sync_weights_from_disk"):
+        # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
+        # under /engine, so a trainer in another process can sync it exactly as it would sync SGLang.
+        # Guarded by the first API key (none in open mode).
+        from clawrl.engine.server import create_engine_app
+
+        app.mount("/engine", create_engine_app(
+            engine, model_path=settings.model.name,
+            served_model_name=settings.server.served_model_name, max_context_len=settings.engine.max_context_len,
+            api_key=api_keys[0] if api_keys else None))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
 
     @app.exception_handler(GatewayError)
@@ -210,6 +228,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
     @app.get("/v1/models")
     async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:
         name = settings.server.served_model_name
+        with contextlib.suppress(Exception):  # the live version (a sync may have happened since the last turn)
+            service.weight_version = str((await service.engine.model_info()).get("weight_version"))
         return ModelList(data=[ModelCard(id=name, created=int(time.time()), root=name,
                                          max_model_len=settings.engine.max_context_len,
                                          weight_version=service.weight_version)])

@@ -221,7 +221,8 @@ def run_ppo_step(
 
     out = _mean_over_epochs(epoch_metrics)
     num_groups = float(torch.unique(batch.group_ids).numel())
-    out.update(num_tokens=num_tokens, num_seqs=num_seqs, num_groups=num_groups)
+    out.update(num_tokens=num_tokens, num_seqs=num_seqs, num_groups=num_groups,
+               reward_mean=float(batch.reward.mean()), teacher_fraction=float(batch.has_teacher.float().mean()))
     return out
 
 

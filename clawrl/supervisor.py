@@ -1,0 +1,136 @@
+"""`clawrl up`: start every part as its own process, print the URLs, stop them all on Ctrl-C.
+
+Processes (all bound to 127.0.0.1): the Prefect server (UI + API), the MLflow server (UI, sqlite
+store under the data root), the trainer service (model + optimizer in memory between steps), the
+gateway (OpenAI API, in-process embedded engine, its SGLang control API under /engine), and the
+flow server (the judge / train / replay deployments). Each keeps its state under the data root, so
+after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its write-ahead log,
+the trainer and the engine load the newest checkpoint, and claimed batches are resumed, not re-taken.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    health_url: str
+    url: str  # what to print
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+
+def wait_healthy(svc: Service, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if svc.proc is not None and svc.proc.poll() is not None:
+            tail = svc.log_path.read_text()[-2000:] if svc.log_path and svc.log_path.exists() else ""
+            raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(svc.health_url, timeout=2.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{svc.name} not healthy at {svc.health_url} after {timeout_s:.0f} s")
+
+
+def start(svc: Service, log_dir: Path, base_env: dict[str, str]) -> None:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    svc.log_path = log_dir / f"{svc.name}.log"
+    log = open(svc.log_path, "ab")
+    svc.proc = subprocess.Popen(svc.argv, env={**base_env, **svc.env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # our own Ctrl-C handling stops them in order
+
+
+def stop(svc: Service, timeout_s: float = 15.0) -> None:
+    p = svc.proc
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout_s)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(5)
+
+
+def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, trainer_port: int) -> list[Service]:
+    py = sys.executable
+    root = settings.storage.data_root
+    host = "127.0.0.1"
+    gw = f"http://{settings.server.host}:{settings.server.api_port}"
+    prefect_api = f"http://{host}:{prefect_port}/api"
+    mlflow_db = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
+    flow_env = {"PREFECT_API_URL": prefect_api}
+    return [
+        Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
+                f"{prefect_api}/health", f"http://{host}:{prefect_port}"),
+        Service("mlflow", [py, "-m", "mlflow", "server", "--host", host, "--port", str(mlflow_port),
+                           "--backend-store-uri", mlflow_db, "--artifacts-destination",
+                           str(root / "mlflow" / "artifacts"), "--workers", "1"],
+                f"http://{host}:{mlflow_port}/health", f"http://{host}:{mlflow_port}",
+                env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
+        Service("trainer", [py, "-m", "clawrl.cli", "trainer", "-c", str(config_path), "--port", str(trainer_port)],
+                f"http://{host}:{trainer_port}/state", f"http://{host}:{trainer_port}"),
+        Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
+        Service("flows", [py, "-m", "flows.serve", "--config", str(config_path), "--trainer-url",
+                          f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine"],
+                f"{prefect_api}/health", "deployments: judge/every-20s, train/on-samples-ready, replay/on-demand",
+                env=flow_env),
+    ]
+
+
+def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
+           trainer_port: int = 30020, echo=print, stop_event=None) -> None:
+    """Start everything, then block until Ctrl-C / SIGTERM (or ``stop_event``), then stop everything."""
+    from clawrl.config import OFFLINE_ENV
+
+    root = Path(settings.storage.data_root)
+    (root / "mlflow").mkdir(parents=True, exist_ok=True)
+    base_env = {**os.environ, **OFFLINE_ENV, "PREFECT_HOME": str(root / "prefect"),
+                "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+                "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"}
+    services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
+                    trainer_port=trainer_port)
+    stopping = False
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        nonlocal stopping
+        stopping = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for svc in services:
+            echo(f"starting {svc.name} ...")
+            start(svc, root / "logs", base_env)
+            wait_healthy(svc, timeout_s=300)
+            echo(f"  {svc.name:8s} {svc.url}")
+        echo("all up; Ctrl-C stops everything")
+        while not stopping and not (stop_event and stop_event.is_set()):
+            for svc in services:
+                if svc.proc is not None and svc.proc.poll() is not None:
+                    echo(f"{svc.name} exited with code {svc.proc.returncode}; see {svc.log_path}")
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        for svc in reversed(services):
+            stop(svc)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        echo("stopped")

@@ -1,0 +1,54 @@
+"""The flows served as Prefect deployments (started by ``clawrl up``; also ``python -m flows.serve``).
+
+* ``judge/every-20s``: judges ready turns on an interval schedule (editable in the Prefect UI).
+* ``train/on-samples-ready``: runs when the judge flow emits ``clawrl.samples.ready`` (a full batch
+  waits), and on an interval as a safety net; deployment concurrency limit 1, and the flow itself
+  holds the global limit ``trainer``.
+* ``replay/on-demand``: no schedule; run it from the UI with a version, sessions to exclude, or
+  ``--set`` style overrides.
+
+Flow runs execute in subprocesses of this server; the long-lived state lives elsewhere: the trainer
+service (model + optimizer) at ``--trainer-url``, the serving engine behind ``--engine-url``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+
+from prefect import serve
+from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+
+from flows.judge import SAMPLES_READY_EVENT, judge_flow
+from flows.replay import replay_flow
+from flows.train import train_flow
+
+
+def build_deployments(config_path: str, trainer_url: str | None, engine_url: str | None,
+                      judge_every_s: float = 20.0, train_every_s: float = 120.0):
+    judge = judge_flow.to_deployment(name="every-20s", interval=timedelta(seconds=judge_every_s),
+                                     parameters={"config_path": config_path},
+                                     description="Judge turns whose next state arrived (PRM votes, hints, teacher).")
+    train = train_flow.to_deployment(
+        name="on-samples-ready", interval=timedelta(seconds=train_every_s), concurrency_limit=1,
+        parameters={"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url, "engine_url": engine_url},
+        triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT}, match={"prefect.resource.id": "clawrl.samples.*"})],
+        description="One PPO step per full batch of trainable samples, then checkpoint, lineage, sync.")
+    replay = replay_flow.to_deployment(name="on-demand", parameters={"config_path": config_path},
+                                       description="Re-train from logged samples: exact, unlearning or counterfactual.")
+    return [judge, train, replay]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--trainer-url", default=None)
+    p.add_argument("--engine-url", default=None)
+    p.add_argument("--judge-every", type=float, default=20.0)
+    p.add_argument("--train-every", type=float, default=120.0)
+    a = p.parse_args(argv)
+    serve(*build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every))
+
+
+if __name__ == "__main__":
+    main()
