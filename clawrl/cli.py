@@ -205,6 +205,64 @@ def bench_gateway(
     console.print(f"wrote {out}", markup=False)
 
 
+@bench_app.command("judge")
+def bench_judge(
+    models: Annotated[str, typer.Option(help="Comma-separated model names.")] = "tiny,smollm2-135m",
+    turns: Annotated[int, typer.Option(help="Turns judged per concurrency.")] = 32,
+    judge_samples: Annotated[int, typer.Option(help="PRM votes per turn.")] = 1,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per vote.")] = 32,
+    out: Annotated[Path, typer.Option(help="Markdown report to update.")] = Path("docs/benchmarks.md"),
+    config: ConfigOpt = None,
+) -> None:
+    """Turns judged per second with the embedded engine as judge, concurrency 1 vs 16."""
+    from clawrl.bench.judge import format_judge_section, run_judge_bench
+    from clawrl.bench.report import machine_line, write_section
+
+    s = settings_or_exit(config)
+    names = tuple(m.strip() for m in models.split(",") if m.strip())
+    with console.status("judge bench"):
+        rows = run_judge_bench(names, cache_dir=s.storage.models_dir, n_turns=turns, judge_samples=judge_samples,
+                               max_tokens=max_tokens)
+    section = format_judge_section(rows, machine_line(), max_tokens)
+    typer.echo(section)
+    write_section("judge", section, out)
+
+
+@bench_app.command("train")
+def bench_train(
+    models: Annotated[str, typer.Option(help="Comma-separated model names.")] = "tiny,smollm2-135m",
+    repeats: Annotated[int, typer.Option(help="Timed repeats (best is reported, median beside it).")] = 3,
+    out: Annotated[Path, typer.Option(help="Markdown report to update.")] = Path("docs/benchmarks.md"),
+    config: ConfigOpt = None,
+) -> None:
+    """(a) PPO step tokens/s vs a plain HF step; (b) weight-sync time vs its bound (CPU)."""
+    from clawrl.bench.report import machine_line, markdown_table, write_section
+    from clawrl.bench.sync import run_sync_bench
+    from clawrl.bench.train import run_train_bench
+
+    s = settings_or_exit(config)
+    names = tuple(m.strip() for m in models.split(",") if m.strip())
+    with console.status("train bench: PPO step vs plain HF step"):
+        train_rows = run_train_bench(names, cache_dir=s.storage.models_dir, repeats=repeats)
+    with console.status("sync bench: in-process copy and safetensors save+load vs their bounds"):
+        sync_rows = run_sync_bench(names, cache_dir=s.storage.models_dir, repeats=repeats)
+    section = "\n".join([
+        "## Training step and weight sync (CPU)", "", machine_line(),
+        "(a) One PPO step (`TorchBackend.train_step`, 8 x 256 tokens, one micro-batch) vs a plain HF",
+        "forward + backward + AdamW step of the same batch (the bound). `ppo_step` includes the KL",
+        "reference forward (kl_coef > 0, the default); `ppo_step_no_ref` is the step without it.",
+        "Target: vs_bound >= 0.8.", "",
+        markdown_table(train_rows, ["model", "what", "threads", "seconds", "seconds_median", "tokens_per_s", "vs_bound"]),
+        "", "(b) Weight sync into an idle embedded engine vs its bound (target <= 1.5x): `in_process` =",
+        "pause -> state-dict copy -> continue vs copying the same tensors; `disk_sync` = checkpoint save +",
+        "`update_weights_from_disk` vs safetensors save_file + load_file of the same state dict.", "",
+        markdown_table(sync_rows, ["model", "path", "bytes", "seconds", "seconds_median", "bound_seconds", "vs_bound",
+                                   "load_1m"]),
+    ])
+    typer.echo(section)
+    write_section("train", section, out)
+
+
 @app.command("judge")
 def judge(
     config: ConfigOpt = None,
@@ -356,6 +414,8 @@ def up(
     prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI port.")] = 5000,
     trainer_port: Annotated[int, typer.Option(help="Trainer service port.")] = 30020,
+    judge_every: Annotated[float, typer.Option(help="Judge deployment interval, seconds (editable in the UI).")] = 20.0,
+    train_every: Annotated[float, typer.Option(help="Train deployment safety-net interval, seconds.")] = 120.0,
 ) -> None:
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
     from clawrl.supervisor import run_up
@@ -368,7 +428,7 @@ def up(
         conf.write_text(dump_toml(s))
     try:
         run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
-               echo=lambda m: console.print(m, markup=False))
+               judge_every_s=judge_every, train_every_s=train_every, echo=lambda m: console.print(m, markup=False))
     except RuntimeError as e:
         err.print(str(e), markup=False, style="red")
         raise typer.Exit(1) from None
@@ -430,7 +490,7 @@ def demo(
     steps: Annotated[int, typer.Option(help="Training steps (weight versions).")] = 16,
     users: Annotated[int, typer.Option(help="Simulated users per step.")] = 16,
     persona: Annotated[str, typer.Option(help="concise | signoff | lowercase | bullets | french")] = "concise",
-    max_tokens: Annotated[int, typer.Option(help="Answer budget per turn.")] = 64,
+    max_tokens: Annotated[int, typer.Option(help="Answer budget per turn.")] = 48,
     run_dir: Annotated[Optional[Path], typer.Option(help="Data root of this run (default: a new one).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model (default from the config).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,

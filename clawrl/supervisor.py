@@ -47,12 +47,33 @@ def wait_healthy(svc: Service, timeout_s: float) -> None:
     raise RuntimeError(f"{svc.name} not healthy at {svc.health_url} after {timeout_s:.0f} s")
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if `clawrl up` dies (even by kill -9), so no orphan keeps a port."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def start(svc: Service, log_dir: Path, base_env: dict[str, str]) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     svc.log_path = log_dir / f"{svc.name}.log"
     log = open(svc.log_path, "ab")
     svc.proc = subprocess.Popen(svc.argv, env={**base_env, **svc.env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # our own Ctrl-C handling stops them in order
+                                start_new_session=True,  # our own Ctrl-C handling stops them in order
+                                preexec_fn=_die_with_parent)
+
+
+def write_pids(path: Path, services: list[Service]) -> None:
+    """``<data_root>/up.pids.json``: which process is which (for operators, and the restart test)."""
+    import json
+
+    pids = {s.name: s.proc.pid for s in services if s.proc is not None}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
+    os.replace(tmp, path)
 
 
 def stop(svc: Service, timeout_s: float = 15.0) -> None:
@@ -70,7 +91,8 @@ def stop(svc: Service, timeout_s: float = 15.0) -> None:
         p.wait(5)
 
 
-def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, trainer_port: int) -> list[Service]:
+def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, trainer_port: int,
+         judge_every_s: float = 20.0, train_every_s: float = 120.0) -> list[Service]:
     py = sys.executable
     root = settings.storage.data_root
     host = "127.0.0.1"
@@ -90,14 +112,17 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                 f"http://{host}:{trainer_port}/state", f"http://{host}:{trainer_port}"),
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
         Service("flows", [py, "-m", "flows.serve", "--config", str(config_path), "--trainer-url",
-                          f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine"],
-                f"{prefect_api}/health", "deployments: judge/every-20s, train/on-samples-ready, replay/on-demand",
+                          f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine",
+                          "--judge-every", str(judge_every_s), "--train-every", str(train_every_s)],
+                f"{prefect_api}/health", f"deployments: judge/on-interval (every {judge_every_s:g} s), "
+                "train/on-samples-ready, replay/on-demand",
                 env=flow_env),
     ]
 
 
 def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
-           trainer_port: int = 30020, echo=print, stop_event=None) -> None:
+           trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0, echo=print,
+           stop_event=None) -> None:
     """Start everything, then block until Ctrl-C / SIGTERM (or ``stop_event``), then stop everything."""
     from clawrl.config import OFFLINE_ENV
 
@@ -107,7 +132,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
                 "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
                 "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"}
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
-                    trainer_port=trainer_port)
+                    trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s)
     stopping = False
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -120,6 +145,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
             echo(f"starting {svc.name} ...")
             start(svc, root / "logs", base_env)
             wait_healthy(svc, timeout_s=300)
+            write_pids(root / "up.pids.json", services)
             echo(f"  {svc.name:8s} {svc.url}")
         echo("all up; Ctrl-C stops everything")
         while not stopping and not (stop_event and stop_event.is_set()):

@@ -17,7 +17,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from clawrl import runtime
-from clawrl.judge.runner import frozen_engine
+from clawrl.judge.runner import POLICY_ENGINE, frozen_engine
 from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
@@ -58,7 +58,9 @@ def simulate_users(config_path: str | None, gateway_url: str, step: int, persona
 @task(cache_policy=NO_CACHE, task_run_name="evaluate-v{step}")
 def evaluate_policy(config_path: str | None, gateway_url: str, step: int, persona_name: str, max_tokens: int,
                     seed: int) -> dict[str, Any]:
-    """Held-out questions as side turns (never trained on), fixed seeds, temperature 1."""
+    """Held-out questions as side turns (never trained on), fixed seeds, at the serving temperature -
+    the answers users get. The KL to the initial model is measured on those answers: both the
+    served and the initial weights score the sampled tokens (prompt scoring, temperature 1)."""
     s = load_flow_settings(config_path)
     _, heldout = split_questions(seed=seed)
     persona = get_persona(persona_name)
@@ -68,7 +70,7 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
         client = _client(gateway_url)
         try:
             return await evaluation_round(client, persona, heldout, round_id=round_id, max_tokens=max_tokens,
-                                          temperature=1.0, seed=seed * 7919)
+                                          temperature=s.ppo.temperature, seed=seed * 7919)
         finally:
             await client.close()
 
@@ -79,14 +81,16 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
         turns = session_turns(con, f"{round_id}-e%")
     finally:
         con.close()
-    ref = frozen_engine(s)  # the initial weights: KL(served || initial) on the served model's own samples
+    ref = frozen_engine(s)
+    policy = runtime.lookup(POLICY_ENGINE)
 
-    async def reference():
-        return [await compute_teacher_logprobs(ref, t["prompt_ids"], t["output_ids"]) for t in turns]
+    async def score_with(engine):
+        return [await compute_teacher_logprobs(engine, t["prompt_ids"], t["output_ids"]) for t in turns]
 
-    ref_lps = runtime.run(reference())
+    ref_lps = runtime.run(score_with(ref))
+    pol_lps = runtime.run(score_with(policy)) if policy is not None else [t["rollout_logprobs"] for t in turns]
     metrics = score(interactions)
-    metrics.update(step=step, kl=kl_to_reference([t["rollout_logprobs"] for t in turns], ref_lps),
+    metrics.update(step=step, kl=kl_to_reference(pol_lps, ref_lps),
                    weight_version=turns[0]["weight_version"] if turns else None,
                    examples=[{"q": x.question, "a": x.answer[:300], "ok": x.satisfied and x.on_topic}
                              for x in interactions[:4]])

@@ -1,6 +1,6 @@
 """The flows served as Prefect deployments (started by ``clawrl up``; also ``python -m flows.serve``).
 
-* ``judge/every-20s``: judges ready turns on an interval schedule (editable in the Prefect UI).
+* ``judge/on-interval``: judges ready turns on an interval schedule (editable in the Prefect UI).
 * ``train/on-samples-ready``: runs when the judge flow emits ``clawrl.samples.ready`` (a full batch
   waits), and on an interval as a safety net; deployment concurrency limit 1, and the flow itself
   holds the global limit ``trainer``.
@@ -17,6 +17,7 @@ import argparse
 from datetime import timedelta
 
 from prefect import serve
+from prefect.client.schemas.objects import ConcurrencyLimitConfig
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 
 from flows.judge import SAMPLES_READY_EVENT, judge_flow
@@ -26,11 +27,14 @@ from flows.train import train_flow
 
 def build_deployments(config_path: str, trainer_url: str | None, engine_url: str | None,
                       judge_every_s: float = 20.0, train_every_s: float = 120.0):
-    judge = judge_flow.to_deployment(name="every-20s", interval=timedelta(seconds=judge_every_s),
-                                     parameters={"config_path": config_path},
+    # one run at a time; a scheduled run that finds one still going is dropped, not queued (each run
+    # judges everything ready, so queueing would only pile up processes)
+    single = ConcurrencyLimitConfig(limit=1, collision_strategy="CANCEL_NEW")
+    judge = judge_flow.to_deployment(name="on-interval", interval=timedelta(seconds=judge_every_s),
+                                     concurrency_limit=single, parameters={"config_path": config_path},
                                      description="Judge turns whose next state arrived (PRM votes, hints, teacher).")
     train = train_flow.to_deployment(
-        name="on-samples-ready", interval=timedelta(seconds=train_every_s), concurrency_limit=1,
+        name="on-samples-ready", interval=timedelta(seconds=train_every_s), concurrency_limit=single,
         parameters={"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url, "engine_url": engine_url},
         triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT}, match={"prefect.resource.id": "clawrl.samples.*"})],
         description="One PPO step per full batch of trainable samples, then checkpoint, lineage, sync.")

@@ -80,9 +80,10 @@ def score(interactions: list[Interaction]) -> dict[str, float]:
     }
 
 
-def kl_to_reference(rollout_logprobs: list[list[float]], reference_logprobs: list[list[float]]) -> float:
-    """Per-token KL(policy || reference) estimated on the policy's own samples (k1 = lp - ref_lp,
-    unbiased when the samples come from the policy at temperature 1)."""
+def kl_to_reference(policy_logprobs: list[list[float]], reference_logprobs: list[list[float]]) -> float:
+    """Per-token mean of lp - ref_lp over the served answers' tokens: the k1 estimate of
+    KL(policy || reference), exact in expectation when the answers were sampled at temperature 1
+    (at a lower serving temperature it measures the same drift on the answers users actually got)."""
     num = sum(sum(a - b for a, b in zip(lp, ref)) for lp, ref in zip(rollout_logprobs, reference_logprobs))
     den = sum(len(lp) for lp in rollout_logprobs)
     return num / den if den else math.nan
