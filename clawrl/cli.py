@@ -554,6 +554,16 @@ def demo(
                   f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
                   f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
+    from clawrl.judge.runner import build_judge_config_hash
+    from storage.catalog import open_catalog, pending_counts
+
+    con = open_catalog(s.storage.data_root)
+    try:
+        chash = build_judge_config_hash(s)
+        _print_status(pending_counts(con, chash, s.ppo.rollout_batch_size), chash,
+                      con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()[0])
+    finally:
+        con.close()
     console.print("\nwhere to look:", markup=False)
     console.print(f"  clawrl status  -c {run_conf}\n  clawrl sql \"select * from turn_fate\" -c {run_conf}\n"
                   f"  clawrl lineage {len(rows) - 1} -c {run_conf}\n"

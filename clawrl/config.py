@@ -154,7 +154,13 @@ class PPOSettings(_Section):
     )
     w_rl: float = Field(1.0, description="Combine: weight of the judge reward term.")
     w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term.")
-    group_norm: bool = Field(False, description="GRPO: subtract the group mean reward (per prompt group).")
+    group_norm: bool = Field(False, description="Subtract a baseline from the judge reward: the mean over group_by.")
+    group_by: Literal["prompt", "batch"] = Field(
+        "prompt",
+        description="Baseline group: 'prompt' (GRPO: samples of the same prompt; live traffic rarely repeats a "
+        "prompt, so most groups have one sample and get advantage 0) or 'batch' (the batch mean: a REINFORCE "
+        "baseline that works with one sample per prompt).",
+    )
     lora_rank: int = Field(0, ge=0, description="LoRA rank for the torch backend; 0 = full fine-tune.")
     lora_alpha: float = Field(32.0, gt=0)
     deterministic: bool = Field(True, description="torch deterministic algorithms + seeds (exact replay).")

@@ -76,16 +76,19 @@ def get_persona(name: str) -> Persona:
         raise ValueError(f"unknown persona {name!r}; valid: {', '.join(PERSONAS)}") from None
 
 
-def on_topic(text: str, keywords: tuple[str, ...]) -> bool:
+def on_topic(text: str, keywords: tuple[str, ...], question: str = "") -> bool:
     """The answer mentions the subject of the question: one of its keywords (prefix match, so
-    'plant' matches 'plants'). A collapsed policy that says the same line to every prompt fails."""
+    'plant' matches 'plants') that the question itself does not contain - echoing the question
+    back is not an answer. A collapsed policy that says the same line to every prompt fails."""
+    asked = {w.lower() for w in words(question)}
+    useful = [k for k in keywords if not any(a.startswith(k) for a in asked)] or list(keywords)
     ws = [w.lower() for w in words(text)]
-    return any(w.startswith(k) for k in keywords for w in ws)
+    return any(w.startswith(k) for k in useful for w in ws)
 
 
-def react(persona: Persona, text: str, keywords: tuple[str, ...]) -> tuple[str, bool, bool]:
+def react(persona: Persona, text: str, keywords: tuple[str, ...], question: str = "") -> tuple[str, bool, bool]:
     """(the user's next message, satisfied the persona, on topic)."""
-    topical = on_topic(text, keywords)
+    topical = on_topic(text, keywords, question)
     liked = persona.satisfied(text)
     if not topical:
         return OFF_TOPIC, liked, topical

@@ -46,7 +46,7 @@ async def training_round(client, persona: Persona, questions: list[tuple[str, tu
         sid = f"{round_id}-u{i:02d}"
         answer = await ask(client, q, session_id=sid, turn_type="main", max_tokens=max_tokens,
                            temperature=temperature, seed=seed + i, system_prompt=system_prompt)
-        reaction, liked, topical = react(persona, answer, keywords)
+        reaction, liked, topical = react(persona, answer, keywords, q)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": q}, {"role": "assistant", "content": answer},
             {"role": "user", "content": reaction}]
@@ -64,7 +64,7 @@ async def evaluation_round(client, persona: Persona, questions: list[tuple[str, 
         sid = f"{round_id}-e{i:02d}"
         answer = await ask(client, q, session_id=sid, turn_type="side", max_tokens=max_tokens,
                            temperature=temperature, seed=seed + i, system_prompt=system_prompt)
-        return Interaction(sid, q, answer, persona.satisfied(answer), on_topic(answer, keywords), "")
+        return Interaction(sid, q, answer, persona.satisfied(answer), on_topic(answer, keywords, q), "")
 
     return list(await asyncio.gather(*(one(i, q, k) for i, (q, k) in enumerate(questions))))
 
@@ -84,8 +84,8 @@ def kl_to_reference(policy_logprobs: list[list[float]], reference_logprobs: list
     """Per-token mean of lp - ref_lp over the served answers' tokens: the k1 estimate of
     KL(policy || reference), exact in expectation when the answers were sampled at temperature 1
     (at a lower serving temperature it measures the same drift on the answers users actually got)."""
-    num = sum(sum(a - b for a, b in zip(lp, ref)) for lp, ref in zip(rollout_logprobs, reference_logprobs))
-    den = sum(len(lp) for lp in rollout_logprobs)
+    num = sum(sum(a - b for a, b in zip(lp, ref)) for lp, ref in zip(policy_logprobs, reference_logprobs))
+    den = sum(len(lp) for lp in policy_logprobs)
     return num / den if den else math.nan
 
 

@@ -54,6 +54,7 @@ class PPOHyperParams:
     w_rl: float
     w_opd: float
     group_norm: bool
+    group_by: str  # prompt | batch
     seed: int
 
     @classmethod
@@ -77,6 +78,7 @@ class PPOHyperParams:
             w_rl=ppo.w_rl,
             w_opd=ppo.w_opd,
             group_norm=ppo.group_norm,
+            group_by=ppo.group_by,
             seed=seed,
         )
 
@@ -184,7 +186,8 @@ def run_ppo_step(
         raise ValueError(f"batch of {len(batch)} samples has no response tokens to train on")
     reward = batch.reward
     if hp.group_norm and hp.method in (Method.GRPO, Method.COMBINE):
-        reward = normalize_group_rewards(batch.reward, batch.group_ids)  # over the whole batch
+        groups = batch.group_ids if hp.group_by == "prompt" else torch.zeros_like(batch.group_ids)
+        reward = normalize_group_rewards(batch.reward, groups)  # R - mean of its group, over the whole batch
 
     mbs = hp.micro_batch_size
     spans = [(s, min(s + mbs, len(batch))) for s in range(0, len(batch), mbs)]

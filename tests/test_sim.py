@@ -1,0 +1,60 @@
+"""Simulated users: persona checks, the on-topic rule, reactions, the score and the KL estimate."""
+
+import math
+
+import pytest
+
+from clawrl.sim.personas import OFF_TOPIC, PERSONAS, THANKS, get_persona, on_topic, react
+from clawrl.sim.prompts import QUESTIONS, split_questions
+from clawrl.sim.users import Interaction, kl_to_reference, score
+
+
+def test_persona_checks():
+    assert PERSONAS["concise"].satisfied("Paris is the capital of France.")
+    assert not PERSONAS["concise"].satisfied(" ".join(["word"] * 26))  # 26 words > 25
+    assert PERSONAS["signoff"].satisfied("Paris. Cheers!") and not PERSONAS["signoff"].satisfied("Paris.")
+    assert PERSONAS["lowercase"].satisfied("paris, of course") and not PERSONAS["lowercase"].satisfied("Paris")
+    assert PERSONAS["bullets"].satisfied("- one\n- two") and not PERSONAS["bullets"].satisfied("- only one")
+    assert PERSONAS["french"].satisfied("La capitale de la France est Paris.")
+    assert not PERSONAS["french"].satisfied("The capital of France is Paris.")
+    assert not PERSONAS["concise"].satisfied("   ")  # an empty answer satisfies nobody
+    with pytest.raises(ValueError, match="valid: concise"):
+        get_persona("pirate")
+
+
+def test_on_topic_uses_keyword_prefixes():
+    assert on_topic("Plants turn sunlight into sugar.", ("plant", "sugar"))
+    assert not on_topic("I love cheese.", ("plant", "sugar"))
+    q = "How does a refrigerator keep food cold?"
+    assert not on_topic(q, ("heat", "cold", "refrigerant"), q)  # echoing the question is not an answer
+    assert on_topic("It pumps heat out.", ("heat", "cold", "refrigerant"), q)
+
+
+def test_reactions_follow_the_rules():
+    concise = PERSONAS["concise"]
+    kw = ("paris",)
+    assert react(concise, "Paris.", kw) == (THANKS, True, True)
+    assert react(concise, "Berlin.", kw) == (OFF_TOPIC, True, False)  # off topic wins over the persona
+    long = "Paris " + "is lovely " * 20
+    msg, liked, topical = react(concise, long, kw)
+    assert msg == concise.correction and not liked and topical
+
+
+def test_score_needs_both_persona_and_topic():
+    xs = [Interaction("s", "q", "a", True, True, ""), Interaction("s", "q", "a", True, False, ""),
+          Interaction("s", "q", "a", False, True, ""), Interaction("s", "q", "a b", False, False, "")]
+    out = score(xs)
+    assert out == {"score": 0.25, "persona_rate": 0.5, "on_topic_rate": 0.5, "mean_words": 1.25}
+
+
+def test_kl_estimate_is_the_token_mean_of_logprob_differences():
+    # tokens: (-1 - -2) + (-1 - -1.5) + (-3 - -3) = 1 + 0.5 + 0 = 1.5 over 3 tokens = 0.5
+    assert kl_to_reference([[-1.0, -1.0], [-3.0]], [[-2.0, -1.5], [-3.0]]) == pytest.approx(0.5)
+    assert math.isnan(kl_to_reference([], []))
+
+
+def test_question_split_is_fixed_and_disjoint():
+    train, held = split_questions(n_heldout=16, seed=0)
+    assert len(held) == 16 and len(train) == len(QUESTIONS) - 16
+    assert not {q for q, _ in train} & {q for q, _ in held}
+    assert split_questions(seed=0) == (train, held)
