@@ -48,9 +48,8 @@ def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> l
         con.close()
 
 
-@task(cache_policy=NO_CACHE, task_run_name="judge-{turn_id}")
-def judge_one(config_path: str | None, turn_id: str, retries: int) -> str:
-    """Judge one turn and append its records; raises (-> Prefect retry) while attempts remain."""
+def _pending_turn(config_path: str | None, turn_id: str):
+    """(settings, judge, the turn's row or None when it already has a fate under this config)."""
     s = load_flow_settings(config_path)
     judge: Judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
     con = open_catalog(s.storage.data_root)
@@ -58,9 +57,15 @@ def judge_one(config_path: str | None, turn_id: str, retries: int) -> str:
         rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
     finally:
         con.close()
-    if not rows:
+    return s, judge, (rows[0] if rows else None)
+
+
+@task(cache_policy=NO_CACHE, task_run_name="judge-{turn_id}")
+def judge_one(config_path: str | None, turn_id: str, retries: int) -> str:
+    """Judge one turn and append its records; raises (-> Prefect retry) while attempts remain."""
+    s, judge, row = _pending_turn(config_path, turn_id)
+    if row is None:
         return "already_judged"
-    row = rows[0]
     outcome = runtime.run(judge.judge(turn_from_row(row), next_state_from_row(row)))
     if outcome.failed and task_run.get_run_count() <= retries:
         raise JudgeAttemptFailed(f"turn {turn_id}: {outcome.verdict.error if outcome.verdict else 'failed'}")
@@ -71,16 +76,10 @@ def judge_one(config_path: str | None, turn_id: str, retries: int) -> str:
 @task(cache_policy=NO_CACHE)
 def record_judge_error(config_path: str | None, turn_id: str, error: str) -> str:
     """The last attempt raised: keep the turn with fate judge_error and the error text."""
-    s = load_flow_settings(config_path)
-    judge: Judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
-    con = open_catalog(s.storage.data_root)
-    try:
-        rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
-    finally:
-        con.close()
-    if not rows:
+    s, judge, row = _pending_turn(config_path, turn_id)
+    if row is None:
         return "already_judged"
-    data_store(s).append(failure_records(turn_from_row(rows[0]), judge, error))
+    data_store(s).append(failure_records(turn_from_row(row), judge, error))
     return "judge_error"
 
 

@@ -11,16 +11,15 @@ average measured around it.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import os
-import platform
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from clawrl.bench.report import describe_machine, write_section
 
 BENCH_MESSAGES = (
     "What is the capital of France?", "Give me three tips for sleeping better.", "Explain recursion briefly.",
@@ -29,7 +28,7 @@ BENCH_MESSAGES = (
     "What is 17 times 23?", "Suggest a name for a cat.", "Why is the sky blue?", "Translate 'thank you' into Spanish.",
     "What does a CPU do?", "List three fruits that are red.", "How far is the Moon?", "Define entropy simply.",
 )
-SECTION_START = "<!-- engine-bench:start -->"
+SECTION_START = "<!-- engine-bench:start -->"  # the markers write_section("engine", ...) uses
 SECTION_END = "<!-- engine-bench:end -->"
 
 
@@ -153,17 +152,6 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_hf_b16"] = round(r["tokens_per_s"] / hf16["tokens_per_s"], 2) if hf16 else None
 
 
-def describe_machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        m = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-        cpu = m.group(1).strip() if m else cpu
-    except OSError:
-        pass
-    return {"cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
 def format_engine_rows(rows: list[dict[str, Any]]) -> str:
     cols = ["model", "system", "concurrency", "requests", "tokens", "seconds", "tokens_per_s", "vs_c1",
             "vs_hf_b16", "load_1m"]
@@ -197,13 +185,4 @@ def write_engine_results_markdown(rows: list[dict[str, Any]], path: Path,
                         f"{c16['vs_hf_b16']}x HF generate at batch 16.")
     body.append("- Targets (smollm2-135m): >= 5x the engine at 1, >= 0.8x HF generate at batch 16.")
     body += ["", SECTION_END]
-    section = "\n".join(body)
-    path = Path(path)
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_section("engine", "\n".join(body[1:-1]), path)
