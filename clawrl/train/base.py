@@ -54,8 +54,8 @@ class PPOHyperParams:
     w_rl: float
     w_opd: float
     group_norm: bool
-    group_by: str  # prompt | batch
     seed: int
+    group_by: str = "prompt"  # baseline group when group_norm: prompt | batch
 
     @classmethod
     def from_settings(cls, ppo: PPOSettings, seed: int) -> PPOHyperParams:
