@@ -420,8 +420,13 @@ class EmbeddedEngine:
         canonical, _ = served_tensors(self._model)
 
         def swap() -> None:
-            for name, tensor in new.items():
-                canonical[name].data = tensor
+            # copy into the served storage (validated above, so no copy can fail half way) rather
+            # than rebinding .data: the loaded tensors are views of the checkpoint's mmap, and
+            # serving from them would tie the weights to that file and make later in-place syncs
+            # page-fault through copy-on-write
+            with torch.no_grad():
+                for name, tensor in new.items():
+                    canonical[name].copy_(tensor)
 
         return await self._update(swap, weight_version, model_path)
 

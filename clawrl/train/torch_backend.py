@@ -244,7 +244,10 @@ class TorchBackend:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is read by other processes
-            state = self.hf_state_dict()
+            # without LoRA the live tensors are saved as they are: cloning 0.5 GB first costs more
+            # than the write (save_file only reads them)
+            state = ({k: v.detach() for k, v in self.model.state_dict().items()} if self.lora_rank == 0
+                     else self.hf_state_dict())
             if getattr(self.hf_config, "tie_word_embeddings", False):
                 state.pop("lm_head.weight", None)  # safetensors refuses shared tensors; HF re-ties
             save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp / "model.safetensors"),
