@@ -36,9 +36,9 @@ def _client(url: str):
 
 @task(cache_policy=NO_CACHE, task_run_name="users-round-{step}")
 def simulate_users(config_path: str | None, gateway_url: str, step: int, persona_name: str, n_users: int,
-                   max_tokens: int, seed: int) -> dict[str, Any]:
+                   max_tokens: int, seed: int, heldout: int) -> dict[str, Any]:
     s = load_flow_settings(config_path)
-    pool, _ = split_questions(seed=seed)
+    pool, _ = split_questions(n_heldout=heldout, seed=seed)
     start = ((step - 1) * n_users) % len(pool)
     questions = [pool[(start + i) % len(pool)] for i in range(n_users)]
 
@@ -57,19 +57,19 @@ def simulate_users(config_path: str | None, gateway_url: str, step: int, persona
 
 @task(cache_policy=NO_CACHE, task_run_name="evaluate-v{step}")
 def evaluate_policy(config_path: str | None, gateway_url: str, step: int, persona_name: str, max_tokens: int,
-                    seed: int) -> dict[str, Any]:
+                    seed: int, heldout: int) -> dict[str, Any]:
     """Held-out questions as side turns (never trained on), fixed seeds, at the serving temperature -
     the answers users get. The KL to the initial model is measured on those answers: both the
     served and the initial weights score the sampled tokens (prompt scoring, temperature 1)."""
     s = load_flow_settings(config_path)
-    _, heldout = split_questions(seed=seed)
+    _, questions = split_questions(n_heldout=heldout, seed=seed)
     persona = get_persona(persona_name)
     round_id = f"eval{step:03d}"
 
     async def go():
         client = _client(gateway_url)
         try:
-            return await evaluation_round(client, persona, heldout, round_id=round_id, max_tokens=max_tokens,
+            return await evaluation_round(client, persona, questions, round_id=round_id, max_tokens=max_tokens,
                                           temperature=s.ppo.temperature, seed=seed * 7919)
         finally:
             await client.close()
@@ -114,17 +114,17 @@ def report_curve(config_path: str | None, rows: list[dict[str, Any]], persona_na
 
 @flow(name="learning-loop", log_prints=True)
 def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
-                  persona: str = "concise", max_tokens: int = 64, seed: int = 0) -> dict[str, Any]:
+                  persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24) -> dict[str, Any]:
     log = get_run_logger()
     s = load_flow_settings(config_path)
-    rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed)]
+    rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout)]
     log.info("base model: score %.3f, on-topic %.3f, persona %.3f", rows[0]["score"], rows[0]["on_topic_rate"],
              rows[0]["persona_rate"])
     for step in range(1, steps + 1):
-        rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed)
+        rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout)
         judged = judge_flow(config_path=config_path)
         trained = train_flow(config_path=config_path, max_steps=1)
-        row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed)
+        row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout)
         row["train_reactions"] = rounds["reactions"]
         row["samples"] = judged["fates"].get("sample", 0)
         if trained["steps"]:
@@ -135,6 +135,7 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
               f"persona {row['persona_rate']:.3f}  KL {row['kl']:.4f}  words {row['mean_words']:.1f}  "
               f"(served v{row['weight_version']})")
     params = {"persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens, "seed": seed,
+              "heldout": heldout,
               "model": s.model.name, "method": s.ppo.advantage_estimator.value, "lr": s.ppo.lr,
               "kl_coef": s.ppo.kl_coef, "rollout_batch_size": s.ppo.rollout_batch_size,
               "temperature": s.ppo.temperature}

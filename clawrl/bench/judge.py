@@ -64,6 +64,16 @@ async def _judge_all(engine, tokenizer, pairs, concurrency: int, judge_samples: 
     return time.perf_counter() - t0
 
 
+def _rendered_prm_prompt(tokenizer, turn, next_state) -> list[int]:
+    """The ids of the PRM prompt the judge sends for this turn: the engine-gain comparison uses
+    prompts of the judge's own length (a long prompt is prefill-bound and batches less)."""
+    from clawrl.judge.context import build_judge_context
+    from clawrl.judge.prompts import build_prm_messages
+
+    msgs = build_prm_messages(build_judge_context(turn, next_state), 2000)
+    return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
 async def _engine_gain(engine, prompt: list[int], concurrency: int, n: int, max_tokens: int) -> float:
     from clawrl.engine.types import GenerateRequest, SamplingParams
 
@@ -93,11 +103,12 @@ def run_judge_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, n_
             await engine.start()
             try:
                 pairs = build_judge_turns(engine.tokenizer, n_turns)
+                judge_prompt = _rendered_prm_prompt(engine.tokenizer, *pairs[0])
                 await _judge_all(engine, engine.tokenizer, pairs[:4], 4, judge_samples, 4)  # warm up
                 out = {}
                 for c in concurrencies:
                     secs = await _judge_all(engine, engine.tokenizer, pairs, c, judge_samples, max_tokens)
-                    gen = await _engine_gain(engine, pairs[0][0].prompt_ids, c * judge_samples, n_turns * judge_samples,
+                    gen = await _engine_gain(engine, judge_prompt, c * judge_samples, n_turns * judge_samples,
                                              max_tokens)
                     out[c] = (n_turns / secs, gen)
                 return out
@@ -121,7 +132,8 @@ def format_judge_section(rows: list[dict[str, Any]], machine_line: str, max_toke
             "engine_gain", "load_1m"]
     lines = ["## Judge throughput", "", machine_line,
              f"`EngineJudge` over the embedded engine, {max_tokens}-token votes, turns in flight = `concurrency`;",
-             "`engine_gain` is the same engine's requests/s at the same request concurrency vs 1 (ignore_eos,",
-             "same token budget). Target: the judge's gain at 16 at least matches the engine's batching gain.", "",
+             "`engine_gain` is the same engine's requests/s at the same request concurrency vs 1, on the judge's",
+             "own rendered PRM prompt (ignore_eos, same token budget). Target: the judge's gain at 16 at least",
+             "matches the engine's batching gain.", "",
              markdown_table(rows, cols)]
     return "\n".join(lines)
