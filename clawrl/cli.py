@@ -54,10 +54,15 @@ def serve(
 
     overrides = {k: v for k, v in {"server.host": host, "server.api_port": port}.items() if v is not None}
     settings = settings_or_exit(config, overrides)
+    from storage.writer import DataRootError
+
     try:
         app = create_app(settings)
     except ConfigError as e:
         err.print(f"config error: {e}", markup=False, style="red")
+        raise typer.Exit(2) from None
+    except DataRootError as e:  # checked before any model loads or any port is bound
+        err.print(f"storage error: {e}", markup=False, highlight=False, style="red", soft_wrap=True)
         raise typer.Exit(2) from None
     console.print(f"gateway on http://{settings.server.host}:{settings.server.api_port}/v1 "
                   f"(engine: {settings.engine.kind}, model: {settings.model.name}, "
@@ -71,8 +76,13 @@ def engine(
     port: Annotated[Optional[int], typer.Option(help="Port (default: engine.port).")] = None,
     host: Annotated[Optional[str], typer.Option(help="Bind address (default: server.host).")] = None,
     config: ConfigOpt = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Start from the checkpoint of the last successful weight sync recorded under the data "
+                         "root (its sha256 checked), not the base model: a restarted engine serves the last good "
+                         "version, never one whose load it died in.")] = False,
 ) -> None:
-    """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0")."""
+    """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0", or with
+    --resume at the last version synced successfully)."""
     from clawrl.config import resolve_device
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.engine.server import serve_engine
@@ -87,11 +97,29 @@ def engine(
     except ModelNotFoundError as e:
         err.print(f"model error: {e}", markup=False, style="red", soft_wrap=True)
         raise typer.Exit(2) from None
+    version = "0"
+    if resume:
+        from clawrl.sync import CheckpointError, verify_checkpoint
+        from storage.catalog import last_synced_checkpoint, open_catalog
+
+        con = open_catalog(s.storage.data_root)
+        try:
+            last = last_synced_checkpoint(con)
+        finally:
+            con.close()
+        try:
+            if last is not None:
+                verify_checkpoint(last["path"], last["sha256"])
+                model_dir, version = Path(last["path"]), str(last["weight_version"])
+        except CheckpointError as e:
+            err.print(f"not resuming version {last['weight_version']}: {e}; serving the base model (version 0)",
+                      markup=False, style="red", soft_wrap=True)
     eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                         max_context_len=s.engine.max_context_len, weight_version="0",
+                         max_context_len=s.engine.max_context_len, weight_version=version,
                          served_model_name=s.server.served_model_name)
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
-                  f"device: {device} [{device_reason}], dtype: {s.model.dtype})", markup=False, soft_wrap=True)
+                  f"weight_version {version}, device: {device} [{device_reason}], dtype: {s.model.dtype})",
+                  markup=False, soft_wrap=True)
     serve_engine(eng, s.server.host, s.engine.port, model_path=str(model_dir),
                  served_model_name=s.server.served_model_name, max_context_len=s.engine.max_context_len,
                  max_running_requests=s.engine.max_batch_size, log_level="warning")
@@ -107,25 +135,26 @@ class SqlFormat(str, Enum):
 @app.command("sql")
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
-                                               "turn_fate, batches, checkpoints (storage/catalog.py).")],
+                                               "turn_fate, batches, checkpoints, syncs, judgment_attempts "
+                                               "(storage/catalog.py).")],
     fmt: Annotated[SqlFormat, typer.Option("--format", "-f", help="parquet needs --out.")] = SqlFormat.TABLE,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Query the recorded data with DuckDB (read-only in intent; data root: storage.data_root)."""
+    """Query the recorded data with DuckDB, read-only: queries only, no file access outside the tables."""
     import duckdb
     from rich.table import Table
     from rich.text import Text
 
-    from storage.catalog import export_table, format_cell, run_query
+    from storage.catalog import ReadOnlyQueryError, export_table, format_cell, run_query
 
     if fmt is SqlFormat.PARQUET and out is None:
         err.print("--format parquet needs --out FILE", markup=False)
         raise typer.Exit(2)
     data_root = settings_or_exit(config).storage.data_root
     try:
-        result = run_query(data_root, query)
-    except duckdb.Error as e:
+        result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
+    except (duckdb.Error, ReadOnlyQueryError) as e:
         err.print(str(e), markup=False, highlight=False, style="red", soft_wrap=True)
         raise typer.Exit(2) from None
     if fmt is not SqlFormat.TABLE:
@@ -228,6 +257,50 @@ def bench_judge(
     write_section("judge", section, out)
 
 
+@bench_app.command("load")
+def bench_load(
+    sessions: Annotated[int, typer.Option(help="Concurrent simulated users (one session at a time each).")] = 64,
+    duration: Annotated[float, typer.Option(help="Seconds of load (the window syncs are counted in).")] = 60.0,
+    rollout_batch_size: Annotated[int, typer.Option(help="Samples per PPO step (small: steps happen in the window).")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per turn.")] = 16,
+    turns: Annotated[int, typer.Option(help="Main turns per session.")] = 3,
+    out: Annotated[Path, typer.Option(help="Markdown report to update.")] = Path("docs/benchmarks.md"),
+    config: ConfigOpt = None,
+) -> None:
+    """Concurrent sessions against `clawrl serve` while the judge and train flows run and sync weights."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from clawrl.bench.load import format_load_section, run_load_bench
+    from clawrl.bench.report import machine_line, write_section
+    from clawrl.config import use_prefect_home
+
+    s = settings_or_exit(config)
+    use_prefect_home(s.storage.data_root / "prefect")  # flow runs of the bench show in that Prefect UI
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[line]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("load (warming up)", total=duration, line="")
+
+        def progress(p: dict) -> None:
+            bar.update(task, completed=p["elapsed_s"], description="load", line=(
+                f"{p['requests']} requests, {p['errors']} errors, syncs {p['syncs']}, "
+                f"versions served {','.join(p['versions']) or '-'}"))
+
+        result = run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
+                                rollout_batch_size=rollout_batch_size, max_tokens=max_tokens,
+                                turns_per_session=turns, progress=progress)
+    section = format_load_section(result, machine_line(result["machine"]))
+    typer.echo(section)
+    write_section("load", section, out)
+    console.print(f"wrote {out} (run data: {result['data_root']})", markup=False)
+    ok = (result["errors"] == 0 and result["sent_not_logged"] == 0 and result["main_turns_sent"] == result["main_turns_logged"]
+          and result["syncs_during_run"] >= 1)
+    if not ok:
+        err.print(f"load bench FAILED its checks: errors {result['errors']} {result['error_samples']}, sent "
+                  f"{result['main_turns_sent']} vs logged {result['main_turns_logged']}, syncs in the window "
+                  f"{result['syncs_during_run']} {result['failed_syncs']}", markup=False, style="red", soft_wrap=True)
+        raise typer.Exit(1)
+
+
 @bench_app.command("train")
 def bench_train(
     models: Annotated[str, typer.Option(help="Comma-separated model names.")] = "tiny,smollm2-135m",
@@ -282,16 +355,37 @@ def status(config: ConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
     s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
-    from storage.catalog import open_catalog, pending_counts
+    from storage.catalog import open_catalog, pending_counts, sync_state
 
     chash = build_judge_config_hash(s)
     con = open_catalog(s.storage.data_root)
     try:
         counts = pending_counts(con, chash, s.ppo.rollout_batch_size)
         versions = con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()
+        syncs = sync_state(con)
     finally:
         con.close()
     _print_status(counts, chash, versions[0] if versions else None)
+    _print_sync_status(syncs)
+
+
+def _print_sync_status(st: dict) -> None:
+    """One line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>;
+    serving version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it."""
+    last = st["last"]
+    if last is None:
+        console.print("last sync: none recorded", markup=False, highlight=False)
+        return
+    when = last["created_at"].strftime("%Y-%m-%d %H:%M:%S UTC")
+    head = (f"last sync: ok at {when} (version {last['weight_version']} -> {last['target']})" if last["ok"] else
+            f"last sync: FAILED at {when} (version {last['weight_version']} -> {last['target']}): {last['error']}")
+    serving = st["serving"] if st["serving"] is not None else (
+        f"unknown (the engine did not answer; last seen serving {st['last_seen_serving']})")
+    parts = [head, f"serving version {serving}"]
+    if st["waiting"]:
+        parts.append(f"checkpoint{'s' if len(st['waiting']) > 1 else ''} {', '.join(st['waiting'])} waiting")
+    parts.append(f"{st['attempts']} sync attempts, {st['failures']} failed")
+    console.print("; ".join(parts), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("train")
@@ -329,30 +423,36 @@ def sync(
         err.print("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url", style="red")
         raise typer.Exit(2)
     from clawrl import runtime
+    from clawrl.config import read_admin_key
     from clawrl.engine.sglang_client import SGLangClient
+    from clawrl.samples import utcnow
     from clawrl.sync import sync_from_disk
+    from flows.common import record_sync
     from storage.catalog import open_catalog
 
     con = open_catalog(s.storage.data_root)
     try:
         where = "ORDER BY step DESC LIMIT 1" if version == "latest" else "WHERE weight_version = $v LIMIT 1"
-        rows = con.sql(f"SELECT weight_version, path FROM checkpoints {where}",
+        rows = con.sql(f"SELECT weight_version, path, sha256, mlflow_run_id FROM checkpoints {where}",
                        params={} if version == "latest" else {"v": version}).fetchall()
     finally:
         con.close()
     if not rows:
         err.print(f"no checkpoint for version {version!r} in {s.storage.data_root}", style="red", markup=False)
         raise typer.Exit(2)
-    v, path = rows[0]
+    v, path, sha256, run_id = rows[0]
 
     async def go():
-        client = SGLangClient(url, timeout_s=s.engine.request_timeout_s)
+        client = SGLangClient(url, timeout_s=s.engine.request_timeout_s, api_key=read_admin_key(s.server.admin_keys_env))
         try:
-            return await sync_from_disk(client, path, v)
+            return await sync_from_disk(client, path, v, expected_sha256=sha256)
         finally:
             await client.close()
 
+    started_at = utcnow()
     rep = runtime.run(go())
+    # recorded like the train flow's attempts (flushed: `clawrl status` and MLflow show it at once)
+    record_sync(s, rep, weight_version=v, target=url, checkpoint_path=path, run_id=run_id, started_at=started_at)
     console.print(f"{'synced' if rep.success else 'FAILED'}: engine serves version {rep.weight_version} "
                   f"({rep.message}, {rep.seconds:.2f} s)", markup=False)
     raise typer.Exit(0 if rep.success else 1)

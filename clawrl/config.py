@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from enum import Enum
@@ -52,7 +53,8 @@ class Method(str, Enum):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: TOML has inf and nan literals, and no setting means anything with them
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):
@@ -122,6 +124,12 @@ class ServerSettings(_Section):
         "CLAWRL_API_KEYS", description="Name of the env var holding comma-separated API keys."
     )
     open_mode: bool = Field(False, description="Serve without API keys (says so loudly at start).")
+    admin_keys_env: str = Field(
+        "CLAWRL_ADMIN_KEYS",
+        description="Name of the env var holding comma-separated admin keys: the only keys that may pause, "
+        "resume, replay and sync weights (the gateway's /admin and /engine routes). With no API keys and no "
+        "admin keys (open mode) those routes are open too.",
+    )
 
 
 class PPOSettings(_Section):
@@ -268,13 +276,19 @@ class Settings(_Section):
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; expected a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
 
 
 def _merge(
@@ -289,10 +303,58 @@ def _merge(
                 f"{origin}: unknown section [{section}]; valid sections: {', '.join(Settings.model_fields)}"
             )
         if not isinstance(table, Mapping):
-            raise ConfigError(f"{origin}: [{section}] must be a table, got {table!r}")
+            raise ConfigError(f"{origin}: [{section}] must be a table, got {_shown(table)}")
         for key, value in table.items():
+            _refuse_secret(section, key, value, origin)
             base.setdefault(section, {})[key] = value
             sources[(section, key)] = origin
+
+
+# Key names that hold secrets, and values that look like one: neither is ever taken from a config
+# file or a CLAWRL__ variable (STYLE.md: only the *name* of the variable holding a key). The
+# error names the file, the section and the key, and never repeats the value.
+_SECRET_KEY_NAME = re.compile(r"(^|_)(api_?key|apikey|key|secret|token|password|passwd|credentials?)$", re.IGNORECASE)
+# whole values only (fullmatch), with a digit somewhere after the prefix: "hf_tinyllama-chat" is a name
+_SECRET_PREFIX = re.compile(r"(?:(?:sk|pk|rk)[-_]|(?:ghp|gho|ghs|ghu|github_pat|glpat|hf|xox[abprs])[-_])"
+                            r"(?=[A-Za-z_-]*[0-9])[A-Za-z0-9_-]{16,}|AKIA[0-9A-Z]{16}")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_WHERE_SECRETS_GO = {"provider": "[provider] api_key_env", "server": "[server] api_keys_env / admin_keys_env"}
+
+
+def looks_like_secret(value: Any) -> bool:
+    """An API-key-looking string: a known key prefix (sk-, ghp_, hf_, AKIA...), or a long token of
+    mixed-case letters and digits with no spaces."""
+    if not isinstance(value, str):
+        return False
+    v = value.strip()
+    if _SECRET_PREFIX.fullmatch(v):
+        return True
+    return (len(v) >= 24 and " " not in v and "/" not in v and any(c.isdigit() for c in v)
+            and any(c.islower() for c in v) and any(c.isupper() for c in v))
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for an error message, unless it looks like a secret."""
+    return "<a secret-looking value, not shown>" if looks_like_secret(value) else repr(value)
+
+
+def _refuse_secret(section: str, key: str, value: Any, origin: str) -> None:
+    where = _WHERE_SECRETS_GO.get(section, "a *_env key")
+    if _SECRET_KEY_NAME.search(key):
+        raise ConfigError(
+            f"{origin}: [{section}] {key}: secrets are never read from config files; put the value in an "
+            f"environment variable and name that variable in {where} (the value is not shown here)")
+    if key.endswith("_env") and isinstance(value, str) and (not _ENV_NAME.match(value) or looks_like_secret(value)):
+        section_model = getattr(Settings.model_fields.get(section), "annotation", None)
+        field = getattr(section_model, "model_fields", {}).get(key)
+        example = field.default if field is not None and isinstance(field.default, str) else "MY_API_KEY"
+        raise ConfigError(
+            f"{origin}: [{section}] {key} must be the NAME of an environment variable (letters, digits, _), "
+            f"e.g. {example!r}; it looks like a key itself was written here (the value is not shown)")
+    if isinstance(value, str) and _SECRET_PREFIX.fullmatch(value.strip()):
+        raise ConfigError(
+            f"{origin}: [{section}] {key} holds what looks like an API key; secrets are never read from "
+            f"config files: put it in an environment variable named in {where} (the value is not shown)")
 
 
 def _parse_env_value(raw: str) -> Any:
@@ -330,7 +392,7 @@ def _format_validation_error(
             continue
         if key:
             value = merged.get(section, {}).get(key, "<default>")
-            lines.append(f"{origin}: [{section}] {key} = {value!r}: {e['msg']}")
+            lines.append(f"{origin}: [{section}] {key} = {_shown(value)}: {e['msg']}")
         else:
             lines.append(f"{origin}: [{section}]: {e['msg']}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
@@ -430,6 +492,19 @@ def read_api_keys(env_name: str) -> list[str]:
         if k.lower() in {"changeme", "your-key-here", "sk-xxx", "placeholder"}:
             raise ConfigError(f"env {env_name}: refusing placeholder API key {k!r}")
     return keys
+
+
+def read_admin_key(env_name: str) -> str | None:
+    """The first admin key from the env var named by ``server.admin_keys_env``: the one the trainer
+    and the flows present to the gateway's /engine control API (None when unset)."""
+    keys = read_api_keys(env_name)
+    return keys[0] if keys else None
+
+
+def prefect_api_url() -> str | None:
+    """``PREFECT_API_URL`` as ``clawrl up`` sets it for its processes, or None: then there is no Prefect
+    server to submit a deployment run to (the gateway's /admin/replay says so)."""
+    return read_secret("PREFECT_API_URL")
 
 
 def resolve_device(setting: str) -> tuple[str, str]:

@@ -115,6 +115,27 @@ def register_checkpoint(c, *, step: dict[str, Any], run_id: str, tags: dict[str,
     return mv
 
 
+def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, serving_version: str | None,
+             seconds: float, target: str) -> None:
+    """One weight-sync attempt on the run of the step that made the version: tags ``sync_status``
+    (ok | failed), ``sync_error`` (the reason; removed again by a later success),
+    ``sync_serving_version`` and ``sync_target``, and the metrics ``sync_ok`` (1/0) and
+    ``sync_seconds`` with one point per attempt, so retries stay visible."""
+    from mlflow.entities import Metric, RunTag
+
+    c = client(data_root)
+    attempt = len(c.get_metric_history(run_id, "sync_ok"))
+    now = int(time.time() * 1000)
+    tags = [RunTag("sync_status", "ok" if ok else "failed"), RunTag("sync_target", target),
+            RunTag("sync_serving_version", "unknown" if serving_version is None else str(serving_version))]
+    if not ok:
+        tags.append(RunTag("sync_error", (error or "unknown error")[:4000]))
+    c.log_batch(run_id, metrics=[Metric("sync_ok", float(ok), now, attempt),
+                                 Metric("sync_seconds", float(seconds), now, attempt)], tags=tags)
+    if ok and "sync_error" in c.get_run(run_id).data.tags:
+        c.delete_tag(run_id, "sync_error")
+
+
 def model_version_for(data_root: Path, weight_version: str):
     """The registered model version whose weight_version tag matches, or None."""
     c = client(data_root)

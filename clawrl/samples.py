@@ -151,3 +151,21 @@ class CheckpointRecord:
     sha256: str  # of the checkpoint's safetensors bytes
     mlflow_run_id: str | None
     created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class SyncRecord:
+    """One attempt to push a weight version into a serving engine, whatever its outcome."""
+
+    sync_id: str
+    weight_version: str  # the version pushed
+    target: str  # engine URL, or "in-process"
+    ok: bool  # the engine serves weight_version afterwards
+    skipped: bool  # it already did: nothing was loaded
+    error: str | None  # why not, when not ok
+    serving_version: str | None  # what the engine reported afterwards (None: it did not answer)
+    checkpoint_path: str | None  # None for the in-process state-dict path
+    mlflow_run_id: str | None  # the run of the step that produced weight_version
+    started_at: datetime
+    seconds: float
+    created_at: datetime = field(default_factory=utcnow)  # when the attempt ended

@@ -38,6 +38,21 @@ class JudgeAttemptFailed(RuntimeError):
     """Raised to make Prefect retry a turn whose judge or teacher failed."""
 
 
+def _crash_point(name: str) -> None:
+    """No-op; the crash tests replace it to SIGKILL the process at this point."""
+
+
+def _append_outcome(s, records: list[Any]) -> None:
+    """The verdict (and sample) first, then the fate in a write of its own: the turn counts as
+    judged once its fate is stored, so a crash in between leaves an uncommitted attempt that the
+    next run judges again (its verdict and sample supersede these: storage/catalog.py)."""
+    if len(records) > 1:
+        data_store(s).append(records[:-1])
+        _crash_point("verdict_written")
+    data_store(s).append(records[-1])
+    _crash_point("fate_written")
+
+
 @task(cache_policy=NO_CACHE)
 def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> list[str]:
     s = load_flow_settings(config_path)
@@ -69,7 +84,7 @@ def judge_one(config_path: str | None, turn_id: str, retries: int) -> str:
     outcome = runtime.run(judge.judge(turn_from_row(row), next_state_from_row(row)))
     if outcome.failed and task_run.get_run_count() <= retries:
         raise JudgeAttemptFailed(f"turn {turn_id}: {outcome.verdict.error if outcome.verdict else 'failed'}")
-    data_store(s).append(outcome_records(outcome))
+    _append_outcome(s, outcome_records(outcome))
     return outcome.fate.fate
 
 
@@ -79,7 +94,7 @@ def record_judge_error(config_path: str | None, turn_id: str, error: str) -> str
     s, judge, row = _pending_turn(config_path, turn_id)
     if row is None:
         return "already_judged"
-    data_store(s).append(failure_records(turn_from_row(row), judge, error))
+    _append_outcome(s, failure_records(turn_from_row(row), judge, error))
     return "judge_error"
 
 
@@ -101,6 +116,7 @@ def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict
     s = load_flow_settings(config_path)
     judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
     turn_ids = find_turns(config_path, judge.config_hash, limit or s.prm.batch_limit)
+    _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
     delays = [s.prm.retry_delay_s * 2**i for i in range(s.prm.retries)]
     one = judge_one.with_options(retries=s.prm.retries, retry_delay_seconds=delays or 0)
@@ -113,10 +129,13 @@ def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict
                 log.warning("turn %s failed after %d retries: %s", tid, s.prm.retries, fate)
                 fate = record_judge_error(config_path, tid, f"{type(fate).__name__}: {fate}")
             fates[fate] = fates.get(fate, 0) + 1
+    _crash_point("judged")
     counts = count_pending(config_path, judge.config_hash)
+    _crash_point("counted")
     log.info("fates this run: %s; trainable samples %d / rollout_batch_size %d", fates, counts["trainable"],
              counts["rollout_batch_size"])
     if counts["full_batches"] > 0:
         emit_event(event=SAMPLES_READY_EVENT, resource={"prefect.resource.id": f"clawrl.samples.{judge.config_hash}"},
                    payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
+        _crash_point("emitted")
     return {"judged": len(turn_ids), "fates": fates, "judge_config_hash": judge.config_hash, "status": counts}

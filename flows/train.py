@@ -10,6 +10,9 @@ crash allowed between any two tasks:
 3. ``log_lineage`` creates the MLflow run and model version, idempotent by batch id.
 4. ``record_checkpoint`` appends the ``checkpoints`` row once per weight version.
 5. ``sync_weights`` pushes the version to the serving engine; an engine already on it is skipped.
+   Every attempt is a ``syncs`` row and a point on the step's MLflow run; a failed one (corrupt
+   checkpoint, engine refusing or dying mid-update) leaves the previous version serving, and the
+   next step's sync, or ``clawrl sync``, pushes the newest checkpoint again.
 
 "One training step at a time" is Prefect's global concurrency limit ``trainer`` (limit 1), not a
 lock in code. The trainer is the one in this process (``clawrl train``, ``clawrl demo``) or a
@@ -34,7 +37,7 @@ from clawrl.lineage import log_train_step
 from clawrl.samples import BatchRecord, CheckpointRecord, Fate, FateRecord
 from clawrl.train.selection import select_batch
 from clawrl.train.trainer import Trainer, samples_from_rows, trainer_from_settings
-from flows.common import data_store, load_flow_settings
+from flows.common import data_store, load_flow_settings, record_sync
 from clawrl.train.service import request_step
 from storage.catalog import (
     batch_manifest,
@@ -154,32 +157,44 @@ def record_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str
 
 
 @task(cache_policy=NO_CACHE)
-def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
+def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None,
+                 run_id: str | None = None) -> dict[str, Any]:
+    from clawrl.samples import utcnow
     from clawrl.sync import sync_from_disk, sync_state_dict
 
     s = load_flow_settings(config_path)
+    started_at = utcnow()
     local_engine = runtime.lookup(POLICY_ENGINE)
     if engine_url is None and local_engine is not None:
         trainer = runtime.lookup(f"trainer:{s.storage.data_root}")
+        target, path = "in-process", None
         if trainer is not None and trainer.weight_version == step["weight_version"]:
             rep = runtime.run(sync_state_dict(local_engine, trainer.state_dict(), step["weight_version"]))
         else:  # the trainer moved on or lives elsewhere: load the checkpoint from disk
-            rep = runtime.run(sync_from_disk(local_engine, step["path"], step["weight_version"]))
+            path = step["path"]
+            rep = runtime.run(sync_from_disk(local_engine, path, step["weight_version"],
+                                             expected_sha256=step["sha256"]))
     else:
         url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
         if url is None:
             return {"success": False, "skipped": True, "message": "no serving engine to sync (in-process "
                     "engine not running here and engine.kind is not 'http')", "weight_version": None}
+        from clawrl.config import read_admin_key
         from clawrl.engine.sglang_client import SGLangClient
 
-        async def go():
-            client = SGLangClient(url, timeout_s=s.engine.request_timeout_s)
+        async def go():  # the gateway's /engine (and a keyed SGLang) take only an admin key
+            client = SGLangClient(url, timeout_s=s.engine.request_timeout_s,
+                                  api_key=read_admin_key(s.server.admin_keys_env))
             try:
-                return await sync_from_disk(client, step["path"], step["weight_version"])
+                return await sync_from_disk(client, step["path"], step["weight_version"],
+                                            expected_sha256=step["sha256"])
             finally:
                 await client.close()
 
+        target, path = url, step["path"]
         rep = runtime.run(go())
+    record_sync(s, rep, weight_version=step["weight_version"], target=target, checkpoint_path=path, run_id=run_id,
+                started_at=started_at)
     if not rep.success:
         get_run_logger().error("weight sync to version %s failed, still serving %s: %s",
                                step["weight_version"], rep.weight_version, rep.message)
@@ -222,7 +237,7 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
             _crash_point("logged")
             record_checkpoint(config_path, step, run_id)
             _crash_point("recorded")
-            synced = sync_weights(config_path, step, engine_url)
+            synced = sync_weights(config_path, step, engine_url, run_id)
             _crash_point("synced")
         m = step["metrics"]
         log.info("step %d (batch %s): loss %.4f, reward %.3f, kl %.5f -> version %s (sync: %s)", step["step"],

@@ -28,10 +28,12 @@ INTEGER[], log-prob lists DOUBLE[] (exact engine values), ``*_json`` columns bel
     vote), score_reason (majority | tie | all_failed | rule:<rule>), votes (INTEGER[], NULL =
     unparseable vote), raw_outputs (JSON list of every raw judge reply), hint (selected hindsight
     hint or NULL), hint_raw_outputs (JSON or NULL), error (judge backend failure or NULL),
-    created_at.
-``samples`` -- one trainable sample (``SampleRecord``): sample_id, turn_id, session_id,
-    judge_config_hash, method (grpo | on_policy_distillation | combine), prompt_ids, output_ids,
-    rollout_logprobs, reward (judge score, 0.0 if the method uses none), has_teacher,
+    created_at. One row per (turn_id, judge_config_hash): the newest verdict, i.e. the one of the
+    attempt that wrote the fate (an attempt killed before its fate is judged again).
+``judgment_attempts`` -- every verdict ever written, superseded attempts included (same columns).
+``samples`` -- one trainable sample (``SampleRecord``), one row per sample_id (the newest write):
+    sample_id, turn_id, session_id, judge_config_hash, method (grpo | on_policy_distillation |
+    combine), prompt_ids, output_ids, rollout_logprobs, reward (judge score, 0.0 if the method uses none), has_teacher,
     teacher_logprobs (DOUBLE[] over output_ids, NULL without a teacher), weight_version (policy
     that sampled output_ids), created_at.
 ``turn_fate`` -- what became of each turn under one judge configuration (``FateRecord``):
@@ -43,6 +45,11 @@ INTEGER[], log-prob lists DOUBLE[] (exact engine values), ``*_json`` columns bel
 ``checkpoints`` -- saved policy versions and what produced them (``CheckpointRecord``):
     weight_version, step, batch_id, parent_version, path, sha256 (of the safetensors bytes),
     mlflow_run_id (or NULL), created_at.
+``syncs`` -- one row per attempt to push a version into a serving engine (``SyncRecord``):
+    sync_id, weight_version (pushed), target (engine URL or 'in-process'), ok, skipped (the
+    engine already served it), error (why not, NULL when ok), serving_version (what the engine
+    reported afterwards; NULL when it did not answer), checkpoint_path, mlflow_run_id (the run of
+    the step that made the version), started_at, seconds, created_at (when the attempt ended).
 
 A view is bound to the files at query time, so a long-lived connection sees new files, except
 that a table with no file at all when the connection was opened stays an empty view until
@@ -55,6 +62,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -76,6 +84,17 @@ VIEWS: dict[str, str] = {
     "turn_fate": "turn_fate",
     "batches": "batches",
     "checkpoints": "checkpoints",
+    "syncs": "syncs",
+    "judgment_attempts": "verdicts",
+}
+
+# Views that show one row per key, the newest write: a judge attempt cut short by a crash before
+# its fate was written is re-run, and the re-run's verdict and sample supersede the first ones
+# (the fate, written last, belongs to the newest). The superseded rows stay in the files
+# (``judgment_attempts`` lists every verdict written).
+LATEST_BY: dict[str, str] = {
+    "judgments": "turn_id, judge_config_hash",
+    "samples": "sample_id",
 }
 
 EXPORT_FORMATS = ("csv", "json", "parquet")
@@ -102,9 +121,11 @@ def refresh_views(con: duckdb.DuckDBPyConnection, data_root: str | os.PathLike) 
         if any(table_dir.glob("date=*/*.parquet")):
             pattern = _sql_str(str(table_dir / "date=*" / "*.parquet"))
             # union_by_name: files written before a column was added read it as NULL.
+            latest = (f" QUALIFY row_number() OVER (PARTITION BY {LATEST_BY[view]} ORDER BY created_at DESC) = 1"
+                      if view in LATEST_BY else "")
             con.execute(
                 f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet({pattern}, "
-                "hive_partitioning = true, hive_types = {'date': DATE}, union_by_name = true)"
+                "hive_partitioning = true, hive_types = {'date': DATE}, union_by_name = true)" + latest
             )
         else:
             # Typed NULLs, not a registered Arrow table: con.register imports pandas (~2 s).
@@ -112,14 +133,69 @@ def refresh_views(con: duckdb.DuckDBPyConnection, data_root: str | os.PathLike) 
             con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(columns)}, NULL::DATE AS date WHERE false")
 
 
-def run_query(data_root: str | os.PathLike, sql: str) -> pa.Table:
+class ReadOnlyQueryError(ValueError):
+    """A statement other than a query was sent to a read-only catalog."""
+
+
+def open_readonly_catalog(data_root: str | os.PathLike) -> duckdb.DuckDBPyConnection:
+    """The views of ``open_catalog`` on a connection that cannot touch any file but the tables' Parquet.
+
+    After the views are defined: DuckDB may only open paths under ``<data_root>/tables/``
+    (``allowed_directories`` + ``enable_external_access = false``: no reading /etc/passwd, no
+    ATTACH, no INSTALL/LOAD of extensions), never spills to a temp directory, and the configuration
+    is locked so a ``SET`` cannot undo any of it. DuckDB cannot tell reads from writes inside an
+    allowed directory, so the statements themselves are checked too (``check_read_only``).
+    """
+    con = duckdb.connect(":memory:", config={"temp_directory": "", "autoinstall_known_extensions": False,
+                                             "autoload_known_extensions": False})
+    con.execute("SET enable_progress_bar = false")
+    refresh_views(con, data_root)
+    con.execute(f"SET allowed_directories = [{_sql_str(str(tables_dir(data_root)) + os.sep)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+_EXPLAIN = re.compile(r"^\s*explain\s+(?:analy[sz]e\s+)?(?:\([^)]*\)\s*)?(.*)$", re.IGNORECASE | re.DOTALL)
+
+
+def check_read_only(sql: str) -> None:
+    """Raise ``ReadOnlyQueryError`` unless every statement in ``sql`` is a query (SELECT, WITH,
+    FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, or EXPLAIN of one). COPY, EXPORT, CREATE, INSERT,
+    ATTACH, INSTALL, LOAD, SET, PRAGMA and CALL are refused; so is EXPLAIN ANALYZE COPY, which would
+    run the COPY. A statement DuckDB cannot parse passes, so DuckDB reports the syntax error itself."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error:
+        return
+    for st in statements:
+        kind = st.type
+        if kind == duckdb.StatementType.EXPLAIN:
+            m = _EXPLAIN.match(st.query.strip().rstrip(";"))
+            try:
+                inner = duckdb.extract_statements(m.group(1)) if m else []
+            except duckdb.Error:
+                inner = []
+            if inner and all(s.type == duckdb.StatementType.SELECT for s in inner):
+                continue
+        elif kind == duckdb.StatementType.SELECT:
+            continue
+        name = (st.query.split() or [kind.name])[0].upper()  # INSTALL, not DuckDB's LOAD_STATEMENT
+        raise ReadOnlyQueryError(f"the catalog is read-only: {name} statements are not allowed, only queries "
+                                 "(SELECT ...); to save a result use --format csv|json|parquet --out FILE")
+
+
+def run_query(data_root: str | os.PathLike, sql: str, *, read_only: bool = False) -> pa.Table:
     """Run SQL over the views in a fresh in-memory DuckDB and return the result.
 
-    Read-only in intent: nothing here writes the data root, though DuckDB's own COPY/EXPORT are
-    not blocked. Raises ``duckdb.Error`` with DuckDB's message for a bad query. A statement with
-    no result (SET, CREATE ...) returns an empty table.
+    ``read_only`` (what ``clawrl sql`` uses): queries only, on ``open_readonly_catalog``; anything
+    else raises ``ReadOnlyQueryError`` before it runs. Otherwise nothing here writes the data root,
+    though DuckDB's own COPY/EXPORT are not blocked. Raises ``duckdb.Error`` with DuckDB's message
+    for a bad query. A statement with no result (SET, CREATE ...) returns an empty table.
     """
-    con = open_catalog(data_root)
+    if read_only:
+        check_read_only(sql)
+    con = open_readonly_catalog(data_root) if read_only else open_catalog(data_root)
     try:
         rel = con.sql(sql)
         return rel.to_arrow_table() if rel is not None else pa.table({})
@@ -203,17 +279,35 @@ _LATEST_FATE = """
 _CONSUMED = "SELECT DISTINCT unnest(sample_ids) AS sample_id FROM batches"
 
 
+# Samples under $hash a step may take (one row per sample id, the newest write): not when the turn
+# has a fate other than 'sample' under this config (too_stale, or a re-judge after a crash that
+# decided otherwise), and not while the turn's judge attempt is uncommitted (a verdict without a
+# fate: being judged now, or killed before its fate and to be judged again). Samples without any
+# verdict (a [hooks] sample_source, hand-written) are usable.
+_USABLE_SAMPLES = f"""
+    SELECT * EXCLUDE (date) FROM samples s
+    WHERE s.judge_config_hash = $hash
+      AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id AND f.judge_config_hash = $hash
+                      AND f.fate <> '{Fate.SAMPLE.value}')
+      AND NOT (EXISTS (SELECT 1 FROM judgment_attempts j WHERE j.turn_id = s.turn_id
+                       AND j.judge_config_hash = $hash)
+               AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id
+                               AND f.judge_config_hash = $hash))
+"""
+
+
 def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) -> pa.Table:
-    """Samples under this judge config not yet consumed by a batch and not excluded as too stale,
-    oldest first (one row per sample id: the latest write of a re-judged turn)."""
+    """Usable samples under this judge config (see ``_USABLE_SAMPLES``) not yet consumed by a batch,
+    oldest turn first (ties by sample id). Ordered by the turn's time, not the sample's: which
+    samples share a batch must not depend on the order the judge happened to finish them in (its
+    turns run concurrently, and a turn re-judged after a crash gets a later sample row), or a run
+    with a crash would train other batches than one without."""
     sql = f"""
-        SELECT * EXCLUDE (date) FROM samples
-        WHERE judge_config_hash = $hash
-          AND sample_id NOT IN ({_CONSUMED})
-          AND turn_id NOT IN (SELECT turn_id FROM turn_fate WHERE judge_config_hash = $hash
-                              AND fate = '{Fate.TOO_STALE.value}')
-        QUALIFY row_number() OVER (PARTITION BY sample_id ORDER BY created_at DESC) = 1
-        ORDER BY created_at, sample_id
+        WITH u AS ({_USABLE_SAMPLES}),
+        t AS (SELECT turn_id, min(created_at) AS turn_at FROM turns GROUP BY turn_id)
+        SELECT u.* FROM u LEFT JOIN t USING (turn_id)
+        WHERE u.sample_id NOT IN ({_CONSUMED})
+        ORDER BY coalesce(t.turn_at, u.created_at), u.sample_id
     """
     return con.sql(sql, params={"hash": judge_config_hash}).to_arrow_table()
 
@@ -297,6 +391,69 @@ def session_turns(con: duckdb.DuckDBPyConnection, session_pattern: str) -> list[
     """, params={"p": session_pattern}).to_arrow_table().to_pylist()
 
 
+def session_log(con: duckdb.DuckDBPyConnection, namespace: str, session_id: str) -> list[dict[str, Any]]:
+    """One session of one API-key namespace, by turn index: turn_index, turn_type, text,
+    weight_version, finish_reason, created_at, has_next_state (true / false: none will come / NULL:
+    still waiting) and next_state_reason. Another namespace's session of the same id is not part of it."""
+    return con.sql("""
+        WITH t AS (SELECT * EXCLUDE (date) FROM turns WHERE namespace = $ns AND session_id = $sid
+                   QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1),
+        ns AS (SELECT turn_id, has_next_state, reason FROM next_states WHERE session_id = $sid
+               QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY has_next_state DESC, created_at) = 1)
+        SELECT t.turn_index, t.turn_type, t.text, t.weight_version, t.finish_reason, t.created_at,
+               ns.has_next_state, ns.reason AS next_state_reason
+        FROM t LEFT JOIN ns USING (turn_id) ORDER BY t.turn_index, t.created_at
+    """, params={"ns": namespace, "sid": session_id}).to_arrow_table().to_pylist()
+
+
+def version_for_run(con: duckdb.DuckDBPyConnection, mlflow_run_id: str) -> str | None:
+    """The weight version the MLflow run ``mlflow_run_id`` trained, or None."""
+    rows = con.execute("SELECT weight_version FROM checkpoints WHERE mlflow_run_id = $r ORDER BY created_at LIMIT 1",
+                       {"r": mlflow_run_id}).fetchall()
+    return str(rows[0][0]) if rows else None
+
+
+def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str, Any]]:
+    """What a restarted gateway needs to continue its sessions: one row per (namespace, session_id)
+    of the ``limit`` most recently active, newest first.
+
+    Columns: namespace, session_id, next_index (1 + the highest turn index stored, so a returning
+    session never reuses an index), age_s (seconds since its last turn completed), and, when its
+    last main turn has no next-state row yet (the session waits for the user's reply),
+    pending_turn_id, pending_turn_index and pending_message_count (messages in that turn's
+    request); else those three are NULL.
+    """
+    rows = con.sql(f"""
+        WITH t AS (
+            SELECT namespace, session_id, turn_id, turn_index, turn_type, completed_at
+            FROM turns QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1),
+        s AS (
+            SELECT namespace, session_id, max(turn_index) + 1 AS next_index, max(completed_at) AS last_at
+            FROM t GROUP BY namespace, session_id ORDER BY last_at DESC, session_id LIMIT {int(limit)}),
+        m AS (
+            SELECT namespace, session_id, turn_id, turn_index FROM t WHERE turn_type = '{TurnType.MAIN.value}'
+            QUALIFY row_number() OVER (PARTITION BY namespace, session_id
+                                       ORDER BY turn_index DESC, completed_at DESC) = 1)
+        SELECT s.namespace, s.session_id, s.next_index,
+               greatest(date_diff('millisecond', s.last_at, now()), 0) / 1000.0 AS age_s,
+               m.turn_id AS pending_turn_id, m.turn_index AS pending_turn_index
+        FROM s LEFT JOIN m ON m.namespace = s.namespace AND m.session_id = s.session_id
+               AND m.turn_id NOT IN (SELECT turn_id FROM next_states)
+        ORDER BY s.last_at DESC, s.session_id
+    """).to_arrow_table().to_pylist()
+    # Message counts in a second pass, for the pending turns only: request_messages holds whole
+    # conversations, and a constant IN list lets the scan skip the rows it does not need.
+    pending = [r["pending_turn_id"] for r in rows if r["pending_turn_id"] is not None]
+    counts: dict[str, int] = {}
+    for i in range(0, len(pending), 1000):
+        ids = ", ".join(_sql_str(t) for t in pending[i : i + 1000])
+        counts.update(con.sql(f"SELECT turn_id, json_array_length(request_messages) FROM turns "
+                              f"WHERE turn_id IN ({ids})").fetchall())
+    for r in rows:
+        r["pending_message_count"] = counts.get(r["pending_turn_id"]) if r["pending_turn_id"] else None
+    return rows
+
+
 def config_snapshot_path(data_root: str | os.PathLike, config_hash: str) -> Path:
     return Path(data_root) / "configs" / f"{config_hash}.toml"
 
@@ -338,6 +495,38 @@ def latest_version(con: duckdb.DuckDBPyConnection) -> int:
     return 0 if value is None else int(value)
 
 
+def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Where weight sync stands, for ``clawrl status``.
+
+    Keys: attempts, failures (rows of ``syncs``); last (the newest attempt as a ``syncs`` row, or
+    None); last_ok (the newest successful attempt, or None); serving (the version the engine
+    reported after the newest attempt; None when it did not answer); last_seen_serving (the newest
+    version any attempt saw served); latest_checkpoint (newest trained version, 0 before any step);
+    waiting (trained versions newer than ``last_seen_serving``).
+    """
+    rows = con.sql("SELECT * EXCLUDE (date) FROM syncs ORDER BY created_at DESC").to_arrow_table().to_pylist()
+    last = rows[0] if rows else None
+    last_ok = next((r for r in rows if r["ok"]), None)
+    seen = next((r["serving_version"] for r in rows if r["serving_version"] is not None), None)
+    latest = latest_version(con)
+    from clawrl.train.selection import parse_version
+
+    waiting = [] if seen is None else [str(v) for v in range(parse_version(seen) + 1, latest + 1)]
+    return {"attempts": len(rows), "failures": sum(not r["ok"] for r in rows), "last": last, "last_ok": last_ok,
+            "serving": None if last is None else last["serving_version"], "last_seen_serving": seen,
+            "latest_checkpoint": latest, "waiting": waiting}
+
+
+def last_synced_checkpoint(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
+    """The checkpoint of the newest successful sync (weight_version, path, sha256), or None: what a
+    restarted engine should serve again. A version whose load killed the engine never counts."""
+    rows = con.sql("""
+        SELECT c.weight_version, c.path, c.sha256 FROM syncs s JOIN checkpoints c USING (weight_version)
+        WHERE s.ok ORDER BY s.created_at DESC LIMIT 1
+    """).to_arrow_table().to_pylist()
+    return rows[0] if rows else None
+
+
 def pending_counts(
     con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int
 ) -> dict[str, Any]:
@@ -347,8 +536,9 @@ def pending_counts(
     state row and no fate yet); pending_judgment (main, next state arrived, no fate: what
     ``ready_turns`` returns); pending_no_next_state (main, told no next state will come, no fate
     yet: the judge flow's next 'no_next_state' fates); judged (turns with a fate); fates ({fate: turns} for every Fate,
-    0 when none); excluded (judged turns whose fate is not 'sample'); samples (distinct sample
-    ids under this config); consumed (of those, listed in some batch); trainable (not consumed);
+    0 when none); excluded (judged turns whose fate is not 'sample'); samples (distinct usable
+    sample ids under this config, as ``trainable_samples`` counts them); consumed (of those, listed
+    in some batch); trainable (not consumed);
     batches (rows of ``batches``); rollout_batch_size; full_batches (trainable //
     rollout_batch_size); samples_needed (more samples before the next step can start).
     """
@@ -363,9 +553,7 @@ def pending_counts(
         f AS (
             SELECT DISTINCT turn_id FROM turn_fate WHERE judge_config_hash = $hash),
         s AS (
-            SELECT DISTINCT sample_id FROM samples WHERE judge_config_hash = $hash
-              AND turn_id NOT IN (SELECT turn_id FROM turn_fate WHERE judge_config_hash = $hash
-                                  AND fate = '{Fate.TOO_STALE.value}')),
+            SELECT DISTINCT sample_id FROM ({_USABLE_SAMPLES})),
         used AS (
             SELECT DISTINCT unnest(sample_ids) AS sample_id FROM batches)
         SELECT

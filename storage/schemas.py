@@ -33,6 +33,7 @@ from clawrl.samples import (
     JudgeVerdict,
     NextStateRecord,
     SampleRecord,
+    SyncRecord,
     TurnRecord,
 )
 
@@ -150,6 +151,21 @@ CHECKPOINTS = pa.schema([
     _required("created_at", TIMESTAMP),
 ])
 
+SYNCS = pa.schema([
+    _required("sync_id", pa.string()),
+    _required("weight_version", pa.string()),
+    _required("target", pa.string()),
+    _required("ok", pa.bool_()),
+    _required("skipped", pa.bool_()),
+    _optional("error", pa.string()),
+    _optional("serving_version", pa.string()),
+    _optional("checkpoint_path", pa.string()),
+    _optional("mlflow_run_id", pa.string()),
+    _required("started_at", TIMESTAMP),
+    _required("seconds", pa.float64()),
+    _required("created_at", TIMESTAMP),
+])
+
 
 @dataclass(frozen=True)
 class TableSpec:
@@ -170,6 +186,7 @@ TABLES: dict[str, TableSpec] = {
         TableSpec("turn_fate", FateRecord, TURN_FATE),
         TableSpec("batches", BatchRecord, BATCHES),
         TableSpec("checkpoints", CheckpointRecord, CHECKPOINTS),
+        TableSpec("syncs", SyncRecord, SYNCS),
     )
 }
 

@@ -15,6 +15,12 @@ had not yet written back (up to ~30 s with default settings) unless ``fsync=True
 ``append`` also waits for ``fdatasync``, shared by concurrent appenders (group commit: one fsync
 covers every write that happened before it started).
 
+**A failed append** (disk full, EFBIG past a file size limit, EIO) raises and is not acknowledged:
+a partial write is cut back, and the segment is retired from appends in any case, so if even the
+cut failed the torn bytes stay its last line, which conversion drops (``_cut_torn_tail``); the
+next append starts a new segment. ``check_data_root`` proves a data root writable before a server
+starts (``DataStore`` runs it too) and raises ``DataRootError`` naming the path.
+
 **What readers see.** Only Parquet files, never the WAL. A segment is closed when its first row is
 ``flush_interval_s`` old (background thread), when it reaches ``flush_rows`` rows or
 ``flush_bytes`` bytes, or on ``flush()``. It is then converted: each date's rows go to a temp name
@@ -44,6 +50,8 @@ by line: good rows are converted, misfits are kept in ``_rejected/`` with the er
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import fcntl
 import logging
 import math
@@ -136,6 +144,7 @@ class TableLog:
         self._pending: deque[_Segment] = deque()  # closed segments awaiting conversion
         self._written = 0  # appends so far (group-commit tickets)
         self._synced = 0  # appends covered by an fsync
+        self._unsyncable = 0  # appends up to here sit in a retired segment whose fdatasync failed
         self._closed = False
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -166,7 +175,11 @@ class TableLog:
             if os.getpid() != self._pid:  # a forked child shares our fds and locks: it must open its own
                 raise RuntimeError(f"TableLog {self.table!r} was opened in process {self._pid}; open a new one")
             seg = self._active or self._open_segment()
-            _write_all(seg, payload)
+            try:
+                _write_all(seg, payload)
+            except BaseException:
+                self._retire_failed(seg)
+                raise
             seg.rows += len(rows)
             seg.nbytes += len(payload)
             seg.longest_line = max(seg.longest_line, longest)
@@ -239,27 +252,55 @@ class TableLog:
         path = self.wal_dir / f"{segment_id}{SEGMENT_SUFFIX}"
         new = path.with_name(path.name[: -len(SEGMENT_SUFFIX)] + _NEW_SUFFIX)
         fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        # Lock before the .wal name exists: a recovering process must never see an unlocked live segment.
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(new, path)
+        try:
+            # Lock before the .wal name exists: a recovering process must never see an unlocked live segment.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(new, path)
+        except BaseException:  # e.g. a full disk: leave neither a descriptor nor a file behind
+            os.close(fd)
+            new.unlink(missing_ok=True)
+            raise
+        self._active = _Segment(segment_id, path, fd)
         if self.fsync:
             _fsync_dir(self.wal_dir)
-        self._active = _Segment(segment_id, path, fd)
         return self._active
+
+    def _retire_failed(self, seg: _Segment) -> None:
+        """A write to ``seg`` raised (caller holds _lock): nothing of it is acknowledged.
+
+        _write_all cut the file back, but if the cut failed too (EIO) a torn line may remain, so
+        the segment is closed for appends: the next append starts a new file and the torn bytes stay
+        the LAST line of this one, which conversion drops. Appending after them would glue the next
+        acknowledged row to the fragment, and the line-by-line parser would set both aside.
+        """
+        self._active = None
+        self._pending.append(seg)
+        self._wake.set()
+        if self.fsync:  # what rotation does: appenders waiting in _sync find their rows synced
+            try:
+                os.fdatasync(seg.fd)
+            except OSError:
+                log.exception("fdatasync of %s segment %s failed after a failed write", self.table, seg.id)
+                self._unsyncable = self._written  # appends up to here may never reach the disk
+            else:
+                self._synced = self._written  # every successful write is in seg or an older, synced one
 
     def _sync(self, ticket: int) -> None:
         """Group commit: return once an fdatasync started after append `ticket` has finished."""
         with self._sync_lock:
-            if self._synced >= ticket:
-                return  # another appender's fsync (or a rotation) already covered this write
-            with self._lock:
+            with self._lock:  # read under _lock: _retire_failed updates these under it alone
+                if self._synced >= ticket:
+                    return  # another appender's fsync (or a rotation) already covered this write
+                if ticket <= self._unsyncable:
+                    raise OSError(errno.EIO, f"{self.table}: the segment holding this append could not be synced")
                 target = self._written
                 seg = self._active
-            # Rotation (the only thing that swaps the active segment) takes _sync_lock and syncs
-            # what it closes, so if `ticket` is not yet synced it is in this segment.
+            # Rotation and _retire_failed sync what they close, so if `ticket` is not yet synced
+            # (and not in a segment whose sync failed) it is in this segment.
             assert seg is not None
             os.fdatasync(seg.fd)
-            self._synced = target
+            with self._lock:
+                self._synced = max(self._synced, target)
 
     def _rotate(self, only: _Segment | None = None) -> None:
         """Close the active segment (if it has rows, and is `only` when given) for conversion."""
@@ -292,7 +333,8 @@ class TableLog:
                     return converted
                 with self._lock:
                     self._pending.popleft()
-                os.close(seg.fd)
+                with self._sync_lock:  # an fsync that picked this segment before it was retired is done
+                    os.close(seg.fd)
                 converted += result.rows
 
     def _run(self) -> None:
@@ -511,8 +553,11 @@ def _write_all(seg: _Segment, payload: bytes) -> None:
         while done < len(view):  # one os.write in practice; a short write only on a full disk
             done += os.write(seg.fd, view[done:])
     except BaseException:
-        os.ftruncate(seg.fd, seg.nbytes)  # O_APPEND: the next write lands at the new end
-        raise
+        try:
+            os.ftruncate(seg.fd, seg.nbytes)  # O_APPEND: the next write lands at the new end
+        except OSError:  # the caller retires the segment, so a torn tail stays its last line
+            log.exception("could not cut a failed write back from %s", seg.path)
+        raise  # the write's own error (EFBIG, ENOSPC, EIO), not the truncate's
 
 
 def _lock_orphan(path: Path) -> int | None:
@@ -550,6 +595,42 @@ def _fsync_dir(path: Path) -> None:
 # -------------------------------------------------------------------------------- the store
 
 
+_PROBE = b"clawrl write probe\n" * 3450  # ~64 KiB: room for a turn with a long prompt, not just for a byte
+
+
+class DataRootError(RuntimeError):
+    """The data root cannot be created or written; the message names the path and the OS error."""
+
+
+def check_data_root(data_root: str | os.PathLike) -> Path:
+    """Create ``<data_root>/tables/`` if needed and prove it writable with a probe file (created,
+    written, removed); return the tables directory. A server calls this before it serves, so a data
+    root under a file, on a read-only or full disk, or without permission stops it with one clear
+    message instead of failing every turn later. The probe name matches no table glob. The gateway's
+    health check runs it again after an append failed, to tell when space has come back."""
+    root = Path(data_root)
+    tables = root / "tables"
+    try:
+        tables.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataRootError(f"data root {root} is not usable: cannot create directory {tables}: "
+                            f"{e.strerror or e}") from None
+    probe = tables / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            if os.write(fd, _PROBE) != len(_PROBE):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise DataRootError(f"data root {root} is not writable: cannot write {probe}: {e.strerror or e}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+    return tables
+
+
 class DataStore:
     """Every clawrl table under ``<data_root>/tables/``; append any ``clawrl.samples`` record.
 
@@ -568,7 +649,7 @@ class DataStore:
         background: bool = True,
     ) -> None:
         self.data_root = Path(data_root)
-        self.tables_dir = self.data_root / "tables"
+        self.tables_dir = check_data_root(self.data_root)
         self._logs: dict[str, TableLog] = {}
         self._checks: dict[type, list[tuple[str, Callable[[Any], bool], pa.DataType]]] = {}
         for name, spec in TABLES.items():

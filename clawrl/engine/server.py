@@ -22,6 +22,7 @@ Where we knowingly differ from SGLang:
     token usage or throughput); ``/server_info`` is a subset of SGLang's server args.
   * ``/abort_request`` and ``/update_weight_version`` exist only when the engine has methods of
     those names (EmbeddedEngine has both; with another engine they answer 404).
+  * ``top_logprobs_num`` above ``MAX_TOP_LOGPROBS`` (20) is a 400; SGLang has no cap.
 
 As in SGLang, a client that disconnects gets its request aborted: streams are closed when the
 connection drops, and a non-streaming call notices within ``DISCONNECT_POLL_S``.
@@ -36,13 +37,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import SkipJsonSchema
 
 from clawrl.engine.types import (
     SGLANG_SAMPLING_KEYS,
@@ -59,6 +61,9 @@ log = logging.getLogger(__name__)
 SERVER_VERSION = "clawrl-embedded"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT default
 DISCONNECT_POLL_S = 0.5  # how often a waiting /generate checks whether its client went away
+# vLLM's default max_logprobs and OpenAI's top_logprobs limit. Uncapped, one request could ask for
+# the whole vocabulary at every position: 28 tokens at k = 10**6 made a 45 MB response here.
+MAX_TOP_LOGPROBS = 20
 
 T = TypeVar("T")
 
@@ -141,8 +146,9 @@ class AbortRequestBody(_Body):
 
 
 class TokenizeBody(_Body):
-    prompt: str | list[str] | None = None
-    messages: list[dict[str, Any]] | None = None
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    prompt: str | list[str] | SkipJsonSchema[None] = None  # exactly one of prompt / messages
+    messages: list[dict[str, Any]] | SkipJsonSchema[None] = None
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -151,6 +157,78 @@ class TokenizeBody(_Body):
 class DetokenizeBody(_Body):
     tokens: list[int] | list[list[int]]
     skip_special_tokens: bool = True
+
+
+class SamplingParamsBody(BaseModel):
+    """The ``sampling_params`` keys this engine implements (OpenAPI only: /generate validates by
+    hand, as SGLang does; other SGLang keys are accepted only at their no-op value)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: int | None = Field(128, ge=0)  # capped at the context room; 0 = score the prompt
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)  # -1 or >= 1
+    min_p: float = Field(0.0, ge=0, le=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+
+
+_Text = Annotated[str, Field(min_length=1)]
+_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]  # ids must also be < the vocabulary size
+
+
+class GenerateBody(_Body):
+    """SGLang's /generate body, the fields this server reads (OpenAPI only, see SamplingParamsBody).
+    Exactly one of ``text`` / ``input_ids``; a list of prompts is a batch."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
+    text: _Text | Annotated[list[_Text], Field(min_length=1)] | SkipJsonSchema[None] = None
+    input_ids: _Ids | Annotated[list[_Ids], Field(min_length=1)] | SkipJsonSchema[None] = None
+    # a batch may also send one sampling_params object and one rid per prompt
+    sampling_params: SamplingParamsBody | None = None
+    rid: str | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)  # and < the prompt length
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+
+
+class ContinueGenerationBody(_Body):
+    torch_empty_cache: bool = False
+
+
+def _body_doc(model: type[BaseModel], required: bool = True) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its JSON body by hand: the body is ``model``."""
+    return {"requestBody": {"required": required, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def document_request_models(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Add the JSON schemas of request bodies that routes declare by ``$ref`` (routes that read
+    their body by hand, see ``_body_doc``) to the app's OpenAPI components. A name already there
+    must hold the same schema."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schemas = generate().setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in {**js.pop("$defs", {}), model.__name__: js}.items():
+                    if schemas.setdefault(name, sub) != sub:
+                        raise RuntimeError(f"OpenAPI component {name} is declared twice, differently")
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _parse_body(model: type[BaseModel], data: Any) -> Any:
@@ -210,7 +288,8 @@ def create_engine_app(
     ``return_text_in_logprobs``; ``abort_request`` and ``update_weight_version`` routes exist only
     when the engine has methods of those names.
     """
-    app = FastAPI(title="clawrl engine (SGLang-compatible)", openapi_url=None)
+    # /openapi.json documents the bodies routes read by hand (the schema fuzz tests generate from it)
+    app = FastAPI(title="clawrl engine (SGLang-compatible)", docs_url=None, redoc_url=None)
     state = _ServerState(started_at=time.time())
     tokenizer = _private_copy(getattr(engine, "tokenizer", None))
     if api_key:
@@ -274,7 +353,9 @@ def create_engine_app(
 
     # ---------------------------------------------------------------- generation
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
+    # one route per method (not api_route(methods=[...])): each gets its own OpenAPI operation id
+    @app.post("/generate", openapi_extra=_body_doc(GenerateBody))
+    @app.put("/generate", openapi_extra=_body_doc(GenerateBody))
     async def generate(request: Request) -> Response:
         body = await _read_json(request, required=True)
         if not isinstance(body, Mapping):
@@ -411,21 +492,22 @@ def create_engine_app(
 
     # ---------------------------------------------------------------- pause, flush, weights
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", openapi_extra=_body_doc(PauseGenerationBody, required=False))
     async def pause_generation(request: Request) -> Response:
         body = _parse_body(PauseGenerationBody, await _read_json(request, required=False))
         await engine.pause_generation(body.mode)
         state.paused, state.pause_mode = True, body.mode
         return _json({"message": "Generation paused successfully.", "status": "ok"})
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", openapi_extra=_body_doc(ContinueGenerationBody, required=False))
     async def continue_generation(request: Request) -> Response:
         await _read_json(request, required=False)  # torch_empty_cache: nothing to empty here
         await engine.continue_generation()
         state.paused, state.pause_mode = False, None
         return _json({"message": "Generation continued successfully.", "status": "ok"})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache")
+    @app.post("/flush_cache")
     async def flush_cache() -> Response:
         if await engine.flush_cache():
             return Response("Cache flushed.\n", 200, media_type="text/plain")
@@ -436,7 +518,7 @@ def create_engine_app(
             media_type="text/plain",
         )
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", openapi_extra=_body_doc(UpdateWeightsFromDiskBody))
     async def update_weights_from_disk(request: Request) -> Response:
         body = _parse_body(UpdateWeightsFromDiskBody, await _read_json(request, required=True))
         if body.abort_all_requests and hasattr(engine, "abort_request"):
@@ -445,7 +527,7 @@ def create_engine_app(
         content = {"success": result.success, "message": result.message, "num_paused_requests": 0}
         return _json(content, 200 if result.success else 400)
 
-    @app.post("/begin_weight_update")
+    @app.post("/begin_weight_update", openapi_extra=_body_doc(WeightUpdateSessionBody, required=False))
     async def begin_weight_update(request: Request) -> Response:
         _parse_body(WeightUpdateSessionBody, await _read_json(request, required=False))
         if state.update_session_open:
@@ -465,7 +547,7 @@ def create_engine_app(
 
     if hasattr(engine, "update_weight_version"):
 
-        @app.post("/update_weight_version")
+        @app.post("/update_weight_version", openapi_extra=_body_doc(UpdateWeightVersionBody))
         async def update_weight_version(request: Request) -> Response:
             body = _parse_body(UpdateWeightVersionBody, await _read_json(request, required=True))
             if body.abort_all_requests and hasattr(engine, "abort_request"):
@@ -476,14 +558,16 @@ def create_engine_app(
 
     if hasattr(engine, "abort_request"):
 
-        @app.post("/abort_request")
+        @app.post("/abort_request", openapi_extra=_body_doc(AbortRequestBody, required=False))
         async def abort_request(request: Request) -> Response:
             body = _parse_body(AbortRequestBody, await _read_json(request, required=False))
             await engine.abort_request(rid=body.rid, abort_all=body.abort_all)
             return Response(status_code=200)
 
-    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    @app.get("/release_memory_occupation")
+    @app.post("/release_memory_occupation")
+    @app.get("/resume_memory_occupation")
+    @app.post("/resume_memory_occupation")
     async def memory_occupation() -> Response:
         return _json(None)  # nothing to release on this engine; RL drivers call these unconditionally
 
@@ -494,8 +578,8 @@ def create_engine_app(
             raise BadRequestError("this engine exposes no tokenizer")
         return tokenizer
 
-    @app.post("/tokenize")
-    @app.post("/v1/tokenize")
+    @app.post("/tokenize", openapi_extra=_body_doc(TokenizeBody))
+    @app.post("/v1/tokenize", openapi_extra=_body_doc(TokenizeBody))
     async def tokenize(request: Request) -> Response:
         body = _parse_body(TokenizeBody, await _read_json(request, required=True))
         tok = need_tokenizer()
@@ -514,17 +598,24 @@ def create_engine_app(
             count = [len(t) for t in tokens]
         return _json({"tokens": tokens, "count": count, "max_model_len": max_context_len})
 
-    @app.post("/detokenize")
-    @app.post("/v1/detokenize")
+    @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeBody))
+    @app.post("/v1/detokenize", openapi_extra=_body_doc(DetokenizeBody))
     async def detokenize(request: Request) -> Response:
         body = _parse_body(DetokenizeBody, await _read_json(request, required=True))
         tok = need_tokenizer()
+        rows = body.tokens if body.tokens and isinstance(body.tokens[0], list) else [body.tokens]
+        bad = sorted({t for row in rows for t in row if not 0 <= t < len(tok)})  # type: ignore[union-attr]
+        if bad:  # the Rust tokenizer raises OverflowError on ids that do not fit in u32
+            raise BadRequestError(f"tokens contain {len(bad)} id(s) outside [0, {len(tok)}), e.g. {bad[:3]}")
         if body.tokens and isinstance(body.tokens[0], list):
             text: str | list[str] = [tok.decode(t, skip_special_tokens=body.skip_special_tokens) for t in body.tokens]
         else:
             text = tok.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)
         return _json({"text": text})
 
+    document_request_models(app, GenerateBody, PauseGenerationBody, ContinueGenerationBody,
+                            UpdateWeightsFromDiskBody, WeightUpdateSessionBody, UpdateWeightVersionBody,
+                            AbortRequestBody, TokenizeBody, DetokenizeBody)
     app.state.engine = engine
     app.state.server_state = state
     return app
@@ -567,11 +658,14 @@ def _split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _parse_generate(item: Mapping[str, Any]) -> GenerateRequest:
     try:
-        return GenerateRequest.from_sglang(item)
+        req = GenerateRequest.from_sglang(item)
     except BadRequestError:
         raise
     except (TypeError, ValueError) as e:  # e.g. "logprob_start_len": "x" -> int() fails
         raise BadRequestError(f"invalid /generate request: {e}") from None
+    if req.top_logprobs_num > MAX_TOP_LOGPROBS:
+        raise BadRequestError(f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS}, got {req.top_logprobs_num}")
+    return req
 
 
 def _unknown_sampling_keys(sp: Any) -> str | None:

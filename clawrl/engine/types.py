@@ -121,6 +121,10 @@ class SamplingParams:
             raise bad("stop must be a non-empty string or a list of them")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if self.sampling_seed is not None and not (
+            isinstance(self.sampling_seed, int) and -(2**63) <= self.sampling_seed < 2**64  # what torch seeds take
+        ):
+            raise bad(f"sampling_seed must be a 64-bit integer, got {self.sampling_seed!r:.40}")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}  # shallow: asdict() is slow on a hot path

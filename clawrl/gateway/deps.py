@@ -1,9 +1,11 @@
-"""Request dependencies: who is calling (API key -> namespace) and the session headers."""
+"""Request dependencies: who is calling (API key -> namespace, admin key -> admin routes) and the
+session headers."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -20,23 +22,87 @@ def namespace_for_key(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def _match(presented: str, keys: list[str]) -> str | None:
+    """The configured key equal to ``presented``, or None. Every key is compared with
+    ``hmac.compare_digest`` and the loop never exits early, so the time taken does not reveal
+    which key (or how much of one) matched."""
+    matched = None
+    for k in keys:
+        if hmac.compare_digest(presented.encode(), k.encode()):
+            matched = k
+    return matched
+
+
 def check_api_key(presented: str | None, keys: list[str]) -> str:
     """The caller's namespace; 401 unless the key matches one configured key.
 
-    Every configured key is compared with ``hmac.compare_digest`` and the loop never exits early,
-    so the time taken does not reveal which key (or how much of one) matched.
+    Error messages never repeat the presented key (it may be a secret sent to the wrong server).
     """
     if not keys:
         return OPEN_NAMESPACE
     if not presented:
         raise GatewayError(401, "missing API key: send 'Authorization: Bearer <key>'", "authentication_error")
-    matched = None
-    for k in keys:
-        if hmac.compare_digest(presented.encode(), k.encode()):
-            matched = k
+    matched = _match(presented, keys)
     if matched is None:
         raise GatewayError(401, "invalid API key", "authentication_error")
     return namespace_for_key(matched)
+
+
+def check_admin_key(presented: str | None, admin_keys: list[str], api_keys: list[str]) -> None:
+    """Admin routes (/admin/*, the engine control API under /engine): pass with an admin key; 403 for
+    a valid API key (authenticated, not allowed); 401 for no key or an unknown one. With no admin
+    keys configured they are open only in open mode (no API keys either), else closed to everyone."""
+    if not admin_keys and not api_keys:
+        return
+    if not presented:
+        raise GatewayError(401, "missing admin key: send 'Authorization: Bearer <admin key>'", "authentication_error")
+    is_admin, is_user = _match(presented, admin_keys), _match(presented, api_keys)  # both: no timing hint
+    if is_admin is not None:
+        return
+    if is_user is not None:
+        why = "" if admin_keys else " (no admin keys are configured: set the env var named by server.admin_keys_env)"
+        raise GatewayError(403, f"this route needs an admin key; an API key is not enough{why}", "permission_error")
+    raise GatewayError(401, "invalid admin key", "authentication_error")
+
+
+def bearer_token(authorization: str | bytes | None) -> str | None:
+    if not authorization:
+        return None
+    if isinstance(authorization, bytes):
+        authorization = authorization.decode("latin-1")
+    scheme, _, value = authorization.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else None
+
+
+class AdminGuard:
+    """ASGI wrapper: every route of ``app`` but ``open_paths`` needs an admin key (``check_admin_key``).
+
+    Plain ASGI (not BaseHTTPMiddleware) so SSE streams and client disconnects pass through untouched.
+    Under a mount, paths are compared without the mount prefix.
+    """
+
+    def __init__(self, app, *, admin_keys: list[str], api_keys: list[str],
+                 open_paths: tuple[str, ...] = ("/health",)):
+        self.app, self.admin_keys, self.api_keys, self.open_paths = app, admin_keys, api_keys, open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        if scope["method"] == "OPTIONS" or path in self.open_paths:
+            return await self.app(scope, receive, send)
+        try:
+            check_admin_key(bearer_token(dict(scope["headers"]).get(b"authorization")), self.admin_keys, self.api_keys)
+        except GatewayError as e:
+            error = {"message": e.message, "type": e.type, "param": None, "code": e.status}
+            body = json.dumps({"error": error}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": e.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        return await self.app(scope, receive, send)
 
 
 async def get_service(request: Request) -> ChatService:
@@ -44,11 +110,11 @@ async def get_service(request: Request) -> ChatService:
 
 
 async def get_namespace(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
-    token = None
-    if authorization:
-        scheme, _, value = authorization.partition(" ")
-        token = value.strip() if scheme.lower() == "bearer" else None
-    return check_api_key(token, request.app.state.api_keys)
+    return check_api_key(bearer_token(authorization), request.app.state.api_keys)
+
+
+async def require_admin(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    check_admin_key(bearer_token(authorization), request.app.state.admin_keys, request.app.state.api_keys)
 
 
 def _flag(v: str | None) -> bool | None:
@@ -75,13 +141,9 @@ async def get_turn_context(
 
 def turn_context_from_headers(headers, api_keys: list[str]) -> TurnContext:
     """The same as the dependencies above, for the chat route's fast path (no dependency solver)."""
-    authorization = headers.get("authorization")
-    token = None
-    if authorization:
-        scheme, _, value = authorization.partition(" ")
-        token = value.strip() if scheme.lower() == "bearer" else None
     turn_type = headers.get("x-turn-type")
-    return TurnContext(namespace=check_api_key(token, api_keys), session_id=headers.get("x-session-id"),
+    return TurnContext(namespace=check_api_key(bearer_token(headers.get("authorization")), api_keys),
+                       session_id=headers.get("x-session-id"),
                        turn_type=turn_type.strip().lower() if turn_type else None,
                        session_done=_flag(headers.get("x-session-done")))
 
@@ -98,9 +160,10 @@ def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
         loc = ".".join(str(p) for p in first.get("loc", ()))
         msg = first.get("msg", "invalid request")
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        raise GatewayError(400, f"{loc}: {msg}{more}" if loc else f"{msg}{more}", param=loc or None) from None
+        raise GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None) from None
 
 
 ServiceDep = Annotated[ChatService, Depends(get_service)]
 TurnContextDep = Annotated[TurnContext, Depends(get_turn_context)]
 NamespaceDep = Annotated[str, Depends(get_namespace)]
+AdminDep = Annotated[None, Depends(require_admin)]

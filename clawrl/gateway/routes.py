@@ -10,16 +10,26 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawrl.config import ConfigError, Settings, read_api_keys
+from clawrl.engine.server import document_request_models
 from clawrl.engine.types import Engine
-from clawrl.gateway.deps import NamespaceDep, ServiceDep, parse_chat_request, turn_context_from_headers
+from clawrl.gateway.admin import build_admin_router, paused_error
+from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, parse_chat_request, turn_context_from_headers
 from clawrl.gateway.metrics import GatewayMetrics
-from clawrl.gateway.schemas import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
+from clawrl.gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SessionLog,
+    SessionTurn,
+)
 from clawrl.gateway.service import ChatService, GatewayError, GatewayOptions
-from clawrl.gateway.sessions import SessionTracker
+from clawrl.gateway.sessions import SESSION_ID_RE, SessionTracker, validate_session_id
 from clawrl.hooks import load_hook
 
 log = logging.getLogger("clawrl.gateway")
@@ -69,6 +79,34 @@ class _TooLarge(Exception):
     pass
 
 
+# The chat route reads its body by hand (the fast path below), so FastAPI cannot derive its OpenAPI
+# entry: it is declared here - the body, the session headers and every error status - and the
+# document is what schemathesis fuzzes the gateway from (tests/reliability/test_schema_fuzz.py).
+CHAT_OPENAPI: dict[str, Any] = {
+    "parameters": [
+        {"name": "X-Session-Id", "in": "header", "required": False, "description": "Session id (the body's "
+         "session_id wins); 1-128 characters from A-Z a-z 0-9 . _ : @ -.",
+         "schema": {"type": "string", "pattern": SESSION_ID_RE.pattern}},
+        {"name": "X-Turn-Type", "in": "header", "required": False,
+         "schema": {"type": "string", "enum": ["main", "side"]}},
+        {"name": "X-Session-Done", "in": "header", "required": False,
+         "schema": {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no", "on", "off"]}},
+    ],
+    "requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what} for code, what in (
+        (400, "Invalid request: the message names the field or header."),
+        (401, "Missing or invalid API key."),
+        (413, "Request body larger than server.max_body_bytes."),
+        (502, "The engine is unreachable or answered something unusable."),
+        (504, "The engine did not answer within engine.request_timeout_s."),
+        (507, "The turn could not be recorded (disk full or data root unwritable); nothing was recorded."),
+    )
+}
+
+
 def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
     """(engine, tokenizer, owned) for the engine named in [engine]. An embedded engine starts from
     the newest checkpoint under the data root when training already ran (a restart resumes serving
@@ -83,12 +121,10 @@ def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
             load_tokenizer(model_dir), True
     from clawrl.config import resolve_device
     from clawrl.engine.embedded import EmbeddedEngine
-    from clawrl.train.trainer import latest_checkpoint
-
     version = "0"
-    latest = latest_checkpoint(settings.storage.data_root / "checkpoints")
-    if latest is not None and (latest[1] / "model.safetensors").is_file():
-        model_dir, version = latest[1], str(latest[0])
+    intact = newest_intact_checkpoint(settings.storage.data_root / "checkpoints")
+    if intact is not None:
+        model_dir, version = intact[1], str(intact[0])
     device, _ = resolve_device(settings.model.device)
     engine = EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
                             max_batch_size=settings.engine.max_batch_size,
@@ -97,15 +133,49 @@ def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
     return engine, engine.tokenizer, True
 
 
+# OpenAPI 3.1: the `schema` of an event stream describes one event (3.2 would call it itemSchema).
+SSE_EVENT_SCHEMA = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chat.completion.chunk, or [DONE]"},
+                   "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}},
+}
+
+
+def newest_intact_checkpoint(checkpoints) -> tuple[int, Any] | None:
+    """(version, dir) of the newest checkpoint whose weights still have the sha256 the trainer
+    recorded; a corrupt or half-deleted one is skipped (logged) for the one before it."""
+    from pathlib import Path
+
+    from clawrl.sync import CheckpointError, verify_checkpoint
+    from clawrl.train.trainer import TRAINER_FILE, read_step_result
+
+    found = []
+    for d in Path(checkpoints).glob("v[0-9]*"):
+        if d.name[1:].isdigit() and (d / TRAINER_FILE).is_file():
+            found.append((int(d.name[1:]), d))
+    for version, d in sorted(found, reverse=True):
+        try:
+            verify_checkpoint(d, read_step_result(d).sha256)
+            return version, d
+        except (CheckpointError, ValueError, TypeError, OSError) as e:
+            log.error("not serving checkpoint v%d: %s", version, e)
+    return None
+
+
 def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None) -> FastAPI:
     """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`)."""
     api_keys = read_api_keys(settings.server.api_keys_env)
     if not api_keys and not settings.server.open_mode:
         raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
                           "set keys, or server.open_mode = true to serve without authentication")
+    admin_keys = read_api_keys(settings.server.admin_keys_env)
     metrics = GatewayMetrics()
     generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
     owned_engine = engine is None
+    if store is None:  # refuse a data root we cannot write before loading a model (DataRootError)
+        from storage.writer import check_data_root
+
+        check_data_root(settings.storage.data_root)
     if engine is None:
         engine, tokenizer, _ = build_engine(settings)
 
@@ -136,10 +206,16 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         with contextlib.suppress(Exception):
             service.weight_version = str((await engine.model_info()).get("weight_version", "unknown"))
         app.state.service = service
-        app.state.api_keys = api_keys
+        app.state.api_keys, app.state.admin_keys = api_keys, admin_keys
         if not api_keys:
             log.warning("OPEN MODE: serving without API keys (server.open_mode = true); every caller "
                         "shares the 'open' session namespace")
+        if not api_keys and not admin_keys:
+            log.warning("OPEN ADMIN: no admin keys in env %s either: anyone who reaches this port can pause, "
+                        "replay and replace the served weights (/admin, /engine)", settings.server.admin_keys_env)
+        elif not admin_keys:
+            log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
+                        settings.server.admin_keys_env)
         if restored:
             log.info("restored %d open sessions from the session log", restored)
         sweeper = asyncio.create_task(_sweep_forever(service, settings.server.session_idle_timeout_s))
@@ -155,22 +231,24 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
                 await engine.close()
 
     app = FastAPI(title="clawrl gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    app.state.api_keys = api_keys
+    app.state.api_keys, app.state.admin_keys = api_keys, admin_keys
     if hasattr(engine, "update_weights_from_disk") and not hasattr(engine, "sync_weights_from_disk"):
         # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
         # under /engine, so a trainer in another process can sync it exactly as it would sync SGLang.
-        # Guarded by the first API key (none in open mode).
+        # Admin only (deps.check_admin_key): its /generate bypasses the session log and its control
+        # routes replace the served weights. /engine/health stays open (liveness, no data).
         from clawrl.engine.server import create_engine_app
 
-        app.mount("/engine", create_engine_app(
+        app.mount("/engine", AdminGuard(create_engine_app(
             engine, model_path=settings.model.name,
-            served_model_name=settings.server.served_model_name, max_context_len=settings.engine.max_context_len,
-            api_key=api_keys[0] if api_keys else None))
+            served_model_name=settings.server.served_model_name, max_context_len=settings.engine.max_context_len),
+            admin_keys=admin_keys, api_keys=api_keys))
+    app.include_router(build_admin_router(settings.storage.data_root))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError):
-        return error_response(exc.status, exc.message, exc.type, exc.param)
+        return error_response(exc.status, exc.message, exc.type, exc.param, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -197,12 +275,16 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
 
     # The hot path skips FastAPI's dependency solver and parses the body with pydantic-core's JSON
     # validator directly: together that is most of the gateway's own latency budget (~1 ms).
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}})
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra=CHAT_OPENAPI,
+              responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                                                 "description": "The completion; an SSE stream when stream = true."}})
     async def chat_completions(request: Request):
         t0 = time.perf_counter()
         service: ChatService = request.app.state.service
         ctx = turn_context_from_headers(request.headers, request.app.state.api_keys)
+        if service.paused:
+            metrics.requests.labels("503", "unknown", "unknown").inc()
+            raise paused_error()
         body = parse_chat_request(await request.body())
         metrics.in_flight.inc()
         try:
@@ -225,7 +307,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             if not body.stream:
                 metrics.in_flight.dec()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
     async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:
         name = settings.server.served_model_name
         with contextlib.suppress(Exception):  # the live version (a sync may have happened since the last turn)
@@ -234,21 +316,61 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
                                          max_model_len=settings.engine.max_context_len,
                                          weight_version=service.weight_version)])
 
+    @app.get("/v1/sessions/{session_id}", responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401], 404: {
+        "model": ErrorResponse, "description": "No session of that id under the caller's key."}})
+    async def read_session(session_id: str, namespace: NamespaceDep, service: ServiceDep) -> SessionLog:
+        """The caller's own session as logged: its turns with index, type, text, weight version and
+        whether the next state arrived. Another key's session answers exactly as a missing one."""
+        try:
+            validate_session_id(session_id)
+        except ValueError as e:
+            raise GatewayError(400, str(e), param="session_id") from None
+        rows = await asyncio.to_thread(_session_log, service.store, settings.storage.data_root, namespace, session_id)
+        if not rows:
+            raise GatewayError(404, "no such session", "not_found_error", "session_id")
+        return SessionLog(id=session_id, open=service.tracker.is_open(namespace, session_id), turns=[
+            SessionTurn(**{**r, "created_at": r["created_at"].isoformat()}) for r in rows])
+
     @app.get("/healthz")
     async def healthz(service: ServiceDep):
         try:
             ok = await asyncio.wait_for(service.engine.health(), timeout=5.0)
         except Exception:
             ok = False
-        body = {"status": "ok" if ok else "engine_unhealthy", "weight_version": service.weight_version,
-                "open_sessions": len(service.tracker), "pending_turns": service.tracker.pending_turns}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        if service.storage_error is not None:  # the last append failed: is the data root writable again?
+            from storage.writer import DataRootError, check_data_root
 
-    @app.get("/metrics")
+            try:
+                check_data_root(settings.storage.data_root)
+                service.storage_error = None
+            except DataRootError as e:
+                log.error("health: %s", e)
+        status = "ok" if ok else "engine_unhealthy"
+        if service.storage_error is not None:
+            status = "storage_unwritable"
+        body = {"status": status, "weight_version": service.weight_version,
+                "open_sessions": len(service.tracker), "pending_turns": service.tracker.pending_turns,
+                "paused": service.paused, "storage_error": service.storage_error}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text format
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    document_request_models(app, ChatCompletionRequest)
     return app
+
+
+def _session_log(store: Any, data_root, namespace: str, session_id: str) -> list[dict[str, Any]]:
+    from storage.catalog import open_catalog, session_log
+
+    if hasattr(store, "flush"):
+        store.flush()  # read your own writes: turns still in the write-ahead log become Parquet
+    con = open_catalog(data_root)
+    try:
+        return session_log(con, namespace, session_id)
+    finally:
+        con.close()
 
 
 async def _counted(events, metrics: GatewayMetrics):
@@ -270,15 +392,26 @@ async def _sweep_forever(service: ChatService, idle_timeout_s: float) -> None:
 
 
 def _restore_sessions(tracker: SessionTracker, settings: Settings, store: Any) -> int:
-    """Rebuild open sessions from the log after a restart (their last main turn still waits)."""
-    try:
-        from storage.catalog import open_sessions
-    except ImportError:  # pragma: no cover - storage without the helper query
-        return 0
+    """After a restart, continue the sessions in the log: a session waiting for the user's reply
+    comes back with its pending turn (so the reply becomes that turn's next state, and the idle
+    sweep closes it if none comes), and every recent session goes on counting turn indices where
+    it stopped, so a returning session never reuses one. Returns the sessions restored as open."""
+    from clawrl.gateway.sessions import PendingTurn
+    from storage.catalog import open_catalog, session_states
+
     if hasattr(store, "flush"):
-        store.flush()
+        store.flush()  # the WAL of a killed predecessor was recovered when the store opened
+    con = open_catalog(settings.storage.data_root)
+    try:
+        rows = session_states(con, 10 * settings.server.max_sessions)  # as many as the tracker remembers
+    finally:
+        con.close()
     n = 0
-    for row in open_sessions(settings.storage.data_root, settings.server.session_idle_timeout_s):
-        tracker.restore(row["namespace"], row["session_id"], row["next_index"], row["pending"], row["age_s"])
+    for row in reversed(rows):  # oldest first: the tracker's order is its recency order
+        if row["pending_turn_id"] is None:
+            tracker.restore_index(row["namespace"], row["session_id"], row["next_index"])
+            continue
+        pending = PendingTurn(row["pending_turn_id"], row["pending_turn_index"], row["pending_message_count"])
+        tracker.restore(row["namespace"], row["session_id"], row["next_index"], pending, row["age_s"])
         n += 1
     return n

@@ -7,13 +7,16 @@ weight version that produced them. The gateway never judges, builds samples or w
 Durability point: a turn is appended to the session log (a write-ahead-log write that survives a
 kill -9 of this process) *before* the client receives the end of its response — the JSON body of a
 non-streamed completion, or the final chunk of a stream. A response the client has received in full
-is therefore always in the log.
+is therefore always in the log. If the append fails (disk full, I/O error) the client gets a 507
+``storage_error`` instead (an error event in a stream) and the session is left as if the request
+had not come: its turn index is given back and a pending turn stays pending.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,12 +50,36 @@ from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session
 from clawrl.samples import NextStateRecord, TurnRecord, TurnType, utcnow
 
 
+log = logging.getLogger("clawrl.gateway")
+
+# Next-state records that could not be written (full disk) wait in memory for the next write;
+# beyond this many the oldest are dropped (logged) rather than growing without bound.
+MAX_UNWRITTEN_NEXT_STATES = 100_000
+
+
 class GatewayError(Exception):
     """An error with an HTTP status and an OpenAI error type."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers  # e.g. Retry-After on a 503
+
+
+# engine sampling_params names -> the request fields they come from
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
+
+
+def _sampling_error(e: BadRequestError) -> GatewayError:
+    """The engine's sampling_params complaint, in the request's own field names, kept short (it
+    may quote a value the client sent, e.g. a large logit_bias)."""
+    msg = str(e).removeprefix("sampling_params.")
+    name = msg.split(" ", 1)[0].rstrip(":")
+    param = _OPENAI_NAMES.get(name, name) if name.isidentifier() else None
+    if param and name != param:
+        msg = param + msg[len(name):]
+    return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=param)
 
 
 @dataclass(frozen=True)
@@ -100,6 +127,9 @@ class ChatService:
         self.options = options
         self.metrics = metrics
         self.weight_version = "unknown"
+        self.storage_error: str | None = None  # the last append's OSError, None once one succeeds
+        self._unwritten_next_states: list[NextStateRecord] = []
+        self.paused = False  # POST /admin/pause: new turns get 503, turns in flight finish
         self._decode = lru_cache(maxsize=65536)(lambda tid: tokenizer.decode([tid]))
 
     # --------------------------------------------------------------------------- public API
@@ -133,7 +163,8 @@ class ChatService:
     # ---------------------------------------------------------------------------- internals
     def _prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> _Turn:
         if req.n != 1:
-            raise GatewayError(400, "n > 1 is not supported: send n separate requests", param="n")
+            raise GatewayError(400, "n > 1 is not supported: send n separate requests" if req.n > 1
+                               else f"n must be 1, got {req.n}", param="n")
         if req.top_logprobs and not req.logprobs:
             raise GatewayError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -144,8 +175,9 @@ class ChatService:
             session_id = derive_session_id(ctx.namespace, messages, req.user)
         try:
             validate_session_id(session_id)
-        except ValueError as e:
-            raise GatewayError(400, str(e), param="session_id") from None
+        except ValueError as e:  # say where the bad id came from; it is never used to build a path
+            where = "session_id" if req.session_id else "X-Session-Id header"
+            raise GatewayError(400, f"{where}: {e}", param="session_id") from None
         turn_type = req.turn_type or ctx.turn_type or self.options.default_turn_type
         if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
             raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
@@ -154,6 +186,10 @@ class ChatService:
             prompt_ids = self.adapter.render(req.messages, req.tools, req.tool_choice)
         except Exception as e:  # a template error is the client's message shape, not a server fault
             raise GatewayError(400, f"could not apply the chat template: {e}", param="messages") from None
+        limit = getattr(self.engine, "max_context_len", None)  # known for an in-process engine only
+        if isinstance(limit, int) and len(prompt_ids) >= limit:  # refuse before any byte is streamed
+            raise GatewayError(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is "
+                                    f"{limit} tokens (prompt + completion)", param="messages")
         sp: dict[str, Any] = {
             "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.options.default_max_tokens,
             "temperature": self.options.default_temperature if req.temperature is None else req.temperature,
@@ -169,7 +205,7 @@ class ChatService:
         try:
             sampling = SamplingParams.from_dict(sp)
         except BadRequestError as e:
-            raise GatewayError(400, str(e)) from None
+            raise _sampling_error(e) from None
         gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
                               top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0)
         state, evicted = self.tracker.open(ctx.namespace, session_id)
@@ -180,9 +216,15 @@ class ChatService:
 
     def _link_next_state(self, turn: _Turn) -> None:
         if turn.turn_type == TurnType.MAIN.value:
+            pending = turn.state.pending
             rec = self.tracker.link_next_state(turn.state, turn.messages)
             if rec is not None:
-                self._write_next_states([rec])
+                try:
+                    self._append(rec, "the previous turn's next state")
+                except GatewayError:
+                    turn.state.pending = pending  # not linked: the client's retry links it again
+                    raise
+                self.metrics.next_states.labels(rec.reason).inc()
 
     async def _generate(self, gen: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
@@ -242,7 +284,11 @@ class ChatService:
             # Never record a turn whose log-probs do not align with its tokens (the reference pads).
             raise GatewayError(502, "engine returned log-probs that do not align with its output ids",
                                "engine_protocol_error")
-        self.store.append(rec)
+        try:
+            self._append(rec, "the turn")
+        except GatewayError:
+            self.tracker.release_index(state, index)  # nothing was recorded under it
+            raise
         self.metrics.turns_recorded.labels(turn.turn_type).inc()
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         self.metrics.completion_tokens.inc(result.completion_tokens)
@@ -253,11 +299,40 @@ class ChatService:
         self.metrics.open_sessions.set(len(self.tracker))
         return index
 
+    def _append(self, record: Any, what: str) -> None:
+        """Append one record; a store that cannot write (disk full, I/O error, file size limit)
+        becomes a 507 and nothing of the record counts as written (storage/writer.py: an append that
+        raised is not acknowledged and leaves no torn line behind)."""
+        try:
+            self.store.append(record)
+        except OSError as e:
+            self.storage_error = f"{type(e).__name__}: {e.strerror or e}"
+            log.error("could not record %s: %s", what, self.storage_error)
+            raise GatewayError(507, f"could not record {what}: the data store refused the write "
+                                    f"({e.strerror or type(e).__name__}); nothing was recorded, retry later",
+                               "storage_error") from None
+        self.storage_error = None
+
     def _write_next_states(self, records: list[NextStateRecord]) -> None:
-        if records:
-            self.store.append(records)
-            for r in records:
-                self.metrics.next_states.labels(r.reason).inc()
+        """Append next-state records that close turns already recorded (eviction, session_done,
+        idle sweep). If the store refuses, they are kept and written with the next ones or by the
+        sweep: the request that triggered them is not failed, its own turn is safe."""
+        batch = self._unwritten_next_states + records
+        if not batch:
+            return
+        try:
+            self.store.append(batch)
+        except OSError as e:
+            self.storage_error = f"{type(e).__name__}: {e.strerror or e}"
+            dropped = max(0, len(batch) - MAX_UNWRITTEN_NEXT_STATES)
+            self._unwritten_next_states = batch[dropped:]
+            log.error("could not record %d next-state records (%s); kept for retry%s", len(batch),
+                      self.storage_error, f", {dropped} oldest dropped" if dropped else "")
+            return
+        self._unwritten_next_states = []
+        self.storage_error = None
+        for r in batch:
+            self.metrics.next_states.labels(r.reason).inc()
 
     def _logprobs(self, result: GenerateResult, start: int, end: int, req: ChatCompletionRequest) -> ChoiceLogprobs:
         ids = result.output_ids

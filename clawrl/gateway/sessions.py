@@ -35,9 +35,11 @@ class BadSessionError(ValueError):
 
 
 def validate_session_id(session_id: str) -> str:
-    if not SESSION_ID_RE.match(session_id):
+    """Session ids are never used to build a file path; the character set and the refusal of
+    '.' / '..' keep it that way should anything ever try (and keep them printable in logs)."""
+    if not SESSION_ID_RE.match(session_id) or not session_id.strip("."):
         raise BadSessionError(
-            "session id must be 1-128 characters from A-Z a-z 0-9 . _ : @ - "
+            "session id must be 1-128 characters from A-Z a-z 0-9 . _ : @ - and not only dots "
             f"(got {len(session_id)} characters)"
         )
     return session_id
@@ -99,10 +101,18 @@ class SessionTracker:
         state.last_active = self.clock()
         return state, evicted
 
+    def is_open(self, namespace: str, session_id: str) -> bool:
+        return (namespace, session_id) in self._sessions
+
     def allocate_index(self, state: SessionState) -> int:
         idx = state.next_index
         state.next_index += 1
         return idx
+
+    def release_index(self, state: SessionState, index: int) -> None:
+        """Give back the index just allocated for a turn that could not be recorded."""
+        if state.next_index == index + 1:
+            state.next_index = index
 
     def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
         """Called when a new main request arrives: close the pending turn with what was added."""
@@ -148,6 +158,14 @@ class SessionTracker:
         state = SessionState(namespace, session_id, next_index=next_index, pending=pending,
                              last_active=self.clock() - age_s)
         self._sessions[(namespace, session_id)] = state
+
+    def restore_index(self, namespace: str, session_id: str, next_index: int) -> None:
+        """Remember, after a restart, where a session not held open stopped counting turns."""
+        key = (namespace, session_id)
+        self._closed_index[key] = next_index
+        self._closed_index.move_to_end(key)
+        while len(self._closed_index) > 10 * self.max_sessions:
+            self._closed_index.popitem(last=False)
 
     def _close(self, state: SessionState, reason: str) -> list[NextStateRecord]:
         key = (state.namespace, state.session_id)

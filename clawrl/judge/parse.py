@@ -12,6 +12,11 @@ Where we depart from the reference's single-digit regex (ref/openclaw-rl.md §3.
    the judge moved away from.
 3. Braces are matched, so ``\\boxed{\\text{1}}`` reads as 1; spaces, a leading ``+``, ``$`` signs
    and the unicode minus/dash characters a model may emit are tolerated.
+
+Rule 2 makes a judge that quotes the conversation after its answer dangerous: a ``\\boxed{1}``
+written by the user (or the policy) would be the last box. The prompts therefore never contain a
+parseable box, think tag or hint marker inside the quoted conversation (``prompts.neutralize``):
+a judge that echoes its prompt cannot hand this module a box copied from the conversation.
 """
 
 from __future__ import annotations

@@ -18,16 +18,23 @@ marked (:func:`truncate_text`). Empty optional sections are left out.
 
 The rule judge (``backends.RuleJudge``) answers these same prompts; :func:`read_next_state` and
 :func:`prompt_kind` are how it reads them back.
+
+Quoted material is neutralised (:func:`neutralize`): the conversation is written by users, tools
+and the policy being trained, and must not be able to speak in the judge's answer format. A fake
+``\\boxed{1}`` in a user message, echoed by a judge model after its own answer, would otherwise be
+the last box and decide the score; an echoed ``</think>`` would hide the judge's real answer; a
+line starting ``[user]`` inside a tool result would read back as a user reply.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from clawrl.judge.context import ROLE_LABELS, TOOL_CALL_LABEL, JudgeContext
 from clawrl.judge.parse import HINT_END, HINT_START
 
-PROMPTS_VERSION = "v1"  # part of the judge config hash: change it whenever a prompt's wording changes
+PROMPTS_VERSION = "v2"  # part of the judge config hash: change it whenever a prompt's wording changes
 
 NEXT_STATE_HEADER = "## Next state (what followed the turn)"
 ANSWER_HEADER = "## Your answer"
@@ -130,17 +137,36 @@ def allocate_budget(lengths: list[int], shares: list[float], budget: int) -> lis
     return limits
 
 
+_BOX = re.compile(r"\\(boxed)", re.IGNORECASE)  # \boxed -> boxed: still readable, never parsed
+_THINK_TAG = re.compile(r"<(/?)(think)>", re.IGNORECASE)  # <think> -> [think], </think> -> [/think]
+_HINT_MARK = re.compile(r"\[(HINT_START|HINT_END)\]")  # [HINT_START] -> (HINT_START)
+_STRUCTURE_LINE = re.compile(  # a line that would read as a role label or a section header of ours
+    r"^(?=## |(?:" + "|".join(re.escape(lb) for lb in sorted(set(ROLE_LABELS.values()) | {TOOL_CALL_LABEL})) + r"))",
+    re.MULTILINE)
+
+
+def neutralize(text: str) -> str:
+    """Quoted text with everything that could pass for the judge's answer format or for this
+    prompt's structure defused, visibly: ``\\boxed`` loses its backslash, think tags and hint
+    markers change brackets, and a line starting like a role label or a ``## `` header is prefixed
+    with ``| ``. parse.py never reads a score or hint out of the result."""
+    text = _BOX.sub(r"\1", text)
+    text = _THINK_TAG.sub(r"[\1\2]", text)
+    text = _HINT_MARK.sub(r"(\1)", text)
+    return _STRUCTURE_LINE.sub("| ", text)
+
+
 def _join(messages: list[tuple[str, str]]) -> str:
-    return "\n".join(f"{label} {text}" for label, text in messages)
+    return "\n".join(f"{label} {neutralize(text)}" for label, text in messages)
 
 
 def _section_texts(ctx: JudgeContext) -> list[str]:
-    turn = "\n".join(([ctx.assistant_text] if ctx.assistant_text else [])
-                     + [f"{TOOL_CALL_LABEL} {c}" for c in ctx.tool_calls])
+    turn = "\n".join(([neutralize(ctx.assistant_text)] if ctx.assistant_text else [])
+                     + [f"{TOOL_CALL_LABEL} {neutralize(c)}" for c in ctx.tool_calls])
     return [
-        ctx.system_prompt,
+        neutralize(ctx.system_prompt),
         _join(ctx.context_before),
-        ctx.user_request or "(no user message before the turn)",
+        neutralize(ctx.user_request) or "(no user message before the turn)",
         _join(ctx.since_request),
         turn or "(empty turn)",
         _join(ctx.next_state) or "(empty)",

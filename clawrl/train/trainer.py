@@ -8,7 +8,8 @@ version directory either holds a complete checkpoint or does not exist.
 Exactly once per batch: :meth:`Trainer.run` with a batch id the trainer already applied returns the
 stored result instead of stepping again, whether the trainer kept running (the caller crashed after
 the step) or restarted from that checkpoint. A trainer that dies after a step but before its
-checkpoint is written restarts from the previous checkpoint, so re-running the batch applies it once.
+checkpoint is written restarts from the previous checkpoint, so re-running the batch applies it once;
+the staging dir it left (named with its pid) is removed when the next trainer starts.
 """
 
 from __future__ import annotations
@@ -67,6 +68,30 @@ def latest_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:
     return best
 
 
+def remove_stale_staging(checkpoints: Path) -> list[Path]:
+    """Delete half-written checkpoints (``.vNNNNNN.<pid>.*`` staging dirs) whose writer process is
+    gone, e.g. a trainer killed while saving; return them. A live writer's staging dir is kept."""
+    removed = []
+    for d in Path(checkpoints).glob(".v[0-9]*.*"):
+        parts = d.name.split(".")  # ["", "v000003", "<pid>", "<random>"]
+        pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
+        if pid is not None and (pid == os.getpid() or _alive(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def read_step_result(ckpt_dir: Path) -> StepResult:
     return StepResult(**json.loads((Path(ckpt_dir) / TRAINER_FILE).read_text()))
 
@@ -97,10 +122,15 @@ class Trainer:
         self.base_model_dir = Path(base_model_dir)
         self.checkpoints = Path(checkpoints)
         self.checkpoints.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(self.checkpoints)  # a trainer killed mid-save left its staging dir
         self.hp = hp
         self.pad_id = pad_id
         self.keep_weights = keep_weights
         latest = latest_checkpoint(self.checkpoints)
+        if latest is not None:  # never resume from weights that are not the bytes this trainer wrote
+            from clawrl.sync import verify_checkpoint
+
+            verify_checkpoint(latest[1], read_step_result(latest[1]).sha256)
         start_dir = self.base_model_dir if latest is None else latest[1]
         self.version = 0 if latest is None else latest[0]
         self.last: StepResult | None = None if latest is None else read_step_result(latest[1])
@@ -150,7 +180,8 @@ class Trainer:
         return self.backend.hf_state_dict()
 
     def _save(self, out: Path, batch_id: str, parent: int, metrics: dict[str, float]) -> StepResult:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=self.checkpoints))
+        # the pid in the name tells a restarted trainer whether the writer is gone (remove_stale_staging)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=self.checkpoints))
         try:
             weights = self.backend.save_checkpoint(staging / "w")
             for f in weights.iterdir():

@@ -188,7 +188,7 @@ def test_judge_config_hash_covers_every_judge_setting():
     assert len(h) == 16 and h == judge_config_hash(**{**base, "method": "combine"})
     changed = {"backend": "provider", "model": "smollm2-135m", "method": Method.GRPO, "judge_samples": 5,
                "hint_samples": 3, "temperature": 0.7, "max_tokens": 256, "budget_chars": 4000,
-               "hint_policy": "first", "hint_placement": "system", "teacher": "policy", "prompts_version": "v2"}
+               "hint_policy": "first", "hint_placement": "system", "teacher": "policy", "prompts_version": "v-other"}
     hashes = {judge_config_hash(**{**base, k: v}) for k, v in changed.items()}
     assert len(hashes) == len(changed) and h not in hashes
 

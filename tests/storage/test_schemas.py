@@ -32,6 +32,7 @@ RECORDS = {
     "turn_fate": samples.FateRecord,
     "batches": samples.BatchRecord,
     "checkpoints": samples.CheckpointRecord,
+    "syncs": samples.SyncRecord,
 }
 
 

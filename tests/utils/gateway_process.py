@@ -1,0 +1,135 @@
+"""`clawrl serve` (and `clawrl engine`) as real subprocesses on fixed ports, for tests that SIGKILL,
+restart or resource-limit them. Their output is drained by a thread into a log file, whose tail is
+shown when a process fails to come up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from clawrl.serving import bind_socket
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (closed again: the subprocess binds it itself)."""
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def serve_env(data_root: Path, model_cache: Path, **settings: str) -> dict[str, str]:
+    """The environment of a `clawrl serve` child: tiny model, open mode, short replies; keyword
+    arguments are extra settings as section__key=value (CLAWRL__SECTION__KEY)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL__")}
+    env.update({"CLAWRL__STORAGE__DATA_ROOT": str(data_root), "CLAWRL__STORAGE__MODEL_CACHE": str(model_cache),
+                "CLAWRL__MODEL__NAME": "tiny", "CLAWRL__SERVER__OPEN_MODE": "true",
+                "CLAWRL__PPO__MAX_NEW_TOKENS": "4", "CLAWRL__ENGINE__MAX_CONTEXT_LEN": "512",
+                "PYTHONUNBUFFERED": "1"})
+    env.update({f"CLAWRL__{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+@dataclass
+class ServerProcess:
+    """One CLI server child; ``start`` may be called again after ``kill`` (same port, same data)."""
+
+    args: list[str]
+    port: int
+    env: dict[str, str]
+    log_path: Path
+    ready_path: str = "/metrics"  # answers 200 as soon as the app serves, whatever the engine does
+    preexec_fn: Callable[[], None] | None = None
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+    startup_s: list[float] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            log.write(f"--- start {self.starts + 1}: {' '.join(self.args)}\n".encode())
+        self.proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", *self.args], cwd=REPO, env=self.env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self.preexec_fn)
+        # The parent writes the log: a child under RLIMIT_FSIZE must not fail on its own log file.
+        threading.Thread(target=_drain, args=(self.proc.stdout, self.log_path), daemon=True).start()
+        self.starts += 1
+
+    def wait_ready(self, timeout_s: float = 240.0) -> float:
+        """Seconds until ``ready_path`` answers 200; raises with the log tail if the child dies."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2.0).status_code == 200:
+                    self.startup_s.append(time.monotonic() - t0)
+                    return self.startup_s[-1]
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.args[0]} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{self.args[0]} not ready after {timeout_s} s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would, and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (graceful: uvicorn drains and the lifespan closes the store); SIGKILL if it hangs."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+        except FileNotFoundError:
+            return "(no log)"
+
+
+def _drain(pipe, log_path: Path) -> None:
+    with pipe, log_path.open("ab") as log:
+        for line in pipe:
+            log.write(line)
+            log.flush()
+
+
+def gateway_process(tmp_path: Path, env: dict[str, str], *, port: int | None = None, name: str = "gateway",
+                    **kw) -> ServerProcess:
+    port = port or free_port()
+    return ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / f"{name}.log", **kw)
+
+
+def engine_process(tmp_path: Path, env: dict[str, str], *, port: int | None = None, name: str = "engine",
+                   **kw) -> ServerProcess:
+    """`clawrl engine` (the embedded engine behind SGLang's HTTP API); ready when /health answers."""
+    port = port or free_port()
+    return ServerProcess(["engine", "--port", str(port)], port, env, tmp_path / f"{name}.log",
+                         ready_path="/health", **kw)
