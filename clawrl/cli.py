@@ -520,10 +520,16 @@ def up(
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
     from clawrl.supervisor import run_up
 
+    from storage.writer import DataRootError, check_data_root
+
     s = settings_or_exit(config)
+    try:  # before any service starts: a clear line, not a traceback from a child process
+        check_data_root(s.storage.data_root)
+    except DataRootError as e:
+        err.print(f"storage error: {e}", markup=False, style="red", soft_wrap=True)
+        raise typer.Exit(2) from None
     conf = config.resolve() if config else None
     if conf is None:  # the child processes read the same effective config from a file
-        s.storage.data_root.mkdir(parents=True, exist_ok=True)
         conf = s.storage.data_root / "up-config.toml"
         conf.write_text(dump_toml(s))
     try:

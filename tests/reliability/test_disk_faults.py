@@ -93,6 +93,20 @@ def test_serve_exits_before_serving_when_the_data_root_cannot_be_written(tmp_pat
 
 
 @pytest.mark.timeout(120)
+def test_up_exits_before_starting_anything_when_the_data_root_cannot_be_written(tmp_path, model_cache):
+    blocker = tmp_path / "a-regular-file"
+    blocker.write_text("not a directory\n")
+    proc = subprocess.run([sys.executable, "-m", "clawrl.cli", "up", "--prefect-port", str(free_port()),
+                           "--mlflow-port", str(free_port()), "--trainer-port", str(free_port())],
+                          cwd=REPO, env=serve_env(blocker / "data", model_cache), capture_output=True, text=True,
+                          timeout=100)
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert f"storage error: data root {blocker / 'data'}" in message and "Not a directory" in message
+    assert "Traceback" not in proc.stderr and "http://" not in proc.stdout  # nothing was started or announced
+
+
+@pytest.mark.timeout(120)
 def test_gateway_app_fails_cleanly_when_the_data_root_goes_bad_before_startup(make_settings, tiny_engine, tmp_path):
     s = make_settings({"server.open_mode": True})
     # Checked at creation, before any engine or model is built:
