@@ -121,6 +121,8 @@ def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
             load_tokenizer(model_dir), True
     from clawrl.config import resolve_device
     from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.train.trainer import newest_intact_checkpoint
+
     version = "0"
     intact = newest_intact_checkpoint(settings.storage.data_root / "checkpoints")
     if intact is not None:
@@ -139,27 +141,6 @@ SSE_EVENT_SCHEMA = {
     "properties": {"data": {"type": "string", "description": "a JSON chat.completion.chunk, or [DONE]"},
                    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}},
 }
-
-
-def newest_intact_checkpoint(checkpoints) -> tuple[int, Any] | None:
-    """(version, dir) of the newest checkpoint whose weights still have the sha256 the trainer
-    recorded; a corrupt or half-deleted one is skipped (logged) for the one before it."""
-    from pathlib import Path
-
-    from clawrl.sync import CheckpointError, verify_checkpoint
-    from clawrl.train.trainer import TRAINER_FILE, read_step_result
-
-    found = []
-    for d in Path(checkpoints).glob("v[0-9]*"):
-        if d.name[1:].isdigit() and (d / TRAINER_FILE).is_file():
-            found.append((int(d.name[1:]), d))
-    for version, d in sorted(found, reverse=True):
-        try:
-            verify_checkpoint(d, read_step_result(d).sha256)
-            return version, d
-        except (CheckpointError, ValueError, TypeError, OSError) as e:
-            log.error("not serving checkpoint v%d: %s", version, e)
-    return None
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None) -> FastAPI:

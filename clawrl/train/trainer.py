@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +30,8 @@ import torch
 from clawrl.samples import SampleRecord
 from clawrl.train.base import LossFn, PPOHyperParams, default_loss
 from clawrl.train.batch import collate_samples
+
+log = logging.getLogger("clawrl.train")
 
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -57,15 +60,32 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
+    """(version, dir) of every complete checkpoint (``trainer.json`` written last), newest first."""
+    found = [(int(d.name[1:]), d) for d in Path(checkpoints).glob("v[0-9]*")
+             if d.name[1:].isdigit() and (d / TRAINER_FILE).is_file()]
+    return sorted(found, reverse=True)
+
+
 def latest_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:
     """(version, dir) of the newest complete checkpoint, or None."""
-    best = None
-    for d in Path(checkpoints).glob("v[0-9]*"):
-        if (d / TRAINER_FILE).is_file() and d.name[1:].isdigit():
-            v = int(d.name[1:])
-            if best is None or v > best[0]:
-                best = (v, d)
-    return best
+    found = complete_checkpoints(checkpoints)
+    return found[0] if found else None
+
+
+def newest_intact_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:
+    """(version, dir) of the newest complete checkpoint whose weights still have the sha256 the
+    trainer recorded (what a restarted gateway serves); a corrupt or half-deleted one is skipped,
+    logged, for the one before it."""
+    from clawrl.sync import CheckpointError, verify_checkpoint
+
+    for version, d in complete_checkpoints(checkpoints):
+        try:
+            verify_checkpoint(d, read_step_result(d).sha256)
+            return version, d
+        except (CheckpointError, ValueError, TypeError, OSError) as e:
+            log.error("not serving checkpoint v%d: %s", version, e)
+    return None
 
 
 def remove_stale_staging(checkpoints: Path) -> list[Path]:
