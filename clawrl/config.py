@@ -143,7 +143,15 @@ class PPOSettings(_Section):
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="'torch': plain PyTorch (CPU or one GPU). 'megatron': megatron-core GPTModel (TP)."
     )
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (the peak, when lr_schedule decays it).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="lr over training steps: 'constant'; or 'linear' / 'cosine' from lr down to lr_min over "
+        "lr_decay_steps steps (after lr_warmup_steps), then lr_min for good - a live system keeps learning, slowly.",
+    )
+    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from lr/(warmup+1) to lr.")
+    lr_decay_steps: int = Field(0, ge=0, description="Steps of decay after warm-up (needed by linear/cosine).")
+    lr_min: float = Field(0.0, ge=0, description="The lr a decaying schedule ends at and stays at.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.98, ge=0, lt=1)
@@ -177,6 +185,10 @@ class PPOSettings(_Section):
     def _check_clip(self) -> PPOSettings:
         if self.clip_range >= 1:
             raise ValueError("ppo.clip_range must be < 1 (the ratio is clipped at 1 - clip_range)")
+        if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
+            raise ValueError(f"ppo.lr_schedule = {self.lr_schedule!r} needs ppo.lr_decay_steps >= 1")
+        if self.lr_min > self.lr:
+            raise ValueError(f"ppo.lr_min ({self.lr_min:g}) must not exceed ppo.lr ({self.lr:g})")
         return self
 
 

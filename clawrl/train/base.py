@@ -56,6 +56,10 @@ class PPOHyperParams:
     group_norm: bool
     seed: int
     group_by: str = "prompt"  # baseline group when group_norm: prompt | batch
+    lr_schedule: str = "constant"  # constant | linear | cosine (see lr_at)
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_min: float = 0.0
 
     @classmethod
     def from_settings(cls, ppo: PPOSettings, seed: int) -> PPOHyperParams:
@@ -80,7 +84,35 @@ class PPOHyperParams:
             group_norm=ppo.group_norm,
             group_by=ppo.group_by,
             seed=seed,
+            lr_schedule=ppo.lr_schedule,
+            lr_warmup_steps=ppo.lr_warmup_steps,
+            lr_decay_steps=ppo.lr_decay_steps,
+            lr_min=ppo.lr_min,
         )
+
+
+def lr_at(hp: PPOHyperParams, step: int) -> float:
+    """The learning rate of training step ``step`` (0 = the first step from the base weights; the
+    step that makes weight version v+1 is step v, so a resumed or replayed run gets the same lr).
+
+    Warm-up: lr * (step + 1) / (warmup + 1) for step < warmup. Then, over ``lr_decay_steps`` steps,
+    linear or cosine from lr to lr_min (decay step k of D: linear lr - (lr - lr_min) k / D, cosine
+    lr_min + (lr - lr_min)(1 + cos(pi k / D)) / 2), and lr_min from then on."""
+    import math
+
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if step < hp.lr_warmup_steps:
+        return hp.lr * (step + 1) / (hp.lr_warmup_steps + 1)
+    if hp.lr_schedule == "constant":
+        return hp.lr
+    k = min(step - hp.lr_warmup_steps, hp.lr_decay_steps)
+    frac = k / hp.lr_decay_steps
+    if hp.lr_schedule == "linear":
+        return hp.lr - (hp.lr - hp.lr_min) * frac
+    if hp.lr_schedule == "cosine":
+        return hp.lr_min + (hp.lr - hp.lr_min) * (1 + math.cos(math.pi * frac)) / 2
+    raise ValueError(f"unknown lr_schedule {hp.lr_schedule!r}")
 
 
 class TrainBackend(Protocol):
@@ -90,6 +122,10 @@ class TrainBackend(Protocol):
         """Log-prob of each next token, (B, L-1) float32, no grad; ``reference``: the frozen
         initial weights instead of the current policy. Only the response positions are part of
         the contract: a backend may leave prompt and padding positions at 0."""
+        ...
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following optimizer steps (the trainer's schedule)."""
         ...
 
     def train_step(self, batch: TokenBatch) -> dict[str, float]:

@@ -85,6 +85,7 @@ class TorchBackend:
         self.params = [p for _, p in named]
         self.optimizer = torch.optim.AdamW(self.params, lr=hp.lr, betas=hp.betas, weight_decay=hp.weight_decay,
                                            fused=self.device.type == "cuda")
+        self.lr = hp.lr  # set_lr: the trainer's schedule
         self.steps_done = 0
 
     # -- forwards ---------------------------------------------------------------------------
@@ -160,13 +161,20 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def set_lr(self, lr: float) -> None:
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        self.lr = lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def train_step(self, batch: TokenBatch) -> dict[str, float]:
         batch = batch.to(self.device)
         ref = self.compute_logprobs(batch, reference=True) if self.hp.kl_coef > 0 else None
         metrics = run_ppo_step(batch, self.hp, forward=self._forward, optimizer_step=self._optimizer_step,
                                ref_logprobs=ref, loss_fn=self.loss_fn)
         self.steps_done += 1
-        metrics["lr"] = self.hp.lr
+        metrics["lr"] = self.lr
         return metrics
 
     # -- optimizer state (resume) ---------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from clawrl.samples import SampleRecord
-from clawrl.train.base import LossFn, PPOHyperParams, default_loss
+from clawrl.train.base import LossFn, PPOHyperParams, default_loss, lr_at
 from clawrl.train.batch import collate_samples
 
 log = logging.getLogger("clawrl.train")
@@ -185,6 +185,7 @@ class Trainer:
             raise ValueError(f"batch {batch_id} has no samples")
         t0 = time.perf_counter()
         batch = collate_samples(samples, self.pad_id)
+        self.backend.set_lr(lr_at(self.hp, self.version))  # step v makes version v+1: resume/replay agree
         metrics = self.backend.train_step(batch)
         metrics["step_time_s"] = time.perf_counter() - t0
         metrics["torch_threads"] = torch.get_num_threads()  # replay restores it: CPU reductions depend on it

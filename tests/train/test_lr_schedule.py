@@ -1,0 +1,92 @@
+"""The lr schedule: hand-computed values, config checks, and the trainer applying it per weight
+version (so a restarted trainer and a replay use the same lr for the same step)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clawrl.config import ConfigError, Method, load_settings
+from clawrl.samples import SampleRecord
+from clawrl.train.base import PPOHyperParams, lr_at
+from clawrl.train.trainer import Trainer, read_step_result
+
+HP = PPOHyperParams(
+    method=Method.GRPO, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0, micro_batch_size=4,
+    ppo_epochs=1, clip_low=0.2, clip_high=0.28, dual_clip=0.0, kl_coef=0.0, kl_type="k3", entropy_coef=0.0,
+    loss_agg="token-mean", tis_cap=2.0, w_rl=1.0, w_opd=1.0, group_norm=False, seed=0,
+)
+
+
+def sched(**kw) -> PPOHyperParams:
+    return dataclasses.replace(HP, **kw)
+
+
+def test_constant_and_warmup():
+    assert [lr_at(HP, s) for s in (0, 5, 100)] == [1e-3, 1e-3, 1e-3]
+    hp = sched(lr_warmup_steps=2)
+    assert [lr_at(hp, s) for s in range(4)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+
+
+def test_linear_decay_then_floor():
+    hp = sched(lr_schedule="linear", lr_decay_steps=4, lr_min=1e-4)
+    # 1e-3 - 0.9e-3 * k/4
+    assert [lr_at(hp, s) for s in range(7)] == pytest.approx([1e-3, 7.75e-4, 5.5e-4, 3.25e-4, 1e-4, 1e-4, 1e-4])
+
+
+def test_cosine_decay_after_warmup():
+    hp = sched(lr_schedule="cosine", lr_decay_steps=4, lr_min=1e-4, lr_warmup_steps=1)
+    half = 1e-4 + 0.9e-3 * (1 + math.cos(math.pi / 4)) / 2  # 8.682e-4
+    assert [lr_at(hp, s) for s in range(7)] == pytest.approx([5e-4, 1e-3, half, 5.5e-4, 1e-4 + 0.9e-3 * (1 - math.cos(math.pi / 4)) / 2, 1e-4, 1e-4])
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        lr_at(hp, -1)
+
+
+def test_config_rejects_a_decay_without_steps_and_a_floor_above_the_peak(monkeypatch):
+    monkeypatch.setenv("CLAWRL__PPO__LR_SCHEDULE", "cosine")
+    with pytest.raises(ConfigError, match="lr_decay_steps"):
+        load_settings()
+    monkeypatch.setenv("CLAWRL__PPO__LR_DECAY_STEPS", "8")
+    monkeypatch.setenv("CLAWRL__PPO__LR_MIN", "1")
+    with pytest.raises(ConfigError, match="lr_min"):
+        load_settings()
+    monkeypatch.setenv("CLAWRL__PPO__LR_MIN", "1e-6")
+    s = load_settings()
+    assert (s.ppo.lr_schedule, s.ppo.lr_decay_steps, s.ppo.lr_min) == ("cosine", 8, 1e-6)
+    assert PPOHyperParams.from_settings(s.ppo, seed=0).lr_decay_steps == 8
+
+
+def _samples(step: int) -> list[SampleRecord]:
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for i, r in enumerate((1.0, -1.0, 1.0, -1.0)):
+        out.append(SampleRecord(
+            sample_id=f"s{step}-{i}", turn_id=f"t{step}-{i}", session_id="sess", judge_config_hash="h",
+            method="grpo", prompt_ids=torch.randint(3, 5000, (4 + i,), generator=g).tolist(),
+            output_ids=torch.randint(3, 5000, (5,), generator=g).tolist(),
+            rollout_logprobs=[-10.8] * 5, reward=r, has_teacher=False, teacher_logprobs=None,
+            weight_version=str(step)))
+    return out
+
+
+def test_trainer_applies_the_schedule_per_version_across_a_restart(tiny_dir, tmp_path):
+    # linear 1e-3 -> 0 over 2 steps: v1 at 1e-3, v2 at 5e-4, v3 at 0 (the weights must not move)
+    hp = sched(lr_schedule="linear", lr_decay_steps=2, lr_min=0.0)
+    ckpts = tmp_path / "ckpt"
+    t = Trainer(base_model_dir=tiny_dir, checkpoints=ckpts, hp=hp, pad_id=2)
+    t.run("b1", _samples(1))
+    t.run("b2", _samples(2))
+    del t
+    t = Trainer(base_model_dir=tiny_dir, checkpoints=ckpts, hp=hp, pad_id=2)  # a restarted trainer
+    assert t.version == 2
+    t.run("b3", _samples(3))
+    lrs = [read_step_result(ckpts / f"v{v:06d}").metrics["lr"] for v in (1, 2, 3)]
+    assert lrs == pytest.approx([1e-3, 5e-4, 0.0])
+    w2, w3 = (load_file(str(ckpts / f"v{v:06d}" / "model.safetensors")) for v in (2, 3))
+    assert all(torch.equal(w2[k], w3[k]) for k in w2)  # lr 0 reached AdamW: no parameter moved
+    w1 = load_file(str(ckpts / "v000001" / "model.safetensors"))
+    assert any(not torch.equal(w1[k], w2[k]) for k in w1)  # lr 5e-4 did move them
