@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import orjson
+
 from clawrl.engine.types import (
     BadRequestError,
     Engine,
@@ -35,17 +37,7 @@ from clawrl.engine.types import (
 )
 from clawrl.gateway.adapters import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
 from clawrl.gateway.metrics import GatewayMetrics
-from clawrl.gateway.schemas import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    ChatMessage,
-    Choice,
-    ChoiceLogprobs,
-    ResponseMessage,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-)
+from clawrl.gateway.schemas import ChatCompletionRequest
 from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session_id, validate_session_id
 from clawrl.samples import NextStateRecord, TurnRecord, TurnType, utcnow
 
@@ -133,7 +125,9 @@ class ChatService:
         self._decode = lru_cache(maxsize=65536)(lambda tid: tokenizer.decode([tid]))
 
     # --------------------------------------------------------------------------- public API
-    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> ChatCompletion:
+    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> dict[str, Any]:
+        """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
+        response is serialized once, with orjson, on the gateway's hot path)."""
         turn = self._prepare(req, ctx)
         async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
             self._link_next_state(turn)
@@ -141,18 +135,20 @@ class ChatService:
             parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
             finish = _finish_reason(result, parsed)
             index = self._record(turn, result, parsed, finish)
-        return ChatCompletion(
-            id=f"chatcmpl-{turn.gen.rid}", created=int(time.time()), model=self.options.served_model_name,
-            choices=[Choice(
-                message=ResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls or None),
-                logprobs=self._logprobs(result, 0, len(result.output_ids), req) if req.logprobs else None,
-                finish_reason=finish,
-            )],
-            usage=Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                        total_tokens=result.prompt_tokens + result.completion_tokens),
-            session_id=turn.session_id, turn_type=turn.turn_type, turn_index=index,
-            weight_version=result.weight_version,
-        )
+        return {
+            "id": f"chatcmpl-{turn.gen.rid}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.options.served_model_name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None},
+                "logprobs": self._logprobs(result, 0, len(result.output_ids), req) if req.logprobs else None,
+                "finish_reason": finish,
+            }],
+            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                      "total_tokens": result.prompt_tokens + result.completion_tokens},
+            "session_id": turn.session_id, "turn_type": turn.turn_type, "turn_index": index,
+            "weight_version": result.weight_version,
+        }
 
     async def stream(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, str], AsyncIterator[str]]:
         """Headers to send and an async iterator of SSE lines. Validation errors raise before any byte."""
@@ -229,7 +225,8 @@ class ChatService:
     async def _generate(self, gen: GenerateRequest) -> GenerateResult:
         t0 = time.perf_counter()
         try:
-            result = await asyncio.wait_for(self._engine_call(gen), self.options.engine_timeout_s)
+            async with asyncio.timeout(self.options.engine_timeout_s):  # no extra task, unlike wait_for
+                result = await self._engine_call(gen)
         except (asyncio.TimeoutError, EngineTimeoutError):
             raise GatewayError(504, f"engine did not answer within {self.options.engine_timeout_s:g} s",
                                "engine_timeout") from None
@@ -266,9 +263,9 @@ class ChatService:
             namespace=state.namespace,
             model=self.options.served_model_name,
             weight_version=result.weight_version,
-            request_messages=json.dumps(turn.messages),
+            request_messages=_json(turn.messages),
             request_tools=turn.tools_json,
-            request_params=json.dumps(turn.gen.sampling_params.to_dict()),
+            request_params=_json(turn.gen.sampling_params.to_dict()),
             prompt_ids=list(turn.prompt_ids),
             output_ids=list(result.output_ids),
             rollout_logprobs=list(result.output_logprobs or []),
@@ -278,7 +275,7 @@ class ChatService:
             created_at=turn.created_at,
             completed_at=utcnow(),
             latency_ms=(time.perf_counter() - turn.t0) * 1000.0,
-            weight_versions=json.dumps(result.weight_versions or []),
+            weight_versions=_json(result.weight_versions or []),
         )
         if len(rec.rollout_logprobs) != len(rec.output_ids):
             # Never record a turn whose log-probs do not align with its tokens (the reference pads).
@@ -334,7 +331,8 @@ class ChatService:
         for r in batch:
             self.metrics.next_states.labels(r.reason).inc()
 
-    def _logprobs(self, result: GenerateResult, start: int, end: int, req: ChatCompletionRequest) -> ChoiceLogprobs:
+    def _logprobs(self, result: GenerateResult, start: int, end: int, req: ChatCompletionRequest) -> dict[str, Any]:
+        """schemas.ChoiceLogprobs as a dict: {"content": [{token, logprob, bytes, top_logprobs}]}."""
         ids = result.output_ids
         if result.finish_reason and result.finish_reason.get("type") == "stop" and isinstance(
             result.finish_reason.get("matched"), int
@@ -342,13 +340,14 @@ class ChatService:
             end -= 1  # the EOS/stop token is recorded for training but not shown, as OpenAI does
         lps = result.output_logprobs or []
         tops = result.output_top_logprobs
+        n_top = req.top_logprobs or 0
         out = []
         for i in range(start, max(start, end)):
             tok = self._decode(ids[i])
-            top = [TopLogprob(token=self._decode(t), logprob=lp, bytes=list(self._decode(t).encode()))
-                   for lp, t in (tops[i] if tops and i < len(tops) else [])][: req.top_logprobs or 0]
-            out.append(TokenLogprob(token=tok, logprob=lps[i], bytes=list(tok.encode()), top_logprobs=top))
-        return ChoiceLogprobs(content=out)
+            top = [{"token": (t_tok := self._decode(t)), "logprob": lp, "bytes": list(t_tok.encode())}
+                   for lp, t in (tops[i] if tops and i < len(tops) else [])][:n_top]
+            out.append({"token": tok, "logprob": lps[i], "bytes": list(tok.encode()), "top_logprobs": top})
+        return {"content": out}
 
     async def _stream_events(self, req: ChatCompletionRequest, turn: _Turn) -> AsyncIterator[str]:
         created, cid, model = int(time.time()), f"chatcmpl-{turn.gen.rid}", self.options.served_model_name
@@ -358,7 +357,7 @@ class ChatService:
             body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
                     **extras, **more}
-            return f"data: {json.dumps(body)}\n\n"
+            return f"data: {orjson.dumps(body).decode()}\n\n"
 
         holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
         async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
@@ -380,7 +379,7 @@ class ChatService:
                         safe -= 1
                     lp = None
                     if req.logprobs and len(result.output_ids) > sent_tokens:
-                        lp = self._logprobs(result, sent_tokens, len(result.output_ids), req).model_dump()
+                        lp = self._logprobs(result, sent_tokens, len(result.output_ids), req)
                         sent_tokens = len(result.output_ids)
                     if not tool_mode and safe > sent_chars:
                         yield chunk({"content": text[sent_chars:safe]}, logprobs=lp)
@@ -395,7 +394,7 @@ class ChatService:
                 self._record(turn, result, parsed, finish)  # durable before the client sees the end
                 lp = None
                 if req.logprobs and len(result.output_ids) > sent_tokens:
-                    lp = self._logprobs(result, sent_tokens, len(result.output_ids), req).model_dump()
+                    lp = self._logprobs(result, sent_tokens, len(result.output_ids), req)
                 visible = (parsed.content or "") if parsed.tool_calls else result.text
                 delta: dict[str, Any] = {}
                 if len(visible) > sent_chars:
@@ -429,6 +428,15 @@ class ChatService:
         self.metrics.pending_turns.set(self.tracker.pending_turns)
         self.metrics.open_sessions.set(len(self.tracker))
         return len(records)
+
+
+def _json(value: Any) -> str:
+    """Compact JSON text for a log column (orjson: UTF-8 kept, about 5x faster than json.dumps);
+    json for what orjson refuses (an integer beyond 64 bits in a client's message parts)."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _finish_reason(result: GenerateResult, parsed: ParsedOutput) -> str:

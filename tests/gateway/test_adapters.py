@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from clawrl.gateway.adapters import ChatAdapter
+from clawrl.gateway.adapters import ChatAdapter, SegmentEncoder
 from clawrl.gateway.schemas import ChatMessage, ToolDef
 from clawrl.models import load_tokenizer
 
@@ -24,6 +24,47 @@ def test_render_matches_the_tokenizers_own_template(adapter):
         add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ids == list(expected)
     assert adapter.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def _random_text(rng, specials):
+    alphabet = ["a", "b", " ", "  ", "\n", "\n\n", "\t", "é", "日本", "1", "23", "'s", "!", "<", ">", "|", "im", "_"]
+    return "".join(rng.choice(specials) if rng.random() < 0.1 else rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3"])
+def test_piecewise_encoding_equals_the_tokenizers_own(model, tiny_dir, tiny_qwen3_dir):
+    backend = load_tokenizer(tiny_dir if model == "tiny" else tiny_qwen3_dir).backend_tokenizer
+    enc = SegmentEncoder(backend)
+    specials = [t.content for t in backend.get_added_tokens_decoder().values()]
+    rng = __import__("random").Random(0)
+    texts = [_random_text(rng, specials) for _ in range(400)]
+    for text in texts + texts:  # cold, then from the cache
+        assert enc.encode(text) == backend.encode(text, add_special_tokens=False).ids, repr(text)
+    assert enc.encode("") == []
+    assert enc.encode("<|im_start|><|im_end|>") == backend.encode("<|im_start|><|im_end|>", add_special_tokens=False).ids
+
+
+def test_piece_cache_is_bounded_by_characters(tiny_dir):
+    enc = SegmentEncoder(load_tokenizer(tiny_dir).backend_tokenizer, max_cached_chars=100)
+    for i in range(50):
+        enc.encode(f"<|im_start|>user\nquestion number {i:04d}<|im_end|>")  # pieces of 25 and 1 chars
+    assert enc._chars <= 100 and enc._chars == sum(len(k) for k in enc._cache)
+    assert "user\nquestion number 0049" in enc._cache and "user\nquestion number 0000" not in enc._cache
+    enc.encode("x" * 60)  # over a quarter of the budget: encoded, never cached
+    assert "x" * 60 not in enc._cache
+
+
+def test_a_long_conversation_renders_exactly_with_the_piece_cache(adapter):
+    assert adapter._fast is not None and adapter._fast.segments is not None  # SmolLM2's tokenizer qualifies
+    msgs, dicts = [ChatMessage(role="system", content="be brief")], [{"role": "system", "content": "be brief"}]
+    for turn in range(12):
+        for role, text in (("user", f"step {turn}: {'lorem ipsum ' * turn}?"), ("assistant", f" answer {turn}\n")):
+            msgs.append(ChatMessage(role=role, content=text))
+            dicts.append({"role": role, "content": text})
+        expected = adapter.tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False)
+        assert adapter.render(msgs) == list(expected)
+    assert "user\nstep 0: ?" in adapter._fast.segments._cache  # history pieces are reused, not re-encoded
 
 
 def test_developer_role_renders_as_system_and_text_parts_join(adapter):
