@@ -21,7 +21,11 @@ from typing import Any
 
 import httpx
 
-PROMPT = [{"role": "user", "content": "Say something short."}]
+
+def _prompts(n: int) -> list[list[dict[str, str]]]:
+    """Distinct user messages of one shape: the gateway caches the encoding of conversation pieces
+    it has seen (history), so repeating one message would hide the cost of encoding a new one."""
+    return [[{"role": "user", "content": f"Say something short, request {i:05d}."}] for i in range(n)]
 
 
 def _free_port() -> int:
@@ -66,20 +70,27 @@ async def _closed_loop(send, n: int, concurrency: int) -> list[float]:
     return lat
 
 
-async def _measure(engine_url: str, gateway_url: str, prompt_ids: list[int], concurrency: int, n: int,
-                   max_tokens: int) -> dict[str, Any]:
+async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[dict[str, str]], list[int]]],
+                   concurrency: int, n: int, max_tokens: int) -> dict[str, Any]:
+    """``prompts``: (messages, the ids the gateway renders them to), used in turn by both paths."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        direct_body = {"input_ids": prompt_ids, "return_logprob": True,
-                       "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
-        gateway_body = {"messages": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "turn_type": "side"}
+    counters = {"direct": 0, "gateway": 0}
 
+    def next_prompt(path: str) -> tuple[list[dict[str, str]], list[int]]:
+        counters[path] += 1
+        return prompts[counters[path] % len(prompts)]
+
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         async def direct():
-            r = await client.post(engine_url + "/generate", json=direct_body)
+            body = {"input_ids": next_prompt("direct")[1], "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
+            r = await client.post(engine_url + "/generate", json=body)
             r.raise_for_status()
 
         async def via_gateway():
-            r = await client.post(gateway_url + "/v1/chat/completions", json=gateway_body)
+            body = {"messages": next_prompt("gateway")[0], "max_tokens": max_tokens, "temperature": 0.0,
+                    "turn_type": "side"}
+            r = await client.post(gateway_url + "/v1/chat/completions", json=body)
             r.raise_for_status()
 
         for send in (direct, via_gateway):  # warm up connections and code paths
@@ -129,7 +140,8 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 400,
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir("tiny", model_cache))
-    prompt_ids = list(tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
+    prompts = [(m, list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)))
+               for m in _prompts(4 * n)]
     root = Path(tempfile.mkdtemp(prefix="clawrl-gwbench-"))
     eport, gport = _free_port(), _free_port()
     base_env = {**os.environ, "CLAWRL__MODEL__NAME": "tiny", "CLAWRL__STORAGE__MODEL_CACHE": str(model_cache),
@@ -143,7 +155,7 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 400,
             gateway = _start(["serve", "--port", str(gport)], {**base_env, **extra}, f"http://127.0.0.1:{gport}/healthz")
             try:
                 for c in concurrencies:
-                    row = asyncio.run(_measure(f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}", prompt_ids,
+                    row = asyncio.run(_measure(f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}", prompts,
                                                c, n, max_tokens))
                     rows.append({"engine": topology, **row, "load_1m": load_average()})
             finally:
@@ -151,7 +163,7 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 400,
     finally:
         _stop(engine)
     append = run_append_bench(append_turns)
-    return {"latency": rows, "append": append, "max_tokens": max_tokens}
+    return {"latency": rows, "append": append, "max_tokens": max_tokens, "data_root": str(root / "data")}
 
 
 def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
@@ -164,8 +176,9 @@ def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
         "## Gateway overhead and session-log append rate",
         "",
         machine_line,
-        f"Tiny model, greedy, {result['max_tokens']} new tokens. The direct call is `/generate` on `clawrl engine`",
-        "(the embedded engine over HTTP) with the prompt ids the gateway renders; `clawrl serve` runs either with",
+        f"Tiny model, greedy, {result['max_tokens']} new tokens, a distinct user message per request (so the",
+        "gateway's cache of conversation pieces does not hide the encoding cost). The direct call is `/generate` on",
+        "`clawrl engine` (the embedded engine over HTTP) with the prompt ids the gateway renders; `clawrl serve` runs either with",
         "its own in-process embedded engine (`engine` = embedded, the default) or in front of that `clawrl engine`",
         "(`engine` = http, as in front of SGLang). Each is a separate process; the client is a third, and the two",
         "paths alternate in blocks so load drift hits both. `added_*` = gateway percentile - direct percentile.",

@@ -1,0 +1,33 @@
+"""`clawrl bench gateway` end to end at toy sizes: both topologies measured, every gateway request
+recorded in the session log (speed is reported in docs/benchmarks.md, never asserted here)."""
+
+from __future__ import annotations
+
+from clawrl.bench.gateway import _prompts, run_gateway_bench
+from storage.catalog import open_catalog
+
+
+def test_prompts_are_distinct_and_of_one_shape():
+    ps = _prompts(50)
+    texts = [p[0]["content"] for p in ps]
+    assert len(set(texts)) == 50 and len({len(t) for t in texts}) == 1
+
+
+def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cache):
+    result = run_gateway_bench(model_cache=model_cache, concurrencies=(1, 4), n=8, max_tokens=4, append_turns=2000)
+    rows = result["latency"]
+    assert [(r["engine"], r["concurrency"]) for r in rows] == [("embedded", 1), ("embedded", 4), ("http", 1), ("http", 4)]
+    for r in rows:
+        assert r["requests"] == 8
+        assert 0 < r["direct_p50_ms"] <= r["direct_p99_ms"] and 0 < r["gateway_p50_ms"] <= r["gateway_p99_ms"]
+        assert abs(r["added_p50_ms"] - (r["gateway_p50_ms"] - r["direct_p50_ms"])) < 1e-9
+    con = open_catalog(result["data_root"])
+    try:
+        n, types, distinct = con.execute(
+            "select count(*), count(distinct turn_type), count(distinct request_messages) from turns").fetchone()
+    finally:
+        con.close()
+    # per topology and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
+    assert n == 2 * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
+    assert distinct >= 16  # distinct user messages, not one repeated prompt
+    assert result["append"]["rows_in_duckdb"] == 2000
