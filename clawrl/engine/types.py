@@ -8,10 +8,11 @@ from SGLang's JSON with :meth:`GenerateRequest.from_sglang` / :meth:`GenerateRes
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from clawrl.ids import new_id
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -141,7 +142,7 @@ class GenerateRequest:
     logprob_start_len: int = -1  # first prompt position to score; -1 = no prompt logprobs
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    rid: str = field(default_factory=new_id)
     stream: bool = False
 
     @classmethod

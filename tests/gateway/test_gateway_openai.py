@@ -220,6 +220,18 @@ def test_errors_are_openai_shaped(gateway):
         assert "clawrl_request_latency_seconds_bucket" in metrics and "clawrl_pending_turns" in metrics
         health = httpx.get(gw.url + "/healthz").json()
         assert health["status"] == "ok" and health["weight_version"] == "0"
+        # the gauges are read at scrape time and agree with /healthz: two more main turns in new
+        # sessions each leave one turn waiting for its next state; a side turn leaves none
+        for sid, kind in (("g-a", "main"), ("g-b", "main"), ("g-c", "side")):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "y"}], max_tokens=2,
+                                           extra_headers={"X-Session-Id": sid, "X-Turn-Type": kind})
+        health2 = httpx.get(gw.url + "/healthz").json()
+        assert health2["pending_turns"] == health["pending_turns"] + 2
+        assert health2["open_sessions"] == health["open_sessions"] + 3
+        gauges = dict(line.split(" ") for line in httpx.get(gw.url + "/metrics").text.splitlines()
+                      if line.startswith(("clawrl_pending_turns ", "clawrl_open_sessions ")))
+        assert float(gauges["clawrl_pending_turns"]) == health2["pending_turns"]
+        assert float(gauges["clawrl_open_sessions"]) == health2["open_sessions"]
 
 
 def test_api_keys_and_namespaces(gateway, monkeypatch):
