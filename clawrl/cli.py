@@ -601,6 +601,7 @@ def demo(
     model: Annotated[Optional[str], typer.Option(help="Model (default from the config).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,
     heldout: Annotated[int, typer.Option(help="Held-out questions scored after every step.")] = 24,
+    eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     import datetime as dt
@@ -642,7 +643,8 @@ def demo(
     console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {root}", markup=False)
     try:
         out = learning_loop(config_path=str(run_conf), gateway_url=gw.url, steps=steps, users=users,
-                            persona=persona, max_tokens=max_tokens, seed=seed, heldout=heldout)
+                            persona=persona, max_tokens=max_tokens, seed=seed, heldout=heldout,
+                            eval_samples=eval_samples)
     finally:
         gw.stop()
         runtime.unregister(POLICY_ENGINE)

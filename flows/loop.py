@@ -9,6 +9,7 @@ rate, and the KL to the initial model). The curve is plotted and logged to MLflo
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -57,12 +58,14 @@ def simulate_users(config_path: str | None, gateway_url: str, step: int, persona
 
 @task(cache_policy=NO_CACHE, task_run_name="evaluate-v{step}")
 def evaluate_policy(config_path: str | None, gateway_url: str, step: int, persona_name: str, max_tokens: int,
-                    seed: int, heldout: int) -> dict[str, Any]:
-    """Held-out questions as side turns (never trained on), fixed seeds, at the serving temperature -
-    the answers users get. The KL to the initial model is measured on those answers: both the
-    served and the initial weights score the sampled tokens (prompt scoring, temperature 1)."""
+                    seed: int, heldout: int, samples: int = 1) -> dict[str, Any]:
+    """Held-out questions as side turns (never trained on), ``samples`` answers to each with fixed
+    distinct seeds, at the serving temperature - the answers users get. The KL to the initial model
+    is measured on those answers: both the served and the initial weights score the sampled tokens
+    (prompt scoring, temperature 1; all turns in flight together, so the engines batch them)."""
     s = load_flow_settings(config_path)
-    _, questions = split_questions(n_heldout=heldout, seed=seed)
+    _, held = split_questions(n_heldout=heldout, seed=seed)
+    questions = held * samples  # answer i is to question i % heldout, with seed base + i
     persona = get_persona(persona_name)
     round_id = f"eval{step:03d}"
 
@@ -85,7 +88,8 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
     policy = runtime.lookup(POLICY_ENGINE)
 
     async def score_with(engine):
-        return [await compute_teacher_logprobs(engine, t["prompt_ids"], t["output_ids"]) for t in turns]
+        return list(await asyncio.gather(*(compute_teacher_logprobs(engine, t["prompt_ids"], t["output_ids"])
+                                           for t in turns)))
 
     ref_lps = runtime.run(score_with(ref))
     pol_lps = runtime.run(score_with(policy)) if policy is not None else [t["rollout_logprobs"] for t in turns]
@@ -114,17 +118,18 @@ def report_curve(config_path: str | None, rows: list[dict[str, Any]], persona_na
 
 @flow(name="learning-loop", log_prints=True)
 def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
-                  persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24) -> dict[str, Any]:
+                  persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24,
+                  eval_samples: int = 1) -> dict[str, Any]:
     log = get_run_logger()
     s = load_flow_settings(config_path)
-    rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout)]
+    rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout, eval_samples)]
     log.info("base model: score %.3f, on-topic %.3f, persona %.3f", rows[0]["score"], rows[0]["on_topic_rate"],
              rows[0]["persona_rate"])
     for step in range(1, steps + 1):
         rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout)
         judged = judge_flow(config_path=config_path)
         trained = train_flow(config_path=config_path, max_steps=1)
-        row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout)
+        row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples)
         row["train_reactions"] = rounds["reactions"]
         row["samples"] = judged["fates"].get("sample", 0)
         if trained["steps"]:
@@ -135,7 +140,7 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
               f"persona {row['persona_rate']:.3f}  KL {row['kl']:.4f}  words {row['mean_words']:.1f}  "
               f"(served v{row['weight_version']})")
     params = {"persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens, "seed": seed,
-              "heldout": heldout,
+              "heldout": heldout, "eval_samples": eval_samples,
               "model": s.model.name, "method": s.ppo.advantage_estimator.value, "lr": s.ppo.lr,
               "kl_coef": s.ppo.kl_coef, "rollout_batch_size": s.ppo.rollout_batch_size,
               "temperature": s.ppo.temperature}

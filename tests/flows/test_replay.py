@@ -33,11 +33,13 @@ def _samples(s, n, rng):
 
 @pytest.fixture
 def trained_loop(prefect_harness, make_settings, tmp_path):
-    """Three PPO steps of 3 samples each (kl on, combine), trained through the train flow."""
+    """Three PPO steps of 3 samples each (kl on, combine, a linearly decaying lr), trained through
+    the train flow."""
     from flows.train import train_flow
 
     s = make_settings({"ppo.rollout_batch_size": 3, "ppo.lr": 1e-3, "ppo.kl_coef": 0.05, "ppo.micro_batch_size": 2,
-                       "ppo.max_staleness": 10})
+                       "ppo.max_staleness": 10, "ppo.lr_schedule": "linear", "ppo.lr_decay_steps": 3,
+                       "ppo.lr_min": 1e-4})
     conf = tmp_path / "loop.toml"
     conf.write_text(dump_toml(s))
     rng = random.Random(3)
@@ -56,6 +58,10 @@ def test_replay_reproduces_checkpoint_bytes(trained_loop):
     assert report["exact"] and report["identical"] is True
     originals = [r["sha256"] for r in run_query(s.storage.data_root, "select sha256 from checkpoints order by step").to_pylist()]
     assert [st["replay_sha256"] for st in report["steps"]] == originals
+    from clawrl.train.trainer import read_step_result
+
+    lrs = [read_step_result(s.storage.data_root / "checkpoints" / f"v{v:06d}").metrics["lr"] for v in (1, 2, 3)]
+    assert lrs == pytest.approx([1e-3, 7e-4, 4e-4])  # 1e-3 - 9e-4 * k/3: the schedule the replay re-ran
     replay_run = client(s.storage.data_root).get_run(report["mlflow_run_id"])
     assert replay_run.data.tags["kind"] == "exact" and replay_run.data.tags["identical"] == "True"
     assert replay_run.data.tags["replay_of_run"] == report["steps"][-1]["original_run_id"]
@@ -91,8 +97,17 @@ def test_counterfactual_replay_with_another_learning_rate(trained_loop):
     from flows.replay import replay_flow
 
     s, conf = trained_loop
-    report = replay_flow(config_path=str(conf), version="2", set_overrides=["ppo.lr=1e-5"])
-    assert report["overrides"] == {"ppo.lr": 1e-5} and report["identical"] is None
+    report = replay_flow(config_path=str(conf), version="2", set_overrides=["ppo.lr=5e-4"])
+    assert report["overrides"] == {"ppo.lr": 5e-4} and report["identical"] is None
     assert len(report["steps"]) == 2 and all(st["replay_sha256"] for st in report["steps"])
     run = client(s.storage.data_root).get_run(report["mlflow_run_id"])
-    assert run.data.params["set.ppo.lr"] == "1e-05" and run.data.tags["kind"] == "counterfactual"
+    assert run.data.params["set.ppo.lr"] == "0.0005" and run.data.tags["kind"] == "counterfactual"
+
+
+def test_counterfactual_that_breaks_the_config_is_refused_by_name(trained_loop):
+    from clawrl.config import ConfigError
+    from flows.replay import replay_flow
+
+    _, conf = trained_loop
+    with pytest.raises(ConfigError, match="lr_min"):  # lr below the schedule's floor
+        replay_flow(config_path=str(conf), version="2", set_overrides=["ppo.lr=1e-5"])
