@@ -55,6 +55,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used so far (Linux /proc; 0 elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat)
+    return total
+
+
 async def _closed_loop(send, n: int, concurrency: int) -> list[float]:
     lat: list[float] = []
     queue = list(range(n))
@@ -71,8 +84,9 @@ async def _closed_loop(send, n: int, concurrency: int) -> list[float]:
 
 
 async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[dict[str, str]], list[int]]],
-                   concurrency: int, n: int, max_tokens: int) -> dict[str, Any]:
-    """``prompts``: (messages, the ids the gateway renders them to), used in turn by both paths."""
+                   concurrency: int, n: int, max_tokens: int, pids: list[int] | None = None) -> dict[str, Any]:
+    """``prompts``: (messages, the ids the gateway renders them to), used in turn by both paths.
+    ``pids``: the server processes (engine, gateway) whose CPU time each path is charged."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     counters = {"direct": 0, "gateway": 0}
 
@@ -97,9 +111,12 @@ async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[d
             await _closed_loop(send, 2 * concurrency, concurrency)
         # interleave the two so drifting machine load hits both alike
         d_lat, g_lat = [], []
+        cpu = {"direct": 0.0, "gateway": 0.0}
         for _ in range(4):
-            d_lat += await _closed_loop(direct, n // 4, concurrency)
-            g_lat += await _closed_loop(via_gateway, n // 4, concurrency)
+            for name, send, lat in (("direct", direct, d_lat), ("gateway", via_gateway, g_lat)):
+                c0 = _cpu_s(pids or [])
+                lat += await _closed_loop(send, n // 4, concurrency)
+                cpu[name] += _cpu_s(pids or []) - c0
     row: dict[str, Any] = {"concurrency": concurrency, "requests": len(g_lat)}
     for name, lat in (("direct", d_lat), ("gateway", g_lat)):
         row[f"{name}_p50_ms"] = 1000 * _pct(lat, 0.50)
@@ -107,6 +124,10 @@ async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[d
     row["added_p50_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
     row["added_p99_ms"] = row["gateway_p99_ms"] - row["direct_p99_ms"]
     row["added_mean_ms"] = 1000 * (statistics.mean(g_lat) - statistics.mean(d_lat))
+    if pids:  # server CPU per request, both processes: robust where latency at 16 is CPU-bound and noisy
+        row["direct_cpu_us"] = 1e6 * cpu["direct"] / len(d_lat)
+        row["gateway_cpu_us"] = 1e6 * cpu["gateway"] / len(g_lat)
+        row["added_cpu_us"] = row["gateway_cpu_us"] - row["direct_cpu_us"]
     return row
 
 
@@ -156,7 +177,7 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 400,
             try:
                 for c in concurrencies:
                     row = asyncio.run(_measure(f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}", prompts,
-                                               c, n, max_tokens))
+                                               c, n, max_tokens, pids=[engine.pid, gateway.pid]))
                     rows.append({"engine": topology, **row, "load_1m": load_average()})
             finally:
                 _stop(gateway)
@@ -170,7 +191,7 @@ def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
     from clawrl.bench.report import markdown_table
 
     cols = ["engine", "concurrency", "requests", "direct_p50_ms", "gateway_p50_ms", "added_p50_ms", "direct_p99_ms",
-            "gateway_p99_ms", "added_p99_ms", "added_mean_ms", "load_1m"]
+            "gateway_p99_ms", "added_p99_ms", "added_mean_ms", "added_cpu_us", "load_1m"]
     a = result["append"]
     lines = [
         "## Gateway overhead and session-log append rate",

@@ -21,6 +21,9 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
         assert r["requests"] == 8
         assert 0 < r["direct_p50_ms"] <= r["direct_p99_ms"] and 0 < r["gateway_p50_ms"] <= r["gateway_p99_ms"]
         assert abs(r["added_p50_ms"] - (r["gateway_p50_ms"] - r["direct_p50_ms"])) < 1e-9
+        # CPU time of the two server processes, per request (10 ms clock ticks over 8 requests: coarse)
+        assert r["gateway_cpu_us"] >= 0 and r["direct_cpu_us"] >= 0 and r["gateway_cpu_us"] + r["direct_cpu_us"] > 0
+        assert abs(r["added_cpu_us"] - (r["gateway_cpu_us"] - r["direct_cpu_us"])) < 1e-6
     con = open_catalog(result["data_root"])
     try:
         n, types, distinct = con.execute(
