@@ -74,7 +74,29 @@ def unregister(name: str) -> Any | None:
         return _objects.pop(name, None)
 
 
+def close_registered(timeout_s: float = 5.0) -> None:
+    """Await ``close()`` of every registered object that has an async one (HTTP clients of judges,
+    engines), on the background loop, then forget them all. Errors are swallowed: this runs at
+    interpreter exit, when nothing can be done about them."""
+    with _lock:
+        objects = list(_objects.values())
+        _objects.clear()
+    loop = _loop
+    closers = [obj.close for obj in objects if asyncio.iscoroutinefunction(getattr(obj, "close", None))]
+    if not closers or loop is None or not loop.is_running():
+        return
+
+    async def close_all() -> None:
+        await asyncio.gather(*(close() for close in closers), return_exceptions=True)
+
+    try:
+        asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout_s)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
 def _shutdown() -> None:  # pragma: no cover - interpreter exit
+    close_registered()
     loop = _loop
     if loop is not None and loop.is_running():
         loop.call_soon_threadsafe(loop.stop)

@@ -3,6 +3,11 @@
 Talks to a real SGLang server (0.5.23 semantics, degrading to 0.5.15 as in shared/ref/sglang.md
 §9) or to ``clawrl engine`` (clawrl/engine/server.py), which answers the same contract.
 
+Transport: ``/generate`` (the hot path, one call per served turn) goes through aiohttp; everything
+else through httpx. httpx's connection pool re-checks every pooled connection (a poll and a
+getpeername system call each) whenever a request starts or ends, which with 16 requests in flight
+cost the gateway ~2 ms of CPU per turn (docs/benchmarks.md, gateway overhead).
+
 Error mapping: HTTP 400 in any of SGLang's three error shapes -> :class:`BadRequestError` with the
 server's message; connection failures, timeouts, 5xx and other unexpected statuses ->
 :class:`EngineError` (:class:`EngineTimeoutError` for timeouts) whose message names the URL and
@@ -18,7 +23,9 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import aiohttp
 import httpx
+import orjson
 
 from clawrl.engine.types import (
     BadRequestError,
@@ -37,10 +44,16 @@ def parse_error_message(resp: httpx.Response) -> str:
     """The human message of an SGLang error body, whichever of its shapes (ref §1) it uses:
     ``{"error": "..."}``, ``{"error": {"message": ...}}``, ``{"object": "error", "message": ...}``,
     ``{"success": false, "message": ...}`` or plain text (``/flush_cache``)."""
+    return error_message(resp.status_code, resp.content)
+
+
+def error_message(status: int, content: bytes) -> str:
+    """:func:`parse_error_message` for a status and raw body."""
+    text = content.decode("utf-8", "replace")
     try:
-        body = resp.json()
+        body = json.loads(text)
     except ValueError:
-        return resp.text.strip() or f"HTTP {resp.status_code}"
+        return text.strip() or f"HTTP {status}"
     if isinstance(body, Mapping):
         err = body.get("error")
         if isinstance(err, str):
@@ -51,7 +64,7 @@ def parse_error_message(resp: httpx.Response) -> str:
             return str(body["message"])
         if body.get("detail") is not None:  # a plain FastAPI HTTPException (e.g. a proxy in between)
             return str(body["detail"])
-    return resp.text.strip() or f"HTTP {resp.status_code}"
+    return text.strip() or f"HTTP {status}"
 
 
 def _connect_failure_reason(e: BaseException) -> str:
@@ -62,6 +75,36 @@ def _connect_failure_reason(e: BaseException) -> str:
             return "connection refused"
         seen = seen.__cause__ or seen.__context__
     return str(e) or type(e).__name__
+
+
+class _Generate:
+    """``async with``: one POST /generate through aiohttp; the response once it is 2xx, else the
+    mapped error (400 -> BadRequestError, others -> EngineError naming the URL and status)."""
+
+    def __init__(self, client: SGLangClient, session: aiohttp.ClientSession, body: bytes):
+        self.client, self.session, self.body = client, session, body
+        self.resp: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        c = self.client
+        try:
+            self.resp = await self.session.post(c.base_url + "/generate", data=self.body, headers=c._aio_headers)
+            if self.resp.status >= 300:
+                content = await self.resp.read()
+                msg = error_message(self.resp.status, content)
+                self.resp.release()
+                if self.resp.status == 400:
+                    raise BadRequestError(msg)
+                raise EngineError(f"engine at {c.base_url} answered HTTP {self.resp.status} on POST /generate: {msg}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if self.resp is not None:
+                self.resp.release()
+            raise c._aio_error(e) from e
+        return self.resp
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.resp is not None:
+            self.resp.release()
 
 
 class SGLangClient:
@@ -87,6 +130,8 @@ class SGLangClient:
         self.flush_retries = flush_retries
         self.flush_retry_interval_s = flush_retry_interval_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._aio_headers = {**headers, "Content-Type": "application/json"}
+        self._aio: aiohttp.ClientSession | None = None  # made on first use, inside the caller's event loop
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=timeout_s,
@@ -142,7 +187,16 @@ class SGLangClient:
         return body
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        data = self._json(await self._request("POST", "/generate", self._generate_body(req, stream=False)))
+        async with self._post_generate(req, stream=False) as resp:
+            try:
+                content = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise self._aio_error(e) from e
+        try:
+            data = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            raise EngineError(f"engine at {self.base_url} answered POST /generate with non-JSON: "
+                              f"{content[:200].decode('utf-8', 'replace')!r}") from None
         if not isinstance(data, Mapping):
             raise EngineError(f"engine at {self.base_url}: /generate answered a {type(data).__name__}, "
                               f"expected an object")
@@ -153,32 +207,58 @@ class SGLangClient:
 
         A mid-stream ``data: {"error": ...}`` event raises BadRequestError (code 400) or EngineError.
         """
-        method, path = "POST", "/generate"
         last: GenerateResult | None = None
-        try:
-            async with self._http.stream(method, path, json=self._generate_body(req, stream=True)) as resp:
-                if not resp.is_success:
-                    await resp.aread()
-                    raise self._status_error(resp, method, path)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank separators, comments, keep-alives
-                    payload = line[len("data:"):].strip()
-                    if payload == "[DONE]":
-                        break
-                    try:
-                        event = json.loads(payload)
-                    except ValueError:
-                        raise EngineError(f"engine at {self.base_url} sent a malformed stream event: "
-                                          f"{payload[:200]!r}") from None
-                    if "error" in event:
-                        raise self._stream_error(event["error"])
-                    last = GenerateResult.from_sglang(event)
-                    yield last
-        except httpx.HTTPError as e:
-            raise self._transport_error(e, method, path) from e
+        async with self._post_generate(req, stream=True) as resp:
+            async for line in self._lines(resp):
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments, keep-alives
+                payload = line[len(b"data:"):].strip()
+                if payload == b"[DONE]":
+                    break
+                try:
+                    event = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    raise EngineError(f"engine at {self.base_url} sent a malformed stream event: "
+                                      f"{payload[:200].decode('utf-8', 'replace')!r}") from None
+                if "error" in event:
+                    raise self._stream_error(event["error"])
+                last = GenerateResult.from_sglang(event)
+                yield last
         if last is None or not last.finished:
             raise EngineError(f"engine at {self.base_url}: the stream of request {req.rid} ended before it finished")
+
+    def _post_generate(self, req: GenerateRequest, stream: bool) -> _Generate:
+        if self._aio is None or self._aio.closed:
+            self._aio = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60),
+            )
+        return _Generate(self, self._aio, orjson.dumps(self._generate_body(req, stream)))
+
+    async def _lines(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The body's lines, of any length (aiohttp's own line reader caps them at its buffer size,
+        and a stream event with the log-probs of a long answer can be larger)."""
+        buf = b""
+        try:
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    yield line.rstrip(b"\r")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise self._aio_error(e) from e
+        if buf:
+            yield buf
+
+    def _aio_error(self, e: BaseException) -> EngineError:
+        where = f"engine at {self.base_url}"
+        if isinstance(e, asyncio.TimeoutError):  # aiohttp's timeouts subclass it
+            return EngineTimeoutError(f"{where} timed out after {self.timeout_s:g} s on POST /generate")
+        if isinstance(e, aiohttp.ClientConnectorError):
+            os_error = getattr(e, "os_error", None)
+            reason = "connection refused" if isinstance(os_error, ConnectionRefusedError) else _connect_failure_reason(e)
+            return EngineError(f"{where} unreachable: {reason}")
+        return EngineError(f"{where} failed on POST /generate: {type(e).__name__}: {e}")
 
     def _stream_error(self, err: Any) -> Exception:
         if isinstance(err, Mapping):
@@ -316,6 +396,8 @@ class SGLangClient:
         return UpdateResult(result.success, result.message, now)
 
     async def close(self) -> None:
+        if self._aio is not None:
+            await self._aio.close()
         await self._http.aclose()
 
     async def __aenter__(self) -> SGLangClient:

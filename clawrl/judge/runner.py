@@ -52,6 +52,15 @@ class Judge:
             judge_config_hash=self.config_hash, judge_backend_name=self.backend_name,
         )
 
+    async def close(self) -> None:
+        """Close the HTTP clients this judge made (SGLang judge or teacher servers). In-process
+        engines are shared through the runtime registry and stay open."""
+        from clawrl.engine.sglang_client import SGLangClient
+
+        for client in {id(e): e for e in (getattr(self.backend, "engine", None), self.teacher)}.values():
+            if isinstance(client, SGLangClient):
+                await client.close()
+
 
 class RewardHookBackend:
     """Adapts a ``[hooks] reward`` function to the JudgeBackend protocol: its (score, hint) is

@@ -4,10 +4,14 @@ version-compatibility paths against scripted transports."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from clawrl.engine.sglang_client import SGLangClient, parse_error_message
 from clawrl.engine.types import (
@@ -34,6 +38,26 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(handler):
+    """A real HTTP server on 127.0.0.1 whose every POST /generate (and GET) answers ``handler``."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler if asyncio.iscoroutinefunction(handler)
+                         else _async(handler))
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+def _async(fn):
+    async def handler(request):
+        return fn(request)
+    return handler
 
 
 def test_client_implements_the_engine_protocol():
@@ -308,11 +332,11 @@ def scripted(handler) -> httpx.MockTransport:
 )
 def test_each_sglang_400_shape_becomes_bad_request(status, body, expected):
     async def main():
-        transport = scripted(lambda request: httpx.Response(status, json=body))
-        async with SGLangClient("http://sglang:30000", transport=transport) as client:
-            with pytest.raises(BadRequestError) as info:
-                await client.generate(GenerateRequest(input_ids=[1]))
-            return str(info.value)
+        async with scripted_server(lambda request: web.json_response(body, status=status)) as url:
+            async with SGLangClient(url) as client:
+                with pytest.raises(BadRequestError) as info:
+                    await client.generate(GenerateRequest(input_ids=[1]))
+                return str(info.value)
 
     assert run(main()) == expected
 
@@ -323,22 +347,75 @@ def test_parse_error_message_reads_plain_text():
 
 
 def test_5xx_and_timeout_become_engine_errors_naming_the_url():
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/model_info":
-            return httpx.Response(503, text="overloaded")
-        raise httpx.ReadTimeout("slow", request=request)
+    async def slow(request):
+        await asyncio.sleep(5)
+        return web.json_response({})
 
     async def main():
-        async with SGLangClient("http://sglang:30000/", timeout_s=3, transport=scripted(handler)) as client:
+        async with SGLangClient("http://sglang:30000/", transport=scripted(
+                lambda request: httpx.Response(503, text="overloaded"))) as client:
             with pytest.raises(EngineError) as e5:
                 await client.model_info()
-            with pytest.raises(EngineTimeoutError) as et:
-                await client.generate(GenerateRequest(input_ids=[1]))
-            return str(e5.value), str(et.value)
+        async with scripted_server(lambda request: web.Response(status=502, text="bad gateway")) as url:
+            async with SGLangClient(url) as client:
+                with pytest.raises(EngineError) as e502:
+                    await client.generate(GenerateRequest(input_ids=[1]))
+            m502 = str(e502.value).replace(url, "URL")
+        async with scripted_server(slow) as url:
+            async with SGLangClient(url + "/", timeout_s=1) as client:
+                with pytest.raises(EngineTimeoutError) as et:
+                    await client.generate(GenerateRequest(input_ids=[1]))
+            mt = str(et.value).replace(url, "URL")
+        return str(e5.value), m502, mt
 
-    e5, et = run(main())
+    e5, e502, et = run(main())
     assert e5 == "engine at http://sglang:30000 answered HTTP 503 on GET /model_info: overloaded"
-    assert et == "engine at http://sglang:30000 timed out after 3 s on POST /generate"
+    assert e502 == "engine at URL answered HTTP 502 on POST /generate: bad gateway"
+    assert et == "engine at URL timed out after 1 s on POST /generate"
+
+
+def test_generate_transport_failures_are_engine_errors():
+    async def main():
+        async with scripted_server(lambda request: web.Response(text="<html>proxy login</html>")) as url:
+            async with SGLangClient(url) as client:
+                with pytest.raises(EngineError, match="non-JSON: '<html>proxy login</html>'"):
+                    await client.generate(GenerateRequest(input_ids=[1]))
+        async with SGLangClient("http://127.0.0.1:1") as client:  # nothing listens on port 1
+            with pytest.raises(EngineError, match="unreachable: connection refused"):
+                await client.generate(GenerateRequest(input_ids=[1]))
+
+    run(main())
+
+
+def test_stream_reads_events_longer_than_aiohttps_line_buffer_and_mid_stream_errors():
+    # one event of ~200 KB (the log-probs of a long answer), then an error event
+    n = 12000
+    final = {"text": "x" * n, "output_ids": list(range(n)), "meta_info": {
+        "id": "r", "prompt_tokens": 1, "completion_tokens": n, "finish_reason": {"type": "length", "length": n},
+        "weight_version": "7"}}
+
+    async def stream(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        body = await request.json()
+        if body["sampling_params"].get("temperature") == 2.0:
+            await resp.write(b'data: {"error": {"message": "engine fell over", "code": 500}}\n\n')
+        else:
+            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    async def main():
+        async with scripted_server(stream) as url:
+            async with SGLangClient(url) as client:
+                results = [r async for r in client.generate_stream(GenerateRequest(input_ids=[1]))]
+                with pytest.raises(EngineError, match="failed mid-stream \\(code 500\\): engine fell over"):
+                    async for _ in client.generate_stream(GenerateRequest(
+                            input_ids=[1], sampling_params=SamplingParams(temperature=2.0))):
+                        pass
+        return results
+
+    [last] = run(main())
+    assert last.finished and len(last.output_ids) == n and last.weight_version == "7" and last.text == "x" * n
 
 
 def test_non_json_answer_is_an_engine_error():

@@ -1,0 +1,49 @@
+"""clawrl.runtime.close_registered: what exit does with the registry (HTTP clients closed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from clawrl import runtime
+
+
+class _Closable:
+    def __init__(self):
+        self.closed_on: asyncio.AbstractEventLoop | None = None
+
+    async def close(self):
+        self.closed_on = asyncio.get_running_loop()
+
+
+def test_close_registered_awaits_async_closes_on_the_background_loop_and_forgets_everything():
+    a, b, plain = _Closable(), _Closable(), object()
+    runtime.register("test-a", a)
+    runtime.register("test-b", b)
+    runtime.register("test-plain", plain)
+    loop = runtime.background_loop()
+    runtime.close_registered()
+    assert a.closed_on is loop and b.closed_on is loop
+    assert runtime.lookup("test-a") is None and runtime.lookup("test-plain") is None
+
+
+def test_a_judge_closes_the_sglang_clients_it_made():
+    from clawrl.engine.sglang_client import SGLangClient
+    from clawrl.judge.backends import EngineJudge
+    from clawrl.judge.runner import Judge
+
+    client = SGLangClient("http://127.0.0.1:1")
+    judge = Judge(backend=EngineJudge(client, tokenizer=None), backend_name="sglang", teacher=client,
+                  teacher_tokenizer=None, method="grpo", judge_samples=1, hint_samples=1, temperature=0.0,
+                  max_tokens=1, budget_chars=200, hint_policy="longest", hint_placement="system", config_hash="h")
+    from clawrl.engine.types import EngineError, GenerateRequest
+
+    async def use_then_close():
+        try:
+            await client.generate(GenerateRequest(input_ids=[1]))  # nothing listens on port 1
+        except EngineError:
+            pass
+        assert client._aio is not None and not client._aio.closed  # the generate session exists
+        await judge.close()
+
+    runtime.run(use_then_close())
+    assert client._http.is_closed and client._aio.closed
