@@ -602,6 +602,7 @@ def demo(
     seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,
     heldout: Annotated[int, typer.Option(help="Held-out questions scored after every step.")] = 24,
     eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
+    group_size: Annotated[int, typer.Option(min=1, help="Users per step asking the same question (for ppo.group_by = 'prompt').")] = 1,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     import datetime as dt
@@ -644,7 +645,7 @@ def demo(
     try:
         out = learning_loop(config_path=str(run_conf), gateway_url=gw.url, steps=steps, users=users,
                             persona=persona, max_tokens=max_tokens, seed=seed, heldout=heldout,
-                            eval_samples=eval_samples)
+                            eval_samples=eval_samples, group_size=group_size)
     finally:
         gw.stop()
         runtime.unregister(POLICY_ENGINE)

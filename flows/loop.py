@@ -35,13 +35,24 @@ def _client(url: str):
     return AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2, timeout=600)
 
 
+def round_questions(pool: list, step: int, n_users: int, group_size: int = 1) -> list:
+    """The questions of round ``step`` (1-based): consecutive questions of the training pool (wrapping
+    around), each repeated for ``group_size`` consecutive users; rounds continue where the last ended."""
+    if group_size < 1 or n_users < 1:
+        raise ValueError(f"n_users and group_size must be >= 1, got {n_users} and {group_size}")
+    distinct = -(-n_users // group_size)
+    start = ((step - 1) * distinct) % len(pool)
+    return [pool[(start + i // group_size) % len(pool)] for i in range(n_users)]
+
+
 @task(cache_policy=NO_CACHE, task_run_name="users-round-{step}")
 def simulate_users(config_path: str | None, gateway_url: str, step: int, persona_name: str, n_users: int,
-                   max_tokens: int, seed: int, heldout: int) -> dict[str, Any]:
+                   max_tokens: int, seed: int, heldout: int, group_size: int = 1) -> dict[str, Any]:
+    """One round: ``n_users`` users, each ``group_size`` of them asking the same question (their
+    answers differ by seed, so ``ppo.group_by = "prompt"`` compares answers to one question)."""
     s = load_flow_settings(config_path)
     pool, _ = split_questions(n_heldout=heldout, seed=seed)
-    start = ((step - 1) * n_users) % len(pool)
-    questions = [pool[(start + i) % len(pool)] for i in range(n_users)]
+    questions = round_questions(pool, step, n_users, group_size)
 
     async def go():
         client = _client(gateway_url)
@@ -119,14 +130,14 @@ def report_curve(config_path: str | None, rows: list[dict[str, Any]], persona_na
 @flow(name="learning-loop", log_prints=True)
 def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
                   persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24,
-                  eval_samples: int = 1) -> dict[str, Any]:
+                  eval_samples: int = 1, group_size: int = 1) -> dict[str, Any]:
     log = get_run_logger()
     s = load_flow_settings(config_path)
     rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout, eval_samples)]
     log.info("base model: score %.3f, on-topic %.3f, persona %.3f", rows[0]["score"], rows[0]["on_topic_rate"],
              rows[0]["persona_rate"])
     for step in range(1, steps + 1):
-        rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout)
+        rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size)
         judged = judge_flow(config_path=config_path)
         trained = train_flow(config_path=config_path, max_steps=1)
         row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples)
@@ -140,7 +151,7 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
               f"persona {row['persona_rate']:.3f}  KL {row['kl']:.4f}  words {row['mean_words']:.1f}  "
               f"(served v{row['weight_version']})")
     params = {"persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens, "seed": seed,
-              "heldout": heldout, "eval_samples": eval_samples,
+              "heldout": heldout, "eval_samples": eval_samples, "group_size": group_size,
               "model": s.model.name, "method": s.ppo.advantage_estimator.value, "lr": s.ppo.lr,
               "kl_coef": s.ppo.kl_coef, "rollout_batch_size": s.ppo.rollout_batch_size,
               "temperature": s.ppo.temperature}

@@ -58,3 +58,15 @@ def test_question_split_is_fixed_and_disjoint():
     assert len(held) == 16 and len(train) == len(QUESTIONS) - 16
     assert not {q for q, _ in train} & {q for q, _ in held}
     assert split_questions(seed=0) == (train, held)
+
+
+def test_round_questions_walk_the_pool_and_repeat_for_groups():
+    from flows.loop import round_questions
+
+    pool = list("abcdefghij")
+    assert round_questions(pool, 1, 4) == list("abcd") and round_questions(pool, 3, 4) == list("ijab")  # wraps
+    assert round_questions(pool, 1, 6, group_size=2) == list("aabbcc")
+    assert round_questions(pool, 2, 6, group_size=2) == list("ddeeff")  # continues after 3 distinct questions
+    assert round_questions(pool, 1, 5, group_size=2) == list("aabbc")  # a last group may be smaller
+    with pytest.raises(ValueError, match="group_size"):
+        round_questions(pool, 1, 4, group_size=0)
