@@ -67,6 +67,9 @@ def serve(
     console.print(f"gateway on http://{settings.server.host}:{settings.server.api_port}/v1 "
                   f"(engine: {settings.engine.kind}, model: {settings.model.name}, "
                   f"data: {settings.storage.data_root})", markup=False)
+    from clawrl.serving import freeze_startup_heap
+
+    freeze_startup_heap()  # the model and modules are loaded: keep them out of full GC passes
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
 
 
@@ -120,6 +123,9 @@ def engine(
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
                   f"weight_version {version}, device: {device} [{device_reason}], dtype: {s.model.dtype})",
                   markup=False, soft_wrap=True)
+    from clawrl.serving import freeze_startup_heap
+
+    freeze_startup_heap()  # model loaded: keep it out of full GC passes
     serve_engine(eng, s.server.host, s.engine.port, model_path=str(model_dir),
                  served_model_name=s.server.served_model_name, max_context_len=s.engine.max_context_len,
                  max_running_requests=s.engine.max_batch_size, log_level="warning")

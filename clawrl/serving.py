@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 import time
@@ -10,6 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then move every object alive now (modules, model, tokenizer: ~450k objects
+    in a gateway) out of the cyclic collector's reach. A full collection otherwise walks them all:
+    a 100-300 ms stall of the event loop whenever one triggers. Servers call this once, when loaded
+    and before serving (not in tests: frozen objects are never collected). Returns the frozen count."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

@@ -47,3 +47,14 @@ def test_a_judge_closes_the_sglang_clients_it_made():
 
     runtime.run(use_then_close())
     assert client._http.is_closed and client._aio.closed
+
+
+def test_freeze_startup_heap_moves_live_objects_out_of_the_collector():
+    import subprocess
+    import sys
+
+    code = ("import gc, json; import clawrl.serving as s; before = len(gc.get_objects()); n = s.freeze_startup_heap(); "
+            "print(json.dumps([before, n, len(gc.get_objects())]))")  # a child: freezing here would stay frozen
+    before, frozen, after = __import__("json").loads(
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    assert frozen > 0.5 * before and after < 0.05 * before  # gc.get_objects() no longer lists frozen ones

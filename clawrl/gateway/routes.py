@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 import orjson
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -314,7 +313,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
                 metrics.in_flight.dec()
 
     # Declared for the OpenAPI document (and reachable if the fast path is ever taken out); the
-    # requests themselves go through ChatFastPath below, which skips FastAPI's router and dependency
+    # requests themselves go through the ChatFastPath middleware added above, which skips FastAPI's router and dependency
     # solver: with the pydantic-core body parse and the orjson response that is most of the
     # gateway's own per-request CPU (docs/benchmarks.md, gateway overhead).
     @app.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra=CHAT_OPENAPI,
