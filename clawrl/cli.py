@@ -219,7 +219,7 @@ def bench_engine(
 
 @bench_app.command("gateway")
 def bench_gateway(
-    requests: Annotated[int, typer.Option(help="Requests per concurrency and path.")] = 400,
+    requests: Annotated[int, typer.Option(help="Requests per concurrency and path (p99 of 2,000 = the 20th worst).")] = 2000,
     concurrency: Annotated[str, typer.Option(help="Comma-separated concurrencies.")] = "1,16",
     append_turns: Annotated[int, typer.Option(help="Turns for the session-log append rate.")] = 200_000,
     out: Annotated[Path, typer.Option(help="Markdown report to update.")] = Path("docs/benchmarks.md"),

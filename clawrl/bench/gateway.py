@@ -55,6 +55,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+BLOCKS = 10  # alternations of the two paths per measurement
+
+
 def _cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds the processes have used so far (Linux /proc; 0 elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -112,10 +115,12 @@ async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[d
         # interleave the two so drifting machine load hits both alike
         d_lat, g_lat = [], []
         cpu = {"direct": 0.0, "gateway": 0.0}
-        for _ in range(4):
+        blocks = max(1, min(BLOCKS, n // max(1, concurrency)))
+        for b in range(blocks):
+            size = n // blocks + (1 if b < n % blocks else 0)
             for name, send, lat in (("direct", direct, d_lat), ("gateway", via_gateway, g_lat)):
                 c0 = _cpu_s(pids or [])
-                lat += await _closed_loop(send, n // 4, concurrency)
+                lat += await _closed_loop(send, size, concurrency)
                 cpu[name] += _cpu_s(pids or []) - c0
     row: dict[str, Any] = {"concurrency": concurrency, "requests": len(g_lat)}
     for name, lat in (("direct", d_lat), ("gateway", g_lat)):
@@ -152,7 +157,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.kill()
 
 
-def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 400, max_tokens: int = 8,
+def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000, max_tokens: int = 8,
                       append_turns: int = 200_000) -> dict[str, Any]:
     """Both topologies: the default (embedded engine inside the gateway process) and engine.kind =
     http (the gateway calls ``clawrl engine`` over HTTP, as it would call SGLang)."""
