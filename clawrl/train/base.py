@@ -115,6 +115,15 @@ def lr_at(hp: PPOHyperParams, step: int) -> float:
     raise ValueError(f"unknown lr_schedule {hp.lr_schedule!r}")
 
 
+def set_optimizer_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    """Every parameter group of ``optimizer`` steps with ``lr`` from now on; returns it."""
+    if not lr >= 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 class TrainBackend(Protocol):
     """A long-lived trainer: model and optimizer stay in memory between steps."""
 

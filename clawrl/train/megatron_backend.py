@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from clawrl.models import torch_dtype
-from clawrl.train.base import LossFn, PPOHyperParams, default_loss, run_ppo_step
+from clawrl.train.base import LossFn, PPOHyperParams, default_loss, run_ppo_step, set_optimizer_lr
 from clawrl.train.batch import TokenBatch
 from clawrl.train.convert import (
     DEFAULT_VOCAB_MULTIPLE,
@@ -215,11 +215,7 @@ class MegatronBackend:
         return norm
 
     def set_lr(self, lr: float) -> None:
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        self.lr = lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.lr = set_optimizer_lr(self.optimizer, lr)
 
     def train_step(self, batch: TokenBatch) -> dict[str, float]:
         batch = batch.to(self.device)
