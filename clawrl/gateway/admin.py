@@ -22,6 +22,7 @@ from clawrl.config import ConfigError, parse_override, prefect_api_url
 from clawrl.gateway.deps import AdminDep, ServiceDep
 from clawrl.gateway.schemas import ReplayRequest
 from clawrl.gateway.service import GatewayError
+from clawrl.ids import new_id
 
 log = logging.getLogger("clawrl.gateway.admin")
 
@@ -86,6 +87,25 @@ def _version_for_run(data_root, run_id: str) -> str | None:
         con.close()
 
 
+PREFECT_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0)  # after each answer that says "busy, try again"
+
+
+async def _retrying(send) -> httpx.Response:
+    """``send()`` again while the Prefect API answers 429 or 503 (its sqlite store busy, say: it
+    rolls back and says so), at most len(PREFECT_RETRY_DELAYS_S) more times; a Retry-After of up to
+    the delay's double is honoured. The last answer is returned whatever it is."""
+    for delay in PREFECT_RETRY_DELAYS_S:
+        resp = await send()
+        if resp.status_code not in (429, 503):
+            return resp
+        after = resp.headers.get("retry-after", "")
+        wait = float(after) if after.replace(".", "", 1).isdigit() else delay
+        log.warning("Prefect API answered %d to %s; retrying in %.2f s", resp.status_code, resp.request.url.path,
+                    min(wait, 2 * delay))
+        await asyncio.sleep(min(wait, 2 * delay))
+    return await send()
+
+
 async def submit_deployment_run(deployment: tuple[str, str], parameters: dict[str, Any]) -> dict[str, Any]:
     """Create a flow run of ``deployment`` (flow name, deployment name) with ``parameters`` over the
     deployment's defaults; returns the flow run (its ``id``). 503 when no Prefect API is reachable
@@ -96,15 +116,17 @@ async def submit_deployment_run(deployment: tuple[str, str], parameters: dict[st
         raise GatewayError(503, f"no Prefect API to submit {name} to: PREFECT_API_URL is not set (`clawrl up` "
                            "sets it and serves the deployment)", "service_unavailable")
     api = api.rstrip("/")
+    # one key for every attempt: a retried POST whose first try did land returns that run, not a second one
+    body = {"parameters": parameters, "idempotency_key": f"clawrl-admin-{new_id()}"}
     try:
         async with httpx.AsyncClient(base_url=api, timeout=PREFECT_TIMEOUT_S) as client:
-            found = await client.get(f"/deployments/name/{deployment[0]}/{deployment[1]}")
+            found = await _retrying(lambda: client.get(f"/deployments/name/{deployment[0]}/{deployment[1]}"))
             if found.status_code == 404:
                 raise GatewayError(503, f"the Prefect API at {api} has no deployment {name}: is the flow server "
                                    "of `clawrl up` running?", "service_unavailable")
             found.raise_for_status()
-            created = await client.post(f"/deployments/{found.json()['id']}/create_flow_run",
-                                        json={"parameters": parameters})
+            created = await _retrying(lambda: client.post(f"/deployments/{found.json()['id']}/create_flow_run",
+                                                          json=body))
             created.raise_for_status()
             return created.json()
     except httpx.HTTPStatusError as e:
