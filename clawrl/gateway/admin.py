@@ -99,10 +99,9 @@ async def _retrying(send) -> httpx.Response:
         if resp.status_code not in (429, 503):
             return resp
         after = resp.headers.get("retry-after", "")
-        wait = float(after) if after.replace(".", "", 1).isdigit() else delay
-        log.warning("Prefect API answered %d to %s; retrying in %.2f s", resp.status_code, resp.request.url.path,
-                    min(wait, 2 * delay))
-        await asyncio.sleep(min(wait, 2 * delay))
+        wait = min(float(after), 2 * delay) if after.replace(".", "", 1).isdigit() else delay
+        log.warning("Prefect API answered %d to %s; retrying in %.2f s", resp.status_code, resp.request.url.path, wait)
+        await asyncio.sleep(wait)
     return await send()
 
 

@@ -46,16 +46,28 @@ async def prefect_like(create_statuses: list[int]):
         await server.close()
 
 
-def test_busy_answers_are_retried_with_one_idempotency_key(monkeypatch):
-    monkeypatch.setattr(admin, "PREFECT_RETRY_DELAYS_S", (0.01, 0.01, 0.01, 0.01))
+def _submit(create_statuses: list[int]) -> tuple[dict | GatewayError, list[dict]]:
+    """submit_deployment_run against prefect_like(create_statuses): (the run or the error, the POST bodies)."""
 
     async def go():
-        async with prefect_like([503, 429]) as (api, posts):
-            monkeypatch.setenv("PREFECT_API_URL", api)
-            run = await admin.submit_deployment_run(("f", "d"), {"version": "3"})
-            return run, posts
+        async with prefect_like(create_statuses) as (api, posts):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("PREFECT_API_URL", api)
+                try:
+                    return await admin.submit_deployment_run(("f", "d"), {"version": "3"}), posts
+                except GatewayError as e:
+                    return e, posts
 
-    run, posts = asyncio.run(go())
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    monkeypatch.setattr(admin, "PREFECT_RETRY_DELAYS_S", (0.01, 0.01, 0.01, 0.01))
+
+
+def test_busy_answers_are_retried_with_one_idempotency_key(quick_retries):
+    run, posts = _submit([503, 429])
     assert run == {"id": "run-3"}  # the third POST was taken
     assert len(posts) == 3
     assert {p["idempotency_key"] for p in posts} == {posts[0]["idempotency_key"]}
@@ -63,30 +75,15 @@ def test_busy_answers_are_retried_with_one_idempotency_key(monkeypatch):
     assert all(p["parameters"] == {"version": "3"} for p in posts)
 
 
-def test_a_prefect_that_stays_busy_is_a_503_after_five_tries(monkeypatch):
-    monkeypatch.setattr(admin, "PREFECT_RETRY_DELAYS_S", (0.01, 0.01, 0.01, 0.01))
-
-    async def go():
-        async with prefect_like([503] * 10) as (api, posts):
-            monkeypatch.setenv("PREFECT_API_URL", api)
-            with pytest.raises(GatewayError) as e:
-                await admin.submit_deployment_run(("f", "d"), {"version": "3"})
-            return e.value, posts
-
-    err, posts = asyncio.run(go())
+def test_a_prefect_that_stays_busy_is_a_503_after_five_tries(quick_retries):
+    err, posts = _submit([503] * 10)
     assert len(posts) == 5  # the first try + len(PREFECT_RETRY_DELAYS_S) retries
+    assert isinstance(err, GatewayError)
     assert err.status == 503 and err.type == "service_unavailable"
     assert "refused the run of f/d: HTTP 503" in err.message
 
 
-def test_a_client_error_is_not_retried(monkeypatch):
-    async def go():
-        async with prefect_like([422]) as (api, posts):
-            monkeypatch.setenv("PREFECT_API_URL", api)
-            with pytest.raises(GatewayError) as e:
-                await admin.submit_deployment_run(("f", "d"), {"version": "3"})
-            return e.value, posts
-
-    err, posts = asyncio.run(go())
+def test_a_client_error_is_not_retried():
+    err, posts = _submit([422])
     assert len(posts) == 1
-    assert "HTTP 422" in err.message
+    assert isinstance(err, GatewayError) and "HTTP 422" in err.message
