@@ -117,9 +117,13 @@ def engine(
         except CheckpointError as e:
             err.print(f"not resuming version {last['weight_version']}: {e}; serving the base model (version 0)",
                       markup=False, style="red", soft_wrap=True)
-    eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                         max_context_len=s.engine.max_context_len, weight_version=version,
-                         served_model_name=s.server.served_model_name)
+    try:
+        eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
+                             max_context_len=s.engine.max_context_len, weight_version=version,
+                             served_model_name=s.server.served_model_name, worker_cpus=s.engine.worker_cpus)
+    except ConfigError as e:
+        err.print(f"config error: {e}", markup=False, style="red")
+        raise typer.Exit(2) from None
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
                   f"weight_version {version}, device: {device} [{device_reason}], dtype: {s.model.dtype})",
                   markup=False, soft_wrap=True)
@@ -219,7 +223,8 @@ def bench_engine(
 
 @bench_app.command("gateway")
 def bench_gateway(
-    requests: Annotated[int, typer.Option(help="Requests per concurrency and path (p99 of 2,000 = the 20th worst).")] = 2000,
+    requests: Annotated[int, typer.Option(help="Requests per path at concurrency <= 4 (p99 of 2,000 = the 20th "
+                                                "worst); concurrency c > 4 takes c/4 times as many.")] = 2000,
     concurrency: Annotated[str, typer.Option(help="Comma-separated concurrencies.")] = "1,16",
     append_turns: Annotated[int, typer.Option(help="Turns for the session-log append rate.")] = 200_000,
     out: Annotated[Path, typer.Option(help="Markdown report to update.")] = Path("docs/benchmarks.md"),
@@ -231,9 +236,10 @@ def bench_gateway(
 
     s = settings_or_exit(config)
     conc = tuple(int(x) for x in concurrency.split(",") if x.strip())
-    with console.status("gateway bench: engine + gateway processes, then the append rate"):
+    with console.status("gateway bench: engine + gateway processes, then the append rate") as status:
         result = run_gateway_bench(model_cache=s.storage.models_dir, concurrencies=conc, n=requests,
-                                   append_turns=append_turns)
+                                   append_turns=append_turns,
+                                   progress=lambda what: status.update(f"gateway bench: {what}"))
     section = format_gateway_section(result, machine_line())
     typer.echo(section)
     write_section("gateway", section, out)
@@ -640,7 +646,8 @@ def demo(
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
     device, _ = resolve_device(s.model.device)
     engine = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name)
+                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name,
+                            worker_cpus=s.engine.worker_cpus)
     runtime.register(POLICY_ENGINE, engine)  # the train flow syncs this engine in-process
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     from flows.common import load_flow_settings

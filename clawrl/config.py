@@ -94,6 +94,18 @@ class EngineSettings(_Section):
     )
     max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
     request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
+    worker_cpus: list[int] = Field(
+        [], description="CPU ids reserved for the embedded engine's worker thread (Linux): it is pinned to "
+        "them and the process's other threads (HTTP loop, log writer) to the remaining CPUs, so serving work "
+        "never preempts generation. Empty = no pinning (the OS schedules every thread anywhere).",
+    )
+
+    @field_validator("worker_cpus")
+    @classmethod
+    def _cpu_ids(cls, v: list[int]) -> list[int]:
+        if any(c < 0 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"CPU ids must be distinct and >= 0, got {v}")
+        return v
 
     @field_validator("url")
     @classmethod
