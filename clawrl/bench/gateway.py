@@ -1,10 +1,10 @@
 """Gateway overhead: latency added over a direct engine call, and the session-log append rate.
 
-Topology (each a separate process, as in production): ``clawrl engine`` serving the tiny model;
-``clawrl serve`` in front of it (``engine.kind = "http"``); this process as the client. The direct
-call is the engine's ``/generate`` with the prompt ids the gateway would render and the same
-greedy sampling, so both paths generate the same tokens. Added latency = gateway percentile -
-direct percentile, at each concurrency.
+Processes: ``clawrl engine`` serving the tiny model; ``clawrl serve`` with its own embedded engine
+(the default) or in front of that ``clawrl engine`` (``engine.kind = "http"``); this process as the
+client. The direct call is the engine's ``/generate`` with the prompt ids the gateway would render
+and the same greedy sampling, so both paths generate the same tokens. Added latency = gateway
+percentile - direct percentile, at each concurrency, in each CPU layout (``_placement``).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
         "the client, the engine and the gateway on any core. `own-core`: the serving code runs on a core of its",
         "own - the event loops of `clawrl engine` (which answers the direct calls) and of the gateway, and the",
         "session-log writer - while the engine's worker thread and the client share the first core",
-        "(`engine.worker_cpus = [0]` in both servers; with `engine` = http the gateway process is on the serving",
+        "(`engine.worker_cpus` = that core in both servers; with `engine` = http the gateway process is on the serving",
         "core as a whole). That stands for production, where the engine computes on a GPU and clients are",
         "remote; every request is slower in it, direct ones too, because the client takes CPU from the worker.",
         "",
