@@ -38,7 +38,6 @@ class CpuPinning:
         if not self.rest:
             raise ConfigError(f"engine.worker_cpus {sorted(self.worker_cpus)} takes every CPU this process may use; "
                              "leave at least one for the serving threads")
-        self._moved: list[int] = []
 
     def pin_current_thread(self) -> None:
         """Called by the worker thread itself, before its first step."""
@@ -46,17 +45,14 @@ class CpuPinning:
 
     def pin_others(self, worker_tid: int) -> None:
         """Move every other thread of this process off the reserved CPUs."""
-        for tid in _thread_ids():
-            if tid != worker_tid and _set(tid, self.rest):
-                self._moved.append(tid)
+        moved = sum(_set(tid, self.rest) for tid in _thread_ids() if tid != worker_tid)
         log.info("engine worker (thread %d) on CPUs %s; %d other threads on %s", worker_tid,
-                 sorted(self.worker_cpus), len(self._moved), sorted(self.rest))
+                 sorted(self.worker_cpus), moved, sorted(self.rest))
 
     def restore(self) -> None:
         """Give the moved threads (and any they started) the process's original mask back."""
         for tid in _thread_ids():
             _set(tid, self.allowed)
-        self._moved.clear()
 
 
 def _thread_ids() -> list[int]:
