@@ -81,6 +81,9 @@ WAL_DIR = "_wal"
 REJECTED_DIR = "_rejected"
 SEGMENT_SUFFIX = ".wal"
 _NEW_SUFFIX = ".wal.new"  # a segment being created: locked first, then renamed to .wal
+# A .wal.new is unlocked for the moment between its creation and its writer's flock: recovery
+# removes only ones older than this, so it never deletes a live writer's segment under its feet.
+ORPHAN_NEW_AGE_S = 60.0
 _TMP_SUFFIX = ".tmp"  # Parquet being written; "*.parquet" globs never match it
 _MIB = 1 << 20
 _JSON_OPTS = orjson.OPT_APPEND_NEWLINE
@@ -225,6 +228,8 @@ class TableLog:
         """Replay segments left by dead writers (this one's own live segments are skipped)."""
         converted = 0
         for path in sorted(self.wal_dir.glob(f"*{_NEW_SUFFIX}")):
+            if _age_s(path) < ORPHAN_NEW_AGE_S:
+                continue
             fd = _lock_orphan(path)
             if fd is not None:  # died between creating and publishing it: never written to
                 path.unlink(missing_ok=True)
@@ -558,6 +563,13 @@ def _write_all(seg: _Segment, payload: bytes) -> None:
         except OSError:  # the caller retires the segment, so a torn tail stays its last line
             log.exception("could not cut a failed write back from %s", seg.path)
         raise  # the write's own error (EFBIG, ENOSPC, EIO), not the truncate's
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0  # gone: nothing to recover
 
 
 def _lock_orphan(path: Path) -> int | None:

@@ -188,6 +188,21 @@ def test_recover_leaves_a_live_writers_segment_alone(data_root, make_turn):
     assert run_query(data_root, "SELECT count(*) n FROM turns").column("n")[0].as_py() == 5
 
 
+def test_recover_removes_only_an_old_unpublished_segment(data_root):
+    """A .wal.new is unlocked between its creation and its writer's flock: a recovery running then
+    (another store opening) must not take it for a dead writer's and delete it (the writer's rename
+    failed with FileNotFoundError in a judge flow before this rule). Only an old one is an orphan."""
+    with DataStore(data_root, background=False) as store:
+        wal = data_root / "tables" / "turns" / "_wal"
+        fresh, old = wal / f"1-fresh-000001{writer._NEW_SUFFIX}", wal / f"1-old-000001{writer._NEW_SUFFIX}"
+        fresh.touch()
+        old.touch()
+        past = time.time() - writer.ORPHAN_NEW_AGE_S - 1
+        os.utime(old, (past, past))
+        assert store.recover() == 0
+        assert fresh.exists() and not old.exists()
+
+
 def test_recovery_drops_only_an_unterminated_last_line(data_root, make_turn, parser):
     wal = data_root / "tables" / "turns" / "_wal"
     wal.mkdir(parents=True)
