@@ -4,13 +4,12 @@ Processes: ``clawrl engine`` serving the tiny model; ``clawrl serve`` with its o
 (the default) or in front of that ``clawrl engine`` (``engine.kind = "http"``); this process as the
 client. The direct call is the engine's ``/generate`` with the prompt ids the gateway would render
 and the same greedy sampling, so both paths generate the same tokens. Added latency = gateway
-percentile - direct percentile, at each concurrency, in each CPU layout (``_placement``).
+percentile - direct percentile, at each concurrency, in each design (``_measure``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import statistics
 import subprocess
@@ -94,10 +93,38 @@ async def _closed_loop(send, n: int, concurrency: int) -> list[float]:
     return lat
 
 
-async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[dict[str, str]], list[int]]],
-                   concurrency: int, n: int, max_tokens: int, pids: list[int] | None = None) -> dict[str, Any]:
-    """``prompts``: (messages, the ids the gateway renders them to), used in turn by both paths.
-    ``pids``: the server processes (engine, gateway) whose CPU time each path is charged."""
+async def _paired_loop(sends: tuple, n: int, concurrency: int) -> tuple[list[float], list[float]]:
+    """A closed loop of ``concurrency`` clients, each alternating the two paths request by request (half of
+    them starting with each), ``n`` requests a path: both see the same engine batches at the same moments."""
+    lats: tuple[list[float], list[float]] = ([], [])
+    left = [n, n]
+
+    async def client(k: int):
+        path = k % 2
+        while left[0] or left[1]:
+            if not left[path]:
+                path ^= 1
+            left[path] -= 1
+            t0 = time.perf_counter()
+            await sends[path]()
+            lats[path].append(time.perf_counter() - t0)
+            path ^= 1
+
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    return lats
+
+
+async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[dict[str, str]], list[int]]],
+                   concurrency: int, n: int, max_tokens: int, design: str = "paired",
+                   pids: list[int] | None = None) -> dict[str, Any]:
+    """``n`` requests a path: ``/generate`` at ``direct_url`` vs the gateway's chat route, ``prompts`` =
+    (messages, the ids the gateway renders them to), used in turn by both paths.
+
+    ``paired``: every client alternates the paths request by request, so both meet the same engine
+    batches and machine load - the difference is what a request pays for going through the gateway.
+    ``blocks``: the paths take turns in blocks (``BLOCKS``), each with the whole load to itself - the
+    difference also holds what the gateway's extra CPU costs everyone else on a saturated machine; ``pids``
+    (the server processes) are charged CPU per path there."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     counters = {"direct": 0, "gateway": 0}
 
@@ -109,7 +136,7 @@ async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[d
         async def direct():
             body = {"input_ids": next_prompt("direct")[1], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
-            r = await client.post(engine_url + "/generate", json=body)
+            r = await client.post(direct_url + "/generate", json=body)
             r.raise_for_status()
 
         async def via_gateway():
@@ -120,16 +147,18 @@ async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[d
 
         for send in (direct, via_gateway):  # warm up connections and code paths
             await _closed_loop(send, 2 * concurrency, concurrency)
-        # interleave the two so drifting machine load hits both alike
-        d_lat, g_lat = [], []
         cpu = {"direct": 0.0, "gateway": 0.0}
-        blocks = max(1, min(BLOCKS, n // max(1, concurrency)))
-        for b in range(blocks):
-            size = n // blocks + (1 if b < n % blocks else 0)
-            for name, send, lat in (("direct", direct, d_lat), ("gateway", via_gateway, g_lat)):
-                c0 = _cpu_s(pids or [])
-                lat += await _closed_loop(send, size, concurrency)
-                cpu[name] += _cpu_s(pids or []) - c0
+        if design == "paired":
+            d_lat, g_lat = await _paired_loop((direct, via_gateway), n, concurrency)
+        else:  # interleave blocks so drifting machine load hits both alike
+            d_lat, g_lat = [], []
+            blocks = max(1, min(BLOCKS, n // max(1, concurrency)))
+            for b in range(blocks):
+                size = n // blocks + (1 if b < n % blocks else 0)
+                for name, send, lat in (("direct", direct, d_lat), ("gateway", via_gateway, g_lat)):
+                    c0 = _cpu_s(pids or [])
+                    lat += await _closed_loop(send, size, concurrency)
+                    cpu[name] += _cpu_s(pids or []) - c0
     row: dict[str, Any] = {"concurrency": concurrency, "requests": len(g_lat)}
     for name, lat in (("direct", d_lat), ("gateway", g_lat)):
         row[f"{name}_p50_ms"] = 1000 * _pct(lat, 0.50)
@@ -137,25 +166,17 @@ async def _measure(engine_url: str, gateway_url: str, prompts: list[tuple[list[d
     row["added_p50_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
     row["added_p99_ms"] = row["gateway_p99_ms"] - row["direct_p99_ms"]
     row["added_mean_ms"] = 1000 * (statistics.mean(g_lat) - statistics.mean(d_lat))
-    if pids:  # server CPU per request, both processes: robust where latency at 16 is CPU-bound and noisy
+    if pids and design == "blocks":  # server CPU per request, both processes (paired, the paths overlap)
         row["direct_cpu_us"] = 1e6 * cpu["direct"] / len(d_lat)
         row["gateway_cpu_us"] = 1e6 * cpu["gateway"] / len(g_lat)
         row["added_cpu_us"] = row["gateway_cpu_us"] - row["direct_cpu_us"]
     return row
 
 
-def _start(args: list[str], env: dict[str, str], health: str, cpus: set[int] | None = None) -> subprocess.Popen:
-    """A clawrl server process; with ``cpus``, it and every thread it starts run on those CPUs (a child
-    inherits the forking thread's mask, so this thread takes the mask for the fork and gives it back)."""
-    mine = os.sched_getaffinity(0) if cpus else None
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", *args], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-    finally:
-        if mine:
-            os.sched_setaffinity(0, mine)
+def _start(args: list[str], env: dict[str, str], health: str) -> subprocess.Popen:
+    """A clawrl server process, up and answering ``health``."""
+    proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         _wait(health, proc)
     except BaseException:
@@ -174,48 +195,21 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.kill()
 
 
-def thread_masks(pid: int) -> list[list[int]]:
-    """The distinct CPU masks of a process's threads (Linux), e.g. [[0], [1]]: what the layout did."""
-    masks = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            masks.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
-    return sorted(list(m) for m in masks)
+DESIGNS = ("paired", "blocks")
 
 
-def _layouts() -> list[str]:
-    """'shared': the OS places every thread of client, engine and gateway on any CPU. 'own-core'
-    (needs two CPUs): the serving code under test runs on CPUs of its own (``_placement``)."""
-    ok = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
-    return ["shared", "own-core"] if ok else ["shared"]
-
-
-def _placement(layout: str, topology: str, eport: int) -> tuple[dict, dict, set | None, set | None]:
-    """(engine env, gateway env, gateway CPUs, client CPUs) for one layout and topology.
-
-    own-core: the engine's worker thread and the client share the first CPU; the serving threads -
-    the event loops of `clawrl engine` (which answers the direct calls) and of the gateway, the
-    session-log writer - run on the others. Both servers get ``engine.worker_cpus`` for that; with
-    ``engine`` = http the gateway process as a whole goes on the others. This stands for production,
-    where the engine computes on its GPU and clients are remote, so serving work never queues behind
-    a decode step or the load generator; direct and gateway paths get the same placement."""
-    gw_env = {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": f"http://127.0.0.1:{eport}"} \
-        if topology == "http" else {}
-    if layout == "shared":
-        return {}, gw_env, None, None
-    allowed = set(os.sched_getaffinity(0))
-    compute = min(allowed)
-    pinned = {"CLAWRL__ENGINE__WORKER_CPUS": f"[{compute}]"}
-    if topology == "embedded":
-        return pinned, {**gw_env, **pinned}, None, {compute}
-    return pinned, gw_env, allowed - {compute}, {compute}
+def _direct_url(design: str, topology: str, engine_url: str, gateway_url: str) -> str:
+    """Where the direct calls go. Paired, the two paths must share one engine: with the embedded engine
+    that is the gateway process's own ``/engine`` mount (the same /generate code as ``clawrl engine``);
+    otherwise, and in the blocks design, ``clawrl engine``."""
+    return gateway_url + "/engine" if design == "paired" and topology == "embedded" else engine_url
 
 
 def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000, max_tokens: int = 8,
                       append_turns: int = 200_000, progress=None) -> dict[str, Any]:
     """Both topologies - the default (embedded engine inside the gateway process) and engine.kind =
-    http (the gateway calls ``clawrl engine`` over HTTP, as it would call SGLang) - in each CPU
-    layout (``_layouts``). ``progress(description)`` is called as each cell starts."""
+    http (the gateway calls ``clawrl engine`` over HTTP, as it would call SGLang) - in both designs
+    (``_measure``). ``progress(description)`` is called as each cell starts."""
     from clawrl.bench.report import load_average
     from clawrl.bench.storage import run_append_bench
     from clawrl.models import load_tokenizer, resolve_model_dir
@@ -227,34 +221,26 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
     base_env = {**os.environ, "CLAWRL__MODEL__NAME": "tiny", "CLAWRL__STORAGE__MODEL_CACHE": str(model_cache),
                 "CLAWRL__STORAGE__DATA_ROOT": str(root / "data"), "CLAWRL__SERVER__OPEN_MODE": "true",
                 "OMP_NUM_THREADS": "1"}
-    client_mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     rows = []
-    for layout in _layouts():
-        for topology in ("embedded", "http"):
-            eport, gport = _free_port(), _free_port()
-            engine_env, gw_env, gw_cpus, client_cpus = _placement(layout, topology, eport)
-            engine = gateway = None
-            try:
-                engine = _start(["engine", "--port", str(eport)], {**base_env, **engine_env},
-                                f"http://127.0.0.1:{eport}/health")
-                gateway = _start(["serve", "--port", str(gport)], {**base_env, **gw_env},
-                                 f"http://127.0.0.1:{gport}/healthz", gw_cpus)
-                if client_cpus:
-                    os.sched_setaffinity(0, client_cpus)
-                placement = {"engine_masks": thread_masks(engine.pid), "gateway_masks": thread_masks(gateway.pid),
-                             "client_cpus": sorted(client_cpus or client_mask or [])}
+    for topology in ("embedded", "http"):
+        eport, gport = _free_port(), _free_port()
+        engine_url, gateway_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
+        gw_env = {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": engine_url} if topology == "http" else {}
+        engine = gateway = None
+        try:
+            engine = _start(["engine", "--port", str(eport)], base_env, engine_url + "/health")
+            gateway = _start(["serve", "--port", str(gport)], {**base_env, **gw_env}, gateway_url + "/healthz")
+            for design in DESIGNS:
                 for c in concurrencies:
                     if progress:
-                        progress(f"{layout} CPUs, {topology} engine, concurrency {c}")
-                    row = asyncio.run(_measure(f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}", prompts,
-                                               c, requests_at(n, c), max_tokens, pids=[engine.pid, gateway.pid]))
-                    rows.append({"layout": layout, "engine": topology, **row, "load_1m": load_average(),
-                                 **placement})
-            finally:
-                if client_mask:
-                    os.sched_setaffinity(0, client_mask)
-                _stop(gateway)
-                _stop(engine)
+                        progress(f"{design}, {topology} engine, concurrency {c}")
+                    row = asyncio.run(_measure(_direct_url(design, topology, engine_url, gateway_url), gateway_url,
+                                               prompts, c, requests_at(n, c), max_tokens, design=design,
+                                               pids=[engine.pid, gateway.pid]))
+                    rows.append({"design": design, "engine": topology, **row, "load_1m": load_average()})
+        finally:
+            _stop(gateway)
+            _stop(engine)
     if progress:
         progress("session-log append rate")
     append = run_append_bench(append_turns)
@@ -264,7 +250,7 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
 def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
     from clawrl.bench.report import markdown_table
 
-    cols = ["layout", "engine", "concurrency", "requests", "direct_p50_ms", "gateway_p50_ms", "added_p50_ms",
+    cols = ["design", "engine", "concurrency", "requests", "direct_p50_ms", "gateway_p50_ms", "added_p50_ms",
             "direct_p99_ms", "gateway_p99_ms", "added_p99_ms", "added_mean_ms", "added_cpu_us", "load_1m"]
     a = result["append"]
     lines = [
@@ -272,30 +258,24 @@ def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
         "",
         machine_line,
         f"Tiny model, greedy, {result['max_tokens']} new tokens, a distinct user message per request (so the",
-        "gateway's cache of conversation pieces does not hide the encoding cost). The direct call is `/generate` on",
-        "`clawrl engine` (the embedded engine over HTTP) with the prompt ids the gateway renders; `clawrl serve` runs either with",
-        "its own in-process embedded engine (`engine` = embedded, the default) or in front of that `clawrl engine`",
-        "(`engine` = http, as in front of SGLang). Each is a separate process; the client is a third, and the two",
-        "paths alternate in blocks so load drift hits both. `added_*` = gateway percentile - direct percentile;",
-        "`added_cpu_us` = CPU time (user + system) of the server processes per request, gateway path minus direct.",
-        "Targets: p50 +<=1 ms, p99 +<=5 ms at 16.",
+        "gateway's cache of conversation pieces does not hide the encoding cost). A direct call is the engine's",
+        "`/generate` with the prompt ids the gateway renders; a gateway call is `/v1/chat/completions` with the",
+        "messages, recorded in the session log. `clawrl serve` runs with its own in-process embedded engine",
+        "(`engine` = embedded, the default) or in front of `clawrl engine` over HTTP (`engine` = http, as in front",
+        "of SGLang). Engine, gateway and client are separate processes. `added_*` = gateway percentile - direct",
+        "percentile. Targets: p50 +<=1 ms, p99 +<=5 ms at 16.",
         "",
-        "Two CPU layouts, the same for the direct and the gateway path. `shared`: the OS places every thread of",
-        "the client, the engine and the gateway on any core. `own-core`: the serving code runs on a core of its",
-        "own - the event loops of `clawrl engine` (which answers the direct calls) and of the gateway, and the",
-        "session-log writer - while the engine's worker thread and the client share the first core",
-        "(`engine.worker_cpus` = that core in both servers; with `engine` = http the gateway process is on the serving",
-        "core as a whole). That stands for production, where the engine computes on a GPU and clients are",
-        "remote; every request is slower in it, direct ones too, because the client takes CPU from the worker.",
+        "Two designs. `paired` (the added latency): every client of the closed loop alternates the two paths",
+        "request by request against one engine - with the embedded engine its direct calls go to the gateway",
+        "process's `/engine/generate` (the same /generate code as `clawrl engine`), with http to `clawrl engine` -",
+        "so both paths meet the same decode batches and the same machine load, and the difference is what a",
+        "request pays for going through the gateway. `blocks`: the paths take turns in blocks, each with the",
+        "whole load to itself, direct calls always to `clawrl engine`; on this machine the engine's decode steps",
+        "need the same 2 cores, so the difference also holds the throughput the gateway's extra CPU",
+        "(`added_cpu_us`, server processes, per request) takes from generation - about 16-fold at",
+        "concurrency 16, where a decode step serves 16 requests at once.",
         "",
         markdown_table(result["latency"], cols),
-        "",
-        "Reading it: at concurrency 16 this closed loop is CPU-bound on 2 cores and a decode step serves 16",
-        "requests at once, so CPU the gateway adds on a core that generation or the client also needs comes back",
-        "about 16-fold in each request's latency (`shared` rows); with the serving code on its own core",
-        "(`own-core` rows) it is paid about once. The p50 at 16 moves by +-1.5 ms between runs (the closed loop",
-        "settles into batching patterns that differ by a few ms), so one run near the target does not decide it;",
-        "see the runs below the table.",
         "",
         f"Session log: {a['n_turns']:,} TurnRecords ({a['prompt_len']}-token prompts, {a['output_len']}-token outputs",
         f"with log-probs) appended one call each through DataStore, incl. Parquet conversion and the final flush:",

@@ -1,12 +1,12 @@
-"""`clawrl bench gateway` end to end at toy sizes: both topologies measured in each CPU layout, the
-own-core layout's threads where it says, every gateway request recorded in the session log (speed
-is reported in docs/benchmarks.md, never asserted here)."""
+"""`clawrl bench gateway` end to end at toy sizes: both topologies measured in both designs, every
+gateway request recorded in the session log (speed is reported in docs/benchmarks.md, never
+asserted here)."""
 
 from __future__ import annotations
 
-import os
+import asyncio
 
-from clawrl.bench.gateway import _layouts, _prompts, run_gateway_bench
+from clawrl.bench.gateway import _direct_url, _paired_loop, _prompts, run_gateway_bench
 from storage.catalog import open_catalog
 
 
@@ -19,24 +19,15 @@ def test_prompts_are_distinct_and_of_one_shape():
 def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cache):
     result = run_gateway_bench(model_cache=model_cache, concurrencies=(1, 4), n=8, max_tokens=4, append_turns=2000)
     rows = result["latency"]
-    layouts = _layouts()
-    assert layouts == (["shared", "own-core"] if len(os.sched_getaffinity(0)) >= 2 else ["shared"])
-    assert [(r["layout"], r["engine"], r["concurrency"]) for r in rows] == [
-        (lay, eng, c) for lay in layouts for eng in ("embedded", "http") for c in (1, 4)]
-    allowed = sorted(os.sched_getaffinity(0))
-    assert sorted(os.sched_getaffinity(0)) == allowed  # the client got its own mask back
-    compute, serving = [allowed[0]], allowed[1:]
-    for r in rows:
-        if r["layout"] == "shared":
-            assert r["engine_masks"] == [allowed] and r["gateway_masks"] == [allowed]
-            continue
-        # own-core: engine worker threads and the client on the first CPU, serving threads on the others
-        assert r["engine_masks"] == sorted([compute, serving]) and r["client_cpus"] == compute
-        assert r["gateway_masks"] == (sorted([compute, serving]) if r["engine"] == "embedded" else [serving])
+    assert [(r["engine"], r["design"], r["concurrency"]) for r in rows] == [
+        (eng, d, c) for eng in ("embedded", "http") for d in ("paired", "blocks") for c in (1, 4)]
     for r in rows:
         assert r["requests"] == 8
         assert 0 < r["direct_p50_ms"] <= r["direct_p99_ms"] and 0 < r["gateway_p50_ms"] <= r["gateway_p99_ms"]
         assert abs(r["added_p50_ms"] - (r["gateway_p50_ms"] - r["direct_p50_ms"])) < 1e-9
+        if r["design"] == "paired":  # the paths overlap in time: no CPU per path
+            assert "added_cpu_us" not in r
+            continue
         # CPU time of the two server processes, per request (10 ms clock ticks over 8 requests: coarse)
         assert r["gateway_cpu_us"] >= 0 and r["direct_cpu_us"] >= 0 and r["gateway_cpu_us"] + r["direct_cpu_us"] > 0
         assert abs(r["added_cpu_us"] - (r["gateway_cpu_us"] - r["direct_cpu_us"])) < 1e-6
@@ -46,7 +37,34 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
             "select count(*), count(distinct turn_type), count(distinct request_messages) from turns").fetchone()
     finally:
         con.close()
-    # per layout, topology and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
-    assert n == len(layouts) * 2 * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
+    # per topology, design and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
+    assert n == 2 * 2 * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
     assert distinct >= 16  # distinct user messages, not one repeated prompt
     assert result["append"]["rows_in_duckdb"] == 2000
+
+
+def test_paired_loop_alternates_paths_per_client():
+    """Each client alternates the two paths; half the clients start with each; n requests a path."""
+    calls: list[tuple[int, str]] = []
+
+    def send(name):
+        async def f():
+            calls.append((id(asyncio.current_task()), name))
+            await asyncio.sleep(0)  # round robin: the clients take turns deterministically
+        return f
+
+    d, g = asyncio.run(_paired_loop((send("d"), send("g")), 10, 4))
+    assert len(d) == len(g) == 10 and all(x > 0 for x in d + g)
+    by_client: dict[int, list[str]] = {}
+    for task, name in calls:
+        by_client.setdefault(task, []).append(name)
+    assert len(by_client) == 4 and sorted(seq[0] for seq in by_client.values()) == ["d", "d", "g", "g"]
+    for seq in by_client.values():  # 20 requests over 4 clients, 5 each, alternating
+        assert all(a != b for a, b in zip(seq, seq[1:])) and len(seq) == 5
+
+
+def test_direct_calls_share_the_gateways_engine_when_paired():
+    e, gw = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    assert _direct_url("paired", "embedded", e, gw) == gw + "/engine"
+    assert _direct_url("paired", "http", e, gw) == e
+    assert _direct_url("blocks", "embedded", e, gw) == e
