@@ -114,6 +114,23 @@ async def _paired_loop(sends: tuple, n: int, concurrency: int) -> tuple[list[flo
     return lats
 
 
+async def _blocks_loop(sends: tuple, n: int, concurrency: int,
+                      pids: list[int]) -> tuple[list[float], list[float], float, float]:
+    """The two paths take turns in up to ``BLOCKS`` closed-loop blocks each (so drifting machine load hits
+    both alike), ``n`` requests a path. Returns both latency lists and the CPU seconds of ``pids`` charged
+    to each path."""
+    lats: tuple[list[float], list[float]] = ([], [])
+    cpu = [0.0, 0.0]
+    blocks = max(1, min(BLOCKS, n // max(1, concurrency)))
+    for b in range(blocks):
+        size = n // blocks + (1 if b < n % blocks else 0)
+        for path in (0, 1):
+            c0 = _cpu_s(pids)
+            lats[path].extend(await _closed_loop(sends[path], size, concurrency))
+            cpu[path] += _cpu_s(pids) - c0
+    return (*lats, *cpu)
+
+
 async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[dict[str, str]], list[int]]],
                    concurrency: int, n: int, max_tokens: int, design: str = "paired",
                    pids: list[int] | None = None) -> dict[str, Any]:
@@ -147,18 +164,10 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
 
         for send in (direct, via_gateway):  # warm up connections and code paths
             await _closed_loop(send, 2 * concurrency, concurrency)
-        cpu = {"direct": 0.0, "gateway": 0.0}
         if design == "paired":
             d_lat, g_lat = await _paired_loop((direct, via_gateway), n, concurrency)
-        else:  # interleave blocks so drifting machine load hits both alike
-            d_lat, g_lat = [], []
-            blocks = max(1, min(BLOCKS, n // max(1, concurrency)))
-            for b in range(blocks):
-                size = n // blocks + (1 if b < n % blocks else 0)
-                for name, send, lat in (("direct", direct, d_lat), ("gateway", via_gateway, g_lat)):
-                    c0 = _cpu_s(pids or [])
-                    lat += await _closed_loop(send, size, concurrency)
-                    cpu[name] += _cpu_s(pids or []) - c0
+        else:
+            d_lat, g_lat, d_cpu, g_cpu = await _blocks_loop((direct, via_gateway), n, concurrency, pids or [])
     row: dict[str, Any] = {"concurrency": concurrency, "requests": len(g_lat)}
     for name, lat in (("direct", d_lat), ("gateway", g_lat)):
         row[f"{name}_p50_ms"] = 1000 * _pct(lat, 0.50)
@@ -167,8 +176,8 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
     row["added_p99_ms"] = row["gateway_p99_ms"] - row["direct_p99_ms"]
     row["added_mean_ms"] = 1000 * (statistics.mean(g_lat) - statistics.mean(d_lat))
     if pids and design == "blocks":  # server CPU per request, both processes (paired, the paths overlap)
-        row["direct_cpu_us"] = 1e6 * cpu["direct"] / len(d_lat)
-        row["gateway_cpu_us"] = 1e6 * cpu["gateway"] / len(g_lat)
+        row["direct_cpu_us"] = 1e6 * d_cpu / len(d_lat)
+        row["gateway_cpu_us"] = 1e6 * g_cpu / len(g_lat)
         row["added_cpu_us"] = row["gateway_cpu_us"] - row["direct_cpu_us"]
     return row
 
