@@ -27,26 +27,38 @@ def test_close_registered_awaits_async_closes_on_the_background_loop_and_forgets
 
 
 def test_a_judge_closes_the_sglang_clients_it_made():
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
     from clawrl.engine.sglang_client import SGLangClient
+    from clawrl.engine.types import GenerateRequest
     from clawrl.judge.backends import EngineJudge
     from clawrl.judge.runner import Judge
 
-    client = SGLangClient("http://127.0.0.1:1")
-    judge = Judge(backend=EngineJudge(client, tokenizer=None), backend_name="sglang", teacher=client,
-                  teacher_tokenizer=None, method="grpo", judge_samples=1, hint_samples=1, temperature=0.0,
-                  max_tokens=1, budget_chars=200, hint_policy="longest", hint_placement="system", config_hash="h")
-    from clawrl.engine.types import EngineError, GenerateRequest
+    async def answer(request):
+        return web.json_response({"text": "a", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": None}})
 
     async def use_then_close():
+        app = web.Application()
+        app.router.add_post("/generate", answer)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        client = SGLangClient(str(server.make_url("")))
+        judge = Judge(backend=EngineJudge(client, tokenizer=None), backend_name="sglang", teacher=client,
+                      teacher_tokenizer=None, method="grpo", judge_samples=1, hint_samples=1, temperature=0.0,
+                      max_tokens=1, budget_chars=200, hint_policy="longest", hint_placement="system",
+                      config_hash="h")
         try:
-            await client.generate(GenerateRequest(input_ids=[1]))  # nothing listens on port 1
-        except EngineError:
-            pass
-        assert client._aio is not None and not client._aio.closed  # the generate session exists
-        await judge.close()
+            assert (await client.generate(GenerateRequest(input_ids=[1]))).output_ids == [5]
+            [conn] = client._pool._idle  # the /generate connection, kept alive
+            assert not conn.closed
+            await judge.close()
+            return client, conn
+        finally:
+            await server.close()
 
-    runtime.run(use_then_close())
-    assert client._http.is_closed and client._aio.closed
+    client, conn = runtime.run(use_then_close())
+    assert client._http.is_closed and conn.closed and client._pool.idle_connections == 0
 
 
 def test_freeze_startup_heap_moves_live_objects_out_of_the_collector():

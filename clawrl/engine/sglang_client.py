@@ -3,10 +3,11 @@
 Talks to a real SGLang server (0.5.23 semantics, degrading to 0.5.15 as in shared/ref/sglang.md
 §9) or to ``clawrl engine`` (clawrl/engine/server.py), which answers the same contract.
 
-Transport: ``/generate`` (the hot path, one call per served turn) goes through aiohttp; everything
-else through httpx. httpx's connection pool re-checks every pooled connection (a poll and a
-getpeername system call each) whenever a request starts or ends, which with 16 requests in flight
-cost the gateway ~2 ms of CPU per turn (docs/benchmarks.md, gateway overhead).
+Transport: ``/generate`` (the hot path, one call per served turn) goes through clawrl's own small
+HTTP/1.1 client (:mod:`clawrl.engine.http1`); everything else through httpx. httpx's connection
+pool re-checks every pooled connection (a poll and a getpeername system call each) whenever a
+request starts or ends, which with 16 requests in flight cost the gateway ~2 ms of CPU per turn;
+aiohttp, used before, cost twice the CPU of http1 per call (docs/benchmarks.md, gateway overhead).
 
 Error mapping: HTTP 400 in any of SGLang's three error shapes -> :class:`BadRequestError` with the
 server's message; connection failures, timeouts, 5xx and other unexpected statuses ->
@@ -23,9 +24,10 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
+
+from clawrl.engine import http1
 
 from clawrl.engine.types import (
     BadRequestError,
@@ -78,33 +80,36 @@ def _connect_failure_reason(e: BaseException) -> str:
 
 
 class _Generate:
-    """``async with``: one POST /generate through aiohttp; the response once it is 2xx, else the
-    mapped error (400 -> BadRequestError, others -> EngineError naming the URL and status)."""
+    """``async with``: one POST /generate; the answer once it is 2xx, else the mapped error
+    (400 -> BadRequestError, others -> EngineError naming the URL and status). Transport failures
+    inside the block become EngineError / EngineTimeoutError too."""
 
-    def __init__(self, client: SGLangClient, session: aiohttp.ClientSession, body: bytes):
-        self.client, self.session, self.body = client, session, body
-        self.resp: aiohttp.ClientResponse | None = None
+    def __init__(self, client: SGLangClient, exchange: http1.Exchange):
+        self.client, self.exchange = client, exchange
 
-    async def __aenter__(self) -> aiohttp.ClientResponse:
-        c = self.client
+    async def __aenter__(self) -> http1.Exchange:
+        c, ex = self.client, self.exchange
         try:
-            self.resp = await self.session.post(c.base_url + "/generate", data=self.body, headers=c._aio_headers)
-            if self.resp.status >= 300:
-                content = await self.resp.read()
-                msg = error_message(self.resp.status, content)
-                self.resp.release()
-                if self.resp.status == 400:
-                    raise BadRequestError(msg)
-                raise EngineError(f"engine at {c.base_url} answered HTTP {self.resp.status} on POST /generate: {msg}")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            if self.resp is not None:
-                self.resp.release()
-            raise c._aio_error(e) from e
-        return self.resp
+            await ex.__aenter__()
+        except http1.HTTPError as e:
+            raise c._generate_error(e) from e
+        if ex.status >= 300:
+            try:
+                content = await ex.read()
+            except http1.HTTPError as e:
+                content = str(e).encode()
+            finally:
+                await ex.__aexit__(None, None, None)
+            msg = error_message(ex.status, content)
+            if ex.status == 400:
+                raise BadRequestError(msg)
+            raise EngineError(f"engine at {c.base_url} answered HTTP {ex.status} on POST /generate: {msg}")
+        return ex
 
-    async def __aexit__(self, *exc: object) -> None:
-        if self.resp is not None:
-            self.resp.release()
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.exchange.__aexit__(exc_type, exc, tb)
+        if isinstance(exc, http1.HTTPError):  # raised while reading the body
+            raise self.client._generate_error(exc) from exc
 
 
 class SGLangClient:
@@ -130,8 +135,7 @@ class SGLangClient:
         self.flush_retries = flush_retries
         self.flush_retry_interval_s = flush_retry_interval_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._aio_headers = {**headers, "Content-Type": "application/json"}
-        self._aio: aiohttp.ClientSession | None = None  # made on first use, inside the caller's event loop
+        self._pool = http1.Pool(self.base_url, headers=headers, timeout_s=timeout_s)  # POST /generate
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=timeout_s,
@@ -188,10 +192,7 @@ class SGLangClient:
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         async with self._post_generate(req, stream=False) as resp:
-            try:
-                content = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                raise self._aio_error(e) from e
+            content = await resp.read()
         try:
             data = orjson.loads(content)
         except orjson.JSONDecodeError:
@@ -228,37 +229,28 @@ class SGLangClient:
             raise EngineError(f"engine at {self.base_url}: the stream of request {req.rid} ended before it finished")
 
     def _post_generate(self, req: GenerateRequest, stream: bool) -> _Generate:
-        if self._aio is None or self._aio.closed:
-            self._aio = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60),
-            )
-        return _Generate(self, self._aio, orjson.dumps(self._generate_body(req, stream)))
+        return _Generate(self, self._pool.post("/generate", orjson.dumps(self._generate_body(req, stream))))
 
-    async def _lines(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The body's lines, of any length (aiohttp's own line reader caps them at its buffer size,
-        and a stream event with the log-probs of a long answer can be larger)."""
+    async def _lines(self, resp: http1.Exchange) -> AsyncIterator[bytes]:
+        """The body's lines, of any length (a stream event with the log-probs of a long answer
+        can be hundreds of KB)."""
         buf = b""
-        try:
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    yield line.rstrip(b"\r")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise self._aio_error(e) from e
+        async for chunk in resp.chunks():
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                yield line.rstrip(b"\r")
         if buf:
             yield buf
 
-    def _aio_error(self, e: BaseException) -> EngineError:
+    def _generate_error(self, e: http1.HTTPError) -> EngineError:
         where = f"engine at {self.base_url}"
-        if isinstance(e, asyncio.TimeoutError):  # aiohttp's timeouts subclass it
+        if isinstance(e, TimeoutError):
             return EngineTimeoutError(f"{where} timed out after {self.timeout_s:g} s on POST /generate")
-        if isinstance(e, aiohttp.ClientConnectorError):
-            os_error = getattr(e, "os_error", None)
-            reason = "connection refused" if isinstance(os_error, ConnectionRefusedError) else _connect_failure_reason(e)
-            return EngineError(f"{where} unreachable: {reason}")
-        return EngineError(f"{where} failed on POST /generate: {type(e).__name__}: {e}")
+        if isinstance(e, http1.ConnectFailed):
+            refused = isinstance(e.__cause__, ConnectionRefusedError)
+            return EngineError(f"{where} unreachable: {'connection refused' if refused else e}")
+        return EngineError(f"{where} failed on POST /generate: {e}")
 
     def _stream_error(self, err: Any) -> Exception:
         if isinstance(err, Mapping):
@@ -396,8 +388,7 @@ class SGLangClient:
         return UpdateResult(result.success, result.message, now)
 
     async def close(self) -> None:
-        if self._aio is not None:
-            await self._aio.close()
+        await self._pool.close()
         await self._http.aclose()
 
     async def __aenter__(self) -> SGLangClient:
