@@ -81,20 +81,19 @@ class _TooLarge(Exception):
 
 
 class ChatFastPath:
-    """``POST /v1/chat/completions`` straight to its handler, without FastAPI's router, dependency
-    solver and exception middleware (about 0.07 ms a request on the hot path). Errors become the
-    same OpenAI-style bodies the app's exception handlers give; a body over the limit still
-    reaches BodyLimitMiddleware, which sits outside this one."""
+    """``POST /v1/chat/completions`` straight to its handler, as an ASGI app of its own that
+    :class:`GatewayApp` calls before FastAPI's middleware stack, router and dependency solver
+    (Starlette's error middleware, FastAPI's telemetry middleware - which reads environment
+    variables on every request - and the route lookup). Errors become the same OpenAI-style
+    bodies the app's exception handlers give; :class:`BodyLimitMiddleware` wraps it."""
 
     PATH = "/v1/chat/completions"
 
-    def __init__(self, app, handler):
-        self.app, self.handler = app, handler
+    def __init__(self, handler):
+        self.handler = handler
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != self.PATH or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        request = Request(scope, receive)  # scope["app"] is the FastAPI app (Starlette sets it first)
+        request = Request(scope, receive)
         try:
             response = await self.handler(request)
         except _TooLarge:
@@ -105,6 +104,35 @@ class ChatFastPath:
             log.exception("unhandled error")
             response = error_response(500, f"internal error: {type(e).__name__}", "server_error")
         await response(scope, receive, send)
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI app; chat completions (the hot path) skip FastAPI's stack through
+    ``chat`` (a :class:`ChatFastPath` inside a body limit), everything else takes the usual way."""
+
+    chat: Any = None
+
+    async def __call__(self, scope, receive, send):
+        if (self.chat is not None and scope["type"] == "http" and scope["path"] == ChatFastPath.PATH
+                and scope["method"] == "POST"):
+            scope["app"] = self  # what Starlette would set: the handler reads app.state through it
+            await self.chat(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
+class RawResponse:
+    """A finished body and its raw ASGI headers, sent as they are (Starlette's Response rebuilds
+    the header list on every request)."""
+
+    __slots__ = ("body", "headers")
+
+    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]]):
+        self.body, self.headers = body, headers
+
+    async def __call__(self, scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
 
 
 # The chat route reads its body by hand (the fast path below), so FastAPI cannot derive its OpenAPI
@@ -240,7 +268,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             if owned_engine:
                 await engine.close()
 
-    app = FastAPI(title="clawrl gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app = GatewayApp(title="clawrl gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.api_keys, app.state.admin_keys = api_keys, admin_keys
     if hasattr(engine, "update_weights_from_disk") and not hasattr(engine, "sync_weights_from_disk"):
         # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
@@ -254,7 +282,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             served_model_name=settings.server.served_model_name, max_context_len=settings.engine.max_context_len),
             admin_keys=admin_keys, api_keys=api_keys))
     app.include_router(build_admin_router(settings.storage.data_root))
-    app.add_middleware(ChatFastPath, handler=lambda request: handle_chat(request))  # inside the body limit
+    app.chat = BodyLimitMiddleware(ChatFastPath(lambda request: handle_chat(request)), settings.server.max_body_bytes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
 
     @app.exception_handler(GatewayError)
@@ -284,7 +312,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
-    async def handle_chat(request: Request) -> Response:
+    async def handle_chat(request: Request) -> Response | RawResponse:
         t0 = time.perf_counter()
         service: ChatService = request.app.state.service
         ctx = turn_context_from_headers(request.headers, request.app.state.api_keys)
@@ -306,15 +334,18 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
                 raise
             metrics.requests.labels("200", "false", resp["turn_type"]).inc()
             metrics.latency.labels("false").observe(time.perf_counter() - t0)
-            return Response(orjson.dumps(resp), media_type="application/json", headers={
-                "X-Session-Id": resp["session_id"], "X-Turn-Type": resp["turn_type"],
-                "X-Turn-Index": str(resp["turn_index"]), "X-Weight-Version": resp["weight_version"]})
+            payload = orjson.dumps(resp)
+            return RawResponse(payload, [
+                (b"content-length", b"%d" % len(payload)), (b"content-type", b"application/json"),
+                (b"x-session-id", resp["session_id"].encode()), (b"x-turn-type", resp["turn_type"].encode()),
+                (b"x-turn-index", b"%d" % resp["turn_index"]),
+                (b"x-weight-version", resp["weight_version"].encode("latin-1"))])
         finally:
             if not body.stream:
                 metrics.in_flight.dec()
 
     # Declared for the OpenAPI document (and reachable if the fast path is ever taken out); the
-    # requests themselves go through the ChatFastPath middleware added above, which skips FastAPI's router and dependency
+    # requests themselves go through app.chat (GatewayApp, ChatFastPath), which skips FastAPI's router and dependency
     # solver: with the pydantic-core body parse and the orjson response that is most of the
     # gateway's own per-request CPU (docs/benchmarks.md, gateway overhead).
     @app.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra=CHAT_OPENAPI,
