@@ -142,7 +142,11 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
     ``blocks``: the paths take turns in blocks (``BLOCKS``), each with the whole load to itself - the
     difference also holds what the gateway's extra CPU costs everyone else on a saturated machine; ``pids``
     (the server processes) are charged CPU per path there."""
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    # A keep-alive connection for every client to each server: a pool smaller than that (the paired
+    # design has up to `concurrency` requests in flight to either one) closes and reopens connections,
+    # and the accepts land on the server loops mid-measurement.
+    per_host = concurrency + 4
+    limits = httpx.Limits(max_connections=2 * per_host, max_keepalive_connections=2 * per_host)
     counters = {"direct": 0, "gateway": 0}
 
     def next_prompt(path: str) -> tuple[list[dict[str, str]], list[int]]:
