@@ -75,7 +75,10 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self.fail(ProtocolError(f"malformed HTTP response: {e}"))
+            if self.complete:  # a second answer to one request (on_headers_complete refused it)
+                self.keep_alive = False  # keep the first; the connection is not used again
+            else:
+                self.fail(ProtocolError(f"malformed HTTP response: {e}"))
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -87,6 +90,8 @@ class _Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_headers_complete(self) -> None:
+        if self.complete:
+            raise ProtocolError("an answer nobody asked for")  # stops the parser: feed_data raises
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message ends
         self.head = True
@@ -174,8 +179,9 @@ class Pool:
             self._idle, self.loop = [], loop
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed:
+            if not conn.closed and not conn.received:
                 return conn
+            conn.close()  # closed by the server, or it sent something unasked (e.g. a 408 before closing)
         return None
 
     def _give_back(self, conn: _Connection) -> None:

@@ -28,7 +28,6 @@ import httpx
 import orjson
 
 from clawrl.engine import http1
-
 from clawrl.engine.types import (
     BadRequestError,
     EngineError,

@@ -193,6 +193,26 @@ def test_body_cut_short_and_malformed_answers_are_errors_and_never_pooled():
     assert run(main()) == 0
 
 
+def test_an_answer_nobody_asked_for_is_dropped_with_its_connection():
+    # The first answer comes with a second one glued to it (a 408 some servers send before closing
+    # an idle connection); on the second connection the 408 arrives later, while it sits idle.
+    late_408 = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n"
+    srv = Scripted(lambda c, r, head: ok(b'{"c": 0}') + late_408 if c == 0 else [ok(b'{"c": %d}' % c), 0.05, late_408])
+
+    async def main():
+        async with srv.running() as url:
+            pool = http1.Pool(url)
+            out = []
+            for pause in (0, 0.2, 0):
+                async with pool.post("/generate", b"{}") as answer:
+                    out.append((answer.status, await answer.read()))
+                await asyncio.sleep(pause)
+            return out
+
+    assert run(main()) == [(200, b'{"c": 0}'), (200, b'{"c": 1}'), (200, b'{"c": 2}')]
+    assert srv.connections == 3 and len(srv.requests) == 3  # neither poisoned connection was used again
+
+
 def test_connection_close_answer_is_not_pooled():
     srv = Scripted(lambda c, r, head: [ok(b"{}", b"Connection: close\r\n"), None])
 
