@@ -2,8 +2,8 @@
 
 Every served turn makes exactly one such call, so its cost is paid on every request. Measured in
 front of the tiny CPU engine on the 2-core machine (docs/benchmarks.md, gateway overhead), a
-do-nothing Python pass-through adds +1.20 ms p50 when it forwards with aiohttp and +0.78 ms with
-this client (646 vs 307 us of CPU a request at concurrency 16): aiohttp builds a request object,
+do-nothing Python pass-through adds +1.20 ms p50 at concurrency 16 when it forwards with aiohttp and
++0.68 .. +0.78 ms with this client (646 vs ~300 us of CPU a request): aiohttp builds a request object,
 a response object, a stream reader, a payload writer and a task or two per call; this client
 writes one buffer and feeds the answer to httptools' parser (llhttp, the parser uvicorn uses).
 

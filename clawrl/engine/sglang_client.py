@@ -247,8 +247,7 @@ class SGLangClient:
         if isinstance(e, TimeoutError):
             return EngineTimeoutError(f"{where} timed out after {self.timeout_s:g} s on POST /generate")
         if isinstance(e, http1.ConnectFailed):
-            refused = isinstance(e.__cause__, ConnectionRefusedError)
-            return EngineError(f"{where} unreachable: {'connection refused' if refused else e}")
+            return EngineError(f"{where} unreachable: {_connect_failure_reason(e)}")
         return EngineError(f"{where} failed on POST /generate: {e}")
 
     def _stream_error(self, err: Any) -> Exception:

@@ -387,7 +387,7 @@ def test_generate_transport_failures_are_engine_errors():
     run(main())
 
 
-def test_stream_reads_events_longer_than_aiohttps_line_buffer_and_mid_stream_errors():
+def test_stream_reads_events_longer_than_a_read_buffer_and_mid_stream_errors():
     # one event of ~200 KB (the log-probs of a long answer), then an error event
     n = 12000
     final = {"text": "x" * n, "output_ids": list(range(n)), "meta_info": {
