@@ -55,6 +55,7 @@ import errno
 import fcntl
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -663,7 +664,8 @@ class DataStore:
         self.data_root = Path(data_root)
         self.tables_dir = check_data_root(self.data_root)
         self._logs: dict[str, TableLog] = {}
-        self._checks: dict[type, list[tuple[str, Callable[[Any], bool], pa.DataType]]] = {}
+        # per record type: a getter of every field's value at once, and each column's check
+        self._checks: dict[type, tuple[Callable[[Any], tuple], list[tuple[str, Callable[[Any], bool], pa.DataType]]]] = {}
         for name, spec in TABLES.items():
             names = [f.name for f in fields(spec.record_type)]
             if names != spec.schema.names:
@@ -671,7 +673,8 @@ class DataStore:
                     f"storage/schemas.py is out of date for {spec.record_type.__name__}: record fields "
                     f"{names} vs columns {spec.schema.names}"
                 )
-            self._checks[spec.record_type] = [(f.name, _value_check(f), f.type) for f in spec.schema]
+            self._checks[spec.record_type] = (operator.attrgetter(*names),
+                                              [(f.name, _value_check(f), f.type) for f in spec.schema])
         try:
             for name, spec in TABLES.items():
                 self._logs[name] = TableLog(
@@ -689,7 +692,11 @@ class DataStore:
         field that would not fit its column (wrong type, naive datetime, NaN/inf), before anything
         is written. Rows of one table go in one write; a mixed list is one write per table.
         """
-        if not isinstance(records, (list, tuple)):
+        if not isinstance(records, (list, tuple)):  # one record (the gateway's turn): no grouping
+            table = TABLE_OF_RECORD.get(type(records))
+            if table is not None:
+                self._check(records)
+                return self._logs[table].append((records,))
             records = (records,)
         by_table: dict[str, list[Any]] = {}
         for record in records:
@@ -730,8 +737,8 @@ class DataStore:
         self.close()
 
     def _check(self, record: Any) -> None:
-        for name, check, type_ in self._checks[type(record)]:
-            value = getattr(record, name)
+        values, checks = self._checks[type(record)]
+        for value, (name, check, type_) in zip(values(record), checks):
             if not check(value):
                 raise ValueError(
                     f"{type(record).__name__}.{name} = {value!r:.80} does not fit column type {type_}"

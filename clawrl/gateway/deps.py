@@ -139,13 +139,22 @@ async def get_turn_context(
                        session_done=_flag(x_session_done))
 
 
-def turn_context_from_headers(headers, api_keys: list[str]) -> TurnContext:
-    """The same as the dependencies above, for the chat route's fast path (no dependency solver)."""
-    turn_type = headers.get("x-turn-type")
-    return TurnContext(namespace=check_api_key(bearer_token(headers.get("authorization")), api_keys),
-                       session_id=headers.get("x-session-id"),
+_CONTEXT_HEADERS = (b"authorization", b"x-session-id", b"x-turn-type", b"x-session-done")
+
+
+def turn_context_from_headers(raw_headers, api_keys: list[str]) -> TurnContext:
+    """The same as the dependencies above, for the chat route's fast path (no dependency solver):
+    ``raw_headers`` is the ASGI list of (lower-case name, value) byte pairs; the first of a
+    repeated header counts, as with Starlette's ``Headers.get``."""
+    found: dict[bytes, str] = {}
+    for name, value in raw_headers:
+        if name in _CONTEXT_HEADERS and name not in found:
+            found[name] = value.decode("latin-1")
+    turn_type = found.get(b"x-turn-type")
+    return TurnContext(namespace=check_api_key(bearer_token(found.get(b"authorization")), api_keys),
+                       session_id=found.get(b"x-session-id"),
                        turn_type=turn_type.strip().lower() if turn_type else None,
-                       session_done=_flag(headers.get("x-session-done")))
+                       session_done=_flag(found.get(b"x-session-done")))
 
 
 def parse_chat_request(raw: bytes) -> ChatCompletionRequest:

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from clawrl.config import ConfigError, Settings, read_api_keys
 from clawrl.engine.server import document_request_models
@@ -90,20 +91,37 @@ class ChatFastPath:
     PATH = "/v1/chat/completions"
 
     def __init__(self, handler):
-        self.handler = handler
+        self.handler = handler  # async (scope, receive) -> response
 
     async def __call__(self, scope, receive, send):
-        request = Request(scope, receive)
         try:
-            response = await self.handler(request)
+            response = await self.handler(scope, receive)
         except _TooLarge:
             raise
+        except ClientDisconnect:  # the client left before its request was read: nobody to answer
+            return
         except GatewayError as e:
             response = error_response(e.status, e.message, e.type, e.param, headers=e.headers)
         except Exception as e:
             log.exception("unhandled error")
             response = error_response(500, f"internal error: {type(e).__name__}", "server_error")
         await response(scope, receive, send)
+
+
+async def read_body(receive) -> bytes:
+    """The whole request body from ASGI ``receive`` (Starlette's ``Request.body`` without its
+    stream wrapper; ``ClientDisconnect`` if the client leaves first)."""
+    msg = await receive()
+    if msg["type"] == "http.request" and not msg.get("more_body"):
+        return msg.get("body", b"")
+    chunks = []
+    while True:
+        if msg["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+        msg = await receive()
 
 
 class GatewayApp(FastAPI):
@@ -282,7 +300,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             served_model_name=settings.server.served_model_name, max_context_len=settings.engine.max_context_len),
             admin_keys=admin_keys, api_keys=api_keys))
     app.include_router(build_admin_router(settings.storage.data_root))
-    app.chat = BodyLimitMiddleware(ChatFastPath(lambda request: handle_chat(request)), settings.server.max_body_bytes)
+    app.chat = BodyLimitMiddleware(ChatFastPath(lambda scope, receive: handle_chat(scope, receive)),
+                                  settings.server.max_body_bytes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
 
     @app.exception_handler(GatewayError)
@@ -312,14 +331,15 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
 
-    async def handle_chat(request: Request) -> Response | RawResponse:
+    async def handle_chat(scope, receive) -> Response | RawResponse:
         t0 = time.perf_counter()
-        service: ChatService = request.app.state.service
-        ctx = turn_context_from_headers(request.headers, request.app.state.api_keys)
+        state = scope["app"].state
+        service: ChatService = state.service
+        ctx = turn_context_from_headers(scope["headers"], state.api_keys)
         if service.paused:
             metrics.requests.labels("503", "unknown", "unknown").inc()
             raise paused_error()
-        body = parse_chat_request(await request.body())
+        body = parse_chat_request(await read_body(receive))
         metrics.in_flight.inc()
         try:
             if body.stream:
@@ -352,7 +372,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
               responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                                                  "description": "The completion; an SSE stream when stream = true."}})
     async def chat_completions(request: Request):
-        return await handle_chat(request)
+        return await handle_chat(request.scope, request.receive)
 
     @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
     async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:

@@ -45,10 +45,15 @@ def validate_session_id(session_id: str) -> str:
     return session_id
 
 
+# json.dumps(obj, sort_keys=True, default=str) builds this encoder on every call; the bytes hashed
+# (and so every derived id) stay exactly those of that call.
+_ID_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
+
+
 def derive_session_id(namespace: str, messages: list[dict[str, Any]], user: str | None) -> str:
     first_system = next((m.get("content") for m in messages if m.get("role") in ("system", "developer")), None)
     first_user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
-    blob = json.dumps([namespace, user, first_system, first_user], sort_keys=True, default=str)
+    blob = _ID_ENCODER.encode([namespace, user, first_system, first_user])
     return "auto-" + hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

@@ -118,3 +118,8 @@ def test_session_id_validation_and_derivation():
     assert derive_session_id("ns", m1, None) != derive_session_id("other", m1, None)
     assert derive_session_id("ns", m1, None) != derive_session_id("ns", m1, "alice")
     assert validate_session_id(derive_session_id("ns", m1, None))
+    # Pinned: a derived id must not change across versions (a conversation that continues after an
+    # upgrade keeps its session). sha256 of '["ns", null, "s", "u"]' (json.dumps, sort_keys, ASCII):
+    assert derive_session_id("ns", m1, None) == "auto-829f743b500215853aab"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h\u00e9llo"}]}]  # keys sorted, non-ASCII escaped
+    assert derive_session_id("ns", parts, "alice") == "auto-c672bd11e945877aae52"
