@@ -673,8 +673,8 @@ class DataStore:
                     f"storage/schemas.py is out of date for {spec.record_type.__name__}: record fields "
                     f"{names} vs columns {spec.schema.names}"
                 )
-            self._checks[spec.record_type] = (operator.attrgetter(*names),
-                                              [(f.name, _value_check(f), f.type) for f in spec.schema])
+            values = operator.attrgetter(*names) if len(names) > 1 else (lambda r, n=names[0]: (getattr(r, n),))
+            self._checks[spec.record_type] = (values, [(f.name, _value_check(f), f.type) for f in spec.schema])
         try:
             for name, spec in TABLES.items():
                 self._logs[name] = TableLog(

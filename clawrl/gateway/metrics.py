@@ -64,15 +64,17 @@ class _Family:
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], new_child: Callable):
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
         self._new_child = new_child
-        self._children: dict[tuple[str, ...], object] = {}
+        self._children: dict[tuple[str, ...], object] = {}  # by label values as text
+        self._lookup: dict[tuple, object] = {}  # by the values as passed (labels(200) and labels("200") meet)
         self._solo = None if self.labelnames else self._child(())
 
-    def labels(self, *values: str):
-        child = self._children.get(values)
+    def labels(self, *values):
+        child = self._lookup.get(values)
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values!r}")
-            child = self._child(tuple(str(v) for v in values))
+            key = tuple(str(v) for v in values)
+            child = self._lookup[values] = self._children.get(key) or self._child(key)
         return child
 
     def _child(self, values: tuple[str, ...]):

@@ -24,6 +24,7 @@ def test_counters_and_gauges_render_as_prometheus_text():
     m.requests.labels("200", "false", "main").inc()  # the same child, looked up again
     assert m.requests.labels("200", "false", "main") is ok
     m.requests.labels("400", "true", "side").inc()
+    m.requests.labels(400, "true", "side").inc()  # a number for a label: the same child as its text
     m.prompt_tokens.inc(30)
     m.prompt_tokens.inc(12)
     m.in_flight.inc()
@@ -33,7 +34,7 @@ def test_counters_and_gauges_render_as_prometheus_text():
     s = scrape(m)
     key = lambda status, stream, tt: ("clawrl_requests_total", (("status", status), ("stream", stream), ("turn_type", tt)))
     assert s[key("200", "false", "main")] == 2.0
-    assert s[key("400", "true", "side")] == 1.0
+    assert s[key("400", "true", "side")] == 2.0
     assert ("clawrl_requests_total", (("status", "503"), ("stream", "false"), ("turn_type", "main"))) not in s
     assert s[("clawrl_prompt_tokens_total", ())] == 42.0
     assert s[("clawrl_completion_tokens_total", ())] == 0.0
