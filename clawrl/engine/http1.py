@@ -104,9 +104,11 @@ class _Connection(asyncio.Protocol):
 
     # ours
     def fail(self, error: HTTPError) -> None:
+        """End the connection with ``error``: whoever waits on it raises it."""
         if self.error is None:
             self.error = error
         self.close()
+        self._wake()
 
     def close(self) -> None:
         self.closed = True
@@ -240,7 +242,6 @@ class Exchange:
     def _expire(self) -> None:
         if self.conn is not None:
             self.conn.fail(DeadlineExceeded(f"no complete answer within {self.pool.timeout_s:g} s"))
-            self.conn._wake()
 
     def _end(self, keep: bool) -> None:
         if self._timer is not None:

@@ -40,9 +40,6 @@ class _Value:
     def dec(self, amount: float = 1.0) -> None:
         self.value -= amount
 
-    def set(self, value: float) -> None:
-        self.value = float(value)
-
 
 class _Buckets:
     __slots__ = ("bounds", "counts", "sum", "created")
@@ -112,9 +109,6 @@ class Gauge(_Family):
 
     def dec(self, amount: float = 1.0) -> None:
         self._solo.dec(amount)  # type: ignore[union-attr]
-
-    def set(self, value: float) -> None:
-        self._solo.set(value)  # type: ignore[union-attr]
 
     def set_function(self, fn: Callable[[], float]) -> None:
         """Read ``fn()`` at scrape time instead of a stored value."""

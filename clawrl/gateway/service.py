@@ -196,16 +196,14 @@ class ChatService:
             "top_p": 1.0 if req.top_p is None else req.top_p,
         }
         if req.stop:
-            sp["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+            sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if req.seed is not None:
             sp["sampling_seed"] = req.seed
-        unsupported = {k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))}
+        for k in ("frequency_penalty", "presence_penalty", "logit_bias"):
+            if getattr(req, k):
+                sp[k] = getattr(req, k)
         try:
-            if unsupported:  # from_dict names what this engine refuses, in SGLang's terms
-                sampling = SamplingParams.from_dict({**sp, **unsupported})
-            else:  # every key is a SamplingParams field: build it and check its values directly
-                sampling = SamplingParams(**sp)
-                sampling.validate()
+            sampling = SamplingParams.from_dict(sp)
         except BadRequestError as e:
             raise _sampling_error(e) from None
         gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
