@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
+
+from clawrl.engine import http1
 
 
 def _prompts(n: int) -> list[list[dict[str, str]]]:
@@ -142,36 +145,43 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
     ``blocks``: the paths take turns in blocks (``BLOCKS``), each with the whole load to itself - the
     difference also holds what the gateway's extra CPU costs everyone else on a saturated machine; ``pids``
     (the server processes) are charged CPU per path there."""
-    # A keep-alive connection for every client to each server: a pool smaller than that (the paired
-    # design has up to `concurrency` requests in flight to either one) closes and reopens connections,
-    # and the accepts land on the server loops mid-measurement.
-    per_host = concurrency + 4
-    limits = httpx.Limits(max_connections=2 * per_host, max_keepalive_connections=2 * per_host)
+    # The client is clawrl's own HTTP/1.1 pool (the one the gateway calls an engine with), a keep-alive
+    # connection per request in flight to each server: ~0.1 ms of CPU a request against ~1.4 ms with
+    # httpx, which on a small machine took CPU from the servers being measured. The gateway's
+    # Server-Timing header gives its own share of each request (``own_*``).
     counters = {"direct": 0, "gateway": 0}
+    own: list[float] = []
 
     def next_prompt(path: str) -> tuple[list[dict[str, str]], list[int]]:
         counters[path] += 1
         return prompts[counters[path] % len(prompts)]
 
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    engine_pool = http1.Pool(direct_url, timeout_s=120)
+    gateway_pool = http1.Pool(gateway_url, timeout_s=120, keep_headers=True)
+    try:
         async def direct():
             body = {"input_ids": next_prompt("direct")[1], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
-            r = await client.post(direct_url + "/generate", json=body)
-            r.raise_for_status()
+            async with engine_pool.post("/generate", orjson.dumps(body)) as r:
+                _check(r.status, await r.read(), direct_url + "/generate")
 
         async def via_gateway():
             body = {"messages": next_prompt("gateway")[0], "max_tokens": max_tokens, "temperature": 0.0,
                     "turn_type": "side"}
-            r = await client.post(gateway_url + "/v1/chat/completions", json=body)
-            r.raise_for_status()
+            async with gateway_pool.post("/v1/chat/completions", orjson.dumps(body)) as r:
+                _check(r.status, await r.read(), gateway_url + "/v1/chat/completions")
+                own.append(gateway_own_s(r.headers.get("server-timing", "")))
 
         for send in (direct, via_gateway):  # warm up connections and code paths
             await _closed_loop(send, 2 * concurrency, concurrency)
+        own.clear()
         if design == "paired":
             d_lat, g_lat = await _paired_loop((direct, via_gateway), n, concurrency)
         else:
             d_lat, g_lat, d_cpu, g_cpu = await _blocks_loop((direct, via_gateway), n, concurrency, pids or [])
+    finally:
+        await engine_pool.close()
+        await gateway_pool.close()
     row: dict[str, Any] = {"concurrency": concurrency, "requests": len(g_lat)}
     for name, lat in (("direct", d_lat), ("gateway", g_lat)):
         row[f"{name}_p50_ms"] = 1000 * _pct(lat, 0.50)
@@ -179,11 +189,33 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
     row["added_p50_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
     row["added_p99_ms"] = row["gateway_p99_ms"] - row["direct_p99_ms"]
     row["added_mean_ms"] = 1000 * (statistics.mean(g_lat) - statistics.mean(d_lat))
+    # added mean = the gateway's own time + the hop (parse and queue before the handler, the extra
+    # process's wake-ups and socket round trip): means add up, percentiles do not
+    row["own_p50_ms"] = 1000 * _pct(own, 0.50)
+    row["own_mean_ms"] = 1000 * statistics.mean(own)
+    row["hop_mean_ms"] = row["added_mean_ms"] - row["own_mean_ms"]
     if pids and design == "blocks":  # server CPU per request, both processes (paired, the paths overlap)
         row["direct_cpu_us"] = 1e6 * d_cpu / len(d_lat)
         row["gateway_cpu_us"] = 1e6 * g_cpu / len(g_lat)
         row["added_cpu_us"] = row["gateway_cpu_us"] - row["direct_cpu_us"]
     return row
+
+
+def _check(status: int, body: bytes, url: str) -> None:
+    if status != 200:
+        raise RuntimeError(f"{url} answered {status}: {body[:300]!r}")
+
+
+def gateway_own_s(server_timing: str) -> float:
+    """Seconds of the ``gateway`` metric in a Server-Timing header (routes.server_timing)."""
+    for metric in server_timing.split(","):
+        name, _, params = metric.strip().partition(";")
+        if name == "gateway":
+            for param in params.split(";"):
+                key, _, value = param.strip().partition("=")
+                if key == "dur":
+                    return float(value) / 1000.0
+    raise ValueError(f"no gateway;dur in Server-Timing {server_timing!r}")
 
 
 def _start(args: list[str], env: dict[str, str], health: str) -> subprocess.Popen:
@@ -264,7 +296,8 @@ def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
     from clawrl.bench.report import markdown_table
 
     cols = ["design", "engine", "concurrency", "requests", "direct_p50_ms", "gateway_p50_ms", "added_p50_ms",
-            "direct_p99_ms", "gateway_p99_ms", "added_p99_ms", "added_mean_ms", "added_cpu_us", "load_1m"]
+            "direct_p99_ms", "gateway_p99_ms", "added_p99_ms", "added_mean_ms", "own_p50_ms", "own_mean_ms",
+            "hop_mean_ms", "added_cpu_us", "load_1m"]
     a = result["append"]
     lines = [
         "## Gateway overhead and session-log append rate",
@@ -287,6 +320,12 @@ def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
         "the same CPU cores as the gateway, the difference also holds the throughput the gateway's extra CPU",
         "(`added_cpu_us`, server processes, per request) takes from generation - about 16-fold at",
         "concurrency 16, where a decode step serves 16 requests at once.",
+        "",
+        "`own_*`: the gateway's own time per request, from its `Server-Timing` header (`gateway;dur`: the",
+        "handler's time minus the engine call - parse, template, session bookkeeping, turn record and its",
+        "write-ahead-log write, response body). `hop_mean_ms` = `added_mean_ms` - `own_mean_ms`: what the extra",
+        "process costs around that work - the HTTP parse and the event loop's queue before the handler, the",
+        "wake-ups and the socket round trip. The client is clawrl's own HTTP/1.1 pool (`clawrl.engine.http1`).",
         "",
         markdown_table(result["latency"], cols),
         "",

@@ -130,12 +130,27 @@ class _Connection(asyncio.Protocol):
             raise self.error
 
 
+class _HeaderConnection(_Connection):
+    """A connection that also keeps the answer's headers (``Pool(keep_headers=True)``); the plain one
+    gives httptools no ``on_header`` callback, so the gateway's engine calls do not pay for them."""
+
+    def start(self) -> None:
+        super().start()
+        self.headers: dict[str, str] = {}
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        self.headers[key] = f"{self.headers[key]}, {text}" if key in self.headers else text  # RFC 9110 5.3
+
+
 class Pool:
     """Keep-alive connections to the server at ``base_url`` (scheme, host, port and an optional
-    path prefix); ``headers`` go with every request."""
+    path prefix); ``headers`` go with every request. With ``keep_headers`` each answer's headers are
+    read into :attr:`Exchange.headers` (names in lower case, a repeated one joined with ", ")."""
 
     def __init__(self, base_url: str, *, headers: Mapping[str, str] | None = None, timeout_s: float = 120.0,
-                 max_idle: int = 256):
+                 max_idle: int = 256, keep_headers: bool = False):
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -149,6 +164,7 @@ class Pool:
         lines = [f"Host: {netloc}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
         self._head_tail = ("\r\n".join(lines) + "\r\n").encode("latin-1")
         self.timeout_s, self.max_idle = timeout_s, max_idle
+        self._connection = _HeaderConnection if keep_headers else _Connection
         self._idle: list[_Connection] = []
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -167,7 +183,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
-                _, conn = await loop.create_connection(lambda: _Connection(loop), self.host, self.port,
+                _, conn = await loop.create_connection(lambda: self._connection(loop), self.host, self.port,
                                                        ssl=self.ssl)
         except TimeoutError:
             raise DeadlineExceeded(f"no connection within {self.timeout_s:g} s") from None
@@ -206,6 +222,7 @@ class Exchange:
         self.pool, self.request = pool, request
         self.conn: _Connection | None = None
         self.status = 0
+        self.headers: dict[str, str] = {}  # filled only by a Pool(keep_headers=True)
         self._timer: asyncio.TimerHandle | None = None
 
     async def __aenter__(self) -> Exchange:
@@ -225,6 +242,7 @@ class Exchange:
                 while not conn.head:
                     await conn.changed()
                 self.status = conn.status
+                self.headers = getattr(conn, "headers", self.headers)
                 return self
             except ConnectionClosed:
                 self._end(keep=False)

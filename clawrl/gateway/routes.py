@@ -139,6 +139,16 @@ class GatewayApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
+def server_timing(total_s: float, engine_s: float) -> bytes:
+    """The ``Server-Timing`` header of a chat completion (W3C Server Timing, milliseconds): ``engine``
+    = the engine call (its round trip over HTTP with an http engine), ``gateway`` = the rest of the
+    request's time in the handler - body parse, template, session bookkeeping, waiting for the
+    session's previous main turn, the turn record and its write-ahead-log write, the response body.
+    Not in it: the time before the handler runs (the HTTP parse, the event loop's queue) and the
+    response's way back, which a client measures as the rest of its latency."""
+    return b"gateway;dur=%.3f, engine;dur=%.3f" % (1000.0 * (total_s - engine_s), 1000.0 * engine_s)
+
+
 class RawResponse:
     """A finished body and its raw ASGI headers, sent as they are (Starlette's Response rebuilds
     the header list on every request)."""
@@ -346,20 +356,23 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
                 headers, events = await service.stream(body, ctx)
                 return StreamingResponse(_counted(events, metrics), media_type="text/event-stream",
                                          headers={**headers, "Cache-Control": "no-cache"})
+            timing: dict[str, float] = {}
             try:
-                resp = await service.complete(body, ctx)
+                resp = await service.complete(body, ctx, timing)
             except GatewayError as e:
                 turn_type = body.turn_type or ctx.turn_type or settings.server.default_turn_type
                 metrics.requests.labels(str(e.status), "false", turn_type).inc()
                 raise
             metrics.requests.labels("200", "false", resp["turn_type"]).inc()
-            metrics.latency.labels("false").observe(time.perf_counter() - t0)
             payload = orjson.dumps(resp)
+            total = time.perf_counter() - t0
+            metrics.latency.labels("false").observe(total)
             return RawResponse(payload, [
                 (b"content-length", b"%d" % len(payload)), (b"content-type", b"application/json"),
                 (b"x-session-id", resp["session_id"].encode()), (b"x-turn-type", resp["turn_type"].encode()),
                 (b"x-turn-index", b"%d" % resp["turn_index"]),
-                (b"x-weight-version", resp["weight_version"].encode("latin-1"))])
+                (b"x-weight-version", resp["weight_version"].encode("latin-1")),
+                (b"server-timing", server_timing(total, timing["engine_s"]))])
         finally:
             if not body.stream:
                 metrics.in_flight.dec()

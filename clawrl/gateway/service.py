@@ -129,13 +129,19 @@ class ChatService:
         metrics.open_sessions.set_function(lambda: len(tracker))
 
     # --------------------------------------------------------------------------- public API
-    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> dict[str, Any]:
+    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext,
+                       timing: dict[str, float] | None = None) -> dict[str, Any]:
         """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
-        response is serialized once, with orjson, on the gateway's hot path)."""
+        response is serialized once, with orjson, on the gateway's hot path). ``timing``, if given,
+        gets ``engine_s``: the seconds spent in the engine call (the rest of a request's time in the
+        gateway is its own work, and the wait for the session's previous main turn)."""
         turn = self._prepare(req, ctx)
         async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
             self._link_next_state(turn)
+            t_engine = time.perf_counter()
             result = await self._generate(turn.gen)
+            if timing is not None:
+                timing["engine_s"] = time.perf_counter() - t_engine
             parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
             finish = _finish_reason(result, parsed)
             index = self._record(turn, result, parsed, finish)

@@ -89,6 +89,32 @@ def test_keep_alive_reuses_one_connection_and_sends_prefix_host_and_headers():
     assert "Content-Length: 8\r\n" in head and srv.requests[3][2] == b'{"i": 3}'
 
 
+def test_headers_are_kept_only_when_asked_per_answer_on_a_reused_connection():
+    """keep_headers: each answer's own headers (lower-case names, a repeated one joined with ", "),
+    fresh for the next answer on the same connection; without it nothing is parsed into them."""
+    srv = Scripted(lambda c, r, head: ok(b"{}", b"Server-Timing: gateway;dur=%d\r\nX-A: 1\r\nx-a: 2\r\n" % r
+                                         if r == 0 else b"X-Other: yes\r\n"))
+
+    async def main():
+        async with srv.running() as url:
+            seen = []
+            for keep in (True, False):
+                pool = http1.Pool(url, keep_headers=keep)
+                for _ in range(2):
+                    async with pool.post("/x", b"{}") as answer:
+                        await answer.read()
+                        seen.append(dict(answer.headers))
+                await pool.close()
+            return seen
+
+    kept0, kept1, plain0, plain1 = run(main())
+    assert kept0 == {"content-type": "application/json", "content-length": "2", "server-timing": "gateway;dur=0",
+                     "x-a": "1, 2"}
+    assert kept1 == {"content-type": "application/json", "content-length": "2", "x-other": "yes"}
+    assert plain0 == plain1 == {}
+    assert srv.connections == 2  # one per pool: the headers were read on a kept-alive connection
+
+
 def test_concurrent_requests_each_get_a_connection_then_all_are_kept():
     srv = Scripted(lambda c, r, head: [0.05, ok(b"{}")])
 

@@ -25,6 +25,9 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
         assert r["requests"] == 8
         assert 0 < r["direct_p50_ms"] <= r["direct_p99_ms"] and 0 < r["gateway_p50_ms"] <= r["gateway_p99_ms"]
         assert abs(r["added_p50_ms"] - (r["gateway_p50_ms"] - r["direct_p50_ms"])) < 1e-9
+        # the gateway's own share (its Server-Timing) is part of a gateway request's latency; the hop is the rest
+        assert 0 < r["own_p50_ms"] < r["gateway_p50_ms"] and 0 < r["own_mean_ms"] < r["gateway_p99_ms"]
+        assert abs(r["hop_mean_ms"] - (r["added_mean_ms"] - r["own_mean_ms"])) < 1e-9
         if r["design"] == "paired":  # the paths overlap in time: no CPU per path
             assert "added_cpu_us" not in r
             continue

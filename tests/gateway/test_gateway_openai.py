@@ -259,3 +259,45 @@ def test_open_mode_must_be_explicit(gateway_settings, monkeypatch):
     monkeypatch.delenv("CLAWRL_API_KEYS", raising=False)
     with pytest.raises(ConfigError, match="open_mode"):
         create_app(gateway_settings(server__open_mode=False))
+
+
+def test_server_timing_splits_engine_and_gateway_time(gateway, tiny_engine):
+    """A non-streamed completion says how long its engine call took and how long the gateway's own
+    work did (W3C Server-Timing, ms); an engine that sleeps 200 ms shows up in the engine part only."""
+    import asyncio
+    import time
+
+    class SlowEngine:
+        def __getattr__(self, name):
+            return getattr(tiny_engine, name)
+
+        async def generate(self, req):
+            await asyncio.sleep(0.2)
+            return await tiny_engine.generate(req)
+
+    s, store, ctx = gateway(engine=SlowEngine())
+    with ctx as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="unused")
+        t0 = time.perf_counter()
+        raw = client.chat.completions.with_raw_response.create(
+            model="clawrl-policy", messages=[{"role": "user", "content": "Hello there"}], max_tokens=4)
+        elapsed_ms = 1000 * (time.perf_counter() - t0)
+        raw.parse()
+    metrics = {}
+    for part in raw.headers["server-timing"].split(","):
+        name, dur = part.strip().split(";")
+        assert dur.startswith("dur=")
+        metrics[name] = float(dur[4:])
+    assert set(metrics) == {"gateway", "engine"}
+    assert metrics["engine"] >= 200.0 and metrics["gateway"] >= 0.0
+    assert metrics["gateway"] < 200.0  # the sleep is not counted as the gateway's own time
+    assert metrics["engine"] + metrics["gateway"] <= elapsed_ms
+
+
+def test_server_timing_reader_of_the_bench():
+    from clawrl.bench.gateway import gateway_own_s
+
+    assert gateway_own_s("gateway;dur=0.612, engine;dur=66.801") == pytest.approx(0.000612)
+    assert gateway_own_s('engine;dur=3, gateway;desc="own";dur=1.5') == pytest.approx(0.0015)
+    with pytest.raises(ValueError, match="no gateway;dur"):
+        gateway_own_s("engine;dur=3")
