@@ -5,6 +5,7 @@ asserted here)."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 from clawrl.bench.gateway import _direct_url, _paired_loop, _prompts, run_gateway_bench
 from storage.catalog import open_catalog
@@ -20,7 +21,10 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
     result = run_gateway_bench(model_cache=model_cache, concurrencies=(1, 4), n=8, max_tokens=4, append_turns=2000)
     rows = result["latency"]
     assert [(r["engine"], r["design"], r["concurrency"]) for r in rows] == [
-        (eng, d, c) for eng in ("embedded", "http") for d in ("paired", "blocks") for c in (1, 4)]
+        (eng, d, c) for eng in ("embedded", "http") for d in ("paired", "blocks") for c in (1, 4)] + [
+        ("http, engine nice 19", "paired", c) for c in (1, 4)]
+    # the stand-in for a GPU engine really ran at the lowest priority, the others at the bench's own
+    assert [r["engine_nice"] for r in rows] == [os.getpriority(os.PRIO_PROCESS, 0)] * 8 + [19, 19]
     for r in rows:
         assert r["requests"] == 8
         assert 0 < r["direct_p50_ms"] <= r["direct_p99_ms"] and 0 < r["gateway_p50_ms"] <= r["gateway_p99_ms"]
@@ -41,7 +45,7 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
     finally:
         con.close()
     # per topology, design and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
-    assert n == 2 * 2 * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
+    assert n == (2 * 2 + 1) * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
     assert distinct >= 16  # distinct user messages, not one repeated prompt
     assert result["append"]["rows_in_duckdb"] == 2000
 
