@@ -1,10 +1,12 @@
 """Gateway overhead: latency added over a direct engine call, and the session-log append rate.
 
 Processes: ``clawrl engine`` serving the tiny model; ``clawrl serve`` with its own embedded engine
-(the default) or in front of that ``clawrl engine`` (``engine.kind = "http"``); this process as the
-client. The direct call is the engine's ``/generate`` with the prompt ids the gateway would render
-and the same greedy sampling, so both paths generate the same tokens. Added latency = gateway
-percentile - direct percentile, at each concurrency, in each design (``_measure``).
+(the default) or in front of that ``clawrl engine`` (``engine.kind = "http"``; once more with the
+engine at nice 19, ``TOPOLOGIES``); this process as the client, over ``clawrl.engine.http1``. The direct
+call is the engine's ``/generate`` with the prompt ids the gateway would render and the same greedy
+sampling, so both paths generate the same tokens. Added latency = gateway percentile - direct
+percentile, at each concurrency, in each design (``_measure``); the gateway's ``Server-Timing`` splits it
+into the gateway's own work and the hop.
 """
 
 from __future__ import annotations
