@@ -1,12 +1,15 @@
 """The gateway through the real openai SDK, over real HTTP, with the real tiny engine."""
 
+import asyncio
 import json
+import time
 
 import httpx
 import openai
 import pytest
 from openai import OpenAI
 
+from clawrl.bench.gateway import gateway_own_s
 from clawrl.gateway.routes import create_app
 from clawrl.models import load_tokenizer
 from storage.catalog import run_query
@@ -264,9 +267,6 @@ def test_open_mode_must_be_explicit(gateway_settings, monkeypatch):
 def test_server_timing_splits_engine_and_gateway_time(gateway, tiny_engine):
     """A non-streamed completion says how long its engine call took and how long the gateway's own
     work did (W3C Server-Timing, ms); an engine that sleeps 200 ms shows up in the engine part only."""
-    import asyncio
-    import time
-
     class SlowEngine:
         def __getattr__(self, name):
             return getattr(tiny_engine, name)
@@ -295,8 +295,6 @@ def test_server_timing_splits_engine_and_gateway_time(gateway, tiny_engine):
 
 
 def test_server_timing_reader_of_the_bench():
-    from clawrl.bench.gateway import gateway_own_s
-
     assert gateway_own_s("gateway;dur=0.612, engine;dur=66.801") == pytest.approx(0.000612)
     assert gateway_own_s('engine;dur=3, gateway;desc="own";dur=1.5') == pytest.approx(0.0015)
     with pytest.raises(ValueError, match="no gateway;dur"):
