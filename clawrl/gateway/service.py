@@ -138,10 +138,9 @@ class ChatService:
         turn = self._prepare(req, ctx)
         async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
             self._link_next_state(turn)
-            t_engine = time.perf_counter()
-            result = await self._generate(turn.gen)
+            result, engine_s = await self._generate(turn.gen)
             if timing is not None:
-                timing["engine_s"] = time.perf_counter() - t_engine
+                timing["engine_s"] = engine_s
             parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
             finish = _finish_reason(result, parsed)
             index = self._record(turn, result, parsed, finish)
@@ -232,7 +231,8 @@ class ChatService:
                     raise
                 self.metrics.next_states.labels(rec.reason).inc()
 
-    async def _generate(self, gen: GenerateRequest) -> GenerateResult:
+    async def _generate(self, gen: GenerateRequest) -> tuple[GenerateResult, float]:
+        """The engine's result and the seconds the call took."""
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.options.engine_timeout_s):  # no extra task, unlike wait_for
@@ -244,9 +244,10 @@ class ChatService:
             raise GatewayError(400, str(e)) from None
         except EngineError as e:
             raise GatewayError(502, f"engine unavailable: {e}", "engine_unavailable") from None
-        self.metrics.engine_latency.observe(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.metrics.engine_latency.observe(elapsed)
         self.weight_version = result.weight_version
-        return result
+        return result, elapsed
 
     def _engine_call(self, gen: GenerateRequest):
         hook = self.options.generate_hook
