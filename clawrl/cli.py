@@ -54,7 +54,7 @@ def serve(
 
     overrides = {k: v for k, v in {"server.host": host, "server.api_port": port}.items() if v is not None}
     settings = settings_or_exit(config, overrides)
-    from storage.writer import DataRootError
+    from clawrl.storage.writer import DataRootError
 
     try:
         app = create_app(settings)
@@ -103,7 +103,7 @@ def engine(
     version = "0"
     if resume:
         from clawrl.sync import CheckpointError, verify_checkpoint
-        from storage.catalog import last_synced_checkpoint, open_catalog
+        from clawrl.storage.catalog import last_synced_checkpoint, open_catalog
 
         con = open_catalog(s.storage.data_root)
         try:
@@ -156,7 +156,7 @@ def sql(
     from rich.table import Table
     from rich.text import Text
 
-    from storage.catalog import ReadOnlyQueryError, export_table, format_cell, run_query
+    from clawrl.storage.catalog import ReadOnlyQueryError, export_table, format_cell, run_query
 
     if fmt is SqlFormat.PARQUET and out is None:
         err.print("--format parquet needs --out FILE", markup=False)
@@ -355,7 +355,7 @@ def judge(
 ) -> None:
     """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
     settings_or_exit(config)
-    from flows.judge import judge_flow
+    from clawrl.flows.judge import judge_flow
 
     out = judge_flow(config_path=str(config) if config else None, limit=limit)
     console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
@@ -367,7 +367,7 @@ def status(config: ConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
     s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
-    from storage.catalog import open_catalog, pending_counts, sync_state
+    from clawrl.storage.catalog import open_catalog, pending_counts, sync_state
 
     chash = build_judge_config_hash(s)
     con = open_catalog(s.storage.data_root)
@@ -409,7 +409,7 @@ def train(
 ) -> None:
     """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
     settings_or_exit(config)
-    from flows.train import train_flow
+    from clawrl.flows.train import train_flow
 
     out = train_flow(config_path=str(config) if config else None, max_steps=steps, trainer_url=trainer_url,
                      engine_url=engine_url)
@@ -437,10 +437,10 @@ def sync(
     from clawrl import runtime
     from clawrl.config import read_admin_key
     from clawrl.engine.sglang_client import SGLangClient
-    from clawrl.samples import utcnow
+    from clawrl.records import utcnow
     from clawrl.sync import sync_from_disk
-    from flows.common import record_sync
-    from storage.catalog import open_catalog
+    from clawrl.flows.common import record_sync
+    from clawrl.storage.catalog import open_catalog
 
     con = open_catalog(s.storage.data_root)
     try:
@@ -479,7 +479,7 @@ def lineage(
     s = settings_or_exit(config)
     from rich.tree import Tree
 
-    from storage.catalog import lineage_chain, open_catalog
+    from clawrl.storage.catalog import lineage_chain, open_catalog
 
     con = open_catalog(s.storage.data_root)
     try:
@@ -532,7 +532,7 @@ def up(
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
     from clawrl.supervisor import run_up
 
-    from storage.writer import DataRootError, check_data_root
+    from clawrl.storage.writer import DataRootError, check_data_root
 
     s = settings_or_exit(config)
     try:  # before any service starts: a clear line, not a traceback from a child process
@@ -580,7 +580,7 @@ def replay_cmd(
         except ConfigError as e:
             err.print(str(e), markup=False, style="red")
             raise typer.Exit(2) from None
-    from flows.replay import replay_flow
+    from clawrl.flows.replay import replay_flow
 
     try:
         report = replay_flow(config_path=str(config) if config else None, version=version,
@@ -639,8 +639,8 @@ def demo(
     from clawrl.judge.runner import POLICY_ENGINE
     from clawrl.models import resolve_model_dir
     from clawrl.serving import serve_in_thread
-    from flows.common import data_store
-    from flows.loop import learning_loop
+    from clawrl.flows.common import data_store
+    from clawrl.flows.loop import learning_loop
 
     with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
@@ -650,7 +650,7 @@ def demo(
                             worker_cpus=s.engine.worker_cpus)
     runtime.register(POLICY_ENGINE, engine)  # the train flow syncs this engine in-process
     # the flows and the gateway share one store; settings are cached by config path in flows.common
-    from flows.common import load_flow_settings
+    from clawrl.flows.common import load_flow_settings
 
     store = data_store(load_flow_settings(str(run_conf)))
     gw = serve_in_thread(create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store))
@@ -678,7 +678,7 @@ def demo(
                   f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
     from clawrl.judge.runner import build_judge_config_hash
-    from storage.catalog import open_catalog, pending_counts
+    from clawrl.storage.catalog import open_catalog, pending_counts
 
     con = open_catalog(s.storage.data_root)
     try:

@@ -16,11 +16,12 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from clawrl.records import Method
 
 REPO_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_CONFIG_PATH = REPO_CONF_DIR / "default.toml"
@@ -42,14 +43,6 @@ OFFLINE_ENV = {
 
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who has to fix it."""
-
-
-class Method(str, Enum):
-    """How the advantage is formed (MISSION.md, 'Three methods, one PPO objective')."""
-
-    GRPO = "grpo"
-    OPD = "on_policy_distillation"
-    COMBINE = "combine"
 
 
 class _Section(BaseModel):

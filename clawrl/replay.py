@@ -68,7 +68,7 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
 
     from clawrl.config import load_settings
     from clawrl.train.trainer import samples_from_rows, trainer_from_settings
-    from storage.catalog import batch_samples, config_snapshot_path, open_catalog, replay_plan
+    from clawrl.storage.catalog import batch_samples, config_snapshot_path, open_catalog, replay_plan
 
     data_root = Path(settings.storage.data_root)
     con = open_catalog(data_root)

@@ -111,7 +111,7 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
         Service("trainer", [py, "-m", "clawrl.cli", "trainer", "-c", str(config_path), "--port", str(trainer_port)],
                 f"http://{host}:{trainer_port}/state", f"http://{host}:{trainer_port}"),
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
-        Service("flows", [py, "-m", "flows.serve", "--config", str(config_path), "--trainer-url",
+        Service("flows", [py, "-m", "clawrl.flows.serve", "--config", str(config_path), "--trainer-url",
                           f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine",
                           "--judge-every", str(judge_every_s), "--train-every", str(train_every_s)],
                 f"{prefect_api}/health", f"deployments: judge/on-interval (every {judge_every_s:g} s), "

@@ -12,7 +12,7 @@ def load_flow_settings(config_path: str | None) -> Settings:
 
 
 def data_store(settings: Settings):
-    from storage.writer import DataStore
+    from clawrl.storage.writer import DataStore
 
     return runtime.get_or_create(f"store:{settings.storage.data_root}", lambda: DataStore(settings.storage.data_root))
 
@@ -24,7 +24,7 @@ def record_sync(s: Settings, rep, *, weight_version: str, target: str, checkpoin
     import uuid
 
     from clawrl.lineage import log_sync
-    from clawrl.samples import SyncRecord
+    from clawrl.records import SyncRecord
 
     store = data_store(s)
     store.append(SyncRecord(sync_id=uuid.uuid4().hex[:16], weight_version=str(weight_version), target=target,

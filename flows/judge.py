@@ -28,8 +28,8 @@ from clawrl.judge.runner import (
     outcome_records,
     turn_from_row,
 )
-from flows.common import data_store, load_flow_settings
-from storage.catalog import open_catalog, pending_counts, turns_to_judge
+from clawrl.flows.common import data_store, load_flow_settings
+from clawrl.storage.catalog import open_catalog, pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
 

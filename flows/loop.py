@@ -23,10 +23,10 @@ from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
 from clawrl.sim.users import evaluation_round, kl_to_reference, score, summarize_round, training_round
-from flows.common import data_store, load_flow_settings
-from flows.judge import judge_flow
-from flows.train import train_flow
-from storage.catalog import open_catalog, session_turns
+from clawrl.flows.common import data_store, load_flow_settings
+from clawrl.flows.judge import judge_flow
+from clawrl.flows.train import train_flow
+from clawrl.storage.catalog import open_catalog, session_turns
 
 
 def _client(url: str):

@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from clawrl.config import parse_override
 from clawrl.lineage import log_replay
 from clawrl.replay import replay
-from flows.common import load_flow_settings
+from clawrl.flows.common import load_flow_settings
 
 
 @task(cache_policy=NO_CACHE)
@@ -40,7 +40,7 @@ def record_replay(config_path: str | None, report: dict[str, Any]) -> str:
 def replay_flow(config_path: str | None = None, version: str = "latest", exclude_sessions: list[str] | None = None,
                 reason: str = "", set_overrides: list[str] | None = None) -> dict[str, Any]:
     """``version``: a weight version or 'latest'; ``set_overrides``: ["ppo.lr=1e-5", ...]."""
-    from storage.catalog import latest_version, open_catalog
+    from clawrl.storage.catalog import latest_version, open_catalog
 
     if version == "latest":
         s = load_flow_settings(config_path)

@@ -20,9 +20,9 @@ from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 
-from flows.judge import SAMPLES_READY_EVENT, judge_flow
-from flows.replay import replay_flow
-from flows.train import train_flow
+from clawrl.flows.judge import SAMPLES_READY_EVENT, judge_flow
+from clawrl.flows.replay import replay_flow
+from clawrl.flows.train import train_flow
 
 
 def build_deployments(config_path: str, trainer_url: str | None, engine_url: str | None,

@@ -34,12 +34,12 @@ from clawrl.config import Settings, config_hash, dump_toml
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import POLICY_ENGINE, build_judge_config_hash
 from clawrl.lineage import log_train_step
-from clawrl.samples import BatchRecord, CheckpointRecord, Fate, FateRecord
-from clawrl.train.selection import select_batch
+from clawrl.records import BatchRecord, CheckpointRecord, Fate, FateRecord
+from clawrl.storage.selection import select_batch
 from clawrl.train.trainer import Trainer, samples_from_rows, trainer_from_settings
-from flows.common import data_store, load_flow_settings, record_sync
+from clawrl.flows.common import data_store, load_flow_settings, record_sync
 from clawrl.train.service import request_step
-from storage.catalog import (
+from clawrl.storage.catalog import (
     batch_manifest,
     batch_samples,
     checkpoint_exists,
@@ -159,7 +159,7 @@ def record_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str
 @task(cache_policy=NO_CACHE)
 def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None,
                  run_id: str | None = None) -> dict[str, Any]:
-    from clawrl.samples import utcnow
+    from clawrl.records import utcnow
     from clawrl.sync import sync_from_disk, sync_state_dict
 
     s = load_flow_settings(config_path)

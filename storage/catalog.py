@@ -72,8 +72,8 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clawrl.samples import Fate, TurnType
-from storage.schemas import TABLES, duckdb_type
+from clawrl.records import Fate, TurnType
+from clawrl.storage.schemas import TABLES, duckdb_type
 
 # view name -> table directory under <data_root>/tables/
 VIEWS: dict[str, str] = {
@@ -509,7 +509,7 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     last_ok = next((r for r in rows if r["ok"]), None)
     seen = next((r["serving_version"] for r in rows if r["serving_version"] is not None), None)
     latest = latest_version(con)
-    from clawrl.train.selection import parse_version
+    from clawrl.storage.selection import parse_version
 
     waiting = [] if seen is None else [str(v) for v in range(parse_version(seen) + 1, latest + 1)]
     return {"attempts": len(rows), "failures": sum(not r["ok"] for r in rows), "last": last, "last_ok": last_ok,

@@ -1,4 +1,4 @@
-"""One pyarrow schema per table: the on-disk shape of every record in ``clawrl.samples``.
+"""One pyarrow schema per table: the on-disk shape of every record in ``clawrl.records``.
 
 Each schema lists the dataclass's fields in declaration order, with these types:
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from clawrl.samples import (
+from clawrl.records import (
     BatchRecord,
     CheckpointRecord,
     FateRecord,

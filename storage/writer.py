@@ -74,7 +74,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from storage.schemas import PARTITION_SOURCE, TABLE_OF_RECORD, TABLES, duckdb_type
+from clawrl.storage.schemas import PARTITION_SOURCE, TABLE_OF_RECORD, TABLES, duckdb_type
 
 log = logging.getLogger(__name__)
 
@@ -645,7 +645,7 @@ def check_data_root(data_root: str | os.PathLike) -> Path:
 
 
 class DataStore:
-    """Every clawrl table under ``<data_root>/tables/``; append any ``clawrl.samples`` record.
+    """Every clawrl table under ``<data_root>/tables/``; append any ``clawrl.records`` record.
 
     Thread-safe; several processes may open the same data root. Append is cheap enough to call
     inline from an asyncio handler (p50 ~14 us for a 264-token turn on 2 loaded cores; see
@@ -688,7 +688,7 @@ class DataStore:
     def append(self, records: Any) -> int:
         """Append one record or a list of records (any mix of tables); return the rows written.
 
-        Raises TypeError for an object that is not a clawrl.samples record and ValueError for a
+        Raises TypeError for an object that is not a clawrl.records record and ValueError for a
         field that would not fit its column (wrong type, naive datetime, NaN/inf), before anything
         is written. Rows of one table go in one write; a mixed list is one write per table.
         """

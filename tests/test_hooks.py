@@ -6,8 +6,8 @@ from openai import OpenAI
 from clawrl.config import dump_toml
 from clawrl.gateway.routes import create_app
 from clawrl.hooks import HookError, hook_params, load_hook
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils import example_hooks
 from tests.utils.gateway_server import running_gateway
 
@@ -55,8 +55,8 @@ def test_generate_hook_serves_through_the_gateway(make_settings, tiny_engine):
 
 def test_reward_loss_and_sample_source_hooks_end_to_end(prefect_harness, make_settings, tiny_engine, tmp_path):
     """Judge flow with the reward hook; train flow with the sample_source and loss hooks."""
-    from flows.judge import judge_flow
-    from flows.train import train_flow
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
 
     s = make_settings({"server.open_mode": True, "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 2,
                        "ppo.kl_coef": 0.0, "hooks.reward": f"{H}:reward", "hooks.loss": f"{H}:loss",

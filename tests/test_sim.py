@@ -61,7 +61,7 @@ def test_question_split_is_fixed_and_disjoint():
 
 
 def test_round_questions_walk_the_pool_and_repeat_for_groups():
-    from flows.loop import round_questions
+    from clawrl.flows.loop import round_questions
 
     pool = list("abcdefghij")
     assert round_questions(pool, 1, 4) == list("abcd") and round_questions(pool, 3, 4) == list("ijab")  # wraps

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from clawrl.config import Method
+from clawrl.records import Method
 
 
 def normalize_group_rewards(reward: Tensor, group_ids: Tensor, *, std_normalize: bool = False,

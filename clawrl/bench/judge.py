@@ -22,7 +22,7 @@ def build_judge_turns(tokenizer, n: int) -> list[tuple[Any, Any]]:
     """n synthetic (turn, next_state) pairs with realistic short conversations."""
     import json
 
-    from clawrl.samples import NextStateRecord, TurnRecord, utcnow
+    from clawrl.records import NextStateRecord, TurnRecord, utcnow
 
     out = []
     for i in range(n):
@@ -44,7 +44,7 @@ def build_judge_turns(tokenizer, n: int) -> list[tuple[Any, Any]]:
 
 
 async def _judge_all(engine, tokenizer, pairs, concurrency: int, judge_samples: int, max_tokens: int) -> float:
-    from clawrl.config import Method
+    from clawrl.records import Method
     from clawrl.judge.backends import EngineJudge
     from clawrl.judge.pipeline import judge_turn
 

@@ -151,12 +151,12 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     server, or the ephemeral one Prefect starts)."""
     from clawrl.bench.report import describe_machine, load_average
     from clawrl.config import OFFLINE_ENV
-    from storage.catalog import run_query
+    from clawrl.storage.catalog import run_query
 
     # flows/ is the Prefect layer: imported here, where the benchmark drives it, not at module import
-    from flows.common import load_flow_settings
-    from flows.judge import judge_flow
-    from flows.train import local_trainer, train_flow
+    from clawrl.flows.common import load_flow_settings
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import local_trainer, train_flow
 
     root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
     port = _free_port()

@@ -21,9 +21,9 @@ from typing import Any
 
 import orjson
 
-from clawrl.samples import TurnRecord, make_turn_id, utcnow
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.records import TurnRecord, make_turn_id, utcnow
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 
 
 def build_turn_templates(

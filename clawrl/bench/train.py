@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from clawrl.config import Method
-from clawrl.samples import SampleRecord
+from clawrl.records import Method
+from clawrl.records import SampleRecord
 from clawrl.train.base import PPOHyperParams
 from clawrl.train.batch import TokenBatch, collate_samples
 from clawrl.train.torch_backend import TorchBackend

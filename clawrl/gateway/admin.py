@@ -78,7 +78,7 @@ def build_admin_router(data_root) -> APIRouter:
 
 
 def _version_for_run(data_root, run_id: str) -> str | None:
-    from storage.catalog import open_catalog, version_for_run
+    from clawrl.storage.catalog import open_catalog, version_for_run
 
     con = open_catalog(data_root)
     try:

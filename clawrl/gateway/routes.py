@@ -239,7 +239,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
     generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
     owned_engine = engine is None
     if store is None:  # refuse a data root we cannot write before loading a model (DataRootError)
-        from storage.writer import check_data_root
+        from clawrl.storage.writer import check_data_root
 
         check_data_root(settings.storage.data_root)
     if engine is None:
@@ -252,7 +252,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         if tokenizer is None:
             tokenizer = engine.tokenizer  # type: ignore[attr-defined]
         if store is None:
-            from storage.writer import DataStore
+            from clawrl.storage.writer import DataStore
 
             store, owned_store = DataStore(settings.storage.data_root), True
         if hasattr(engine, "start"):
@@ -418,7 +418,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         except Exception:
             ok = False
         if service.storage_error is not None:  # the last append failed: is the data root writable again?
-            from storage.writer import DataRootError, check_data_root
+            from clawrl.storage.writer import DataRootError, check_data_root
 
             try:
                 check_data_root(settings.storage.data_root)
@@ -442,7 +442,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
 
 
 def _session_log(store: Any, data_root, namespace: str, session_id: str) -> list[dict[str, Any]]:
-    from storage.catalog import open_catalog, session_log
+    from clawrl.storage.catalog import open_catalog, session_log
 
     if hasattr(store, "flush"):
         store.flush()  # read your own writes: turns still in the write-ahead log become Parquet
@@ -477,7 +477,7 @@ def _restore_sessions(tracker: SessionTracker, settings: Settings, store: Any) -
     sweep closes it if none comes), and every recent session goes on counting turn indices where
     it stopped, so a returning session never reuses one. Returns the sessions restored as open."""
     from clawrl.gateway.sessions import PendingTurn
-    from storage.catalog import open_catalog, session_states
+    from clawrl.storage.catalog import open_catalog, session_states
 
     if hasattr(store, "flush"):
         store.flush()  # the WAL of a killed predecessor was recovered when the store opened

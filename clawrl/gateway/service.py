@@ -39,7 +39,7 @@ from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
 from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session_id, validate_session_id
 from clawrl.ids import new_id
-from clawrl.samples import NextStateRecord, TurnRecord, TurnType, utcnow
+from clawrl.records import NextStateRecord, TurnRecord, TurnType, utcnow
 
 
 log = logging.getLogger("clawrl.gateway")

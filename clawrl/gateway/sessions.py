@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from clawrl.samples import NextStateRecord
+from clawrl.records import NextStateRecord
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.samples import NextStateRecord, TurnRecord
+from clawrl.records import NextStateRecord, TurnRecord
 
 ROLE_LABELS = {
     "system": "[system]",

@@ -1,7 +1,7 @@
 """Judge one turn: PRM votes and hint votes (concurrently), teacher log-probs, the sample, its fate.
 
-Every turn that reaches this function leaves with exactly one :class:`~clawrl.samples.FateRecord`
-(nothing is dropped silently) and, when the judge ran, a :class:`~clawrl.samples.JudgeVerdict`
+Every turn that reaches this function leaves with exactly one :class:`~clawrl.records.FateRecord`
+(nothing is dropped silently) and, when the judge ran, a :class:`~clawrl.records.JudgeVerdict`
 holding every raw judge output. Which turns make samples:
 
 | method  | judge calls    | sample when          | reward          | teacher log-probs | else (fate) |
@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.config import Method
+from clawrl.records import Method
 from clawrl.engine.types import BadRequestError, Engine, EngineError
 from clawrl.judge.backends import JudgeBackend
 from clawrl.judge.context import build_judge_context
@@ -43,7 +43,7 @@ from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.prompts import PROMPTS_VERSION, build_hint_messages, build_prm_messages
 from clawrl.judge.teacher import TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs
 from clawrl.judge.voting import majority_vote, select_hint
-from clawrl.samples import Fate, FateRecord, JudgeVerdict, NextStateRecord, SampleRecord, TurnRecord, TurnType
+from clawrl.records import Fate, FateRecord, JudgeVerdict, NextStateRecord, SampleRecord, TurnRecord, TurnType
 
 ERROR_PREFIX = "[judge error] "  # how a failed vote appears among the raw outputs
 

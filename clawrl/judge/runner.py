@@ -12,12 +12,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from clawrl import runtime
-from clawrl.config import Method, Settings, read_secret, resolve_device
+from clawrl.config import Settings, read_secret, resolve_device
+from clawrl.records import Method
 from clawrl.engine.types import Engine
 from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
 from clawrl.judge.pipeline import JudgeOutcome, judge_config_hash, judge_turn
-from clawrl.samples import NextStateRecord, TurnRecord
+from clawrl.records import NextStateRecord, TurnRecord
 
 FROZEN_ENGINE = "frozen-engine"  # runtime registry name of the frozen initial model
 POLICY_ENGINE = "policy-engine"  # runtime registry name of the serving engine, when in-process
@@ -236,7 +237,7 @@ def outcome_records(outcome: JudgeOutcome) -> list[Any]:
 
 def failure_records(turn: TurnRecord, judge: Judge, error: str) -> list[Any]:
     """Verdict + fate for a turn whose every judge attempt raised."""
-    from clawrl.samples import Fate, FateRecord, JudgeVerdict
+    from clawrl.records import Fate, FateRecord, JudgeVerdict
 
     verdict = JudgeVerdict(turn_id=turn.turn_id, judge_config_hash=judge.config_hash,
                            judge_backend=judge.backend_name, score=0, score_reason="all_failed", votes=[],

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from clawrl.algo.advantages import compute_advantages, normalize_group_rewards
 from clawrl.algo.losses import compute_ppo_loss, merge_metrics
-from clawrl.config import Method
+from clawrl.records import Method
 from clawrl.train.batch import TokenBatch
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from clawrl.samples import SampleRecord
+from clawrl.records import SampleRecord
 
 
 class BatchAlignmentError(ValueError):

@@ -331,7 +331,7 @@ def build_synthetic_batch(vocab_size: int, *, batch_size: int, prompt_len: int, 
     """Random prompts and outputs with alternating +-1 rewards and random rollout log-probs in
     (-3, 0], for smoke runs of the training step (the same on every rank for one seed); see
     :func:`with_own_rollout_logprobs` for an on-policy version."""
-    from clawrl.samples import SampleRecord
+    from clawrl.records import SampleRecord
     from clawrl.train.batch import collate_samples
 
     g = torch.Generator().manual_seed(seed)
@@ -357,7 +357,7 @@ def with_own_rollout_logprobs(backend, batch: TokenBatch) -> TokenBatch:
 def synthetic_hyperparams(*, lr: float, micro_batch_size: int, ppo_epochs: int = 1, kl_coef: float = 0.0,
                           entropy_coef: float = 0.0) -> PPOHyperParams:
     """The hyper-parameters of the standalone step: GRPO, the default clip and TIS settings."""
-    from clawrl.config import Method
+    from clawrl.records import Method
 
     return PPOHyperParams(method=Method.GRPO, lr=lr, weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0,
                           micro_batch_size=micro_batch_size, ppo_epochs=ppo_epochs, clip_low=0.2, clip_high=0.28,

@@ -25,7 +25,7 @@ class StepRequest(BaseModel):
 
 
 def create_trainer_app(trainer: Trainer, data_root) -> FastAPI:
-    from storage.catalog import batch_samples, open_catalog
+    from clawrl.storage.catalog import batch_samples, open_catalog
 
     app = FastAPI(title="clawrl trainer")
     lock = asyncio.Lock()  # the HTTP server's own guard; cross-process exclusivity is Prefect's `trainer` limit

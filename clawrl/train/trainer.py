@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from clawrl.samples import SampleRecord
+from clawrl.records import SampleRecord
 from clawrl.train.base import LossFn, PPOHyperParams, default_loss, lr_at
 from clawrl.train.batch import collate_samples
 

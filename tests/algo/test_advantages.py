@@ -12,7 +12,7 @@ from clawrl.algo.advantages import (
     compute_opd_advantages,
     normalize_group_rewards,
 )
-from clawrl.config import Method
+from clawrl.records import Method
 
 MASK = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 TEACHER = torch.tensor([[-9.0, -1.0, -2.0], [-0.5, -3.0, -7.0]])

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from storage.catalog import run_query
+from clawrl.storage.catalog import run_query
 from tests.utils.gateway_server import free_socket
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from clawrl.config import dump_toml
 from clawrl.gateway.routes import create_app
 from clawrl.judge.runner import build_judge_config_hash
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
 
 
@@ -39,7 +39,7 @@ def judged(prefect_harness, make_settings, tiny_engine, tmp_path):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}], max_tokens=2,
                                            extra_body={"session_id": "hb", "turn_type": "side"})
         store.close()
-        from flows.judge import judge_flow
+        from clawrl.flows.judge import judge_flow
 
         out = judge_flow(config_path=str(conf))
         return s, conf, out
@@ -74,7 +74,7 @@ def test_rule_judge_flow_scores_correction_and_thanks(judged, tiny_engine):
 
 def test_rerun_is_exactly_once_and_status_reports(judged):
     s, conf, out = judged("grpo")
-    from flows.judge import judge_flow
+    from clawrl.flows.judge import judge_flow
 
     again = judge_flow(config_path=str(conf))
     assert again["judged"] == 0

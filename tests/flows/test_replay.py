@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from clawrl.config import dump_toml
 from clawrl.lineage import REPLAY_MODEL, client
-from clawrl.samples import SampleRecord
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.records import SampleRecord
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 
 
 def _samples(s, n, rng):
@@ -35,7 +35,7 @@ def _samples(s, n, rng):
 def trained_loop(prefect_harness, make_settings, tmp_path):
     """Three PPO steps of 3 samples each (kl on, combine, a linearly decaying lr), trained through
     the train flow."""
-    from flows.train import train_flow
+    from clawrl.flows.train import train_flow
 
     s = make_settings({"ppo.rollout_batch_size": 3, "ppo.lr": 1e-3, "ppo.kl_coef": 0.05, "ppo.micro_batch_size": 2,
                        "ppo.max_staleness": 10, "ppo.lr_schedule": "linear", "ppo.lr_decay_steps": 3,
@@ -51,7 +51,7 @@ def trained_loop(prefect_harness, make_settings, tmp_path):
 
 
 def test_replay_reproduces_checkpoint_bytes(trained_loop):
-    from flows.replay import replay_flow
+    from clawrl.flows.replay import replay_flow
 
     s, conf = trained_loop
     report = replay_flow(config_path=str(conf), version="3")
@@ -94,7 +94,7 @@ def test_unlearning_replay_excludes_the_session_everywhere(trained_loop):
 
 
 def test_counterfactual_replay_with_another_learning_rate(trained_loop):
-    from flows.replay import replay_flow
+    from clawrl.flows.replay import replay_flow
 
     s, conf = trained_loop
     report = replay_flow(config_path=str(conf), version="2", set_overrides=["ppo.lr=5e-4"])
@@ -106,7 +106,7 @@ def test_counterfactual_replay_with_another_learning_rate(trained_loop):
 
 def test_counterfactual_that_breaks_the_config_is_refused_by_name(trained_loop):
     from clawrl.config import ConfigError
-    from flows.replay import replay_flow
+    from clawrl.flows.replay import replay_flow
 
     _, conf = trained_loop
     with pytest.raises(ConfigError, match="lr_min"):  # lr below the schedule's floor

@@ -13,9 +13,9 @@ import pytest
 
 from clawrl.config import dump_toml
 from clawrl.lineage import EXPERIMENT, REGISTERED_MODEL, client, experiment_id
-from clawrl.samples import SampleRecord
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.records import SampleRecord
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 
 REPO = Path(__file__).resolve().parents[2]
 POINTS = ["claimed", "trained", "logged", "recorded", "synced"]
@@ -60,7 +60,7 @@ def test_crash_between_steps_is_exactly_once(prefect_harness, make_settings, tmp
     _write_samples(s)
     script = textwrap.dedent(f"""
         import os, sys
-        import flows.train as ft
+        import clawrl.flows.train as ft
         ft._crash_point = lambda name: os._exit(137) if name == {point!r} else None
         ft.train_flow(config_path={str(conf)!r}, max_steps=1)
         sys.exit(0)
@@ -71,7 +71,7 @@ def test_crash_between_steps_is_exactly_once(prefect_harness, make_settings, tmp
     assert proc.returncode == 137, proc.stdout[-2000:] + proc.stderr[-3000:]
     _reset_trainer_limit()
 
-    from flows.train import train_flow
+    from clawrl.flows.train import train_flow
 
     out = train_flow(config_path=str(conf), max_steps=5)  # resumes, then takes the second batch
     versions = [st["weight_version"] for st in out["steps"]]

@@ -14,8 +14,8 @@ from clawrl.engine.embedded import EmbeddedEngine
 from clawrl.gateway.routes import create_app
 from clawrl.judge.runner import POLICY_ENGINE
 from clawrl.lineage import model_version_for
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
 
 
@@ -37,8 +37,8 @@ def loop_settings(make_settings, tmp_path):
 
 
 def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_settings, tiny_dir):
-    from flows.judge import judge_flow
-    from flows.train import train_flow
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
 
     s, conf = loop_settings
     engine = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)

@@ -8,7 +8,7 @@ import asyncio
 import os
 
 from clawrl.bench.gateway import _direct_url, _paired_loop, _prompts, run_gateway_bench
-from storage.catalog import open_catalog
+from clawrl.storage.catalog import open_catalog
 
 
 def test_prompts_are_distinct_and_of_one_shape():

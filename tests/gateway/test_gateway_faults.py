@@ -14,8 +14,8 @@ from openai import OpenAI
 
 from clawrl.engine.sglang_client import SGLangClient
 from clawrl.gateway.routes import create_app
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.engine_server import make_tiny_engine, running_engine_server, save_perturbed_copy
 from tests.utils.gateway_server import free_socket, running_gateway
 

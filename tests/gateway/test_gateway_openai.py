@@ -12,8 +12,8 @@ from openai import OpenAI
 from clawrl.bench.gateway import gateway_own_s
 from clawrl.gateway.routes import create_app
 from clawrl.models import load_tokenizer
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
 from tests.utils.scripted_engine import ScriptedEngine
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from clawrl.config import Method
+from clawrl.records import Method
 from clawrl.judge.backends import EngineJudge, RuleJudge
 from clawrl.judge.pipeline import judge_config_hash, judge_turn, make_sample_id
 

@@ -26,8 +26,8 @@ from openai import OpenAI
 
 from clawrl.gateway.routes import create_app
 from clawrl.serving import serve_in_thread
-from storage.catalog import run_query
-from storage.writer import DataRootError, DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataRootError, DataStore
 from tests.utils.gateway_process import REPO, free_port, gateway_process, serve_env
 
 pytestmark = [pytest.mark.reliability]
@@ -206,8 +206,8 @@ def test_disk_full_while_serving_gives_507_and_never_acknowledges_an_unwritten_t
 WAL_CHILD = textwrap.dedent('''
     import errno, os, resource, signal, sys
     from datetime import datetime, timezone
-    from clawrl.samples import TurnRecord
-    from storage.writer import DataStore
+    from clawrl.records import TurnRecord
+    from clawrl.storage.writer import DataStore
 
     def turn(i):
         t = datetime(2026, 7, 1, tzinfo=timezone.utc)
@@ -273,7 +273,7 @@ def test_concurrent_appends_through_failing_writes_keep_exactly_the_acknowledged
     import random
     import threading
 
-    from clawrl.samples import TurnRecord, utcnow
+    from clawrl.records import TurnRecord, utcnow
 
     rng = random.Random(7)
     rng_lock = threading.Lock()

@@ -21,8 +21,8 @@ import pytest
 from openai import OpenAI
 
 from clawrl.config import dump_toml
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.engine_server import running_engine_server
 from tests.utils.gateway_process import engine_process, free_port, gateway_process, serve_env
 from tests.utils.scripted_engine import ScriptedEngine
@@ -145,8 +145,8 @@ def test_judge_backend_down_ends_turns_as_judge_error_and_training_goes_on(prefe
     """[prm] backend = "sglang" at a judge server that dies: the turns judged before it died train;
     the turns after it end with fate judge_error (the connection error kept in the verdict), are
     not judged again by a rerun under the same judge config, and block nothing."""
-    from flows.judge import judge_flow
-    from flows.train import train_flow
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
 
     t_start = time.monotonic()
 

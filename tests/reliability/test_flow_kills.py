@@ -25,8 +25,8 @@ import pytest
 from clawrl.config import dump_toml, load_settings
 from clawrl.lineage import EXPERIMENT, REGISTERED_MODEL, client, experiment_id
 from clawrl.train.trainer import file_sha256
-from storage.catalog import open_catalog, run_query, trainable_samples
-from storage.writer import DataStore
+from clawrl.storage.catalog import open_catalog, run_query, trainable_samples
+from clawrl.storage.writer import DataStore
 from tests.utils.fork_runner import shared_fork_runner
 from tests.utils.turns import T0, build_next_state, build_turn, generate_turn
 
@@ -42,14 +42,14 @@ PRAISE, CORRECTION = "thanks, that's great!", "no, that's wrong, answer in one w
 
 JUDGE_CHILD = """
     import os, signal
-    import flows.judge as fj
+    import clawrl.flows.judge as fj
     fj._crash_point = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == {point!r} else None
     fj.judge_flow(config_path={conf!r})
 """
 
 TRAIN_CHILD = """
     import os, signal
-    import flows.train as ft
+    import clawrl.flows.train as ft
     import clawrl.train.trainer as tr
     from prefect.client.orchestration import get_client
 
@@ -134,8 +134,8 @@ def flows_env(prefect_harness, tmp_path_factory, tiny_engine, model_cache):
     """The turns (one template data root), the zygote, and the uninterrupted reference run."""
     from prefect.settings import PREFECT_API_URL
 
-    from flows.judge import judge_flow
-    from flows.train import train_flow
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
 
     base = tmp_path_factory.mktemp("flow-kills")
     # the zygote imports in the background while the reference runs here
@@ -162,7 +162,7 @@ def flows_env(prefect_harness, tmp_path_factory, tiny_engine, model_cache):
 def judged_after_kills(flows_env):
     """A copy of the turns judged by a judge flow SIGKILLed at each of its steps in turn, then run
     to the end in this process; with what each kill left behind."""
-    from flows.judge import judge_flow
+    from clawrl.flows.judge import judge_flow
 
     root = flows_env["base"] / "judge-kills"
     shutil.copytree(flows_env["template"], root)
@@ -219,7 +219,7 @@ def test_judge_flow_killed_at_every_step_judges_each_turn_exactly_once(flows_env
 
 @pytest.mark.timeout(600)
 def test_train_flow_killed_at_every_step_trains_the_uninterrupted_checkpoints(flows_env, judged_after_kills):
-    from flows.train import train_flow
+    from clawrl.flows.train import train_flow
 
     root = flows_env["base"] / "train-kills"
     shutil.copytree(judged_after_kills["root"], root)

@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 from openai import OpenAI
 
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.gateway_process import gateway_process, serve_env
 
 pytestmark = [pytest.mark.reliability]

@@ -26,8 +26,8 @@ from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.pipeline import judge_turn
 from clawrl.judge.prompts import NEXT_STATE_HEADER, build_hint_messages, build_prm_messages
 from clawrl.serving import serve_in_thread
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.turns import build_next_state, build_turn
 
 pytestmark = [pytest.mark.reliability]

@@ -16,9 +16,9 @@ import pytest
 from openai import OpenAI
 
 from clawrl.gateway.routes import create_app
-from clawrl.samples import CheckpointRecord
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.records import CheckpointRecord
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
 
 pytestmark = [pytest.mark.reliability]
@@ -246,7 +246,7 @@ def test_admin_replay_submits_the_on_demand_deployment(prefect_harness, start_ga
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    from flows.replay import replay_flow
+    from clawrl.flows.replay import replay_flow
 
     api = PREFECT_API_URL.value()
     s, store, ctx = start_gateway(KEY_A, ADMIN)

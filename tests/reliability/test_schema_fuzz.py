@@ -40,7 +40,7 @@ from schemathesis.specs.openapi.checks import (
 from clawrl.engine.embedded import EmbeddedEngine
 from clawrl.gateway.routes import create_app
 from clawrl.serving import serve_in_thread
-from storage.catalog import run_query
+from clawrl.storage.catalog import run_query
 from tests.utils.engine_server import running_engine_server
 
 pytestmark = [pytest.mark.reliability]

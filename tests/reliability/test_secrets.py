@@ -31,8 +31,8 @@ from openai import OpenAI
 from clawrl.config import dump_toml
 from clawrl.engine.embedded import EmbeddedEngine
 from clawrl.gateway.routes import create_app
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
 
 pytestmark = [pytest.mark.reliability]
@@ -96,8 +96,8 @@ def test_keys_never_reach_logs_parquet_mlflow_or_error_messages(prefect_harness,
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 
     from clawrl.lineage import client as mlflow_client
-    from flows.judge import judge_flow
-    from flows.train import train_flow
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
 
     monkeypatch.setenv("CLAWRL_API_KEYS", f"{USER_KEY},{PROVIDER_KEY}")
     monkeypatch.setenv("CLAWRL_ADMIN_KEYS", ADMIN_KEY)

@@ -33,10 +33,10 @@ from typer.testing import CliRunner
 
 from clawrl.config import dump_toml, load_settings
 from clawrl.lineage import client as mlflow_client
-from clawrl.samples import SampleRecord
+from clawrl.records import SampleRecord
 from clawrl.serving import bind_socket
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 from tests.utils.fork_runner import shared_fork_runner
 
 pytestmark = [pytest.mark.reliability]
@@ -163,7 +163,7 @@ def sync_env(prefect_harness, tmp_path_factory, model_cache):
 
 
 def _train_step(conf: Path) -> dict:
-    from flows.train import train_flow
+    from clawrl.flows.train import train_flow
 
     [step] = train_flow(config_path=str(conf), max_steps=1)["steps"]
     return step
@@ -266,7 +266,7 @@ class DuringLoad:
 
 @pytest.mark.timeout(300)
 def test_corrupt_checkpoint_is_refused_before_the_engine_and_the_next_step_is_served(sync_env, monkeypatch, sync_log):
-    import flows.train as ft
+    import clawrl.flows.train as ft
 
     s, conf, engine = sync_env["s"], sync_env["conf"], sync_env["engine"]
     before = _ensure_serving_a_trained_version(sync_env)

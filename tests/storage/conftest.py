@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from clawrl.samples import TurnRecord
+from clawrl.records import TurnRecord
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 11, 29, 12, 0, 0, 123456, tzinfo=timezone.utc)
@@ -52,8 +52,8 @@ def data_root(tmp_path) -> Path:
 SCRIPT_HEADER = textwrap.dedent('''
     import os, sys, random, time
     from datetime import datetime, timedelta, timezone
-    from clawrl.samples import TurnRecord
-    from storage.writer import DataStore
+    from clawrl.records import TurnRecord
+    from clawrl.storage.writer import DataStore
     T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
 
     def make_turn(i):

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from clawrl.samples import (
+from clawrl.records import (
     BatchRecord,
     CheckpointRecord,
     FateRecord,
@@ -14,9 +14,9 @@ from clawrl.samples import (
     NextStateRecord,
     SampleRecord,
 )
-from storage.catalog import VIEWS, open_catalog, pending_counts, ready_turns, refresh_views, run_query
-from storage.schemas import TABLES
-from storage.writer import DataStore
+from clawrl.storage.catalog import VIEWS, open_catalog, pending_counts, ready_turns, refresh_views, run_query
+from clawrl.storage.schemas import TABLES
+from clawrl.storage.writer import DataStore
 
 
 @pytest.mark.parametrize("view", sorted(VIEWS))

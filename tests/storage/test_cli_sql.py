@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from clawrl.cli import app
-from storage.writer import DataStore
+from clawrl.storage.writer import DataStore
 
 QUERY = "SELECT turn_id, turn_index, output_ids, rollout_logprobs, created_at FROM turns ORDER BY turn_id"
 

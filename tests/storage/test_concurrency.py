@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from storage.catalog import run_query
+from clawrl.storage.catalog import run_query
 
 WRITER = """
     store = DataStore(sys.argv[1], flush_interval_s=0.02)

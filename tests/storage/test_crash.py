@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 import time
 
-from storage.catalog import run_query
-from storage.writer import DataStore
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
 
 
 def counts(data_root):
@@ -59,7 +59,7 @@ def test_every_acknowledged_turn_survives_kill_9(data_root, spawn):
 
 
 CRASH_AT = """
-    from storage import writer
+    from clawrl.storage import writer
     n = int(sys.argv[2])
     real_replace, replaced = writer._replace, []
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, fields
 import pyarrow as pa
 import pytest
 
-from clawrl import samples
-from storage import schemas, writer
-from storage.schemas import TABLES, TableSpec
+from clawrl import records
+from clawrl.storage import schemas, writer
+from clawrl.storage.schemas import TABLES, TableSpec
 
 # Written out independently of storage/schemas.py: annotation text -> the column type it must get.
 EXPECTED_TYPES = {
@@ -25,14 +25,14 @@ EXPECTED_TYPES = {
 }
 
 RECORDS = {
-    "turns": samples.TurnRecord,
-    "next_states": samples.NextStateRecord,
-    "verdicts": samples.JudgeVerdict,
-    "samples": samples.SampleRecord,
-    "turn_fate": samples.FateRecord,
-    "batches": samples.BatchRecord,
-    "checkpoints": samples.CheckpointRecord,
-    "syncs": samples.SyncRecord,
+    "turns": records.TurnRecord,
+    "next_states": records.NextStateRecord,
+    "verdicts": records.JudgeVerdict,
+    "samples": records.SampleRecord,
+    "turn_fate": records.FateRecord,
+    "batches": records.BatchRecord,
+    "checkpoints": records.CheckpointRecord,
+    "syncs": records.SyncRecord,
 }
 
 
@@ -61,7 +61,7 @@ def test_every_table_is_partitioned_by_a_utc_timestamp():
 
 def test_a_record_field_without_a_column_fails_when_the_store_opens(monkeypatch, tmp_path):
     @dataclass
-    class FateWithExtra(samples.FateRecord):
+    class FateWithExtra(records.FateRecord):
         new_field: str = field(default="")
 
     patched = dict(TABLES, turn_fate=TableSpec("turn_fate", FateWithExtra, schemas.TURN_FATE))

@@ -13,11 +13,11 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from clawrl.samples import FateRecord, JudgeVerdict, NextStateRecord
-from storage import writer
-from storage.catalog import run_query
-from storage.schemas import TURNS
-from storage.writer import DataStore, TableLog
+from clawrl.records import FateRecord, JudgeVerdict, NextStateRecord
+from clawrl.storage import writer
+from clawrl.storage.catalog import run_query
+from clawrl.storage.schemas import TURNS
+from clawrl.storage.writer import DataStore, TableLog
 
 
 @pytest.fixture(params=["pyarrow", "duckdb"])

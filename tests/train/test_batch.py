@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clawrl.samples import SampleRecord
+from clawrl.records import SampleRecord
 from clawrl.train.batch import BatchAlignmentError, collate_samples
 
 PAD = 2

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clawrl.config import ConfigError, Method, load_settings
-from clawrl.samples import SampleRecord
+from clawrl.config import ConfigError, load_settings
+from clawrl.records import Method
+from clawrl.records import SampleRecord
 from clawrl.train.base import PPOHyperParams, lr_at
 from clawrl.train.trainer import Trainer, read_step_result
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from clawrl.config import Method
-from clawrl.samples import SampleRecord
+from clawrl.records import Method
+from clawrl.records import SampleRecord
 from clawrl.train.base import PPOHyperParams
 from clawrl.train.batch import collate_samples
 

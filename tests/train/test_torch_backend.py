@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from clawrl.config import Method
-from clawrl.samples import SampleRecord
+from clawrl.records import Method
+from clawrl.records import SampleRecord
 from clawrl.train.base import PPOHyperParams
 from clawrl.train.batch import collate_samples
 from clawrl.train.torch_backend import TorchBackend

@@ -6,7 +6,7 @@ import random
 import torch
 
 from clawrl.engine.types import GenerateRequest, SamplingParams
-from clawrl.samples import SampleRecord
+from clawrl.records import SampleRecord
 
 CALLS: dict[str, int] = {}
 

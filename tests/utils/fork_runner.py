@@ -54,7 +54,7 @@ _ZYGOTE = textwrap.dedent("""
         print(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}), flush=True)
 """)
 
-PRELOAD = ["flows.train", "flows.judge", "clawrl.train.torch_backend", "clawrl.lineage", "mlflow.tracking",
+PRELOAD = ["clawrl.flows.train", "clawrl.flows.judge", "clawrl.train.torch_backend", "clawrl.lineage", "mlflow.tracking",
            "mlflow.data", "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
            "pandas", "safetensors.torch", "transformers", "transformers.models.llama.modeling_llama"]
 

@@ -1,4 +1,4 @@
-from clawrl.train.selection import parse_version, select_batch, staleness
+from clawrl.storage.selection import parse_version, select_batch, staleness
 
 
 def s(i, v):

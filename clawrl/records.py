@@ -2,7 +2,7 @@
 
 Each record is one row of an append-only table in ``storage/`` (one pyarrow schema per record,
 derived from these dataclasses). Token lists are the exact ids the engine saw and sampled; nothing
-downstream re-tokenizes. Log-prob names say whose they are (STYLE.md): ``rollout_logprobs`` are the
+downstream re-tokenizes. Log-prob names say whose they are : ``rollout_logprobs`` are the
 engine's at sampling time, ``teacher_logprobs`` the teacher's over the same output ids.
 """
 
@@ -21,6 +21,14 @@ def utcnow() -> datetime:
 def make_turn_id(namespace: str, session_id: str, turn_index: int) -> str:
     """Deterministic id of a turn: the same (namespace, session, index) always maps to one id."""
     return hashlib.sha256(f"{namespace}\x00{session_id}\x00{turn_index}".encode()).hexdigest()[:24]
+
+
+class Method(str, Enum):
+    """How the advantage is formed: one clipped PPO objective, three ways to form A_t."""
+
+    GRPO = "grpo"
+    OPD = "on_policy_distillation"
+    COMBINE = "combine"
 
 
 class TurnType(str, Enum):
