@@ -5,9 +5,7 @@ Threads. One background worker thread owns the model, the KV cache and the runni
 callers (any loop, any number of loops) hand it requests under a lock and get results back through
 ``loop.call_soon_threadsafe``, so no engine call blocks an event loop. Control calls (pause,
 continue, flush, weight swaps) run *on the worker, between steps*: a step never sees half a
-weight update. With ``worker_cpus`` the worker is pinned to those CPUs and the process's other
-threads to the rest (clawrl/engine/affinity.py), so serving work on the event loop never takes
-the worker's core.
+weight update.
 
 Scheduling. Each iteration the worker (1) admits waiting requests FIFO into free batch rows,
 prefills them in one padded causal batch and samples their first token, then (2) runs one decode
@@ -40,7 +38,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +46,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clawrl.engine.affinity import CpuPinning
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import RowSampling, compute_prompt_logprobs, sample_next_tokens, top_logprobs
 from clawrl.engine.types import (
@@ -255,15 +252,13 @@ class EmbeddedEngine:
     """In-process engine implementing :class:`clawrl.engine.types.Engine` (see module docstring)."""
 
     def __init__(self, model_dir: Path, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 16,
-                 max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None,
-                 worker_cpus: Sequence[int] = ()):
+                 max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_context_len < 2:
             raise ValueError("max_context_len must be >= 2")
         self._model_path = str(model_dir)
         self._tokenizer_path = str(model_dir)
-        self._pinning = CpuPinning(worker_cpus) if worker_cpus else None  # checked before the model loads
         self._tokenizer = load_tokenizer(Path(model_dir))
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self._model = load_causal_lm(Path(model_dir), dtype=dtype, device=device)
@@ -338,8 +333,6 @@ class EmbeddedEngine:
             self._cv.notify_all()
         await asyncio.to_thread(thread.join)
         self._thread = None
-        if self._pinning is not None:
-            self._pinning.restore()
 
     async def __aenter__(self) -> EmbeddedEngine:
         await self.start()
@@ -466,8 +459,6 @@ class EmbeddedEngine:
             self._closing = False
             self._thread = threading.Thread(target=self._worker, name="clawrl-engine", daemon=True)
             self._thread.start()
-            if self._pinning is not None:
-                self._pinning.pin_others(self._thread.native_id)
 
     def _submit(self, req: GenerateRequest, stream: bool) -> _Sequence:
         loop = asyncio.get_running_loop()
@@ -574,12 +565,6 @@ class EmbeddedEngine:
     # the worker
 
     def _worker(self) -> None:
-        if self._pinning is not None:
-            self._pinning.pin_current_thread()
-            if torch.get_num_threads() > len(self._pinning.worker_cpus):
-                # one intra-op thread per reserved CPU, more would queue on them (OpenMP's count is
-                # per calling thread: the event loop and a trainer in this process keep theirs)
-                torch.set_num_threads(len(self._pinning.worker_cpus))
         with torch.inference_mode():  # thread-local: the worker never needs autograd
             self._serve()
         self._shutdown()
