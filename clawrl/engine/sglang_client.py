@@ -121,7 +121,8 @@ class SGLangClient:
                     msg = error_message(resp.status, await resp.read())
                     if resp.status == 400:
                         raise BadRequestError(msg)
-                    raise EngineError(f"engine at {self.base_url} answered HTTP {resp.status} on {method} {path}: {msg}")
+                    raise EngineError(f"engine at {self.base_url} answered HTTP {resp.status} on {method} {path}: "
+                                      f"{msg}")
                 yield resp
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._transport_error(e, method, path) from e
