@@ -38,7 +38,7 @@ from torch import Tensor
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import RowSampling
 from clawrl.engine.scheduler import Scheduler
-from clawrl.engine.sequence import Sequence, Sink
+from clawrl.engine.sequence import Sequence
 from clawrl.engine.types import BadRequestError, GenerateRequest, GenerateResult, PauseMode, UpdateResult
 from clawrl.engine.weights import WeightLoadError, check_weights, load_checkpoint_tensors, served_tensors
 from clawrl.models import load_causal_lm, load_tokenizer
@@ -125,7 +125,7 @@ class EmbeddedEngine:
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         seq = self._submit(req, stream=False)
         try:
-            item = await seq.sink.queue.get()
+            item = await seq.queue.get()
         except asyncio.CancelledError:
             self._sched.abort([seq], "the client cancelled the request")
             raise
@@ -141,7 +141,7 @@ class EmbeddedEngine:
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerateResult]:
         try:
             while True:
-                item = await seq.sink.queue.get()
+                item = await seq.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -159,7 +159,6 @@ class EmbeddedEngine:
         return len(victims)
 
     def _submit(self, req: GenerateRequest, stream: bool) -> Sequence:
-        sink = Sink(stream)  # before anything else: needs the caller's running loop
         prompt = self._prompt_ids(req)
         sp = req.sampling_params
         sp.validate()
@@ -177,7 +176,7 @@ class EmbeddedEngine:
             generator = torch.Generator()
             generator.manual_seed(int(sp.sampling_seed))
         seq = Sequence(
-            req=req, prompt_ids=prompt, sink=sink,
+            req=req, prompt_ids=prompt, stream=stream,
             max_new=room if sp.max_new_tokens is None else min(sp.max_new_tokens, room),
             stop_ids=frozenset() if sp.ignore_eos else self.eos_token_ids | frozenset(sp.stop_token_ids),
             sampling=RowSampling(temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p),

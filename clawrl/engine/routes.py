@@ -142,13 +142,11 @@ class Served:
     def render(self, res: GenerateResult, req: GenerateRequest, body: Mapping[str, Any]) -> dict[str, Any]:
         tok = self.tokenizer
         prompt_ids = req.input_ids if req.input_ids is not None else res.prompt_ids
-        out = res.to_sglang(
-            decode_token=(lambda t: tok.decode([t])) if tok is not None else (lambda t: ""),
-            return_text_in_logprobs=req.return_text_in_logprobs,
-            with_logprobs=req.return_logprob,
-            input_ids=prompt_ids,
-            logprob_start_len=req.logprob_start_len,
-        )
+        decode = None
+        if req.return_text_in_logprobs:
+            decode = (lambda t: tok.decode([t])) if tok is not None else (lambda t: "")
+        out = res.to_sglang(decode_token=decode, with_logprobs=req.return_logprob, input_ids=prompt_ids,
+                            logprob_start_len=req.logprob_start_len)
         if body.get("return_prompt_token_ids"):
             out["prompt_token_ids"] = list(prompt_ids or [])
         return out

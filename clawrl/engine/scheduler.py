@@ -310,8 +310,8 @@ class Scheduler:
             reason = s.check_finish(tid, self.decode_text)
             if reason is not None:
                 self._finish(s, reason)
-            elif s.sink.stream:
-                s.sink.put(s.result(self.decode_text, self.weight_version))
+            elif s.stream:
+                s.put(s.result(self.decode_text, self.weight_version))
 
     # ---------------------------------------------------------------- finishing
 
@@ -322,7 +322,7 @@ class Scheduler:
         with self.cv:
             self.live.discard(seq)
         self.counters["requests_done"] += 1
-        seq.sink.put(seq.result(self.decode_text, self.weight_version))
+        seq.put(seq.result(self.decode_text, self.weight_version))
 
     def _release_row(self, seq: Sequence) -> None:
         """Free ``seq``'s row by moving the last running sequence into it (one row copy)."""
@@ -352,7 +352,7 @@ class Scheduler:
             s.finish_reason = abort_reason(str(exc), 500, "EngineError")
             with self.cv:
                 self.live.discard(s)
-            s.sink.put(exc)
+            s.put(exc)
 
     def _fail_running(self, exc: EngineError) -> None:
         """After a failed step: no cache row is trusted or moved any more, the whole cache goes."""

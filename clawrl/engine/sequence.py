@@ -1,5 +1,5 @@
 """One request inside the embedded engine: what it has produced so far, when it ends, and how its
-result reaches the caller's event loop."""
+results reach the caller's event loop."""
 
 from __future__ import annotations
 
@@ -13,21 +13,6 @@ from clawrl.engine.sampling import RowSampling
 from clawrl.engine.types import GenerateRequest, GenerateResult
 
 DecodeText = Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
-
-
-class Sink:
-    """Delivers one request's results (GenerateResult, or the exception that ended it) from the
-    worker thread to the caller's event loop. Partial results are sent only for a stream."""
-
-    def __init__(self, stream: bool):
-        self.loop, self.stream = asyncio.get_running_loop(), stream
-        self.queue: asyncio.Queue[GenerateResult | BaseException] = asyncio.Queue()
-
-    def put(self, item: GenerateResult | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
 
 
 def build_version_spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -54,7 +39,10 @@ class Sequence:
     max_new: int  # effective cap: min(max_new_tokens, context room)
     stop_ids: frozenset[int]  # EOS + stop_token_ids; empty under ignore_eos (SGLang)
     sampling: RowSampling
-    sink: Sink
+    stream: bool  # partial results are sent only for a stream
+    # results (or the exception that ended the request) for the caller, on the caller's loop
+    queue: asyncio.Queue[GenerateResult | BaseException] = field(default_factory=asyncio.Queue)
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     order: int = 0  # submission order: FIFO admission and drain/pause barriers
     started: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
@@ -70,6 +58,13 @@ class Sequence:
     stop_trim: int | None = None  # text index where a matched stop string starts
     scanned_text_len: int = 0
     abort_message: str | None = None  # set by any thread; the worker ends the request
+
+    def put(self, item: GenerateResult | BaseException) -> None:
+        """Hand ``item`` from the worker thread to the caller's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
 
     @property
     def tokens(self) -> list[int]:
