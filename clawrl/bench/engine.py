@@ -69,7 +69,7 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
             runs[("embedded", c)] = lambda c=c: asyncio.run(
                 _engine_closed_loop(engine, prompts[: c * rounds], c, new_tokens))
         for b in hf_batch_sizes:
-            runs[("hf_generate", b)] = lambda b=b: (*_hf_generate(model, tok, prompts[: b * rounds], b, new_tokens),)
+            runs[("hf_generate", b)] = lambda b=b: _hf_generate(model, tok, prompts[: b * rounds], b, new_tokens)
         best: dict[tuple[str, int], tuple] = {}
         peak_load: dict[tuple[str, int], float] = {}
         for i in range(repeats):

@@ -2,9 +2,7 @@
 log-probs, answering the same contract as SGLang's native API.
 
 This module is the public async API: it validates requests and hands them to the worker thread
-(clawrl/engine/scheduler.py), which owns the model, the KV cache and the running batch and runs
-every control call between two steps. No engine call blocks an event loop, and callers may come
-from any number of loops.
+(clawrl/engine/scheduler.py), which owns the model, the KV cache and the running batch.
 
 Pause and update semantics follow SGLang 0.5.23:
 

@@ -1,10 +1,6 @@
-"""The routes of the SGLang-compatible engine server (clawrl/engine/server.py wires them into an app).
-
-Handlers are module-level; what they serve (the engine, how it is described, the server's own
-bookkeeping) is :class:`Served`, found in ``app.state.served`` through the ``Srv`` dependency.
-Errors keep SGLang's shapes: a ValueError inside a route is ``{"error": {"message": ...}}``, a
-body that fails validation is SGLang's ``ErrorResponse`` (``{"object": "error", ...}``).
-"""
+"""The routes of the SGLang-compatible engine server (clawrl/engine/server.py wires them into an app
+and lists where they knowingly differ from SGLang). What they serve is :class:`Served`, found in
+``app.state.served`` through the ``Srv`` dependency."""
 
 from __future__ import annotations
 
