@@ -117,13 +117,9 @@ def engine(
         except CheckpointError as e:
             err.print(f"not resuming version {last['weight_version']}: {e}; serving the base model (version 0)",
                       markup=False, style="red", soft_wrap=True)
-    try:
-        eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                             max_context_len=s.engine.max_context_len, weight_version=version,
-                             served_model_name=s.server.served_model_name, worker_cpus=s.engine.worker_cpus)
-    except ConfigError as e:
-        err.print(f"config error: {e}", markup=False, style="red")
-        raise typer.Exit(2) from None
+    eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
+                         max_context_len=s.engine.max_context_len, weight_version=version,
+                         served_model_name=s.server.served_model_name)
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
                   f"weight_version {version}, device: {device} [{device_reason}], dtype: {s.model.dtype})",
                   markup=False, soft_wrap=True)
@@ -646,8 +642,7 @@ def demo(
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
     device, _ = resolve_device(s.model.device)
     engine = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name,
-                            worker_cpus=s.engine.worker_cpus)
+                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name)
     runtime.register(POLICY_ENGINE, engine)  # the train flow syncs this engine in-process
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     from clawrl.flows.common import load_flow_settings

@@ -49,16 +49,21 @@ def test_a_judge_closes_the_sglang_clients_it_made():
                       max_tokens=1, budget_chars=200, hint_policy="longest", hint_placement="system",
                       config_hash="h")
         try:
+            assert client._session is None  # made on first use, inside the running loop
             assert (await client.generate(GenerateRequest(input_ids=[1]))).output_ids == [5]
-            [conn] = client._pool._idle  # the /generate connection, kept alive
-            assert not conn.closed
+            session = client._session
+            assert len(server.handler.connections) == 1  # the /generate connection, kept alive
             await judge.close()
-            return client, conn
+            for _ in range(100):  # the server sees the close on its next loop iterations
+                if not server.handler.connections:
+                    break
+                await asyncio.sleep(0.01)
+            return client, session, len(server.handler.connections)
         finally:
             await server.close()
 
-    client, conn = runtime.run(use_then_close())
-    assert client._http.is_closed and conn.closed and client._pool.idle_connections == 0
+    client, session, open_connections = runtime.run(use_then_close())
+    assert session.closed and client._session is None and open_connections == 0
 
 
 def test_freeze_startup_heap_moves_live_objects_out_of_the_collector():

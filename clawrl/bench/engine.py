@@ -69,7 +69,7 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
             runs[("embedded", c)] = lambda c=c: asyncio.run(
                 _engine_closed_loop(engine, prompts[: c * rounds], c, new_tokens))
         for b in hf_batch_sizes:
-            runs[("hf_generate", b)] = lambda b=b: (*_hf_generate(model, tok, prompts[: b * rounds], b, new_tokens),)
+            runs[("hf_generate", b)] = lambda b=b: _hf_generate(model, tok, prompts[: b * rounds], b, new_tokens)
         best: dict[tuple[str, int], tuple] = {}
         peak_load: dict[tuple[str, int], float] = {}
         for i in range(repeats):
@@ -165,7 +165,6 @@ def write_engine_results_markdown(rows: list[dict[str, Any]], path: Path,
     """Write (or replace) the engine section of ``path``, leaving the rest of the file alone."""
     m = machine or describe_machine()
     body = [
-        SECTION_START,
         "## Embedded engine throughput",
         "",
         f"Machine: {m['cores']} cores, {m['cpu']}; torch {m['torch']} ({m['threads']} threads); {m['date']}.",
@@ -184,5 +183,4 @@ def write_engine_results_markdown(rows: list[dict[str, Any]], path: Path,
             body.append(f"- {name}: 16 concurrent = {c16['vs_c1']}x the engine at 1 and "
                         f"{c16['vs_hf_b16']}x HF generate at batch 16.")
     body.append("- Targets (smollm2-135m): >= 5x the engine at 1, >= 0.8x HF generate at batch 16.")
-    body += ["", SECTION_END]
-    write_section("engine", "\n".join(body[1:-1]), path)
+    write_section("engine", "\n".join(body), path)

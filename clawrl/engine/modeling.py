@@ -142,10 +142,6 @@ class KVCache:
         """Drop every buffer (the next sequence allocates afresh)."""
         self.k, self.v, self.capacity = [], [], 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
 
 class CausalLMRunner:
     """Prefill and decode over a KV cache for an HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``."""
@@ -216,18 +212,6 @@ class CausalLMRunner:
 
         hidden = self._forward(tokens[:, None].to(self.device), cos, sin, attend)  # (B, 1, D)
         return self.lm_head(hidden[:, 0])
-
-    @torch.inference_mode()
-    def forward_full(self, input_ids: Tensor) -> Tensor:
-        """Plain causal forward without a cache: (N, L) ids -> fp32 logits (N, L, vocab)."""
-        width = input_ids.shape[1]
-        cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-        hidden = self._forward(input_ids.to(self.device), cos, sin, attend)
-        return self.lm_head(hidden)
 
     # ---------------------------------------------------------------------------------------
     # the layers

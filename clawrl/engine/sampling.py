@@ -1,4 +1,4 @@
-"""Next-token sampling and log-probs, one row per request, SGLang's maths (ref/sglang.md §2.2, §2.4).
+"""Next-token sampling and log-probs, one row per request, with SGLang's maths (its torch sampler).
 
 * Returned log-probs are ``log_softmax(logits / T)`` over the full vocabulary: temperature-scaled,
   **not** renormalised after top-k / top-p / min-p truncation. Greedy rows (T <= 1e-6) get the

@@ -1,6 +1,6 @@
 """The engine contract, shared by the embedded engine and the SGLang client.
 
-Field names and meanings follow SGLang's native ``/generate`` API (shared/ref/sglang.md §2), so a
+Field names and meanings follow SGLang's native ``/generate`` API (SGLang 0.5.23), so a
 :class:`GenerateRequest` maps 1:1 onto an SGLang request body and a :class:`GenerateResult` onto
 its response. Both implementations return these typed records; the HTTP layer converts them to and
 from SGLang's JSON with :meth:`GenerateRequest.from_sglang` / :meth:`GenerateResult.to_sglang`.
@@ -8,8 +8,8 @@ from SGLang's JSON with :meth:`GenerateRequest.from_sglang` / :meth:`GenerateRes
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from clawrl.ids import new_id
@@ -148,8 +148,6 @@ class GenerateRequest:
     @classmethod
     def from_sglang(cls, body: Mapping[str, Any]) -> GenerateRequest:
         """Parse an SGLang /generate body (single prompt); raises BadRequestError."""
-        if not isinstance(body, Mapping):
-            raise BadRequestError("request body must be a JSON object")
         ids, text = body.get("input_ids"), body.get("text")
         if (ids is None) == (text is None):
             raise BadRequestError("exactly one of 'text' or 'input_ids' must be given")
@@ -163,16 +161,13 @@ class GenerateRequest:
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, Mapping):
             raise BadRequestError("sampling_params must be an object")
-        req = cls(
-            input_ids=ids,
-            text=text,
-            sampling_params=SamplingParams.from_dict(sp),
-            return_logprob=bool(body.get("return_logprob", False)),
-            logprob_start_len=int(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1),
-            top_logprobs_num=int(body.get("top_logprobs_num") or 0),
-            return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-            stream=bool(body.get("stream", False)),
-        )
+        start = body.get("logprob_start_len")
+        req = cls(input_ids=ids, text=text, sampling_params=SamplingParams.from_dict(sp),
+                  return_logprob=bool(body.get("return_logprob", False)),
+                  logprob_start_len=-1 if start is None else int(start),
+                  top_logprobs_num=int(body.get("top_logprobs_num") or 0),
+                  return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                  stream=bool(body.get("stream", False)))
         if body.get("rid"):
             req.rid = str(body["rid"])
         if req.top_logprobs_num < 0:
@@ -182,23 +177,10 @@ class GenerateRequest:
         return req
 
     def to_sglang(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "sampling_params": self.sampling_params.to_dict(),
-            "return_logprob": self.return_logprob,
-            "logprob_start_len": self.logprob_start_len,
-            "top_logprobs_num": self.top_logprobs_num,
-            "return_text_in_logprobs": self.return_text_in_logprobs,
-            "rid": self.rid,
-            "stream": self.stream,
-        }
-        if self.input_ids is not None:
-            body["input_ids"] = list(self.input_ids)
-        else:
-            body["text"] = self.text
-        return body
-
-
-Triple = tuple[float | None, int, str | None]  # SGLang's [logprob, token_id, text|null]
+        prompt = {"input_ids": list(self.input_ids)} if self.input_ids is not None else {"text": self.text}
+        return {**prompt, "sampling_params": self.sampling_params.to_dict(), "return_logprob": self.return_logprob,
+                "logprob_start_len": self.logprob_start_len, "top_logprobs_num": self.top_logprobs_num,
+                "return_text_in_logprobs": self.return_text_in_logprobs, "rid": self.rid, "stream": self.stream}
 
 
 @dataclass
@@ -208,7 +190,8 @@ class GenerateResult:
     output_ids: list[int]  # untrimmed: includes the EOS / stop token
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: dict[str, Any] | None  # {"type":"stop","matched":..}|{"type":"length","length":N}|{"type":"abort",..}; None while streaming
+    # {"type": "stop", "matched": ..} | {"type": "length", "length": N} | {"type": "abort", ..}; None while streaming
+    finish_reason: dict[str, Any] | None
     weight_version: str
     output_logprobs: list[float] | None = None  # logprob of output_ids[i]
     input_logprobs: list[float | None] | None = None  # entry j: logprob of input_ids[s+j]; entry 0 is None
@@ -223,42 +206,29 @@ class GenerateResult:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def to_sglang(self, decode_token=None, return_text_in_logprobs: bool = False, with_logprobs: bool = False,
+    def to_sglang(self, decode_token: Callable[[int], str] | None = None, with_logprobs: bool = False,
                   input_ids: list[int] | None = None, logprob_start_len: int = -1) -> dict[str, Any]:
-        """SGLang's response JSON. ``decode_token(id) -> str`` fills triple texts when asked."""
+        """SGLang's response JSON. ``decode_token(id) -> str``, when given, fills the triples' texts."""
 
-        def txt(tid: int) -> str | None:
-            return decode_token(tid) if (return_text_in_logprobs and decode_token) else None
+        def triples(pairs) -> list[list[Any]]:  # (logprob, id) pairs -> SGLang's [logprob, id, text|null]
+            return [[lp, t, decode_token(t) if decode_token else None] for lp, t in pairs]
 
         meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "reasoning_tokens": 0,
-            "num_retractions": 0,
-            "weight_version": self.weight_version,
-            "e2e_latency": self.e2e_latency,
-        }
+            "id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens, "reasoning_tokens": 0,
+            "num_retractions": 0, "weight_version": self.weight_version, "e2e_latency": self.e2e_latency}
         if self.finished:
             meta["weight_versions"] = self.weight_versions
         if with_logprobs:
-            out = self.output_logprobs or []
-            meta["output_token_logprobs"] = [[lp, t, txt(t)] for lp, t in zip(out, self.output_ids)]
+            meta["output_token_logprobs"] = triples(zip(self.output_logprobs or [], self.output_ids))
             meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
             ids = input_ids if input_ids is not None else (self.prompt_ids or [])
-            if self.input_logprobs is not None and logprob_start_len >= 0:
-                scored = ids[logprob_start_len:]
-                meta["input_token_logprobs"] = [[lp, t, txt(t)] for lp, t in zip(self.input_logprobs, scored)]
-            else:
-                meta["input_token_logprobs"] = []
+            scored = self.input_logprobs is not None and logprob_start_len >= 0
+            meta["input_token_logprobs"] = triples(zip(self.input_logprobs, ids[logprob_start_len:])) if scored else []
             if self.output_top_logprobs is not None:
-                meta["output_top_logprobs"] = [[[lp, t, txt(t)] for lp, t in row] for row in self.output_top_logprobs]
+                meta["output_top_logprobs"] = [triples(row) for row in self.output_top_logprobs]
             if self.input_top_logprobs is not None:
-                meta["input_top_logprobs"] = [
-                    None if row is None else [[lp, t, txt(t)] for lp, t in row] for row in self.input_top_logprobs
-                ]
+                meta["input_top_logprobs"] = [None if row is None else triples(row) for row in self.input_top_logprobs]
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
     @classmethod

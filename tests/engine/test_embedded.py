@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from clawrl.engine.embedded import EmbeddedEngine, build_version_spans
+from clawrl.engine.embedded import EmbeddedEngine
+from clawrl.engine.sequence import build_version_spans
 from clawrl.engine.types import BadRequestError, Engine, GenerateRequest, SamplingParams
 from clawrl.models import load_causal_lm
 

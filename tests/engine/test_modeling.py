@@ -78,13 +78,18 @@ def test_decode_rows_at_different_positions_match_hf(hf_and_runner):
 def test_forward_reads_live_weights(tiny_dir):
     model = load_causal_lm(tiny_dir)
     runner = CausalLMRunner(model, max_positions=64)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    before = runner.forward_full(ids)
+    ids = [5, 6, 7, 8]
+
+    def logits() -> torch.Tensor:  # every position's logits, through a fresh cache
+        [hidden] = runner.prefill([ids], rows=[0], cache=runner.new_cache(rows=1), keep_from=[0])
+        return runner.lm_head(hidden)
+
+    before = logits()
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
-    after = runner.forward_full(ids)
+    after = logits()
     assert (after - before).abs().max() > 1e-3  # the in-place edit is seen at once
-    torch.testing.assert_close(after, model(ids).logits.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(after, model(torch.tensor([ids])).logits[0].float(), atol=1e-5, rtol=0)
 
 
 def test_rope_tables_equal_hf_rotary_embedding(tiny_qwen3_dir):
@@ -117,7 +122,7 @@ def test_kv_cache_grows_by_doubling_and_keeps_contents(tiny_dir):
     cache.move_row(1, 0, 10)
     assert torch.all(cache.k[1][0, :, :10] == 7.0)
     cache.reset()
-    assert cache.capacity == 0 and cache.nbytes == 0
+    assert cache.capacity == 0 and cache.k == [] and cache.v == []  # every buffer dropped
 
 
 def test_unsupported_architecture_is_refused(tiny_dir):

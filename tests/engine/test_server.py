@@ -1,6 +1,6 @@
 """The SGLang-compatible HTTP server over the real EmbeddedEngine (tiny model), over real HTTP.
 
-Shapes are checked against SGLang 0.5.23 (shared/ref/sglang.md); where the embedded server
+Shapes are checked against SGLang 0.5.23's native API; where the embedded server
 knowingly differs from real SGLang, the test says so.
 """
 

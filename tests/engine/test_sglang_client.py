@@ -1,5 +1,5 @@
 """SGLangClient against the embedded engine's server (real HTTP, tiny model), plus the error and
-version-compatibility paths against scripted transports."""
+version-compatibility paths against scripted local HTTP servers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from clawrl.engine.sglang_client import SGLangClient, parse_error_message
+from clawrl.engine.sglang_client import SGLangClient, error_message
 from clawrl.engine.types import (
     BadRequestError,
     Engine,
@@ -293,10 +293,10 @@ def test_failed_sync_keeps_old_version_and_still_resumes(server, tmp_path):
         async with SGLangClient(server.url, flush_retry_interval_s=0.05) as client:
             result = await client.sync_weights_from_disk(str(tmp_path / "missing"), "7")
             after = await client.generate(GenerateRequest(input_ids=PROMPT, sampling_params=greedy(2)))
-            ready = (await client._http.get("/ready")).status_code
-            return result, after, ready, await client.model_info()
+            return result, after, await client.model_info()
 
-    result, after, ready, info = run(main())
+    result, after, info = run(main())
+    ready = httpx.get(server.url + "/ready").status_code
     assert (result.success, result.weight_version) == (False, "0")
     assert info["weight_version"] == "0" and after.weight_version == "0"
     assert ready == 200  # continue_generation ran although the update failed
@@ -318,10 +318,6 @@ def test_unreachable_engine_raises_engine_error_fast():
     assert elapsed < 1.0 and healthy is False
 
 
-def scripted(handler) -> httpx.MockTransport:
-    return httpx.MockTransport(handler)
-
-
 @pytest.mark.parametrize(
     "status, body, expected",
     [
@@ -341,9 +337,10 @@ def test_each_sglang_400_shape_becomes_bad_request(status, body, expected):
     assert run(main()) == expected
 
 
-def test_parse_error_message_reads_plain_text():
-    resp = httpx.Response(400, text="Cache not flushed.\n")
-    assert parse_error_message(resp) == "Cache not flushed."
+def test_error_message_reads_plain_text_and_fastapi_detail():
+    assert error_message(400, b"Cache not flushed.\n") == "Cache not flushed."
+    assert error_message(404, b'{"detail": "Not Found"}') == "Not Found"
+    assert error_message(502, b"") == "HTTP 502"
 
 
 def test_5xx_and_timeout_become_engine_errors_naming_the_url():
@@ -352,10 +349,11 @@ def test_5xx_and_timeout_become_engine_errors_naming_the_url():
         return web.json_response({})
 
     async def main():
-        async with SGLangClient("http://sglang:30000/", transport=scripted(
-                lambda request: httpx.Response(503, text="overloaded"))) as client:
-            with pytest.raises(EngineError) as e5:
-                await client.model_info()
+        async with scripted_server(lambda request: web.Response(status=503, text="overloaded")) as url:
+            async with SGLangClient(url + "/") as client:
+                with pytest.raises(EngineError) as e5:
+                    await client.model_info()
+            m503 = str(e5.value).replace(url, "URL")
         async with scripted_server(lambda request: web.Response(status=502, text="bad gateway")) as url:
             async with SGLangClient(url) as client:
                 with pytest.raises(EngineError) as e502:
@@ -366,10 +364,10 @@ def test_5xx_and_timeout_become_engine_errors_naming_the_url():
                 with pytest.raises(EngineTimeoutError) as et:
                     await client.generate(GenerateRequest(input_ids=[1]))
             mt = str(et.value).replace(url, "URL")
-        return str(e5.value), m502, mt
+        return m503, m502, mt
 
     e5, e502, et = run(main())
-    assert e5 == "engine at http://sglang:30000 answered HTTP 503 on GET /model_info: overloaded"
+    assert e5 == "engine at URL answered HTTP 503 on GET /model_info: overloaded"
     assert e502 == "engine at URL answered HTTP 502 on POST /generate: bad gateway"
     assert et == "engine at URL timed out after 1 s on POST /generate"
 
@@ -419,12 +417,12 @@ def test_stream_reads_events_longer_than_a_read_buffer_and_mid_stream_errors():
 
 
 def test_non_json_answer_is_an_engine_error():
-    transport = scripted(lambda request: httpx.Response(200, text="<html>proxy login</html>"))
-
     async def main():
-        async with SGLangClient("http://sglang", transport=transport) as client:
-            with pytest.raises(EngineError, match="non-JSON: '<html>proxy login</html>'"):
-                await client.model_info()
+        async with scripted_server(lambda request: web.Response(text="<html>proxy login</html>")) as url:
+            async with SGLangClient(url) as client:
+                with pytest.raises(EngineError, match="answered GET /model_info with non-JSON: "
+                                                      "'<html>proxy login</html>'"):
+                    await client.model_info()
 
     run(main())
 
@@ -432,19 +430,18 @@ def test_non_json_answer_is_an_engine_error():
 def test_flush_cache_retries_while_busy():
     calls: list[int] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: web.Request) -> web.Response:
         calls.append(1)
-        return httpx.Response(200 if len(calls) == 3 else 400, text="busy")
+        return web.Response(status=200 if len(calls) == 3 else 400, text="busy")
 
     async def main():
-        async with SGLangClient("http://sglang", transport=scripted(handler), flush_retries=5,
-                                flush_retry_interval_s=0) as client:
-            first = await client.flush_cache()
-            n_first = len(calls)
-            calls.extend([1] * 10)  # from now on every answer is 400
-            async with SGLangClient("http://sglang", transport=scripted(handler), flush_retries=2,
-                                    flush_retry_interval_s=0) as stubborn:
-                second = await stubborn.flush_cache()
+        async with scripted_server(handler) as url:
+            async with SGLangClient(url, flush_retries=5, flush_retry_interval_s=0) as client:
+                first = await client.flush_cache()
+                n_first = len(calls)
+                calls.extend([1] * 10)  # from now on every answer is 400
+                async with SGLangClient(url, flush_retries=2, flush_retry_interval_s=0) as stubborn:
+                    second = await stubborn.flush_cache()
             return first, n_first, second
 
     first, n_first, second = run(main())
@@ -455,12 +452,12 @@ def test_flush_cache_retries_while_busy():
 def test_begin_weight_update_404_means_old_sglang_and_is_skipped_afterwards():
     seen: list[str] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.url.path)
-        return httpx.Response(404, json={"detail": "Not Found"})
+    def handler(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def main():
-        async with SGLangClient("http://old-sglang", transport=scripted(handler)) as client:
+        async with scripted_server(handler) as url, SGLangClient(url) as client:
             return [await client.begin_weight_update(), await client.end_weight_update(),
                     await client.begin_weight_update()]
 
@@ -472,20 +469,24 @@ def test_begin_weight_update_404_means_old_sglang_and_is_skipped_afterwards():
 
 def test_sync_resumes_generation_even_when_the_update_call_blows_up():
     seen: list[str] = []
+    body_types: set[str] = set()
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.url.path)
-        if request.url.path == "/update_weights_from_disk":
-            return httpx.Response(500, text="scheduler died")
-        if request.url.path == "/model_info":
-            return httpx.Response(200, json={"weight_version": "3"})
-        return httpx.Response(200, json={"message": "ok", "status": "ok"})
+    def handler(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        if request.method == "POST":
+            body_types.add(request.content_type)
+        if request.path == "/update_weights_from_disk":
+            return web.Response(status=500, text="scheduler died")
+        if request.path == "/model_info":
+            return web.json_response({"weight_version": "3"})
+        return web.json_response({"message": "ok", "status": "ok"})
 
     async def main():
-        async with SGLangClient("http://sglang", transport=scripted(handler)) as client:
+        async with scripted_server(handler) as url, SGLangClient(url) as client:
             with pytest.raises(EngineError, match="HTTP 500"):
                 await client.sync_weights_from_disk("/ckpt", "4")
 
     run(main())
     assert seen == ["/model_info", "/pause_generation", "/flush_cache", "/update_weights_from_disk",
                     "/continue_generation"]
+    assert body_types == {"application/json"}  # SGLang's FastAPI routes parse only JSON bodies

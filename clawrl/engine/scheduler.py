@@ -1,0 +1,437 @@
+"""The embedded engine's worker: one thread that owns the model, the KV cache and the running batch.
+
+Callers on any event loop (any number of loops) hand it sequences under a lock and get results back
+through ``loop.call_soon_threadsafe``, so no engine call blocks an event loop. Control calls
+(pause, continue, flush, weight swaps) run *on the worker, between steps*: a step never sees half
+a weight update.
+
+Each iteration the worker (1) admits waiting sequences FIFO into free batch rows, prefills them in
+right-padded causal batches of similar lengths and samples their first token, then (2) runs one
+decode step over every running sequence. A request that arrives while others decode therefore
+joins at the next step. At most ``max_batch_size`` sequences run; the rest queue. Running
+sequences occupy cache rows ``0..B-1``: a finished one's row is filled by moving the last one in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from clawrl.engine.modeling import CausalLMRunner
+from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, top_logprobs
+from clawrl.engine.sequence import DecodeText, Sequence, abort_reason
+from clawrl.engine.types import EngineError, UpdateResult
+
+PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
+PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
+
+
+@dataclass
+class _PendingUpdate:
+    apply: Callable[[], None]
+    version: str | None
+    barrier: int  # requests with order <= barrier finish before the swap
+    done: concurrent.futures.Future
+
+
+def plan_prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Split a prefill into right-padded batches of similar lengths, so padding stays a small
+    fraction of the work: sort by length and cut whenever padding would exceed the slack."""
+    groups: list[list[Sequence]] = []
+    group: list[Sequence] = []
+    real = 0
+    for s in sorted(seqs, key=lambda s: len(s.tokens)):
+        n = len(s.tokens)
+        if group and n * (len(group) + 1) > PREFILL_PAD_SLACK * (real + n) + 64:
+            groups.append(group)
+            group, real = [], 0
+        group.append(s)
+        real += n
+    if group:
+        groups.append(group)
+    return groups
+
+
+class Scheduler:
+    """The worker thread and everything it owns (see module docstring); ``decode_text`` turns
+    output ids into text (stop strings, results)."""
+
+    def __init__(self, runner: CausalLMRunner, decode_text: DecodeText, *,
+                 max_batch_size: int, weight_version: str):
+        self.runner, self.decode_text, self.max_batch_size = runner, decode_text, max_batch_size
+        self.cache = runner.new_cache(max_batch_size)
+        self.weight_version = weight_version
+        self.generator = torch.Generator()  # rows without a sampling_seed share it
+        self.generator.seed()
+        self.cv = threading.Condition(threading.RLock())
+        # guarded by cv: shared with the submitting threads
+        self.waiting: deque[Sequence] = deque()
+        self.live: set[Sequence] = set()
+        self._commands: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
+        self._aborts_pending = False
+        self.closing = False
+        self._order = 0
+        # owned by the worker thread
+        self.running: list[Sequence] = []  # invariant: self.running[i].row == i
+        self.paused = False
+        self.pause_mode: str | None = None
+        self._updates: deque[_PendingUpdate] = deque()
+        self._thread: threading.Thread | None = None
+        self.counters = {"steps": 0, "prefill_steps": 0, "max_batch_seen": 0, "requests_done": 0,
+                         "tokens_generated": 0, "retractions": 0, "weight_updates": 0}
+
+    # ---------------------------------------------------------------- caller side (any thread)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self.closing
+
+    def start(self) -> None:
+        with self.cv:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self.closing = False
+            self._thread = threading.Thread(target=self._worker, name="clawrl-engine", daemon=True)
+            self._thread.start()
+
+    async def stop(self) -> None:
+        """End the worker: requests still queued or running fail with EngineError."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self.cv:
+            self.closing = True
+            self.cv.notify_all()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def submit(self, seq: Sequence) -> None:
+        self.start()
+        with self.cv:
+            if self.closing:
+                raise EngineError("the engine is closing")
+            self._order += 1
+            seq.order = self._order
+            self.waiting.append(seq)
+            self.live.add(seq)
+            self.cv.notify()
+
+    def abort(self, seqs: list[Sequence], message: str) -> None:
+        """Ask the worker to end ``seqs`` with their partial output (finish reason ``abort``)."""
+        if not seqs:
+            return
+        with self.cv:
+            for s in seqs:
+                if s.abort_message is None:
+                    s.abort_message = message
+            self._aborts_pending = True
+            self.cv.notify()
+
+    def barrier(self) -> int:
+        """The order of the latest submission: pause and update barriers are drawn here."""
+        with self.cv:
+            return self._order
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """Run ``fn(*args, done)`` on the worker between steps; ``fn`` resolves ``done``."""
+        self.start()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cv:
+            self._commands.append((fn, args, done))
+            self.cv.notify()
+        return await asyncio.wrap_future(done)
+
+    def stats(self) -> dict[str, Any]:
+        with self.cv:
+            queued = len(self.waiting)
+        return {**self.counters, "queued": queued, "running": len(self.running), "paused": self.paused,
+                "pause_mode": self.pause_mode, "weight_version": self.weight_version,
+                "kv_capacity": self.cache.capacity}
+
+    # ---------------------------------------------------------------- the loop
+
+    def _worker(self) -> None:
+        with torch.inference_mode():  # thread-local: the worker never needs autograd
+            self._serve()
+        self._shutdown()
+
+    def _serve(self) -> None:
+        while True:
+            with self.cv:
+                while not (self.closing or self._commands or self._aborts_pending or self._has_work()):
+                    self.cv.wait()
+                if self.closing:
+                    break
+                commands, self._commands = self._commands, []
+                sweep, self._aborts_pending = self._aborts_pending, False
+            for fn, args, done in commands:
+                try:
+                    fn(*args, done)
+                except Exception as e:  # a control call must never kill the worker
+                    if not done.done():
+                        done.set_exception(e)
+            if sweep:
+                self._sweep_aborts()
+            try:
+                self._step()
+            except Exception as e:
+                self._fail_running(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
+
+    def _has_work(self) -> bool:  # caller holds cv
+        if self._updates and self._drained():
+            return True
+        if self.paused:
+            return False
+        if self.running:
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_batch_size and self._admissible(self.waiting[0])
+
+    def _admissible(self, seq: Sequence) -> bool:
+        return not self._updates or seq.order <= self._updates[0].barrier
+
+    def _drained(self) -> bool:
+        """No request that must finish before the head update is still running or queued."""
+        if self.running:
+            return False
+        barrier = self._updates[0].barrier
+        with self.cv:  # re-entrant; submitters append to waiting concurrently
+            return not any(s.order <= barrier for s in self.waiting)
+
+    def _step(self) -> None:
+        while self._updates and self._drained():
+            self._apply_update(self._updates.popleft())
+        if self.paused:
+            return
+        admitted = self._admit()
+        if admitted:
+            try:
+                self._prefill(admitted)
+            except Exception as e:  # e.g. out of memory on a huge prompt: fail those, keep the batch
+                self._fail(admitted, EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+        if self.running:
+            self._decode()
+        if not self.running and self.cache.capacity:
+            self.cache.reset()  # idle: give the KV memory back
+
+    def _admit(self) -> list[Sequence]:
+        out: list[Sequence] = []
+        with self.cv:
+            room = self.max_batch_size - len(self.running)
+            while room > 0 and self.waiting and self._admissible(self.waiting[0]):
+                if self.waiting[0].abort_message is not None:
+                    break  # the sweep will end it
+                out.append(self.waiting.popleft())
+                room -= 1
+        return out
+
+    # ---------------------------------------------------------------- prefill and decode
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.row = len(self.running)
+            self.running.append(seq)
+        last_hidden: dict[int, Tensor] = {}
+        for group in plan_prefill_groups(seqs):
+            # the first position whose logits are needed: the last one always is
+            starts = [min(s.req.logprob_start_len, len(s.tokens) - 1) if s.scores_prompt else len(s.tokens) - 1
+                      for s in group]
+            hidden = self.runner.prefill([s.tokens for s in group], [s.row for s in group], self.cache, starts)
+            self.counters["prefill_steps"] += 1
+            for s, h in zip(group, hidden):
+                s.cache_len = len(s.tokens)
+                if s.scores_prompt:
+                    self._score_prompt(s, h[:-1])
+                s.prefilled_once = True
+                last_hidden[id(s)] = h[-1]
+        # one LM-head call for every new sequence: each call streams the whole (vocab x hidden) matrix
+        last_logits = self.runner.lm_head(torch.stack([last_hidden[id(s)] for s in seqs]))  # (N, vocab)
+        sampling = [i for i, s in enumerate(seqs) if s.max_new > 0]
+        for i, s in enumerate(seqs):
+            if s.max_new == 0:  # prefill-only scoring (the teacher path)
+                if s.sampling.top_logprobs_num > 0:
+                    logits = last_logits[i] if s.sampling.greedy else last_logits[i] / s.sampling.temperature
+                    s.output_top = top_logprobs(torch.log_softmax(logits[None], dim=-1),
+                                                [s.sampling.top_logprobs_num])
+                self._finish(s, {"type": "length", "length": 0})
+        if sampling:
+            self._sample_and_append([seqs[i] for i in sampling], last_logits[sampling])
+
+    def _score_prompt(self, seq: Sequence, hidden: Tensor) -> None:
+        """SGLang's input logprobs from start s: entry 0 is None, entry j >= 1 is
+        log P(prompt[s+j] | prompt[:s+j]), read from the logits at position s+j-1 (``hidden[j-1]``)."""
+        s, prompt, top_num = seq.req.logprob_start_len, seq.prompt_ids, seq.sampling.top_logprobs_num
+        targets = prompt[s + 1:]
+        values: list[float | None] = [None] if s < len(prompt) else []
+        tops: list[list[tuple[float, int]] | None] = [None] if s < len(prompt) else []
+        for a in range(0, len(targets), PROMPT_LOGITS_CHUNK):
+            logits = self.runner.lm_head(hidden[a:a + PROMPT_LOGITS_CHUNK])
+            v, t = compute_prompt_logprobs(logits, targets[a:a + PROMPT_LOGITS_CHUNK], top_num)
+            values.extend(v)
+            if t is not None:
+                tops.extend(t)
+        seq.input_logprobs = values
+        seq.input_top = tops if top_num > 0 else None
+
+    def _decode(self) -> None:
+        running = self.running
+        tokens = torch.tensor([s.output_ids[-1] for s in running], dtype=torch.long)
+        positions = torch.tensor([s.cache_len for s in running], dtype=torch.long)
+        logits = self.runner.decode(tokens, positions, self.cache)
+        for s in running:
+            s.cache_len += 1
+        self.counters["steps"] += 1
+        self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(running))
+        self._sample_and_append(list(running), logits)
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: Tensor) -> None:
+        banned = None
+        blocking = [i for i, s in enumerate(seqs)
+                    if s.stop_ids and len(s.output_ids) < s.req.sampling_params.min_new_tokens]
+        if blocking:
+            banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            for i in blocking:
+                banned[i, [t for t in seqs[i].stop_ids if t < logits.shape[-1]]] = True
+        out = sample_next_tokens(logits, [s.sampling for s in seqs], self.generator, banned)
+        version = self.weight_version
+        self.counters["tokens_generated"] += len(seqs)
+        for s, tid, lp, top in zip(seqs, out.token_ids, out.logprobs, out.top):
+            s.output_ids.append(tid)
+            s.output_logprobs.append(lp)
+            s.output_top.append(top)
+            s.versions.append(version)
+            reason = s.check_finish(tid, self.decode_text)
+            if reason is not None:
+                self._finish(s, reason)
+            elif s.stream:
+                s.put(s.result(self.decode_text, self.weight_version))
+
+    # ---------------------------------------------------------------- finishing
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish_reason = reason
+        if seq.row is not None:
+            self._release_row(seq)
+        with self.cv:
+            self.live.discard(seq)
+        self.counters["requests_done"] += 1
+        seq.put(seq.result(self.decode_text, self.weight_version))
+
+    def _release_row(self, seq: Sequence) -> None:
+        """Free ``seq``'s row by moving the last running sequence into it (one row copy)."""
+        hole = seq.row
+        last = self.running.pop()
+        if last is not seq:
+            self.cache.move_row(last.row, hole, last.cache_len)
+            last.row = hole
+            self.running[hole] = last
+        seq.row = None
+
+    def _sweep_aborts(self) -> None:
+        with self.cv:
+            doomed = [s for s in self.waiting if s.abort_message is not None]
+            for s in doomed:
+                self.waiting.remove(s)
+        for s in doomed + [s for s in self.running if s.abort_message is not None]:
+            self._finish(s, abort_reason(s.abort_message))
+
+    def _fail(self, seqs: list[Sequence], exc: EngineError) -> None:
+        """End ``seqs`` with ``exc`` (their callers get the exception, not a result)."""
+        for s in seqs:
+            if s.finish_reason is not None:
+                continue
+            if s.row is not None:
+                self._release_row(s)
+            s.finish_reason = abort_reason(str(exc), 500, "EngineError")
+            with self.cv:
+                self.live.discard(s)
+            s.put(exc)
+
+    def _fail_running(self, exc: EngineError) -> None:
+        """After a failed step: no cache row is trusted or moved any more, the whole cache goes."""
+        running, self.running = self.running, []
+        for s in running:
+            s.row = None
+        self._fail(running, exc)
+        self.cache.reset()
+
+    def _shutdown(self) -> None:
+        exc = EngineError("the engine was closed")
+        self._fail_running(exc)
+        with self.cv:
+            waiting, self.waiting = list(self.waiting), deque()
+            commands, self._commands = self._commands, []
+        self._fail(waiting, exc)
+        for _, _, done in commands:
+            done.set_exception(exc)
+        for u in self._updates:
+            u.done.set_exception(exc)
+        self._updates.clear()
+        self.paused, self.pause_mode = False, None
+
+    # ---------------------------------------------------------------- control (on the worker; each resolves ``done``)
+
+    def do_pause(self, mode: str, barrier: int, done: concurrent.futures.Future) -> None:
+        self.paused, self.pause_mode = True, mode
+        if mode == "abort":
+            with self.cv:
+                doomed = [s for s in self.waiting if s.order <= barrier]
+                for s in doomed:
+                    self.waiting.remove(s)
+            for s in doomed + [s for s in self.running if s.order <= barrier]:
+                self._finish(s, abort_reason("generation paused (abort mode)"))
+        elif mode == "retract":
+            retracted = list(self.running)
+            for s in reversed(retracted):
+                self._release_row(s)
+                s.cache_len = 0
+            self.counters["retractions"] += len(retracted)
+            with self.cv:  # back to the queue, in submission order, ahead of later arrivals
+                self.waiting = deque(sorted([*retracted, *self.waiting], key=lambda s: s.order))
+        if not self.running:
+            self.cache.reset()
+        done.set_result(None)
+
+    def do_continue(self, done: concurrent.futures.Future) -> None:
+        self.paused, self.pause_mode = False, None
+        done.set_result(None)
+
+    def do_flush(self, done: concurrent.futures.Future) -> None:
+        with self.cv:
+            busy = bool(self.running) or (bool(self.waiting) and not self.paused)
+        if not busy:
+            self.cache.reset()
+        done.set_result(not busy)
+
+    def do_relabel(self, version: str, done: concurrent.futures.Future) -> None:
+        self.weight_version = version
+        done.set_result(None)
+
+    def do_update(self, apply: Callable[[], None], version: str | None, barrier: int,
+                  done: concurrent.futures.Future) -> None:
+        update = _PendingUpdate(apply, version, barrier, done)
+        if self.paused:
+            self._apply_update(update)  # the pause already stopped the stepping: swap now
+        else:
+            self._updates.append(update)  # drain first (see _step)
+
+    def _apply_update(self, update: _PendingUpdate) -> None:
+        try:
+            update.apply()
+        except Exception as e:  # copy failed part-way (e.g. dtype): report, keep the label
+            update.done.set_result(UpdateResult(False, f"weights update failed: {type(e).__name__}: {e}",
+                                                self.weight_version))
+            return
+        if update.version is not None:
+            self.weight_version = str(update.version)
+        if not self.running:  # in_place-paused requests keep their (now stale) KV, as in SGLang
+            self.cache.reset()
+        self.counters["weight_updates"] += 1
+        update.done.set_result(UpdateResult(True, "Succeeded to update model weights.", self.weight_version))

@@ -1,0 +1,123 @@
+"""One request inside the embedded engine: what it has produced so far, when it ends, and how its
+results reach the caller's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawrl.engine.sampling import RowSampling
+from clawrl.engine.types import GenerateRequest, GenerateResult
+
+DecodeText = Callable[[list[int], bool], str]  # (ids, skip_special_tokens) -> text
+
+
+def build_version_spans(versions: list[str]) -> list[dict[str, Any]]:
+    """Per-output-token weight versions -> SGLang's ``[{"version","start","end"}]`` spans."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def abort_reason(message: str, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state on the worker."""
+
+    req: GenerateRequest
+    prompt_ids: list[int]
+    max_new: int  # effective cap: min(max_new_tokens, context room)
+    stop_ids: frozenset[int]  # EOS + stop_token_ids; empty under ignore_eos (SGLang)
+    sampling: RowSampling
+    stream: bool  # partial results are sent only for a stream
+    # results (or the exception that ended the request) for the caller, on the caller's loop
+    queue: asyncio.Queue[GenerateResult | BaseException] = field(default_factory=asyncio.Queue)
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    order: int = 0  # submission order: FIFO admission and drain/pause barriers
+    started: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # weight version per output token
+    input_logprobs: list[float | None] | None = None
+    input_top: list[list[tuple[float, int]] | None] | None = None
+    prefilled_once: bool = False  # prompt logprobs are computed on the first prefill only
+    row: int | None = None  # KV cache row while running
+    cache_len: int = 0  # tokens whose K/V sit in the cache
+    finish_reason: dict[str, Any] | None = None
+    stop_trim: int | None = None  # text index where a matched stop string starts
+    scanned_text_len: int = 0
+    abort_message: str | None = None  # set by any thread; the worker ends the request
+
+    def put(self, item: GenerateResult | BaseException) -> None:
+        """Hand ``item`` from the worker thread to the caller's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt log-probs are still owed (they are computed on the first prefill only)."""
+        return not self.prefilled_once and self.req.return_logprob and self.req.logprob_start_len >= 0
+
+    def check_finish(self, tid: int, decode_text: DecodeText) -> dict[str, Any] | None:
+        """The finish reason after appending ``tid``, if any. SGLang's order: length first, then
+        stop tokens, then stop strings."""
+        n = len(self.output_ids)
+        if n >= self.max_new:
+            return {"type": "length", "length": n}
+        sp = self.req.sampling_params
+        if n < sp.min_new_tokens:
+            return None
+        if tid in self.stop_ids:
+            return {"type": "stop", "matched": tid}
+        if sp.stop:
+            text = decode_text(self.output_ids, sp.skip_special_tokens)
+            # only text near the end can hold a new match (earlier text was scanned last step)
+            start = max(0, self.scanned_text_len - max(len(x) for x in sp.stop))
+            self.scanned_text_len = len(text)
+            hits = [(i, stop) for stop in sp.stop if (i := text.find(stop, start)) >= 0]
+            if hits:
+                index, stop = min(hits)
+                self.stop_trim = index
+                return {"type": "stop", "matched": stop}
+        return None
+
+    def result(self, decode_text: DecodeText, weight_version: str) -> GenerateResult:
+        """The result so far (cumulative), or the final one once ``finish_reason`` is set."""
+        req, sp, reason = self.req, self.req.sampling_params, self.finish_reason
+        text_ids = self.output_ids
+        stopped_by_token = reason is not None and reason["type"] == "stop" and isinstance(reason["matched"], int)
+        if stopped_by_token and not sp.no_stop_trim:
+            text_ids = self.output_ids[:-1]  # the stop token is in output_ids, not in text
+        text = decode_text(text_ids, sp.skip_special_tokens)
+        if self.stop_trim is not None and not sp.no_stop_trim:
+            text = text[: self.stop_trim]
+        with_lp = req.return_logprob
+        with_top = with_lp and req.top_logprobs_num > 0
+        return GenerateResult(
+            rid=req.rid, text=text, output_ids=list(self.output_ids), prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids), finish_reason=reason, weight_version=weight_version,
+            output_logprobs=list(self.output_logprobs) if with_lp else None,
+            input_logprobs=self.input_logprobs if with_lp and req.logprob_start_len >= 0 else None,
+            output_top_logprobs=[list(t or []) for t in self.output_top] if with_top else None,
+            input_top_logprobs=self.input_top if with_top else None,
+            weight_versions=build_version_spans(self.versions) if reason is not None else [],
+            e2e_latency=time.perf_counter() - self.started,
+            prompt_ids=list(self.prompt_ids) if req.input_ids is None else None,
+        )
