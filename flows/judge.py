@@ -20,15 +20,8 @@ from prefect.runtime import task_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from clawrl import runtime
-from clawrl.judge.runner import (
-    Judge,
-    build_judge,
-    failure_records,
-    next_state_from_row,
-    outcome_records,
-    turn_from_row,
-)
-from clawrl.flows.common import data_store, load_flow_settings
+from clawrl.flows.common import data_store, judge_for, load_flow_settings
+from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog, pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
@@ -66,7 +59,7 @@ def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> l
 def _pending_turn(config_path: str | None, turn_id: str):
     """(settings, judge, the turn's row or None when it already has a fate under this config)."""
     s = load_flow_settings(config_path)
-    judge: Judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
+    judge = judge_for(s)
     con = open_catalog(s.storage.data_root)
     try:
         rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
@@ -114,7 +107,7 @@ def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict
     """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``)."""
     log = get_run_logger()
     s = load_flow_settings(config_path)
-    judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
+    judge = judge_for(s)
     turn_ids = find_turns(config_path, judge.config_hash, limit or s.prm.batch_limit)
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)

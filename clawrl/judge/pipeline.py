@@ -12,9 +12,8 @@ holding every raw judge output. Which turns make samples:
 
 opd is ``Method.OPD`` (``on_policy_distillation``). Masks: the response mask is all ones over
 ``output_ids`` for every sample (the trainer masks the prompt); ``has_teacher`` tells the loss
-whether the OPD term applies, so a combine RL-only sample carries no pseudo-teacher term
-(ref/openclaw-rl.md §10.8). OPD runs the PRM votes too: their score is no reward there, but it is
-the progress metric a user watches.
+whether the OPD term applies, so a combine RL-only sample carries no pseudo-teacher term. OPD
+runs the PRM votes too: their score is no reward there, but it is the progress metric a user watches.
 
 For every method: a side turn -> ``side_turn`` and a turn without a next state ->
 ``no_next_state`` (the caller passes these too; the judge is not called); a judge stage whose
@@ -35,7 +34,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.records import Method
 from clawrl.engine.types import BadRequestError, Engine, EngineError
 from clawrl.judge.backends import JudgeBackend
 from clawrl.judge.context import build_judge_context
@@ -43,7 +41,8 @@ from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.prompts import PROMPTS_VERSION, build_hint_messages, build_prm_messages
 from clawrl.judge.teacher import TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs
 from clawrl.judge.voting import majority_vote, select_hint
-from clawrl.records import Fate, FateRecord, JudgeVerdict, NextStateRecord, SampleRecord, TurnRecord, TurnType
+from clawrl.records import (Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, SampleRecord, TurnRecord,
+                            TurnType)
 
 ERROR_PREFIX = "[judge error] "  # how a failed vote appears among the raw outputs
 
@@ -115,6 +114,57 @@ def _teacher_prompt_ids(turn: TurnRecord, tokenizer, hint: str, placement: str) 
         "or chat template); its log-probs would describe other tokens than the policy sampled")
 
 
+def _skip(turn: TurnRecord, next_state: NextStateRecord | None) -> tuple[Fate, str] | None:
+    """The fate of a turn the judge is not asked about, or None when it is to be judged."""
+    if turn.turn_type != TurnType.MAIN.value:
+        return Fate.SIDE_TURN, f"turn type {turn.turn_type!r} is never trained on"
+    if next_state is None or not next_state.has_next_state:
+        return Fate.NO_NEXT_STATE, "no next state recorded" if next_state is None else next_state.reason
+    return None
+
+
+def _check(turn: TurnRecord, method: Method, judge_samples: int, hint_samples: int, teacher, teacher_tokenizer) -> None:
+    needs_hint = method in (Method.OPD, Method.COMBINE)
+    if len(turn.rollout_logprobs) != len(turn.output_ids):
+        raise ValueError(f"turn {turn.turn_id}: {len(turn.rollout_logprobs)} rollout log-probs for "
+                         f"{len(turn.output_ids)} output ids")
+    if judge_samples < 1 or (needs_hint and hint_samples < 1):
+        raise ValueError(f"{method.value} needs judge_samples >= 1"
+                         + (" and hint_samples >= 1" if needs_hint else "")
+                         + f", got {judge_samples} and {hint_samples}")
+    if needs_hint and (teacher is None or teacher_tokenizer is None):
+        raise ValueError(f"{method.value} needs a teacher engine and its tokenizer")
+
+
+async def _votes(judge: JudgeBackend, ctx, *, with_hint: bool, judge_samples: int, hint_samples: int,
+                 temperature: float, max_tokens: int, budget_chars: int):
+    """(PRM raw outputs, hint raw outputs or None); both prompts in flight together."""
+    prm = _complete(judge, build_prm_messages(ctx, budget_chars), judge_samples, temperature, max_tokens)
+    if not with_hint:
+        return await prm, None
+    hint = _complete(judge, build_hint_messages(ctx, budget_chars), hint_samples, temperature, max_tokens)
+    return tuple(await asyncio.gather(prm, hint))
+
+
+def _verdict(turn: TurnRecord, prm_raw: list, hint_raw: list | None, hint_policy: str, config_hash: str,
+             backend_name: str) -> JudgeVerdict:
+    """Majority score, chosen hint and every raw output; ``error`` names each stage whose votes all failed."""
+    votes = [parse_score(r) if isinstance(r, str) else None for r in prm_raw]
+    score, reason = majority_vote(votes)
+    hint = None
+    if hint_raw is not None:
+        parsed = [parse_hint(r) if isinstance(r, str) else (None, None) for r in hint_raw]
+        hint = select_hint([h for accepted, h in parsed if accepted], hint_policy)
+    stages = [("prm", prm_raw)] + ([("hint", hint_raw)] if hint_raw is not None else [])
+    errors = [e for e in (_stage_error(name, raw) for name, raw in stages) if e]
+    return JudgeVerdict(
+        turn_id=turn.turn_id, judge_config_hash=config_hash, judge_backend=backend_name,
+        score=score, score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in prm_raw]),
+        hint=hint, hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
+        error="; ".join(errors) or None,
+    )
+
+
 async def judge_turn(
     turn: TurnRecord,
     next_state: NextStateRecord | None,
@@ -135,66 +185,37 @@ async def judge_turn(
 ) -> JudgeOutcome:
     """Judge ``turn`` given its ``next_state`` under one configuration (module docstring)."""
     method = Method(method)
+
+    def outcome(kind: Fate, detail: str, verdict: JudgeVerdict | None = None,
+                sample: SampleRecord | None = None) -> JudgeOutcome:
+        return JudgeOutcome(verdict, sample, FateRecord(turn.turn_id, turn.session_id, judge_config_hash,
+                                                        kind.value, detail))
+
+    if (skipped := _skip(turn, next_state)) is not None:
+        return outcome(*skipped)
+    _check(turn, method, judge_samples, hint_samples, teacher, teacher_tokenizer)
     needs_hint = method in (Method.OPD, Method.COMBINE)
+    prm_raw, hint_raw = await _votes(judge, build_judge_context(turn, next_state), with_hint=needs_hint,
+                                     judge_samples=judge_samples, hint_samples=hint_samples, temperature=temperature,
+                                     max_tokens=max_tokens, budget_chars=budget_chars)
+    verdict = _verdict(turn, prm_raw, hint_raw, hint_policy, judge_config_hash, judge_backend_name)
+    if verdict.error:
+        return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
 
-    def fate(kind: Fate, detail: str) -> FateRecord:
-        return FateRecord(turn.turn_id, turn.session_id, judge_config_hash, kind.value, detail)
-
-    if turn.turn_type != TurnType.MAIN.value:
-        return JudgeOutcome(None, None, fate(Fate.SIDE_TURN, f"turn type {turn.turn_type!r} is never trained on"))
-    if next_state is None or not next_state.has_next_state:
-        reason = "no next state recorded" if next_state is None else next_state.reason
-        return JudgeOutcome(None, None, fate(Fate.NO_NEXT_STATE, reason))
-    if len(turn.rollout_logprobs) != len(turn.output_ids):
-        raise ValueError(f"turn {turn.turn_id}: {len(turn.rollout_logprobs)} rollout log-probs for "
-                         f"{len(turn.output_ids)} output ids")
-    if judge_samples < 1 or (needs_hint and hint_samples < 1):
-        raise ValueError(f"{method.value} needs judge_samples >= 1"
-                         + (" and hint_samples >= 1" if needs_hint else "")
-                         + f", got {judge_samples} and {hint_samples}")
-    if needs_hint and (teacher is None or teacher_tokenizer is None):
-        raise ValueError(f"{method.value} needs a teacher engine and its tokenizer")
-
-    ctx = build_judge_context(turn, next_state)
-    prm_call = _complete(judge, build_prm_messages(ctx, budget_chars), judge_samples, temperature, max_tokens)
-    if needs_hint:  # both prompts in flight together: no lock, no waiting on each other
-        hint_call = _complete(judge, build_hint_messages(ctx, budget_chars), hint_samples, temperature, max_tokens)
-        prm_raw, hint_raw = await asyncio.gather(prm_call, hint_call)
-    else:
-        prm_raw, hint_raw = await prm_call, None
-
-    votes = [parse_score(r) if isinstance(r, str) else None for r in prm_raw]
-    score, reason = majority_vote(votes)
-    hint = None
-    if hint_raw is not None:
-        parsed = [parse_hint(r) if isinstance(r, str) else (None, None) for r in hint_raw]
-        hint = select_hint([h for accepted, h in parsed if accepted], hint_policy)
-    stage_errors = [_stage_error("prm", prm_raw)] + ([_stage_error("hint", hint_raw)] if hint_raw is not None else [])
-    errors = [e for e in stage_errors if e]
-    verdict = JudgeVerdict(
-        turn_id=turn.turn_id, judge_config_hash=judge_config_hash, judge_backend=judge_backend_name,
-        score=score, score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in prm_raw]),
-        hint=hint, hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
-        error="; ".join(errors) or None,
-    )
-    if errors:
-        return JudgeOutcome(verdict, None, fate(Fate.JUDGE_ERROR, verdict.error))
-
-    use_teacher = needs_hint and hint is not None
-    makes_sample = {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}[method]
-    if not makes_sample:
+    score, use_teacher = verdict.score, needs_hint and verdict.hint is not None
+    if not {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}[method]:
         if method == Method.OPD:
-            return JudgeOutcome(verdict, None, fate(Fate.NO_HINT, f"no usable hint among {hint_samples} votes"))
-        return JudgeOutcome(verdict, None, fate(Fate.SCORE_ZERO, f"score 0 ({reason}; votes {votes})"))
+            return outcome(Fate.NO_HINT, f"no usable hint among {hint_samples} votes", verdict)
+        return outcome(Fate.SCORE_ZERO, f"score 0 ({verdict.score_reason}; votes {verdict.votes})", verdict)
 
     teacher_logprobs = None
     if use_teacher:
         try:
-            prompt_ids = _teacher_prompt_ids(turn, teacher_tokenizer, hint, hint_placement)
+            prompt_ids = _teacher_prompt_ids(turn, teacher_tokenizer, verdict.hint, hint_placement)
             teacher_logprobs = await compute_teacher_logprobs(teacher, prompt_ids, turn.output_ids)
         except (TeacherAlignmentError, EngineError, BadRequestError) as e:
             verdict.error = f"teacher: {type(e).__name__}: {e}"
-            return JudgeOutcome(verdict, None, fate(Fate.JUDGE_ERROR, verdict.error))
+            return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
 
     reward = 0.0 if method == Method.OPD else float(score)
     sample = SampleRecord(
@@ -204,5 +225,4 @@ async def judge_turn(
         rollout_logprobs=list(turn.rollout_logprobs), reward=reward, has_teacher=use_teacher,
         teacher_logprobs=teacher_logprobs, weight_version=turn.weight_version,
     )
-    detail = f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}"
-    return JudgeOutcome(verdict, sample, fate(Fate.SAMPLE, detail))
+    return outcome(Fate.SAMPLE, f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}", verdict, sample)

@@ -1,28 +1,24 @@
-"""What the judge flow calls: build the judge once per process, judge one stored turn, list its records.
+"""What the judge flow calls: build a judge from settings, judge one stored turn, list its records.
 
-:func:`build_judge` is the entry-point factory (it reads Settings); everything below it takes plain
-values. The frozen judge/teacher engine is created once per process and registered in
-:mod:`clawrl.runtime`, so repeated flow runs in one process do not reload the model.
+:func:`build_judge` is the entry-point factory (it reads Settings); the engines it does not make
+itself (the frozen model, the serving engine) are arguments, so the caller decides how long they
+live (the flows keep one per process: ``clawrl.flows.common``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from clawrl import runtime
 from clawrl.config import Settings, read_secret, resolve_device
-from clawrl.records import Method
 from clawrl.engine.types import Engine
 from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
 from clawrl.judge.pipeline import JudgeOutcome, judge_config_hash, judge_turn
-from clawrl.records import NextStateRecord, TurnRecord
-
-FROZEN_ENGINE = "frozen-engine"  # runtime registry name of the frozen initial model
-POLICY_ENGINE = "policy-engine"  # runtime registry name of the serving engine, when in-process
-
+from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, TurnRecord
 
 @dataclass
 class Judge:
@@ -55,7 +51,7 @@ class Judge:
 
     async def close(self) -> None:
         """Close the HTTP clients this judge made (SGLang judge or teacher servers). In-process
-        engines are shared through the runtime registry and stay open."""
+        engines belong to the caller that passed them in and stay open."""
         from clawrl.engine.sglang_client import SGLangClient
 
         for client in {id(e): e for e in (getattr(self.backend, "engine", None), self.teacher)}.values():
@@ -89,22 +85,18 @@ class RewardHookBackend:
         return ["reward hook: no hint\n\\boxed{-1}"] * n
 
 
-def frozen_engine(settings: Settings):
-    """The embedded engine holding the *initial* weights (never synced), one per process."""
+def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
+    """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
+    model), never synced: the frozen judge, and the frozen or local OPD teacher."""
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.models import resolve_model_dir
 
-    def make():
-        from clawrl.engine.embedded import EmbeddedEngine
-        from clawrl.models import resolve_model_dir
-
-        model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
-        device, _ = resolve_device(settings.model.device)
-        return EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
-                              max_batch_size=settings.engine.max_batch_size,
-                              max_context_len=settings.engine.max_context_len, weight_version="frozen",
-                              served_model_name="clawrl-frozen")
-
-    return runtime.get_or_create(f"{FROZEN_ENGINE}:{settings.model.name}:{settings.model.seed}:{settings.model.dtype}",
-                                 make)
+    model_dir = resolve_model_dir(name or settings.model.name, settings.storage.models_dir, settings.model.seed)
+    device, _ = resolve_device(settings.model.device)
+    return EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
+                          max_batch_size=settings.engine.max_batch_size,
+                          max_context_len=settings.engine.max_context_len, weight_version="frozen",
+                          served_model_name="clawrl-frozen")
 
 
 def _judge_model_id(settings: Settings) -> str:
@@ -140,69 +132,62 @@ def build_judge_config_hash(settings: Settings) -> str:
     )
 
 
-def _teacher(settings: Settings) -> tuple[Engine, Any]:
-    """(engine, tokenizer) of the OPD teacher named by ``opd.teacher``."""
+def _http_engine(settings: Settings, url: str) -> Engine:
+    from clawrl.engine.sglang_client import SGLangClient
+
+    return SGLangClient(url, timeout_s=settings.engine.request_timeout_s)
+
+
+def _policy_tokenizer(settings: Settings):
     from clawrl.models import load_tokenizer, resolve_model_dir
 
+    return load_tokenizer(resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed))
+
+
+def _teacher(settings: Settings, frozen: Callable[[str], Engine], policy: Engine | None) -> tuple[Engine, Any]:
+    """(engine, tokenizer) of the OPD teacher named by ``opd.teacher``."""
     name = settings.opd.teacher
-    policy_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
-    if name == "frozen":
-        eng = frozen_engine(settings)
-        return eng, eng.tokenizer
     if name == "policy":
-        eng = runtime.lookup(POLICY_ENGINE)
-        if eng is None:
-            if settings.engine.kind != "http":
-                raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
-                                   "engine.kind = 'http'")
-            from clawrl.engine.sglang_client import SGLangClient
-
-            eng = SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s)
-        return eng, load_tokenizer(policy_dir)
+        if policy is None and settings.engine.kind != "http":
+            raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
+                               "engine.kind = 'http'")
+        return policy or _http_engine(settings, settings.engine.url), _policy_tokenizer(settings)
     if name.startswith(("http://", "https://")):
-        from clawrl.engine.sglang_client import SGLangClient
-
-        return SGLangClient(name, timeout_s=settings.engine.request_timeout_s), load_tokenizer(policy_dir)
-
-    def make():
-        from clawrl.engine.embedded import EmbeddedEngine
-
-        device, _ = resolve_device(settings.model.device)
-        return EmbeddedEngine(resolve_model_dir(name, settings.storage.models_dir), dtype=settings.model.dtype,
-                              device=device, max_batch_size=settings.engine.max_batch_size,
-                              max_context_len=settings.engine.max_context_len, weight_version="teacher")
-
-    eng = runtime.get_or_create(f"teacher:{name}", make)
-    return eng, eng.tokenizer
+        return _http_engine(settings, name), _policy_tokenizer(settings)
+    engine = frozen(settings.model.name if name == "frozen" else name)
+    return engine, engine.tokenizer
 
 
-def build_judge(settings: Settings) -> Judge:
-    prm, opd = settings.prm, settings.opd
-    method = Method(settings.ppo.advantage_estimator)
+def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBackend:
+    prm = settings.prm
     if prm.backend == "rule":
-        backend: JudgeBackend = RuleJudge()
-    elif prm.backend == "engine":
-        eng = frozen_engine(settings)
-        backend = EngineJudge(eng, eng.tokenizer, seed=settings.model.seed)
-    elif prm.backend == "sglang":
+        return RuleJudge()
+    if prm.backend == "engine":
+        engine = frozen(settings.model.name)
+        return EngineJudge(engine, engine.tokenizer, seed=settings.model.seed)
+    if prm.backend == "sglang":
         if not prm.url:
             raise ValueError("prm.backend = 'sglang' needs prm.url")
-        from clawrl.engine.sglang_client import SGLangClient
-        from clawrl.models import load_tokenizer, resolve_model_dir
+        return EngineJudge(_http_engine(settings, prm.url), _policy_tokenizer(settings), seed=settings.model.seed)
+    if not settings.provider.base_url:
+        raise ValueError("prm.backend = 'provider' needs provider.base_url")
+    return ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
+                         settings.provider.model, timeout_s=settings.engine.request_timeout_s)
 
-        tok = load_tokenizer(resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed))
-        backend = EngineJudge(SGLangClient(prm.url, timeout_s=settings.engine.request_timeout_s), tok,
-                              seed=settings.model.seed)
-    else:  # provider
-        if not settings.provider.base_url:
-            raise ValueError("prm.backend = 'provider' needs provider.base_url")
-        backend = ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
-                                settings.provider.model, timeout_s=settings.engine.request_timeout_s)
+
+def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = None,
+                policy: Engine | None = None) -> Judge:
+    """The judge these settings describe. ``frozen(name)`` gives the engine holding model ``name``'s
+    initial weights (default: :func:`load_frozen_engine`, one per model for this judge); ``policy``
+    is the serving engine when it runs in this process (the ``opd.teacher = "policy"`` teacher)."""
+    prm, opd = settings.prm, settings.opd
+    method = Method(settings.ppo.advantage_estimator)
+    frozen = frozen or functools.cache(functools.partial(load_frozen_engine, settings))
     teacher = teacher_tok = None
     if method in (Method.OPD, Method.COMBINE):
-        teacher, teacher_tok = _teacher(settings)
-    return Judge(backend=backend, backend_name="hook" if settings.hooks.reward else prm.backend, teacher=teacher,
-                 teacher_tokenizer=teacher_tok, method=method, judge_samples=prm.judge_samples,
+        teacher, teacher_tok = _teacher(settings, frozen, policy)
+    return Judge(backend=_backend(settings, frozen), backend_name="hook" if settings.hooks.reward else prm.backend,
+                 teacher=teacher, teacher_tokenizer=teacher_tok, method=method, judge_samples=prm.judge_samples,
                  hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
                  budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
                  config_hash=build_judge_config_hash(settings),
@@ -230,30 +215,13 @@ def next_state_from_row(row: dict[str, Any]) -> NextStateRecord | None:
 def outcome_records(outcome: JudgeOutcome) -> list[Any]:
     """Records to append, the fate LAST: a turn counts as judged once its fate is stored, so a
     crash before that re-judges it and the deterministic sample id overwrites any earlier sample."""
-    out: list[Any] = [r for r in (outcome.verdict, outcome.sample) if r is not None]
-    out.append(outcome.fate)
-    return out
+    return [r for r in (outcome.verdict, outcome.sample) if r is not None] + [outcome.fate]
 
 
 def failure_records(turn: TurnRecord, judge: Judge, error: str) -> list[Any]:
     """Verdict + fate for a turn whose every judge attempt raised."""
-    from clawrl.records import Fate, FateRecord, JudgeVerdict
-
     verdict = JudgeVerdict(turn_id=turn.turn_id, judge_config_hash=judge.config_hash,
                            judge_backend=judge.backend_name, score=0, score_reason="all_failed", votes=[],
                            raw_outputs="[]", error=error)
     fate = FateRecord(turn.turn_id, turn.session_id, judge.config_hash, Fate.JUDGE_ERROR.value, error)
     return [verdict, fate]
-
-
-def summarize(outcomes: list[JudgeOutcome]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o.fate.fate] = counts.get(o.fate.fate, 0) + 1
-    return counts
-
-
-def describe(outcome: JudgeOutcome) -> str:
-    v = outcome.verdict
-    return json.dumps({"turn_id": outcome.fate.turn_id, "fate": outcome.fate.fate,
-                       "score": None if v is None else v.score, "hint": None if v is None else v.hint})

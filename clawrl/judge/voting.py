@@ -1,6 +1,6 @@
 """Turn m parsed judge votes into one score, and m hint candidates into one hint.
 
-The vote keeps *why* a score is 0 (MISSION.md: "judge scores always 0" must be diagnosable):
+The vote keeps *why* a score is 0, so "the judge always scores 0" can be diagnosed:
 "majority" (a real verdict), "tie" (the parsed votes have no strict majority: 1 vs -1, or
 1 / 0 / -1 spread) or "all_failed" (no vote parsed; the raw outputs show why).
 """

@@ -1,9 +1,8 @@
-"""The scripted session the issue asks for, at library level: real turns from the tiny model, the
-rule judge reading the user's feedback, the tiny model as the teacher, and the fate of every turn."""
+"""A scripted session at library level: real turns from the tiny model, the rule judge reading the
+user's feedback, the tiny model as the teacher, and the fate of every turn."""
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -228,12 +227,9 @@ def test_turns_and_votes_are_judged_concurrently():
     async def run_all():
         return await asyncio.gather(*(judge_turn(t, build_next_state(t, [PRAISE]), **kw) for t in turns))
 
-    t0 = time.perf_counter()
     outcomes = asyncio.run(run_all())
-    elapsed = time.perf_counter() - t0
     assert [o.verdict.score for o in outcomes] == [1] * 8
-    assert judge.max_in_flight >= 8  # no global lock: all 24 votes can overlap
-    assert elapsed < 1.5  # serialized would be 8 turns x 3 votes x 0.2 s = 4.8 s
+    assert judge.max_in_flight == 24  # no global lock: all 8 turns x 3 votes in flight at once
 
 
 def test_prm_and_hint_votes_of_one_turn_overlap(tiny_engine):
