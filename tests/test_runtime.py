@@ -60,7 +60,7 @@ def test_a_judge_closes_the_sglang_clients_it_made():
     from clawrl.engine.sglang_client import SGLangClient
     from clawrl.engine.types import GenerateRequest
     from clawrl.judge.backends import EngineJudge
-    from clawrl.judge.runner import Judge
+    from clawrl.judge.pipeline import Judge
 
     async def answer(request):
         return web.json_response({"text": "a", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": None}})

@@ -1,4 +1,4 @@
-"""Where judge votes come from: one small protocol and three implementations.
+"""Where judge votes come from: one small protocol and its implementations.
 
 * :class:`EngineJudge` - a model behind the :class:`~clawrl.engine.types.Engine` protocol (the
   embedded torch engine, or an SGLang server through ``SGLangClient``). It must be the FROZEN
@@ -8,6 +8,7 @@
   same reason.
 * :class:`ProviderJudge` - an external OpenAI-compatible chat-completions API (the ``openai`` SDK).
 * :class:`RuleJudge` - deterministic keyword rules, named as such, for tests and the CPU demo.
+* :class:`RewardHookBackend` - a ``[hooks] reward`` function's decision, in the judge's answer format.
 
 Every backend issues its n completions concurrently and returns one entry per completion: the text,
 or the exception that completion raised. A failed completion is a failed vote, not a failed turn.
@@ -24,6 +25,7 @@ import openai
 from clawrl.engine.types import Engine, GenerateRequest, SamplingParams
 from clawrl.judge.parse import HINT_END, HINT_START
 from clawrl.judge.prompts import prompt_kind, read_next_state
+from clawrl.records import NextStateRecord, TurnRecord
 
 
 class JudgeBackendError(RuntimeError):
@@ -199,3 +201,27 @@ class RuleJudge:
         else:
             text = f"Rule judge (deterministic): no instructive correction (rule '{rule}').\n\\boxed{{-1}}"
         return [text] * n
+
+
+# ------------------------------------------------------------------------------- reward hook
+class RewardHookBackend:
+    """Adapts a ``[hooks] reward`` function to the JudgeBackend protocol: its (score, hint) is
+    written in the judge's answer format, so votes, hints, teacher log-probs and fates take the
+    same path as a model judge's."""
+
+    def __init__(self, hook, turn: TurnRecord, next_state: NextStateRecord | None):
+        self.hook, self.turn, self.next_state = hook, turn, next_state
+
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
+                       max_tokens: int) -> list[str | Exception]:
+        try:
+            score, hint = await self.hook(turn=self.turn, next_state=self.next_state)
+            if score not in (-1, 0, 1):
+                raise ValueError(f"reward hook returned score {score!r}; expected -1, 0 or 1")
+        except Exception as e:  # a failing hook is a failed vote, like a failing judge model
+            return [e] * n
+        if prompt_kind(messages) == "prm":
+            return [f"reward hook\n\\boxed{{{score}}}"] * n
+        if hint:
+            return [f"reward hook\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}"] * n
+        return ["reward hook: no hint\n\\boxed{-1}"] * n

@@ -10,80 +10,15 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 from clawrl.config import Settings, read_secret, resolve_device
 from clawrl.engine.types import Engine
 from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
-from clawrl.judge.pipeline import JudgeOutcome, judge_config_hash, judge_turn
+from clawrl.judge.pipeline import Judge, JudgeOutcome, judge_config_hash
 from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, TurnRecord
-
-@dataclass
-class Judge:
-    """Everything needed to judge turns under one configuration (plain values + live backends)."""
-
-    backend: JudgeBackend
-    backend_name: str
-    teacher: Engine | None
-    teacher_tokenizer: Any
-    method: Method
-    judge_samples: int
-    hint_samples: int
-    temperature: float
-    max_tokens: int
-    budget_chars: int
-    hint_policy: str
-    hint_placement: str
-    config_hash: str
-    reward_hook: Any = None  # [hooks] reward: async fn(turn=, next_state=) -> (score, hint | None)
-
-    async def judge(self, turn: TurnRecord, next_state: NextStateRecord | None) -> JudgeOutcome:
-        backend = self.backend if self.reward_hook is None else RewardHookBackend(self.reward_hook, turn, next_state)
-        return await judge_turn(
-            turn, next_state, judge=backend, method=self.method, judge_samples=self.judge_samples,
-            hint_samples=self.hint_samples, temperature=self.temperature, max_tokens=self.max_tokens,
-            budget_chars=self.budget_chars, hint_policy=self.hint_policy, teacher=self.teacher,
-            teacher_tokenizer=self.teacher_tokenizer, hint_placement=self.hint_placement,
-            judge_config_hash=self.config_hash, judge_backend_name=self.backend_name,
-        )
-
-    async def close(self) -> None:
-        """Close the HTTP clients this judge made (SGLang judge or teacher servers). In-process
-        engines belong to the caller that passed them in and stay open."""
-        from clawrl.engine.sglang_client import SGLangClient
-
-        for client in {id(e): e for e in (getattr(self.backend, "engine", None), self.teacher)}.values():
-            if isinstance(client, SGLangClient):
-                await client.close()
-
-
-class RewardHookBackend:
-    """Adapts a ``[hooks] reward`` function to the JudgeBackend protocol: its (score, hint) is
-    written in the judge's answer format, so votes, hints, teacher log-probs and fates take the
-    same path as a model judge's."""
-
-    def __init__(self, hook, turn: TurnRecord, next_state: NextStateRecord | None):
-        self.hook, self.turn, self.next_state = hook, turn, next_state
-
-    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
-                       max_tokens: int) -> list[str | Exception]:
-        from clawrl.judge.parse import HINT_END, HINT_START
-        from clawrl.judge.prompts import prompt_kind
-
-        try:
-            score, hint = await self.hook(turn=self.turn, next_state=self.next_state)
-            if score not in (-1, 0, 1):
-                raise ValueError(f"reward hook returned score {score!r}; expected -1, 0 or 1")
-        except Exception as e:  # a failing hook is a failed vote, like a failing judge model
-            return [e] * n
-        if prompt_kind(messages) == "prm":
-            return [f"reward hook\n\\boxed{{{score}}}"] * n
-        if hint:
-            return [f"reward hook\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}"] * n
-        return ["reward hook: no hint\n\\boxed{-1}"] * n
-
 
 def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
