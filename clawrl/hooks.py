@@ -25,7 +25,6 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("clawrl.hooks")
@@ -35,18 +34,11 @@ class HookError(ValueError):
     """A hook that cannot be imported or does not fit its contract."""
 
 
-@dataclass(frozen=True)
-class HookSpec:
-    params: tuple[str, ...]  # keyword arguments the hook must accept
-    is_async: bool
-
-
-HOOK_SPECS: dict[str, HookSpec] = {
-    "reward": HookSpec(("turn", "next_state"), is_async=True),
-    "loss": HookSpec(("logprobs", "old_logprobs", "ref_logprobs", "entropy", "reward", "hp", "num_tokens",
-                      "num_seqs"), is_async=False),
-    "generate": HookSpec(("engine", "request"), is_async=True),
-    "sample_source": HookSpec(("data_root", "judge_config_hash", "limit"), is_async=False),
+HOOK_SPECS: dict[str, tuple[tuple[str, ...], bool]] = {  # kind -> (keyword arguments it must accept, async)
+    "reward": (("turn", "next_state"), True),
+    "loss": (("logprobs", "old_logprobs", "ref_logprobs", "entropy", "reward", "hp", "num_tokens", "num_seqs"), False),
+    "generate": (("engine", "request"), True),
+    "sample_source": (("data_root", "judge_config_hash", "limit"), False),
 }
 
 
@@ -67,22 +59,22 @@ def import_path(path: str) -> Any:
 
 
 def check_hook(kind: str, fn: Any, path: str) -> None:
-    spec = HOOK_SPECS[kind]
+    names, is_async = HOOK_SPECS[kind]
     if not callable(fn):
         raise HookError(f"[hooks] {kind} = {path!r} is not callable")
-    if inspect.iscoroutinefunction(fn) != spec.is_async:
-        want = "an async function (async def)" if spec.is_async else "a plain (non-async) function"
+    if inspect.iscoroutinefunction(fn) != is_async:
+        want = "an async function (async def)" if is_async else "a plain (non-async) function"
         raise HookError(f"[hooks] {kind} = {path!r} must be {want}")
     sig = inspect.signature(fn)
     params = sig.parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    missing = [n for n in spec.params if n not in params and not takes_kwargs]
+    missing = [n for n in names if n not in params and not takes_kwargs]
     if missing:
         raise HookError(f"[hooks] {kind} = {path!r}{sig} does not accept {', '.join(missing)}; "
-                        f"the contract is fn({', '.join(spec.params)})")
+                        f"the contract is fn({', '.join(names)})")
     extra = [n for n, p in params.items()
              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-             and n not in spec.params and not (kind == "loss" and n == "mb")]
+             and n not in names and not (kind == "loss" and n == "mb")]
     if extra:
         raise HookError(f"[hooks] {kind} = {path!r}{sig} requires {', '.join(extra)}, which clawrl does not pass")
 

@@ -1,18 +1,18 @@
-"""Per-process state shared by the flows (and `clawrl sync`, `clawrl demo`): the long-lived objects a
-flow run needs, made once per process, and the record of a weight-sync attempt.
+"""Per-process state of the flows (also used by `clawrl sync` and `clawrl demo`), and the record of a
+weight-sync attempt.
 
-One process runs many flow runs (`clawrl demo` runs the judge and train flows every step, `clawrl up`
-serves them from one worker), so the settings, the DataStore of a data root, the frozen model, the
-judge and the trainer are made on first use and reused: a model must not be reloaded per run. The
-serving engine is not made here: the process that serves it attaches it (:func:`attach_policy_engine`).
-At exit, the objects made here that have an async ``close()`` (engines, the HTTP clients of judges)
-are closed on the runtime loop.
+One process runs many flow runs (`clawrl demo` runs the judge and train flows every step), so the
+settings, the DataStore of a data root, the frozen model, the judge and the trainer are made on
+first use and reused: a model must not be reloaded per run. The serving engine is attached by the
+process that serves it. At exit, what was made here with an async ``close()`` (engines, the HTTP
+clients of judges) is closed on the runtime loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -102,16 +102,13 @@ def close_all(timeout_s: float = 5.0) -> None:
         objects = list(_made.values())
         _made.clear()
     closers = [obj.close for obj in objects if asyncio.iscoroutinefunction(getattr(obj, "close", None))]
-    if not closers or not runtime.is_running():
-        return
 
     async def close() -> None:
         await asyncio.gather(*(c() for c in closers), return_exceptions=True)
 
-    try:
-        runtime.run(close(), timeout_s)
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
+    if closers and runtime.is_running():
+        with contextlib.suppress(Exception):  # best effort at exit
+            runtime.run(close(), timeout_s)
 
 
 atexit.register(close_all)  # registered after runtime's loop shutdown, so it runs before it

@@ -25,16 +25,16 @@ from clawrl.flows.train import train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
-from clawrl.sim.users import evaluation_round, kl_to_reference, score, summarize_round, training_round
+from clawrl.sim.users import kl_to_reference, score, summarize_round, user_round
 from clawrl.storage.catalog import open_catalog, session_turns
 
 
-def _talk(gateway_url: str, users_round, *args, **kwargs):
-    """Run one round of simulated users (``users_round(client, *args, **kwargs)``) against the gateway."""
+def _talk(gateway_url: str, *args, **kwargs):
+    """One round of simulated users (``clawrl.sim.users.user_round``) against the gateway."""
 
     async def go():
         async with AsyncOpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=2, timeout=600) as client:
-            return await users_round(client, *args, **kwargs)
+            return await user_round(client, *args, **kwargs)
 
     return runtime.run(go())
 
@@ -57,8 +57,8 @@ def simulate_users(config_path: str | None, gateway_url: str, step: int, persona
     s = load_flow_settings(config_path)
     pool, _ = split_questions(n_heldout=heldout, seed=seed)
     questions = round_questions(pool, step, n_users, group_size)
-    out = summarize_round(_talk(gateway_url, training_round, get_persona(persona_name), questions,
-                                round_id=f"train{step:03d}", max_tokens=max_tokens, temperature=s.ppo.temperature,
+    out = summarize_round(_talk(gateway_url, get_persona(persona_name), questions, round_id=f"train{step:03d}",
+                                train=True, max_tokens=max_tokens, temperature=s.ppo.temperature,
                                 seed=seed * 1000 + step * 97))
     data_store(s).flush()
     return out
@@ -75,7 +75,7 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
     _, held = split_questions(n_heldout=heldout, seed=seed)
     questions = held * samples  # answer i is to question i % heldout, with seed base + i
     round_id = f"eval{step:03d}"
-    interactions = _talk(gateway_url, evaluation_round, get_persona(persona_name), questions, round_id=round_id,
+    interactions = _talk(gateway_url, get_persona(persona_name), questions, round_id=round_id, train=False,
                          max_tokens=max_tokens, temperature=s.ppo.temperature, seed=seed * 7919)
     data_store(s).flush()
     con = open_catalog(s.storage.data_root)

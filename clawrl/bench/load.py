@@ -293,14 +293,12 @@ def format_load_section(r: dict[str, Any], machine_line: str) -> str:
                              "syncs_during_run")}
     row["weight_versions_seen"] = ", ".join(f"v{v}: {n}" for v, n in r["weight_versions_seen"].items())
     row["load_1m"] = f"{r['load_1m_before']} -> {r['load_1m_after']}"
-
-    def when(st: dict[str, Any]) -> str:
-        served = st["first_served_s"]
-        return (f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
-                f"{'-' if served is None else f'{served:.1f} s'}, flow run done at {st['at_s']:.1f} s")
-
-    syncs = "; ".join(when(st) for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
-    lines = [
+    served = {st["weight_version"]: "-" if st["first_served_s"] is None else f"{st['first_served_s']:.1f} s"
+              for st in r["steps"]}
+    syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
+                      f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
+                      for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
+    return "\n".join([
         "## Load: concurrent sessions while judging, training and syncing",
         "",
         machine_line,
@@ -323,5 +321,4 @@ def format_load_section(r: dict[str, Any], machine_line: str) -> str:
         f"started {r['sessions_started']}, completed {r['sessions_completed']}; sent but not logged: "
         f"{r['sent_not_logged']}. `load_1m`: the 1-minute load average",
         "before -> after the window; above the core count, other work shared the machine.",
-    ]
-    return "\n".join(lines)
+    ])

@@ -43,12 +43,19 @@ class JudgeBackend(Protocol):
 
 async def _gather_votes(coros: list) -> list[str | Exception]:
     results = await asyncio.gather(*coros, return_exceptions=True)
-    out: list[str | Exception] = []
     for r in results:
         if isinstance(r, BaseException) and not isinstance(r, Exception):
             raise r  # cancellation and KeyboardInterrupt are not failed votes
-        out.append(r)
-    return out
+    return results
+
+
+def answer(kind: str, score: int, hint: str | None, why: str) -> str:
+    """A decision made without a model (rules, a reward hook) in the judge's answer format, so it
+    takes a model's parse -> vote path: the PRM prompt gets the score; the hint prompt gets
+    ``\\boxed{1}`` and the hint, or ``\\boxed{-1}`` when there is none."""
+    if kind == "prm":
+        return f"{why}\n\\boxed{{{score}}}"
+    return f"{why}\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}" if hint else f"{why}\n\\boxed{{-1}}"
 
 
 # ------------------------------------------------------------------------------ engine
@@ -193,14 +200,7 @@ class RuleJudge:
             score, rule, hint = judge_by_rules(read_next_state(messages))
         except ValueError as e:
             return [e] * n
-        if kind == "prm":
-            text = f"Rule judge (deterministic): the next state matches rule '{rule}'.\n\\boxed{{{score}}}"
-        elif hint is not None:
-            text = (f"Rule judge (deterministic): the user's correction says what the turn should have done.\n"
-                    f"\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}")
-        else:
-            text = f"Rule judge (deterministic): no instructive correction (rule '{rule}').\n\\boxed{{-1}}"
-        return [text] * n
+        return [answer(kind, score, hint, f"Rule judge (deterministic): the next state matches rule '{rule}'.")] * n
 
 
 # ------------------------------------------------------------------------------- reward hook
@@ -220,8 +220,4 @@ class RewardHookBackend:
                 raise ValueError(f"reward hook returned score {score!r}; expected -1, 0 or 1")
         except Exception as e:  # a failing hook is a failed vote, like a failing judge model
             return [e] * n
-        if prompt_kind(messages) == "prm":
-            return [f"reward hook\n\\boxed{{{score}}}"] * n
-        if hint:
-            return [f"reward hook\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}"] * n
-        return ["reward hook: no hint\n\\boxed{-1}"] * n
+        return [answer(prompt_kind(messages), score, hint, "reward hook")] * n

@@ -160,7 +160,8 @@ class Judge:
         if verdict.error:
             return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
         score, use_teacher = verdict.score, verdict.hint is not None
-        if not {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}[self.method]:
+        makes_sample = {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}
+        if not makes_sample[self.method]:
             if self.method == Method.OPD:
                 return outcome(Fate.NO_HINT, f"no usable hint among {self.hint_samples} votes", verdict)
             return outcome(Fate.SCORE_ZERO, f"score 0 ({verdict.score_reason}; votes {verdict.votes})", verdict)

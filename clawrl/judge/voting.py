@@ -28,22 +28,10 @@ def majority_vote(votes: Sequence[int | None]) -> tuple[int, str]:
     return 0, "tie"
 
 
-def _first(hints: list[str]) -> str:
-    return hints[0]
-
-
-def _longest(hints: list[str]) -> str:
-    return max(hints, key=len)  # max keeps the first of equally long hints: deterministic
-
-
-def _shortest(hints: list[str]) -> str:
-    return min(hints, key=len)
-
-
 HINT_POLICIES: dict[str, Callable[[list[str]], str]] = {
-    "longest": _longest,  # the reference's choice: the most informative hint
-    "first": _first,
-    "shortest": _shortest,  # least room for the hint to leak the answer wholesale
+    "longest": lambda hints: max(hints, key=len),  # the reference's: the most informative (first of equals)
+    "first": lambda hints: hints[0],
+    "shortest": lambda hints: min(hints, key=len),  # least room for the hint to leak the answer wholesale
 }
 
 
