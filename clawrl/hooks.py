@@ -21,9 +21,9 @@ so lineage still reaches them).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -43,19 +43,14 @@ HOOK_SPECS: dict[str, tuple[tuple[str, ...], bool]] = {  # kind -> (keyword argu
 
 
 def import_path(path: str) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
+    if ":" not in path and "." not in path:
         raise HookError(f"hook path {path!r}: expected 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
+        return pkgutil.resolve_name(path)
     except ImportError as e:
-        raise HookError(f"hook path {path!r}: cannot import module {module_name!r}: {e}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise HookError(f"hook path {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise HookError(f"hook path {path!r}: cannot import module {path.partition(':')[0]!r}: {e}") from None
+    except (AttributeError, ValueError) as e:
+        raise HookError(f"hook path {path!r}: {e}") from None
 
 
 def check_hook(kind: str, fn: Any, path: str) -> None:

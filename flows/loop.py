@@ -78,11 +78,8 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
     interactions = _talk(gateway_url, get_persona(persona_name), questions, round_id=round_id, train=False,
                          max_tokens=max_tokens, temperature=s.ppo.temperature, seed=seed * 7919)
     data_store(s).flush()
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         turns = session_turns(con, f"{round_id}-e%")
-    finally:
-        con.close()
     policy = policy_engine()
 
     async def score_with(engine):

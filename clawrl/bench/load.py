@@ -1,21 +1,19 @@
 """Load: N concurrent simulated users in multi-turn sessions against a real gateway for D seconds,
 while the judge and train flows run and sync new weights into the gateway's engine.
 
-Topology: ``clawrl serve`` (uvicorn, embedded tiny engine, open mode on loopback) in its own
-process; this process runs the users (openai SDK ``AsyncOpenAI``, one client, no retries: every
-failed request counts) on a background thread, and the judge (rule) and train flows in a loop on the
-main thread. The train flow syncs through the gateway's /engine, as ``clawrl up`` does. Before the
-clock starts, the flows, MLflow's store and the trainer are warmed up once, so the window measures
-serving under training, not cold starts.
+``clawrl serve`` (uvicorn, the embedded tiny engine, open on loopback) runs in its own process. Here,
+the users (openai SDK, one client, no retries: every failed request counts) run on a background
+thread and the judge (rule) and train flows in a loop on the main thread, the train flow syncing
+through the gateway's /engine as ``clawrl up`` does. The flows, MLflow and the trainer are warmed
+up before the clock starts, so the window measures serving under training, not cold starts.
 
-A user: picks a persona and a question (clawrl/sim), asks (main turn), reacts to the answer as
-the persona would (thanks / a correction / "that's not what I asked": the next state the judge
-reads), for ``turns_per_session`` turns, the last one sent with ``session_done``; then a new
-session. Users start no turn after the window; turns in flight then finish and count.
+A user picks a persona and a question (clawrl/sim), asks (a main turn) and reacts as the persona
+would (the next state the judge reads), for ``turns_per_session`` turns, the last sent with
+``session_done``; then starts a new session. No turn starts after the window; turns in flight count.
 
-Figures: requests, errors (must be 0), main turns acknowledged vs main turns in the log afterwards
-(must be equal, turn by turn), client-side latency p50/p99, throughput, the weight versions the
-clients were served, and the train steps / weight syncs that completed inside the window.
+Figures: requests, errors (must be 0), main turns acknowledged vs logged afterwards (equal, turn by
+turn), client-side latency p50/p99, throughput, the weight versions served, and the train steps and
+weight syncs completed inside the window.
 """
 
 from __future__ import annotations
@@ -132,9 +130,9 @@ async def _users(base_url: str, n_users: int, stats: ClientStats, t0: float, t_e
 def _quiet(*names: str):
     """Flow-run INFO lines would scroll through the progress bar; the figures say what happened."""
     levels = {lg: lg.level for lg in map(logging.getLogger, names)}
-    for lg in levels:
-        lg.setLevel(logging.WARNING)
     try:
+        for lg in levels:
+            lg.setLevel(logging.WARNING)
         yield
     finally:
         for lg, level in levels.items():

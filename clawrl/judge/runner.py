@@ -8,7 +8,6 @@ live (the flows keep one per process: ``clawrl.flows.common``).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -19,6 +18,7 @@ from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
 from clawrl.judge.pipeline import Judge, JudgeOutcome, judge_config_hash
 from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, TurnRecord
+
 
 def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
@@ -35,15 +35,10 @@ def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
 
 
 def _judge_model_id(settings: Settings) -> str:
-    prm = settings.prm
     if settings.hooks.reward:
         return f"hook:{settings.hooks.reward}"
-    return {
-        "rule": "rules",
-        "engine": f"frozen:{settings.model.name}",
-        "sglang": prm.url,
-        "provider": f"{settings.provider.base_url}#{settings.provider.model}",
-    }[prm.backend]
+    return {"rule": "rules", "engine": f"frozen:{settings.model.name}", "sglang": settings.prm.url,
+            "provider": f"{settings.provider.base_url}#{settings.provider.model}"}[settings.prm.backend]
 
 
 def _teacher_id(settings: Settings) -> str:
