@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 
-from clawrl.bench.gateway import _free_port, _pct, _wait
 from clawrl.bench.report import describe_machine, load_average, markdown_table
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
@@ -165,6 +166,16 @@ def _start_gateway(s, conf: str, log_path: Path) -> subprocess.Popen:
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not up (gateway exit code {proc.poll()}, after {timeout_s:g} s at most)")
+
+
 def _stop_gateway(proc: subprocess.Popen) -> None:
     """SIGTERM: uvicorn finishes open requests and the lifespan closes (flushes) the store."""
     if proc.poll() is not None:
@@ -220,7 +231,9 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
 
     root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
-    port = _free_port()
+    with socket.socket() as sock:  # a free port for the gateway
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens)
     s = load_flow_settings(conf)
     gw = f"http://127.0.0.1:{port}"
@@ -237,7 +250,7 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     try:
         with _quiet("prefect", "prefect.flow_runs", "prefect.task_runs"):
             _warm_up(s, conf)
-            _wait(f"{gw}/healthz", proc, timeout_s=300)
+            _wait_healthy(f"{gw}/healthz", proc)
             load_before, t0 = load_average(), time.monotonic()
             users = threading.Thread(name="load-users", daemon=True, target=lambda: asyncio.run(_users(
                 gw, sessions, stats, t0, t0 + duration_s, report, turns_per_session=turns_per_session,
@@ -265,7 +278,7 @@ def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], durati
 
     rows = run_query(root, f"select distinct session_id, turn_index from turns where turn_type = 'main' "
                            f"and session_id like '{SESSION_PREFIX}%'").to_pylist()
-    logged, acked, lat = {(r["session_id"], r["turn_index"]) for r in rows}, set(stats.acked), stats.latencies
+    logged, acked, lat = {(r["session_id"], r["turn_index"]) for r in rows}, set(stats.acked), sorted(stats.latencies)
     # A sync counts as inside the window when its flow run returned in it, or when a client was
     # already served the new version in it (the flow run returns a little after its sync).
     for st in steps:
@@ -277,7 +290,8 @@ def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], durati
         "sessions_started": stats.sessions_started, "sessions_completed": stats.sessions_done,
         "main_turns_sent": len(stats.acked), "main_turns_logged": len(logged),
         "sent_not_logged": len(acked - logged), "logged_not_sent": len(logged - acked),
-        "p50_ms": 1000 * _pct(lat, 0.50) if lat else None, "p99_ms": 1000 * _pct(lat, 0.99) if lat else None,
+        "p50_ms": 1000 * lat[round(0.50 * (len(lat) - 1))] if lat else None,
+        "p99_ms": 1000 * lat[round(0.99 * (len(lat) - 1))] if lat else None,
         "requests_per_s": stats.requests / wall, "completion_tokens_per_s": stats.completion_tokens / wall,
         "weight_versions_seen": dict(sorted(stats.versions.items(), key=lambda kv: (len(kv[0]), kv[0]))),
         "train_steps": len(steps), "syncs_during_run": sum(1 for st in in_window if st["synced"]),

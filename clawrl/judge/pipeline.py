@@ -137,8 +137,8 @@ class Judge:
         self.method = Method(self.method)
         needs_hint = self.method in (Method.OPD, Method.COMBINE)
         if self.judge_samples < 1 or (needs_hint and self.hint_samples < 1):
-            raise ValueError(f"{self.method.value} needs judge_samples >= 1" + (" and hint_samples >= 1" if needs_hint
-                             else "") + f", got {self.judge_samples} and {self.hint_samples}")
+            wanted = "judge_samples >= 1" + (" and hint_samples >= 1" if needs_hint else "")
+            raise ValueError(f"{self.method.value} needs {wanted}, got {self.judge_samples} and {self.hint_samples}")
         if needs_hint and (self.teacher is None or self.teacher_tokenizer is None):
             raise ValueError(f"{self.method.value} needs a teacher engine and its tokenizer")
 
