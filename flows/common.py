@@ -22,7 +22,7 @@ from clawrl.config import Settings, config_hash, load_settings
 
 if TYPE_CHECKING:
     from clawrl.engine.types import Engine
-    from clawrl.judge.runner import Judge
+    from clawrl.judge.pipeline import Judge
     from clawrl.storage.writer import DataStore
     from clawrl.train.trainer import Trainer
 
