@@ -628,14 +628,12 @@ def demo(
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
     use_prefect_home(base.storage.data_root / "prefect")
-    from clawrl import runtime
     from clawrl.config import resolve_device
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.gateway.routes import create_app
-    from clawrl.judge.runner import POLICY_ENGINE
     from clawrl.models import resolve_model_dir
     from clawrl.serving import serve_in_thread
-    from clawrl.flows.common import data_store
+    from clawrl.flows.common import attach_policy_engine, data_store
     from clawrl.flows.loop import learning_loop
 
     with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
@@ -643,7 +641,7 @@ def demo(
     device, _ = resolve_device(s.model.device)
     engine = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
                             max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name)
-    runtime.register(POLICY_ENGINE, engine)  # the train flow syncs this engine in-process
+    attach_policy_engine(engine)  # the train flow syncs this engine in-process
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     from clawrl.flows.common import load_flow_settings
 
@@ -656,7 +654,7 @@ def demo(
                             eval_samples=eval_samples, group_size=group_size)
     finally:
         gw.stop()
-        runtime.unregister(POLICY_ENGINE)
+        attach_policy_engine(None)
         store.flush()
     rows = out["rows"]
     from rich.table import Table

@@ -21,11 +21,10 @@ so lineage still reaches them).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
+import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("clawrl.hooks")
@@ -35,54 +34,42 @@ class HookError(ValueError):
     """A hook that cannot be imported or does not fit its contract."""
 
 
-@dataclass(frozen=True)
-class HookSpec:
-    params: tuple[str, ...]  # keyword arguments the hook must accept
-    is_async: bool
-
-
-HOOK_SPECS: dict[str, HookSpec] = {
-    "reward": HookSpec(("turn", "next_state"), is_async=True),
-    "loss": HookSpec(("logprobs", "old_logprobs", "ref_logprobs", "entropy", "reward", "hp", "num_tokens",
-                      "num_seqs"), is_async=False),
-    "generate": HookSpec(("engine", "request"), is_async=True),
-    "sample_source": HookSpec(("data_root", "judge_config_hash", "limit"), is_async=False),
+HOOK_SPECS: dict[str, tuple[tuple[str, ...], bool]] = {  # kind -> (keyword arguments it must accept, async)
+    "reward": (("turn", "next_state"), True),
+    "loss": (("logprobs", "old_logprobs", "ref_logprobs", "entropy", "reward", "hp", "num_tokens", "num_seqs"), False),
+    "generate": (("engine", "request"), True),
+    "sample_source": (("data_root", "judge_config_hash", "limit"), False),
 }
 
 
 def import_path(path: str) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
+    if ":" not in path and "." not in path:
         raise HookError(f"hook path {path!r}: expected 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
+        return pkgutil.resolve_name(path)
     except ImportError as e:
-        raise HookError(f"hook path {path!r}: cannot import module {module_name!r}: {e}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise HookError(f"hook path {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise HookError(f"hook path {path!r}: cannot import module {path.partition(':')[0]!r}: {e}") from None
+    except (AttributeError, ValueError) as e:
+        raise HookError(f"hook path {path!r}: {e}") from None
 
 
 def check_hook(kind: str, fn: Any, path: str) -> None:
-    spec = HOOK_SPECS[kind]
+    names, is_async = HOOK_SPECS[kind]
     if not callable(fn):
         raise HookError(f"[hooks] {kind} = {path!r} is not callable")
-    if inspect.iscoroutinefunction(fn) != spec.is_async:
-        want = "an async function (async def)" if spec.is_async else "a plain (non-async) function"
+    if inspect.iscoroutinefunction(fn) != is_async:
+        want = "an async function (async def)" if is_async else "a plain (non-async) function"
         raise HookError(f"[hooks] {kind} = {path!r} must be {want}")
     sig = inspect.signature(fn)
     params = sig.parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    missing = [n for n in spec.params if n not in params and not takes_kwargs]
+    missing = [n for n in names if n not in params and not takes_kwargs]
     if missing:
         raise HookError(f"[hooks] {kind} = {path!r}{sig} does not accept {', '.join(missing)}; "
-                        f"the contract is fn({', '.join(spec.params)})")
+                        f"the contract is fn({', '.join(names)})")
     extra = [n for n, p in params.items()
              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-             and n not in spec.params and not (kind == "loss" and n == "mb")]
+             and n not in names and not (kind == "loss" and n == "mb")]
     if extra:
         raise HookError(f"[hooks] {kind} = {path!r}{sig} requires {', '.join(extra)}, which clawrl does not pass")
 

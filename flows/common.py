@@ -1,20 +1,117 @@
-"""Per-process helpers shared by the flows (and `clawrl sync`): settings loaded once, one DataStore
-per data root, the record of a weight-sync attempt."""
+"""Per-process state of the flows (also used by `clawrl sync` and `clawrl demo`), and the record of a
+weight-sync attempt.
+
+One process runs many flow runs (`clawrl demo` runs the judge and train flows every step), so the
+settings, the DataStore of a data root, the frozen model, the judge and the trainer are made on
+first use and reused: a model must not be reloaded per run. The serving engine is attached by the
+process that serves it. At exit, what was made here with an async ``close()`` (engines, the HTTP
+clients of judges) is closed on the runtime loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
 from clawrl import runtime
-from clawrl.config import Settings, load_settings
+from clawrl.config import Settings, config_hash, load_settings
+
+if TYPE_CHECKING:
+    from clawrl.engine.types import Engine
+    from clawrl.judge.pipeline import Judge
+    from clawrl.storage.writer import DataStore
+    from clawrl.train.trainer import Trainer
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_made: dict[tuple, Any] = {}
+_policy_engine: Engine | None = None
+
+
+def _once(key: tuple, make: Callable[[], T]) -> T:
+    with _lock:
+        if key in _made:
+            return _made[key]
+    obj = make()  # outside the lock: loading a model takes seconds
+    with _lock:
+        return _made.setdefault(key, obj)
+
+
+def attach_policy_engine(engine: Engine | None) -> None:
+    """Make ``engine`` (the serving engine of this process) the one the train flow syncs in process
+    and the ``opd.teacher = "policy"`` judge scores with; ``None`` detaches it."""
+    global _policy_engine
+    _policy_engine = engine
+
+
+def policy_engine() -> Engine | None:
+    return _policy_engine
 
 
 def load_flow_settings(config_path: str | None) -> Settings:
-    return runtime.get_or_create(f"settings:{config_path}", lambda: load_settings(config_path))
+    return _once(("settings", config_path), lambda: load_settings(config_path))
 
 
-def data_store(settings: Settings):
+def data_store(settings: Settings) -> DataStore:
     from clawrl.storage.writer import DataStore
 
-    return runtime.get_or_create(f"store:{settings.storage.data_root}", lambda: DataStore(settings.storage.data_root))
+    root = settings.storage.data_root
+    return _once(("store", str(root)), lambda: DataStore(root))
+
+
+def frozen_engine(settings: Settings, name: str | None = None) -> Engine:
+    """The engine holding the initial weights of model ``name`` (default: the policy's), never synced."""
+    from clawrl.judge.runner import load_frozen_engine
+
+    m = settings.model
+    return _once(("frozen", name or m.name, m.seed, m.dtype), lambda: load_frozen_engine(settings, name))
+
+
+def judge_for(settings: Settings) -> Judge:
+    """The judge of these settings, over this process's frozen engines and attached serving engine."""
+    from clawrl.judge.runner import build_judge
+
+    return _once(("judge", config_hash(settings)),
+                 lambda: build_judge(settings, frozen=lambda name: frozen_engine(settings, name),
+                                     policy=_policy_engine))
+
+
+def local_trainer(settings: Settings) -> Trainer:
+    """The trainer of this data root in this process (``clawrl train``, ``clawrl demo``), made on first use."""
+    from clawrl.train.trainer import trainer_from_settings
+
+    return _once(("trainer", str(settings.storage.data_root)), lambda: trainer_from_settings(settings))
+
+
+def trainer_in_process(settings: Settings) -> Trainer | None:
+    """The trainer :func:`local_trainer` made in this process, or None (it runs elsewhere or not yet)."""
+    with _lock:
+        return _made.get(("trainer", str(settings.storage.data_root)))
+
+
+def close_all(timeout_s: float = 5.0) -> None:
+    """Await ``close()`` of every object made here that has an async one, on the runtime loop, then
+    forget them all. Errors are swallowed: this runs at interpreter exit, when nothing can be done
+    about them."""
+    with _lock:
+        objects = list(_made.values())
+        _made.clear()
+    closers = [obj.close for obj in objects if asyncio.iscoroutinefunction(getattr(obj, "close", None))]
+
+    async def close() -> None:
+        await asyncio.gather(*(c() for c in closers), return_exceptions=True)
+
+    if closers and runtime.is_running():
+        with contextlib.suppress(Exception):  # best effort at exit
+            runtime.run(close(), timeout_s)
+
+
+atexit.register(close_all)  # registered after runtime's loop shutdown, so it runs before it
 
 
 def record_sync(s: Settings, rep, *, weight_version: str, target: str, checkpoint_path: str | None,

@@ -11,6 +11,7 @@ event ``clawrl.samples.ready`` that the train deployment listens to.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -20,15 +21,8 @@ from prefect.runtime import task_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from clawrl import runtime
-from clawrl.judge.runner import (
-    Judge,
-    build_judge,
-    failure_records,
-    next_state_from_row,
-    outcome_records,
-    turn_from_row,
-)
-from clawrl.flows.common import data_store, load_flow_settings
+from clawrl.flows.common import data_store, judge_for, load_flow_settings
+from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog, pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
@@ -55,23 +49,16 @@ def _append_outcome(s, records: list[Any]) -> None:
 
 @task(cache_policy=NO_CACHE)
 def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> list[str]:
-    s = load_flow_settings(config_path)
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(load_flow_settings(config_path).storage.data_root) as con:
         return turns_to_judge(con, judge_config_hash, limit=limit).column("turn_id").to_pylist()
-    finally:
-        con.close()
 
 
 def _pending_turn(config_path: str | None, turn_id: str):
     """(settings, judge, the turn's row or None when it already has a fate under this config)."""
     s = load_flow_settings(config_path)
-    judge: Judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
-    con = open_catalog(s.storage.data_root)
-    try:
+    judge = judge_for(s)
+    with open_catalog(s.storage.data_root) as con:
         rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
-    finally:
-        con.close()
     return s, judge, (rows[0] if rows else None)
 
 
@@ -102,11 +89,8 @@ def record_judge_error(config_path: str | None, turn_id: str, error: str) -> str
 def count_pending(config_path: str | None, judge_config_hash: str) -> dict[str, Any]:
     s = load_flow_settings(config_path)
     data_store(s).flush()
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         return pending_counts(con, judge_config_hash, s.ppo.rollout_batch_size)
-    finally:
-        con.close()
 
 
 @flow(name="judge", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
@@ -114,28 +98,28 @@ def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict
     """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``)."""
     log = get_run_logger()
     s = load_flow_settings(config_path)
-    judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
+    judge = judge_for(s)
     turn_ids = find_turns(config_path, judge.config_hash, limit or s.prm.batch_limit)
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
     delays = [s.prm.retry_delay_s * 2**i for i in range(s.prm.retries)]
     one = judge_one.with_options(retries=s.prm.retries, retry_delay_seconds=delays or 0)
-    fates: dict[str, int] = {}
+    fates: Counter[str] = Counter()
     for i in range(0, len(turn_ids), s.prm.max_in_flight):  # at most max_in_flight in flight
-        futures = [one.submit(config_path, tid, s.prm.retries) for tid in turn_ids[i : i + s.prm.max_in_flight]]
-        for tid, f in zip(turn_ids[i : i + s.prm.max_in_flight], futures):
-            fate = f.result(raise_on_failure=False)
+        batch = turn_ids[i : i + s.prm.max_in_flight]
+        for tid, future in zip(batch, [one.submit(config_path, tid, s.prm.retries) for tid in batch]):
+            fate = future.result(raise_on_failure=False)
             if isinstance(fate, BaseException):  # every attempt raised: record it, go on with the rest
                 log.warning("turn %s failed after %d retries: %s", tid, s.prm.retries, fate)
                 fate = record_judge_error(config_path, tid, f"{type(fate).__name__}: {fate}")
-            fates[fate] = fates.get(fate, 0) + 1
+            fates[fate] += 1
     _crash_point("judged")
     counts = count_pending(config_path, judge.config_hash)
     _crash_point("counted")
-    log.info("fates this run: %s; trainable samples %d / rollout_batch_size %d", fates, counts["trainable"],
+    log.info("fates this run: %s; trainable samples %d / rollout_batch_size %d", dict(fates), counts["trainable"],
              counts["rollout_batch_size"])
     if counts["full_batches"] > 0:
         emit_event(event=SAMPLES_READY_EVENT, resource={"prefect.resource.id": f"clawrl.samples.{judge.config_hash}"},
                    payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
         _crash_point("emitted")
-    return {"judged": len(turn_ids), "fates": fates, "judge_config_hash": judge.config_hash, "status": counts}
+    return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts}

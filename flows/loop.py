@@ -14,25 +14,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+from openai import AsyncOpenAI
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from clawrl import runtime
-from clawrl.judge.runner import POLICY_ENGINE, frozen_engine
+from clawrl.flows.common import data_store, frozen_engine, load_flow_settings, policy_engine
+from clawrl.flows.judge import judge_flow
+from clawrl.flows.train import train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
-from clawrl.sim.users import evaluation_round, kl_to_reference, score, summarize_round, training_round
-from clawrl.flows.common import data_store, load_flow_settings
-from clawrl.flows.judge import judge_flow
-from clawrl.flows.train import train_flow
+from clawrl.sim.users import kl_to_reference, score, summarize_round, user_round
 from clawrl.storage.catalog import open_catalog, session_turns
 
 
-def _client(url: str):
-    from openai import AsyncOpenAI
+def _talk(gateway_url: str, *args, **kwargs):
+    """One round of simulated users (``clawrl.sim.users.user_round``) against the gateway."""
 
-    return AsyncOpenAI(base_url=url + "/v1", api_key="demo", max_retries=2, timeout=600)
+    async def go():
+        async with AsyncOpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=2, timeout=600) as client:
+            return await user_round(client, *args, **kwargs)
+
+    return runtime.run(go())
 
 
 def round_questions(pool: list, step: int, n_users: int, group_size: int = 1) -> list:
@@ -53,16 +57,9 @@ def simulate_users(config_path: str | None, gateway_url: str, step: int, persona
     s = load_flow_settings(config_path)
     pool, _ = split_questions(n_heldout=heldout, seed=seed)
     questions = round_questions(pool, step, n_users, group_size)
-
-    async def go():
-        client = _client(gateway_url)
-        try:
-            return await training_round(client, get_persona(persona_name), questions, round_id=f"train{step:03d}",
-                                        max_tokens=max_tokens, temperature=s.ppo.temperature, seed=seed * 1000 + step * 97)
-        finally:
-            await client.close()
-
-    out = summarize_round(runtime.run(go()))
+    out = summarize_round(_talk(gateway_url, get_persona(persona_name), questions, round_id=f"train{step:03d}",
+                                train=True, max_tokens=max_tokens, temperature=s.ppo.temperature,
+                                seed=seed * 1000 + step * 97))
     data_store(s).flush()
     return out
 
@@ -77,32 +74,19 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
     s = load_flow_settings(config_path)
     _, held = split_questions(n_heldout=heldout, seed=seed)
     questions = held * samples  # answer i is to question i % heldout, with seed base + i
-    persona = get_persona(persona_name)
     round_id = f"eval{step:03d}"
-
-    async def go():
-        client = _client(gateway_url)
-        try:
-            return await evaluation_round(client, persona, questions, round_id=round_id, max_tokens=max_tokens,
-                                          temperature=s.ppo.temperature, seed=seed * 7919)
-        finally:
-            await client.close()
-
-    interactions = runtime.run(go())
+    interactions = _talk(gateway_url, get_persona(persona_name), questions, round_id=round_id, train=False,
+                         max_tokens=max_tokens, temperature=s.ppo.temperature, seed=seed * 7919)
     data_store(s).flush()
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         turns = session_turns(con, f"{round_id}-e%")
-    finally:
-        con.close()
-    ref = frozen_engine(s)
-    policy = runtime.lookup(POLICY_ENGINE)
+    policy = policy_engine()
 
     async def score_with(engine):
         return list(await asyncio.gather(*(compute_teacher_logprobs(engine, t["prompt_ids"], t["output_ids"])
                                            for t in turns)))
 
-    ref_lps = runtime.run(score_with(ref))
+    ref_lps = runtime.run(score_with(frozen_engine(s)))
     pol_lps = runtime.run(score_with(policy)) if policy is not None else [t["rollout_logprobs"] for t in turns]
     metrics = score(interactions)
     metrics.update(step=step, kl=kl_to_reference(pol_lps, ref_lps),

@@ -32,12 +32,13 @@ from prefect.concurrency.sync import concurrency
 from clawrl import runtime
 from clawrl.config import Settings, config_hash, dump_toml
 from clawrl.hooks import hook_params, load_hook
-from clawrl.judge.runner import POLICY_ENGINE, build_judge_config_hash
+from clawrl.judge.runner import build_judge_config_hash
 from clawrl.lineage import log_train_step
 from clawrl.records import BatchRecord, CheckpointRecord, Fate, FateRecord
 from clawrl.storage.selection import select_batch
-from clawrl.train.trainer import Trainer, samples_from_rows, trainer_from_settings
-from clawrl.flows.common import data_store, load_flow_settings, record_sync
+from clawrl.train.trainer import samples_from_rows
+from clawrl.flows.common import (data_store, load_flow_settings, local_trainer, policy_engine, record_sync,
+                                 trainer_in_process)
 from clawrl.train.service import request_step
 from clawrl.storage.catalog import (
     batch_manifest,
@@ -56,10 +57,6 @@ TRAINER_LIMIT = "trainer"
 
 def _crash_point(name: str) -> None:
     """No-op; the crash tests replace it to kill the process between two tasks."""
-
-
-def local_trainer(s: Settings) -> Trainer:
-    return runtime.get_or_create(f"trainer:{s.storage.data_root}", lambda: trainer_from_settings(s))
 
 
 def _catalog(s: Settings):
@@ -164,9 +161,9 @@ def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str 
 
     s = load_flow_settings(config_path)
     started_at = utcnow()
-    local_engine = runtime.lookup(POLICY_ENGINE)
+    local_engine = policy_engine()
     if engine_url is None and local_engine is not None:
-        trainer = runtime.lookup(f"trainer:{s.storage.data_root}")
+        trainer = trainer_in_process(s)
         target, path = "in-process", None
         if trainer is not None and trainer.weight_version == step["weight_version"]:
             rep = runtime.run(sync_state_dict(local_engine, trainer.state_dict(), step["weight_version"]))

@@ -1,10 +1,14 @@
-"""clawrl.runtime.close_registered: what exit does with the registry (HTTP clients closed)."""
+"""The background loop of clawrl.runtime, and what exit does with the objects the flows made
+(clawrl.flows.common.close_all: async closes awaited on that loop, HTTP clients closed)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from clawrl import runtime
+from clawrl.flows import common
 
 
 class _Closable:
@@ -15,15 +19,38 @@ class _Closable:
         self.closed_on = asyncio.get_running_loop()
 
 
-def test_close_registered_awaits_async_closes_on_the_background_loop_and_forgets_everything():
+def test_close_all_awaits_async_closes_on_the_background_loop_and_forgets_everything():
     a, b, plain = _Closable(), _Closable(), object()
-    runtime.register("test-a", a)
-    runtime.register("test-b", b)
-    runtime.register("test-plain", plain)
+    for key, obj in [("test-a", a), ("test-b", b), ("test-plain", plain)]:
+        assert common._once((key,), lambda obj=obj: obj) is obj
     loop = runtime.background_loop()
-    runtime.close_registered()
+    common.close_all()
     assert a.closed_on is loop and b.closed_on is loop
-    assert runtime.lookup("test-a") is None and runtime.lookup("test-plain") is None
+    fresh = object()
+    assert common._once(("test-a",), lambda: fresh) is fresh  # forgotten: made anew on next use
+
+
+def test_flow_objects_are_made_once_per_process(make_settings):
+    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo"})
+    assert common.data_store(s) is common.data_store(s)
+    assert common.judge_for(s) is common.judge_for(s)  # rule judge: no model loaded
+    assert common.trainer_in_process(s) is None
+    common.attach_policy_engine(engine := object())
+    try:
+        assert common.policy_engine() is engine
+    finally:
+        common.attach_policy_engine(None)
+    assert common.policy_engine() is None
+
+
+def test_run_refuses_to_block_its_own_loop():
+    async def nested():
+        coro = asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="called from the runtime loop itself"):
+            runtime.run(coro)
+        coro.close()
+
+    runtime.run(nested())
 
 
 def test_a_judge_closes_the_sglang_clients_it_made():
@@ -33,7 +60,7 @@ def test_a_judge_closes_the_sglang_clients_it_made():
     from clawrl.engine.sglang_client import SGLangClient
     from clawrl.engine.types import GenerateRequest
     from clawrl.judge.backends import EngineJudge
-    from clawrl.judge.runner import Judge
+    from clawrl.judge.pipeline import Judge
 
     async def answer(request):
         return web.json_response({"text": "a", "output_ids": [5], "meta_info": {"id": "r", "finish_reason": None}})

@@ -3,33 +3,38 @@ concurrency 1 vs 16, beside the engine's own batching gain measured in the same 
 
 Each turn gets ``judge_samples`` PRM votes of ``max_tokens`` tokens from an ``EngineJudge`` over
 the embedded engine (the judge path of ``[prm] backend = "engine"``); ``ignore_eos`` is not
-available through the judge, so vote lengths vary - the tokens generated are counted and reported.
-The engine's gain is the same engine generating the same number of tokens per request at request
-concurrency 1 vs 16. With one vote per turn the two gains compare like with like.
+available through the judge, so vote lengths vary. The engine's gain is the same engine generating
+``max_tokens`` tokens on the judge's own rendered PRM prompt (a long prompt is prefill-bound and
+batches less) at request concurrency 1 vs 16. With one vote per turn the two gains compare like with like.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
 
-from clawrl.bench.report import load_average
+from clawrl.bench.report import load_average, markdown_table
+from clawrl.engine.types import GenerateRequest, SamplingParams
+from clawrl.judge.backends import EngineJudge
+from clawrl.judge.context import build_judge_context
+from clawrl.judge.pipeline import Judge
+from clawrl.judge.prompts import build_prm_messages
+from clawrl.records import Method, NextStateRecord, TurnRecord, utcnow
+
+BUDGET_CHARS = 2000
 
 
-def build_judge_turns(tokenizer, n: int) -> list[tuple[Any, Any]]:
+def build_judge_turns(tokenizer, n: int) -> list[tuple[TurnRecord, NextStateRecord]]:
     """n synthetic (turn, next_state) pairs with realistic short conversations."""
-    import json
-
-    from clawrl.records import NextStateRecord, TurnRecord, utcnow
-
     out = []
+    answer = "How about Whiskers? It is a classic name."
+    ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     for i in range(n):
         msgs = [{"role": "user", "content": f"Question {i}: what is a good name for a cat?"}]
         prompt = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-        answer = "How about Whiskers? It is a classic name."
-        ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         now = utcnow()
         turn = TurnRecord(turn_id=f"bench{i}", session_id=f"bench-{i}", turn_index=0, turn_type="main",
                           namespace="open", model="bench", weight_version="0", request_messages=json.dumps(msgs),
@@ -37,56 +42,44 @@ def build_judge_turns(tokenizer, n: int) -> list[tuple[Any, Any]]:
                           rollout_logprobs=[-1.0] * len(ids), text=answer, tool_calls=None, finish_reason="stop",
                           created_at=now, completed_at=now, latency_ms=1.0)
         reply = "thanks, that's great!" if i % 2 else "no, give me a shorter name"
-        ns = NextStateRecord(turn.turn_id, turn.session_id, 0, True, json.dumps([{"role": "user", "content": reply}]),
-                             "next_request")
-        out.append((turn, ns))
+        out.append((turn, NextStateRecord(turn.turn_id, turn.session_id, 0, True,
+                                          json.dumps([{"role": "user", "content": reply}]), "next_request")))
     return out
 
 
-async def _judge_all(engine, tokenizer, pairs, concurrency: int, judge_samples: int, max_tokens: int) -> float:
-    from clawrl.records import Method
-    from clawrl.judge.backends import EngineJudge
-    from clawrl.judge.pipeline import judge_turn
-
-    judge = EngineJudge(engine, tokenizer)
+async def _rate(n: int, concurrency: int, one) -> float:
+    """``n`` calls of ``one(i)``, at most ``concurrency`` in flight: calls per second."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(turn, ns):
+    async def bounded(i: int) -> None:
         async with sem:
-            return await judge_turn(turn, ns, judge=judge, method=Method.GRPO, judge_samples=judge_samples,
-                                    hint_samples=1, temperature=0.6, max_tokens=max_tokens, budget_chars=2000,
-                                    hint_policy="longest", teacher=None, teacher_tokenizer=None,
-                                    hint_placement="append_last_user", judge_config_hash="bench",
-                                    judge_backend_name="engine")
+            await one(i)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(t, n) for t, n in pairs))
-    return time.perf_counter() - t0
-
-
-def _rendered_prm_prompt(tokenizer, turn, next_state) -> list[int]:
-    """The ids of the PRM prompt the judge sends for this turn: the engine-gain comparison uses
-    prompts of the judge's own length (a long prompt is prefill-bound and batches less)."""
-    from clawrl.judge.context import build_judge_context
-    from clawrl.judge.prompts import build_prm_messages
-
-    msgs = build_prm_messages(build_judge_context(turn, next_state), 2000)
-    return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-
-async def _engine_gain(engine, prompt: list[int], concurrency: int, n: int, max_tokens: int) -> float:
-    from clawrl.engine.types import GenerateRequest, SamplingParams
-
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(i):
-        async with sem:
-            await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=SamplingParams(
-                max_new_tokens=max_tokens, temperature=0.6, ignore_eos=True, sampling_seed=i)))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
+    await asyncio.gather(*(bounded(i) for i in range(n)))
     return n / (time.perf_counter() - t0)
+
+
+async def _measure(engine, pairs, concurrencies, judge_samples: int, max_tokens: int) -> dict[int, tuple[float, float]]:
+    """{concurrency: (turns judged per second, engine requests per second)}."""
+    def judge(tokens: int) -> Judge:
+        return Judge(backend=EngineJudge(engine, engine.tokenizer), method=Method.GRPO, judge_samples=judge_samples,
+                     hint_samples=1, temperature=0.6, max_tokens=tokens, budget_chars=BUDGET_CHARS,
+                     hint_policy="longest", hint_placement="append_last_user", teacher=None, teacher_tokenizer=None,
+                     config_hash="bench", backend_name="engine")
+
+    msgs = build_prm_messages(build_judge_context(*pairs[0]), BUDGET_CHARS)
+    prompt = list(engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    async def generate(i: int) -> None:
+        await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=max_tokens, temperature=0.6, ignore_eos=True, sampling_seed=i)))
+
+    warm, timed = judge(4), judge(max_tokens)
+    await _rate(4, 4, lambda i: warm.judge(*pairs[i]))
+    return {c: (await _rate(len(pairs), c, lambda i: timed.judge(*pairs[i])),
+                await _rate(len(pairs) * judge_samples, c * judge_samples, generate)) for c in concurrencies}
 
 
 def run_judge_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, n_turns: int = 32,
@@ -96,38 +89,22 @@ def run_judge_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, n_
 
     rows = []
     for name in model_names:
-        model_dir = resolve_model_dir(name, cache_dir)
-        engine = EmbeddedEngine(model_dir, max_batch_size=16, max_context_len=2048)
+        engine = EmbeddedEngine(resolve_model_dir(name, cache_dir), max_batch_size=16, max_context_len=2048)
 
         async def measure():
-            await engine.start()
-            try:
-                pairs = build_judge_turns(engine.tokenizer, n_turns)
-                judge_prompt = _rendered_prm_prompt(engine.tokenizer, *pairs[0])
-                await _judge_all(engine, engine.tokenizer, pairs[:4], 4, judge_samples, 4)  # warm up
-                out = {}
-                for c in concurrencies:
-                    secs = await _judge_all(engine, engine.tokenizer, pairs, c, judge_samples, max_tokens)
-                    gen = await _engine_gain(engine, judge_prompt, c * judge_samples, n_turns * judge_samples,
-                                             max_tokens)
-                    out[c] = (n_turns / secs, gen)
-                return out
-            finally:
-                await engine.close()
+            async with engine:
+                return await _measure(engine, build_judge_turns(engine.tokenizer, n_turns), concurrencies,
+                                      judge_samples, max_tokens)
 
         res = asyncio.run(measure())
         base_turns, base_gen = res[concurrencies[0]]
-        for c in concurrencies:
-            turns_s, gen_s = res[c]
-            rows.append({"model": name, "concurrency": c, "judge_samples": judge_samples, "turns": n_turns,
-                         "turns_per_s": turns_s, "judge_gain": turns_s / base_turns,
-                         "engine_requests_per_s": gen_s, "engine_gain": gen_s / base_gen, "load_1m": load_average()})
+        rows += [{"model": name, "concurrency": c, "judge_samples": judge_samples, "turns": n_turns,
+                  "turns_per_s": turns_s, "judge_gain": turns_s / base_turns, "engine_requests_per_s": gen_s,
+                  "engine_gain": gen_s / base_gen, "load_1m": load_average()} for c, (turns_s, gen_s) in res.items()]
     return rows
 
 
 def format_judge_section(rows: list[dict[str, Any]], machine_line: str, max_tokens: int) -> str:
-    from clawrl.bench.report import markdown_table
-
     cols = ["model", "concurrency", "judge_samples", "turns", "turns_per_s", "judge_gain", "engine_requests_per_s",
             "engine_gain", "load_1m"]
     lines = ["## Judge throughput", "", machine_line,

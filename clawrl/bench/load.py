@@ -1,31 +1,31 @@
 """Load: N concurrent simulated users in multi-turn sessions against a real gateway for D seconds,
 while the judge and train flows run and sync new weights into the gateway's engine.
 
-Topology: ``clawrl serve`` (uvicorn, embedded tiny engine, open mode on loopback) in its own
-process; this process runs the users (openai SDK ``AsyncOpenAI``, one client, one connection per
-user, no retries: every failed request counts) on a background thread, and the judge (rule) and
-train flows in a loop on the main thread. The train flow syncs through the gateway's /engine, as
-``clawrl up`` does. Before the clock starts, the flows, MLflow's store and the trainer are warmed
-up once, so the window measures serving under training, not cold starts.
+``clawrl serve`` (uvicorn, the embedded tiny engine, open on loopback) runs in its own process. Here,
+the users (openai SDK, one client, no retries: every failed request counts) run on a background
+thread and the judge (rule) and train flows in a loop on the main thread, the train flow syncing
+through the gateway's /engine as ``clawrl up`` does. The flows, MLflow and the trainer are warmed
+up before the clock starts, so the window measures serving under training, not cold starts.
 
-A user: picks a persona and a question (clawrl/sim), asks (main turn), reacts to the answer as
-the persona would (thanks / a correction / "that's not what I asked": the next state the judge
-reads), for ``turns_per_session`` turns, the last one sent with ``session_done``; then a new
-session. Users start no turn after the window; turns in flight then finish and count.
+A user picks a persona and a question (clawrl/sim), asks (a main turn) and reacts as the persona
+would (the next state the judge reads), for ``turns_per_session`` turns, the last sent with
+``session_done``; then starts a new session. No turn starts after the window; turns in flight count.
 
-Figures: requests, errors (must be 0), main turns acknowledged vs main turns in the log afterwards
-(must be equal, turn by turn), client-side latency p50/p99, throughput, the weight versions the
-clients were served, and the train steps / weight syncs that completed inside the window.
+Figures: requests, errors (must be 0), main turns acknowledged vs logged afterwards (equal, turn by
+turn), client-side latency p50/p99, throughput, the weight versions served, and the train steps and
+weight syncs completed inside the window.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
-from clawrl.bench.gateway import _free_port, _pct, _wait
+from clawrl.bench.report import describe_machine, load_average, markdown_table
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
 
@@ -61,74 +62,85 @@ class ClientStats:
     def requests(self) -> int:
         return len(self.acked) + len(self.errors)
 
+    def record(self, session_id: str, r, seconds: float, t0: float) -> None:
+        self.latencies.append(seconds)
+        self.acked.append((session_id, int(r.model_extra["turn_index"])))
+        version = str(r.model_extra["weight_version"])
+        self.versions[version] += 1
+        self.first_seen.setdefault(version, time.monotonic() - t0)
+        self.completion_tokens += r.usage.completion_tokens if r.usage else 0
 
-async def _users(base_url: str, n_users: int, t0: float, t_end: float, *, turns_per_session: int, max_tokens: int,
-                 seed: int, stats: ClientStats) -> None:
-    import openai
 
-    limits = httpx.Limits(max_connections=n_users + 8, max_keepalive_connections=n_users + 8)
-    http = openai.DefaultAsyncHttpxClient(limits=limits)
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=300.0,
-                                http_client=http)
+def _judge_limit(rollout_batch_size: int) -> int:
+    """Turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon."""
+    return max(16, 2 * rollout_batch_size)
+
+
+async def _user(client: openai.AsyncOpenAI, i: int, stats: ClientStats, t0: float, t_end: float, *,
+                turns_per_session: int, max_tokens: int, seed: int) -> None:
+    """User ``i``: one session after another until the window ends (module docstring)."""
+    rng = random.Random(seed * 100_003 + i)
     personas = sorted(PERSONAS)
+    for k in itertools.count():
+        if time.monotonic() >= t_end:
+            return
+        sid, persona = f"{SESSION_PREFIX}{i:03d}-{k:04d}", PERSONAS[rng.choice(personas)]
+        question, keywords = QUESTIONS[rng.randrange(len(QUESTIONS))]
+        messages = [{"role": "user", "content": question}]
+        stats.sessions_started += 1
+        for turn in range(turns_per_session):
+            if time.monotonic() >= t_end:
+                break  # no new turn after the window (the session then ends by idle timeout)
+            done = turn == turns_per_session - 1
+            sent_at = time.perf_counter()
+            try:
+                r = await client.chat.completions.create(
+                    model="clawrl-policy", messages=messages, max_tokens=max_tokens, temperature=1.0,
+                    seed=rng.randrange(2**31), extra_body={"session_id": sid, "turn_type": "main",
+                                                           "session_done": done})
+            except Exception as e:  # noqa: BLE001 - every failure is a figure
+                stats.errors.append(f"{sid} turn {turn}: {type(e).__name__}: {e}"[:400])
+                await asyncio.sleep(0.5)  # a failing gateway is not hammered
+                break
+            stats.record(sid, r, time.perf_counter() - sent_at, t0)
+            if done:
+                stats.sessions_done += 1
+                break
+            answer = r.choices[0].message.content or ""
+            reply, _, _ = react(persona, answer, keywords, question)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": reply}]
 
-    async def user(i: int) -> None:
-        rng = random.Random(seed * 100_003 + i)
-        k = 0
-        while time.monotonic() < t_end:
-            sid, k = f"{SESSION_PREFIX}{i:03d}-{k:04d}", k + 1
-            persona = PERSONAS[personas[rng.randrange(len(personas))]]
-            question, keywords = QUESTIONS[rng.randrange(len(QUESTIONS))]
-            messages = [{"role": "user", "content": question}]
-            stats.sessions_started += 1
-            for turn in range(turns_per_session):
-                if time.monotonic() >= t_end:
-                    break  # no new turn after the window (the session then ends by idle timeout)
-                done = turn == turns_per_session - 1
-                sent_at = time.perf_counter()
-                try:
-                    r = await client.chat.completions.create(
-                        model="clawrl-policy", messages=messages, max_tokens=max_tokens, temperature=1.0,
-                        seed=rng.randrange(2**31), extra_body={"session_id": sid, "turn_type": "main",
-                                                               "session_done": done})
-                except Exception as e:  # noqa: BLE001 - every failure is a figure
-                    stats.errors.append(f"{sid} turn {turn}: {type(e).__name__}: {e}"[:400])
-                    await asyncio.sleep(0.5)  # a failing gateway is not hammered
-                    break
-                stats.latencies.append(time.perf_counter() - sent_at)
-                stats.acked.append((sid, int(r.model_extra["turn_index"])))
-                version = str(r.model_extra["weight_version"])
-                stats.versions[version] += 1
-                stats.first_seen.setdefault(version, time.monotonic() - t0)
-                stats.completion_tokens += r.usage.completion_tokens if r.usage else 0
-                if done:
-                    stats.sessions_done += 1
-                    break
-                answer = r.choices[0].message.content or ""
-                reply, _, _ = react(persona, answer, keywords, question)
-                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": reply}]
 
-    try:
-        await asyncio.gather(*(user(i) for i in range(n_users)))
-    finally:
-        await client.close()
+async def _users(base_url: str, n_users: int, stats: ClientStats, t0: float, t_end: float,
+                 report: Callable[[], None], **user_options) -> None:
+    """``n_users`` concurrent users (:func:`_user`), calling ``report`` twice a second while they run."""
+    async def tick() -> None:
+        while True:
+            report()
+            await asyncio.sleep(0.5)
+
+    ticker = asyncio.create_task(tick())
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=300.0) as client:
+        try:
+            await asyncio.gather(*(_user(client, i, stats, t0, t_end, **user_options) for i in range(n_users)))
+        finally:
+            ticker.cancel()
 
 
 @contextlib.contextmanager
-def _quiet(names: tuple[str, ...], level: int = logging.WARNING):
+def _quiet(*names: str):
     """Flow-run INFO lines would scroll through the progress bar; the figures say what happened."""
-    loggers = [logging.getLogger(n) for n in names]
-    before = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(level)
+    levels = {lg: lg.level for lg in map(logging.getLogger, names)}
     try:
+        for lg in levels:
+            lg.setLevel(logging.WARNING)
         yield
     finally:
-        for lg, lv in zip(loggers, before):
-            lg.setLevel(lv)
+        for lg, level in levels.items():
+            lg.setLevel(level)
 
 
-def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int) -> Path:
+def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int) -> str:
     from clawrl.config import dump_toml, load_settings
 
     s = load_settings(env={}, overrides={
@@ -140,138 +152,28 @@ def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_s
     data_root.mkdir(parents=True, exist_ok=True)
     conf = data_root / "load-bench.toml"
     conf.write_text(dump_toml(s))
-    return conf
+    return str(conf)
 
 
-def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
-                   max_tokens: int = 16, turns_per_session: int = 3, seed: int = 0, data_root: Path | None = None,
-                   progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the load benchmark; returns the figures (module docstring). ``progress`` gets a dict of
-    live counters about twice a second. Needs a Prefect API (a test harness, ``clawrl up``'s
-    server, or the ephemeral one Prefect starts)."""
-    from clawrl.bench.report import describe_machine, load_average
+def _start_gateway(s, conf: str, log_path: Path) -> subprocess.Popen:
     from clawrl.config import OFFLINE_ENV
-    from clawrl.storage.catalog import run_query
 
-    # flows/ is the Prefect layer: imported here, where the benchmark drives it, not at module import
-    from clawrl.flows.common import load_flow_settings
-    from clawrl.flows.judge import judge_flow
-    from clawrl.flows.train import local_trainer, train_flow
-
-    root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
-    port = _free_port()
-    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens)
-    s = load_flow_settings(str(conf))
-    gw = f"http://127.0.0.1:{port}"
     # The gateway runs open (loopback, no keys): keys the caller has in its env are not passed on,
     # so a key set there cannot make every simulated user a 401.
     env = {k: v for k, v in os.environ.items() if k not in (s.server.api_keys_env, s.server.admin_keys_env)}
-    env.update(OFFLINE_ENV)
-    log_path = root / "gateway.log"
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", "serve", "-c", str(conf)], env=env,
+        return subprocess.Popen([sys.executable, "-m", "clawrl.cli", "serve", "-c", conf], env={**env, **OFFLINE_ENV},
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    stats = ClientStats()
-    steps: list[dict[str, Any]] = []
-    judged_total = 0
-    judge_limit = max(16, 2 * rollout_batch_size)
-    flow_runs: list[dict[str, Any]] = []
-    try:
-        t_start = time.monotonic()
-        with _quiet(("prefect", "prefect.flow_runs", "prefect.task_runs")):
-            # warm-up while the gateway starts, outside the window: the Prefect API, MLflow's store
-            # and experiment (and its lazy imports), the trainer's model
-            judge_flow(config_path=str(conf))
-            import mlflow.data  # noqa: F401 - first use costs seconds; log_train_step needs it
 
-            from clawrl.lineage import client as mlflow_client
-            from clawrl.lineage import experiment_id
 
-            experiment_id(mlflow_client(root), root)
-            local_trainer(s)
-            _wait(f"{gw}/healthz", proc, timeout_s=300)
-            warmup_s = time.monotonic() - t_start
-            load_before = load_average()
-            t0 = time.monotonic()
-            t_end = t0 + duration_s
-            users = threading.Thread(target=lambda: asyncio.run(_users(
-                gw, sessions, t0, t_end, turns_per_session=turns_per_session, max_tokens=max_tokens, seed=seed,
-                stats=stats)), name="load-users", daemon=True)
-            users.start()
-
-            def report() -> None:
-                if progress is not None:
-                    progress({"elapsed_s": min(time.monotonic() - t0, duration_s), "duration_s": duration_s,
-                              "requests": stats.requests, "errors": len(stats.errors),
-                              "syncs": sum(1 for st in steps if st["synced"]),
-                              "versions": sorted(stats.versions, key=lambda v: (len(v), v))})
-
-            ticker_stop = threading.Event()
-
-            def tick() -> None:
-                while not ticker_stop.wait(0.5):
-                    report()
-
-            ticker = threading.Thread(target=tick, daemon=True)
-            ticker.start()
-            try:
-                users.join(1.0)  # let the first turns arrive: a judge run at t=0 would find nothing
-                while users.is_alive():
-                    t_judge = time.monotonic()
-                    # a bounded bite per run (each turn is a task): the next train step starts soon
-                    judged = judge_flow(config_path=str(conf), limit=judge_limit)["judged"]
-                    judged_total += judged
-                    t_train = time.monotonic()
-                    out = train_flow(config_path=str(conf), max_steps=1, engine_url=f"{gw}/engine")
-                    flow_runs.append({"judge_at_s": round(t_judge - t0, 2), "judged": judged,
-                                      "judge_s": round(t_train - t_judge, 2),
-                                      "train_s": round(time.monotonic() - t_train, 2),
-                                      "steps": len(out["steps"])})
-                    for st in out["steps"]:
-                        steps.append({"weight_version": st["weight_version"], "at_s": time.monotonic() - t0,
-                                      "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
-                                      "sync_message": st["sync"]["message"]})
-                    if not out["steps"]:
-                        users.join(0.5)
-            finally:
-                users.join()
-                ticker_stop.set()
-                ticker.join()
-                report()
-            wall = time.monotonic() - t0
-            load_after = load_average()
-    finally:
-        _stop_gateway(proc)
-    # the gateway is stopped (its store flushed); every acknowledged main turn must be in the log
-    rows = run_query(root, f"select distinct session_id, turn_index from turns where turn_type = 'main' "
-                           f"and session_id like '{SESSION_PREFIX}%'").to_pylist()
-    logged = {(r["session_id"], r["turn_index"]) for r in rows}
-    acked = set(stats.acked)
-    lat = stats.latencies
-    # A sync counts as inside the window when its flow run returned in it, or when a client was
-    # already served the new version in it (the flow run returns a little after its sync).
-    for st in steps:
-        st["first_served_s"] = stats.first_seen.get(st["weight_version"])
-    in_window = [st for st in steps if st["at_s"] <= duration_s
-                 or (st["first_served_s"] is not None and st["first_served_s"] <= duration_s)]
-    return {
-        "sessions": sessions, "duration_s": duration_s, "wall_s": round(wall, 1),
-        "turns_per_session": turns_per_session,
-        "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size,
-        "requests": stats.requests, "errors": len(stats.errors), "error_samples": stats.errors[:5],
-        "sessions_started": stats.sessions_started, "sessions_completed": stats.sessions_done,
-        "main_turns_sent": len(stats.acked), "main_turns_logged": len(logged),
-        "sent_not_logged": len(acked - logged), "logged_not_sent": len(logged - acked),
-        "p50_ms": 1000 * _pct(lat, 0.50) if lat else None, "p99_ms": 1000 * _pct(lat, 0.99) if lat else None,
-        "mean_ms": 1000 * sum(lat) / len(lat) if lat else None,
-        "requests_per_s": stats.requests / wall, "completion_tokens_per_s": stats.completion_tokens / wall,
-        "weight_versions_seen": dict(sorted(stats.versions.items(), key=lambda kv: (len(kv[0]), kv[0]))),
-        "train_steps": len(steps), "syncs_during_run": sum(1 for st in in_window if st["synced"]),
-        "failed_syncs": [st["sync_message"] for st in steps if not st["synced"]], "steps": steps,
-        "turns_judged": judged_total, "flow_runs": flow_runs, "warmup_s": round(warmup_s, 1),
-        "load_1m_before": load_before, "load_1m_after": load_after,
-        "machine": describe_machine(), "data_root": str(root),
-    }
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not up (gateway exit code {proc.poll()}, after {timeout_s:g} s at most)")
 
 
 def _stop_gateway(proc: subprocess.Popen) -> None:
@@ -286,21 +188,129 @@ def _stop_gateway(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def format_load_section(r: dict[str, Any], machine_line: str) -> str:
-    from clawrl.bench.report import markdown_table
+def _warm_up(s, conf: str) -> None:
+    """Outside the window, while the gateway starts: the Prefect API, MLflow's store and experiment
+    (and its lazy imports), the trainer's model."""
+    import mlflow.data  # noqa: F401 - first use costs seconds; log_train_step needs it
 
+    from clawrl.flows.common import local_trainer
+    from clawrl.flows.judge import judge_flow
+    from clawrl.lineage import client, experiment_id
+
+    judge_flow(config_path=conf)
+    experiment_id(client(s.storage.data_root), s.storage.data_root)
+    local_trainer(s)
+
+
+def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, t0: float, judge_limit: int,
+                     steps: list[dict[str, Any]]) -> int:
+    """Run the judge and train flows in turn while ``users`` runs; append each train step (with its
+    sync) to ``steps``; return the turns judged."""
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
+
+    judged = 0
+    users.join(1.0)  # let the first turns arrive: a judge run at t=0 would find nothing
+    while users.is_alive():
+        judged += judge_flow(config_path=conf, limit=judge_limit)["judged"]
+        out = train_flow(config_path=conf, max_steps=1, engine_url=engine_url)
+        steps += [{"weight_version": st["weight_version"], "at_s": time.monotonic() - t0,
+                   "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
+                   "sync_message": st["sync"]["message"]} for st in out["steps"]]
+        if not out["steps"]:
+            users.join(0.5)
+    return judged
+
+
+def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
+                   max_tokens: int = 16, turns_per_session: int = 3, seed: int = 0, data_root: Path | None = None,
+                   progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the load benchmark; returns the figures (module docstring). ``progress`` gets a dict of
+    live counters about twice a second. Needs a Prefect API (a test harness, ``clawrl up``'s
+    server, or the ephemeral one Prefect starts)."""
+    from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
+
+    root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
+    with socket.socket() as sock:  # a free port for the gateway
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens)
+    s = load_flow_settings(conf)
+    gw = f"http://127.0.0.1:{port}"
+    stats, steps = ClientStats(), []
+
+    def report() -> None:
+        if progress is not None:
+            progress({"elapsed_s": min(time.monotonic() - t0, duration_s), "duration_s": duration_s,
+                      "requests": stats.requests, "errors": len(stats.errors),
+                      "syncs": sum(1 for st in steps if st["synced"]),
+                      "versions": sorted(stats.versions, key=lambda v: (len(v), v))})
+
+    proc = _start_gateway(s, conf, root / "gateway.log")
+    try:
+        with _quiet("prefect", "prefect.flow_runs", "prefect.task_runs"):
+            _warm_up(s, conf)
+            _wait_healthy(f"{gw}/healthz", proc)
+            load_before, t0 = load_average(), time.monotonic()
+            users = threading.Thread(name="load-users", daemon=True, target=lambda: asyncio.run(_users(
+                gw, sessions, stats, t0, t0 + duration_s, report, turns_per_session=turns_per_session,
+                max_tokens=max_tokens, seed=seed)))
+            users.start()
+            try:
+                judged = _judge_and_train(users, conf, f"{gw}/engine", t0, _judge_limit(rollout_batch_size), steps)
+            finally:
+                users.join()
+                report()
+            wall, load_after = time.monotonic() - t0, load_average()
+    finally:
+        _stop_gateway(proc)
+    return {"sessions": sessions, "duration_s": duration_s, "turns_per_session": turns_per_session,
+            "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "turns_judged": judged,
+            "load_1m_before": load_before, "load_1m_after": load_after, "machine": describe_machine(),
+            "data_root": str(root), **_figures(root, stats, steps, duration_s, wall)}
+
+
+def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], duration_s: float,
+             wall: float) -> dict[str, Any]:
+    """What the clients saw, checked against the log of the stopped gateway (its store is flushed):
+    every acknowledged main turn must be in it."""
+    from clawrl.storage.catalog import run_query
+
+    rows = run_query(root, f"select distinct session_id, turn_index from turns where turn_type = 'main' "
+                           f"and session_id like '{SESSION_PREFIX}%'").to_pylist()
+    logged, acked, lat = {(r["session_id"], r["turn_index"]) for r in rows}, set(stats.acked), sorted(stats.latencies)
+    # A sync counts as inside the window when its flow run returned in it, or when a client was
+    # already served the new version in it (the flow run returns a little after its sync).
+    for st in steps:
+        st["first_served_s"] = stats.first_seen.get(st["weight_version"])
+    in_window = [st for st in steps if st["at_s"] <= duration_s
+                 or (st["first_served_s"] is not None and st["first_served_s"] <= duration_s)]
+    return {
+        "requests": stats.requests, "errors": len(stats.errors), "error_samples": stats.errors[:5],
+        "sessions_started": stats.sessions_started, "sessions_completed": stats.sessions_done,
+        "main_turns_sent": len(stats.acked), "main_turns_logged": len(logged),
+        "sent_not_logged": len(acked - logged), "logged_not_sent": len(logged - acked),
+        "p50_ms": 1000 * lat[round(0.50 * (len(lat) - 1))] if lat else None,
+        "p99_ms": 1000 * lat[round(0.99 * (len(lat) - 1))] if lat else None,
+        "requests_per_s": stats.requests / wall, "completion_tokens_per_s": stats.completion_tokens / wall,
+        "weight_versions_seen": dict(sorted(stats.versions.items(), key=lambda kv: (len(kv[0]), kv[0]))),
+        "train_steps": len(steps), "syncs_during_run": sum(1 for st in in_window if st["synced"]),
+        "failed_syncs": [st["sync_message"] for st in steps if not st["synced"]], "steps": steps,
+    }
+
+
+def format_load_section(r: dict[str, Any], machine_line: str) -> str:
     row = {k: r[k] for k in ("sessions", "duration_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
                              "p50_ms", "p99_ms", "requests_per_s", "completion_tokens_per_s", "train_steps",
                              "syncs_during_run")}
     row["weight_versions_seen"] = ", ".join(f"v{v}: {n}" for v, n in r["weight_versions_seen"].items())
     row["load_1m"] = f"{r['load_1m_before']} -> {r['load_1m_after']}"
-    def when(st: dict[str, Any]) -> str:
-        served = st["first_served_s"]
-        return (f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
-                f"{'-' if served is None else f'{served:.1f} s'}, flow run done at {st['at_s']:.1f} s")
-
-    syncs = "; ".join(when(st) for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
-    lines = [
+    served = {st["weight_version"]: "-" if st["first_served_s"] is None else f"{st['first_served_s']:.1f} s"
+              for st in r["steps"]}
+    syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
+                      f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
+                      for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
+    return "\n".join([
         "## Load: concurrent sessions while judging, training and syncing",
         "",
         machine_line,
@@ -318,10 +328,9 @@ def format_load_section(r: dict[str, Any], machine_line: str) -> str:
         markdown_table([row], list(row)),
         "",
         f"Weight syncs (times from the window's start): {syncs or 'none'}. Turns judged: {r['turns_judged']} (the",
-        f"judge takes at most {max(16, 2 * r['rollout_batch_size'])} turns per run, so training starts early and keeps "
-        "going; the rest wait, logged); sessions",
+        f"judge takes at most {_judge_limit(r['rollout_batch_size'])} turns per run, so training starts early and "
+        "keeps going; the rest wait, logged); sessions",
         f"started {r['sessions_started']}, completed {r['sessions_completed']}; sent but not logged: "
         f"{r['sent_not_logged']}. `load_1m`: the 1-minute load average",
         "before -> after the window; above the core count, other work shared the machine.",
-    ]
-    return "\n".join(lines)
+    ])

@@ -1,13 +1,14 @@
-"""Where judge votes come from: one small protocol and three implementations.
+"""Where judge votes come from: one small protocol and its implementations.
 
 * :class:`EngineJudge` - a model behind the :class:`~clawrl.engine.types.Engine` protocol (the
   embedded torch engine, or an SGLang server through ``SGLangClient``). It must be the FROZEN
   initial model, never the synced policy: a judge that learns together with the policy can be
   gamed by it (the policy drifts toward whatever the judge has drifted to like, and the reward
-  stops measuring the user's satisfaction). The reference keeps its PRM out of weight sync for the
-  same reason (ref/openclaw-rl.md §3.1).
-* :class:`ProviderJudge` - an external OpenAI-compatible chat-completions API.
+  stops measuring the user's satisfaction). OpenClaw-RL keeps its PRM out of weight sync for the
+  same reason.
+* :class:`ProviderJudge` - an external OpenAI-compatible chat-completions API (the ``openai`` SDK).
 * :class:`RuleJudge` - deterministic keyword rules, named as such, for tests and the CPU demo.
+* :class:`RewardHookBackend` - a ``[hooks] reward`` function's decision, in the judge's answer format.
 
 Every backend issues its n completions concurrently and returns one entry per completion: the text,
 or the exception that completion raised. A failed completion is a failed vote, not a failed turn.
@@ -19,11 +20,12 @@ import asyncio
 import re
 from typing import Any, Protocol, runtime_checkable
 
-import httpx
+import openai
 
 from clawrl.engine.types import Engine, GenerateRequest, SamplingParams
 from clawrl.judge.parse import HINT_END, HINT_START
 from clawrl.judge.prompts import prompt_kind, read_next_state
+from clawrl.records import NextStateRecord, TurnRecord
 
 
 class JudgeBackendError(RuntimeError):
@@ -41,12 +43,19 @@ class JudgeBackend(Protocol):
 
 async def _gather_votes(coros: list) -> list[str | Exception]:
     results = await asyncio.gather(*coros, return_exceptions=True)
-    out: list[str | Exception] = []
     for r in results:
         if isinstance(r, BaseException) and not isinstance(r, Exception):
             raise r  # cancellation and KeyboardInterrupt are not failed votes
-        out.append(r)
-    return out
+    return results
+
+
+def answer(kind: str, score: int, hint: str | None, why: str) -> str:
+    """A decision made without a model (rules, a reward hook) in the judge's answer format, so it
+    takes a model's parse -> vote path: the PRM prompt gets the score; the hint prompt gets
+    ``\\boxed{1}`` and the hint, or ``\\boxed{-1}`` when there is none."""
+    if kind == "prm":
+        return f"{why}\n\\boxed{{{score}}}"
+    return f"{why}\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}" if hint else f"{why}\n\\boxed{{-1}}"
 
 
 # ------------------------------------------------------------------------------ engine
@@ -80,57 +89,48 @@ class EngineJudge:
 
 # ---------------------------------------------------------------------------- provider
 class ProviderJudge:
-    """Votes from an external OpenAI-compatible API: ``POST {base_url}/chat/completions``.
+    """Votes from an external OpenAI-compatible chat-completions API, through the ``openai`` SDK.
 
     n separate requests run concurrently (providers differ in whether they honour ``n``). One
-    ``httpx.AsyncClient`` is opened per :meth:`complete` call, so an instance is not tied to an
-    event loop. Errors come back as :class:`JudgeBackendError` naming the URL, the status and the
-    provider's message."""
+    client is opened per :meth:`complete` call, so an instance is not tied to an event loop. The SDK
+    retries what it deems transient (connection errors, 408/409/429/5xx) ``max_retries`` times; a
+    request that still fails is a :class:`JudgeBackendError` naming the URL and why (the HTTP status
+    and the provider's message, a timeout, an unreachable host, a reply without message content)."""
 
-    def __init__(self, base_url: str, api_key: str | None, model: str, timeout_s: float = 60.0):
+    def __init__(self, base_url: str, api_key: str | None, model: str, timeout_s: float = 60.0,
+                 max_retries: int = 2):
         if not base_url:
             raise ValueError("ProviderJudge needs a base_url")
-        self.url = base_url.rstrip("/") + "/chat/completions"  # with or without a trailing slash
-        self.api_key = api_key
-        self.model = model
-        self.timeout_s = timeout_s
+        self.base_url = base_url.rstrip("/")
+        self.api_key, self.model, self.timeout_s, self.max_retries = api_key, model, timeout_s, max_retries
 
     async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
                        max_tokens: int) -> list[str | Exception]:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        body = {"model": self.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
-        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
-            return await _gather_votes([self._one(client, body) for _ in range(n)])
+        # the SDK insists on a key; without one, the header is left out rather than sent with a dummy
+        request = dict(model=self.model, messages=messages, temperature=temperature, max_tokens=max_tokens,
+                       extra_headers=None if self.api_key else {"Authorization": openai.omit})
+        async with openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", timeout=self.timeout_s,
+                                      max_retries=self.max_retries) as client:
+            return await _gather_votes([self._one(client, request) for _ in range(n)])
 
-    async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    async def _one(self, client: openai.AsyncOpenAI, request: dict[str, Any]) -> str:
+        url = f"{self.base_url}/chat/completions"
         try:
-            resp = await client.post(self.url, json=body)
-        except httpx.TimeoutException:
-            raise JudgeBackendError(f"provider {self.url} timed out after {self.timeout_s:g} s") from None
-        except httpx.HTTPError as e:
-            raise JudgeBackendError(f"provider {self.url} unreachable: {e!r}") from None
-        if resp.status_code != 200:
-            raise JudgeBackendError(f"provider {self.url} answered HTTP {resp.status_code}: {_error_message(resp)}")
-        try:
-            content = resp.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise JudgeBackendError(f"provider {self.url} sent a malformed reply: {resp.text[:200]!r}") from None
+            reply = await client.chat.completions.create(**request)
+        except openai.APITimeoutError:
+            raise JudgeBackendError(f"provider {url} timed out after {self.timeout_s:g} s") from None
+        except openai.APIConnectionError as e:
+            raise JudgeBackendError(f"provider {url} unreachable: {e.__cause__ or e!r}") from None
+        except openai.APIStatusError as e:
+            detail = e.body.get("message", e.message) if isinstance(e.body, dict) else e.message
+            raise JudgeBackendError(f"provider {url} answered HTTP {e.status_code}: {detail}") from None
+        try:  # the SDK does not validate replies: a malformed one has missing or None fields
+            content = reply.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
+            content = None
         if not isinstance(content, str):
-            raise JudgeBackendError(f"provider {self.url} sent no message content: {resp.text[:200]!r}")
+            raise JudgeBackendError(f"provider {url} sent a malformed reply (no message content): {reply!r:.200}")
         return content
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip()[:200] or "(empty body)"
-    err = body.get("error") if isinstance(body, dict) else None
-    if isinstance(err, dict) and err.get("message"):
-        return str(err["message"])
-    if isinstance(err, str):
-        return err
-    return resp.text.strip()[:200]
 
 
 # -------------------------------------------------------------------------------- rules
@@ -200,11 +200,24 @@ class RuleJudge:
             score, rule, hint = judge_by_rules(read_next_state(messages))
         except ValueError as e:
             return [e] * n
-        if kind == "prm":
-            text = f"Rule judge (deterministic): the next state matches rule '{rule}'.\n\\boxed{{{score}}}"
-        elif hint is not None:
-            text = (f"Rule judge (deterministic): the user's correction says what the turn should have done.\n"
-                    f"\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}")
-        else:
-            text = f"Rule judge (deterministic): no instructive correction (rule '{rule}').\n\\boxed{{-1}}"
-        return [text] * n
+        return [answer(kind, score, hint, f"Rule judge (deterministic): the next state matches rule '{rule}'.")] * n
+
+
+# ------------------------------------------------------------------------------- reward hook
+class RewardHookBackend:
+    """Adapts a ``[hooks] reward`` function to the JudgeBackend protocol: its (score, hint) is
+    written in the judge's answer format, so votes, hints, teacher log-probs and fates take the
+    same path as a model judge's."""
+
+    def __init__(self, hook, turn: TurnRecord, next_state: NextStateRecord | None):
+        self.hook, self.turn, self.next_state = hook, turn, next_state
+
+    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
+                       max_tokens: int) -> list[str | Exception]:
+        try:
+            score, hint = await self.hook(turn=self.turn, next_state=self.next_state)
+            if score not in (-1, 0, 1):
+                raise ValueError(f"reward hook returned score {score!r}; expected -1, 0 or 1")
+        except Exception as e:  # a failing hook is a failed vote, like a failing judge model
+            return [e] * n
+        return [answer(prompt_kind(messages), score, hint, "reward hook")] * n

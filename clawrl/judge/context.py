@@ -1,9 +1,9 @@
 """What the judge is shown about one turn, extracted from its records.
 
-The reference judge sees only the assistant output and the next state (ref/openclaw-rl.md §3.2,
-§10.4). :class:`JudgeContext` adds the task context: the system prompt, the user request the turn
-answers, the conversation just before that request, and what happened between the request and
-the turn (tool calls and results in an agent loop).
+OpenClaw-RL's judge sees only the assistant output and the next state. :class:`JudgeContext` adds
+the task context: the system prompt, the user request the turn answers, the conversation just
+before that request, and what happened between the request and the turn (tool calls and results
+in an agent loop).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Read a judge's answer out of its raw text: the score in ``\\boxed{}`` and the hindsight hint.
 
-Where we depart from the reference's single-digit regex (ref/openclaw-rl.md §3.3, §10.10):
+Where we depart from OpenClaw-RL's single-digit regex:
 
 1. Only the *visible* answer counts. ``<think>...</think>`` blocks are removed first; an unclosed
    ``<think>`` hides everything after it (a reply cut off mid-thought has no answer); a stray

@@ -1,6 +1,6 @@
 """Judge one turn: PRM votes and hint votes (concurrently), teacher log-probs, the sample, its fate.
 
-Every turn that reaches this function leaves with exactly one :class:`~clawrl.records.FateRecord`
+Every turn that reaches :meth:`Judge.judge` leaves with exactly one :class:`~clawrl.records.FateRecord`
 (nothing is dropped silently) and, when the judge ran, a :class:`~clawrl.records.JudgeVerdict`
 holding every raw judge output. Which turns make samples:
 
@@ -12,9 +12,8 @@ holding every raw judge output. Which turns make samples:
 
 opd is ``Method.OPD`` (``on_policy_distillation``). Masks: the response mask is all ones over
 ``output_ids`` for every sample (the trainer masks the prompt); ``has_teacher`` tells the loss
-whether the OPD term applies, so a combine RL-only sample carries no pseudo-teacher term
-(ref/openclaw-rl.md §10.8). OPD runs the PRM votes too: their score is no reward there, but it is
-the progress metric a user watches.
+whether the OPD term applies, so a combine RL-only sample carries no pseudo-teacher term. OPD
+runs the PRM votes too: their score is no reward there, but it is the progress metric a user watches.
 
 For every method: a side turn -> ``side_turn`` and a turn without a next state ->
 ``no_next_state`` (the caller passes these too; the judge is not called); a judge stage whose
@@ -35,15 +34,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.records import Method
 from clawrl.engine.types import BadRequestError, Engine, EngineError
-from clawrl.judge.backends import JudgeBackend
+from clawrl.judge.backends import JudgeBackend, RewardHookBackend
 from clawrl.judge.context import build_judge_context
 from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.prompts import PROMPTS_VERSION, build_hint_messages, build_prm_messages
 from clawrl.judge.teacher import TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs
 from clawrl.judge.voting import majority_vote, select_hint
-from clawrl.records import Fate, FateRecord, JudgeVerdict, NextStateRecord, SampleRecord, TurnRecord, TurnType
+from clawrl.records import (Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, SampleRecord, TurnRecord,
+                            TurnType)
 
 ERROR_PREFIX = "[judge error] "  # how a failed vote appears among the raw outputs
 
@@ -115,94 +114,103 @@ def _teacher_prompt_ids(turn: TurnRecord, tokenizer, hint: str, placement: str) 
         "or chat template); its log-probs would describe other tokens than the policy sampled")
 
 
-async def judge_turn(
-    turn: TurnRecord,
-    next_state: NextStateRecord | None,
-    *,
-    judge: JudgeBackend,
-    method: Method | str,
-    judge_samples: int,
-    hint_samples: int,
-    temperature: float,
-    max_tokens: int,
-    budget_chars: int,
-    hint_policy: str,
-    teacher: Engine | None,
-    teacher_tokenizer,
-    hint_placement: str,
-    judge_config_hash: str,
-    judge_backend_name: str,
-) -> JudgeOutcome:
-    """Judge ``turn`` given its ``next_state`` under one configuration (module docstring)."""
-    method = Method(method)
-    needs_hint = method in (Method.OPD, Method.COMBINE)
+@dataclass
+class Judge:
+    """One judge configuration with its live backends: :meth:`judge` turns a turn into an outcome."""
 
-    def fate(kind: Fate, detail: str) -> FateRecord:
-        return FateRecord(turn.turn_id, turn.session_id, judge_config_hash, kind.value, detail)
+    backend: JudgeBackend
+    method: Method
+    judge_samples: int
+    hint_samples: int
+    temperature: float
+    max_tokens: int
+    budget_chars: int
+    hint_policy: str
+    hint_placement: str
+    teacher: Engine | None  # needed by opd and combine
+    teacher_tokenizer: Any
+    config_hash: str
+    backend_name: str
+    reward_hook: Any = None  # [hooks] reward: async fn(turn=, next_state=) -> (score, hint | None)
 
-    if turn.turn_type != TurnType.MAIN.value:
-        return JudgeOutcome(None, None, fate(Fate.SIDE_TURN, f"turn type {turn.turn_type!r} is never trained on"))
-    if next_state is None or not next_state.has_next_state:
-        reason = "no next state recorded" if next_state is None else next_state.reason
-        return JudgeOutcome(None, None, fate(Fate.NO_NEXT_STATE, reason))
-    if len(turn.rollout_logprobs) != len(turn.output_ids):
-        raise ValueError(f"turn {turn.turn_id}: {len(turn.rollout_logprobs)} rollout log-probs for "
-                         f"{len(turn.output_ids)} output ids")
-    if judge_samples < 1 or (needs_hint and hint_samples < 1):
-        raise ValueError(f"{method.value} needs judge_samples >= 1"
-                         + (" and hint_samples >= 1" if needs_hint else "")
-                         + f", got {judge_samples} and {hint_samples}")
-    if needs_hint and (teacher is None or teacher_tokenizer is None):
-        raise ValueError(f"{method.value} needs a teacher engine and its tokenizer")
+    def __post_init__(self) -> None:
+        self.method = Method(self.method)
+        needs_hint = self.method in (Method.OPD, Method.COMBINE)
+        if self.judge_samples < 1 or (needs_hint and self.hint_samples < 1):
+            wanted = "judge_samples >= 1" + (" and hint_samples >= 1" if needs_hint else "")
+            raise ValueError(f"{self.method.value} needs {wanted}, got {self.judge_samples} and {self.hint_samples}")
+        if needs_hint and (self.teacher is None or self.teacher_tokenizer is None):
+            raise ValueError(f"{self.method.value} needs a teacher engine and its tokenizer")
 
-    ctx = build_judge_context(turn, next_state)
-    prm_call = _complete(judge, build_prm_messages(ctx, budget_chars), judge_samples, temperature, max_tokens)
-    if needs_hint:  # both prompts in flight together: no lock, no waiting on each other
-        hint_call = _complete(judge, build_hint_messages(ctx, budget_chars), hint_samples, temperature, max_tokens)
-        prm_raw, hint_raw = await asyncio.gather(prm_call, hint_call)
-    else:
-        prm_raw, hint_raw = await prm_call, None
+    async def judge(self, turn: TurnRecord, next_state: NextStateRecord | None) -> JudgeOutcome:
+        """Judge ``turn`` given its ``next_state`` (module docstring)."""
+        def outcome(kind: Fate, detail: str, verdict: JudgeVerdict | None = None,
+                    sample: SampleRecord | None = None) -> JudgeOutcome:
+            return JudgeOutcome(verdict, sample, FateRecord(turn.turn_id, turn.session_id, self.config_hash,
+                                                            kind.value, detail))
 
-    votes = [parse_score(r) if isinstance(r, str) else None for r in prm_raw]
-    score, reason = majority_vote(votes)
-    hint = None
-    if hint_raw is not None:
-        parsed = [parse_hint(r) if isinstance(r, str) else (None, None) for r in hint_raw]
-        hint = select_hint([h for accepted, h in parsed if accepted], hint_policy)
-    stage_errors = [_stage_error("prm", prm_raw)] + ([_stage_error("hint", hint_raw)] if hint_raw is not None else [])
-    errors = [e for e in stage_errors if e]
-    verdict = JudgeVerdict(
-        turn_id=turn.turn_id, judge_config_hash=judge_config_hash, judge_backend=judge_backend_name,
-        score=score, score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in prm_raw]),
-        hint=hint, hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
-        error="; ".join(errors) or None,
-    )
-    if errors:
-        return JudgeOutcome(verdict, None, fate(Fate.JUDGE_ERROR, verdict.error))
+        if turn.turn_type != TurnType.MAIN.value:
+            return outcome(Fate.SIDE_TURN, f"turn type {turn.turn_type!r} is never trained on")
+        if next_state is None or not next_state.has_next_state:
+            return outcome(Fate.NO_NEXT_STATE, "no next state recorded" if next_state is None else next_state.reason)
+        if len(turn.rollout_logprobs) != len(turn.output_ids):
+            raise ValueError(f"turn {turn.turn_id}: {len(turn.rollout_logprobs)} rollout log-probs for "
+                             f"{len(turn.output_ids)} output ids")
+        verdict = await self._verdict(turn, next_state)
+        if verdict.error:
+            return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
+        score, use_teacher = verdict.score, verdict.hint is not None
+        makes_sample = {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}
+        if not makes_sample[self.method]:
+            if self.method == Method.OPD:
+                return outcome(Fate.NO_HINT, f"no usable hint among {self.hint_samples} votes", verdict)
+            return outcome(Fate.SCORE_ZERO, f"score 0 ({verdict.score_reason}; votes {verdict.votes})", verdict)
+        teacher_logprobs = None
+        if use_teacher:
+            try:
+                prompt_ids = _teacher_prompt_ids(turn, self.teacher_tokenizer, verdict.hint, self.hint_placement)
+                teacher_logprobs = await compute_teacher_logprobs(self.teacher, prompt_ids, turn.output_ids)
+            except (TeacherAlignmentError, EngineError, BadRequestError) as e:
+                verdict.error = f"teacher: {type(e).__name__}: {e}"
+                return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
+        reward = 0.0 if self.method == Method.OPD else float(score)
+        sample = SampleRecord(
+            sample_id=make_sample_id(turn.turn_id, self.config_hash), turn_id=turn.turn_id,
+            session_id=turn.session_id, judge_config_hash=self.config_hash, method=self.method.value,
+            prompt_ids=list(turn.prompt_ids), output_ids=list(turn.output_ids),
+            rollout_logprobs=list(turn.rollout_logprobs), reward=reward, has_teacher=use_teacher,
+            teacher_logprobs=teacher_logprobs, weight_version=turn.weight_version)
+        return outcome(Fate.SAMPLE, f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}", verdict, sample)
 
-    use_teacher = needs_hint and hint is not None
-    makes_sample = {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}[method]
-    if not makes_sample:
-        if method == Method.OPD:
-            return JudgeOutcome(verdict, None, fate(Fate.NO_HINT, f"no usable hint among {hint_samples} votes"))
-        return JudgeOutcome(verdict, None, fate(Fate.SCORE_ZERO, f"score 0 ({reason}; votes {votes})"))
+    async def _verdict(self, turn: TurnRecord, next_state: NextStateRecord) -> JudgeVerdict:
+        """The PRM votes (and hint votes, for opd and combine: both prompts in flight together) and
+        what they say: majority score, the chosen hint, every raw output, and an ``error`` naming each
+        stage whose votes all failed."""
+        backend = self.backend if self.reward_hook is None else RewardHookBackend(self.reward_hook, turn, next_state)
+        ctx = build_judge_context(turn, next_state)
+        stages = {"prm": (build_prm_messages, self.judge_samples)}
+        if self.method in (Method.OPD, Method.COMBINE):
+            stages["hint"] = (build_hint_messages, self.hint_samples)
+        raws = dict(zip(stages, await asyncio.gather(*(
+            _complete(backend, build(ctx, self.budget_chars), n, self.temperature, self.max_tokens)
+            for build, n in stages.values()))))
+        votes = [parse_score(r) if isinstance(r, str) else None for r in raws["prm"]]
+        score, reason = majority_vote(votes)
+        hint_raw = raws.get("hint")
+        hints = [parse_hint(r) if isinstance(r, str) else (None, None) for r in hint_raw or []]
+        errors = [e for e in (_stage_error(name, raw) for name, raw in raws.items()) if e]
+        return JudgeVerdict(
+            turn_id=turn.turn_id, judge_config_hash=self.config_hash, judge_backend=self.backend_name, score=score,
+            score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in raws["prm"]]),
+            hint=select_hint([h for accepted, h in hints if accepted], self.hint_policy) if hint_raw else None,
+            hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
+            error="; ".join(errors) or None)
 
-    teacher_logprobs = None
-    if use_teacher:
-        try:
-            prompt_ids = _teacher_prompt_ids(turn, teacher_tokenizer, hint, hint_placement)
-            teacher_logprobs = await compute_teacher_logprobs(teacher, prompt_ids, turn.output_ids)
-        except (TeacherAlignmentError, EngineError, BadRequestError) as e:
-            verdict.error = f"teacher: {type(e).__name__}: {e}"
-            return JudgeOutcome(verdict, None, fate(Fate.JUDGE_ERROR, verdict.error))
+    async def close(self) -> None:
+        """Close the HTTP clients this judge made (SGLang judge or teacher servers). In-process
+        engines belong to whoever passed them in and stay open."""
+        from clawrl.engine.sglang_client import SGLangClient
 
-    reward = 0.0 if method == Method.OPD else float(score)
-    sample = SampleRecord(
-        sample_id=make_sample_id(turn.turn_id, judge_config_hash), turn_id=turn.turn_id,
-        session_id=turn.session_id, judge_config_hash=judge_config_hash, method=method.value,
-        prompt_ids=list(turn.prompt_ids), output_ids=list(turn.output_ids),
-        rollout_logprobs=list(turn.rollout_logprobs), reward=reward, has_teacher=use_teacher,
-        teacher_logprobs=teacher_logprobs, weight_version=turn.weight_version,
-    )
-    detail = f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}"
-    return JudgeOutcome(verdict, sample, fate(Fate.SAMPLE, detail))
+        for client in {id(e): e for e in (getattr(self.backend, "engine", None), self.teacher)}.values():
+            if isinstance(client, SGLangClient):
+                await client.close()

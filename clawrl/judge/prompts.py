@@ -1,7 +1,7 @@
 """Chat messages for the judge model: the PRM score prompt and the hindsight-hint prompt.
 
-Both prompts show the same material (ref/openclaw-rl.md §3.2 and §4.2 describe the reference's,
-which shows only the turn and its next state; we add the task context, §10.4):
+Both prompts show the same material (OpenClaw-RL's show only the turn and its next state; we add
+the task context):
 
     ## System prompt of the conversation       share 0.10
     ## Conversation before the request          share 0.10  (most recent kept when cut)

@@ -1,122 +1,44 @@
-"""What the judge flow calls: build the judge once per process, judge one stored turn, list its records.
+"""What the judge flow calls: build a judge from settings, judge one stored turn, list its records.
 
-:func:`build_judge` is the entry-point factory (it reads Settings); everything below it takes plain
-values. The frozen judge/teacher engine is created once per process and registered in
-:mod:`clawrl.runtime`, so repeated flow runs in one process do not reload the model.
+:func:`build_judge` is the entry-point factory (it reads Settings); the engines it does not make
+itself (the frozen model, the serving engine) are arguments, so the caller decides how long they
+live (the flows keep one per process: ``clawrl.flows.common``).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+import functools
+from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
-from clawrl import runtime
 from clawrl.config import Settings, read_secret, resolve_device
-from clawrl.records import Method
 from clawrl.engine.types import Engine
 from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
-from clawrl.judge.pipeline import JudgeOutcome, judge_config_hash, judge_turn
-from clawrl.records import NextStateRecord, TurnRecord
-
-FROZEN_ENGINE = "frozen-engine"  # runtime registry name of the frozen initial model
-POLICY_ENGINE = "policy-engine"  # runtime registry name of the serving engine, when in-process
+from clawrl.judge.pipeline import Judge, JudgeOutcome, judge_config_hash
+from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, TurnRecord
 
 
-@dataclass
-class Judge:
-    """Everything needed to judge turns under one configuration (plain values + live backends)."""
+def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
+    """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
+    model), never synced: the frozen judge, and the frozen or local OPD teacher."""
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.models import resolve_model_dir
 
-    backend: JudgeBackend
-    backend_name: str
-    teacher: Engine | None
-    teacher_tokenizer: Any
-    method: Method
-    judge_samples: int
-    hint_samples: int
-    temperature: float
-    max_tokens: int
-    budget_chars: int
-    hint_policy: str
-    hint_placement: str
-    config_hash: str
-    reward_hook: Any = None  # [hooks] reward: async fn(turn=, next_state=) -> (score, hint | None)
-
-    async def judge(self, turn: TurnRecord, next_state: NextStateRecord | None) -> JudgeOutcome:
-        backend = self.backend if self.reward_hook is None else RewardHookBackend(self.reward_hook, turn, next_state)
-        return await judge_turn(
-            turn, next_state, judge=backend, method=self.method, judge_samples=self.judge_samples,
-            hint_samples=self.hint_samples, temperature=self.temperature, max_tokens=self.max_tokens,
-            budget_chars=self.budget_chars, hint_policy=self.hint_policy, teacher=self.teacher,
-            teacher_tokenizer=self.teacher_tokenizer, hint_placement=self.hint_placement,
-            judge_config_hash=self.config_hash, judge_backend_name=self.backend_name,
-        )
-
-    async def close(self) -> None:
-        """Close the HTTP clients this judge made (SGLang judge or teacher servers). In-process
-        engines are shared through the runtime registry and stay open."""
-        from clawrl.engine.sglang_client import SGLangClient
-
-        for client in {id(e): e for e in (getattr(self.backend, "engine", None), self.teacher)}.values():
-            if isinstance(client, SGLangClient):
-                await client.close()
-
-
-class RewardHookBackend:
-    """Adapts a ``[hooks] reward`` function to the JudgeBackend protocol: its (score, hint) is
-    written in the judge's answer format, so votes, hints, teacher log-probs and fates take the
-    same path as a model judge's."""
-
-    def __init__(self, hook, turn: TurnRecord, next_state: NextStateRecord | None):
-        self.hook, self.turn, self.next_state = hook, turn, next_state
-
-    async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
-                       max_tokens: int) -> list[str | Exception]:
-        from clawrl.judge.parse import HINT_END, HINT_START
-        from clawrl.judge.prompts import prompt_kind
-
-        try:
-            score, hint = await self.hook(turn=self.turn, next_state=self.next_state)
-            if score not in (-1, 0, 1):
-                raise ValueError(f"reward hook returned score {score!r}; expected -1, 0 or 1")
-        except Exception as e:  # a failing hook is a failed vote, like a failing judge model
-            return [e] * n
-        if prompt_kind(messages) == "prm":
-            return [f"reward hook\n\\boxed{{{score}}}"] * n
-        if hint:
-            return [f"reward hook\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}"] * n
-        return ["reward hook: no hint\n\\boxed{-1}"] * n
-
-
-def frozen_engine(settings: Settings):
-    """The embedded engine holding the *initial* weights (never synced), one per process."""
-
-    def make():
-        from clawrl.engine.embedded import EmbeddedEngine
-        from clawrl.models import resolve_model_dir
-
-        model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
-        device, _ = resolve_device(settings.model.device)
-        return EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
-                              max_batch_size=settings.engine.max_batch_size,
-                              max_context_len=settings.engine.max_context_len, weight_version="frozen",
-                              served_model_name="clawrl-frozen")
-
-    return runtime.get_or_create(f"{FROZEN_ENGINE}:{settings.model.name}:{settings.model.seed}:{settings.model.dtype}",
-                                 make)
+    model_dir = resolve_model_dir(name or settings.model.name, settings.storage.models_dir, settings.model.seed)
+    device, _ = resolve_device(settings.model.device)
+    return EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
+                          max_batch_size=settings.engine.max_batch_size,
+                          max_context_len=settings.engine.max_context_len, weight_version="frozen",
+                          served_model_name="clawrl-frozen")
 
 
 def _judge_model_id(settings: Settings) -> str:
-    prm = settings.prm
     if settings.hooks.reward:
         return f"hook:{settings.hooks.reward}"
-    return {
-        "rule": "rules",
-        "engine": f"frozen:{settings.model.name}",
-        "sglang": prm.url,
-        "provider": f"{settings.provider.base_url}#{settings.provider.model}",
-    }[prm.backend]
+    return {"rule": "rules", "engine": f"frozen:{settings.model.name}", "sglang": settings.prm.url,
+            "provider": f"{settings.provider.base_url}#{settings.provider.model}"}[settings.prm.backend]
 
 
 def _teacher_id(settings: Settings) -> str:
@@ -140,69 +62,62 @@ def build_judge_config_hash(settings: Settings) -> str:
     )
 
 
-def _teacher(settings: Settings) -> tuple[Engine, Any]:
-    """(engine, tokenizer) of the OPD teacher named by ``opd.teacher``."""
+def _http_engine(settings: Settings, url: str) -> Engine:
+    from clawrl.engine.sglang_client import SGLangClient
+
+    return SGLangClient(url, timeout_s=settings.engine.request_timeout_s)
+
+
+def _policy_tokenizer(settings: Settings):
     from clawrl.models import load_tokenizer, resolve_model_dir
 
+    return load_tokenizer(resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed))
+
+
+def _teacher(settings: Settings, frozen: Callable[[str], Engine], policy: Engine | None) -> tuple[Engine, Any]:
+    """(engine, tokenizer) of the OPD teacher named by ``opd.teacher``."""
     name = settings.opd.teacher
-    policy_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
-    if name == "frozen":
-        eng = frozen_engine(settings)
-        return eng, eng.tokenizer
     if name == "policy":
-        eng = runtime.lookup(POLICY_ENGINE)
-        if eng is None:
-            if settings.engine.kind != "http":
-                raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
-                                   "engine.kind = 'http'")
-            from clawrl.engine.sglang_client import SGLangClient
-
-            eng = SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s)
-        return eng, load_tokenizer(policy_dir)
+        if policy is None and settings.engine.kind != "http":
+            raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
+                               "engine.kind = 'http'")
+        return policy or _http_engine(settings, settings.engine.url), _policy_tokenizer(settings)
     if name.startswith(("http://", "https://")):
-        from clawrl.engine.sglang_client import SGLangClient
-
-        return SGLangClient(name, timeout_s=settings.engine.request_timeout_s), load_tokenizer(policy_dir)
-
-    def make():
-        from clawrl.engine.embedded import EmbeddedEngine
-
-        device, _ = resolve_device(settings.model.device)
-        return EmbeddedEngine(resolve_model_dir(name, settings.storage.models_dir), dtype=settings.model.dtype,
-                              device=device, max_batch_size=settings.engine.max_batch_size,
-                              max_context_len=settings.engine.max_context_len, weight_version="teacher")
-
-    eng = runtime.get_or_create(f"teacher:{name}", make)
-    return eng, eng.tokenizer
+        return _http_engine(settings, name), _policy_tokenizer(settings)
+    engine = frozen(settings.model.name if name == "frozen" else name)
+    return engine, engine.tokenizer
 
 
-def build_judge(settings: Settings) -> Judge:
-    prm, opd = settings.prm, settings.opd
-    method = Method(settings.ppo.advantage_estimator)
+def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBackend:
+    prm = settings.prm
     if prm.backend == "rule":
-        backend: JudgeBackend = RuleJudge()
-    elif prm.backend == "engine":
-        eng = frozen_engine(settings)
-        backend = EngineJudge(eng, eng.tokenizer, seed=settings.model.seed)
-    elif prm.backend == "sglang":
+        return RuleJudge()
+    if prm.backend == "engine":
+        engine = frozen(settings.model.name)
+        return EngineJudge(engine, engine.tokenizer, seed=settings.model.seed)
+    if prm.backend == "sglang":
         if not prm.url:
             raise ValueError("prm.backend = 'sglang' needs prm.url")
-        from clawrl.engine.sglang_client import SGLangClient
-        from clawrl.models import load_tokenizer, resolve_model_dir
+        return EngineJudge(_http_engine(settings, prm.url), _policy_tokenizer(settings), seed=settings.model.seed)
+    if not settings.provider.base_url:
+        raise ValueError("prm.backend = 'provider' needs provider.base_url")
+    return ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
+                         settings.provider.model, timeout_s=settings.engine.request_timeout_s)
 
-        tok = load_tokenizer(resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed))
-        backend = EngineJudge(SGLangClient(prm.url, timeout_s=settings.engine.request_timeout_s), tok,
-                              seed=settings.model.seed)
-    else:  # provider
-        if not settings.provider.base_url:
-            raise ValueError("prm.backend = 'provider' needs provider.base_url")
-        backend = ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
-                                settings.provider.model, timeout_s=settings.engine.request_timeout_s)
+
+def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = None,
+                policy: Engine | None = None) -> Judge:
+    """The judge these settings describe. ``frozen(name)`` gives the engine holding model ``name``'s
+    initial weights (default: :func:`load_frozen_engine`, one per model for this judge); ``policy``
+    is the serving engine when it runs in this process (the ``opd.teacher = "policy"`` teacher)."""
+    prm, opd = settings.prm, settings.opd
+    method = Method(settings.ppo.advantage_estimator)
+    frozen = frozen or functools.cache(functools.partial(load_frozen_engine, settings))
     teacher = teacher_tok = None
     if method in (Method.OPD, Method.COMBINE):
-        teacher, teacher_tok = _teacher(settings)
-    return Judge(backend=backend, backend_name="hook" if settings.hooks.reward else prm.backend, teacher=teacher,
-                 teacher_tokenizer=teacher_tok, method=method, judge_samples=prm.judge_samples,
+        teacher, teacher_tok = _teacher(settings, frozen, policy)
+    return Judge(backend=_backend(settings, frozen), backend_name="hook" if settings.hooks.reward else prm.backend,
+                 teacher=teacher, teacher_tokenizer=teacher_tok, method=method, judge_samples=prm.judge_samples,
                  hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
                  budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
                  config_hash=build_judge_config_hash(settings),
@@ -230,30 +145,13 @@ def next_state_from_row(row: dict[str, Any]) -> NextStateRecord | None:
 def outcome_records(outcome: JudgeOutcome) -> list[Any]:
     """Records to append, the fate LAST: a turn counts as judged once its fate is stored, so a
     crash before that re-judges it and the deterministic sample id overwrites any earlier sample."""
-    out: list[Any] = [r for r in (outcome.verdict, outcome.sample) if r is not None]
-    out.append(outcome.fate)
-    return out
+    return [r for r in (outcome.verdict, outcome.sample) if r is not None] + [outcome.fate]
 
 
 def failure_records(turn: TurnRecord, judge: Judge, error: str) -> list[Any]:
     """Verdict + fate for a turn whose every judge attempt raised."""
-    from clawrl.records import Fate, FateRecord, JudgeVerdict
-
     verdict = JudgeVerdict(turn_id=turn.turn_id, judge_config_hash=judge.config_hash,
                            judge_backend=judge.backend_name, score=0, score_reason="all_failed", votes=[],
                            raw_outputs="[]", error=error)
     fate = FateRecord(turn.turn_id, turn.session_id, judge.config_hash, Fate.JUDGE_ERROR.value, error)
     return [verdict, fate]
-
-
-def summarize(outcomes: list[JudgeOutcome]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        counts[o.fate.fate] = counts.get(o.fate.fate, 0) + 1
-    return counts
-
-
-def describe(outcome: JudgeOutcome) -> str:
-    v = outcome.verdict
-    return json.dumps({"turn_id": outcome.fate.turn_id, "fate": outcome.fate.fate,
-                       "score": None if v is None else v.score, "hint": None if v is None else v.hint})

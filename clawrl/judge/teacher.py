@@ -1,12 +1,12 @@
 """Teacher log-probs for on-policy distillation: the turn's own output tokens scored under the
 prompt with the hindsight hint added.
 
-Two things the reference gets wrong and we do not (ref/openclaw-rl.md §4.5-4.6, §10.2):
+Two things OpenClaw-RL (the reference design) gets wrong and we do not:
 
 * The teacher prompt is rendered by the gateway's own :class:`~clawrl.gateway.adapters.ChatAdapter`
   into ids, and the turn's sampled ``output_ids`` are appended as ids: no text round trip, so the
   scored tokens are exactly the trained tokens.
-* The slicing of SGLang's prompt log-probs (ref/sglang.md §2.4): with ``logprob_start_len = s`` the
+* The slicing of SGLang's prompt log-probs (its ``/generate`` API): with ``logprob_start_len = s`` the
   engine returns ``len(input_ids) - s`` entries, entry j describing ``input_ids[s + j]`` and
   entry 0 always null. With P prompt and R output tokens, ``s = P`` would make entry 0 - output
   token 0 - null: that is the reference's off-by-one (it then pads a 0.0). We send ``s = P - 1``,

@@ -1,6 +1,6 @@
 """Turn m parsed judge votes into one score, and m hint candidates into one hint.
 
-The vote keeps *why* a score is 0 (MISSION.md: "judge scores always 0" must be diagnosable):
+The vote keeps *why* a score is 0, so "the judge always scores 0" can be diagnosed:
 "majority" (a real verdict), "tie" (the parsed votes have no strict majority: 1 vs -1, or
 1 / 0 / -1 spread) or "all_failed" (no vote parsed; the raw outputs show why).
 """
@@ -28,22 +28,10 @@ def majority_vote(votes: Sequence[int | None]) -> tuple[int, str]:
     return 0, "tie"
 
 
-def _first(hints: list[str]) -> str:
-    return hints[0]
-
-
-def _longest(hints: list[str]) -> str:
-    return max(hints, key=len)  # max keeps the first of equally long hints: deterministic
-
-
-def _shortest(hints: list[str]) -> str:
-    return min(hints, key=len)
-
-
 HINT_POLICIES: dict[str, Callable[[list[str]], str]] = {
-    "longest": _longest,  # the reference's choice: the most informative hint
-    "first": _first,
-    "shortest": _shortest,  # least room for the hint to leak the answer wholesale
+    "longest": lambda hints: max(hints, key=len),  # the reference's: the most informative (first of equals)
+    "first": lambda hints: hints[0],
+    "shortest": lambda hints: min(hints, key=len),  # least room for the hint to leak the answer wholesale
 }
 
 

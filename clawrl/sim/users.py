@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.sim.personas import Persona, on_topic, react
+from clawrl.sim.personas import Persona, react
 
 
 @dataclass
@@ -29,42 +30,24 @@ class Interaction:
     reaction: str
 
 
-async def ask(client, question: str, *, session_id: str, turn_type: str, max_tokens: int, temperature: float,
-              seed: int, system_prompt: str | None = None) -> str:
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-        [{"role": "user", "content": question}]
-    r = await client.chat.completions.create(
-        model="clawrl-policy", messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed,
-        extra_body={"session_id": session_id, "turn_type": turn_type})
-    return r.choices[0].message.content or ""
-
-
-async def training_round(client, persona: Persona, questions: list[tuple[str, tuple[str, ...]]], *, round_id: str,
-                         max_tokens: int, temperature: float, seed: int,
-                         system_prompt: str | None = None) -> list[Interaction]:
-    async def one(i: int, q: str, keywords: tuple[str, ...]) -> Interaction:
-        sid = f"{round_id}-u{i:02d}"
-        answer = await ask(client, q, session_id=sid, turn_type="main", max_tokens=max_tokens,
-                           temperature=temperature, seed=seed + i, system_prompt=system_prompt)
-        reaction, liked, topical = react(persona, answer, keywords, q)
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": q}, {"role": "assistant", "content": answer},
-            {"role": "user", "content": reaction}]
+async def user_round(client, persona: Persona, questions: list[tuple[str, tuple[str, ...]]], *, round_id: str,
+                     train: bool, max_tokens: int, temperature: float, seed: int) -> list[Interaction]:
+    """One user per question, all at once; user i asks with seed ``seed + i``. A training round's
+    users answer with the persona's reaction (module docstring); an evaluation round's do not."""
+    async def one(i: int, question: str, keywords: tuple[str, ...]) -> Interaction:
+        sid = f"{round_id}-{'u' if train else 'e'}{i:02d}"
+        messages = [{"role": "user", "content": question}]
+        r = await client.chat.completions.create(
+            model="clawrl-policy", messages=messages, max_tokens=max_tokens, temperature=temperature, seed=seed + i,
+            extra_body={"session_id": sid, "turn_type": "main" if train else "side"})
+        answer = r.choices[0].message.content or ""
+        reaction, liked, topical = react(persona, answer, keywords, question)
+        if not train:
+            return Interaction(sid, question, answer, liked, topical, "")
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": reaction}]
         await client.chat.completions.create(model="clawrl-policy", messages=messages, max_tokens=1,
                                              extra_body={"session_id": sid, "session_done": True})
-        return Interaction(sid, q, answer, liked, topical, reaction)
-
-    return list(await asyncio.gather(*(one(i, q, k) for i, (q, k) in enumerate(questions))))
-
-
-async def evaluation_round(client, persona: Persona, questions: list[tuple[str, tuple[str, ...]]], *,
-                           round_id: str, max_tokens: int, temperature: float, seed: int,
-                           system_prompt: str | None = None) -> list[Interaction]:
-    async def one(i: int, q: str, keywords: tuple[str, ...]) -> Interaction:
-        sid = f"{round_id}-e{i:02d}"
-        answer = await ask(client, q, session_id=sid, turn_type="side", max_tokens=max_tokens,
-                           temperature=temperature, seed=seed + i, system_prompt=system_prompt)
-        return Interaction(sid, q, answer, persona.satisfied(answer), on_topic(answer, keywords, q), "")
+        return Interaction(sid, question, answer, liked, topical, reaction)
 
     return list(await asyncio.gather(*(one(i, q, k) for i, (q, k) in enumerate(questions))))
 
@@ -90,7 +73,4 @@ def kl_to_reference(policy_logprobs: list[list[float]], reference_logprobs: list
 
 
 def summarize_round(interactions: list[Interaction]) -> dict[str, Any]:
-    reactions: dict[str, int] = {}
-    for x in interactions:
-        reactions[x.reaction] = reactions.get(x.reaction, 0) + 1
-    return {**score(interactions), "reactions": reactions}
+    return {**score(interactions), "reactions": dict(Counter(x.reaction for x in interactions))}

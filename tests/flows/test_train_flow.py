@@ -8,11 +8,10 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from clawrl import runtime
 from clawrl.config import dump_toml
 from clawrl.engine.embedded import EmbeddedEngine
 from clawrl.gateway.routes import create_app
-from clawrl.judge.runner import POLICY_ENGINE
+from clawrl.flows.common import attach_policy_engine
 from clawrl.lineage import model_version_for
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
@@ -42,7 +41,7 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
 
     s, conf = loop_settings
     engine = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
-    runtime.register(POLICY_ENGINE, engine)  # the in-process sync path: the trainer's state dict
+    attach_policy_engine(engine)  # the in-process sync path: the trainer's state dict
     store = DataStore(s.storage.data_root)
     app = create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store)
     failures, served = [], []
@@ -81,7 +80,7 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
             assert r.headers["x-weight-version"] == "1"
             assert client.models.list().data[0].model_extra["weight_version"] == "1"
     finally:
-        runtime.unregister(POLICY_ENGINE)
+        attach_policy_engine(None)
         store.close()
     assert failures == [] and len(served) >= 4 and {"0", "1"} <= set(served)
     # lineage: checkpoint row -> batch -> samples -> the two sessions' first turns

@@ -1,12 +1,8 @@
 import asyncio
 import socket
-import threading
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -22,6 +18,7 @@ from clawrl.judge.backends import (
 from clawrl.judge.context import build_judge_context
 from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.prompts import build_hint_messages, build_prm_messages
+from clawrl.serving import serve_in_thread
 
 from tests.utils.turns import build_next_state, build_turn
 
@@ -152,43 +149,25 @@ def _provider_app(state: _ProviderState) -> FastAPI:
     return app
 
 
-@contextmanager
-def _running_provider():
-    state = _ProviderState()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(_provider_app(state), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "provider stand-in did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", state
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def provider():
-    with _running_provider() as running:
-        yield running
+    state = _ProviderState()
+    with serve_in_thread(_provider_app(state)) as server:
+        yield server.url, state
 
 
 MESSAGES = [{"role": "system", "content": "judge"}, {"role": "user", "content": "turn + next state"}]
 
 
+def _votes(url, model, n=1, api_key=None, **kw):
+    judge = ProviderJudge(url, api_key, model, **kw)
+    return asyncio.run(judge.complete(MESSAGES, n=n, temperature=0.6, max_tokens=256))
+
+
 @pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
 def test_provider_judge_issues_n_concurrent_requests(provider, suffix):
     url, state = provider
-    state.bodies.clear(), state.auth.clear(), state.paths.clear()
-    state.max_in_flight = 0
-    judge = ProviderJudge(url + suffix, "sk-test", "judge-model", timeout_s=10)
-    votes = asyncio.run(judge.complete(MESSAGES, n=3, temperature=0.6, max_tokens=256))
+    votes = _votes(url + suffix, "judge-model", n=3, api_key="sk-test", timeout_s=10)
     assert len(votes) == 3 and [parse_score(v) for v in votes] == [1, 1, 1]
     assert state.paths == ["/v1/chat/completions"] * 3  # a trailing slash on base_url does not double it
     assert state.max_in_flight == 3  # all three in flight at once
@@ -197,22 +176,28 @@ def test_provider_judge_issues_n_concurrent_requests(provider, suffix):
     assert all("n" not in b for b in state.bodies)
 
 
+def test_provider_judge_without_a_key_sends_no_authorization(provider, monkeypatch):
+    url, state = provider
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-this-provider")  # the SDK's own env var is not used
+    assert [parse_score(v) for v in _votes(url + "/v1", "m", n=2)] == [1, 1]
+    assert state.auth == [None, None]
+
+
 def test_provider_judge_reports_http_errors_with_the_provider_message(provider):
-    url, _ = provider
-    votes = asyncio.run(ProviderJudge(url + "/v1", None, "broken").complete(MESSAGES, n=2, temperature=0, max_tokens=8))
+    url, state = provider
+    votes = _votes(url + "/v1", "broken", n=2, max_retries=1)
     assert len(votes) == 2
     for v in votes:
         assert isinstance(v, JudgeBackendError)
         assert "HTTP 503" in str(v) and "model overloaded" in str(v) and "/v1/chat/completions" in str(v)
+    assert len(state.bodies) == 4  # each vote retried once: max_retries reaches the SDK
 
 
 def test_provider_judge_reports_timeouts_and_malformed_replies(provider):
     url, _ = provider
-    slow = asyncio.run(ProviderJudge(url + "/v1", None, "slow", timeout_s=0.5).complete(
-        MESSAGES, n=1, temperature=0, max_tokens=8))
+    slow = _votes(url + "/v1", "slow", timeout_s=0.5, max_retries=0)
     assert isinstance(slow[0], JudgeBackendError) and "timed out after 0.5 s" in str(slow[0])
-    bad = asyncio.run(ProviderJudge(url + "/v1", None, "malformed").complete(
-        MESSAGES, n=1, temperature=0, max_tokens=8))
+    bad = _votes(url + "/v1", "malformed", max_retries=0)
     assert isinstance(bad[0], JudgeBackendError) and "malformed reply" in str(bad[0])
 
 
@@ -221,8 +206,23 @@ def test_provider_judge_reports_an_unreachable_provider():
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
-    votes = asyncio.run(ProviderJudge(f"http://127.0.0.1:{port}/v1", None, "m", timeout_s=5).complete(
-        MESSAGES, n=2, temperature=0, max_tokens=8))
+    votes = _votes(f"http://127.0.0.1:{port}/v1", "m", n=2, timeout_s=5, max_retries=0)
     assert all(isinstance(v, JudgeBackendError) and "unreachable" in str(v) for v in votes)
     with pytest.raises(ValueError):
         ProviderJudge("", None, "m")
+
+
+def test_cancelling_a_provider_judge_cancels_its_requests(provider):
+    url, state = provider
+    judge = ProviderJudge(url + "/v1", None, "slow", timeout_s=10)
+
+    async def cancel_mid_flight():
+        task = asyncio.create_task(judge.complete(MESSAGES, n=3, temperature=0, max_tokens=8))
+        while state.in_flight < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):  # not returned as three failed votes
+            await task
+
+    asyncio.run(cancel_mid_flight())
+    assert len(state.bodies) == 3

@@ -1,15 +1,14 @@
-"""The scripted session the issue asks for, at library level: real turns from the tiny model, the
-rule judge reading the user's feedback, the tiny model as the teacher, and the fate of every turn."""
+"""A scripted session at library level: real turns from the tiny model, the rule judge reading the
+user's feedback, the tiny model as the teacher, and the fate of every turn."""
 
 import asyncio
 import json
-import time
 
 import pytest
 
 from clawrl.records import Method
 from clawrl.judge.backends import EngineJudge, RuleJudge
-from clawrl.judge.pipeline import judge_config_hash, judge_turn, make_sample_id
+from clawrl.judge.pipeline import Judge, judge_config_hash, make_sample_id
 
 from tests.utils.turns import build_next_state, build_turn, generate_turn
 
@@ -39,12 +38,11 @@ def session(tiny_engine):
 
 
 def _judge(turn, next_state, method, engine, **overrides):
-    kw = dict(judge=RuleJudge(), method=method, judge_samples=3, hint_samples=2, temperature=0.6, max_tokens=64,
+    kw = dict(backend=RuleJudge(), method=method, judge_samples=3, hint_samples=2, temperature=0.6, max_tokens=64,
               budget_chars=6000, hint_policy="longest", teacher=engine, teacher_tokenizer=engine.tokenizer,
-              hint_placement="append_last_user", judge_config_hash=f"cfg-{Method(method).value}",
-              judge_backend_name="rule")
+              hint_placement="append_last_user", config_hash=f"cfg-{Method(method).value}", backend_name="rule")
     kw.update(overrides)
-    return asyncio.run(judge_turn(turn, next_state, **kw))
+    return asyncio.run(Judge(**kw).judge(turn, next_state))
 
 
 def test_correction_scores_minus_one_and_praise_plus_one_under_grpo(session, tiny_engine):
@@ -75,7 +73,7 @@ def test_opd_sample_carries_aligned_teacher_logprobs_under_the_hint(session, tin
     assert s.prompt_ids == turn.prompt_ids  # the sample keeps the un-hinted prompt: what the policy saw
     # the teacher saw the hint, so its log-probs differ from the policy's own
     assert max(abs(a - b) for a, b in zip(s.teacher_logprobs, s.rollout_logprobs)) > 1e-6
-    refused = _judge(turn, ns, Method.OPD, tiny_engine, judge=_NoHintJudge())  # every hint vote says -1
+    refused = _judge(turn, ns, Method.OPD, tiny_engine, backend=_NoHintJudge())  # every hint vote says -1
     assert refused.fate.fate == "no_hint" and refused.sample is None and refused.verdict.hint is None
 
     praised = _judge(*session["praised"], Method.OPD, tiny_engine)
@@ -104,9 +102,9 @@ def test_unclear_feedback_makes_no_sample(tiny_engine, method, fate):
 @pytest.mark.parametrize("method", list(Method))
 def test_side_turns_and_turns_without_next_state_skip_the_judge(session, tiny_engine, method):
     never = _CountingJudge()
-    side = _judge(*session["side"], method, tiny_engine, judge=never)
-    ended = _judge(*session["ended"], method, tiny_engine, judge=never)
-    missing = _judge(session["praised"][0], None, method, tiny_engine, judge=never)
+    side = _judge(*session["side"], method, tiny_engine, backend=never)
+    ended = _judge(*session["ended"], method, tiny_engine, backend=never)
+    missing = _judge(session["praised"][0], None, method, tiny_engine, backend=never)
     assert (side.fate.fate, ended.fate.fate, missing.fate.fate) == ("side_turn", "no_next_state", "no_next_state")
     assert ended.fate.detail == "session_done"
     assert side.verdict is None and ended.verdict is None and never.calls == 0
@@ -140,7 +138,7 @@ class _BrokenJudge:
 
 
 def test_backend_failure_is_a_judge_error_with_every_raw_output(session, tiny_engine):
-    out = _judge(*session["corrected"], Method.GRPO, tiny_engine, judge=_BrokenJudge())
+    out = _judge(*session["corrected"], Method.GRPO, tiny_engine, backend=_BrokenJudge())
     assert out.failed and out.fate.fate == "judge_error" and out.sample is None
     assert out.verdict.votes == [None, None, None] and out.verdict.score_reason == "all_failed"
     assert "prm: all 3 votes failed" in out.verdict.error and "ConnectionError: judge down" in out.verdict.error
@@ -149,7 +147,7 @@ def test_backend_failure_is_a_judge_error_with_every_raw_output(session, tiny_en
 
 
 def test_one_failed_vote_does_not_fail_the_turn(session, tiny_engine):
-    out = _judge(*session["corrected"], Method.GRPO, tiny_engine, judge=_BrokenJudge(fail_every=3))
+    out = _judge(*session["corrected"], Method.GRPO, tiny_engine, backend=_BrokenJudge(fail_every=3))
     assert out.verdict.votes == [-1, -1, None] and out.verdict.score == -1 and out.fate.fate == "sample"
     assert json.loads(out.verdict.raw_outputs)[2] == "[judge error] ConnectionError: judge down"
 
@@ -164,7 +162,7 @@ def test_teacher_that_cannot_reproduce_the_prompt_is_a_judge_error(tiny_engine):
 
 def test_engine_judge_on_a_random_model_fails_votes_visibly(session, tiny_engine):
     judge = EngineJudge(tiny_engine, tiny_engine.tokenizer)
-    out = _judge(*session["praised"], Method.GRPO, tiny_engine, judge=judge, max_tokens=12, judge_backend_name="engine")
+    out = _judge(*session["praised"], Method.GRPO, tiny_engine, backend=judge, max_tokens=12, backend_name="engine")
     assert out.verdict.votes == [None, None, None]
     assert (out.verdict.score, out.verdict.score_reason) == (0, "all_failed")
     assert out.fate.fate == "score_zero" and out.verdict.error is None  # the judge ran; it just never answered
@@ -175,7 +173,7 @@ def test_engine_judge_on_a_random_model_fails_votes_visibly(session, tiny_engine
 def test_sample_id_is_deterministic_per_turn_and_config(session, tiny_engine):
     a = _judge(*session["corrected"], Method.GRPO, tiny_engine)
     b = _judge(*session["corrected"], Method.GRPO, tiny_engine)
-    c = _judge(*session["corrected"], Method.GRPO, tiny_engine, judge_config_hash="other")
+    c = _judge(*session["corrected"], Method.GRPO, tiny_engine, config_hash="other")
     assert a.sample.sample_id == b.sample.sample_id == make_sample_id(a.sample.turn_id, "cfg-grpo")
     assert c.sample.sample_id != a.sample.sample_id
 
@@ -221,26 +219,24 @@ class _SleepyJudge:
 def test_turns_and_votes_are_judged_concurrently():
     judge = _SleepyJudge()
     turns = [build_turn([QUESTION], session_id=f"s{i}") for i in range(8)]
-    kw = dict(judge=judge, method=Method.GRPO, judge_samples=3, hint_samples=0, temperature=0.6, max_tokens=64,
-              budget_chars=6000, hint_policy="longest", teacher=None, teacher_tokenizer=None,
-              hint_placement="append_last_user", judge_config_hash="cfg", judge_backend_name="sleepy")
+    grpo = Judge(backend=judge, method=Method.GRPO, judge_samples=3, hint_samples=0, temperature=0.6, max_tokens=64,
+                 budget_chars=6000, hint_policy="longest", hint_placement="append_last_user", teacher=None,
+                 teacher_tokenizer=None, config_hash="cfg", backend_name="sleepy")
 
     async def run_all():
-        return await asyncio.gather(*(judge_turn(t, build_next_state(t, [PRAISE]), **kw) for t in turns))
+        return await asyncio.gather(*(grpo.judge(t, build_next_state(t, [PRAISE])) for t in turns))
 
-    t0 = time.perf_counter()
     outcomes = asyncio.run(run_all())
-    elapsed = time.perf_counter() - t0
     assert [o.verdict.score for o in outcomes] == [1] * 8
-    assert judge.max_in_flight >= 8  # no global lock: all 24 votes can overlap
-    assert elapsed < 1.5  # serialized would be 8 turns x 3 votes x 0.2 s = 4.8 s
+    assert judge.max_in_flight == 24  # no global lock: all 8 turns x 3 votes in flight at once
 
 
 def test_prm_and_hint_votes_of_one_turn_overlap(tiny_engine):
     judge = _SleepyJudge()
     turn = build_turn([QUESTION])
-    asyncio.run(judge_turn(turn, build_next_state(turn, [PRAISE]), judge=judge, method=Method.COMBINE,
-                           judge_samples=3, hint_samples=2, temperature=0.6, max_tokens=64, budget_chars=6000,
-                           hint_policy="longest", teacher=tiny_engine, teacher_tokenizer=tiny_engine.tokenizer,
-                           hint_placement="append_last_user", judge_config_hash="cfg", judge_backend_name="sleepy"))
+    combine = Judge(backend=judge, method=Method.COMBINE, judge_samples=3, hint_samples=2, temperature=0.6,
+                    max_tokens=64, budget_chars=6000, hint_policy="longest", hint_placement="append_last_user",
+                    teacher=tiny_engine, teacher_tokenizer=tiny_engine.tokenizer, config_hash="cfg",
+                    backend_name="sleepy")
+    asyncio.run(combine.judge(turn, build_next_state(turn, [PRAISE])))
     assert judge.max_in_flight == 5  # 3 PRM votes + 2 hint votes in flight together

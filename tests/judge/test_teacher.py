@@ -20,7 +20,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Loo
 
 
 class _ScriptedEngine:
-    """Answers prompt-logprob requests with SGLang's layout (ref/sglang.md §2.4): entry j describes
+    """Answers prompt-logprob requests with SGLang's layout (``logprob_start_len``): entry j describes
     input_ids[s + j], entry 0 is null; the value -(s + j)/1000 encodes the position it describes.
     ``layout`` breaks it the way a wrong slicing assumption would."""
 

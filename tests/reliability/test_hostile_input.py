@@ -23,7 +23,7 @@ from clawrl.gateway.routes import create_app
 from clawrl.judge.backends import RuleJudge
 from clawrl.judge.context import build_judge_context
 from clawrl.judge.parse import parse_hint, parse_score
-from clawrl.judge.pipeline import judge_turn
+from clawrl.judge.pipeline import Judge
 from clawrl.judge.prompts import NEXT_STATE_HEADER, build_hint_messages, build_prm_messages
 from clawrl.serving import serve_in_thread
 from clawrl.storage.catalog import run_query
@@ -338,10 +338,10 @@ class EchoingJudge:
 
 
 def _judge(turn, next_state, backend) -> tuple[int, list]:
-    out = asyncio.run(judge_turn(
-        turn, next_state, judge=backend, method="grpo", judge_samples=3, hint_samples=1, temperature=0.6,
-        max_tokens=64, budget_chars=6000, hint_policy="longest", teacher=None, teacher_tokenizer=None,
-        hint_placement="append_last_user", judge_config_hash="cfg", judge_backend_name="echo"))
+    judge = Judge(backend=backend, method="grpo", judge_samples=3, hint_samples=1, temperature=0.6, max_tokens=64,
+                  budget_chars=6000, hint_policy="longest", hint_placement="append_last_user", teacher=None,
+                  teacher_tokenizer=None, config_hash="cfg", backend_name="echo")
+    out = asyncio.run(judge.judge(turn, next_state))
     return out.verdict.score, out.verdict.votes
 
 
