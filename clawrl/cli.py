@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from clawrl.config import ConfigError, Settings, apply_offline_env, dump_toml, load_settings
+from clawrl.config import ConfigError, Settings, apply_offline_env, dump_defaults, dump_toml, load_settings
 
 apply_offline_env()
 
@@ -23,7 +23,7 @@ console = Console()
 err = Console(stderr=True)
 
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="TOML overlay on conf/default.toml.")
+    Optional[Path], typer.Option("--config", "-c", help="TOML overlay on the defaults (`clawrl config show --defaults`).")
 ]
 
 
@@ -36,9 +36,13 @@ def settings_or_exit(config: Path | None, overrides: dict | None = None) -> Sett
 
 
 @config_app.command("show")
-def config_show(config: ConfigOpt = None) -> None:
+def config_show(
+    config: ConfigOpt = None,
+    defaults: Annotated[bool, typer.Option("--defaults", help="The defaults, each key under its description "
+                                                              "(conf/default.toml is this output).")] = False,
+) -> None:
     """Print the effective configuration (defaults + --config + CLAWRL__SECTION__KEY env)."""
-    typer.echo(dump_toml(settings_or_exit(config)))
+    typer.echo(dump_defaults() if defaults else dump_toml(settings_or_exit(config)), nl=False)
 
 
 @app.command("serve")
@@ -120,7 +124,7 @@ def engine(
     try:
         eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
                              max_context_len=s.engine.max_context_len, weight_version=version,
-                             served_model_name=s.server.served_model_name, worker_cpus=s.engine.worker_cpus)
+                             served_model_name=s.server.served_model_name)
     except ConfigError as e:
         err.print(f"config error: {e}", markup=False, style="red")
         raise typer.Exit(2) from None
@@ -619,9 +623,9 @@ def demo(
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     import datetime as dt
 
-    from clawrl.config import REPO_CONF_DIR, use_prefect_home
+    from clawrl.config import use_prefect_home
 
-    conf = config or REPO_CONF_DIR / "demo.toml"
+    conf = config or Path(__file__).resolve().parent.parent / "conf" / "demo.toml"
     base = settings_or_exit(conf)
     root = run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
     overrides = {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir)}
@@ -646,8 +650,7 @@ def demo(
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
     device, _ = resolve_device(s.model.device)
     engine = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name,
-                            worker_cpus=s.engine.worker_cpus)
+                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name)
     runtime.register(POLICY_ENGINE, engine)  # the train flow syncs this engine in-process
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     from clawrl.flows.common import load_flow_settings

@@ -215,8 +215,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
     engine = EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
                             max_batch_size=settings.engine.max_batch_size,
                             max_context_len=settings.engine.max_context_len, weight_version=version,
-                            served_model_name=settings.server.served_model_name,
-                            worker_cpus=settings.engine.worker_cpus)
+                            served_model_name=settings.server.served_model_name)
     return engine, engine.tokenizer, True
 
 
