@@ -10,6 +10,7 @@ the trainer and the engine load the newest checkpoint, and claimed batches are r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from clawrl.config import child_env
 
 
 @dataclass
@@ -53,7 +56,7 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
+    except OSError:  # not Linux: the children outlive a killed `clawrl up`, as any process group would
         pass
 
 
@@ -68,8 +71,6 @@ def start(svc: Service, log_dir: Path, base_env: dict[str, str]) -> None:
 
 def write_pids(path: Path, services: list[Service]) -> None:
     """``<data_root>/up.pids.json``: which process is which (for operators, and the restart test)."""
-    import json
-
     pids = {s.name: s.proc.pid for s in services if s.proc is not None}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
@@ -124,13 +125,10 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
            trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0, echo=print,
            stop_event=None) -> None:
     """Start everything, then block until Ctrl-C / SIGTERM (or ``stop_event``), then stop everything."""
-    from clawrl.config import OFFLINE_ENV
-
     root = Path(settings.storage.data_root)
     (root / "mlflow").mkdir(parents=True, exist_ok=True)
-    base_env = {**os.environ, **OFFLINE_ENV, "PREFECT_HOME": str(root / "prefect"),
-                "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-                "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"}
+    base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
+                         MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
                     trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s)
     stopping = False
