@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -14,19 +13,13 @@ from rich.text import Text
 from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
 
 
-class SqlFormat(str, Enum):
-    TABLE = "table"
-    CSV = "csv"
-    JSON = "json"
-    PARQUET = "parquet"
-
-
 @app.command("sql")
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
                                                "turn_fate, batches, checkpoints, syncs, judgment_attempts "
                                                "(storage/catalog.py).")],
-    fmt: Annotated[SqlFormat, typer.Option("--format", "-f", help="parquet needs --out.")] = SqlFormat.TABLE,
+    fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
+                                                                           help="parquet needs --out.")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -35,15 +28,15 @@ def sql(
 
     from clawrl.storage.catalog import ReadOnlyQueryError, export_table, format_cell, run_query
 
-    if fmt is SqlFormat.PARQUET and out is None:
+    if fmt == "parquet" and out is None:
         fail("--format parquet needs --out FILE")
     data_root = settings_or_exit(config).storage.data_root
     try:
         result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
     except (duckdb.Error, ReadOnlyQueryError) as e:
         fail(str(e))
-    if fmt is not SqlFormat.TABLE:
-        text = export_table(result, fmt.value, out)
+    if fmt != "table":
+        text = export_table(result, fmt, out)
         if text is not None:
             typer.echo(text, nl=False)
         return
