@@ -258,10 +258,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
 
 
-def _read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, str], str]]:
-    """The CLAWRL__SECTION__KEY variables of ``env`` as {section: {key: value}}, and the variable each
-    (section, key) came from. The env source skips a name it cannot place (an unknown section, a
-    deeper path): those are refused here, not ignored."""
+def _read_env(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """The CLAWRL__SECTION__KEY variables of ``env``, each as (its name, {section: {key: value}}). The
+    env source skips a name it cannot place (an unknown section, a deeper path): those are refused
+    here, not ignored."""
     origins = {}
     for name in env:
         if not name.upper().startswith(ENV_PREFIX):
@@ -274,24 +274,19 @@ def _read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[tuple[str, s
         origins[(section, key)] = f"env {name}"
     source = EnvSettingsSource(Settings)
     source.env_vars = {name.lower(): value for name, value in env.items()}  # ``env``, which need not be os.environ
-    return source(), origins
+    return [(origins[(section, key)], {section: {key: value}})
+            for section, table in source().items() for key, value in table.items()]
 
 
-def _merge(
-    merged: dict[str, dict[str, Any]],
-    origins: dict[tuple[str, str], str],
-    overlay: Mapping[str, Any],
-    where: str | Mapping[tuple[str, str], str],
-) -> None:
-    """Lay ``overlay`` over ``merged``; ``where`` is its origin, one for all keys or one per (section, key)."""
+def _merge(merged: dict[str, dict[str, Any]], origins: dict[tuple[str, str], str], overlay: Mapping[str, Any],
+           origin: str) -> None:
+    """Lay ``overlay`` ({section: {key: value}}, from ``origin``) over ``merged``, noting where each key came from."""
     for section, table in overlay.items():
-        origin = where if isinstance(where, str) else "env"
         if section not in Settings.model_fields:
             raise ConfigError(f"{origin}: unknown section [{section}]; valid sections: {_SECTIONS}")
         if not isinstance(table, Mapping):
             raise ConfigError(f"{origin}: [{section}] must be a table, got {_shown(table)}")
         for key, value in table.items():
-            origin = where if isinstance(where, str) else where[(section, key)]
             _refuse_secret(section, key, value, origin)
             merged.setdefault(section, {})[key] = value
             origins[(section, key)] = origin
@@ -365,17 +360,20 @@ def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
                   overrides: Mapping[str, Any] | None = None) -> Settings:
     """Build the effective Settings: the defaults, then ``path``, then ``env`` (default: os.environ),
     then ``overrides``, which map dotted keys ("ppo.lr") to values (replay's ``--set``)."""
-    merged: dict[str, dict[str, Any]] = {}
-    origins: dict[tuple[str, str], str] = {}
+    layers = []  # (origin, {section: {key: value}}), later wins
     if path is not None:
         p = Path(path).expanduser().resolve()
-        _merge(merged, origins, _read_toml(p), str(p))
-    _merge(merged, origins, *_read_env(os.environ if env is None else env))
+        layers.append((str(p), _read_toml(p)))
+    layers += _read_env(os.environ if env is None else env)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         if not key:
             raise ConfigError(f"override {dotted!r}: expected SECTION.KEY")
-        _merge(merged, origins, {section: {key: value}}, f"override {dotted}")
+        layers.append((f"override {dotted}", {section: {key: value}}))
+    merged: dict[str, dict[str, Any]] = {}
+    origins: dict[tuple[str, str], str] = {}
+    for origin, layer in layers:
+        _merge(merged, origins, layer, origin)
     try:
         return Settings.model_validate(merged)
     except ValidationError as e:
