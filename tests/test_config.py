@@ -1,17 +1,21 @@
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from clawrl.cli import app
 from clawrl.config import (
-    DEFAULT_CONFIG_PATH,
     ConfigError,
     Method,
     config_hash,
+    dump_defaults,
     dump_toml,
     load_settings,
     parse_override,
     read_api_keys,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_load_with_source_design_values():
@@ -19,7 +23,7 @@ def test_defaults_load_with_source_design_values():
     assert s.ppo.clip_range == 0.2 and s.ppo.clip_range_high == 0.28
     assert s.ppo.rollout_batch_size == 32 and s.ppo.max_new_tokens == 512
     assert s.ppo.advantage_estimator is Method.COMBINE
-    assert s.prm.judge_samples == 3 and s.prm.score_range == [-1, 0, 1]
+    assert s.prm.judge_samples == 3
     assert s.server.api_port == 30000 and s.server.default_turn_type == "main"
     assert s.storage.data_root.is_absolute()
 
@@ -107,5 +111,32 @@ def test_api_keys_from_named_env(monkeypatch):
         read_api_keys("MY_KEYS")
 
 
-def test_default_file_is_the_repo_default():
-    assert DEFAULT_CONFIG_PATH == Path(__file__).resolve().parent.parent / "conf" / "default.toml"
+def test_conf_default_toml_is_config_show_defaults():
+    result = CliRunner().invoke(app, ["config", "show", "--defaults"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == dump_defaults() == (REPO / "conf" / "default.toml").read_text()
+    assert "# Trainable samples that trigger one PPO step.\nrollout_batch_size = 32\n" in result.stdout
+    assert 'data_root = "~/.clawrl"' in result.stdout  # as written, not this machine's home directory
+
+
+def test_conf_default_toml_loads_to_the_code_defaults():
+    assert load_settings(REPO / "conf" / "default.toml", env={}) == load_settings(env={})
+
+
+@pytest.mark.parametrize("section, key", [("model", "actor_gpus"), ("model", "rollout_gpus"), ("model", "prm_gpus"),
+                                          ("server", "router_port"), ("prm", "score_range"), ("prm", "async_eval"),
+                                          ("engine", "worker_cpus")])
+def test_removed_keys_are_unknown(tmp_path, section, key):
+    f = tmp_path / "old.toml"
+    f.write_text(f"[{section}]\n{key} = 0\n")
+    with pytest.raises(ConfigError, match=f"unknown key \\[{section}\\] {key}; valid keys: "):
+        load_settings(f, env={})
+
+
+def test_env_names_any_case_and_values_validate_like_the_file():
+    s = load_settings(env={"clawrl__ppo__lr": "2e-5", "CLAWRL__Server__Open_Mode": "1", "CLAWRL__MODEL__NAME": "tiny"})
+    assert s.ppo.lr == 2e-5 and s.server.open_mode is True and s.model.name == "tiny"
+    with pytest.raises(ConfigError, match="env CLAWRL__PPO__A__B: expected CLAWRL__SECTION__KEY"):
+        load_settings(env={"CLAWRL__PPO__A__B": "1"})
+    with pytest.raises(ConfigError, match="env CLAWRL__PPO: expected CLAWRL__SECTION__KEY"):
+        load_settings(env={"CLAWRL__PPO": '{"lr": 1}'})

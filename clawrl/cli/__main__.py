@@ -1,0 +1,3 @@
+from clawrl.cli import app
+
+app(prog_name="clawrl")

@@ -1,0 +1,139 @@
+"""Reading the recorded data: `sql`, `status`, `lineage`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
+
+
+@app.command("sql")
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
+                                               "turn_fate, batches, checkpoints, syncs, judgment_attempts "
+                                               "(storage/catalog.py).")],
+    fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
+                                                                           help="parquet needs --out.")] = "table",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Query the recorded data with DuckDB, read-only: queries only, no file access outside the tables."""
+    import duckdb
+
+    from clawrl.storage.catalog import ReadOnlyQueryError, export_table, format_cell, run_query
+
+    if fmt == "parquet" and out is None:
+        fail("--format parquet needs --out FILE")
+    data_root = settings_or_exit(config).storage.data_root
+    try:
+        result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
+    except (duckdb.Error, ReadOnlyQueryError) as e:
+        fail(str(e))
+    if fmt != "table":
+        text = export_table(result, fmt, out)
+        if text is not None:
+            typer.echo(text, nl=False)
+        return
+    view = Table(caption=f"{result.num_rows} rows")
+    for name in result.column_names:
+        view.add_column(Text(name))
+    for row in result.to_pylist():
+        # Token and log-prob lists are long: cut cells so the table stays readable. Text, not
+        # markup: a "[red]" inside recorded text must print as is.
+        cells = (format_cell(v) for v in row.values())
+        view.add_row(*(Text(c if len(c) <= 80 else c[:79] + "…") for c in cells))
+    if out is None:
+        console.print(view)
+    else:
+        with out.open("w") as f:
+            Console(file=f, width=200).print(view)
+
+
+@app.command("status")
+def status(config: ConfigOpt = None) -> None:
+    """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
+    s = settings_or_exit(config)
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.storage.catalog import open_catalog, pending_counts, sync_state
+
+    chash = build_judge_config_hash(s)
+    with open_catalog(s.storage.data_root) as con:
+        counts = pending_counts(con, chash, s.ppo.rollout_batch_size)
+        versions = con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()
+        syncs = sync_state(con)
+    print_status(counts, chash, versions[0] if versions else None)
+    _print_sync_status(syncs)
+
+
+def print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
+    """The `clawrl status` table of ``pending_counts`` (and the latest checkpoint, when given)."""
+    t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    rows = [
+        ("turns (main / side)", f"{c['turns']} ({c['main_turns']} / {c['side_turns']})"),
+        ("awaiting next state", c["awaiting_next_state"]),
+        ("pending judgment", c["pending_judgment"] + c["pending_no_next_state"]),
+        ("judged", c["judged"]),
+        ("trainable samples waiting", f"{c['trainable']} / rollout_batch_size {c['rollout_batch_size']}"),
+        ("samples consumed by batches", f"{c['consumed']} in {c['batches']} batches"),
+    ]
+    if c["samples_needed"]:
+        rows.append(("next training step needs", f"{c['samples_needed']} more samples"))
+    if latest:
+        rows.append(("latest checkpoint", f"weight_version {latest[0]} (step {latest[1]})"))
+    rows += [(f"  excluded: {fate}", n) for fate, n in sorted(c["fates"].items()) if fate != "sample"]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console.print(t)
+
+
+def _print_sync_status(st: dict) -> None:
+    """One line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>;
+    serving version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it."""
+    last = st["last"]
+    if last is None:
+        console.print("last sync: none recorded", markup=False, highlight=False)
+        return
+    when = last["created_at"].strftime("%Y-%m-%d %H:%M:%S UTC")
+    head = (f"last sync: ok at {when} (version {last['weight_version']} -> {last['target']})" if last["ok"] else
+            f"last sync: FAILED at {when} (version {last['weight_version']} -> {last['target']}): {last['error']}")
+    serving = st["serving"] if st["serving"] is not None else (
+        f"unknown (the engine did not answer; last seen serving {st['last_seen_serving']})")
+    parts = [head, f"serving version {serving}"]
+    if st["waiting"]:
+        parts.append(f"checkpoint{'s' if len(st['waiting']) > 1 else ''} {', '.join(st['waiting'])} waiting")
+    parts.append(f"{st['attempts']} sync attempts, {st['failures']} failed")
+    console.print("; ".join(parts), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("lineage")
+def lineage(
+    version: Annotated[str, typer.Argument(help="A weight version, e.g. 3.")],
+    config: ConfigOpt = None,
+) -> None:
+    """What trained a version: its batches -> sessions -> turns, with MLflow runs and checkpoint hashes."""
+    s = settings_or_exit(config)
+    from rich.tree import Tree
+
+    from clawrl.storage.catalog import lineage_chain, open_catalog
+
+    with open_catalog(s.storage.data_root) as con:
+        chain = lineage_chain(con, version)
+    if not chain:
+        fail(f"no checkpoint with weight_version {version!r} in {s.storage.data_root}")
+    tree = Tree(f"weight_version {version} (from version 0 = {s.model.name})")
+    for c in chain:
+        node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']} "
+                        f"({len(c['sample_ids'])} samples, {c['method']}), mlflow run {c['mlflow_run_id']}, "
+                        f"sha256 {c['sha256'][:12]}")
+        for sid in c["session_ids"]:
+            node.add(f"session {sid}")
+        node.add(f"turns: {', '.join(t[:8] for t in c['turn_ids'])}")
+    console.print(tree, markup=False)

@@ -1,0 +1,140 @@
+"""The long-running services: the gateway, the engine alone, the trainer, and all of them at once (`up`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from clawrl.cli.common import ConfigOpt, app, console, err, fail, settings_or_exit
+from clawrl.config import ConfigError, dump_toml
+
+
+@app.command("serve")
+def serve(
+    config: ConfigOpt = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default [server] host).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default [server] api_port).")] = None,
+) -> None:
+    """Start the OpenAI-compatible gateway in front of the engine named in [engine]."""
+    import uvicorn
+
+    from clawrl.gateway.routes import create_app
+    from clawrl.serving import freeze_startup_heap
+    from clawrl.storage.writer import DataRootError
+
+    overrides = {k: v for k, v in {"server.host": host, "server.api_port": port}.items() if v is not None}
+    settings = settings_or_exit(config, overrides)
+    try:
+        app = create_app(settings)
+    except ConfigError as e:
+        fail(f"config error: {e}")
+    except DataRootError as e:  # checked before any model loads or any port is bound
+        fail(f"storage error: {e}")
+    console.print(f"gateway on http://{settings.server.host}:{settings.server.api_port}/v1 "
+                  f"(engine: {settings.engine.kind}, model: {settings.model.name}, "
+                  f"data: {settings.storage.data_root})", markup=False)
+    freeze_startup_heap()  # the model and modules are loaded: keep them out of full GC passes
+    uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
+
+
+@app.command("engine")
+def engine(
+    model: Annotated[Optional[str], typer.Option(help="Model name or HF directory (default: model.name).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default: engine.port).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default: server.host).")] = None,
+    config: ConfigOpt = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Start from the checkpoint of the last successful weight sync recorded under the data "
+                         "root (its sha256 checked), not the base model: a restarted engine serves the last good "
+                         "version, never one whose load it died in.")] = False,
+) -> None:
+    """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0", or with
+    --resume at the last version synced successfully)."""
+    from clawrl.config import resolve_device
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.server import serve_engine
+    from clawrl.models import ModelNotFoundError, resolve_model_dir
+    from clawrl.serving import freeze_startup_heap
+
+    overrides = {k: v for k, v in {"model.name": model, "engine.port": port, "server.host": host}.items()
+                 if v is not None}
+    s = settings_or_exit(config, overrides)
+    device, device_reason = resolve_device(s.model.device)
+    try:
+        model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, seed=s.model.seed)
+    except ModelNotFoundError as e:
+        fail(f"model error: {e}")
+    version = "0"
+    if resume:
+        from clawrl.storage.catalog import last_synced_checkpoint, open_catalog
+        from clawrl.sync import CheckpointError, verify_checkpoint
+
+        with open_catalog(s.storage.data_root) as con:
+            last = last_synced_checkpoint(con)
+        try:
+            if last is not None:
+                verify_checkpoint(last["path"], last["sha256"])
+                model_dir, version = Path(last["path"]), str(last["weight_version"])
+        except CheckpointError as e:
+            err.print(f"not resuming version {last['weight_version']}: {e}; serving the base model (version 0)",
+                      markup=False, style="red", soft_wrap=True)
+    eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
+                         max_context_len=s.engine.max_context_len, weight_version=version,
+                         served_model_name=s.server.served_model_name)
+    console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
+                  f"weight_version {version}, device: {device} [{device_reason}], dtype: {s.model.dtype})",
+                  markup=False, soft_wrap=True)
+    freeze_startup_heap()  # model loaded: keep it out of full GC passes
+    serve_engine(eng, s.server.host, s.engine.port, model_path=str(model_dir),
+                 served_model_name=s.server.served_model_name, max_context_len=s.engine.max_context_len,
+                 max_running_requests=s.engine.max_batch_size, log_level="warning")
+
+
+@app.command("trainer")
+def trainer_service(
+    config: ConfigOpt = None,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 30020,
+) -> None:
+    """Run the long-lived trainer service (model + optimizer stay in memory between flow runs)."""
+    s = settings_or_exit(config)
+    import uvicorn
+
+    from clawrl.train.service import create_trainer_app
+    from clawrl.train.trainer import trainer_from_settings
+
+    tr = trainer_from_settings(s)
+    console.print(f"trainer at http://{host}:{port} (weight_version {tr.weight_version}, backend {s.ppo.backend})",
+                  markup=False)
+    uvicorn.run(create_trainer_app(tr, s.storage.data_root), host=host, port=port, log_level="warning")
+
+
+@app.command("up")
+def up(
+    config: ConfigOpt = None,
+    prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow UI port.")] = 5000,
+    trainer_port: Annotated[int, typer.Option(help="Trainer service port.")] = 30020,
+    judge_every: Annotated[float, typer.Option(help="Judge deployment interval, seconds (editable in the UI).")] = 20.0,
+    train_every: Annotated[float, typer.Option(help="Train deployment safety-net interval, seconds.")] = 120.0,
+) -> None:
+    """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
+    from clawrl.storage.writer import DataRootError, check_data_root
+    from clawrl.supervisor import run_up
+
+    s = settings_or_exit(config)
+    try:  # before any service starts: a clear line, not a traceback from a child process
+        check_data_root(s.storage.data_root)
+    except DataRootError as e:
+        fail(f"storage error: {e}")
+    conf = config.resolve() if config else None
+    if conf is None:  # the child processes read the same effective config from a file
+        conf = s.storage.data_root / "up-config.toml"
+        conf.write_text(dump_toml(s))
+    try:
+        run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
+               judge_every_s=judge_every, train_every_s=train_every, echo=lambda m: console.print(m, markup=False))
+    except RuntimeError as e:
+        fail(str(e), code=1)

@@ -1,0 +1,136 @@
+"""The learning steps, run here and now: `judge`, `train`, `sync`, `replay`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
+from clawrl.cli.data import print_status
+from clawrl.config import ConfigError
+
+
+@app.command("judge")
+def judge(
+    config: ConfigOpt = None,
+    limit: Annotated[Optional[int], typer.Option(help="Most turns to judge (default [prm] batch_limit).")] = None,
+) -> None:
+    """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
+    settings_or_exit(config)
+    from clawrl.flows.judge import judge_flow
+
+    out = judge_flow(config_path=str(config) if config else None, limit=limit)
+    console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
+    print_status(out["status"], out["judge_config_hash"])
+
+
+@app.command("train")
+def train(
+    config: ConfigOpt = None,
+    steps: Annotated[int, typer.Option(help="Most PPO steps to run (one per full batch).")] = 1,
+    trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here).")] = None,
+    engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http).")] = None,
+) -> None:
+    """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
+    settings_or_exit(config)
+    from clawrl.flows.train import train_flow
+
+    out = train_flow(config_path=str(config) if config else None, max_steps=steps, trainer_url=trainer_url,
+                     engine_url=engine_url)
+    if not out["steps"]:
+        console.print("no full batch of trainable samples yet (see `clawrl status`)")
+    for st in out["steps"]:
+        m = st["metrics"]
+        console.print(f"step {st['step']}: weight_version {st['weight_version']}, loss {m.get('loss', float('nan')):.4f}, "
+                      f"{int(m.get('num_seqs', 0))} samples, checkpoint {st['path']}, sync: {st['sync']['message'] or 'ok'}",
+                      markup=False)
+
+
+@app.command("sync")
+def sync(
+    version: Annotated[str, typer.Argument(help="Weight version to push (default: the latest checkpoint).")] = "latest",
+    config: ConfigOpt = None,
+    engine_url: Annotated[Optional[str], typer.Option(help="SGLang server or `clawrl engine` URL.")] = None,
+) -> None:
+    """Push a checkpoint to an HTTP engine: pause -> update_weights_from_disk -> continue."""
+    s = settings_or_exit(config)
+    url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
+    if not url:
+        fail("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url")
+    from clawrl import runtime
+    from clawrl.config import read_admin_key
+    from clawrl.engine.sglang_client import SGLangClient
+    from clawrl.records import utcnow
+    from clawrl.sync import sync_from_disk
+    from clawrl.flows.common import record_sync
+    from clawrl.storage.catalog import open_catalog
+
+    with open_catalog(s.storage.data_root) as con:
+        where = "ORDER BY step DESC LIMIT 1" if version == "latest" else "WHERE weight_version = $v LIMIT 1"
+        rows = con.sql(f"SELECT weight_version, path, sha256, mlflow_run_id FROM checkpoints {where}",
+                       params={} if version == "latest" else {"v": version}).fetchall()
+    if not rows:
+        fail(f"no checkpoint for version {version!r} in {s.storage.data_root}")
+    v, path, sha256, run_id = rows[0]
+
+    async def go():
+        client = SGLangClient(url, timeout_s=s.engine.request_timeout_s, api_key=read_admin_key(s.server.admin_keys_env))
+        try:
+            return await sync_from_disk(client, path, v, expected_sha256=sha256)
+        finally:
+            await client.close()
+
+    started_at = utcnow()
+    rep = runtime.run(go())
+    # recorded like the train flow's attempts (flushed: `clawrl status` and MLflow show it at once)
+    record_sync(s, rep, weight_version=v, target=url, checkpoint_path=path, run_id=run_id, started_at=started_at)
+    console.print(f"{'synced' if rep.success else 'FAILED'}: engine serves version {rep.weight_version} "
+                  f"({rep.message}, {rep.seconds:.2f} s)", markup=False)
+    raise typer.Exit(0 if rep.success else 1)
+
+
+@app.command("replay")
+def replay_cmd(
+    version: Annotated[str, typer.Argument(help="Weight version to rebuild (1..N), 'latest', or an MLflow run id.")],
+    config: ConfigOpt = None,
+    exclude_session: Annotated[Optional[list[str]], typer.Option("--exclude-session", help="Leave this session's samples out (repeatable).")] = None,
+    reason: Annotated[str, typer.Option(help="Why sessions are excluded (kept in the lineage).")] = "",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Counterfactual SECTION.KEY=VALUE (repeatable).")] = None,
+) -> None:
+    """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes."""
+    from rich.table import Table
+
+    from clawrl.config import parse_override
+    from clawrl.flows.replay import replay_flow
+
+    s = settings_or_exit(config)
+    if len(version) == 32 and not version.isdigit():  # an MLflow run id: the version it trained
+        from clawrl.lineage import client
+
+        try:
+            version = client(s.storage.data_root).get_run(version).data.tags["weight_version"]
+        except Exception as e:
+            fail(f"MLflow run {version!r}: {e}")
+    try:
+        for item in set_ or []:
+            parse_override(item)
+    except ConfigError as e:
+        fail(str(e))
+    try:
+        report = replay_flow(config_path=str(config) if config else None, version=version,
+                             exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])
+    except (ValueError, FileNotFoundError, ConfigError) as e:
+        fail(f"replay failed: {e}")
+    t = Table(title=f"replay {report['replay_id']} of version {report['source_version']}")
+    for col in ("step", "batch", "samples", "excluded", "original sha256", "replayed sha256", "identical"):
+        t.add_column(col)
+    for st in report["steps"]:
+        t.add_row(str(st["step"]), st["batch_id"], str(st["samples"]), str(st["excluded_samples"]),
+                  st["original_sha256"][:16], (st["replay_sha256"] or "-")[:16], str(st["identical"]))
+    console.print(t)
+    if report["identical"] is not None:
+        console.print("checkpoints byte-identical: " + ("yes" if report["identical"] else "NO"), markup=False)
+    console.print(f"replayed checkpoint: {report['final_path']} (MLflow run {report['mlflow_run_id']} in "
+                  f"experiment clawrl-replays)", markup=False)
+    raise typer.Exit(0 if report["identical"] is not False else 1)
