@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from clawrl.chat import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
 from clawrl.engine.types import (
     BadRequestError,
     Engine,
@@ -34,7 +35,6 @@ from clawrl.engine.types import (
     GenerateResult,
     SamplingParams,
 )
-from clawrl.gateway.adapters import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
 from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session_id, validate_session_id
