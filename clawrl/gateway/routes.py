@@ -136,7 +136,7 @@ ops = APIRouter()
     **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                              "description": "The completion; an SSE stream when stream = true."}})
 async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, service: ServiceDep,
-                           request: Request) -> Response:
+                           request: JSONBodyRequest) -> Response:
     """A completion, recorded in the session log before the client gets the end of it (the JSON
     body, or a stream's last chunk)."""
     metrics = service.metrics
@@ -163,7 +163,7 @@ async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, ser
         metrics.in_flight.dec()
     metrics.requests.labels("200", "false", resp["turn_type"]).inc()
     payload = orjson.dumps(resp)
-    total = time.perf_counter() - request.arrived  # type: ignore[attr-defined]
+    total = time.perf_counter() - request.arrived
     metrics.latency.labels("false").observe(total)
     return Response(payload, media_type="application/json", headers={
         "X-Session-Id": resp["session_id"], "X-Turn-Type": resp["turn_type"], "X-Turn-Index": str(resp["turn_index"]),
