@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse
 
-from clawrl.gateway.schemas import ChatCompletionRequest
+from clawrl.config import Settings
 from clawrl.gateway.service import ChatService, GatewayError, TurnContext
+from clawrl.gateway.sessions import SESSION_ID_RE
 
 OPEN_NAMESPACE = "open"
 
@@ -96,17 +96,16 @@ class AdminGuard:
         try:
             check_admin_key(bearer_token(dict(scope["headers"]).get(b"authorization")), self.admin_keys, self.api_keys)
         except GatewayError as e:
-            error = {"message": e.message, "type": e.type, "param": None, "code": e.status}
-            body = json.dumps({"error": error}).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": e.status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
+            return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
 async def get_service(request: Request) -> ChatService:
     return request.app.state.service
+
+
+async def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
 
 
 async def get_namespace(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
@@ -128,51 +127,24 @@ def _flag(v: str | None) -> bool | None:
     raise GatewayError(400, f"X-Session-Done must be true or false, got {v!r}", param="X-Session-Done")
 
 
+# The session headers are checked by the service, whose 400s say where a bad value came from: FastAPI
+# documents their shapes (json_schema_extra) without enforcing them.
 async def get_turn_context(
     namespace: Annotated[str, Depends(get_namespace)],
-    x_session_id: Annotated[str | None, Header()] = None,
-    x_turn_type: Annotated[str | None, Header()] = None,
-    x_session_done: Annotated[str | None, Header()] = None,
+    x_session_id: Annotated[str | None, Header(
+        alias="X-Session-Id", description="Session id (the body's session_id wins); 1-128 characters from "
+        "A-Z a-z 0-9 . _ : @ -.", json_schema_extra={"pattern": SESSION_ID_RE.pattern})] = None,
+    x_turn_type: Annotated[str | None, Header(alias="X-Turn-Type", json_schema_extra={"enum": ["main", "side"]})] = None,
+    x_session_done: Annotated[str | None, Header(alias="X-Session-Done", json_schema_extra={
+        "enum": ["true", "false", "1", "0", "yes", "no", "on", "off"]})] = None,
 ) -> TurnContext:
     turn_type = x_turn_type.strip().lower() if x_turn_type else None
     return TurnContext(namespace=namespace, session_id=x_session_id, turn_type=turn_type,
                        session_done=_flag(x_session_done))
 
 
-_CONTEXT_HEADERS = (b"authorization", b"x-session-id", b"x-turn-type", b"x-session-done")
-
-
-def turn_context_from_headers(raw_headers, api_keys: list[str]) -> TurnContext:
-    """The same as the dependencies above, for the chat route's fast path (no dependency solver):
-    ``raw_headers`` is the ASGI list of (lower-case name, value) byte pairs; the first of a
-    repeated header counts, as with Starlette's ``Headers.get``."""
-    found: dict[bytes, str] = {}
-    for name, value in raw_headers:
-        if name in _CONTEXT_HEADERS and name not in found:
-            found[name] = value.decode("latin-1")
-    turn_type = found.get(b"x-turn-type")
-    return TurnContext(namespace=check_api_key(bearer_token(found.get(b"authorization")), api_keys),
-                       session_id=found.get(b"x-session-id"),
-                       turn_type=turn_type.strip().lower() if turn_type else None,
-                       session_done=_flag(found.get(b"x-session-done")))
-
-
-def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
-    """Validate a chat-completions body; errors become 400s naming the field (or the JSON error)."""
-    try:
-        return ChatCompletionRequest.model_validate_json(raw)
-    except ValidationError as e:
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            raise GatewayError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}") from None
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        msg = first.get("msg", "invalid request")
-        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        raise GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None) from None
-
-
 ServiceDep = Annotated[ChatService, Depends(get_service)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
 TurnContextDep = Annotated[TurnContext, Depends(get_turn_context)]
 NamespaceDep = Annotated[str, Depends(get_namespace)]
 AdminDep = Annotated[None, Depends(require_admin)]

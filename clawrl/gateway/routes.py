@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+import pydantic_core
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from clawrl.config import ConfigError, Settings, read_api_keys
-from clawrl.engine.server import document_request_models
 from clawrl.engine.types import Engine
-from clawrl.gateway.admin import build_admin_router, paused_error
-from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, parse_chat_request, turn_context_from_headers
+from clawrl.gateway import admin
+from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, SettingsDep, TurnContextDep
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import (
     ChatCompletion,
@@ -31,20 +32,20 @@ from clawrl.gateway.schemas import (
     SessionTurn,
 )
 from clawrl.gateway.service import ChatService, GatewayError, GatewayOptions
-from clawrl.gateway.sessions import SESSION_ID_RE, SessionTracker, validate_session_id
+from clawrl.gateway.sessions import PendingTurn, SessionTracker, validate_session_id
 from clawrl.hooks import load_hook
 
 log = logging.getLogger("clawrl.gateway")
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+def error_response(e: GatewayError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit, checked on Content-Length and on the bytes actually received."""
+    """413 for bodies over the limit: on Content-Length before a byte is read, and on the bytes
+    actually received (an HTTPException from ``receive``, which FastAPI's body reading passes on to
+    the app's handler)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -52,9 +53,10 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        too_large = f"request body exceeds {self.max_bytes} bytes"
         for k, v in scope.get("headers", []):
             if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                return await self._reject(send)
+                return await error_response(GatewayError(413, too_large))(scope, receive, send)
         received = 0
 
         async def guarded_receive():
@@ -63,162 +65,62 @@ class BodyLimitMiddleware:
             if msg["type"] == "http.request":
                 received += len(msg.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge()
+                    raise StarletteHTTPException(413, too_large)
             return msg
 
+        await self.app(scope, guarded_receive, send)
+
+
+class JSONBodyRequest(Request):
+    """A request whose JSON body is parsed by pydantic-core's parser instead of the json module: it
+    refuses invalid UTF-8 and lone surrogate escapes (which json lets through), and stops at 200
+    levels of nesting with a clear error (json would hit Python's recursion limit, a 400 without a
+    reason). It also keeps its arrival time, where a completion's Server-Timing starts counting."""
+
+    def __init__(self, scope, receive):
+        super().__init__(scope, receive)
+        self.arrived = time.perf_counter()
+
+    async def json(self) -> Any:
         try:
-            await self.app(scope, guarded_receive, send)
-        except _TooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send):
-        resp = error_response(413, f"request body exceeds {self.max_bytes} bytes", "invalid_request_error")
-        await send({"type": "http.response.start", "status": 413, "headers": resp.raw_headers})
-        await send({"type": "http.response.body", "body": resp.body})
+            return pydantic_core.from_json(await self.body())
+        except ValueError as e:  # FastAPI answers a JSONDecodeError with a json_invalid validation error
+            raise json.JSONDecodeError(str(e), "", 0) from None
 
 
-class _TooLarge(Exception):
-    pass
+class JSONBodyRoute(APIRoute):
+    """A route whose handler gets a :class:`JSONBodyRequest` (FastAPI's custom request and route class)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def with_json_body(request: Request) -> Response:
+            return await handler(JSONBodyRequest(request.scope, request.receive))
+
+        return with_json_body
 
 
-class ChatFastPath:
-    """``POST /v1/chat/completions`` straight to its handler, as an ASGI app of its own that
-    :class:`GatewayApp` calls before FastAPI's middleware stack, router and dependency solver
-    (Starlette's error middleware, FastAPI's telemetry middleware - which reads environment
-    variables on every request - and the route lookup). Errors become the same OpenAI-style
-    bodies the app's exception handlers give; :class:`BodyLimitMiddleware` wraps it."""
-
-    PATH = "/v1/chat/completions"
-
-    def __init__(self, handler):
-        self.handler = handler  # async (scope, receive) -> response
-
-    async def __call__(self, scope, receive, send):
-        try:
-            response = await self.handler(scope, receive)
-        except _TooLarge:
-            raise
-        except ClientDisconnect:  # the client left before its request was read: nobody to answer
-            return
-        except GatewayError as e:
-            response = error_response(e.status, e.message, e.type, e.param, headers=e.headers)
-        except Exception as e:
-            log.exception("unhandled error")
-            response = error_response(500, f"internal error: {type(e).__name__}", "server_error")
-        await response(scope, receive, send)
-
-
-async def read_body(receive) -> bytes:
-    """The whole request body from ASGI ``receive`` (Starlette's ``Request.body`` without its
-    stream wrapper; ``ClientDisconnect`` if the client leaves first)."""
-    msg = await receive()
-    if msg["type"] == "http.request" and not msg.get("more_body"):
-        return msg.get("body", b"")
-    chunks = []
-    while True:
-        if msg["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunks.append(msg.get("body", b""))
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-        msg = await receive()
-
-
-class GatewayApp(FastAPI):
-    """The gateway's FastAPI app; chat completions (the hot path) skip FastAPI's stack through
-    ``chat`` (a :class:`ChatFastPath` inside a body limit), everything else takes the usual way."""
-
-    chat: Any = None
-
-    async def __call__(self, scope, receive, send):
-        if (self.chat is not None and scope["type"] == "http" and scope["path"] == ChatFastPath.PATH
-                and scope["method"] == "POST"):
-            scope["app"] = self  # what Starlette would set: the handler reads app.state through it
-            await self.chat(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
-
-
-def server_timing(total_s: float, engine_s: float) -> bytes:
+def server_timing(total_s: float, engine_s: float) -> str:
     """The ``Server-Timing`` header of a chat completion (W3C Server Timing, milliseconds): ``engine``
     = the engine call (its round trip over HTTP with an http engine), ``gateway`` = the rest of the
-    request's time in the handler - body parse, template, session bookkeeping, waiting for the
-    session's previous main turn, the turn record and its write-ahead-log write, the response body.
-    Not in it: the time before the handler runs (the HTTP parse, the event loop's queue) and the
+    request's time since it was routed - body parse and validation, template, session bookkeeping,
+    waiting for the session's previous main turn, the turn record and its write-ahead-log write, the
+    response body. Not in it: the time before (the HTTP parse, the event loop's queue) and the
     response's way back, which a client measures as the rest of its latency."""
-    return b"gateway;dur=%.3f, engine;dur=%.3f" % (1000.0 * (total_s - engine_s), 1000.0 * engine_s)
+    return f"gateway;dur={1000.0 * (total_s - engine_s):.3f}, engine;dur={1000.0 * engine_s:.3f}"
 
 
-class RawResponse:
-    """A finished body and its raw ASGI headers, sent as they are (Starlette's Response rebuilds
-    the header list on every request)."""
-
-    __slots__ = ("body", "headers")
-
-    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]]):
-        self.body, self.headers = body, headers
-
-    async def __call__(self, scope, receive, send):
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        await send({"type": "http.response.body", "body": self.body})
-
-
-# The chat route reads its body by hand (the fast path below), so FastAPI cannot derive its OpenAPI
-# entry: it is declared here - the body, the session headers and every error status - and the
-# document is what schemathesis fuzzes the gateway from (tests/reliability/test_schema_fuzz.py).
-CHAT_OPENAPI: dict[str, Any] = {
-    "parameters": [
-        {"name": "X-Session-Id", "in": "header", "required": False, "description": "Session id (the body's "
-         "session_id wins); 1-128 characters from A-Z a-z 0-9 . _ : @ -.",
-         "schema": {"type": "string", "pattern": SESSION_ID_RE.pattern}},
-        {"name": "X-Turn-Type", "in": "header", "required": False,
-         "schema": {"type": "string", "enum": ["main", "side"]}},
-        {"name": "X-Session-Done", "in": "header", "required": False,
-         "schema": {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no", "on", "off"]}},
-    ],
-    "requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}},
-}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
         (400, "Invalid request: the message names the field or header."),
         (401, "Missing or invalid API key."),
         (413, "Request body larger than server.max_body_bytes."),
         (502, "The engine is unreachable or answered something unusable."),
+        (503, "Paused by an administrator: retry after Retry-After seconds."),
         (504, "The engine did not answer within engine.request_timeout_s."),
         (507, "The turn could not be recorded (disk full or data root unwritable); nothing was recorded."),
     )
 }
-
-
-def build_engine(settings: Settings) -> tuple[Engine, Any, bool]:
-    """(engine, tokenizer, owned) for the engine named in [engine]. An embedded engine starts from
-    the newest checkpoint under the data root when training already ran (a restart resumes serving
-    the version it served), else from the base model at version 0."""
-    from clawrl.models import load_tokenizer, resolve_model_dir
-
-    model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
-    if settings.engine.kind == "http":
-        from clawrl.engine.sglang_client import SGLangClient
-
-        return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), \
-            load_tokenizer(model_dir), True
-    from clawrl.config import resolve_device
-    from clawrl.engine.embedded import EmbeddedEngine
-    from clawrl.train.trainer import newest_intact_checkpoint
-
-    version = "0"
-    intact = newest_intact_checkpoint(settings.storage.data_root / "checkpoints")
-    if intact is not None:
-        model_dir, version = intact[1], str(intact[0])
-    device, _ = resolve_device(settings.model.device)
-    engine = EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
-                            max_batch_size=settings.engine.max_batch_size,
-                            max_context_len=settings.engine.max_context_len, weight_version=version,
-                            served_model_name=settings.server.served_model_name)
-    return engine, engine.tokenizer, True
-
-
 # OpenAPI 3.1: the `schema` of an event stream describes one event (3.2 would call it itemSchema).
 SSE_EVENT_SCHEMA = {
     "type": "object", "required": ["data"],
@@ -226,218 +128,81 @@ SSE_EVENT_SCHEMA = {
                    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}},
 }
 
+v1 = APIRouter(prefix="/v1", route_class=JSONBodyRoute, strict_content_type=False)  # no Content-Type: JSON
+ops = APIRouter()
 
-def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None) -> FastAPI:
-    """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`)."""
-    api_keys = read_api_keys(settings.server.api_keys_env)
-    if not api_keys and not settings.server.open_mode:
-        raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
-                          "set keys, or server.open_mode = true to serve without authentication")
-    admin_keys = read_api_keys(settings.server.admin_keys_env)
-    metrics = GatewayMetrics()
-    generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
-    owned_engine = engine is None
-    if store is None:  # refuse a data root we cannot write before loading a model (DataRootError)
-        from clawrl.storage.writer import check_data_root
 
-        check_data_root(settings.storage.data_root)
-    if engine is None:
-        engine, tokenizer, _ = build_engine(settings)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        nonlocal engine, tokenizer, store
-        owned_store = False
-        if tokenizer is None:
-            tokenizer = engine.tokenizer  # type: ignore[attr-defined]
-        if store is None:
-            from clawrl.storage.writer import DataStore
-
-            store, owned_store = DataStore(settings.storage.data_root), True
-        if hasattr(engine, "start"):
-            await engine.start()  # type: ignore[attr-defined]
-        tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
-                                 max_sessions=settings.server.max_sessions)
-        restored = _restore_sessions(tracker, settings, store)
-        options = GatewayOptions(
-            served_model_name=settings.server.served_model_name,
-            default_turn_type=settings.server.default_turn_type,
-            default_temperature=settings.ppo.temperature,
-            default_max_tokens=settings.ppo.max_new_tokens,
-            engine_timeout_s=settings.engine.request_timeout_s,
-            generate_hook=generate_hook,
-        )
-        service = ChatService(engine, tokenizer, store, tracker, options, metrics)
-        with contextlib.suppress(Exception):
-            service.weight_version = str((await engine.model_info()).get("weight_version", "unknown"))
-        app.state.service = service
-        app.state.api_keys, app.state.admin_keys = api_keys, admin_keys
-        if not api_keys:
-            log.warning("OPEN MODE: serving without API keys (server.open_mode = true); every caller "
-                        "shares the 'open' session namespace")
-        if not api_keys and not admin_keys:
-            log.warning("OPEN ADMIN: no admin keys in env %s either: anyone who reaches this port can pause, "
-                        "replay and replace the served weights (/admin, /engine)", settings.server.admin_keys_env)
-        elif not admin_keys:
-            log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
-                        settings.server.admin_keys_env)
-        if restored:
-            log.info("restored %d open sessions from the session log", restored)
-        sweeper = asyncio.create_task(_sweep_forever(service, settings.server.session_idle_timeout_s))
+@v1.post("/chat/completions", response_model=ChatCompletion, responses={
+    **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                             "description": "The completion; an SSE stream when stream = true."}})
+async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, service: ServiceDep,
+                           request: JSONBodyRequest) -> Response:
+    """A completion, recorded in the session log before the client gets the end of it (the JSON
+    body, or a stream's last chunk)."""
+    metrics = service.metrics
+    if service.paused:
+        metrics.requests.labels("503", "unknown", "unknown").inc()
+        raise admin.paused_error()
+    turn_type = body.turn_type or ctx.turn_type or service.options.default_turn_type
+    if body.stream:
         try:
-            yield
-        finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            if owned_store:
-                store.close()
-            if owned_engine:
-                await engine.close()
-
-    app = GatewayApp(title="clawrl gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    app.state.api_keys, app.state.admin_keys = api_keys, admin_keys
-    if hasattr(engine, "update_weights_from_disk") and not hasattr(engine, "sync_weights_from_disk"):
-        # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
-        # under /engine, so a trainer in another process can sync it exactly as it would sync SGLang.
-        # Admin only (deps.check_admin_key): its /generate bypasses the session log and its control
-        # routes replace the served weights. /engine/health stays open (liveness, no data).
-        from clawrl.engine.server import create_engine_app
-
-        app.mount("/engine", AdminGuard(create_engine_app(
-            engine, model_path=settings.model.name,
-            served_model_name=settings.server.served_model_name, max_context_len=settings.engine.max_context_len),
-            admin_keys=admin_keys, api_keys=api_keys))
-    app.include_router(build_admin_router(settings.storage.data_root))
-    app.chat = BodyLimitMiddleware(ChatFastPath(lambda scope, receive: handle_chat(scope, receive)),
-                                  settings.server.max_body_bytes)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
-
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(request: Request, exc: GatewayError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        metrics.requests.labels("400", "unknown", "unknown").inc()
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}",
-                                  "invalid_request_error")
-        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        return error_response(400, f"{loc}: {msg}{more}" if loc else f"{msg}{more}", "invalid_request_error",
-                              loc or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
-
-    async def handle_chat(scope, receive) -> Response | RawResponse:
-        t0 = time.perf_counter()
-        state = scope["app"].state
-        service: ChatService = state.service
-        ctx = turn_context_from_headers(scope["headers"], state.api_keys)
-        if service.paused:
-            metrics.requests.labels("503", "unknown", "unknown").inc()
-            raise paused_error()
-        body = parse_chat_request(await read_body(receive))
+            headers, events = await service.stream(body, ctx)  # its outcome is counted as it ends
+        except GatewayError as e:
+            metrics.requests.labels(str(e.status), "true", turn_type).inc()
+            raise
         metrics.in_flight.inc()
-        try:
-            if body.stream:
-                headers, events = await service.stream(body, ctx)
-                return StreamingResponse(_counted(events, metrics), media_type="text/event-stream",
-                                         headers={**headers, "Cache-Control": "no-cache"})
-            timing: dict[str, float] = {}
-            try:
-                resp = await service.complete(body, ctx, timing)
-            except GatewayError as e:
-                turn_type = body.turn_type or ctx.turn_type or settings.server.default_turn_type
-                metrics.requests.labels(str(e.status), "false", turn_type).inc()
-                raise
-            metrics.requests.labels("200", "false", resp["turn_type"]).inc()
-            payload = orjson.dumps(resp)
-            total = time.perf_counter() - t0
-            metrics.latency.labels("false").observe(total)
-            return RawResponse(payload, [
-                (b"content-length", b"%d" % len(payload)), (b"content-type", b"application/json"),
-                (b"x-session-id", resp["session_id"].encode()), (b"x-turn-type", resp["turn_type"].encode()),
-                (b"x-turn-index", b"%d" % resp["turn_index"]),
-                (b"x-weight-version", resp["weight_version"].encode("latin-1")),
-                (b"server-timing", server_timing(total, timing["engine_s"]))])
-        finally:
-            if not body.stream:
-                metrics.in_flight.dec()
+        return StreamingResponse(_counted(events, metrics), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+    metrics.in_flight.inc()
+    try:
+        resp, engine_s = await service.complete(body, ctx)
+    except GatewayError as e:
+        metrics.requests.labels(str(e.status), "false", turn_type).inc()
+        raise
+    finally:
+        metrics.in_flight.dec()
+    metrics.requests.labels("200", "false", resp["turn_type"]).inc()
+    payload = orjson.dumps(resp)
+    total = time.perf_counter() - request.arrived
+    metrics.latency.labels("false").observe(total)
+    return Response(payload, media_type="application/json", headers={
+        "X-Session-Id": resp["session_id"], "X-Turn-Type": resp["turn_type"], "X-Turn-Index": str(resp["turn_index"]),
+        "X-Weight-Version": resp["weight_version"], "Server-Timing": server_timing(total, engine_s)})
 
-    # Declared for the OpenAPI document (and reachable if the fast path is ever taken out); the
-    # requests themselves go through app.chat (GatewayApp, ChatFastPath), which skips FastAPI's router and dependency
-    # solver: with the pydantic-core body parse and the orjson response that is most of the
-    # gateway's own per-request CPU (docs/benchmarks.md, gateway overhead).
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, openapi_extra=CHAT_OPENAPI,
-              responses={**ERROR_RESPONSES, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
-                                                 "description": "The completion; an SSE stream when stream = true."}})
-    async def chat_completions(request: Request):
-        return await handle_chat(request.scope, request.receive)
 
-    @app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
-    async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:
-        name = settings.server.served_model_name
-        with contextlib.suppress(Exception):  # the live version (a sync may have happened since the last turn)
-            service.weight_version = str((await service.engine.model_info()).get("weight_version"))
-        return ModelList(data=[ModelCard(id=name, created=int(time.time()), root=name,
-                                         max_model_len=settings.engine.max_context_len,
-                                         weight_version=service.weight_version)])
+async def _counted(events, metrics: GatewayMetrics):
+    try:
+        async for e in events:
+            yield e
+    finally:
+        metrics.in_flight.dec()
 
-    @app.get("/v1/sessions/{session_id}", responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401], 404: {
-        "model": ErrorResponse, "description": "No session of that id under the caller's key."}})
-    async def read_session(session_id: str, namespace: NamespaceDep, service: ServiceDep) -> SessionLog:
-        """The caller's own session as logged: its turns with index, type, text, weight version and
-        whether the next state arrived. Another key's session answers exactly as a missing one."""
-        try:
-            validate_session_id(session_id)
-        except ValueError as e:
-            raise GatewayError(400, str(e), param="session_id") from None
-        rows = await asyncio.to_thread(_session_log, service.store, settings.storage.data_root, namespace, session_id)
-        if not rows:
-            raise GatewayError(404, "no such session", "not_found_error", "session_id")
-        return SessionLog(id=session_id, open=service.tracker.is_open(namespace, session_id), turns=[
-            SessionTurn(**{**r, "created_at": r["created_at"].isoformat()}) for r in rows])
 
-    @app.get("/healthz")
-    async def healthz(service: ServiceDep):
-        try:
-            ok = await asyncio.wait_for(service.engine.health(), timeout=5.0)
-        except Exception:
-            ok = False
-        if service.storage_error is not None:  # the last append failed: is the data root writable again?
-            from clawrl.storage.writer import DataRootError, check_data_root
+@v1.get("/models", responses={401: ERROR_RESPONSES[401]})
+async def list_models(_: NamespaceDep, service: ServiceDep, settings: SettingsDep) -> ModelList:
+    name = settings.server.served_model_name
+    with contextlib.suppress(Exception):  # the live version (a sync may have happened since the last turn)
+        service.weight_version = str((await service.engine.model_info()).get("weight_version"))
+    return ModelList(data=[ModelCard(id=name, created=int(time.time()), root=name,
+                                     max_model_len=settings.engine.max_context_len,
+                                     weight_version=service.weight_version)])
 
-            try:
-                check_data_root(settings.storage.data_root)
-                service.storage_error = None
-            except DataRootError as e:
-                log.error("health: %s", e)
-        status = "ok" if ok else "engine_unhealthy"
-        if service.storage_error is not None:
-            status = "storage_unwritable"
-        body = {"status": status, "weight_version": service.weight_version,
-                "open_sessions": len(service.tracker), "pending_turns": service.tracker.pending_turns,
-                "paused": service.paused, "storage_error": service.storage_error}
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text format
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    document_request_models(app, ChatCompletionRequest)
-    return app
+@v1.get("/sessions/{session_id}", responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401], 404: {
+    "model": ErrorResponse, "description": "No session of that id under the caller's key."}})
+async def read_session(session_id: str, namespace: NamespaceDep, service: ServiceDep,
+                       settings: SettingsDep) -> SessionLog:
+    """The caller's own session as logged: its turns with index, type, text, weight version and
+    whether the next state arrived. Another key's session answers exactly as a missing one."""
+    try:
+        validate_session_id(session_id)
+    except ValueError as e:
+        raise GatewayError(400, str(e), param="session_id") from None
+    rows = await asyncio.to_thread(_session_log, service.store, settings.storage.data_root, namespace, session_id)
+    if not rows:
+        raise GatewayError(404, "no such session", "not_found_error", "session_id")
+    return SessionLog(id=session_id, open=service.tracker.is_open(namespace, session_id), turns=[
+        SessionTurn(**{**r, "created_at": r["created_at"].isoformat()}) for r in rows])
 
 
 def _session_log(store: Any, data_root, namespace: str, session_id: str) -> list[dict[str, Any]]:
@@ -452,12 +217,179 @@ def _session_log(store: Any, data_root, namespace: str, session_id: str) -> list
         con.close()
 
 
-async def _counted(events, metrics: GatewayMetrics):
+@ops.get("/healthz")
+async def healthz(service: ServiceDep, settings: SettingsDep) -> JSONResponse:
     try:
-        async for e in events:
-            yield e
+        ok = await asyncio.wait_for(service.engine.health(), timeout=5.0)
+    except Exception:
+        ok = False
+    if service.storage_error is not None:  # the last append failed: is the data root writable again?
+        from clawrl.storage.writer import DataRootError, check_data_root
+
+        try:
+            check_data_root(settings.storage.data_root)
+            service.storage_error = None
+        except DataRootError as e:
+            log.error("health: %s", e)
+    status = "ok" if ok else "engine_unhealthy"
+    if service.storage_error is not None:
+        status = "storage_unwritable"
+    body = {"status": status, "weight_version": service.weight_version,
+            "open_sessions": len(service.tracker), "pending_turns": service.tracker.pending_turns,
+            "paused": service.paused, "storage_error": service.storage_error}
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+
+@ops.get("/metrics", response_class=PlainTextResponse)  # Prometheus text format
+async def prometheus_metrics(service: ServiceDep) -> Response:
+    return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+    return error_response(exc)
+
+
+# FastAPI validates a parsed body in Python mode, whose messages name Python's types: a JSON client
+# is told JSON's names instead (what pydantic says when it validates JSON text).
+_JSON_TYPE_MESSAGES = {"list_type": "Input should be a valid array", "dict_type": "Input should be an object",
+                       "model_attributes_type": "Input should be an object"}
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A 400 naming the first field at fault (``param``) and how many more there are."""
+    request.app.state.metrics.requests.labels("400", "unknown", "unknown").inc()
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    loc = ".".join(str(p) for p in first.get("loc", ())[1:])  # after "body" (or "header", "path"...)
+    if first.get("type") == "json_invalid":
+        return error_response(GatewayError(400, f"request body is not valid JSON: {first['ctx']['error']}"))
+    if first.get("type") == "missing" and not loc:  # FastAPI reads an empty body as none
+        return error_response(GatewayError(400, "request body is not valid JSON: it is empty"))
+    msg = _JSON_TYPE_MESSAGES.get(first.get("type"), first.get("msg", "invalid request"))
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return error_response(GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(GatewayError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error")
+    return error_response(GatewayError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+
+def build_engine(settings: Settings) -> tuple[Engine, Any]:
+    """(engine, tokenizer) for the engine named in [engine]. An embedded engine starts from the
+    newest checkpoint under the data root when training already ran (a restart resumes serving
+    the version it served), else from the base model at version 0."""
+    from clawrl.models import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
+    if settings.engine.kind == "http":
+        from clawrl.engine.sglang_client import SGLangClient
+
+        return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
+    from clawrl.config import resolve_device
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.train.trainer import newest_intact_checkpoint
+
+    version = "0"
+    intact = newest_intact_checkpoint(settings.storage.data_root / "checkpoints")
+    if intact is not None:
+        model_dir, version = intact[1], str(intact[0])
+    device, _ = resolve_device(settings.model.device)
+    engine = EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
+                            max_batch_size=settings.engine.max_batch_size,
+                            max_context_len=settings.engine.max_context_len, weight_version=version,
+                            served_model_name=settings.server.served_model_name)
+    return engine, engine.tokenizer
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None) -> FastAPI:
+    """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`)."""
+    api_keys = read_api_keys(settings.server.api_keys_env)
+    if not api_keys and not settings.server.open_mode:
+        raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
+                          "set keys, or server.open_mode = true to serve without authentication")
+    app = FastAPI(title="clawrl gateway", lifespan=_lifespan, docs_url="/docs", redoc_url=None, exception_handlers={
+        GatewayError: _gateway_error, RequestValidationError: _validation_error,
+        StarletteHTTPException: _http_error, Exception: _unexpected})
+    state = app.state
+    state.settings, state.api_keys, state.admin_keys = settings, api_keys, read_api_keys(settings.server.admin_keys_env)
+    state.metrics = GatewayMetrics()
+    state.generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
+    if store is None:  # refuse a data root we cannot write before loading a model (DataRootError)
+        from clawrl.storage.writer import check_data_root
+
+        check_data_root(settings.storage.data_root)
+    state.store, state.owned_engine = store, engine is None
+    state.engine, state.tokenizer = build_engine(settings) if engine is None else (engine, tokenizer)
+    if hasattr(state.engine, "update_weights_from_disk") and not hasattr(state.engine, "sync_weights_from_disk"):
+        # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
+        # under /engine, so a trainer in another process can sync it exactly as it would sync SGLang.
+        # Admin only (deps.check_admin_key): its /generate bypasses the session log and its control
+        # routes replace the served weights. /engine/health stays open (liveness, no data).
+        from clawrl.engine.server import create_engine_app
+
+        app.mount("/engine", AdminGuard(create_engine_app(
+            state.engine, model_path=settings.model.name, served_model_name=settings.server.served_model_name,
+            max_context_len=settings.engine.max_context_len), admin_keys=state.admin_keys, api_keys=api_keys))
+    for router in (v1, ops, admin.router):
+        app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """The service over the app's engine and store (a store of its own if none was given), the
+    sessions of the log restored, and the idle-session sweeper."""
+    state, settings = app.state, app.state.settings
+    store, engine = state.store, state.engine
+    if state.store is None:
+        from clawrl.storage.writer import DataStore
+
+        store = DataStore(settings.storage.data_root)
+    if hasattr(engine, "start"):
+        await engine.start()
+    tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
+                             max_sessions=settings.server.max_sessions)
+    restored = _restore_sessions(tracker, settings, store)
+    options = GatewayOptions(
+        served_model_name=settings.server.served_model_name, default_turn_type=settings.server.default_turn_type,
+        default_temperature=settings.ppo.temperature, default_max_tokens=settings.ppo.max_new_tokens,
+        engine_timeout_s=settings.engine.request_timeout_s, generate_hook=state.generate_hook)
+    tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
+    state.service = service = ChatService(engine, tokenizer, store, tracker, options, state.metrics)
+    with contextlib.suppress(Exception):
+        service.weight_version = str((await engine.model_info()).get("weight_version", "unknown"))
+    _warn_open_access(settings, state.api_keys, state.admin_keys)
+    if restored:
+        log.info("restored %d open sessions from the session log", restored)
+    sweeper = asyncio.create_task(_sweep_forever(service, settings.server.session_idle_timeout_s))
+    try:
+        yield
     finally:
-        metrics.in_flight.dec()
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        if state.store is None:
+            store.close()
+        if state.owned_engine:
+            await engine.close()
+
+
+def _warn_open_access(settings: Settings, api_keys: list[str], admin_keys: list[str]) -> None:
+    if not api_keys:
+        log.warning("OPEN MODE: serving without API keys (server.open_mode = true); every caller "
+                    "shares the 'open' session namespace")
+    if not api_keys and not admin_keys:
+        log.warning("OPEN ADMIN: no admin keys in env %s either: anyone who reaches this port can pause, "
+                    "replay and replace the served weights (/admin, /engine)", settings.server.admin_keys_env)
+    elif not admin_keys:
+        log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
+                    settings.server.admin_keys_env)
 
 
 async def _sweep_forever(service: ChatService, idle_timeout_s: float) -> None:
@@ -475,7 +407,6 @@ def _restore_sessions(tracker: SessionTracker, settings: Settings, store: Any) -
     comes back with its pending turn (so the reply becomes that turn's next state, and the idle
     sweep closes it if none comes), and every recent session goes on counting turn indices where
     it stopped, so a returning session never reuses one. Returns the sessions restored as open."""
-    from clawrl.gateway.sessions import PendingTurn
     from clawrl.storage.catalog import open_catalog, session_states
 
     if hasattr(store, "flush"):

@@ -8,127 +8,18 @@ top-level fields (OpenAI clients ignore unknown fields) and as headers.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-
-class _Lenient(BaseModel):
-    # Clients send fields we do not act on (user metadata, store, service_tier...): accept them.
-    model_config = ConfigDict(extra="allow")
+from clawrl.chat import ChatMessage, Lenient, ToolCall, ToolDef
 
 
-class FunctionCall(_Lenient):
-    name: str
-    arguments: str = "{}"  # a JSON string, as in OpenAI's API
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_text(cls, v: str) -> str:
-        if v.strip():
-            try:
-                json.loads(v)
-            except ValueError:
-                raise ValueError("must be the call's arguments as a JSON-encoded string, "
-                                 "e.g. '{\"city\": \"Paris\"}'") from None
-        return v
-
-
-class ToolCall(_Lenient):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_parts_only(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            for part in v:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
-        return v
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p["text"] for p in self.content)
-
-
-class FunctionDef(_Lenient):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _json_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            check_json_schema(v)
-        return v
-
-
-JSON_SCHEMA_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-
-
-def check_json_schema(schema: Any, path: str = "parameters") -> None:
-    """Raise ValueError naming the first place where ``schema`` is not a JSON Schema: the shape
-    checks a tool's ``parameters`` needs (the model is shown the schema, so garbage in it would
-    be trained on), not a full meta-schema validation."""
-    if isinstance(schema, bool):  # true / false are schemas too
-        return
-    if not isinstance(schema, dict):
-        raise ValueError(f"{path} must be a JSON Schema object, got {type(schema).__name__}")
-    t = schema.get("type")
-    types = t if isinstance(t, list) else [t] if t is not None else []
-    for one in types:
-        if one not in JSON_SCHEMA_TYPES:
-            raise ValueError(f"{path}.type must be one of {', '.join(sorted(JSON_SCHEMA_TYPES))} (or a list "
-                             f"of them), got {one!r:.80}")
-    req = schema.get("required")
-    if req is not None and not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
-        raise ValueError(f"{path}.required must be a list of property names")
-    for key in _SUBSCHEMA_MAPS:
-        if key in schema:
-            sub = schema[key]
-            if not isinstance(sub, dict):
-                raise ValueError(f"{path}.{key} must be an object mapping names to schemas")
-            for name, s in sub.items():
-                check_json_schema(s, f"{path}.{key}.{name}")
-    for key in _SUBSCHEMA_LISTS:
-        if key in schema:
-            if not isinstance(schema[key], list):
-                raise ValueError(f"{path}.{key} must be a list of schemas")
-            for i, s in enumerate(schema[key]):
-                check_json_schema(s, f"{path}.{key}.{i}")
-    for key in _SUBSCHEMAS:
-        if key in schema:
-            check_json_schema(schema[key], f"{path}.{key}")
-
-
-class ToolDef(_Lenient):
-    type: Literal["function"] = "function"
-    function: FunctionDef
-
-
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(Lenient):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
     frequency_penalty: float | None = None

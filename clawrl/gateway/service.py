@@ -15,6 +15,7 @@ had not come: its turn index is given back and a pending turn stays pending.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from clawrl.chat import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
 from clawrl.engine.types import (
     BadRequestError,
     Engine,
@@ -34,7 +36,6 @@ from clawrl.engine.types import (
     GenerateResult,
     SamplingParams,
 )
-from clawrl.gateway.adapters import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
 from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session_id, validate_session_id
@@ -57,6 +58,10 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers = headers  # e.g. Retry-After on a 503
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-style error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
 # engine sampling_params names -> the request fields they come from
@@ -129,18 +134,15 @@ class ChatService:
         metrics.open_sessions.set_function(lambda: len(tracker))
 
     # --------------------------------------------------------------------------- public API
-    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext,
-                       timing: dict[str, float] | None = None) -> dict[str, Any]:
+    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, Any], float]:
         """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
-        response is serialized once, with orjson, on the gateway's hot path). ``timing``, if given,
-        gets ``engine_s``: the seconds spent in the engine call (the rest of a request's time in the
-        gateway is its own work, and the wait for the session's previous main turn)."""
+        response is serialized once, with orjson) and the seconds spent in the engine call (the rest
+        of a request's time in the gateway is its own work, and the wait for the session's previous
+        main turn)."""
         turn = self._prepare(req, ctx)
-        async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
+        async with _session_lock(turn):
             self._link_next_state(turn)
             result, engine_s = await self._generate(turn.gen)
-            if timing is not None:
-                timing["engine_s"] = engine_s
             parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
             finish = _finish_reason(result, parsed)
             index = self._record(turn, result, parsed, finish)
@@ -157,7 +159,7 @@ class ChatService:
                       "total_tokens": result.prompt_tokens + result.completion_tokens},
             "session_id": turn.session_id, "turn_type": turn.turn_type, "turn_index": index,
             "weight_version": result.weight_version,
-        }
+        }, engine_s
 
     async def stream(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, str], AsyncIterator[str]]:
         """Headers to send and an async iterator of SSE lines. Validation errors raise before any byte."""
@@ -240,10 +242,8 @@ class ChatService:
         except (asyncio.TimeoutError, EngineTimeoutError):
             raise GatewayError(504, f"engine did not answer within {self.options.engine_timeout_s:g} s",
                                "engine_timeout") from None
-        except BadRequestError as e:
-            raise GatewayError(400, str(e)) from None
-        except EngineError as e:
-            raise GatewayError(502, f"engine unavailable: {e}", "engine_unavailable") from None
+        except (BadRequestError, EngineError) as e:
+            raise _engine_error(e) from None
         elapsed = time.perf_counter() - t0
         self.metrics.engine_latency.observe(elapsed)
         self.weight_version = result.weight_version
@@ -369,7 +369,7 @@ class ChatService:
             return f"data: {orjson.dumps(body).decode()}\n\n"
 
         holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
-        async with _maybe(turn.state.lock, turn.turn_type == TurnType.MAIN.value):
+        async with _session_lock(turn):
             try:
                 self._link_next_state(turn)
                 yield chunk({"role": "assistant", "content": ""})
@@ -418,15 +418,11 @@ class ChatService:
                             "choices": [], "usage": usage, **extras, "weight_version": result.weight_version}
                     yield f"data: {json.dumps(body)}\n\n"
                 self.metrics.requests.labels("200", "true", turn.turn_type).inc()
-            except GatewayError as e:
-                self.metrics.requests.labels(str(e.status), "true", turn.turn_type).inc()
-                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.type, 'code': e.status}})}\n\n"
-            except BadRequestError as e:
-                self.metrics.requests.labels("400", "true", turn.turn_type).inc()
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error', 'code': 400}})}\n\n"
-            except EngineError as e:
-                self.metrics.requests.labels("502", "true", turn.turn_type).inc()
-                yield f"data: {json.dumps({'error': {'message': f'engine unavailable: {e}', 'type': 'engine_unavailable', 'code': 502}})}\n\n"
+            except (GatewayError, BadRequestError, EngineError) as e:
+                err = e if isinstance(e, GatewayError) else _engine_error(e)
+                self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
+                error = {"message": err.message, "type": err.type, "code": err.status}
+                yield f"data: {json.dumps({'error': error})}\n\n"
             finally:
                 self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
         yield "data: [DONE]\n\n"
@@ -444,6 +440,12 @@ def _json(value: Any) -> str:
         return orjson.dumps(value).decode()
     except orjson.JSONEncodeError:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _engine_error(e: BadRequestError | EngineError) -> GatewayError:
+    if isinstance(e, BadRequestError):
+        return GatewayError(400, str(e))
+    return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
 
 
 def _finish_reason(result: GenerateResult, parsed: ParsedOutput) -> str:
@@ -466,16 +468,6 @@ async def _with_deadline(stream: AsyncIterator[GenerateResult], deadline: float,
         yield item
 
 
-class _maybe:
-    """``async with _maybe(lock, cond)``: hold the lock only when cond is true."""
-
-    def __init__(self, lock: asyncio.Lock, cond: bool):
-        self.lock, self.cond = lock, cond
-
-    async def __aenter__(self):
-        if self.cond:
-            await self.lock.acquire()
-
-    async def __aexit__(self, *exc):
-        if self.cond:
-            self.lock.release()
+def _session_lock(turn: _Turn) -> contextlib.AbstractAsyncContextManager:
+    """Main turns of one session take turns (the next state links to the previous turn); side turns do not wait."""
+    return turn.state.lock if turn.turn_type == TurnType.MAIN.value else contextlib.nullcontext()

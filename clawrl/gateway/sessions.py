@@ -166,7 +166,9 @@ class SessionTracker:
 
     def restore_index(self, namespace: str, session_id: str, next_index: int) -> None:
         """Remember, after a restart, where a session not held open stopped counting turns."""
-        key = (namespace, session_id)
+        self._remember_index((namespace, session_id), next_index)
+
+    def _remember_index(self, key: tuple[str, str], next_index: int) -> None:
         self._closed_index[key] = next_index
         self._closed_index.move_to_end(key)
         while len(self._closed_index) > 10 * self.max_sessions:
@@ -175,9 +177,7 @@ class SessionTracker:
     def _close(self, state: SessionState, reason: str) -> list[NextStateRecord]:
         key = (state.namespace, state.session_id)
         self._sessions.pop(key, None)
-        self._closed_index[key] = state.next_index
-        while len(self._closed_index) > 10 * self.max_sessions:
-            self._closed_index.popitem(last=False)
+        self._remember_index(key, state.next_index)
         pending, state.pending = state.pending, None
         if pending is None:
             return []

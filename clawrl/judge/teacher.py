@@ -3,8 +3,8 @@ prompt with the hindsight hint added.
 
 Two things OpenClaw-RL (the reference design) gets wrong and we do not:
 
-* The teacher prompt is rendered by the gateway's own :class:`~clawrl.gateway.adapters.ChatAdapter`
-  into ids, and the turn's sampled ``output_ids`` are appended as ids: no text round trip, so the
+* The teacher prompt is rendered into ids by :class:`~clawrl.chat.ChatAdapter`, as the gateway
+  renders requests, and the turn's sampled ``output_ids`` are appended as ids: no text round trip, so the
   scored tokens are exactly the trained tokens.
 * The slicing of SGLang's prompt log-probs (its ``/generate`` API): with ``logprob_start_len = s`` the
   engine returns ``len(input_ids) - s`` entries, entry j describing ``input_ids[s + j]`` and
@@ -20,9 +20,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from clawrl.chat import ChatAdapter, ChatMessage, ToolDef
 from clawrl.engine.types import Engine, GenerateRequest, SamplingParams
-from clawrl.gateway.adapters import ChatAdapter
-from clawrl.gateway.schemas import ChatMessage, ToolDef
 
 HINT_LABEL = "[Hint for this reply]"
 

@@ -2,8 +2,7 @@ import json
 
 import pytest
 
-from clawrl.gateway.adapters import ChatAdapter, SegmentEncoder
-from clawrl.gateway.schemas import ChatMessage, ToolDef
+from clawrl.chat import ChatAdapter, ChatMessage, SegmentEncoder, ToolDef
 from clawrl.models import load_tokenizer
 
 TOOLS = [ToolDef.model_validate({"type": "function", "function": {

@@ -1,11 +1,9 @@
-"""`clawrl bench gateway` end to end at toy sizes: both topologies measured in both designs, every
-gateway request recorded in the session log (speed is reported in docs/benchmarks.md, never
-asserted here)."""
+"""`clawrl bench gateway` end to end at toy sizes: both topologies measured, every gateway request
+recorded in the session log (speed is reported in docs/benchmarks.md, never asserted here)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 
 from clawrl.bench.gateway import _direct_url, _paired_loop, _prompts, run_gateway_bench
 from clawrl.storage.catalog import open_catalog
@@ -20,32 +18,23 @@ def test_prompts_are_distinct_and_of_one_shape():
 def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cache):
     result = run_gateway_bench(model_cache=model_cache, concurrencies=(1, 4), n=8, max_tokens=4, append_turns=2000)
     rows = result["latency"]
-    assert [(r["engine"], r["design"], r["concurrency"]) for r in rows] == [
-        (eng, d, c) for eng in ("embedded", "http") for d in ("paired", "blocks") for c in (1, 4)] + [
-        ("http, engine nice 19", "paired", c) for c in (1, 4)]
-    # the stand-in for a GPU engine really ran at the lowest priority, the others at the bench's own
-    assert [r["engine_nice"] for r in rows] == [os.getpriority(os.PRIO_PROCESS, 0)] * 8 + [19, 19]
+    assert [(r["engine"], r["concurrency"]) for r in rows] == [(eng, c) for eng in ("embedded", "http") for c in (1, 4)]
     for r in rows:
         assert r["requests"] == 8
         assert 0 < r["direct_p50_ms"] <= r["direct_p99_ms"] and 0 < r["gateway_p50_ms"] <= r["gateway_p99_ms"]
         assert abs(r["added_p50_ms"] - (r["gateway_p50_ms"] - r["direct_p50_ms"])) < 1e-9
-        # the gateway's own share (its Server-Timing) is part of a gateway request's latency; the hop is the rest
-        assert 0 < r["own_p50_ms"] < r["gateway_p50_ms"] and 0 < r["own_mean_ms"] < r["gateway_p99_ms"]
-        assert abs(r["hop_mean_ms"] - (r["added_mean_ms"] - r["own_mean_ms"])) < 1e-9
-        if r["design"] == "paired":  # the paths overlap in time: no CPU per path
-            assert "added_cpu_us" not in r
-            continue
-        # CPU time of the two server processes, per request (10 ms clock ticks over 8 requests: coarse)
-        assert r["gateway_cpu_us"] >= 0 and r["direct_cpu_us"] >= 0 and r["gateway_cpu_us"] + r["direct_cpu_us"] > 0
-        assert abs(r["added_cpu_us"] - (r["gateway_cpu_us"] - r["direct_cpu_us"])) < 1e-6
+        assert abs(r["added_p99_ms"] - (r["gateway_p99_ms"] - r["direct_p99_ms"])) < 1e-9
+        assert abs(r["added_p50_pct"] - 100 * r["added_p50_ms"] / r["direct_p50_ms"]) < 1e-9
+        # the gateway's own share (its Server-Timing) is part of a gateway request's latency
+        assert 0 < r["own_p50_ms"] < r["gateway_p50_ms"]
     con = open_catalog(result["data_root"])
     try:
         n, types, distinct = con.execute(
             "select count(*), count(distinct turn_type), count(distinct request_messages) from turns").fetchone()
     finally:
         con.close()
-    # per topology, design and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
-    assert n == (2 * 2 + 1) * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
+    # per topology and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
+    assert n == 2 * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
     assert distinct >= 16  # distinct user messages, not one repeated prompt
     assert result["append"]["rows_in_duckdb"] == 2000
 
@@ -70,8 +59,7 @@ def test_paired_loop_alternates_paths_per_client():
         assert all(a != b for a, b in zip(seq, seq[1:])) and len(seq) == 5
 
 
-def test_direct_calls_share_the_gateways_engine_when_paired():
+def test_direct_calls_go_to_the_gateways_engine():
     e, gw = "http://127.0.0.1:1", "http://127.0.0.1:2"
-    assert _direct_url("paired", "embedded", e, gw) == gw + "/engine"
-    assert _direct_url("paired", "http", e, gw) == e
-    assert _direct_url("blocks", "embedded", e, gw) == e
+    assert _direct_url("embedded", e, gw) == gw + "/engine"
+    assert _direct_url("http", e, gw) == e

@@ -237,6 +237,24 @@ def test_errors_are_openai_shaped(gateway):
         assert float(gauges["clawrl_open_sessions"]) == health2["open_sessions"]
 
 
+def test_session_headers_are_read_and_documented(gateway):
+    s, store, ctx = gateway()
+    with ctx as gw:
+        url, body = gw.base_url + "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        # the first of a repeated header counts; the turn type is read case-blind
+        r = httpx.post(url, json=body, headers=[("X-Session-Id", "s-1"), ("X-Turn-Type", "Side"),
+                                                ("X-Session-Id", "s-2")])
+        assert r.status_code == 200 and r.headers["x-session-id"] == "s-1" and r.json()["turn_type"] == "side"
+        bad = httpx.post(url, json=body, headers={"X-Session-Done": "maybe"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Session-Done"
+        assert bad.json()["error"]["message"] == "X-Session-Done must be true or false, got 'maybe'"
+        op = httpx.get(gw.url + "/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]
+    headers = {p["name"]: p["schema"] for p in op["parameters"] if p["in"] == "header"}
+    assert headers["X-Turn-Type"]["enum"] == ["main", "side"] and headers["X-Session-Id"]["pattern"].startswith("^[")
+    assert "X-Session-Done" in headers
+    assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+
+
 def test_api_keys_and_namespaces(gateway, monkeypatch):
     monkeypatch.setenv("CLAWRL_API_KEYS", "key-alpha,key-beta")
     s, store, ctx = gateway(server__open_mode=False)

@@ -1,11 +1,9 @@
-"""The gateway's metrics: plain numbers on the request path, Prometheus text at scrape time."""
-
-import math
+"""The gateway's metrics: names, labels and buckets as Prometheus text, gauges read at scrape time."""
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clawrl.gateway.metrics import LATENCY_BUCKETS, GatewayMetrics, Histogram
+from clawrl.gateway.metrics import LATENCY_BUCKETS, GatewayMetrics
 
 
 def scrape(m: GatewayMetrics) -> dict[tuple[str, tuple], float]:
@@ -63,9 +61,15 @@ def test_histogram_buckets_are_cumulative_with_le_inclusive():
 
 def test_misuse_is_refused():
     m = GatewayMetrics()
-    with pytest.raises(ValueError, match="expected labels"):
+    with pytest.raises(ValueError, match="Incorrect label count"):
         m.requests.labels("200", "false")
-    with pytest.raises(ValueError, match="only go up"):
+    with pytest.raises(ValueError, match="non-negative"):
         m.prompt_tokens.inc(-1)
-    h = Histogram("x_seconds", "x", buckets=(1, 0.5))
-    assert h.bounds == (0.5, 1.0, math.inf)  # sorted, +Inf added
+
+
+
+def test_each_app_has_its_own_registry():
+    a, b = GatewayMetrics(), GatewayMetrics()  # the same names twice in one process: no clash, no shared counts
+    a.prompt_tokens.inc(5)
+    assert scrape(a)[("clawrl_prompt_tokens_total", ())] == 5.0
+    assert scrape(b)[("clawrl_prompt_tokens_total", ())] == 0.0

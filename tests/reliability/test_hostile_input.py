@@ -263,14 +263,18 @@ def test_tool_schemas_that_are_not_json_schema_are_400s(gw):
     cases = [
         (tools({"name": "x", "parameters": "nope"}), 400, [params], params),
         (tools({"name": "x", "parameters": {"type": "object", "properties": "nope"}}), 400,
-         ["parameters.properties must be an object"], params),
+         ["parameters.properties: 'nope' is not of type 'object'"], params),
         (tools({"name": "x", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}), 400,
-         ["parameters.properties.a.type must be one of"], params),
+         ["parameters.properties.a.type: 5 is not valid under any of the given schemas"], params),
         (tools({"name": "x", "parameters": {"type": "dict"}}), 400, ["parameters.type", "'dict'"], params),
-        (tools({"name": "x", "parameters": {"required": "a"}}), 400, ["parameters.required must be a list"], params),
-        (tools({"name": "x", "parameters": {"anyOf": {"type": "string"}}}), 400, ["parameters.anyOf must be a list"],
+        (tools({"name": "x", "parameters": {"required": "a"}}), 400, ["parameters.required: 'a' is not of type 'array'"],
          params),
-        (tools({"name": "x", "parameters": {"items": [1, 2]}}), 400, ["parameters.items must be a JSON Schema"], params),
+        (tools({"name": "x", "parameters": {"anyOf": {"type": "string"}}}), 400,
+         ["parameters.anyOf: {'type': 'string'} is not of type 'array'"], params),
+        (tools({"name": "x", "parameters": {"items": [1, 2]}}), 400,
+         ["parameters.items: [1, 2] is not of type 'object', 'boolean'"], params),
+        (tools({"name": "x", "parameters": {"$schema": []}}), 400, ["parameters.$schema: [] is not of type 'string'"],
+         params),
         (tools({"name": "", "parameters": {}}), 400, ["tools.0.function.name"], "tools.0.function.name"),
         (tools({"name": "../x y", "parameters": {}}), 400, ["tools.0.function.name"], "tools.0.function.name"),
         (tools({"parameters": {}}), 400, ["tools.0.function.name", "required"], "tools.0.function.name"),
@@ -284,7 +288,7 @@ def test_tool_schemas_that_are_not_json_schema_are_400s(gw):
         (dict(json={"messages": HI, "tool_choice": "required"}), 400, ["tool_choice", "needs at least one tool"],
          "tool_choice"),
     ]
-    assert rejected_without_a_turn(gw, cases, "after-bad-tools") == 15
+    assert rejected_without_a_turn(gw, cases, "after-bad-tools") == 16
 
 
 @pytest.mark.timeout(120)

@@ -10,8 +10,7 @@ Checks: ``not_a_server_error`` everywhere (zero 5xx). The gateway's OpenAI-facin
 their responses (``ChatCompletion``, OpenAI error bodies for 400/401/413/502/504, the SSE stream,
 the Prometheus text), so their cases are also checked for status-code, content-type and
 response-schema conformance. The engine server speaks SGLang's native API, whose error bodies are
-not uniform (shared/ref/sglang.md §1) and are left undocumented: only ``not_a_server_error``
-applies there.
+not uniform and are left undocumented: only ``not_a_server_error`` applies there.
 
 Afterwards each server still serves a normal request correctly, its serving thread is alive, and
 the case count is asserted, so the test cannot silently test nothing.

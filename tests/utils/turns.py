@@ -8,8 +8,7 @@ import json
 from datetime import datetime, timezone
 
 from clawrl.engine.types import GenerateRequest, SamplingParams
-from clawrl.gateway.adapters import ChatAdapter
-from clawrl.gateway.schemas import ChatMessage, ToolDef
+from clawrl.chat import ChatAdapter, ChatMessage, ToolDef
 from clawrl.records import NextStateRecord, TurnRecord, make_turn_id
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

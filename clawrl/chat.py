@@ -1,5 +1,5 @@
-"""Model quirks: how OpenAI messages and tools become prompt token ids, and how tool calls are
-read back out of the model's text.
+"""Chat messages and tools, and how they become prompt token ids: the gateway renders requests with
+:class:`ChatAdapter`, the judge's teacher renders hinted prompts with it, so both give the same ids.
 
 Tool calls use the Hermes/Qwen2.5 format (SGLang's ``qwen25``/``hermes`` parsers)::
 
@@ -22,9 +22,89 @@ import json
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from clawrl.gateway.schemas import ChatMessage, ToolDef
+from jsonschema import Draft202012Validator, SchemaError
+from jsonschema.validators import validator_for
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Lenient(BaseModel):
+    # Clients send fields we do not act on (user metadata, store, service_tier...): accept them.
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCall(Lenient):
+    name: str
+    arguments: str = "{}"  # a JSON string, as in OpenAI's API
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, v: str) -> str:
+        if v.strip():
+            try:
+                json.loads(v)
+            except ValueError:
+                raise ValueError("must be the call's arguments as a JSON-encoded string, "
+                                 "e.g. '{\"city\": \"Paris\"}'") from None
+        return v
+
+
+class ToolCall(Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        return v
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p["text"] for p in self.content)
+
+
+class FunctionDef(Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A JSON Schema (the model is shown it, and trained on it): checked against the metaschema
+        of its ``$schema`` draft, Draft 2020-12 without one; the error names the place in it."""
+        if v is None:
+            return v
+        draft = v.get("$schema")  # not a string: the 2020-12 metaschema says so below
+        checker = validator_for(v, default=Draft202012Validator) if isinstance(draft, str) else Draft202012Validator
+        try:
+            checker.check_schema(v)
+        except SchemaError as e:
+            raise ValueError(f"parameters{''.join(f'.{p}' for p in e.path)}: {e.message:.200}") from None
+        return v
+
+
+class ToolDef(Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
