@@ -103,13 +103,11 @@ def engine(
     version = "0"
     if resume:
         from clawrl.sync import CheckpointError, verify_checkpoint
-        from clawrl.storage.catalog import last_synced_checkpoint, open_catalog
+        from clawrl.storage.catalog import open_catalog
+        from clawrl.storage.queries import last_synced_checkpoint
 
-        con = open_catalog(s.storage.data_root)
-        try:
+        with open_catalog(s.storage.data_root) as con:
             last = last_synced_checkpoint(con)
-        finally:
-            con.close()
         try:
             if last is not None:
                 verify_checkpoint(last["path"], last["sha256"])
@@ -156,7 +154,8 @@ def sql(
     from rich.table import Table
     from rich.text import Text
 
-    from clawrl.storage.catalog import ReadOnlyQueryError, export_table, format_cell, run_query
+    from clawrl.storage.catalog import ReadOnlyQueryError, run_query
+    from clawrl.storage.export import export_table, format_cell
 
     if fmt is SqlFormat.PARQUET and out is None:
         err.print("--format parquet needs --out FILE", markup=False)
@@ -367,16 +366,14 @@ def status(config: ConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
     s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.catalog import open_catalog, pending_counts, sync_state
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import pending_counts, sync_state
 
     chash = build_judge_config_hash(s)
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         counts = pending_counts(con, chash, s.ppo.rollout_batch_size)
         versions = con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()
         syncs = sync_state(con)
-    finally:
-        con.close()
     _print_status(counts, chash, versions[0] if versions else None)
     _print_sync_status(syncs)
 
@@ -442,13 +439,10 @@ def sync(
     from clawrl.flows.common import record_sync
     from clawrl.storage.catalog import open_catalog
 
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         where = "ORDER BY step DESC LIMIT 1" if version == "latest" else "WHERE weight_version = $v LIMIT 1"
         rows = con.sql(f"SELECT weight_version, path, sha256, mlflow_run_id FROM checkpoints {where}",
                        params={} if version == "latest" else {"v": version}).fetchall()
-    finally:
-        con.close()
     if not rows:
         err.print(f"no checkpoint for version {version!r} in {s.storage.data_root}", style="red", markup=False)
         raise typer.Exit(2)
@@ -479,13 +473,11 @@ def lineage(
     s = settings_or_exit(config)
     from rich.tree import Tree
 
-    from clawrl.storage.catalog import lineage_chain, open_catalog
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import lineage_chain
 
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         chain = lineage_chain(con, version)
-    finally:
-        con.close()
     if not chain:
         err.print(f"no checkpoint with weight_version {version!r} in {s.storage.data_root}", style="red",
                   markup=False)
@@ -678,15 +670,13 @@ def demo(
                   f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
     from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.catalog import open_catalog, pending_counts
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import pending_counts
 
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         chash = build_judge_config_hash(s)
         _print_status(pending_counts(con, chash, s.ppo.rollout_batch_size), chash,
                       con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()[0])
-    finally:
-        con.close()
     console.print("\nwhere to look:", markup=False)
     console.print(f"  clawrl status  -c {run_conf}\n  clawrl sql \"select * from turn_fate\" -c {run_conf}\n"
                   f"  clawrl lineage {len(rows) - 1} -c {run_conf}\n"

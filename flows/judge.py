@@ -29,7 +29,8 @@ from clawrl.judge.runner import (
     turn_from_row,
 )
 from clawrl.flows.common import data_store, load_flow_settings
-from clawrl.storage.catalog import open_catalog, pending_counts, turns_to_judge
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
 
@@ -56,22 +57,16 @@ def _append_outcome(s, records: list[Any]) -> None:
 @task(cache_policy=NO_CACHE)
 def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> list[str]:
     s = load_flow_settings(config_path)
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         return turns_to_judge(con, judge_config_hash, limit=limit).column("turn_id").to_pylist()
-    finally:
-        con.close()
 
 
 def _pending_turn(config_path: str | None, turn_id: str):
     """(settings, judge, the turn's row or None when it already has a fate under this config)."""
     s = load_flow_settings(config_path)
     judge: Judge = runtime.get_or_create(f"judge:{config_path}", lambda: build_judge(s))
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
-    finally:
-        con.close()
     return s, judge, (rows[0] if rows else None)
 
 
@@ -102,11 +97,8 @@ def record_judge_error(config_path: str | None, turn_id: str, error: str) -> str
 def count_pending(config_path: str | None, judge_config_hash: str) -> dict[str, Any]:
     s = load_flow_settings(config_path)
     data_store(s).flush()
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         return pending_counts(con, judge_config_hash, s.ppo.rollout_batch_size)
-    finally:
-        con.close()
 
 
 @flow(name="judge", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))

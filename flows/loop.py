@@ -26,7 +26,8 @@ from clawrl.sim.users import evaluation_round, kl_to_reference, score, summarize
 from clawrl.flows.common import data_store, load_flow_settings
 from clawrl.flows.judge import judge_flow
 from clawrl.flows.train import train_flow
-from clawrl.storage.catalog import open_catalog, session_turns
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.queries import session_turns
 
 
 def _client(url: str):
@@ -90,11 +91,8 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
 
     interactions = runtime.run(go())
     data_store(s).flush()
-    con = open_catalog(s.storage.data_root)
-    try:
+    with open_catalog(s.storage.data_root) as con:
         turns = session_turns(con, f"{round_id}-e%")
-    finally:
-        con.close()
     ref = frozen_engine(s)
     policy = runtime.lookup(POLICY_ENGINE)
 

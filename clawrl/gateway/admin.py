@@ -78,13 +78,11 @@ def build_admin_router(data_root) -> APIRouter:
 
 
 def _version_for_run(data_root, run_id: str) -> str | None:
-    from clawrl.storage.catalog import open_catalog, version_for_run
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import version_for_run
 
-    con = open_catalog(data_root)
-    try:
+    with open_catalog(data_root) as con:
         return version_for_run(con, run_id)
-    finally:
-        con.close()
 
 
 PREFECT_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0)  # after each answer that says "busy, try again"

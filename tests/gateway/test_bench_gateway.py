@@ -38,12 +38,9 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
         # CPU time of the two server processes, per request (10 ms clock ticks over 8 requests: coarse)
         assert r["gateway_cpu_us"] >= 0 and r["direct_cpu_us"] >= 0 and r["gateway_cpu_us"] + r["direct_cpu_us"] > 0
         assert abs(r["added_cpu_us"] - (r["gateway_cpu_us"] - r["direct_cpu_us"])) < 1e-6
-    con = open_catalog(result["data_root"])
-    try:
+    with open_catalog(result["data_root"]) as con:
         n, types, distinct = con.execute(
             "select count(*), count(distinct turn_type), count(distinct request_messages) from turns").fetchone()
-    finally:
-        con.close()
     # per topology, design and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
     assert n == (2 * 2 + 1) * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
     assert distinct >= 16  # distinct user messages, not one repeated prompt
