@@ -1,30 +1,27 @@
-"""DuckDB over the Parquet tables: one view per table for ad-hoc SQL and the queries of storage/queries.py.
+"""DuckDB over the Parquet tables: a view per table for ad-hoc SQL and for storage/queries.py.
 
-Each ``open_catalog`` opens an in-memory DuckDB. A ``.duckdb`` file would let only one process
-open it; Parquet plus in-memory DuckDB lets any number of readers run next to the writers, and
-readers only ever see complete files (storage/convert.py).
+Each ``open_catalog`` opens an in-memory DuckDB: a ``.duckdb`` file would let only one process
+open it, while any number of readers can read Parquet next to the writers, and they only ever see
+complete files (storage/convert.py).
 
-Views (every one exists on an empty data root: empty, with its columns). A view's columns are its
-record's fields in ``clawrl.records``, which documents each, plus ``date`` (DATE), the UTC date of
-``created_at`` taken from the hive directory ``date=YYYY-MM-DD``: filtering on it skips whole
+Every view exists on an empty data root (empty, with its columns). A view's columns are its
+record's fields (``clawrl.records`` documents each) plus ``date`` (DATE), the UTC date of
+``created_at`` from the hive directory ``date=YYYY-MM-DD``: filtering on it skips whole
 directories. Times are TIMESTAMP WITH TIME ZONE (UTC), id lists INTEGER[], log-prob lists DOUBLE[]
-(exact engine values), judge votes INTEGER[] (NULL = an unparseable vote); text fields that hold
-JSON (request_messages, tool_calls, messages, raw_outputs, ...) are JSON text.
+(exact engine values), judge votes INTEGER[] (NULL = an unparseable vote); the text fields that
+hold JSON (request_messages, tool_calls, messages, raw_outputs, ...) are JSON text.
 
-``turns`` (``TurnRecord``), ``next_states`` (``NextStateRecord``), ``turn_fate`` (``FateRecord``),
-``batches`` (``BatchRecord``), ``checkpoints`` (``CheckpointRecord``), ``syncs`` (``SyncRecord``):
-    every row written.
-``judgments`` -- the judge's verdicts (``JudgeVerdict``, stored as table ``verdicts``), one row per
-    (turn_id, judge_config_hash): the newest verdict, i.e. the one of the attempt that wrote the
-    fate (an attempt killed before its fate is judged again).
-``judgment_attempts`` -- every verdict ever written, superseded attempts included.
-``samples`` -- trainable samples (``SampleRecord``), one row per sample_id (the newest write).
+``turns``, ``next_states``, ``turn_fate``, ``batches``, ``checkpoints``, ``syncs``: every row
+written (``TurnRecord``, ``NextStateRecord``, ``FateRecord``, ``BatchRecord``, ``CheckpointRecord``,
+``SyncRecord``). ``judgments``: the judge's verdicts (``JudgeVerdict``, table ``verdicts``), one per
+(turn_id, judge_config_hash): the newest, i.e. the one of the attempt that wrote the fate (an
+attempt killed before its fate is judged again). ``judgment_attempts``: every verdict ever
+written. ``samples`` (``SampleRecord``): one row per sample_id, the newest write.
 
 A view is bound to the files at query time, so a long-lived connection sees new files, except
 that a table with no file at all when the connection was opened stays an empty view until
 ``refresh_views`` (DuckDB cannot glob a pattern that matches nothing).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -38,18 +35,8 @@ import pyarrow as pa
 
 from clawrl.storage.schemas import TABLES, duckdb_type
 
-# view name -> table directory under <data_root>/tables/
-VIEWS: dict[str, str] = {
-    "turns": "turns",
-    "next_states": "next_states",
-    "judgments": "verdicts",
-    "samples": "samples",
-    "turn_fate": "turn_fate",
-    "batches": "batches",
-    "checkpoints": "checkpoints",
-    "syncs": "syncs",
-    "judgment_attempts": "verdicts",
-}
+# view name -> table directory under <data_root>/tables/: one per table, verdicts twice
+VIEWS: dict[str, str] = {("judgments" if t == "verdicts" else t): t for t in TABLES} | {"judgment_attempts": "verdicts"}
 
 # Views that show one row per key, the newest write: a judge attempt cut short by a crash before
 # its fate was written is re-run, and the re-run's verdict and sample supersede the first ones

@@ -1,30 +1,28 @@
-"""A closed write-ahead-log segment becomes immutable Parquet files, exactly once.
+"""A closed write-ahead-log segment (storage/wal.py) becomes immutable Parquet files, exactly once.
 
-Layout of one table, ``<root>/<table>/``::
+``<table>/date=YYYY-MM-DD/part-<segment-id>.parquet`` holds the segment's rows of that UTC date of
+``created_at``; ``<table>/_rejected/<segment-id>.jsonl`` its rows that did not fit the schema.
+Each file is written under a temp name that the readers' glob (``date=*/*.parquet``) does not
+match and ``os.replace``d into place, so a reader never sees a partial file. Files are never
+rewritten: the name is derived from the segment id and a date whose file exists is skipped, so
+converting a segment again after a crash at any point adds each row once.
 
-    date=YYYY-MM-DD/part-<segment-id>.parquet   that segment's rows whose created_at has this UTC date
-    _rejected/<segment-id>.jsonl                rows of that segment that did not fit the schema
-
-Each date's rows go to a temp name that the readers' glob (``date=*/*.parquet``) does not match
-and are ``os.replace``d into place, so a reader never sees a partial file. Files are never
-rewritten: the Parquet name is derived from the segment id and a date whose file already exists
-is skipped, so converting a segment again after a crash at any point adds each row once.
-
-Parsing: a segment of ``DUCKDB_MIN_BYTES`` or more goes through DuckDB's JSON reader (~9 vs
-~25 us of CPU per 3.5 KB turn), a smaller one through pyarrow's (a DuckDB query costs ~5 ms
-however small). DuckDB is lenient where pyarrow is strict (it ignores unknown keys and casts 2.5
-into an INTEGER), which is safe because ``DataStore.append`` checks values before the WAL; the row
-count and the nulls both readers let through are checked after either. A segment that does not
-parse goes through the same parser line by line: good rows are converted, misfits are kept in
-``_rejected/`` with the error, never dropped.
+Parsing: a segment of ``DUCKDB_MIN_BYTES`` or more goes through DuckDB's JSON reader (~9 vs ~25 us
+of CPU per 3.5 KB turn), a smaller one through pyarrow's (a DuckDB query costs ~5 ms however
+small). DuckDB is lenient where pyarrow is strict (it ignores unknown keys and casts 2.5 into an
+INTEGER), which is safe because ``DataStore.append`` checks values before the WAL; the row count
+and the nulls that both let through are checked after either. A segment that does not parse goes
+through the same parser line by line: good rows are converted, misfits kept in ``_rejected/``.
 """
-
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import orjson
@@ -70,14 +68,17 @@ def convert_segment(
         return 0
     if torn or n_rows is None:
         n_rows = path.read_bytes().count(b"\n")
-    rejected: list[tuple[bytes, str]] = []
     try:
         table = _parse(path, schema, n_rows, longest_line or size)
     except _PARSE_ERRORS as e:
         log.error("%s segment %s does not parse as a whole (%s); parsing line by line", table_dir.name, segment_id, e)
         table, rejected = _parse_lines(path.read_bytes(), schema)
-    if rejected:
-        _write_rejected(rejected, table_dir / REJECTED_DIR / f"{segment_id}.jsonl", fsync)
+        if rejected:
+            kept = table_dir / REJECTED_DIR / f"{segment_id}.jsonl"
+            _publish(kept, fsync, lambda tmp: tmp.write_bytes(b"".join(orjson.dumps(
+                {"error": err, "line": line.decode("utf-8", "replace")}, option=orjson.OPT_APPEND_NEWLINE)
+                for line, err in rejected)))
+            log.error("%d rows did not fit the schema; kept in %s", len(rejected), kept)
     if table.num_rows:
         dates = pc.cast(table[PARTITION_SOURCE], pa.date32())  # tz-aware timestamps are UTC inside
         days = sorted(pc.unique(dates).to_pylist())
@@ -86,7 +87,7 @@ def convert_segment(
             if final.exists():
                 continue  # written before a crash; the name says it holds exactly these rows
             rows = table if len(days) == 1 else table.filter(pc.equal(dates, pa.scalar(day, pa.date32())))
-            _publish_parquet(rows, final, fsync)
+            _publish(final, fsync, lambda tmp: pq.write_table(rows, tmp, compression="zstd"))
     return table.num_rows
 
 
@@ -145,43 +146,27 @@ def _conversion_connection() -> duckdb.DuckDBPyConnection:
 def _cut_torn_tail(path: Path) -> int:
     """Truncate an unterminated last line (a write cut short by a crash); return the bytes cut."""
     with path.open("rb+") as f:
-        size = end = f.seek(0, os.SEEK_END)
-        while end > 0:
-            start = max(0, end - 64 * 1024)
-            f.seek(start)
-            newline = f.read(end - start).rfind(b"\n")
-            if newline >= 0:
-                end = start + newline + 1
-                break
-            end = start
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            end = m.rfind(b"\n") + 1  # reads only the pages of the last line
         if end < size:
             f.truncate(end)
         return size - end
 
 
-def _publish_parquet(table: pa.Table, final: Path, fsync: bool) -> None:
+def _publish(final: Path, fsync: bool, write: Callable[[Path], Any]) -> None:
+    """Have `write` fill a temp file, then rename it to `final`: readers never see a partial file."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(final.name + _TMP_SUFFIX)  # deterministic: a replay overwrites a crashed attempt
-    pq.write_table(table, tmp, compression="zstd")
+    write(tmp)
     if fsync:
         fsync_path(tmp)
     _replace(tmp, final)
     if fsync:
         fsync_path(final.parent)
         fsync_path(final.parent.parent)
-
-
-def _write_rejected(rejected: list[tuple[bytes, str]], path: Path, fsync: bool) -> None:
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + _TMP_SUFFIX)
-    tmp.write_bytes(b"".join(orjson.dumps({"error": err, "line": line.decode("utf-8", "replace")},
-                                          option=orjson.OPT_APPEND_NEWLINE) for line, err in rejected))
-    if fsync:
-        fsync_path(tmp)
-    _replace(tmp, path)
-    log.error("%d rows did not fit the schema; kept in %s", len(rejected), path)
 
 
 def _replace(tmp: Path, final: Path) -> None:

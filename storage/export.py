@@ -31,7 +31,8 @@ def export_table(table: pa.Table, fmt: str, out: str | os.PathLike | None = None
         return None
     rows = table.to_pylist()
     if fmt == "json":
-        text = orjson.dumps(rows, default=_json_default, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE).decode()
+        text = orjson.dumps(rows, default=_json_default,
+                            option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE).decode()
     else:
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")

@@ -1,7 +1,7 @@
 """The queries the flows, the gateway and ``clawrl status`` run on a catalog connection (storage/catalog.py).
 
 A record written twice (a retried append, a turn re-linked after a restart) counts once: these
-queries take the first write of each key, except where a view already keeps the newest.
+queries take the first write of each key (``_first``), except where a view keeps the newest.
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (d
            order: str = "created_at") -> str:
     """SQL for one row per `key` of `view`: the first by `order`."""
     return f"SELECT {columns} FROM {view} {where} QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY {order}) = 1"
-
-
-def _limit(limit: int | None) -> str:
-    return "" if limit is None else f"LIMIT {int(limit)}"
 
 
 # ------------------------------------------------------------------------------ judge
@@ -58,15 +54,10 @@ def turns_to_judge(
         WHERE (t.turn_type = '{_SIDE}' OR ns.turn_id IS NOT NULL)
           AND NOT EXISTS (
             SELECT 1 FROM turn_fate f WHERE f.turn_id = t.turn_id AND f.judge_config_hash = $hash)
-        ORDER BY t.created_at, t.turn_id {_limit(limit)}
+        ORDER BY t.created_at, t.turn_id {'' if limit is None else f'LIMIT {int(limit)}'}
     """
     return con.sql(sql, params=params).to_arrow_table()
 
-
-_LATEST_FATE = """
-    SELECT turn_id, fate FROM turn_fate WHERE judge_config_hash = $hash
-    QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at DESC) = 1
-"""
 
 _CONSUMED = "SELECT DISTINCT unnest(sample_ids) AS sample_id FROM batches"
 
@@ -125,7 +116,8 @@ def pending_counts(
             (SELECT count(*) FROM batches) AS batches
     """, params={"hash": judge_config_hash}).to_arrow_table().to_pylist()[0]
     fates = {fate.value: 0 for fate in Fate}
-    for fate, n in con.sql(f"SELECT fate, count(*) FROM ({_LATEST_FATE}) GROUP BY fate",
+    latest_fate = _first("turn_fate", "turn_id", where="WHERE judge_config_hash = $hash", order="created_at DESC")
+    for fate, n in con.sql(f"SELECT fate, count(*) FROM ({latest_fate}) GROUP BY fate",
                            params={"hash": judge_config_hash}).fetchall():
         fates[fate] = int(n)
     trainable = counts["samples"] - counts["consumed"]
@@ -281,8 +273,8 @@ def session_log(con: duckdb.DuckDBPyConnection, namespace: str, session_id: str)
     weight_version, finish_reason, created_at, has_next_state (true / false: none will come / NULL:
     still waiting) and next_state_reason. Another namespace's session of the same id is not part of it."""
     turns = _first("turns", "turn_id", where="WHERE namespace = $ns AND session_id = $sid")
-    next_state = _first("next_states", "turn_id", where="WHERE session_id = $sid", columns="turn_id, has_next_state, reason",
-                        order="has_next_state DESC, created_at")
+    next_state = _first("next_states", "turn_id", where="WHERE session_id = $sid",
+                        columns="turn_id, has_next_state, reason", order="has_next_state DESC, created_at")
     return con.sql(f"""
         WITH t AS ({turns}), ns AS ({next_state})
         SELECT t.turn_index, t.turn_type, t.text, t.weight_version, t.finish_reason, t.created_at,

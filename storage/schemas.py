@@ -1,25 +1,21 @@
 """One pyarrow schema per table, derived from its record dataclass in ``clawrl.records``.
 
-A schema lists the dataclass's fields in declaration order, typed by these rules:
+A schema lists the dataclass's fields in declaration order, typed by these rules (any other
+annotation raises ``TypeError`` when this module is imported):
 
-- ``str`` -> ``string`` (not null); ``bool`` -> ``bool``; ``int`` -> ``int64``; ``float`` ->
-  ``float64``; ``datetime`` -> ``timestamp[us, UTC]``; ``X | None`` -> the same type, nullable.
+- ``str`` -> ``string``; ``bool`` -> ``bool``; ``int`` -> ``int64``; ``float`` -> ``float64``;
+  ``datetime`` -> ``timestamp[us, UTC]``; all not null, and ``X | None`` -> the same, nullable.
 - ``list[int]`` (token ids) -> ``list<int32 not null>``: vocabularies are far below 2**31, and
   int32 halves the in-memory size of the largest columns. ``list[int | None]`` (judge votes, None
-  being an unparseable reply) -> ``list<int32>`` with nullable items. ``list[str]`` ->
-  ``list<string not null>``. Items are otherwise required, so a null id or log-prob is refused.
-- ``list[float]`` (every one of them is a log-prob list) -> ``list<float64 not null>``, not float32. The PPO
+  for an unparseable reply) -> ``list<int32>``. ``list[str]`` -> ``list<string not null>``.
+- ``list[float]`` (every one a log-prob list) -> ``list<float64 not null>``, not float32: the PPO
   ratio is ``exp(logprobs - rollout_logprobs)``, so storage must give back exactly what the engine
-  returned. float32 does not: its spacing is 2**-19 ~ 1.9e-6 for |x| in [16, 32), so a log-prob
-  of -20 could move by ~1e-6, and sampled tokens at temperature 1 do reach -20. float64 holds any
-  Python float exactly, and costs 4 extra bytes per generated token (~256 B for a 64-token
-  output, before compression).
+  returned, and float32's spacing is 2**-19 ~ 1.9e-6 for |x| in [16, 32) (sampled tokens at
+  temperature 1 do reach -20). float64 holds any Python float exactly, for 4 more bytes a token.
 
-An annotation outside these rules raises ``TypeError`` when this module is imported. Hive
-partitioning adds a ``date`` column (``DATE``, the UTC date of ``created_at``) in the directory
-name, not in the files.
+Hive partitioning adds a ``date`` column (``DATE``, the UTC date of ``created_at``) in the
+directory name, not in the files.
 """
-
 from __future__ import annotations
 
 import types

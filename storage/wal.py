@@ -1,35 +1,30 @@
 """The append path of one table: a write-ahead log of JSON lines, converted into Parquet.
 
-Layout: ``<root>/<table>/_wal/<segment-id>.wal``, JSON lines, one per row, from one writer;
-``storage/convert.py`` turns a closed segment into ``date=*/part-<segment-id>.parquet``.
+Layout: ``<root>/<table>/_wal/<segment-id>.wal``, one JSON line per row, from one writer.
 
 **Durability point.** ``TableLog.append`` returns only after the rows' bytes have gone to the
 segment file in one ``os.write``: that is the acknowledgement. From then on a ``kill -9`` of the
-process cannot lose them, because the kernel's page cache holds the bytes and the next
-``recover()`` (run when any writer opens the table, and every ``recover_interval_s`` by each
-running writer) converts them. A power loss or kernel crash can still lose what the kernel had not
-yet written back (up to ~30 s with default settings) unless ``fsync=True``: then ``append`` also
-waits for ``fdatasync``, shared by concurrent appenders (group commit: one fsync covers every
-write that happened before it started).
+process cannot lose them: the kernel's page cache holds the bytes, and the next ``recover()`` (run
+when any writer opens the table, and every ``recover_interval_s`` by each running writer)
+converts them. A power loss or kernel crash can still lose what the kernel had not yet written
+back (~30 s by default) unless ``fsync=True``: then ``append`` also waits for ``fdatasync``,
+shared by concurrent appenders (group commit: one fsync covers every write done before it began).
 
-**A failed append** (disk full, EFBIG past a file size limit, EIO) raises and is not acknowledged:
-a partial write is cut back, and the segment is retired from appends in any case, so if even the
-cut failed the torn bytes stay its last line, which conversion drops; the next append starts a
-new segment.
+**A failed append** (disk full, EFBIG, EIO) raises and is not acknowledged: a partial write is cut
+back, and the segment is retired from appends, so if even the cut failed the torn bytes stay its
+last line, which conversion drops; the next append starts a new segment.
 
-**What readers see.** Only Parquet files, never the WAL. A segment is closed when its first row is
-``flush_interval_s`` old (background thread), when it reaches ``flush_rows`` rows or
-``flush_bytes`` bytes, or on ``flush()``; it is then converted, and deleted only after all its
-files are in place.
+**What readers see.** Only Parquet, never the WAL. A segment is closed when its first row is
+``flush_interval_s`` old (background thread), at ``flush_rows`` rows or ``flush_bytes`` bytes, or
+on ``flush()``; it is then converted (storage/convert.py, exactly once) and deleted.
 
 **Several writers.** Each writer has its own segment ids (pid + uuid) and holds an ``flock`` on
 every segment it owns until the segment is deleted. ``recover()`` replays only segments whose lock
 it can take, i.e. whose writer is dead (the kernel drops a dead process's locks), so processes can
-append to one table at the same time and clean up after each other without touching live segments.
-This needs ``flock`` semantics (a local filesystem; not NFS, where closing any descriptor of a file
+append to one table at once and clean up after each other without touching live segments. This
+needs ``flock`` semantics (a local filesystem; not NFS, where closing any descriptor of a file
 drops its locks). A forked child must open its own log: appending through the parent's raises.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -310,18 +305,14 @@ class TableLog:
     def _run(self) -> None:
         next_recover = time.monotonic() + self.recover_interval_s
         while not self._stop.is_set():
-            with self._lock:
-                seg = self._active
-                due = self.flush_interval_s if seg is None else seg.opened_at + self.flush_interval_s - time.monotonic()
-            self._wake.wait(max(due, 0.0))
+            seg = self._active  # a glance without the lock: _rotate checks again under it
+            self._wake.wait(self.flush_interval_s + (0 if seg is None else seg.opened_at - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
             try:
-                with self._lock:
-                    seg = self._active
-                    is_due = seg is not None and time.monotonic() - seg.opened_at >= self.flush_interval_s
-                if is_due:
+                seg = self._active
+                if seg is not None and time.monotonic() - seg.opened_at >= self.flush_interval_s:
                     self._rotate(only=seg)
                 self._convert_pending(raise_errors=False)
                 if time.monotonic() >= next_recover:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from clawrl.storage.schemas import TABLE_OF_RECORD, TABLES, TIMESTAMP
+from clawrl.storage.schemas import TABLE_OF_RECORD, TABLES, arrow_field
 from clawrl.storage.wal import TableLog
 
 _PROBE = b"clawrl write probe\n" * 3450  # ~64 KiB: room for a turn with a long prompt, not just for a byte
@@ -46,12 +46,9 @@ def check_data_root(data_root: str | os.PathLike) -> Path:
                             f"{e.strerror or e}") from None
     probe = tables / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            if os.write(fd, _PROBE) != len(_PROBE):
+        with open(probe, "xb", buffering=0) as f:  # unbuffered: one write(2), whose count tells a short write
+            if f.write(_PROBE) != len(_PROBE):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        finally:
-            os.close(fd)
     except OSError as e:
         raise DataRootError(f"data root {root} is not writable: cannot write {probe}: {e.strerror or e}") from None
     finally:
@@ -80,7 +77,6 @@ class DataStore:
         self.data_root = Path(data_root)
         self.tables_dir = check_data_root(self.data_root)
         self._logs: dict[str, TableLog] = {}
-        # per record type: a getter of every field's value at once, and each column's check
         self._checks = {spec.record_type: _record_check(spec.schema) for spec in TABLES.values()}
         try:
             for name, spec in TABLES.items():
@@ -156,7 +152,7 @@ class DataStore:
 # What fits a column, tested in Python: converting a record with pyarrow costs ~30-60 us, more than
 # a whole append (~13 us). Summing a list of ids or log-probs costs ~1 us for 200 and tells what
 # matters: a None or str item makes it raise, a float item turns an int sum into a float, a NaN or
-# inf item makes a float sum non-finite. Values the tests cannot see (an id >= 2**31) fail at
+# inf item makes a float sum non-finite. What these checks cannot see (an id >= 2**31) fails at
 # conversion instead, where the row is set aside in _rejected/.
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -173,25 +169,22 @@ def _sum(v: Any) -> Any:
         return None
 
 
-def _list(t: pa.DataType, nullable_items: bool = False) -> pa.DataType:
-    return pa.list_(pa.field("item", t, nullable=nullable_items))
-
-
-_FITS: dict[pa.DataType, Callable[[Any], bool]] = {
-    pa.string(): lambda v: isinstance(v, str),
-    pa.bool_(): lambda v: isinstance(v, bool),
-    pa.int64(): _is_int,
-    pa.float64(): _is_finite,
-    TIMESTAMP: lambda v: isinstance(v, datetime) and v.utcoffset() is not None,  # naive: which zone?
-    _list(pa.int32()): lambda v: _is_int(_sum(v)),
-    _list(pa.float64()): lambda v: _is_finite(_sum(v)),
-    _list(pa.string()): lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
-    _list(pa.int32(), nullable_items=True): (  # judge votes, None for an unparseable one
-        lambda v: isinstance(v, (list, tuple)) and all(x is None or _is_int(x) for x in v)),
-}
+# Keyed by the column type of each annotation the schema rules know (None is checked by the caller).
+_FITS: dict[pa.DataType, Callable[[Any], bool]] = {arrow_field("", annotation).type: fits for annotation, fits in {
+    str: lambda v: isinstance(v, str),
+    bool: lambda v: isinstance(v, bool),
+    int: _is_int,
+    float: _is_finite,
+    datetime: lambda v: isinstance(v, datetime) and v.utcoffset() is not None,  # naive: which zone?
+    list[int]: lambda v: _is_int(_sum(v)),
+    list[float]: lambda v: _is_finite(_sum(v)),
+    list[str]: lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
+    list[int | None]: lambda v: isinstance(v, (list, tuple)) and all(x is None or _is_int(x) for x in v),
+}.items()}
 
 
 def _record_check(schema: pa.Schema) -> tuple[Callable[[Any], tuple], list[tuple[str, Callable, bool, pa.DataType]]]:
+    """A getter of every field's value at once, and (name, fits, nullable, type) of each column."""
     names = schema.names
     values = operator.attrgetter(*names) if len(names) > 1 else (lambda r, n=names[0]: (getattr(r, n),))
     return values, [(f.name, _FITS[f.type], f.nullable, f.type) for f in schema]
