@@ -154,8 +154,7 @@ def sql(
     from rich.table import Table
     from rich.text import Text
 
-    from clawrl.storage.catalog import ReadOnlyQueryError, run_query
-    from clawrl.storage.export import export_table, format_cell
+    from clawrl.storage.catalog import ReadOnlyQueryError, export_table, format_cell, run_query
 
     if fmt is SqlFormat.PARQUET and out is None:
         err.print("--format parquet needs --out FILE", markup=False)

@@ -21,6 +21,10 @@ from clawrl.storage.selection import parse_version
 _MAIN, _SIDE, _SAMPLE = TurnType.MAIN.value, TurnType.SIDE.value, Fate.SAMPLE.value
 
 
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> list[dict[str, Any]]:
+    return con.sql(sql, params=params).to_arrow_table().to_pylist()
+
+
 def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (date)",
            order: str = "created_at") -> str:
     """SQL for one row per `key` of `view`: the first by `order`."""
@@ -96,7 +100,7 @@ def pending_counts(
     if rollout_batch_size < 1:
         raise ValueError("rollout_batch_size must be >= 1")
     waiting = f"FROM t JOIN ns USING (turn_id) ANTI JOIN f USING (turn_id) WHERE t.turn_type = '{_MAIN}' AND"
-    counts: dict[str, Any] = con.sql(f"""
+    (counts,) = _rows(con, f"""
         WITH t AS (SELECT turn_id, any_value(turn_type) AS turn_type FROM turns GROUP BY turn_id),
         ns AS (SELECT turn_id, bool_or(has_next_state) AS has_next FROM next_states GROUP BY turn_id),
         f AS (SELECT DISTINCT turn_id FROM turn_fate WHERE judge_config_hash = $hash),
@@ -114,7 +118,7 @@ def pending_counts(
             (SELECT count(*) FROM s) AS samples,
             (SELECT count(*) FROM s SEMI JOIN used USING (sample_id)) AS consumed,
             (SELECT count(*) FROM batches) AS batches
-    """, params={"hash": judge_config_hash}).to_arrow_table().to_pylist()[0]
+    """, hash=judge_config_hash)
     fates = {fate.value: 0 for fate in Fate}
     latest_fate = _first("turn_fate", "turn_id", where="WHERE judge_config_hash = $hash", order="created_at DESC")
     for fate, n in con.sql(f"SELECT fate, count(*) FROM ({latest_fate}) GROUP BY fate",
@@ -168,11 +172,11 @@ def custom_samples(con: duckdb.DuckDBPyConnection, records: list, store) -> list
 
 def open_batch(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
     """The newest batch with no checkpoint yet (a step that was claimed but not finished), or None."""
-    rows = con.sql("""
+    rows = _rows(con, """
         SELECT * EXCLUDE (date) FROM batches b
         WHERE NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.batch_id = b.batch_id)
         ORDER BY created_at DESC LIMIT 1
-    """).to_arrow_table().to_pylist()
+    """)
     return rows[0] if rows else None
 
 
@@ -225,8 +229,8 @@ _CHAIN = f"""
 def lineage_chain(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
     """What trained ``weight_version``: that checkpoint and every ancestor back to version 1, each with
     its batch, sessions and turns (newest first). Empty when the version is unknown."""
-    rows = con.sql(_CHAIN + "WHERE c.step <= (SELECT max(step) FROM c WHERE weight_version = $v) ORDER BY c.step DESC",
-                   params={"v": str(weight_version)}).to_arrow_table().to_pylist()
+    rows = _rows(con, _CHAIN + "WHERE c.step <= (SELECT max(step) FROM c WHERE weight_version = $v) "
+                 "ORDER BY c.step DESC", v=str(weight_version))
     for r in rows:
         r["turn_ids"] = [t["turn_id"] for t in batch_manifest(con, r["batch_id"])]
     return rows
@@ -235,8 +239,7 @@ def lineage_chain(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[d
 def replay_plan(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
     """The batches that produced versions 1..``weight_version`` in training order, each with its
     original checkpoint hash and config hash. Raises when a version in the chain is missing."""
-    rows = con.sql(_CHAIN + "WHERE c.step <= $v ORDER BY c.step",
-                   params={"v": int(weight_version)}).to_arrow_table().to_pylist()
+    rows = _rows(con, _CHAIN + "WHERE c.step <= $v ORDER BY c.step", v=int(weight_version))
     steps = [r["step"] for r in rows]
     if steps != list(range(1, int(weight_version) + 1)):
         raise ValueError(f"cannot replay to version {weight_version}: recorded steps are {steps}")
@@ -265,7 +268,7 @@ def write_config_snapshot(data_root: str | os.PathLike, config_hash: str, toml_t
 def session_turns(con: duckdb.DuckDBPyConnection, session_pattern: str) -> list[dict[str, Any]]:
     """Turns of the sessions whose id matches a SQL LIKE pattern, oldest first (one row per turn)."""
     sql = _first("turns", "turn_id", where="WHERE session_id LIKE $p") + " ORDER BY session_id, turn_index"
-    return con.sql(sql, params={"p": session_pattern}).to_arrow_table().to_pylist()
+    return _rows(con, sql, p=session_pattern)
 
 
 def session_log(con: duckdb.DuckDBPyConnection, namespace: str, session_id: str) -> list[dict[str, Any]]:
@@ -275,12 +278,12 @@ def session_log(con: duckdb.DuckDBPyConnection, namespace: str, session_id: str)
     turns = _first("turns", "turn_id", where="WHERE namespace = $ns AND session_id = $sid")
     next_state = _first("next_states", "turn_id", where="WHERE session_id = $sid",
                         columns="turn_id, has_next_state, reason", order="has_next_state DESC, created_at")
-    return con.sql(f"""
+    return _rows(con, f"""
         WITH t AS ({turns}), ns AS ({next_state})
         SELECT t.turn_index, t.turn_type, t.text, t.weight_version, t.finish_reason, t.created_at,
                ns.has_next_state, ns.reason AS next_state_reason
         FROM t LEFT JOIN ns USING (turn_id) ORDER BY t.turn_index, t.created_at
-    """, params={"ns": namespace, "sid": session_id}).to_arrow_table().to_pylist()
+    """, ns=namespace, sid=session_id)
 
 
 def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str, Any]]:
@@ -294,7 +297,7 @@ def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str,
     request); else those three are NULL.
     """
     turns = _first("turns", "turn_id", columns="namespace, session_id, turn_id, turn_index, turn_type, completed_at")
-    rows = con.sql(f"""
+    rows = _rows(con, f"""
         WITH t AS ({turns}),
         s AS (
             SELECT namespace, session_id, max(turn_index) + 1 AS next_index, max(completed_at) AS last_at
@@ -309,7 +312,7 @@ def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str,
         FROM s LEFT JOIN m ON m.namespace = s.namespace AND m.session_id = s.session_id
                AND m.turn_id NOT IN (SELECT turn_id FROM next_states)
         ORDER BY s.last_at DESC, s.session_id
-    """).to_arrow_table().to_pylist()
+    """)
     # Message counts in a second pass, for the pending turns only: request_messages holds whole
     # conversations, and a constant IN list lets the scan skip the rows it does not need.
     pending = [r["pending_turn_id"] for r in rows if r["pending_turn_id"] is not None]
@@ -335,7 +338,7 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     version any attempt saw served); latest_checkpoint (newest trained version, 0 before any step);
     waiting (trained versions newer than ``last_seen_serving``).
     """
-    rows = con.sql("SELECT * EXCLUDE (date) FROM syncs ORDER BY created_at DESC").to_arrow_table().to_pylist()
+    rows = _rows(con, "SELECT * EXCLUDE (date) FROM syncs ORDER BY created_at DESC")
     last = rows[0] if rows else None
     last_ok = next((r for r in rows if r["ok"]), None)
     seen = next((r["serving_version"] for r in rows if r["serving_version"] is not None), None)
@@ -349,8 +352,8 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
 def last_synced_checkpoint(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
     """The checkpoint of the newest successful sync (weight_version, path, sha256), or None: what a
     restarted engine should serve again. A version whose load killed the engine never counts."""
-    rows = con.sql("""
+    rows = _rows(con, """
         SELECT c.weight_version, c.path, c.sha256 FROM syncs s JOIN checkpoints c USING (weight_version)
         WHERE s.ok ORDER BY s.created_at DESC LIMIT 1
-    """).to_arrow_table().to_pylist()
+    """)
     return rows[0] if rows else None

@@ -25,16 +25,7 @@ from datetime import datetime
 
 import pyarrow as pa
 
-from clawrl.records import (
-    BatchRecord,
-    CheckpointRecord,
-    FateRecord,
-    JudgeVerdict,
-    NextStateRecord,
-    SampleRecord,
-    SyncRecord,
-    TurnRecord,
-)
+from clawrl import records
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 # The column every table is partitioned by (its UTC date becomes the hive ``date=`` directory).
@@ -50,7 +41,7 @@ def arrow_field(name: str, annotation: object, scalars: dict[type, pa.DataType] 
     """The column of a record field annotated ``annotation`` (a resolved type, see the rules above)."""
     args = typing.get_args(annotation)
     nullable = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
-    if nullable:
+    if nullable and len(args) == 2:
         (annotation,) = [a for a in args if a is not type(None)]
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
@@ -78,14 +69,14 @@ class TableSpec:
 TABLES: dict[str, TableSpec] = {
     name: TableSpec(name, record_type, schema_of(record_type))
     for name, record_type in (
-        ("turns", TurnRecord),
-        ("next_states", NextStateRecord),
-        ("verdicts", JudgeVerdict),
-        ("samples", SampleRecord),
-        ("turn_fate", FateRecord),
-        ("batches", BatchRecord),
-        ("checkpoints", CheckpointRecord),
-        ("syncs", SyncRecord),
+        ("turns", records.TurnRecord),
+        ("next_states", records.NextStateRecord),
+        ("verdicts", records.JudgeVerdict),
+        ("samples", records.SampleRecord),
+        ("turn_fate", records.FateRecord),
+        ("batches", records.BatchRecord),
+        ("checkpoints", records.CheckpointRecord),
+        ("syncs", records.SyncRecord),
     )
 }
 

@@ -106,10 +106,8 @@ class DataStore:
         for record in records:
             table = TABLE_OF_RECORD.get(type(record))
             if table is None:
-                raise TypeError(
-                    f"cannot store {type(record).__name__}; records: "
-                    + ", ".join(t.__name__ for t in TABLE_OF_RECORD)
-                )
+                raise TypeError(f"cannot store {type(record).__name__}; records: "
+                                + ", ".join(t.__name__ for t in TABLE_OF_RECORD))
             self._check(record)
             by_table.setdefault(table, []).append(record)
         return sum(self._logs[table].append(rows) for table, rows in by_table.items())
@@ -120,9 +118,6 @@ class DataStore:
 
     def recover(self) -> int:
         return sum(log_.recover() for log_ in self._logs.values())
-
-    def table_log(self, table: str) -> TableLog:
-        return self._logs[table]
 
     def close(self) -> None:
         errors = []
@@ -144,9 +139,7 @@ class DataStore:
         values, columns = self._checks[type(record)]
         for value, (name, fits, nullable, type_) in zip(values(record), columns):
             if not (fits(value) or (nullable and value is None)):
-                raise ValueError(
-                    f"{type(record).__name__}.{name} = {value!r:.80} does not fit column type {type_}"
-                )
+                raise ValueError(f"{type(record).__name__}.{name} = {value!r:.80} does not fit column type {type_}")
 
 
 # What fits a column, tested in Python: converting a record with pyarrow costs ~30-60 us, more than
