@@ -130,6 +130,13 @@ def test_append_rejects_a_bad_value_before_writing_anything(data_root, make_turn
     assert wal_segments(data_root) == [] and parquet_files(data_root) == []
 
 
+def test_append_rejects_a_vote_that_is_neither_an_int_nor_none(data_root):
+    with DataStore(data_root, background=False) as store:
+        with pytest.raises(ValueError, match=r"JudgeVerdict\.votes = \[1, None, 'yes'\]"):
+            store.append(JudgeVerdict("t0", "h1", "rule", 1, "majority", [1, None, "yes"], "[]"))
+        assert store.flush() == 0
+
+
 def test_append_rejects_objects_that_are_not_records(data_root):
     with DataStore(data_root, background=False) as store, pytest.raises(TypeError, match="TurnRecord"):
         store.append({"turn_id": "x"})
