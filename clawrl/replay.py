@@ -68,15 +68,13 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
 
     from clawrl.config import load_settings
     from clawrl.train.trainer import samples_from_rows, trainer_from_settings
-    from clawrl.storage.catalog import batch_samples, config_snapshot_path, open_catalog, replay_plan
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import batch_samples, config_snapshot_path, replay_plan
 
     data_root = Path(settings.storage.data_root)
-    con = open_catalog(data_root)
-    try:
+    with open_catalog(data_root) as con:
         plan = replay_plan(con, weight_version)
         batches = [batch_samples(con, p["batch_id"]).to_pylist() for p in plan]
-    finally:
-        con.close()
     overrides = dict(overrides or {})
     excluded = set(exclude_sessions)
     exact = not excluded and not overrides

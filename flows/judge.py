@@ -23,7 +23,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from clawrl import runtime
 from clawrl.flows.common import data_store, judge_for, load_flow_settings
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
-from clawrl.storage.catalog import open_catalog, pending_counts, turns_to_judge
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
 

@@ -26,7 +26,8 @@ from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
 from clawrl.sim.users import kl_to_reference, score, summarize_round, user_round
-from clawrl.storage.catalog import open_catalog, session_turns
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.queries import session_turns
 
 
 def _talk(gateway_url: str, *args, **kwargs):

@@ -40,15 +40,13 @@ def record_replay(config_path: str | None, report: dict[str, Any]) -> str:
 def replay_flow(config_path: str | None = None, version: str = "latest", exclude_sessions: list[str] | None = None,
                 reason: str = "", set_overrides: list[str] | None = None) -> dict[str, Any]:
     """``version``: a weight version or 'latest'; ``set_overrides``: ["ppo.lr=1e-5", ...]."""
-    from clawrl.storage.catalog import latest_version, open_catalog
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import latest_version
 
     if version == "latest":
         s = load_flow_settings(config_path)
-        con = open_catalog(s.storage.data_root)
-        try:
+        with open_catalog(s.storage.data_root) as con:
             version = str(latest_version(con))
-        finally:
-            con.close()
     overrides = dict(parse_override(x) for x in (set_overrides or []))
     report = run_replay(config_path, version, list(exclude_sessions or []), reason, overrides)
     report["mlflow_run_id"] = record_replay(config_path, report)

@@ -40,14 +40,14 @@ from clawrl.train.trainer import samples_from_rows
 from clawrl.flows.common import (data_store, load_flow_settings, local_trainer, policy_engine, record_sync,
                                  trainer_in_process)
 from clawrl.train.service import request_step
-from clawrl.storage.catalog import (
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.queries import (
     batch_manifest,
     batch_samples,
     checkpoint_exists,
     custom_samples,
     latest_version,
     open_batch,
-    open_catalog,
     trainable_samples,
     write_config_snapshot,
 )
@@ -70,8 +70,7 @@ def claim_batch(config_path: str | None) -> str | None:
     s = load_flow_settings(config_path)
     log = get_run_logger()
     chash = build_judge_config_hash(s)
-    con = _catalog(s)
-    try:
+    with _catalog(s) as con:
         pending = open_batch(con)
         if pending is not None:
             log.info("resuming batch %s (claimed, not yet checkpointed)", pending["batch_id"])
@@ -83,8 +82,6 @@ def claim_batch(config_path: str | None) -> str | None:
         else:  # custom samples are stored first, so batches and lineage reach them like any other
             rows = custom_samples(con, source(data_root=s.storage.data_root, judge_config_hash=chash,
                                               limit=s.ppo.rollout_batch_size), data_store(s))
-    finally:
-        con.close()
     chosen, stale = select_batch(rows, current_version=current, batch_size=s.ppo.rollout_batch_size,
                                  max_staleness=s.ppo.max_staleness)
     store = data_store(s)
@@ -110,22 +107,16 @@ def run_step(config_path: str | None, batch_id: str, trainer_url: str | None) ->
     s = load_flow_settings(config_path)
     if trainer_url:
         return request_step(trainer_url, batch_id)
-    con = _catalog(s)
-    try:
+    with _catalog(s) as con:
         rows = batch_samples(con, batch_id).to_pylist()
-    finally:
-        con.close()
     return asdict(local_trainer(s).run(batch_id, samples_from_rows(rows)))
 
 
 @task(cache_policy=NO_CACHE)
 def log_lineage(config_path: str | None, step: dict[str, Any]) -> str:
     s = load_flow_settings(config_path)
-    con = _catalog(s)
-    try:
+    with _catalog(s) as con:
         manifest = batch_manifest(con, step["batch_id"])
-    finally:
-        con.close()
     ppo = s.ppo
     params = {"config_hash": config_hash(s), "method": ppo.advantage_estimator.value, "lr": ppo.lr,
               "clip_range": ppo.clip_range, "clip_range_high": ppo.clip_range_high, "kl_coef": ppo.kl_coef,
@@ -140,11 +131,8 @@ def log_lineage(config_path: str | None, step: dict[str, Any]) -> str:
 @task(cache_policy=NO_CACHE)
 def record_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) -> bool:
     s = load_flow_settings(config_path)
-    con = _catalog(s)
-    try:
+    with _catalog(s) as con:
         exists = checkpoint_exists(con, step["weight_version"])
-    finally:
-        con.close()
     if not exists:
         data_store(s).append(CheckpointRecord(
             weight_version=step["weight_version"], step=step["step"], batch_id=step["batch_id"],

@@ -1,170 +1,60 @@
-"""One pyarrow schema per table: the on-disk shape of every record in ``clawrl.records``.
+"""One pyarrow schema per table, derived from its record dataclass in ``clawrl.records``.
 
-Each schema lists the dataclass's fields in declaration order, with these types:
+A schema lists the dataclass's fields in declaration order, typed by these rules (any other
+annotation raises ``TypeError`` when this module is imported):
 
-- ``str`` -> ``string`` (not null); ``str | None`` -> nullable ``string``; ``bool`` -> ``bool``;
-  ``int`` -> ``int64``; ``float`` -> ``float64``; ``datetime`` -> ``timestamp[us, UTC]``;
-  ``X | None`` -> the same type, nullable.
+- ``str`` -> ``string``; ``bool`` -> ``bool``; ``int`` -> ``int64``; ``float`` -> ``float64``;
+  ``datetime`` -> ``timestamp[us, UTC]``; all not null, and ``X | None`` -> the same, nullable.
 - ``list[int]`` (token ids) -> ``list<int32 not null>``: vocabularies are far below 2**31, and
-  int32 halves the in-memory size of the largest columns. ``list[int | None]`` (judge votes) ->
-  ``list<int32>`` with nullable items. ``list[str]`` -> ``list<string not null>``.
-- ``list[float]`` (every one of them is a log-prob list) -> ``list<float64 not null>``, not float32. The PPO
+  int32 halves the in-memory size of the largest columns. ``list[int | None]`` (judge votes, None
+  for an unparseable reply) -> ``list<int32>``. ``list[str]`` -> ``list<string not null>``.
+- ``list[float]`` (every one a log-prob list) -> ``list<float64 not null>``, not float32: the PPO
   ratio is ``exp(logprobs - rollout_logprobs)``, so storage must give back exactly what the engine
-  returned. float32 does not: its spacing is 2**-19 ~ 1.9e-6 for |x| in [16, 32), so a log-prob
-  of -20 could move by ~1e-6, and sampled tokens at temperature 1 do reach -20. float64 holds any
-  Python float exactly, and costs 4 extra bytes per generated token (~256 B for a 64-token
-  output, before compression).
+  returned, and float32's spacing is 2**-19 ~ 1.9e-6 for |x| in [16, 32) (sampled tokens at
+  temperature 1 do reach -20). float64 holds any Python float exactly, for 4 more bytes a token.
 
 Hive partitioning adds a ``date`` column (``DATE``, the UTC date of ``created_at``) in the
-directory name, not in the files. ``tests/storage/test_schemas.py`` checks every dataclass field
-against its column, so a field added to a record without a schema change here fails loudly.
+directory name, not in the files.
 """
-
 from __future__ import annotations
 
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, fields
+from datetime import datetime
 
 import pyarrow as pa
 
-from clawrl.records import (
-    BatchRecord,
-    CheckpointRecord,
-    FateRecord,
-    JudgeVerdict,
-    NextStateRecord,
-    SampleRecord,
-    SyncRecord,
-    TurnRecord,
-)
+from clawrl import records
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
-# List items are required (the JSON reader then rejects a null id or log-prob); only judge votes
-# have nullable items, a None vote being an unparseable judge reply.
-TOKEN_IDS = pa.list_(pa.field("item", pa.int32(), nullable=False))
-LOGPROBS = pa.list_(pa.field("item", pa.float64(), nullable=False))
-STRINGS = pa.list_(pa.field("item", pa.string(), nullable=False))
-VOTES = pa.list_(pa.field("item", pa.int32(), nullable=True))
-
 # The column every table is partitioned by (its UTC date becomes the hive ``date=`` directory).
 PARTITION_SOURCE = "created_at"
 
-
-def _required(name: str, type_: pa.DataType) -> pa.Field:
-    return pa.field(name, type_, nullable=False)
-
-
-def _optional(name: str, type_: pa.DataType) -> pa.Field:
-    return pa.field(name, type_, nullable=True)
+_SCALARS: dict[type, pa.DataType] = {
+    str: pa.string(), bool: pa.bool_(), int: pa.int64(), float: pa.float64(), datetime: TIMESTAMP,
+}
+_ITEMS = _SCALARS | {int: pa.int32()}  # list items: token ids and votes
 
 
-TURNS = pa.schema([
-    _required("turn_id", pa.string()),
-    _required("session_id", pa.string()),
-    _required("turn_index", pa.int64()),
-    _required("turn_type", pa.string()),
-    _required("namespace", pa.string()),
-    _required("model", pa.string()),
-    _required("weight_version", pa.string()),
-    _required("request_messages", pa.string()),
-    _optional("request_tools", pa.string()),
-    _required("request_params", pa.string()),
-    _required("prompt_ids", TOKEN_IDS),
-    _required("output_ids", TOKEN_IDS),
-    _required("rollout_logprobs", LOGPROBS),
-    _required("text", pa.string()),
-    _optional("tool_calls", pa.string()),
-    _required("finish_reason", pa.string()),
-    _required("created_at", TIMESTAMP),
-    _required("completed_at", TIMESTAMP),
-    _required("latency_ms", pa.float64()),
-    _required("weight_versions", pa.string()),
-])
+def arrow_field(name: str, annotation: object, scalars: dict[type, pa.DataType] = _SCALARS) -> pa.Field:
+    """The column of a record field annotated ``annotation`` (a resolved type, see the rules above)."""
+    args = typing.get_args(annotation)
+    nullable = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
+    if nullable and len(args) == 2:
+        (annotation,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return pa.field(name, pa.list_(arrow_field("item", item, _ITEMS)), nullable=nullable)
+    if annotation not in scalars:
+        raise TypeError(f"field {name!r}: no column type for {annotation!r}")
+    return pa.field(name, scalars[annotation], nullable=nullable)
 
-NEXT_STATES = pa.schema([
-    _required("turn_id", pa.string()),
-    _required("session_id", pa.string()),
-    _required("turn_index", pa.int64()),
-    _required("has_next_state", pa.bool_()),
-    _optional("messages", pa.string()),
-    _required("reason", pa.string()),
-    _required("created_at", TIMESTAMP),
-])
 
-VERDICTS = pa.schema([
-    _required("turn_id", pa.string()),
-    _required("judge_config_hash", pa.string()),
-    _required("judge_backend", pa.string()),
-    _required("score", pa.int64()),
-    _required("score_reason", pa.string()),
-    _required("votes", VOTES),
-    _required("raw_outputs", pa.string()),
-    _optional("hint", pa.string()),
-    _optional("hint_raw_outputs", pa.string()),
-    _optional("error", pa.string()),
-    _required("created_at", TIMESTAMP),
-])
-
-SAMPLES = pa.schema([
-    _required("sample_id", pa.string()),
-    _required("turn_id", pa.string()),
-    _required("session_id", pa.string()),
-    _required("judge_config_hash", pa.string()),
-    _required("method", pa.string()),
-    _required("prompt_ids", TOKEN_IDS),
-    _required("output_ids", TOKEN_IDS),
-    _required("rollout_logprobs", LOGPROBS),
-    _required("reward", pa.float64()),
-    _required("has_teacher", pa.bool_()),
-    _optional("teacher_logprobs", LOGPROBS),
-    _required("weight_version", pa.string()),
-    _required("created_at", TIMESTAMP),
-])
-
-TURN_FATE = pa.schema([
-    _required("turn_id", pa.string()),
-    _required("session_id", pa.string()),
-    _required("judge_config_hash", pa.string()),
-    _required("fate", pa.string()),
-    _required("detail", pa.string()),
-    _required("created_at", TIMESTAMP),
-])
-
-BATCHES = pa.schema([
-    _required("batch_id", pa.string()),
-    _required("step", pa.int64()),
-    _required("sample_ids", STRINGS),
-    _required("session_ids", STRINGS),
-    _required("method", pa.string()),
-    _required("config_hash", pa.string()),
-    _required("parent_version", pa.string()),
-    _required("created_at", TIMESTAMP),
-])
-
-CHECKPOINTS = pa.schema([
-    _required("weight_version", pa.string()),
-    _required("step", pa.int64()),
-    _required("batch_id", pa.string()),
-    _required("parent_version", pa.string()),
-    _required("path", pa.string()),
-    _required("sha256", pa.string()),
-    _optional("mlflow_run_id", pa.string()),
-    _required("created_at", TIMESTAMP),
-])
-
-SYNCS = pa.schema([
-    _required("sync_id", pa.string()),
-    _required("weight_version", pa.string()),
-    _required("target", pa.string()),
-    _required("ok", pa.bool_()),
-    _required("skipped", pa.bool_()),
-    _optional("error", pa.string()),
-    _optional("serving_version", pa.string()),
-    _optional("checkpoint_path", pa.string()),
-    _optional("mlflow_run_id", pa.string()),
-    _required("started_at", TIMESTAMP),
-    _required("seconds", pa.float64()),
-    _required("created_at", TIMESTAMP),
-])
+def schema_of(record_type: type) -> pa.Schema:
+    """The Parquet schema of a record dataclass: one column per field, in declaration order."""
+    hints = typing.get_type_hints(record_type)
+    return pa.schema([arrow_field(f.name, hints[f.name]) for f in fields(record_type)])
 
 
 @dataclass(frozen=True)
@@ -177,16 +67,16 @@ class TableSpec:
 
 
 TABLES: dict[str, TableSpec] = {
-    spec.name: spec
-    for spec in (
-        TableSpec("turns", TurnRecord, TURNS),
-        TableSpec("next_states", NextStateRecord, NEXT_STATES),
-        TableSpec("verdicts", JudgeVerdict, VERDICTS),
-        TableSpec("samples", SampleRecord, SAMPLES),
-        TableSpec("turn_fate", FateRecord, TURN_FATE),
-        TableSpec("batches", BatchRecord, BATCHES),
-        TableSpec("checkpoints", CheckpointRecord, CHECKPOINTS),
-        TableSpec("syncs", SyncRecord, SYNCS),
+    name: TableSpec(name, record_type, schema_of(record_type))
+    for name, record_type in (
+        ("turns", records.TurnRecord),
+        ("next_states", records.NextStateRecord),
+        ("verdicts", records.JudgeVerdict),
+        ("samples", records.SampleRecord),
+        ("turn_fate", records.FateRecord),
+        ("batches", records.BatchRecord),
+        ("checkpoints", records.CheckpointRecord),
+        ("syncs", records.SyncRecord),
     )
 }
 
@@ -203,7 +93,7 @@ _DUCKDB_SCALARS = {
 
 
 def duckdb_type(t: pa.DataType) -> str:
-    """The DuckDB type of a column of Arrow type `t` (only the types used above)."""
+    """The DuckDB type of a column of Arrow type `t` (only the types the rules above produce)."""
     if pa.types.is_list(t):
         return duckdb_type(t.value_type) + "[]"
     return _DUCKDB_SCALARS[t]

@@ -60,7 +60,8 @@ def status(config: ConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
     s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.catalog import open_catalog, pending_counts, sync_state
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import pending_counts, sync_state
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
@@ -122,7 +123,8 @@ def lineage(
     s = settings_or_exit(config)
     from rich.tree import Tree
 
-    from clawrl.storage.catalog import lineage_chain, open_catalog
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import lineage_chain
 
     with open_catalog(s.storage.data_root) as con:
         chain = lineage_chain(con, version)

@@ -82,7 +82,8 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
 def _report(s: Settings, out: dict, persona: str) -> None:
     """The held-out score per step, the learning curve's file, and the status of the run's data."""
     from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.catalog import open_catalog, pending_counts
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import pending_counts
 
     rows = out["rows"]
     t = Table(title=f"held-out score per step (persona {persona})")

@@ -68,7 +68,8 @@ def engine(
         fail(f"model error: {e}")
     version = "0"
     if resume:
-        from clawrl.storage.catalog import last_synced_checkpoint, open_catalog
+        from clawrl.storage.catalog import open_catalog
+        from clawrl.storage.queries import last_synced_checkpoint
         from clawrl.sync import CheckpointError, verify_checkpoint
 
         with open_catalog(s.storage.data_root) as con:

@@ -77,13 +77,11 @@ async def replay(_: AdminDep, settings: SettingsDep, body: ReplayRequest | None 
 
 
 def _version_for_run(data_root, run_id: str) -> str | None:
-    from clawrl.storage.catalog import open_catalog, version_for_run
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import version_for_run
 
-    con = open_catalog(data_root)
-    try:
+    with open_catalog(data_root) as con:
         return version_for_run(con, run_id)
-    finally:
-        con.close()
 
 
 async def submit_deployment_run(name: str, parameters: dict[str, Any]) -> dict[str, Any]:

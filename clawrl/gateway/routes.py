@@ -206,15 +206,13 @@ async def read_session(session_id: str, namespace: NamespaceDep, service: Servic
 
 
 def _session_log(store: Any, data_root, namespace: str, session_id: str) -> list[dict[str, Any]]:
-    from clawrl.storage.catalog import open_catalog, session_log
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import session_log
 
     if hasattr(store, "flush"):
         store.flush()  # read your own writes: turns still in the write-ahead log become Parquet
-    con = open_catalog(data_root)
-    try:
+    with open_catalog(data_root) as con:
         return session_log(con, namespace, session_id)
-    finally:
-        con.close()
 
 
 @ops.get("/healthz")
@@ -407,15 +405,13 @@ def _restore_sessions(tracker: SessionTracker, settings: Settings, store: Any) -
     comes back with its pending turn (so the reply becomes that turn's next state, and the idle
     sweep closes it if none comes), and every recent session goes on counting turn indices where
     it stopped, so a returning session never reuses one. Returns the sessions restored as open."""
-    from clawrl.storage.catalog import open_catalog, session_states
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import session_states
 
     if hasattr(store, "flush"):
         store.flush()  # the WAL of a killed predecessor was recovered when the store opened
-    con = open_catalog(settings.storage.data_root)
-    try:
+    with open_catalog(settings.storage.data_root) as con:
         rows = session_states(con, 10 * settings.server.max_sessions)  # as many as the tracker remembers
-    finally:
-        con.close()
     n = 0
     for row in reversed(rows):  # oldest first: the tracker's order is its recency order
         if row["pending_turn_id"] is None:

@@ -307,7 +307,7 @@ class ChatService:
 
     def _append(self, record: Any, what: str) -> None:
         """Append one record; a store that cannot write (disk full, I/O error, file size limit)
-        becomes a 507 and nothing of the record counts as written (storage/writer.py: an append that
+        becomes a 507 and nothing of the record counts as written (storage/wal.py: an append that
         raised is not acknowledged and leaves no torn line behind)."""
         try:
             self.store.append(record)

@@ -25,7 +25,8 @@ class StepRequest(BaseModel):
 
 
 def create_trainer_app(trainer: Trainer, data_root) -> FastAPI:
-    from clawrl.storage.catalog import batch_samples, open_catalog
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import batch_samples
 
     app = FastAPI(title="clawrl trainer")
     lock = asyncio.Lock()  # the HTTP server's own guard; cross-process exclusivity is Prefect's `trainer` limit
@@ -38,11 +39,8 @@ def create_trainer_app(trainer: Trainer, data_root) -> FastAPI:
     @app.post("/step")
     async def step(req: StepRequest):
         def work():
-            con = open_catalog(data_root)
-            try:
+            with open_catalog(data_root) as con:
                 rows = batch_samples(con, req.batch_id).to_pylist()
-            finally:
-                con.close()
             return trainer.run(req.batch_id, samples_from_rows(rows))
 
         async with lock:

@@ -27,12 +27,9 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
         assert abs(r["added_p50_pct"] - 100 * r["added_p50_ms"] / r["direct_p50_ms"]) < 1e-9
         # the gateway's own share (its Server-Timing) is part of a gateway request's latency
         assert 0 < r["own_p50_ms"] < r["gateway_p50_ms"]
-    con = open_catalog(result["data_root"])
-    try:
+    with open_catalog(result["data_root"]) as con:
         n, types, distinct = con.execute(
             "select count(*), count(distinct turn_type), count(distinct request_messages) from turns").fetchone()
-    finally:
-        con.close()
     # per topology and concurrency c: 2c warm-up requests + 8 measured, all through the gateway
     assert n == 2 * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
     assert distinct >= 16  # distinct user messages, not one repeated prompt

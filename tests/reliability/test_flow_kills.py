@@ -25,7 +25,8 @@ import pytest
 from clawrl.config import dump_toml, load_settings
 from clawrl.lineage import EXPERIMENT, REGISTERED_MODEL, client, experiment_id
 from clawrl.train.trainer import file_sha256
-from clawrl.storage.catalog import open_catalog, run_query, trainable_samples
+from clawrl.storage.catalog import open_catalog, run_query
+from clawrl.storage.queries import trainable_samples
 from clawrl.storage.writer import DataStore
 from tests.utils.fork_runner import shared_fork_runner
 from tests.utils.turns import T0, build_next_state, build_turn, generate_turn
@@ -172,16 +173,13 @@ def judged_after_kills(flows_env):
         code, out = flows_env["runner"].run(JUDGE_CHILD.format(point=point, conf=str(conf)), f"judge-{point}")
         assert code == -9, f"judge flow not killed at {point!r} (exit {code}):\n{out[-3000:]}"
         _recover(root)
-        con = open_catalog(root)
-        try:
+        with open_catalog(root) as con:
             attempts = con.sql("SELECT turn_id FROM judgment_attempts").fetchall()
             fated = {r[0] for r in con.sql("SELECT turn_id FROM turn_fate").fetchall()}
             uncommitted = {r[0] for r in attempts} - fated
             chash = flows_env["reference"]["judged"]["judge_config_hash"]
             usable = {r["turn_id"] for r in trainable_samples(con, chash).to_pylist()}
             sampled = {r[0] for r in con.sql("SELECT turn_id FROM samples").fetchall()}
-        finally:
-            con.close()
         left[point] = {"fates": len(fated), "verdicts": len(attempts), "uncommitted": uncommitted,
                        "uncommitted_samples": uncommitted & sampled, "trainable_uncommitted": uncommitted & usable}
     final = judge_flow(config_path=str(conf))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import duckdb
 import pytest
 
 from clawrl.records import (
@@ -14,7 +15,8 @@ from clawrl.records import (
     NextStateRecord,
     SampleRecord,
 )
-from clawrl.storage.catalog import VIEWS, open_catalog, pending_counts, ready_turns, refresh_views, run_query
+from clawrl.storage.catalog import VIEWS, open_catalog, refresh_views, run_query
+from clawrl.storage.queries import pending_counts, turns_to_judge
 from clawrl.storage.schemas import TABLES
 from clawrl.storage.writer import DataStore
 
@@ -29,8 +31,8 @@ def test_every_view_exists_on_an_empty_root_with_its_columns(tmp_path, view):
 
 def test_empty_views_have_the_same_column_types_as_populated_ones(data_root, make_turn):
     def describe():
-        con = open_catalog(data_root)
-        return {view: con.sql(f"DESCRIBE {view}").fetchall() for view in VIEWS}
+        with open_catalog(data_root) as con:
+            return {view: con.sql(f"DESCRIBE {view}").fetchall() for view in VIEWS}
 
     empty = describe()
     with DataStore(data_root, background=False) as store:
@@ -50,8 +52,7 @@ def test_empty_views_have_the_same_column_types_as_populated_ones(data_root, mak
 
 
 def test_a_long_lived_connection_sees_new_files_and_new_tables_after_refresh(data_root, make_turn):
-    con = open_catalog(data_root)
-    with DataStore(data_root, background=False) as store:
+    with open_catalog(data_root) as con, DataStore(data_root, background=False) as store:
         store.append(make_turn(0))
         store.flush()
         assert con.sql("SELECT count(*) FROM turns").fetchall() == [(0,)]  # no file when opened
@@ -98,23 +99,27 @@ def judged_root(data_root, make_turn):
     return data_root
 
 
-def test_ready_turns_are_main_turns_with_a_next_state_and_no_fate_under_that_config(judged_root):
-    con = open_catalog(judged_root)
-    ready = ready_turns(con, "h1")
-    # main t0..t7; next state arrived: t0..t5; fate under h1: t0 t1 t2 -> ready t3 t4 t5
-    assert ready.column("turn_id").to_pylist() == ["turn-000003", "turn-000004", "turn-000005"]
-    assert ready.column("next_messages").to_pylist() == ['[{"n": 3}]', '[{"n": 4}]', '[{"n": 5}]']
-    for needed in ("prompt_ids", "output_ids", "rollout_logprobs", "request_messages", "weight_version"):
-        assert needed in ready.column_names
-    # under h2 only t3 has a fate -> t0 t1 t2 t4 t5; t0 once, with its first next state
-    ready2 = ready_turns(con, "h2")
-    assert ready2.column("turn_id").to_pylist() == [f"turn-{i:06d}" for i in (0, 1, 2, 4, 5)]
-    assert ready2.column("next_messages").to_pylist()[0] == '[{"n": 0}]'
-    assert ready_turns(con, "h2", limit=2).num_rows == 2
+def test_turns_to_judge_are_the_decidable_turns_without_a_fate_under_that_config(judged_root):
+    with open_catalog(judged_root) as con:
+        todo = turns_to_judge(con, "h1")
+        # main t0..t6 have a next-state row (t7 still waits), side t8 t9 need none; fates under h1: t0 t1 t2 t8
+        assert todo.column("turn_id").to_pylist() == [f"turn-{i:06d}" for i in (3, 4, 5, 6, 9)]
+        assert todo.column("next_has_state").to_pylist() == [True, True, True, False, None]
+        assert todo.column("next_messages").to_pylist() == ['[{"n": 3}]', '[{"n": 4}]', '[{"n": 5}]', None, None]
+        for needed in ("prompt_ids", "output_ids", "rollout_logprobs", "request_messages", "weight_version"):
+            assert needed in todo.column_names
+        # under h2 only t3 has a fate; t0 appears once, with its first next state
+        todo2 = turns_to_judge(con, "h2")
+        assert todo2.column("turn_id").to_pylist() == [f"turn-{i:06d}" for i in (0, 1, 2, 4, 5, 6, 8, 9)]
+        assert todo2.column("next_messages").to_pylist()[0] == '[{"n": 0}]'
+        assert turns_to_judge(con, "h2", limit=2).num_rows == 2
+        assert turns_to_judge(con, "h2", turn_id="turn-000004").column("turn_id").to_pylist() == ["turn-000004"]
+        assert turns_to_judge(con, "h1", turn_id="turn-000000").num_rows == 0  # it has a fate under h1
 
 
 def test_pending_counts_explain_where_every_turn_is(judged_root):
-    counts = pending_counts(open_catalog(judged_root), "h1", rollout_batch_size=4)
+    with open_catalog(judged_root) as con:
+        counts = pending_counts(con, "h1", rollout_batch_size=4)
     assert counts["turns"] == 10 and counts["main_turns"] == 8 and counts["side_turns"] == 2
     assert counts["awaiting_next_state"] == 1  # t7
     assert counts["pending_judgment"] == 3  # t3 t4 t5
@@ -130,11 +135,21 @@ def test_pending_counts_explain_where_every_turn_is(judged_root):
 
 
 def test_pending_counts_on_an_empty_root_are_zero(tmp_path):
-    counts = pending_counts(open_catalog(tmp_path), "h1", rollout_batch_size=32)
+    with open_catalog(tmp_path) as con:
+        counts = pending_counts(con, "h1", rollout_batch_size=32)
     assert counts["turns"] == 0 and counts["trainable"] == 0 and counts["samples_needed"] == 32
     assert sum(counts["fates"].values()) == 0
 
 
 def test_catalog_connections_draw_no_progress_bar(tmp_path):
     # DuckDB draws one on stdout for queries over ~2 s; it would corrupt `clawrl sql -f csv` output.
-    assert open_catalog(tmp_path).sql("SELECT current_setting('enable_progress_bar')").fetchall() == [(False,)]
+    for read_only in (False, True):
+        with open_catalog(tmp_path, read_only=read_only) as con:
+            assert con.sql("SELECT current_setting('enable_progress_bar')").fetchall() == [(False,)]
+
+
+def test_a_catalog_connection_is_closed_when_its_block_ends(tmp_path):
+    with open_catalog(tmp_path) as con:
+        assert con.sql("SELECT count(*) FROM turns").fetchall() == [(0,)]
+    with pytest.raises(duckdb.ConnectionException):
+        con.sql("SELECT 1")

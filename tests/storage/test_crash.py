@@ -59,9 +59,9 @@ def test_every_acknowledged_turn_survives_kill_9(data_root, spawn):
 
 
 CRASH_AT = """
-    from clawrl.storage import writer
+    from clawrl.storage import convert, wal
     n = int(sys.argv[2])
-    real_replace, replaced = writer._replace, []
+    real_replace, replaced = convert._replace, []
 
     def crash(*args):
         os.kill(os.getpid(), 9)
@@ -72,9 +72,9 @@ CRASH_AT = """
         real_replace(tmp, final)
         replaced.append(final)
 
-    writer._replace = replace_then_maybe_crash
+    convert._replace = replace_then_maybe_crash
     if sys.argv[3] == "before_delete":
-        writer._drop_segment = crash
+        wal._drop_segment = crash
     store = DataStore(sys.argv[1], background=False)
     # 30 turns, one second apart from 23:59:45: 15 on 2026-11-29 and 15 on 2026-11-30, one segment
     turns = [make_turn(i) for i in range(30)]

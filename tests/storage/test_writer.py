@@ -14,10 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from clawrl.records import FateRecord, JudgeVerdict, NextStateRecord
-from clawrl.storage import writer
+from clawrl.storage import convert, wal
 from clawrl.storage.catalog import run_query
-from clawrl.storage.schemas import TURNS
-from clawrl.storage.writer import DataStore, TableLog
+from clawrl.storage.schemas import TABLES
+from clawrl.storage.wal import TableLog
+from clawrl.storage.writer import DataStore
+
+TURNS = TABLES["turns"].schema
 
 
 @pytest.fixture(params=["pyarrow", "duckdb"])
@@ -27,15 +30,15 @@ def parser(request, monkeypatch):
     `parser.fallbacks` lists segments that needed the line-by-line path, which would otherwise
     hide a broken fast path behind correct results.
     """
-    monkeypatch.setattr(writer, "DUCKDB_MIN_BYTES", 0 if request.param == "duckdb" else 1 << 40)
+    monkeypatch.setattr(convert, "DUCKDB_MIN_BYTES", 0 if request.param == "duckdb" else 1 << 40)
     fallbacks = []
-    real = writer._parse_lines
+    real = convert._parse_lines
 
     def parse_lines(body, schema):
         fallbacks.append(body.count(b"\n"))
         return real(body, schema)
 
-    monkeypatch.setattr(writer, "_parse_lines", parse_lines)
+    monkeypatch.setattr(convert, "_parse_lines", parse_lines)
     return SimpleNamespace(name=request.param, fallbacks=fallbacks)
 
 
@@ -127,6 +130,13 @@ def test_append_rejects_a_bad_value_before_writing_anything(data_root, make_turn
     assert wal_segments(data_root) == [] and parquet_files(data_root) == []
 
 
+def test_append_rejects_a_vote_that_is_neither_an_int_nor_none(data_root):
+    with DataStore(data_root, background=False) as store:
+        with pytest.raises(ValueError, match=r"JudgeVerdict\.votes = \[1, None, 'yes'\]"):
+            store.append(JudgeVerdict("t0", "h1", "rule", 1, "majority", [1, None, "yes"], "[]"))
+        assert store.flush() == 0
+
+
 def test_append_rejects_objects_that_are_not_records(data_root):
     with DataStore(data_root, background=False) as store, pytest.raises(TypeError, match="TurnRecord"):
         store.append({"turn_id": "x"})
@@ -169,7 +179,7 @@ def test_rows_that_do_not_fit_the_schema_are_set_aside_not_lost(data_root, make_
     log_.close()
     table = pq.read_table(next((data_root / "turns").glob("date=*/*.parquet")))
     assert table.column("turn_id").to_pylist() == ["turn-000000", "turn-000002"]
-    (rejected,) = (data_root / "turns" / writer.REJECTED_DIR).glob("*.jsonl")
+    (rejected,) = (data_root / "turns" / convert.REJECTED_DIR).glob("*.jsonl")
     entries = [orjson.loads(line) for line in rejected.read_bytes().splitlines()]
     assert [orjson.loads(e["line"])["turn_id"] for e in entries] == ["bad-type", "null-item"]
     assert all(e["error"] for e in entries)
@@ -193,11 +203,11 @@ def test_recover_removes_only_an_old_unpublished_segment(data_root):
     (another store opening) must not take it for a dead writer's and delete it (the writer's rename
     failed with FileNotFoundError in a judge flow before this rule). Only an old one is an orphan."""
     with DataStore(data_root, background=False) as store:
-        wal = data_root / "tables" / "turns" / "_wal"
-        fresh, old = wal / f"1-fresh-000001{writer._NEW_SUFFIX}", wal / f"1-old-000001{writer._NEW_SUFFIX}"
+        wal_dir = data_root / "tables" / "turns" / "_wal"
+        fresh, old = wal_dir / f"1-fresh-000001{wal._NEW_SUFFIX}", wal_dir / f"1-old-000001{wal._NEW_SUFFIX}"
         fresh.touch()
         old.touch()
-        past = time.time() - writer.ORPHAN_NEW_AGE_S - 1
+        past = time.time() - wal.ORPHAN_NEW_AGE_S - 1
         os.utime(old, (past, past))
         assert store.recover() == 0
         assert fresh.exists() and not old.exists()
@@ -214,7 +224,7 @@ def test_recovery_drops_only_an_unterminated_last_line(data_root, make_turn, par
     ids = run_query(data_root, "SELECT turn_id FROM turns ORDER BY 1").column("turn_id").to_pylist()
     assert ids == ["turn-000000", "turn-000001", "turn-000002"]
     assert wal_segments(data_root) == []
-    assert not (data_root / "tables" / "turns" / writer.REJECTED_DIR).exists()  # a torn tail is no misfit
+    assert not (data_root / "tables" / "turns" / convert.REJECTED_DIR).exists()  # a torn tail is no misfit
     assert parser.fallbacks == []
 
 
@@ -251,4 +261,5 @@ def test_group_commit_shares_one_fsync_between_concurrent_appends(data_root, mak
 
 def test_the_conversion_connection_draws_no_progress_bar():
     # A large segment takes DuckDB >2 s on a slow machine; its bar would land on the gateway's terminal.
-    assert writer._duckdb_query("SELECT current_setting('enable_progress_bar') AS p").to_pylist() == [{"p": False}]
+    con = convert._conversion_connection()
+    assert con.sql("SELECT current_setting('enable_progress_bar') AS p").fetchall() == [(False,)]

@@ -1,0 +1,359 @@
+"""The queries the flows, the gateway and ``clawrl status`` run on a catalog connection (storage/catalog.py).
+
+A record written twice (a retried append, a turn re-linked after a restart) counts once: these
+queries take the first write of each key (``_first``), except where a view keeps the newest.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from clawrl.records import Fate, TurnType
+from clawrl.storage.catalog import sql_str
+from clawrl.storage.selection import parse_version
+
+_MAIN, _SIDE, _SAMPLE = TurnType.MAIN.value, TurnType.SIDE.value, Fate.SAMPLE.value
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> list[dict[str, Any]]:
+    return con.sql(sql, params=params).to_arrow_table().to_pylist()
+
+
+def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (date)",
+           order: str = "created_at") -> str:
+    """SQL for one row per `key` of `view`: the first by `order`."""
+    return f"SELECT {columns} FROM {view} {where} QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY {order}) = 1"
+
+
+# ------------------------------------------------------------------------------ judge
+
+
+def turns_to_judge(
+    con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, limit: int | None = None,
+    turn_id: str | None = None,
+) -> pa.Table:
+    """Every turn the judge flow can decide now, oldest first, with no fate under this config:
+    main turns whose next state arrived (``next_has_state`` true; its first such next state), main
+    turns told that none will come (false), and side turns (NULL next-state columns). Main turns
+    still waiting are left out.
+
+    Columns: every ``turns`` column plus next_has_state, next_messages, next_reason, next_state_at.
+    ``turn_id`` restricts the answer to that one turn.
+    """
+    only = "" if turn_id is None else "WHERE turn_id = $turn_id"
+    params = {"hash": judge_config_hash} | ({} if turn_id is None else {"turn_id": turn_id})
+    next_state = _first("next_states", "turn_id", where=only, order="has_next_state DESC, created_at",
+                        columns="turn_id, has_next_state AS next_has_state, messages AS next_messages, "
+                                "reason AS next_reason, created_at AS next_state_at")
+    sql = f"""
+        WITH t AS ({_first("turns", "turn_id", where=only)}), ns AS ({next_state})
+        SELECT t.*, ns.next_has_state, ns.next_messages, ns.next_reason, ns.next_state_at
+        FROM t LEFT JOIN ns USING (turn_id)
+        WHERE (t.turn_type = '{_SIDE}' OR ns.turn_id IS NOT NULL)
+          AND NOT EXISTS (
+            SELECT 1 FROM turn_fate f WHERE f.turn_id = t.turn_id AND f.judge_config_hash = $hash)
+        ORDER BY t.created_at, t.turn_id {'' if limit is None else f'LIMIT {int(limit)}'}
+    """
+    return con.sql(sql, params=params).to_arrow_table()
+
+
+_CONSUMED = "SELECT DISTINCT unnest(sample_ids) AS sample_id FROM batches"
+
+# Samples under $hash a step may take (one row per sample id, the newest write): not when the turn
+# has a fate other than 'sample' under this config (too_stale, or a re-judge after a crash that
+# decided otherwise), and not while the turn's judge attempt is uncommitted (a verdict without a
+# fate: being judged now, or killed before its fate and to be judged again). Samples without any
+# verdict (a [hooks] sample_source, hand-written) are usable.
+_USABLE_SAMPLES = f"""
+    SELECT * EXCLUDE (date) FROM samples s
+    WHERE s.judge_config_hash = $hash
+      AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id AND f.judge_config_hash = $hash
+                      AND f.fate <> '{_SAMPLE}')
+      AND NOT (EXISTS (SELECT 1 FROM judgment_attempts j WHERE j.turn_id = s.turn_id
+                       AND j.judge_config_hash = $hash)
+               AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id
+                               AND f.judge_config_hash = $hash))
+"""
+
+
+def pending_counts(
+    con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int
+) -> dict[str, Any]:
+    """Where every turn stands under one judge config, for ``clawrl status``.
+
+    Keys: turns (distinct turn ids), main_turns, side_turns; awaiting_next_state (main, no next
+    state row and no fate yet); pending_judgment (main, next state arrived, no fate);
+    pending_no_next_state (main, told no next state will come, no fate yet: the judge flow's next
+    'no_next_state' fates); judged (turns with a fate); fates ({fate: turns} for every Fate, 0
+    when none); excluded (judged turns whose fate is not 'sample'); samples (distinct usable
+    sample ids under this config, as ``trainable_samples`` counts them); consumed (of those, listed
+    in some batch); trainable (not consumed); batches (rows of ``batches``); rollout_batch_size;
+    full_batches (trainable // rollout_batch_size); samples_needed (more samples before the next
+    step can start).
+    """
+    if rollout_batch_size < 1:
+        raise ValueError("rollout_batch_size must be >= 1")
+    waiting = f"FROM t JOIN ns USING (turn_id) ANTI JOIN f USING (turn_id) WHERE t.turn_type = '{_MAIN}' AND"
+    (counts,) = _rows(con, f"""
+        WITH t AS (SELECT turn_id, any_value(turn_type) AS turn_type FROM turns GROUP BY turn_id),
+        ns AS (SELECT turn_id, bool_or(has_next_state) AS has_next FROM next_states GROUP BY turn_id),
+        f AS (SELECT DISTINCT turn_id FROM turn_fate WHERE judge_config_hash = $hash),
+        s AS (SELECT DISTINCT sample_id FROM ({_USABLE_SAMPLES})),
+        used AS ({_CONSUMED})
+        SELECT
+            (SELECT count(*) FROM t) AS turns,
+            (SELECT count(*) FROM t WHERE turn_type = '{_MAIN}') AS main_turns,
+            (SELECT count(*) FROM t WHERE turn_type = '{_SIDE}') AS side_turns,
+            (SELECT count(*) FROM t LEFT JOIN ns USING (turn_id) ANTI JOIN f USING (turn_id)
+              WHERE t.turn_type = '{_MAIN}' AND ns.turn_id IS NULL) AS awaiting_next_state,
+            (SELECT count(*) {waiting} ns.has_next) AS pending_judgment,
+            (SELECT count(*) {waiting} NOT ns.has_next) AS pending_no_next_state,
+            (SELECT count(*) FROM f) AS judged,
+            (SELECT count(*) FROM s) AS samples,
+            (SELECT count(*) FROM s SEMI JOIN used USING (sample_id)) AS consumed,
+            (SELECT count(*) FROM batches) AS batches
+    """, hash=judge_config_hash)
+    fates = {fate.value: 0 for fate in Fate}
+    latest_fate = _first("turn_fate", "turn_id", where="WHERE judge_config_hash = $hash", order="created_at DESC")
+    for fate, n in con.sql(f"SELECT fate, count(*) FROM ({latest_fate}) GROUP BY fate",
+                           params={"hash": judge_config_hash}).fetchall():
+        fates[fate] = int(n)
+    trainable = counts["samples"] - counts["consumed"]
+    counts.update(
+        fates=fates,
+        excluded=sum(n for fate, n in fates.items() if fate != _SAMPLE),
+        trainable=trainable,
+        rollout_batch_size=rollout_batch_size,
+        full_batches=trainable // rollout_batch_size,
+        samples_needed=max(0, rollout_batch_size - trainable),
+    )
+    return counts
+
+
+# ------------------------------------------------------------------------------ train
+
+
+def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) -> pa.Table:
+    """Usable samples under this judge config (see ``_USABLE_SAMPLES``) not yet consumed by a batch,
+    oldest turn first (ties by sample id). Ordered by the turn's time, not the sample's: which
+    samples share a batch must not depend on the order the judge happened to finish them in (its
+    turns run concurrently, and a turn re-judged after a crash gets a later sample row), or a run
+    with a crash would train other batches than one without."""
+    sql = f"""
+        WITH u AS ({_USABLE_SAMPLES}),
+        t AS (SELECT turn_id, min(created_at) AS turn_at FROM turns GROUP BY turn_id)
+        SELECT u.* FROM u LEFT JOIN t USING (turn_id)
+        WHERE u.sample_id NOT IN ({_CONSUMED})
+        ORDER BY coalesce(t.turn_at, u.created_at), u.sample_id
+    """
+    return con.sql(sql, params={"hash": judge_config_hash}).to_arrow_table()
+
+
+def custom_samples(con: duckdb.DuckDBPyConnection, records: list, store) -> list[dict[str, Any]]:
+    """Samples from a ``[hooks] sample_source``: store the ones not stored yet, drop consumed ones,
+    and return them as rows (oldest first, as the hook gave them)."""
+    ids = {"ids": [r.sample_id for r in records]}
+    known = {r[0] for r in con.execute(
+        "SELECT DISTINCT sample_id FROM samples WHERE list_contains($ids, sample_id)", ids).fetchall()}
+    used = {r[0] for r in con.execute(
+        f"SELECT sample_id FROM ({_CONSUMED}) WHERE list_contains($ids, sample_id)", ids).fetchall()}
+    new = [r for r in records if r.sample_id not in known]
+    if new:
+        store.append(new)
+        store.flush()
+    return [asdict(r) for r in records if r.sample_id not in used]
+
+
+def open_batch(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
+    """The newest batch with no checkpoint yet (a step that was claimed but not finished), or None."""
+    rows = _rows(con, """
+        SELECT * EXCLUDE (date) FROM batches b
+        WHERE NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.batch_id = b.batch_id)
+        ORDER BY created_at DESC LIMIT 1
+    """)
+    return rows[0] if rows else None
+
+
+def batch_samples(con: duckdb.DuckDBPyConnection, batch_id: str) -> pa.Table:
+    """The samples a batch lists, in the batch's order (each sample's newest write, as the view keeps it)."""
+    sql = """
+        WITH one AS (SELECT sample_ids FROM batches WHERE batch_id = $batch_id ORDER BY created_at LIMIT 1),
+        b AS (SELECT unnest(sample_ids) AS sample_id, generate_subscripts(sample_ids, 1) AS pos FROM one)
+        SELECT s.* EXCLUDE (date) FROM b JOIN samples s USING (sample_id) ORDER BY b.pos
+    """
+    return con.sql(sql, params={"batch_id": batch_id}).to_arrow_table()
+
+
+def batch_manifest(con: duckdb.DuckDBPyConnection, batch_id: str) -> list[dict[str, Any]]:
+    """One row per sample of a batch (lineage): sample_id, session_id, turn_id, reward, has_teacher,
+    weight_version."""
+    cols = ["sample_id", "session_id", "turn_id", "reward", "has_teacher", "weight_version"]
+    return batch_samples(con, batch_id).select(cols).to_pylist()
+
+
+def checkpoint_exists(con: duckdb.DuckDBPyConnection, weight_version: str) -> bool:
+    return con.execute("SELECT count(*) FROM checkpoints WHERE weight_version = $v",
+                       {"v": str(weight_version)}).fetchall()[0][0] > 0
+
+
+def latest_version(con: duckdb.DuckDBPyConnection) -> int:
+    """The newest trained weight version recorded in ``checkpoints`` (0 before any step)."""
+    value = con.execute("SELECT max(step) FROM checkpoints").fetchall()[0][0]
+    return 0 if value is None else int(value)
+
+
+def version_for_run(con: duckdb.DuckDBPyConnection, mlflow_run_id: str) -> str | None:
+    """The weight version the MLflow run ``mlflow_run_id`` trained, or None."""
+    rows = con.execute("SELECT weight_version FROM checkpoints WHERE mlflow_run_id = $r ORDER BY created_at LIMIT 1",
+                       {"r": mlflow_run_id}).fetchall()
+    return str(rows[0][0]) if rows else None
+
+
+# ------------------------------------------------------------------------------ lineage and replay
+
+# Every checkpoint with the batch that trained it (the first write of each).
+_CHAIN = f"""
+    WITH c AS ({_first("checkpoints", "weight_version")}), b AS ({_first("batches", "batch_id")})
+    SELECT c.step, c.weight_version, c.parent_version, c.batch_id, c.sha256, c.mlflow_run_id, c.path,
+           b.config_hash, b.sample_ids, b.session_ids, b.method
+    FROM c JOIN b USING (batch_id)
+"""
+
+
+def lineage_chain(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
+    """What trained ``weight_version``: that checkpoint and every ancestor back to version 1, each with
+    its batch, sessions and turns (newest first). Empty when the version is unknown."""
+    rows = _rows(con, _CHAIN + "WHERE c.step <= (SELECT max(step) FROM c WHERE weight_version = $v) "
+                 "ORDER BY c.step DESC", v=str(weight_version))
+    for r in rows:
+        r["turn_ids"] = [t["turn_id"] for t in batch_manifest(con, r["batch_id"])]
+    return rows
+
+
+def replay_plan(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
+    """The batches that produced versions 1..``weight_version`` in training order, each with its
+    original checkpoint hash and config hash. Raises when a version in the chain is missing."""
+    rows = _rows(con, _CHAIN + "WHERE c.step <= $v ORDER BY c.step", v=int(weight_version))
+    steps = [r["step"] for r in rows]
+    if steps != list(range(1, int(weight_version) + 1)):
+        raise ValueError(f"cannot replay to version {weight_version}: recorded steps are {steps}")
+    return rows
+
+
+def config_snapshot_path(data_root: str | os.PathLike, config_hash: str) -> Path:
+    return Path(data_root) / "configs" / f"{config_hash}.toml"
+
+
+def write_config_snapshot(data_root: str | os.PathLike, config_hash: str, toml_text: str) -> Path:
+    """The full effective config a batch was trained with, kept by hash for replay (written once,
+    atomically)."""
+    path = config_snapshot_path(data_root, config_hash)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(toml_text)
+        os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------------------ sessions
+
+
+def session_turns(con: duckdb.DuckDBPyConnection, session_pattern: str) -> list[dict[str, Any]]:
+    """Turns of the sessions whose id matches a SQL LIKE pattern, oldest first (one row per turn)."""
+    sql = _first("turns", "turn_id", where="WHERE session_id LIKE $p") + " ORDER BY session_id, turn_index"
+    return _rows(con, sql, p=session_pattern)
+
+
+def session_log(con: duckdb.DuckDBPyConnection, namespace: str, session_id: str) -> list[dict[str, Any]]:
+    """One session of one API-key namespace, by turn index: turn_index, turn_type, text,
+    weight_version, finish_reason, created_at, has_next_state (true / false: none will come / NULL:
+    still waiting) and next_state_reason. Another namespace's session of the same id is not part of it."""
+    turns = _first("turns", "turn_id", where="WHERE namespace = $ns AND session_id = $sid")
+    next_state = _first("next_states", "turn_id", where="WHERE session_id = $sid",
+                        columns="turn_id, has_next_state, reason", order="has_next_state DESC, created_at")
+    return _rows(con, f"""
+        WITH t AS ({turns}), ns AS ({next_state})
+        SELECT t.turn_index, t.turn_type, t.text, t.weight_version, t.finish_reason, t.created_at,
+               ns.has_next_state, ns.reason AS next_state_reason
+        FROM t LEFT JOIN ns USING (turn_id) ORDER BY t.turn_index, t.created_at
+    """, ns=namespace, sid=session_id)
+
+
+def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str, Any]]:
+    """What a restarted gateway needs to continue its sessions: one row per (namespace, session_id)
+    of the ``limit`` most recently active, newest first.
+
+    Columns: namespace, session_id, next_index (1 + the highest turn index stored, so a returning
+    session never reuses an index), age_s (seconds since its last turn completed), and, when its
+    last main turn has no next-state row yet (the session waits for the user's reply),
+    pending_turn_id, pending_turn_index and pending_message_count (messages in that turn's
+    request); else those three are NULL.
+    """
+    turns = _first("turns", "turn_id", columns="namespace, session_id, turn_id, turn_index, turn_type, completed_at")
+    rows = _rows(con, f"""
+        WITH t AS ({turns}),
+        s AS (
+            SELECT namespace, session_id, max(turn_index) + 1 AS next_index, max(completed_at) AS last_at
+            FROM t GROUP BY namespace, session_id ORDER BY last_at DESC, session_id LIMIT {int(limit)}),
+        m AS (
+            SELECT namespace, session_id, turn_id, turn_index FROM t WHERE turn_type = '{_MAIN}'
+            QUALIFY row_number() OVER (PARTITION BY namespace, session_id
+                                       ORDER BY turn_index DESC, completed_at DESC) = 1)
+        SELECT s.namespace, s.session_id, s.next_index,
+               greatest(date_diff('millisecond', s.last_at, now()), 0) / 1000.0 AS age_s,
+               m.turn_id AS pending_turn_id, m.turn_index AS pending_turn_index
+        FROM s LEFT JOIN m ON m.namespace = s.namespace AND m.session_id = s.session_id
+               AND m.turn_id NOT IN (SELECT turn_id FROM next_states)
+        ORDER BY s.last_at DESC, s.session_id
+    """)
+    # Message counts in a second pass, for the pending turns only: request_messages holds whole
+    # conversations, and a constant IN list lets the scan skip the rows it does not need.
+    pending = [r["pending_turn_id"] for r in rows if r["pending_turn_id"] is not None]
+    counts: dict[str, int] = {}
+    for i in range(0, len(pending), 1000):
+        ids = ", ".join(sql_str(t) for t in pending[i : i + 1000])
+        counts.update(con.sql(f"SELECT turn_id, json_array_length(request_messages) FROM turns "
+                              f"WHERE turn_id IN ({ids})").fetchall())
+    for r in rows:
+        r["pending_message_count"] = counts.get(r["pending_turn_id"]) if r["pending_turn_id"] else None
+    return rows
+
+
+# ------------------------------------------------------------------------------ weight sync
+
+
+def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Where weight sync stands, for ``clawrl status``.
+
+    Keys: attempts, failures (rows of ``syncs``); last (the newest attempt as a ``syncs`` row, or
+    None); last_ok (the newest successful attempt, or None); serving (the version the engine
+    reported after the newest attempt; None when it did not answer); last_seen_serving (the newest
+    version any attempt saw served); latest_checkpoint (newest trained version, 0 before any step);
+    waiting (trained versions newer than ``last_seen_serving``).
+    """
+    rows = _rows(con, "SELECT * EXCLUDE (date) FROM syncs ORDER BY created_at DESC")
+    last = rows[0] if rows else None
+    last_ok = next((r for r in rows if r["ok"]), None)
+    seen = next((r["serving_version"] for r in rows if r["serving_version"] is not None), None)
+    latest = latest_version(con)
+    waiting = [] if seen is None else [str(v) for v in range(parse_version(seen) + 1, latest + 1)]
+    return {"attempts": len(rows), "failures": sum(not r["ok"] for r in rows), "last": last, "last_ok": last_ok,
+            "serving": None if last is None else last["serving_version"], "last_seen_serving": seen,
+            "latest_checkpoint": latest, "waiting": waiting}
+
+
+def last_synced_checkpoint(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
+    """The checkpoint of the newest successful sync (weight_version, path, sha256), or None: what a
+    restarted engine should serve again. A version whose load killed the engine never counts."""
+    rows = _rows(con, """
+        SELECT c.weight_version, c.path, c.sha256 FROM syncs s JOIN checkpoints c USING (weight_version)
+        WHERE s.ok ORDER BY s.created_at DESC LIMIT 1
+    """)
+    return rows[0] if rows else None
