@@ -239,7 +239,7 @@ def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
         markdown_table(result["latency"], cols),
         "",
         f"Session log: {a['n_turns']:,} TurnRecords ({a['prompt_len']}-token prompts, {a['output_len']}-token outputs",
-        f"with log-probs) appended one call each through DataStore, incl. Parquet conversion and the final flush:",
+        "with log-probs) appended one call each through DataStore, incl. Parquet conversion and the final flush:",
         f"**{a['turns_per_s']:,} turns/s** (target >= 20,000; {a['cpu_us_per_turn']} CPU-us per turn); append latency",
         f"p50 {a['append_us_p50']:.1f} us, p99 {a['append_us_p99']:.1f} us, p99.9 {a['append_us_p999']:.1f} us; "
         f"{a['rows_in_duckdb']:,} rows counted back in DuckDB; load {a['loadavg_1m_before']:.2f} before.",

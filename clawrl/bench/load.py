@@ -76,20 +76,42 @@ def _judge_limit(rollout_batch_size: int) -> int:
     return max(16, 2 * rollout_batch_size)
 
 
-async def _user(client: openai.AsyncOpenAI, i: int, stats: ClientStats, t0: float, t_end: float, *,
+@dataclass
+class Window:
+    """The measured window: ``duration_s`` long, held open past that (up to ``cap_s``) until
+    ``min_syncs`` weight syncs are done and a client was served a new version, so a slow machine
+    still shows serving across a sync instead of ending before the first one."""
+
+    t0: float
+    duration_s: float
+    cap_s: float
+    min_syncs: int
+    stats: ClientStats
+    steps: list[dict[str, Any]]
+    ended_s: float | None = None  # when the last user stopped (turns in flight included)
+
+    def closed(self) -> bool:
+        elapsed = time.monotonic() - self.t0
+        if elapsed < self.duration_s:
+            return False
+        synced = sum(1 for st in self.steps if st["synced"]) >= self.min_syncs
+        return elapsed >= self.cap_s or self.min_syncs == 0 or (synced and len(self.stats.versions) > 1)
+
+
+async def _user(client: openai.AsyncOpenAI, i: int, stats: ClientStats, window: Window, *,
                 turns_per_session: int, max_tokens: int, seed: int) -> None:
-    """User ``i``: one session after another until the window ends (module docstring)."""
+    """User ``i``: one session after another until the window closes (module docstring)."""
     rng = random.Random(seed * 100_003 + i)
     personas = sorted(PERSONAS)
     for k in itertools.count():
-        if time.monotonic() >= t_end:
+        if window.closed():
             return
         sid, persona = f"{SESSION_PREFIX}{i:03d}-{k:04d}", PERSONAS[rng.choice(personas)]
         question, keywords = QUESTIONS[rng.randrange(len(QUESTIONS))]
         messages = [{"role": "user", "content": question}]
         stats.sessions_started += 1
         for turn in range(turns_per_session):
-            if time.monotonic() >= t_end:
+            if window.closed():
                 break  # no new turn after the window (the session then ends by idle timeout)
             done = turn == turns_per_session - 1
             sent_at = time.perf_counter()
@@ -102,7 +124,7 @@ async def _user(client: openai.AsyncOpenAI, i: int, stats: ClientStats, t0: floa
                 stats.errors.append(f"{sid} turn {turn}: {type(e).__name__}: {e}"[:400])
                 await asyncio.sleep(0.5)  # a failing gateway is not hammered
                 break
-            stats.record(sid, r, time.perf_counter() - sent_at, t0)
+            stats.record(sid, r, time.perf_counter() - sent_at, window.t0)
             if done:
                 stats.sessions_done += 1
                 break
@@ -111,7 +133,7 @@ async def _user(client: openai.AsyncOpenAI, i: int, stats: ClientStats, t0: floa
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": reply}]
 
 
-async def _users(base_url: str, n_users: int, stats: ClientStats, t0: float, t_end: float,
+async def _users(base_url: str, n_users: int, stats: ClientStats, window: Window,
                  report: Callable[[], None], **user_options) -> None:
     """``n_users`` concurrent users (:func:`_user`), calling ``report`` twice a second while they run."""
     async def tick() -> None:
@@ -122,8 +144,9 @@ async def _users(base_url: str, n_users: int, stats: ClientStats, t0: float, t_e
     ticker = asyncio.create_task(tick())
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=300.0) as client:
         try:
-            await asyncio.gather(*(_user(client, i, stats, t0, t_end, **user_options) for i in range(n_users)))
+            await asyncio.gather(*(_user(client, i, stats, window, **user_options) for i in range(n_users)))
         finally:
+            window.ended_s = time.monotonic() - window.t0
             ticker.cancel()
 
 
@@ -224,9 +247,10 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, t0: fl
 
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
                    max_tokens: int = 16, turns_per_session: int = 3, seed: int = 0, data_root: Path | None = None,
-                   progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the load benchmark; returns the figures (module docstring). ``progress`` gets a dict of
-    live counters about twice a second. Needs a Prefect API (a test harness, ``clawrl up``'s
+                   min_syncs: int = 0, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the load benchmark; returns the figures (module docstring). ``min_syncs``: hold the window
+    open past ``duration_s`` until that many syncs were served (:class:`Window`). ``progress`` gets a
+    dict of live counters about twice a second. Needs a Prefect API (a test harness, ``clawrl up``'s
     server, or the ephemeral one Prefect starts)."""
     from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
 
@@ -252,8 +276,9 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
             _warm_up(s, conf)
             _wait_healthy(f"{gw}/healthz", proc)
             load_before, t0 = load_average(), time.monotonic()
+            window = Window(t0, duration_s, 4 * duration_s + 240, min_syncs, stats, steps)
             users = threading.Thread(name="load-users", daemon=True, target=lambda: asyncio.run(_users(
-                gw, sessions, stats, t0, t0 + duration_s, report, turns_per_session=turns_per_session,
+                gw, sessions, stats, window, report, turns_per_session=turns_per_session,
                 max_tokens=max_tokens, seed=seed)))
             users.start()
             try:
@@ -267,10 +292,10 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     return {"sessions": sessions, "duration_s": duration_s, "turns_per_session": turns_per_session,
             "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "turns_judged": judged,
             "load_1m_before": load_before, "load_1m_after": load_after, "machine": describe_machine(),
-            "data_root": str(root), **_figures(root, stats, steps, duration_s, wall)}
+            "window_s": window.ended_s, "data_root": str(root), **_figures(root, stats, steps, window.ended_s, wall)}
 
 
-def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], duration_s: float,
+def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], window_s: float,
              wall: float) -> dict[str, Any]:
     """What the clients saw, checked against the log of the stopped gateway (its store is flushed):
     every acknowledged main turn must be in it."""
@@ -283,8 +308,8 @@ def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], durati
     # already served the new version in it (the flow run returns a little after its sync).
     for st in steps:
         st["first_served_s"] = stats.first_seen.get(st["weight_version"])
-    in_window = [st for st in steps if st["at_s"] <= duration_s
-                 or (st["first_served_s"] is not None and st["first_served_s"] <= duration_s)]
+    in_window = [st for st in steps if st["at_s"] <= window_s
+                 or (st["first_served_s"] is not None and st["first_served_s"] <= window_s)]
     return {
         "requests": stats.requests, "errors": len(stats.errors), "error_samples": stats.errors[:5],
         "sessions_started": stats.sessions_started, "sessions_completed": stats.sessions_done,
@@ -300,7 +325,7 @@ def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], durati
 
 
 def format_load_section(r: dict[str, Any], machine_line: str) -> str:
-    row = {k: r[k] for k in ("sessions", "duration_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
+    row = {k: r[k] for k in ("sessions", "duration_s", "window_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
                              "p50_ms", "p99_ms", "requests_per_s", "completion_tokens_per_s", "train_steps",
                              "syncs_during_run")}
     row["weight_versions_seen"] = ", ".join(f"v{v}: {n}" for v, n in r["weight_versions_seen"].items())

@@ -101,6 +101,8 @@ def bench_load(
     rollout_batch_size: Annotated[int, typer.Option(help="Samples per PPO step (small: steps happen in the window).")] = 8,
     max_tokens: Annotated[int, typer.Option(help="New tokens per turn.")] = 16,
     turns: Annotated[int, typer.Option(help="Main turns per session.")] = 3,
+    min_syncs: Annotated[int, typer.Option(help="Keep the load on past --duration until this many weight syncs "
+                                                 "were served (at most 4x --duration + 240 s).")] = 1,
     out: OutOpt = Path("docs/benchmarks.md"),
     config: ConfigOpt = None,
 ) -> None:
@@ -121,7 +123,7 @@ def bench_load(
 
         result = run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
                                 rollout_batch_size=rollout_batch_size, max_tokens=max_tokens,
-                                turns_per_session=turns, progress=progress)
+                                turns_per_session=turns, min_syncs=min_syncs, progress=progress)
     section = format_load_section(result, machine_line(result["machine"]))
     typer.echo(section)
     write_section("load", section, out)

@@ -48,7 +48,7 @@ _SECTIONS = (  # (header, budget share, share of a cut text kept from its head)
 )
 _OPTIONAL = {0, 1, 3}  # section indexes left out when empty
 
-PRM_SYSTEM = f"""\
+PRM_SYSTEM = """\
 You review one turn of an AI assistant's conversation. You are shown the task context (the \
 conversation's system prompt, the user's request and what came just before it), the assistant's \
 turn, and the next state: the message or messages that came right after the turn. The next state \
@@ -69,7 +69,7 @@ not a neutral new instruction.
 0: the next state does not tell: an unrelated follow-up, or too little information.
 
 Judge the turn against what the user asked for, not against your own taste. Reason briefly, in a \
-few sentences, then give the final answer on the last line as \\boxed{{1}}, \\boxed{{0}} or \\boxed{{-1}}."""
+few sentences, then give the final answer on the last line as \\boxed{1}, \\boxed{0} or \\boxed{-1}."""
 
 PRM_INSTRUCTION = """\
 First say which case the next state is: (a) the task moved forward, (b) the turn was corrected, \

@@ -236,11 +236,9 @@ def test_pause_holds_requests_until_continue(http, server):
     assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
     try:
         assert http.get("/ready").status_code == 503
-        t0 = time.monotonic()
         # Embedded server: 503 at once while paused. Real SGLang holds the probe behind the pause
         # and answers 503 only after SGLANG_HEALTH_CHECK_TIMEOUT (20 s).
         assert http.get("/health_generate").status_code == 503
-        assert time.monotonic() - t0 < 2.0
         result: dict = {}
         held = threading.Thread(target=lambda: result.update(generate(
             httpx.Client(base_url=server.url, timeout=60), input_ids=PROMPT, sampling_params=GREEDY8)))
@@ -318,10 +316,11 @@ def test_client_hanging_up_a_stream_closes_it_in_the_engine():
             lines = r.iter_lines()  # keep a reference: a dropped iterator closes the response
             assert next(lines).startswith("data: ")
             assert s.engine.running == 1
-        t0 = time.monotonic()
-        while s.engine.running:
-            assert time.monotonic() - t0 < 2.0, "the engine stream was not closed after the client left"
+        deadline = time.monotonic() + 60
+        while s.engine.running and time.monotonic() < deadline:
             time.sleep(0.01)
+        # closed early: the stream stopped well before its 100 tokens
+        assert s.engine.running == 0 and s.engine.tokens_out < 100, s.engine.tokens_out
 
 
 def test_weight_update_session_bookkeeping(http):

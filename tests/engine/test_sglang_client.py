@@ -308,14 +308,14 @@ def test_failed_sync_keeps_old_version_and_still_resumes(server, tmp_path):
 def test_unreachable_engine_raises_engine_error_fast():
     async def main():
         async with SGLangClient("http://127.0.0.1:1", timeout_s=5) as client:
-            t0 = time.monotonic()
             with pytest.raises(EngineError) as info:
                 await client.generate(GenerateRequest(input_ids=[1]))
-            return str(info.value), time.monotonic() - t0, await client.health()
+            return str(info.value), await client.health()
 
-    message, elapsed, healthy = run(main())
+    message, healthy = run(main())
+    # refused, not timed out (EngineTimeoutError after 5 s would name the timeout)
     assert message == "engine at http://127.0.0.1:1 unreachable: connection refused"
-    assert elapsed < 1.0 and healthy is False
+    assert healthy is False
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,13 @@
-"""Engine down / slow / swapping weights, and a gateway killed with SIGKILL under traffic."""
+"""Engine down, slow, or swapping weights under traffic (a gateway killed under traffic: tests/reliability/test_gateway_kill.py)."""
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
-from openai import OpenAI
 
 from clawrl.engine.sglang_client import SGLangClient
 from clawrl.gateway.routes import create_app
-from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.engine_server import make_tiny_engine, running_engine_server, save_perturbed_copy
 from tests.utils.gateway_server import free_socket, running_gateway
@@ -30,10 +23,10 @@ def test_engine_down_gives_502_and_the_gateway_recovers(gateway_settings, tiny_d
     app = create_app(s, engine=SGLangClient(dead_url, timeout_s=5), tokenizer=tiny_engine.tokenizer,
                      store=DataStore(s.storage.data_root))
     with running_gateway(app) as gw:
-        t0 = time.monotonic()
         r = httpx.post(gw.base_url + "/chat/completions", json={"messages": MSG, "max_tokens": 2}, timeout=30)
+        # refused at once, not timed out (that would be a 504 after the client's 5 s)
         assert r.status_code == 502 and r.json()["error"]["type"] == "engine_unavailable"
-        assert time.monotonic() - t0 < 5
+        assert "connection refused" in r.json()["error"]["message"]
         assert httpx.get(gw.url + "/healthz").status_code == 503
 
 
@@ -44,10 +37,10 @@ def test_engine_timeout_gives_504_then_recovers(gateway_settings, tiny_dir, tiny
         app = create_app(s, engine=client, tokenizer=tiny_engine.tokenizer, store=DataStore(s.storage.data_root))
         with running_gateway(app) as gw:
             httpx.post(eng.url + "/pause_generation", json={"mode": "in_place"}).raise_for_status()
-            t0 = time.monotonic()
             r = httpx.post(gw.base_url + "/chat/completions", json={"messages": MSG, "max_tokens": 2}, timeout=30)
+            # the gateway's 1 s deadline answered, not the engine client's 30 s one
             assert r.status_code == 504 and r.json()["error"]["type"] == "engine_timeout"
-            assert time.monotonic() - t0 < 4
+            assert r.json()["error"]["message"] == "engine did not answer within 1 s"
             httpx.post(eng.url + "/continue_generation", json={}).raise_for_status()
             ok = httpx.post(gw.base_url + "/chat/completions", json={"messages": MSG, "max_tokens": 2}, timeout=30)
             assert ok.status_code == 200
@@ -92,63 +85,3 @@ def test_weight_update_mid_traffic_rejects_nothing(gateway_settings, tiny_dir, t
     assert len(codes) >= 32 and codes.count(200) == len(codes), f"failures: {[c for c in codes if c != 200]}"
     versions = {v for _, v in results}
     assert {"0", "1"} <= versions  # served before and after the swap
-
-
-@pytest.mark.slow
-def test_sigkill_under_traffic_loses_no_acknowledged_turn(tmp_path, model_cache):
-    data = tmp_path / "data"
-    env = {**os.environ, "CLAWRL__STORAGE__DATA_ROOT": str(data), "CLAWRL__STORAGE__MODEL_CACHE": str(model_cache),
-           "CLAWRL__MODEL__NAME": "tiny", "CLAWRL__SERVER__OPEN_MODE": "true", "CLAWRL__PPO__MAX_NEW_TOKENS": "8",
-           "CLAWRL__ENGINE__MAX_CONTEXT_LEN": "512"}
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(base + "/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "gateway did not come up"
-            time.sleep(0.2)
-        acked: list[tuple[str, int]] = []
-        lock = threading.Lock()
-        stop = threading.Event()
-
-        def user(i: int) -> None:
-            client = OpenAI(base_url=base, api_key="x", max_retries=0, timeout=30)
-            n = 0
-            while not stop.is_set():
-                try:
-                    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}-{n}"}],
-                                                       extra_body={"session_id": f"kill-{i}"})
-                except Exception:
-                    return  # the gateway died mid-request: that turn was never acknowledged
-                with lock:
-                    acked.append((r.model_extra["session_id"], r.model_extra["turn_index"]))
-                n += 1
-
-        threads = [threading.Thread(target=user, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        time.sleep(4.0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        stop.set()
-        for t in threads:
-            t.join(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert len(acked) >= 8
-    DataStore(data).close()  # what the next start does: recover leftover WAL segments
-    rows = run_query(data, "select session_id, turn_index, count(*) as n from turns group by all").to_pylist()
-    stored = {(r["session_id"], r["turn_index"]): r["n"] for r in rows}
-    missing = [a for a in acked if a not in stored]
-    assert missing == [] and all(n == 1 for n in stored.values())

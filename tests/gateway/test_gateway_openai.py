@@ -307,7 +307,7 @@ def test_server_timing_splits_engine_and_gateway_time(gateway, tiny_engine):
         assert dur.startswith("dur=")
         metrics[name] = float(dur[4:])
     assert set(metrics) == {"gateway", "engine"}
-    assert metrics["engine"] >= 200.0 and metrics["gateway"] >= 0.0
+    assert metrics["engine"] >= 200.0 and metrics["gateway"] > 0.0
     assert metrics["gateway"] < 200.0  # the sleep is not counted as the gateway's own time
     assert metrics["engine"] + metrics["gateway"] <= elapsed_ms
 

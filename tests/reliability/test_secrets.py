@@ -19,7 +19,6 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
 from pathlib import Path
 
 import httpx

@@ -21,6 +21,7 @@ class FakeEngine:
         self._resume = asyncio.Event()
         self._resume.set()
         self.running = 0
+        self.tokens_out = 0  # every token any stream produced
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -44,6 +45,7 @@ class FakeEngine:
                     raise BadRequestError("fake failure in the middle of the stream")
                 await asyncio.sleep(self.step_s)
                 out.append(((out or ids)[-1] + 1) % self.vocab_size)
+                self.tokens_out += 1
                 done = i == n - 1
                 yield GenerateResult(
                     rid=req.rid, text=" ".join(map(str, out)), output_ids=list(out), prompt_tokens=len(ids),
