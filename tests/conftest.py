@@ -19,6 +19,20 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("CLAWRL_TEST_MODEL_CACHE", REPO / ".cache" / "models"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests need CUDA: without it they are skipped, not failed (CI has no GPU)."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_cache() -> Path:
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ def test_flop_count_by_hand():
     assert count_matmul_params(SHAPES["qwen3-0.6b"]) == 595984384
 
 
+@pytest.mark.bench
 @pytest.mark.slow  # ~18 s: a fresh interpreter imports megatron-core and transformers
 def test_tiny_step_runs_on_cpu_for_both_backends_from_the_same_weights():
     # megatron in a subprocess, to check what it imports: the GPU machine has torch,

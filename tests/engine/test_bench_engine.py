@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from clawrl.bench.engine import (
     SECTION_END,
     SECTION_START,
@@ -11,6 +13,8 @@ from clawrl.bench.engine import (
     write_engine_results_markdown,
 )
 from clawrl.models import load_tokenizer
+
+pytestmark = [pytest.mark.bench]
 
 
 def test_bench_rows_count_every_generated_token(model_cache):

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from clawrl.bench.gateway import _direct_url, _paired_loop, _prompts, run_gateway_bench
 from clawrl.storage.catalog import open_catalog
+
+pytestmark = [pytest.mark.bench]
 
 
 def test_prompts_are_distinct_and_of_one_shape():

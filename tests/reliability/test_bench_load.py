@@ -9,7 +9,7 @@ import pytest
 
 from clawrl.bench.load import format_load_section, run_load_bench
 
-pytestmark = [pytest.mark.reliability]
+pytestmark = [pytest.mark.reliability, pytest.mark.bench]
 
 
 @pytest.mark.timeout(600)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from clawrl.bench.storage import build_turn_templates, run_append_bench
 
 
@@ -11,6 +13,7 @@ def test_turn_templates_have_the_benchmark_shape():
     assert all(lp < 0 for lp in turn.rollout_logprobs)
 
 
+@pytest.mark.bench
 def test_append_bench_counts_every_turn_in_duckdb(tmp_path):
     result = run_append_bench(3000, data_root=tmp_path, flush_interval_s=0.05)
     assert result["rows_in_duckdb"] == 3000 and result["distinct_turn_ids"] == 3000
