@@ -131,3 +131,22 @@ def _check_sample(s: SampleRecord) -> None:
     bad = [x for x in used if not (math.isfinite(x) and x <= 1e-3)]
     if bad:
         raise BatchAlignmentError(f"{where}: log-probs must be finite and <= 0, got {bad[:3]}")
+
+
+def synthetic_batch(vocab: int, *, batch_size: int, prompt_len: int, output_len: int, seed: int = 0,
+                    pad_id: int = 0, teacher: bool = False) -> TokenBatch:
+    """Random full-length samples for benchmarks and smoke runs, fixed by ``seed``: ids in
+    [3, vocab), rewards alternating +-1, rollout log-probs in (-3, 0], and with ``teacher`` every
+    other sample with teacher log-probs too."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(batch_size):
+        ids = torch.randint(3, vocab, (prompt_len + output_len,), generator=g).tolist()
+        has_teacher = teacher and i % 2 == 0
+        samples.append(SampleRecord(
+            sample_id=f"synthetic-{i}", turn_id=f"synthetic-{i}", session_id="synthetic", judge_config_hash="",
+            method="combine" if teacher else "grpo", prompt_ids=ids[:prompt_len], output_ids=ids[prompt_len:],
+            rollout_logprobs=(-3.0 * torch.rand(output_len, generator=g)).tolist(), reward=1.0 - 2.0 * (i % 2),
+            has_teacher=has_teacher, weight_version="0",
+            teacher_logprobs=(-3.0 * torch.rand(output_len, generator=g)).tolist() if has_teacher else None))
+    return collate_samples(samples, pad_id)

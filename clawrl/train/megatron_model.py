@@ -148,15 +148,8 @@ class _SumOverTP(torch.autograd.Function):
         return grad, None
 
 
-def compute_vocab_parallel_logprobs(
-    logits: Tensor,
-    targets: Tensor,
-    *,
-    vocab_start: int,
-    vocab_size: int,
-    entropy_grad: bool,
-    group=None,
-) -> tuple[Tensor, Tensor]:
+def compute_vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, vocab_start: int, vocab_size: int,
+                                    entropy_grad: bool, group=None) -> tuple[Tensor, Tensor]:
     """log p(target) and the entropy H of the softmax over the real vocabulary, from this rank's
     slice of the logits.
 
