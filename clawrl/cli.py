@@ -102,7 +102,7 @@ def engine(
         raise typer.Exit(2) from None
     version = "0"
     if resume:
-        from clawrl.sync import CheckpointError, verify_checkpoint
+        from clawrl.checkpoint import CheckpointError, verify_checkpoint
         from clawrl.storage.catalog import last_synced_checkpoint, open_catalog
 
         con = open_catalog(s.storage.data_root)
@@ -436,10 +436,8 @@ def sync(
         raise typer.Exit(2)
     from clawrl import runtime
     from clawrl.config import read_admin_key
-    from clawrl.engine.sglang_client import SGLangClient
-    from clawrl.records import utcnow
-    from clawrl.sync import sync_from_disk
     from clawrl.flows.common import record_sync
+    from clawrl.sync import sync_checkpoint
     from clawrl.storage.catalog import open_catalog
 
     con = open_catalog(s.storage.data_root)
@@ -453,18 +451,11 @@ def sync(
         err.print(f"no checkpoint for version {version!r} in {s.storage.data_root}", style="red", markup=False)
         raise typer.Exit(2)
     v, path, sha256, run_id = rows[0]
-
-    async def go():
-        client = SGLangClient(url, timeout_s=s.engine.request_timeout_s, api_key=read_admin_key(s.server.admin_keys_env))
-        try:
-            return await sync_from_disk(client, path, v, expected_sha256=sha256)
-        finally:
-            await client.close()
-
-    started_at = utcnow()
-    rep = runtime.run(go())
+    rep = runtime.run(sync_checkpoint(v, path, sha256, url=url, admin_key=read_admin_key(s.server.admin_keys_env),
+                                      timeout_s=s.engine.request_timeout_s))
     # recorded like the train flow's attempts (flushed: `clawrl status` and MLflow show it at once)
-    record_sync(s, rep, weight_version=v, target=url, checkpoint_path=path, run_id=run_id, started_at=started_at)
+    record_sync(s, rep, weight_version=v, target=rep.target, checkpoint_path=rep.checkpoint_path, run_id=run_id,
+                started_at=rep.started_at)
     console.print(f"{'synced' if rep.success else 'FAILED'}: engine serves version {rep.weight_version} "
                   f"({rep.message}, {rep.seconds:.2f} s)", markup=False)
     raise typer.Exit(0 if rep.success else 1)
@@ -511,8 +502,8 @@ def trainer_service(
     s = settings_or_exit(config)
     import uvicorn
 
-    from clawrl.train.service import create_trainer_app
     from clawrl.train.trainer import trainer_from_settings
+    from clawrl.trainer_service import create_trainer_app
 
     tr = trainer_from_settings(s)
     console.print(f"trainer at http://{host}:{port} (weight_version {tr.weight_version}, backend {s.ppo.backend})",

@@ -20,7 +20,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,22 +124,10 @@ def _build_tiny(spec: TinySpec, seed: int, cache_dir: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
     tok = _smollm2_tokenizer(cache_dir)
-    common: dict[str, Any] = dict(
-        vocab_size=len(tok),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-    )
+    sizes = {k: v for k, v in asdict(spec).items() if k not in ("layout", "rope_theta")}
+    common: dict[str, Any] = dict(vocab_size=len(tok), rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                  rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, **sizes)
     cfg = LlamaConfig(**common) if spec.layout == "llama" else Qwen3Config(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

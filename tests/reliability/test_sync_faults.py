@@ -293,7 +293,7 @@ def test_corrupt_checkpoint_is_refused_before_the_engine_and_the_next_step_is_se
     assert _sync_errors(sync_log, bad), [r.getMessage() for r in sync_log]
     tags, oks = _mlflow(s, step["mlflow_run_id"])
     assert tags["sync_status"] == "failed" and "corrupt" in tags["sync_error"] and oks == [0.0]
-    from clawrl.sync import CheckpointError
+    from clawrl.checkpoint import CheckpointError
     from clawrl.train.trainer import trainer_from_settings
 
     with pytest.raises(CheckpointError, match="corrupt"):  # nor would a restarted trainer resume from it
