@@ -21,15 +21,11 @@ EXPERIMENT = "clawrl"
 REGISTERED_MODEL = "clawrl-policy"
 
 
-def tracking_uri(data_root: Path) -> str:
-    return f"sqlite:///{Path(data_root) / 'mlflow' / 'mlflow.db'}"
-
-
 def client(data_root: Path):
     from mlflow.tracking import MlflowClient
 
     (Path(data_root) / "mlflow").mkdir(parents=True, exist_ok=True)
-    uri = tracking_uri(data_root)
+    uri = f"sqlite:///{Path(data_root) / 'mlflow' / 'mlflow.db'}"
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

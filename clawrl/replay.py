@@ -62,7 +62,7 @@ class ReplayReport:
 
 
 def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] = (), reason: str = "",
-           overrides: dict[str, Any] | None = None, out_root: Path | None = None, progress=None) -> ReplayReport:
+           overrides: dict[str, Any] | None = None, progress=None) -> ReplayReport:
     """Re-train versions 1..``weight_version`` (or the newest, "latest") of ``settings.storage.data_root``
     into a new directory."""
     import torch
@@ -81,7 +81,7 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     excluded = set(exclude_sessions)
     exact = not excluded and not overrides
     replay_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    out = Path(out_root or data_root / "replays" / replay_id)
+    out = data_root / "replays" / replay_id
     report = ReplayReport(replay_id, weight_version, exact, sorted(excluded), reason, overrides)
     t0 = time.perf_counter()
     config_hashes = {p["config_hash"] for p in plan}
@@ -97,8 +97,7 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     (out / "config.toml").write_text(snapshot.read_text())
     trainer = trainer_from_settings(replay_settings)
     for p, samples in zip(plan, batches):
-        threads = _recorded_threads(p)
-        if threads:
+        if threads := _recorded_threads(p):
             torch.set_num_threads(threads)
         kept = [r for r in samples if r.session_id not in excluded]
         step = ReplayStep(p["step"], p["batch_id"], p["sha256"], None, len(kept), len(samples) - len(kept), None,
@@ -122,6 +121,6 @@ def _recorded_threads(plan_row: dict[str, Any]) -> int:
     from clawrl.checkpoint import TRAINER_FILE, read_step_result
 
     path = plan_row.get("path")
-    if not path or not (Path(path) / TRAINER_FILE).is_file():
-        return 0
-    return int(read_step_result(path).metrics.get("torch_threads") or 0)
+    if path and (Path(path) / TRAINER_FILE).is_file():
+        return int(read_step_result(path).metrics.get("torch_threads") or 0)
+    return 0

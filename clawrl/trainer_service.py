@@ -1,16 +1,13 @@
 """The trainer fed from storage, above both ``clawrl.train`` (which never reads storage) and
-``clawrl.storage``: claiming the next batch, training on its samples (in this process or through the
-long-lived trainer service) and recording the checkpoint it made.
+``clawrl.storage``: claiming the next batch, training on its samples (here, or in the trainer
+service) and recording the checkpoint it made. A batch is written to ``batches`` before its step
+trains, and an unfinished one (no checkpoint row yet) is resumed rather than re-taken, so a crash
+between any two steps of the train flow loses no sample and trains none twice.
 
-Exactly once: a batch is written to ``batches`` before its step trains, and an unfinished one
-(claimed, no checkpoint row yet) is resumed rather than re-taken, so a crash between any two steps
-of the train flow loses no sample and trains none twice.
-
-The trainer service (``clawrl trainer``) keeps model and optimizer in memory between steps while
-Prefect flow runs, which execute in their own processes, come and go. ``POST /step {"batch_id"}``
-trains on the samples the batch lists and returns the StepResult; it is idempotent per batch id.
-``GET /state`` reports the current version. Steps run one at a time in a worker thread so the event
-loop keeps answering ``/state``.
+The trainer service (``clawrl trainer``) keeps model and optimizer in memory while Prefect flow
+runs, each in its own process, come and go: ``POST /step {"batch_id"}`` returns the StepResult
+(idempotent per batch id), ``GET /state`` the current version; steps run one at a time in a worker
+thread so ``/state`` keeps answering.
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 
 from clawrl.checkpoint import StepResult
 from clawrl.records import BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
@@ -85,9 +81,8 @@ def record_checkpoint(store, data_root: Path, step: dict[str, Any], run_id: str)
     with open_catalog(data_root) as con:
         if checkpoint_exists(con, step["weight_version"]):
             return False
-    store.append(CheckpointRecord(weight_version=step["weight_version"], step=step["step"], batch_id=step["batch_id"],
-                                  parent_version=step["parent_version"], path=step["path"], sha256=step["sha256"],
-                                  mlflow_run_id=run_id))
+    keys = ("weight_version", "step", "batch_id", "parent_version", "path", "sha256")
+    store.append(CheckpointRecord(**{k: step[k] for k in keys}, mlflow_run_id=run_id))
     store.flush()
     return True
 
@@ -105,10 +100,6 @@ def train_batch(trainer: Trainer, data_root: Path, batch_id: str) -> StepResult:
     return trainer.run(batch_id, samples)
 
 
-class StepRequest(BaseModel):
-    batch_id: str
-
-
 def create_trainer_app(trainer: Trainer, data_root: Path) -> FastAPI:
     app = FastAPI(title="clawrl trainer")
     lock = asyncio.Lock()  # the HTTP server's own guard; cross-process exclusivity is Prefect's `trainer` limit
@@ -119,10 +110,10 @@ def create_trainer_app(trainer: Trainer, data_root: Path) -> FastAPI:
         return {"weight_version": trainer.weight_version, "last": last}
 
     @app.post("/step")
-    async def step(req: StepRequest):
+    async def step(batch_id: str = Body(embed=True)):
         async with lock:
             try:
-                result = await asyncio.to_thread(train_batch, trainer, data_root, req.batch_id)
+                result = await asyncio.to_thread(train_batch, trainer, data_root, batch_id)
             except ValueError as e:
                 return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400)
         return asdict(result)

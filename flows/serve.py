@@ -33,19 +33,18 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     # one run at a time; a scheduled run that finds one still going is dropped, not queued (each run
     # judges everything ready, so queueing would only pile up processes)
     single = ConcurrencyLimitConfig(limit=1, collision_strategy="CANCEL_NEW")
-    by_module = EntrypointType.MODULE_PATH
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "parameters": {"config_path": config_path}}
     judge = judge_flow.to_deployment(name="on-interval", interval=timedelta(seconds=judge_every_s),
-                                     concurrency_limit=single, parameters={"config_path": config_path},
-                                     entrypoint_type=by_module,
+                                     concurrency_limit=single, **common,
                                      description="Judge turns whose next state arrived (PRM votes, hints, teacher).")
     train = train_flow.to_deployment(
         name="on-samples-ready", interval=timedelta(seconds=train_every_s), concurrency_limit=single,
-        parameters={"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url, "engine_url": engine_url},
-        triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT}, match={"prefect.resource.id": "clawrl.samples.*"})],
-        entrypoint_type=by_module,
+        **{**common, "parameters": {"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url,
+                                    "engine_url": engine_url}},
+        triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT},
+                                         match={"prefect.resource.id": "clawrl.samples.*"})],
         description="One PPO step per full batch of trainable samples, then checkpoint, lineage, sync.")
-    replay = replay_flow.to_deployment(name="on-demand", parameters={"config_path": config_path},
-                                       entrypoint_type=by_module,
+    replay = replay_flow.to_deployment(name="on-demand", **common,
                                        description="Re-train from logged samples: exact, unlearning or counterfactual.")
     return [judge, train, replay]
 

@@ -9,10 +9,9 @@ Exactly once, with a crash allowed between any two tasks:
    batch id (it returns the stored result for a batch it already applied).
 3. ``log_lineage`` creates the MLflow run and model version, idempotent by batch id.
 4. ``record_checkpoint`` appends the ``checkpoints`` row once per weight version.
-5. ``sync_weights`` pushes the version to the serving engine; an engine already on it is skipped.
-   Every attempt is a ``syncs`` row and a point on the step's MLflow run; a failed one (corrupt
-   checkpoint, engine refusing or dying mid-update) leaves the previous version serving, and the
-   next step's sync, or ``clawrl sync``, pushes the newest checkpoint again.
+5. ``sync_weights`` pushes the version to the serving engine (``clawrl.sync``); every attempt is a
+   ``syncs`` row and a point on the step's MLflow run; after a failed one the next step's sync, or
+   ``clawrl sync``, pushes the newest checkpoint again.
 
 "One training step at a time" is Prefect's global concurrency limit ``trainer`` (limit 1), not a
 lock in code. The trainer is the one in this process (``clawrl train``, ``clawrl demo``) or a

@@ -149,22 +149,16 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        return float(loss.detach())  # float() waits for the stream: the step is finished when it returns
 
     for _ in range(warmup):
         step()
-    sync()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        losses.append(step())  # float() syncs: the step is finished when it returns
-        sync()
+        losses.append(step())
         times.append(time.perf_counter() - t0)
 
     step_s = sorted(times)[len(times) // 2]  # median: robust to one slow step

@@ -32,33 +32,29 @@ from clawrl.train.torch_backend import TorchBackend
 BENCH_HP = PPOHyperParams.from_settings(PPOSettings(), seed=0)  # the default config (combine, KL on)
 
 
-class _PlainStep:
+def _plain_step(model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) -> Callable[[TokenBatch], None]:
     """The bound: HF forward with labels (its own cross-entropy), backward, clip, AdamW; float32
     weights, the forward under autocast when ``dtype`` is not float32 (as TorchBackend does)."""
+    from transformers import AutoModelForCausalLM
 
-    def __init__(self, model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) -> None:
-        from transformers import AutoModelForCausalLM
+    from clawrl.models import torch_dtype
 
-        from clawrl.models import torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    params, compute_dtype = list(model.parameters()), torch_dtype(dtype)
+    optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), weight_decay=hp.weight_decay,
+                                  fused=torch.device(device).type == "cuda")
 
-        self.device_type, self.compute_dtype = torch.device(device).type, torch_dtype(dtype)
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-        self.params = list(self.model.parameters())
-        self.grad_clip = hp.grad_clip
-        self.optimizer = torch.optim.AdamW(self.params, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2),
-                                           weight_decay=hp.weight_decay, fused=torch.device(device).type == "cuda")
-
-    def step(self, batch: TokenBatch) -> None:
+    def step(batch: TokenBatch) -> None:
         labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
         labels[:, 1:] = labels[:, 1:].masked_fill(batch.response_mask == 0, -100)  # train on outputs only
-        autocast = self.compute_dtype != torch.float32
-        with torch.autocast(self.device_type, dtype=self.compute_dtype, enabled=autocast):
-            loss = self.model(input_ids=batch.input_ids, labels=labels, use_cache=False).loss
+        with torch.autocast(torch.device(device).type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+            loss = model(input_ids=batch.input_ids, labels=labels, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_(params, hp.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
 
 
 def interleaved_times(fns: dict[str, Callable[[], Any]], repeats: int,
@@ -100,12 +96,12 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
                                 output_len=seq_len - prompt_len, pad_id=pad_id, teacher=True).to(device)
         tokens = batch_size * seq_len
         hp = dataclasses.replace(BENCH_HP, micro_batch_size=batch_size)
-        plain = _PlainStep(model_dir, hp, device, dtype)
+        plain = _plain_step(model_dir, hp, device, dtype)
         with_ref = TorchBackend(model_dir, hp, dtype=dtype, device=device)
         no_ref = TorchBackend(model_dir, dataclasses.replace(hp, kl_coef=0.0), dtype=dtype, device=device)
         done = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
         results = interleaved_times({
-            "hf_step": lambda: (plain.step(batch), done()),
+            "hf_step": lambda: (plain(batch), done()),
             "ppo_step": lambda: (with_ref.train_step(batch), done()),
             "ppo_step_no_ref": lambda: (no_ref.train_step(batch), done()),
             "ref_forward": lambda: (with_ref.compute_logprobs(batch, reference=True), done()),

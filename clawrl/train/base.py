@@ -10,13 +10,18 @@ Old log-probs cost no extra forward: an "epoch" is one optimizer step over the w
 (gradient accumulation over micro-batches), so every micro-batch of epoch 0 runs at exactly the
 weights the batch started from, and its detached log-probs *are* the old log-probs. Later epochs
 reuse them. Only the KL reference needs a forward of its own (``compute_logprobs(reference=True)``).
-This needs a deterministic forward (dropout off), which both backends guarantee.
+This needs a deterministic forward: the models run in eval mode (dropout off) while they train.
+
+Precision: weights, gradients and AdamW state are float32; ``dtype="bfloat16"``/``"float16"`` runs
+the forward under autocast. Pure bf16 weights would drop updates smaller than ~1/256 of a weight,
+i.e. every update at lr 1e-5.
 """
 
 from __future__ import annotations
 
 import math
 import shutil
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
@@ -158,8 +163,8 @@ class TrainBackend:
 
     def _logprobs(self, model: torch.nn.Module, mb: TokenBatch,
                   entropy_grad: bool | None) -> tuple[Tensor, Tensor | None]:
-        """(log-probs (b, l-1), entropy (b, l-1)) of a micro-batch; the log-probs carry grad when
-        grad is on, the entropy only when ``entropy_grad``; ``entropy_grad`` None: no entropy needed."""
+        """(log-probs, entropy), each (b, l-1), of a micro-batch; the entropy carries grad only when
+        ``entropy_grad``, and None means it is not needed."""
         raise NotImplementedError
 
     def _clip_gradients(self) -> float:
@@ -167,8 +172,7 @@ class TrainBackend:
         raise NotImplementedError
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full weights under Hugging Face names (LoRA merged), detached copies; a tied
-        ``lm_head.weight`` is included, like HF's own state_dict."""
+        """Full weights under HF names, detached copies; a tied ``lm_head.weight`` included, as HF does."""
         raise NotImplementedError
 
     def _export_moments(self, moments: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -176,8 +180,7 @@ class TrainBackend:
         raise NotImplementedError
 
     def _import_moments(self, state: Mapping[str, Any]) -> dict[str, dict[str, Tensor]] | None:
-        """The stored moments -> {"exp_avg": {param name: tensor}, "exp_avg_sq": ...}, or None to
-        keep the fresh optimizer."""
+        """Stored moments -> {"exp_avg": {param name: tensor}, "exp_avg_sq": ...}; None: keep them fresh."""
         raise NotImplementedError
 
     def _weights_to_save(self) -> dict[str, Tensor]:
@@ -345,13 +348,6 @@ class TrainBackend:
 
 
 def _mean_over_epochs(per_epoch: list[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key in per_epoch[0]:
-        values = [m[key] for m in per_epoch if key in m]
-        if key.endswith("_min"):
-            out[key] = min(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
+    """Each metric's mean over the epochs that report it (``*_min`` / ``*_max``: over all of them)."""
+    counts = Counter(key for m in per_epoch for key in m)
+    return {k: v if k.endswith(("_min", "_max")) else v / counts[k] for k, v in merge_metrics(per_epoch).items()}

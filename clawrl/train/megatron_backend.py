@@ -12,9 +12,8 @@ and every loss term comes from ``clawrl/algo``. What is Megatron-specific:
     gradients are summed over TP ranks (as Megatron's ``finalize_model_grads`` does); the
     clipping norm counts each TP shard once per rank and each replicated weight once in total.
 
-Precision follows the torch backend so the two agree: float32 weights, gradients and AdamW state;
-``dtype="bfloat16"`` runs the forward under autocast. Data parallelism is not implemented: every
-rank of the world is one tensor-parallel rank (``world_size == tp_size``).
+Precision is the torch backend's (see :mod:`clawrl.train.base`), so the two agree. Data parallelism
+is not implemented: every rank of the world is one tensor-parallel rank (``world_size == tp_size``).
 
 Multi-GPU, PPO steps on a synthetic batch (the entry point at the bottom of this file)::
 
@@ -38,13 +37,7 @@ from torch import Tensor
 
 from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss
 from clawrl.train.batch import TokenBatch, synthetic_batch
-from clawrl.train.convert import (
-    DEFAULT_VOCAB_MULTIPLE,
-    hf_to_megatron,
-    is_tp_sharded,
-    megatron_config_from_hf,
-    megatron_to_hf,
-)
+from clawrl.train.convert import hf_to_megatron, is_tp_sharded, megatron_config_from_hf, megatron_to_hf
 from clawrl.train.megatron_model import (
     ATTENTION_KINDS,
     build_gpt_model,
@@ -66,8 +59,7 @@ class MegatronBackend(TrainBackend):
 
     def __init__(self, model_dir: Path, hp: PPOHyperParams, *, dtype: str = "float32", device: str = "cpu",
                  tp_size: int = 1, attention: str = "local", deterministic: bool = True,
-                 reference_dir: Path | None = None, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE,
-                 loss_fn: LossFn = default_loss) -> None:
+                 reference_dir: Path | None = None, loss_fn: LossFn = default_loss) -> None:
         """``model_dir``: the weights to train (the base model, or a checkpoint to resume from);
         ``reference_dir``: the frozen KL reference (default ``model_dir``; a resumed trainer
         passes the base model). Constructing it is collective under torchrun."""
@@ -95,10 +87,8 @@ class MegatronBackend(TrainBackend):
 
         self.hf_config = AutoConfig.from_pretrained(str(self.model_dir))
         self.args = megatron_config_from_hf(self.hf_config, dtype=torch.float32, tp=tp_size,
-                                            vocab_multiple=vocab_multiple,
                                             use_cpu_initialization=self.device.type == "cpu")
         self.vocab_start = self.tp_rank * self.args.padded_vocab_size // tp_size
-        self.vocab_multiple = vocab_multiple
         self.model = self._build(self.model_dir, attention)
         self.reference = None
         if hp.kl_coef > 0:
@@ -112,7 +102,7 @@ class MegatronBackend(TrainBackend):
                                     if "q_layernorm" in n or "k_layernorm" in n]
 
     def _to_megatron(self, hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return hf_to_megatron(hf_state, self.hf_config, self.tp_rank, self.tp_size, vocab_multiple=self.vocab_multiple)
+        return hf_to_megatron(hf_state, self.hf_config, self.tp_rank, self.tp_size)
 
     def _build(self, model_dir: Path, attention: str):
         model = build_gpt_model(self.args, attention=attention, device=self.device)

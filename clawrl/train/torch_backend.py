@@ -1,16 +1,5 @@
-"""Plain-PyTorch training backend: one process, CPU or one GPU, full fine-tune or LoRA.
-
-The backend owns the model, the optimizer and the frozen reference; the step logic and every
-formula come from :class:`clawrl.train.base.TrainBackend` and ``clawrl/algo``. It lives as long as
-the trainer does: weights and AdamW state stay in memory between steps.
-
-Precision: weights, gradients and AdamW state are float32; ``dtype="bfloat16"``/``"float16"``
-runs the forward under autocast. Pure bf16 weights would drop updates smaller than ~1/256 of a
-weight, i.e. every update at lr 1e-5.
-
-The model runs in eval mode (dropout off) while it is trained: the old log-probs are read from the
-first training forward, which must equal a no-grad forward at the same weights.
-"""
+"""Plain-PyTorch training backend: one process, CPU or one GPU, full fine-tune or LoRA. The step
+logic and every formula come from :class:`clawrl.train.base.TrainBackend` and ``clawrl/algo``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The long-lived trainer: one backend (model + optimizer in memory), exactly-once steps, checkpoints.
-
-Weight versions are step counts; step N writes checkpoint ``v{N:06d}`` (:mod:`clawrl.checkpoint`:
-the weights, the optimizer state and, last, the ``trainer.json`` marker naming the batch it
-consumed, staged and renamed into place).
+"""The long-lived trainer: one backend (model + optimizer in memory), exactly-once steps, checkpoints
+(step N writes checkpoint ``v{N:06d}``, see :mod:`clawrl.checkpoint`).
 
 Exactly once per batch: :meth:`Trainer.run` with a batch id the trainer already applied returns the
 stored result instead of stepping again, whether the trainer kept running (the caller crashed after
@@ -36,22 +33,6 @@ from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss
 from clawrl.train.batch import collate_samples
 
 
-def build_backend(kind: str, model_dir: Path, hp: PPOHyperParams, *, reference_dir: Path, dtype: str, device: str,
-                  tp_size: int = 1, lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True,
-                  loss_fn: LossFn = default_loss) -> TrainBackend:
-    if kind == "torch":
-        from clawrl.train.torch_backend import TorchBackend
-
-        return TorchBackend(model_dir, hp, dtype=dtype, device=device, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                            deterministic=deterministic, reference_dir=reference_dir, loss_fn=loss_fn)
-    if kind == "megatron":
-        from clawrl.train.megatron_backend import MegatronBackend
-
-        return MegatronBackend(model_dir, hp, dtype=dtype, device=device, tp_size=tp_size,
-                               reference_dir=reference_dir, deterministic=deterministic, loss_fn=loss_fn)
-    raise ValueError(f"unknown training backend {kind!r}; valid: torch, megatron")
-
-
 class Trainer:
     """Owns a backend across steps; resumes from the newest checkpoint in ``checkpoints``."""
 
@@ -72,9 +53,19 @@ class Trainer:
             self.version, start_dir = found[0]
             self.last = read_step_result(start_dir)
             verify_checkpoint(start_dir, self.last.sha256)  # never resume from bytes this trainer did not write
-        self.backend = build_backend(backend, start_dir, hp, reference_dir=self.base_model_dir, dtype=dtype,
-                                     device=device, tp_size=tp_size, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                     deterministic=deterministic, loss_fn=loss_fn)
+        common = dict(dtype=dtype, device=device, deterministic=deterministic, reference_dir=self.base_model_dir,
+                      loss_fn=loss_fn)
+        if backend == "torch":
+            from clawrl.train.torch_backend import TorchBackend
+
+            self.backend: TrainBackend = TorchBackend(start_dir, hp, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                                      **common)
+        elif backend == "megatron":
+            from clawrl.train.megatron_backend import MegatronBackend
+
+            self.backend = MegatronBackend(start_dir, hp, tp_size=tp_size, **common)
+        else:
+            raise ValueError(f"unknown training backend {backend!r}; valid: torch, megatron")
         if (start_dir / OPTIMIZER_FILE).is_file():
             self.backend.load_optimizer_state_dict(torch.load(start_dir / OPTIMIZER_FILE, weights_only=True))
 

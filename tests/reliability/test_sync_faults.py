@@ -137,6 +137,17 @@ def _write_samples(s, n: int) -> None:
         store.append(recs)
 
 
+def test_sync_without_any_engine_is_a_skipped_failure_that_says_why():
+    import asyncio
+
+    from clawrl.sync import sync_checkpoint
+
+    rep = asyncio.run(sync_checkpoint("3", "/no/such/checkpoint", "0" * 64))
+    assert (rep.success, rep.skipped, rep.target, rep.weight_version) == (False, True, None, None)
+    assert rep.message == ("no serving engine to sync (in-process engine not running here and engine.kind is not "
+                           "'http')")
+
+
 @pytest.fixture(scope="module")
 def sync_env(prefect_harness, tmp_path_factory, model_cache):
     from prefect.settings import PREFECT_API_URL
