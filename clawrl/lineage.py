@@ -11,6 +11,7 @@ so a train flow re-run after a crash never creates a second run or model version
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -45,10 +46,8 @@ def _ensure_registered_model(c, name: str, description: str) -> None:
     try:
         c.get_registered_model(name)
     except Exception:
-        try:
+        with contextlib.suppress(Exception):  # created concurrently
             c.create_registered_model(name, description=description)
-        except Exception:
-            pass  # created concurrently
 
 
 def _metric(key: str, value: float, step: int):

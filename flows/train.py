@@ -20,6 +20,7 @@ trainer service at ``trainer_url`` (``clawrl up``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict
 from typing import Any
 
@@ -116,11 +117,8 @@ def ensure_trainer_limit() -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectAlreadyExists
 
-    with get_client(sync_client=True) as client:
-        try:
-            client.upsert_global_concurrency_limit_by_name(TRAINER_LIMIT, 1)
-        except ObjectAlreadyExists:
-            pass  # created concurrently by another run
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):  # created concurrently
+        client.upsert_global_concurrency_limit_by_name(TRAINER_LIMIT, 1)
 
 
 @flow(name="train", log_prints=True)
