@@ -20,7 +20,6 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +31,12 @@ class ModelNotFoundError(FileNotFoundError):
     """A model name or path that cannot be resolved without a download."""
 
 
-@dataclass(frozen=True)
-class TinySpec:
-    layout: str  # "llama" | "qwen3"
-    hidden_size: int = 64
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 160
-    head_dim: int = 16
-    max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-
-
-TINY_SPECS = {
-    "tiny": TinySpec(layout="llama"),
+_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
+             head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True)
+TINY_SPECS = {  # name -> (layout, HF config sizes)
+    "tiny": ("llama", _TINY),
     # head_dim 32 != 64/4 and qk-norm: the two places a Qwen3 conversion can go wrong
-    "tiny-qwen3": TinySpec(layout="qwen3", head_dim=32, tie_word_embeddings=False),
+    "tiny-qwen3": ("qwen3", {**_TINY, "head_dim": 32, "tie_word_embeddings": False}),
 }
 
 
@@ -105,12 +92,6 @@ def _cached(target: Path, build) -> Path:
     return target
 
 
-def _smollm2_tokenizer(cache_dir: Path):
-    """SmolLM2's tokenizer + chat template, cached as tokenizer.json (loading it from GGUF takes ~5 s)."""
-    d = _cached(cache_dir / f"smollm2-tokenizer-{_CACHE_VERSION}", _convert_smollm2_tokenizer)
-    return load_tokenizer(d)
-
-
 def _convert_smollm2_tokenizer(out: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -119,28 +100,17 @@ def _convert_smollm2_tokenizer(out: Path) -> None:
     (out / "config.json").write_text("{}\n")  # marks the directory as complete for _cached
 
 
-def _build_tiny(spec: TinySpec, seed: int, cache_dir: Path, out: Path) -> None:
+def _build_tiny(spec: tuple[str, dict[str, Any]], seed: int, cache_dir: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    tok = _smollm2_tokenizer(cache_dir)
-    common: dict[str, Any] = dict(
-        vocab_size=len(tok),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-    )
-    cfg = LlamaConfig(**common) if spec.layout == "llama" else Qwen3Config(**common)
+    # SmolLM2's tokenizer + chat template, cached as tokenizer.json (loading it from GGUF takes ~5 s)
+    tok = load_tokenizer(_cached(cache_dir / f"smollm2-tokenizer-{_CACHE_VERSION}", _convert_smollm2_tokenizer))
+    layout, sizes = spec
+    common: dict[str, Any] = dict(vocab_size=len(tok), rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **sizes)
+    cfg = LlamaConfig(**common) if layout == "llama" else Qwen3Config(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Norm weights are all ones at init; perturb them so a swapped or missing norm in a weight
@@ -149,9 +119,15 @@ def _build_tiny(spec: TinySpec, seed: int, cache_dir: Path, out: Path) -> None:
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
+    _save(model, tok, out)
+
+
+def _save(model, tok, out: Path) -> None:
+    """The model with a generation config naming the tokenizer's special ids, and the tokenizer."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
 
@@ -160,7 +136,7 @@ def _convert_smollm2(out: Path) -> None:
     """GGUF -> safetensors. A GGUF-loaded model refuses save_pretrained, so build a fresh model
     from its config (minus the quantization block) and load the dequantized state dict into it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = str(smollm2_gguf_dir())
     tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
@@ -174,11 +150,7 @@ def _convert_smollm2(out: Path) -> None:
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    fresh.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
-    fresh.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
+    _save(fresh, tok, out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,25 +62,28 @@ class ReplayReport:
 
 
 def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] = (), reason: str = "",
-           overrides: dict[str, Any] | None = None, out_root: Path | None = None, progress=None) -> ReplayReport:
-    """Re-train versions 1..``weight_version`` of ``settings.storage.data_root`` into a new directory."""
+           overrides: dict[str, Any] | None = None, progress=None) -> ReplayReport:
+    """Re-train versions 1..``weight_version`` (or the newest, "latest") of ``settings.storage.data_root``
+    into a new directory."""
     import torch
 
     from clawrl.config import load_settings
-    from clawrl.train.trainer import samples_from_rows, trainer_from_settings
     from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import batch_samples, config_snapshot_path, replay_plan
+    from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan
+    from clawrl.train.trainer import trainer_from_settings
+    from clawrl.trainer_service import batch_records
 
     data_root = Path(settings.storage.data_root)
     with open_catalog(data_root) as con:
+        weight_version = str(latest_version(con)) if weight_version == "latest" else str(weight_version)
         plan = replay_plan(con, weight_version)
-        batches = [batch_samples(con, p["batch_id"]).to_pylist() for p in plan]
+        batches = [batch_records(con, p["batch_id"]) for p in plan]
     overrides = dict(overrides or {})
     excluded = set(exclude_sessions)
     exact = not excluded and not overrides
     replay_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    out = Path(out_root or data_root / "replays" / replay_id)
-    report = ReplayReport(replay_id, str(weight_version), exact, sorted(excluded), reason, overrides)
+    out = data_root / "replays" / replay_id
+    report = ReplayReport(replay_id, weight_version, exact, sorted(excluded), reason, overrides)
     t0 = time.perf_counter()
     config_hashes = {p["config_hash"] for p in plan}
     if len(config_hashes) != 1:
@@ -94,15 +97,14 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(snapshot.read_text())
     trainer = trainer_from_settings(replay_settings)
-    for p, rows in zip(plan, batches):
-        threads = _recorded_threads(p)
-        if threads:
+    for p, samples in zip(plan, batches):
+        if threads := _recorded_threads(p):
             torch.set_num_threads(threads)
-        kept = [r for r in rows if r["session_id"] not in excluded]
-        step = ReplayStep(p["step"], p["batch_id"], p["sha256"], None, len(kept), len(rows) - len(kept), None,
+        kept = [r for r in samples if r.session_id not in excluded]
+        step = ReplayStep(p["step"], p["batch_id"], p["sha256"], None, len(kept), len(samples) - len(kept), None,
                           p.get("mlflow_run_id"))
         if kept:
-            result = trainer.run(p["batch_id"], samples_from_rows(kept))
+            result = trainer.run(p["batch_id"], kept)
             step.replay_sha256 = result.sha256
             report.final_path = result.path
             if exact:
@@ -117,8 +119,9 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
 
 def _recorded_threads(plan_row: dict[str, Any]) -> int:
     """The torch thread count the original step ran with (from its checkpoint's trainer.json)."""
+    from clawrl.checkpoint import TRAINER_FILE, read_step_result
+
     path = plan_row.get("path")
-    marker = Path(path) / "trainer.json" if path else None
-    if marker is None or not marker.is_file():
-        return 0
-    return int(json.loads(marker.read_text()).get("metrics", {}).get("torch_threads") or 0)
+    if path and (Path(path) / TRAINER_FILE).is_file():
+        return int(read_step_result(path).metrics.get("torch_threads") or 0)
+    return 0

@@ -4,8 +4,9 @@
   parameters -> continue. Requests in flight are re-prefilled on the new weights and keep going in
   the same call; requests that arrive meanwhile are held, never refused.
 * HTTP engine (SGLang, or ``clawrl engine``): pause -> flush -> ``update_weights_from_disk`` ->
-  continue, through :meth:`SGLangClient.sync_weights_from_disk` (ref/sglang.md §4.4).
+  continue, through :meth:`SGLangClient.sync_weights_from_disk`.
 
+:func:`sync_checkpoint` picks the target (the one both the train flow and ``clawrl sync`` use).
 A failed sync never raises and never leaves the engine paused: the report says what failed and
 which version the engine serves afterwards (the previous one), and the failure is logged on the
 ``clawrl.sync`` logger at ERROR. Failures covered: a checkpoint whose bytes are not the ones the
@@ -14,7 +15,7 @@ is touched), an engine that refuses the load (``success: false``: a path it cann
 mismatch), and an engine that stops answering mid-update (killed while paused or loading). The
 caller records every attempt (``syncs`` table) and retries with the same or the next checkpoint.
 
-Both paths are idempotent: an engine already serving the target version is left alone.
+Every path is idempotent: an engine already serving the target version is left alone.
 """
 
 from __future__ import annotations
@@ -22,15 +23,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
-from clawrl.engine.types import Engine, EngineError, UpdateResult
+from clawrl.checkpoint import CheckpointError, verify_checkpoint
+from clawrl.engine.types import Engine, EngineError, PauseMode, UpdateResult
+from clawrl.records import utcnow
 
 log = logging.getLogger("clawrl.sync")
 
-WEIGHTS_FILE = "model.safetensors"
+NO_ENGINE = "no serving engine to sync (in-process engine not running here and engine.kind is not 'http')"
 
 
 @dataclass(frozen=True)
@@ -40,33 +44,14 @@ class SyncReport:
     weight_version: str | None  # what the engine serves afterwards; None when it did not answer
     seconds: float
     skipped: bool = False
-
-
-class CheckpointError(RuntimeError):
-    """The checkpoint on disk is not the one the trainer recorded."""
-
-
-def verify_checkpoint(checkpoint_dir: str | Path, expected_sha256: str) -> None:
-    """Raise CheckpointError unless ``<checkpoint_dir>/model.safetensors`` has ``expected_sha256``
-    (the sync before offering it to an engine, the trainer before resuming from it)."""
-    from clawrl.train.trainer import file_sha256
-
-    path = Path(checkpoint_dir) / WEIGHTS_FILE
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is missing")
-    actual = file_sha256(path)
-    if actual != expected_sha256:
-        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is corrupt (sha256 {actual[:12]}..., "
-                              f"{path.stat().st_size} bytes; the trainer recorded {expected_sha256[:12]}...)")
-
-
-async def _serving_version(engine: Engine) -> str:
-    return str((await engine.model_info()).get("weight_version"))
+    target: str | None = None  # "in-process" or the engine's URL; None when there was none to sync
+    checkpoint_path: str | None = None  # what the engine loaded; None for a state-dict copy
+    started_at: datetime | None = None
 
 
 async def _version_or_none(engine: Engine) -> str | None:
     try:
-        return await _serving_version(engine)
+        return str((await engine.model_info()).get("weight_version"))
     except Exception:  # the engine is down: nobody knows what it will serve when it comes back
         return None
 
@@ -77,55 +62,27 @@ def _failed(weight_version: str, reason: str, serving: str | None, t0: float) ->
     return SyncReport(False, reason, serving, time.perf_counter() - t0)
 
 
-def _error_text(e: BaseException) -> str:
-    return str(e) if isinstance(e, (EngineError, CheckpointError)) else f"{type(e).__name__}: {e}"
+async def _paused(engine: Engine, pause_mode: PauseMode, update: Callable[[], Awaitable[UpdateResult]]) -> UpdateResult:
+    await engine.pause_generation(pause_mode)
+    try:
+        return await update()
+    finally:
+        await engine.continue_generation()  # always resume, also after a failed load
 
 
-async def sync_state_dict(engine: Engine, state_dict: dict[str, Any], weight_version: str,
-                          pause_mode: str = "retract") -> SyncReport:
+async def _sync(engine: Engine, weight_version: str, update: Callable[[], Awaitable[UpdateResult]]) -> SyncReport:
+    """Run ``update`` unless the engine already serves ``weight_version``; a success needs the
+    engine to report the new version afterwards."""
     t0 = time.perf_counter()
     try:
-        if await _serving_version(engine) == weight_version:
+        if str((await engine.model_info()).get("weight_version")) == weight_version:
             return SyncReport(True, "already serving this version", weight_version, 0.0, skipped=True)
-        await engine.pause_generation(pause_mode)
-        try:
-            res: UpdateResult = await engine.update_weights_from_state_dict(  # type: ignore[attr-defined]
-                state_dict, weight_version)
-        finally:
-            await engine.continue_generation()  # always resume, also after a failed load
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        raise
-    except Exception as e:
-        return _failed(weight_version, _error_text(e), await _version_or_none(engine), t0)
-    serving = await _version_or_none(engine)
-    if not res.success:
-        return _failed(weight_version, res.message, serving, t0)
-    return SyncReport(True, res.message, serving, time.perf_counter() - t0)
-
-
-async def sync_from_disk(engine: Engine, checkpoint_dir: str, weight_version: str,
-                         pause_mode: str = "retract", expected_sha256: str | None = None) -> SyncReport:
-    """Load ``checkpoint_dir`` into ``engine`` as ``weight_version``; with ``expected_sha256`` the
-    weights file is checked first, so a corrupt checkpoint is never offered to the engine."""
-    t0 = time.perf_counter()
-    try:
-        if await _serving_version(engine) == weight_version:
-            return SyncReport(True, "already serving this version", weight_version, 0.0, skipped=True)
-        if expected_sha256:
-            await asyncio.to_thread(verify_checkpoint, checkpoint_dir, expected_sha256)
-        if hasattr(engine, "sync_weights_from_disk"):  # SGLangClient: the full SGLang sequence
-            res = await engine.sync_weights_from_disk(checkpoint_dir, weight_version, pause_mode=pause_mode)
-        else:
-            await engine.pause_generation(pause_mode)
-            try:
-                res = await engine.update_weights_from_disk(checkpoint_dir, weight_version)
-            finally:
-                await engine.continue_generation()
+        res = await update()
     except (asyncio.CancelledError, KeyboardInterrupt):
         raise
     except Exception as e:  # corrupt checkpoint, engine unreachable or killed mid-update
         serving = await _version_or_none(engine)
-        reason = _error_text(e)
+        reason = str(e) if isinstance(e, (EngineError, CheckpointError)) else f"{type(e).__name__}: {e}"
         if serving is None and not isinstance(e, CheckpointError):
             reason = f"the engine stopped answering during the update ({reason})"
         return _failed(weight_version, reason, serving, t0)
@@ -134,3 +91,56 @@ async def sync_from_disk(engine: Engine, checkpoint_dir: str, weight_version: st
         reason = res.message if not res.success else f"{res.message} (but the engine reports version {serving})"
         return _failed(weight_version, reason or "the engine refused the update", serving, t0)
     return SyncReport(True, res.message, serving, time.perf_counter() - t0)
+
+
+async def sync_state_dict(engine: Engine, state_dict: dict[str, Any], weight_version: str,
+                          pause_mode: PauseMode = "retract") -> SyncReport:
+    """Copy ``state_dict`` into an in-process engine's served parameters as ``weight_version``."""
+    return await _sync(engine, weight_version, lambda: _paused(
+        engine, pause_mode, lambda: engine.update_weights_from_state_dict(state_dict, weight_version)))
+
+
+async def sync_from_disk(engine: Engine, checkpoint_dir: str, weight_version: str,
+                         pause_mode: PauseMode = "retract", expected_sha256: str | None = None) -> SyncReport:
+    """Load ``checkpoint_dir`` into ``engine`` as ``weight_version``; with ``expected_sha256`` the
+    weights file is checked first, so a corrupt checkpoint is never offered to the engine."""
+
+    async def update() -> UpdateResult:
+        if expected_sha256:
+            await asyncio.to_thread(verify_checkpoint, checkpoint_dir, expected_sha256)
+        if hasattr(engine, "sync_weights_from_disk"):  # SGLangClient: the full SGLang sequence
+            return await engine.sync_weights_from_disk(checkpoint_dir, weight_version, pause_mode=pause_mode)
+        load = engine.update_weights_from_disk
+        return await _paused(engine, pause_mode, lambda: load(checkpoint_dir, weight_version))
+
+    return await _sync(engine, weight_version, update)
+
+
+async def sync_checkpoint(weight_version: str, path: str, sha256: str, *, engine: Engine | None = None,
+                          trainer: Any = None, url: str | None = None, admin_key: str | None = None,
+                          timeout_s: float = 600.0) -> SyncReport:
+    """Serve checkpoint ``path`` (weights recorded with ``sha256``) as ``weight_version``.
+
+    The target is the in-process ``engine`` when there is one - from the in-memory ``trainer``'s
+    state dict when it holds that version, else from disk - otherwise the HTTP engine at ``url``,
+    called with ``admin_key`` (the gateway's /engine and a keyed SGLang take only an admin key).
+    With neither, the report is a skipped failure saying so. The report names the target, the
+    checkpoint path loaded and when the attempt started, for the caller's record of it."""
+    started_at = utcnow()
+    if engine is not None:
+        target = "in-process"
+        if trainer is not None and trainer.weight_version == weight_version:
+            rep, path = await sync_state_dict(engine, trainer.state_dict(), weight_version), None
+        else:  # the trainer moved on or lives elsewhere: load the checkpoint from disk
+            rep = await sync_from_disk(engine, path, weight_version, expected_sha256=sha256)
+    elif url:
+        from clawrl.engine.sglang_client import SGLangClient
+
+        target, client = url, SGLangClient(url, timeout_s=timeout_s, api_key=admin_key)
+        try:
+            rep = await sync_from_disk(client, path, weight_version, expected_sha256=sha256)
+        finally:
+            await client.close()
+    else:
+        return SyncReport(False, NO_ENGINE, None, 0.0, skipped=True)
+    return replace(rep, target=target, checkpoint_path=path, started_at=started_at)

@@ -40,18 +40,11 @@ def record_replay(config_path: str | None, report: dict[str, Any]) -> str:
 def replay_flow(config_path: str | None = None, version: str = "latest", exclude_sessions: list[str] | None = None,
                 reason: str = "", set_overrides: list[str] | None = None) -> dict[str, Any]:
     """``version``: a weight version or 'latest'; ``set_overrides``: ["ppo.lr=1e-5", ...]."""
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import latest_version
-
-    if version == "latest":
-        s = load_flow_settings(config_path)
-        with open_catalog(s.storage.data_root) as con:
-            version = str(latest_version(con))
     overrides = dict(parse_override(x) for x in (set_overrides or []))
     report = run_replay(config_path, version, list(exclude_sessions or []), reason, overrides)
     report["mlflow_run_id"] = record_replay(config_path, report)
     verdict = report["identical"]
-    print(f"replay {report['replay_id']} of version {version}: "
+    print(f"replay {report['replay_id']} of version {report['source_version']}: "
           + ("checkpoints byte-identical" if verdict else "CHECKPOINTS DIFFER" if verdict is False
              else f"{len(report['excluded_sessions'])} sessions excluded, overrides {report['overrides']}"))
     return report

@@ -1,4 +1,4 @@
-"""The flows served as Prefect deployments (started by ``clawrl up``; also ``python -m flows.serve``).
+"""The flows served as Prefect deployments (started by ``clawrl up``; also ``python -m clawrl.flows.serve``).
 
 * ``judge/on-interval``: judges ready turns on an interval schedule (editable in the Prefect UI).
 * ``train/on-samples-ready``: runs when the judge flow emits ``clawrl.samples.ready`` (a full batch
@@ -8,7 +8,9 @@
   ``--set`` style overrides.
 
 Flow runs execute in subprocesses of this server; the long-lived state lives elsewhere: the trainer
-service (model + optimizer) at ``--trainer-url``, the serving engine behind ``--engine-url``.
+service (model + optimizer) at ``--trainer-url``, the serving engine behind ``--engine-url``. Each
+deployment names its flow by module path (``clawrl.flows.train.train_flow``), which those subprocesses
+import wherever clawrl is installed, whatever their working directory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from datetime import timedelta
 from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+from prefect.types.entrypoint import EntrypointType
 
 from clawrl.flows.judge import SAMPLES_READY_EVENT, judge_flow
 from clawrl.flows.replay import replay_flow
@@ -30,15 +33,18 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     # one run at a time; a scheduled run that finds one still going is dropped, not queued (each run
     # judges everything ready, so queueing would only pile up processes)
     single = ConcurrencyLimitConfig(limit=1, collision_strategy="CANCEL_NEW")
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "parameters": {"config_path": config_path}}
     judge = judge_flow.to_deployment(name="on-interval", interval=timedelta(seconds=judge_every_s),
-                                     concurrency_limit=single, parameters={"config_path": config_path},
+                                     concurrency_limit=single, **common,
                                      description="Judge turns whose next state arrived (PRM votes, hints, teacher).")
     train = train_flow.to_deployment(
         name="on-samples-ready", interval=timedelta(seconds=train_every_s), concurrency_limit=single,
-        parameters={"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url, "engine_url": engine_url},
-        triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT}, match={"prefect.resource.id": "clawrl.samples.*"})],
+        **{**common, "parameters": {"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url,
+                                    "engine_url": engine_url}},
+        triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT},
+                                         match={"prefect.resource.id": "clawrl.samples.*"})],
         description="One PPO step per full batch of trainable samples, then checkpoint, lineage, sync.")
-    replay = replay_flow.to_deployment(name="on-demand", parameters={"config_path": config_path},
+    replay = replay_flow.to_deployment(name="on-demand", **common,
                                        description="Re-train from logged samples: exact, unlearning or counterfactual.")
     return [judge, train, replay]
 

@@ -149,22 +149,16 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        return float(loss.detach())  # float() waits for the stream: the step is finished when it returns
 
     for _ in range(warmup):
         step()
-    sync()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        losses.append(step())  # float() syncs: the step is finished when it returns
-        sync()
+        losses.append(step())
         times.append(time.perf_counter() - t0)
 
     step_s = sorted(times)[len(times) // 2]  # median: robust to one slow step
@@ -172,17 +166,13 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
     result = {
         "model": shape_name, "backend": backend, "attention": attention if backend == "megatron" else "sdpa",
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype),
-        "seq": seq, "batch": batch, "steps": steps, "warmup": warmup,
-        "params": n_params, "matmul_params": count_matmul_params(shape),
-        "step_s_median": step_s, "step_s_all": times, "loss_first": losses[0], "loss_last": losses[-1],
-        "tokens_per_s": batch * seq / step_s,
-        "model_tflops_per_step": flops / 1e12,
-        "achieved_tflops": flops / step_s / 1e12,
-        "mfu": flops / step_s / (peak_tflops * 1e12),
-        "peak_tflops": peak_tflops,
+        "seq": seq, "batch": batch, "steps": steps, "warmup": warmup, "params": n_params,
+        "matmul_params": count_matmul_params(shape), "step_s_median": step_s, "step_s_all": times,
+        "loss_first": losses[0], "loss_last": losses[-1], "tokens_per_s": batch * seq / step_s,
+        "model_tflops_per_step": flops / 1e12, "achieved_tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / (peak_tflops * 1e12), "peak_tflops": peak_tflops,
         "flops_formula": "6*N*s + 12*L*(nq*hd)*s^2 per sequence (PaLM App. B; full s^2 attention)",
-        "shape": asdict(shape),
-        "torch": torch.__version__,
+        "shape": asdict(shape), "torch": torch.__version__,
     }
     if dev.type == "cuda":
         result["max_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30

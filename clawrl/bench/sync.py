@@ -13,32 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from clawrl.bench.report import load_average
+from clawrl.bench.train import interleaved_times
 
 
-def _interleaved(fns: dict[str, Any], repeats: int) -> dict[str, tuple[float, float]]:
-    """(best, median) seconds per function, the functions alternating in each round so that the
-    page cache's dirty-page throttling (hundreds of MB written per call) hits all of them alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
+@torch.no_grad()
+def _copy_into(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    for k, v in state.items():
+        params[k].copy_(v)
 
 
 def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, repeats: int = 3) -> list[dict[str, Any]]:
     from safetensors.torch import load_file, save_file
 
+    from clawrl.config import PPOSettings
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.models import load_causal_lm, resolve_model_dir
     from clawrl.sync import sync_from_disk, sync_state_dict
@@ -49,8 +43,7 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
     for name in model_names:
         model_dir = resolve_model_dir(name, cache_dir)
         engine = EmbeddedEngine(model_dir, max_batch_size=4, max_context_len=512)
-        hp = PPOHyperParams.from_settings(__import__("clawrl.config", fromlist=["load_settings"]).load_settings(env={}).ppo, 0)
-        trainer = TorchBackend(model_dir, hp)
+        trainer = TorchBackend(model_dir, PPOHyperParams.from_settings(PPOSettings(), seed=0))
         state = trainer.hf_state_dict()
         target = load_causal_lm(model_dir)
         params = dict(target.state_dict())
@@ -58,11 +51,6 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
         loop = asyncio.new_event_loop()
         loop.run_until_complete(engine.start())
         version = [0]
-
-        def copy_bound():
-            with torch.no_grad():
-                for k, v in state.items():
-                    params[k].copy_(v)
 
         def in_process():
             version[0] += 1
@@ -78,10 +66,7 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
                 f = tmp / f"bound{counter[0]}.safetensors"
                 save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight" or
                            not target.config.tie_word_embeddings}, str(f))
-                loaded = load_file(str(f))  # lazy (mmap): the copy below is what reads the bytes
-                with torch.no_grad():
-                    for k, v in loaded.items():
-                        params[k].copy_(v)
+                _copy_into(params, load_file(str(f)))  # load_file is a lazy mmap: the copy reads the bytes
                 f.unlink()  # drop its dirty pages so they do not throttle the next writer
 
             def disk_sync():
@@ -92,10 +77,8 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
                 assert rep.success, rep.message
                 shutil.rmtree(out)
 
-            for fn in (copy_bound, in_process, disk_bound, disk_sync):
-                fn()  # warm up
-            results = _interleaved({"copy_bound": copy_bound, "in_process": in_process, "disk_bound": disk_bound,
-                                    "disk_sync": disk_sync}, repeats)
+            results = interleaved_times({"copy_bound": lambda: _copy_into(params, state), "in_process": in_process,
+                                         "disk_bound": disk_bound, "disk_sync": disk_sync}, repeats)
         loop.run_until_complete(engine.close())
         loop.close()
         for path, bound in (("in_process", "copy_bound"), ("disk_sync", "disk_bound")):

@@ -70,7 +70,7 @@ def engine(
     if resume:
         from clawrl.storage.catalog import open_catalog
         from clawrl.storage.queries import last_synced_checkpoint
-        from clawrl.sync import CheckpointError, verify_checkpoint
+        from clawrl.checkpoint import CheckpointError, verify_checkpoint
 
         with open_catalog(s.storage.data_root) as con:
             last = last_synced_checkpoint(con)
@@ -103,7 +103,7 @@ def trainer_service(
     s = settings_or_exit(config)
     import uvicorn
 
-    from clawrl.train.service import create_trainer_app
+    from clawrl.trainer_service import create_trainer_app
     from clawrl.train.trainer import trainer_from_settings
 
     tr = trainer_from_settings(s)

@@ -60,9 +60,7 @@ def sync(
         fail("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url")
     from clawrl import runtime
     from clawrl.config import read_admin_key
-    from clawrl.engine.sglang_client import SGLangClient
-    from clawrl.records import utcnow
-    from clawrl.sync import sync_from_disk
+    from clawrl.sync import sync_checkpoint
     from clawrl.flows.common import record_sync
     from clawrl.storage.catalog import open_catalog
 
@@ -74,17 +72,11 @@ def sync(
         fail(f"no checkpoint for version {version!r} in {s.storage.data_root}")
     v, path, sha256, run_id = rows[0]
 
-    async def go():
-        client = SGLangClient(url, timeout_s=s.engine.request_timeout_s, api_key=read_admin_key(s.server.admin_keys_env))
-        try:
-            return await sync_from_disk(client, path, v, expected_sha256=sha256)
-        finally:
-            await client.close()
-
-    started_at = utcnow()
-    rep = runtime.run(go())
+    rep = runtime.run(sync_checkpoint(v, path, sha256, url=url, admin_key=read_admin_key(s.server.admin_keys_env),
+                                      timeout_s=s.engine.request_timeout_s))
     # recorded like the train flow's attempts (flushed: `clawrl status` and MLflow show it at once)
-    record_sync(s, rep, weight_version=v, target=url, checkpoint_path=path, run_id=run_id, started_at=started_at)
+    record_sync(s, rep, weight_version=v, target=rep.target, checkpoint_path=rep.checkpoint_path, run_id=run_id,
+                started_at=rep.started_at)
     console.print(f"{'synced' if rep.success else 'FAILED'}: engine serves version {rep.weight_version} "
                   f"({rep.message}, {rep.seconds:.2f} s)", markup=False)
     raise typer.Exit(0 if rep.success else 1)

@@ -290,7 +290,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
         return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
     from clawrl.config import resolve_device
     from clawrl.engine.embedded import EmbeddedEngine
-    from clawrl.train.trainer import newest_intact_checkpoint
+    from clawrl.checkpoint import newest_intact_checkpoint
 
     version = "0"
     intact = newest_intact_checkpoint(settings.storage.data_root / "checkpoints")

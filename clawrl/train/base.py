@@ -1,94 +1,85 @@
-"""The contract every training backend implements, and the PPO step they share.
+"""The hyper-parameters, the base class every training backend extends, and the PPO step they share.
 
 A backend owns a model, an optimizer and its parallelism; the formulas live in ``clawrl/algo`` and
-the step logic (advantages, micro-batching, loss scaling, metrics) lives here, in
-:func:`run_ppo_step`, so the torch and Megatron backends cannot drift apart. A backend hands
-``run_ppo_step`` two callables: ``forward`` (log-probs and entropy of a micro-batch, with grad)
-and ``optimizer_step`` (clip, step, zero grads).
+the step logic (advantages, micro-batching, loss scaling, metrics), the optimizer, the learning
+rate, the optimizer state and checkpoint writing live here, in :class:`TrainBackend`, so the torch
+and Megatron backends cannot drift apart. A backend supplies the forward (:meth:`_logprobs`), the
+gradient clipping, its weights under HF names and the conversion of AdamW moments.
 
 Old log-probs cost no extra forward: an "epoch" is one optimizer step over the whole batch
 (gradient accumulation over micro-batches), so every micro-batch of epoch 0 runs at exactly the
 weights the batch started from, and its detached log-probs *are* the old log-probs. Later epochs
 reuse them. Only the KL reference needs a forward of its own (``compute_logprobs(reference=True)``).
-This needs a deterministic ``forward`` (dropout off), which both backends guarantee.
+This needs a deterministic forward: the models run in eval mode (dropout off) while they train.
+
+Precision: weights, gradients and AdamW state are float32; ``dtype="bfloat16"``/``"float16"`` runs
+the forward under autocast. Pure bf16 weights would drop updates smaller than ~1/256 of a weight,
+i.e. every update at lr 1e-5.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import math
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from clawrl.algo.advantages import compute_advantages, normalize_group_rewards
 from clawrl.algo.losses import compute_ppo_loss, merge_metrics
+from clawrl.checkpoint import OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, staged_dir
+from clawrl.models import torch_dtype
 from clawrl.records import Method
 from clawrl.train.batch import TokenBatch
 
 if TYPE_CHECKING:
     from clawrl.config import PPOSettings
 
+# not copied from the source model into a checkpoint: written fresh, a cache marker, or the
+# trainer's own files of the checkpoint a resumed trainer started from
+_NOT_COPIED = {"config.json", ".complete", TRAINER_FILE, OPTIMIZER_FILE}
+
 
 @dataclass(frozen=True)
 class PPOHyperParams:
-    """Plain values copied from ``PPOSettings`` at the entry point; backends never see Settings."""
+    """The ``[ppo]`` values a backend reads, under their ``PPOSettings`` names (documented there),
+    and ``[model] seed``: plain values copied at the entry point, so backends never see Settings."""
 
-    method: Method
+    advantage_estimator: Method
     lr: float
+    lr_schedule: str  # constant | linear | cosine (see lr_at)
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    lr_min: float
     weight_decay: float
-    betas: tuple[float, float]
+    adam_beta1: float
+    adam_beta2: float
     grad_clip: float  # global grad-norm clip; 0 = off
     micro_batch_size: int  # sequences per forward/backward
     ppo_epochs: int  # optimizer steps per batch
-    clip_low: float  # epsilon_low: ratio clipped below at 1 - clip_low
-    clip_high: float  # epsilon_high: ratio clipped above at 1 + clip_high
-    dual_clip: float  # c > 1 bounds the loss of negative advantages at c*|A|; 0 = off
+    clip_range: float  # epsilon_low: ratio clipped below at 1 - clip_range
+    clip_range_high: float  # epsilon_high: ratio clipped above at 1 + clip_range_high
+    dual_clip: float
     kl_coef: float
-    kl_type: str  # k1 | k2 | k3
+    kl_type: str
     entropy_coef: float
-    loss_agg: str  # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    tis_cap: float  # truncated IS cap vs rollout logprobs; 0 = off
+    loss_agg: str
+    tis_cap: float
     w_rl: float
     w_opd: float
     group_norm: bool
+    group_by: str  # baseline group when group_norm: prompt | batch
     seed: int
-    group_by: str = "prompt"  # baseline group when group_norm: prompt | batch
-    lr_schedule: str = "constant"  # constant | linear | cosine (see lr_at)
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 0
-    lr_min: float = 0.0
 
     @classmethod
     def from_settings(cls, ppo: PPOSettings, seed: int) -> PPOHyperParams:
-        return cls(
-            method=Method(ppo.advantage_estimator),
-            lr=ppo.lr,
-            weight_decay=ppo.weight_decay,
-            betas=(ppo.adam_beta1, ppo.adam_beta2),
-            grad_clip=ppo.grad_clip,
-            micro_batch_size=ppo.micro_batch_size,
-            ppo_epochs=ppo.ppo_epochs,
-            clip_low=ppo.clip_range,
-            clip_high=ppo.clip_range_high,
-            dual_clip=ppo.dual_clip,
-            kl_coef=ppo.kl_coef,
-            kl_type=ppo.kl_type,
-            entropy_coef=ppo.entropy_coef,
-            loss_agg=ppo.loss_agg,
-            tis_cap=ppo.tis_cap,
-            w_rl=ppo.w_rl,
-            w_opd=ppo.w_opd,
-            group_norm=ppo.group_norm,
-            group_by=ppo.group_by,
-            seed=seed,
-            lr_schedule=ppo.lr_schedule,
-            lr_warmup_steps=ppo.lr_warmup_steps,
-            lr_decay_steps=ppo.lr_decay_steps,
-            lr_min=ppo.lr_min,
-        )
+        return cls(seed=seed, **{f.name: getattr(ppo, f.name) for f in fields(cls) if f.name != "seed"})
 
 
 def lr_at(hp: PPOHyperParams, step: int) -> float:
@@ -98,16 +89,13 @@ def lr_at(hp: PPOHyperParams, step: int) -> float:
     Warm-up: lr * (step + 1) / (warmup + 1) for step < warmup. Then, over ``lr_decay_steps`` steps,
     linear or cosine from lr to lr_min (decay step k of D: linear lr - (lr - lr_min) k / D, cosine
     lr_min + (lr - lr_min)(1 + cos(pi k / D)) / 2), and lr_min from then on."""
-    import math
-
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if step < hp.lr_warmup_steps:
         return hp.lr * (step + 1) / (hp.lr_warmup_steps + 1)
     if hp.lr_schedule == "constant":
         return hp.lr
-    k = min(step - hp.lr_warmup_steps, hp.lr_decay_steps)
-    frac = k / hp.lr_decay_steps
+    frac = min(step - hp.lr_warmup_steps, hp.lr_decay_steps) / hp.lr_decay_steps
     if hp.lr_schedule == "linear":
         return hp.lr - (hp.lr - hp.lr_min) * frac
     if hp.lr_schedule == "cosine":
@@ -115,173 +103,251 @@ def lr_at(hp: PPOHyperParams, step: int) -> float:
     raise ValueError(f"unknown lr_schedule {hp.lr_schedule!r}")
 
 
-def set_optimizer_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
-    """Every parameter group of ``optimizer`` steps with ``lr`` from now on; returns it."""
-    if not lr >= 0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
-
-
-class TrainBackend(Protocol):
-    """A long-lived trainer: model and optimizer stay in memory between steps."""
-
-    def compute_logprobs(self, batch: TokenBatch, *, reference: bool = False) -> Tensor:
-        """Log-prob of each next token, (B, L-1) float32, no grad; ``reference``: the frozen
-        initial weights instead of the current policy. Only the response positions are part of
-        the contract: a backend may leave prompt and padding positions at 0."""
-        ...
-
-    def set_lr(self, lr: float) -> None:
-        """The learning rate of the following optimizer steps (the trainer's schedule)."""
-        ...
-
-    def train_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One PPO step (``ppo_epochs`` optimizer steps) on ``batch``; returns its metrics."""
-        ...
-
-    def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full weights under Hugging Face names (LoRA merged), detached copies."""
-        ...
-
-    def save_checkpoint(self, out_dir: Path) -> Path:
-        """Write an HF safetensors directory at ``out_dir`` atomically (temp dir + rename)."""
-        ...
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """AdamW moments keyed by parameter name, with a backend-specific ``format`` tag."""
-        ...
-
-    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`optimizer_state_dict` output (a resume); a foreign ``format`` raises."""
-        ...
-
-
-# (micro-batch) -> (logprobs (b, l-1), entropy (b, l-1)); logprobs carry grad, entropy carries
-# grad only when the second argument (entropy needs grad) is True.
-ForwardFn = Callable[[TokenBatch, bool], tuple[Tensor, Tensor]]
-# clips gradients, steps the optimizer, zeroes gradients; returns the pre-clip global grad norm.
-OptimizerStepFn = Callable[[], float]
-
-
 def default_loss(mb: TokenBatch, *, logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None,
                  entropy: Tensor, reward: Tensor, hp: PPOHyperParams, num_tokens: float,
                  num_seqs: float) -> tuple[Tensor, dict[str, float]]:
-    """The advantage + loss of one micro-batch: ``compute_advantages`` for ``hp.method``, then the
-    clipped PPO objective. This is the function the ``[hooks] loss`` setting replaces; a
+    """The advantage + loss of one micro-batch: ``compute_advantages`` for ``hp.advantage_estimator``,
+    then the clipped PPO objective. This is the function the ``[hooks] loss`` setting replaces; a
     replacement takes the same keyword arguments and returns ``(scalar loss, metrics)``."""
-    advantages = compute_advantages(
-        hp.method,
-        reward=reward,
-        teacher_logprobs=mb.teacher_logprobs,
-        old_logprobs=old_logprobs,
-        mask=mb.response_mask,
-        has_teacher=mb.has_teacher,
-        w_rl=hp.w_rl,
-        w_opd=hp.w_opd,
-    )
-    return compute_ppo_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mb.response_mask,
-        rollout_logprobs=mb.rollout_logprobs,
-        ref_logprobs=ref_logprobs,
-        entropy=entropy,
-        clip_low=hp.clip_low,
-        clip_high=hp.clip_high,
-        dual_clip=hp.dual_clip,
-        tis_cap=hp.tis_cap,
-        kl_coef=hp.kl_coef,
-        kl_type=hp.kl_type,
-        entropy_coef=hp.entropy_coef,
-        loss_agg=hp.loss_agg,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-    )
+    advantages = compute_advantages(hp.advantage_estimator, reward=reward, teacher_logprobs=mb.teacher_logprobs,
+                                    old_logprobs=old_logprobs, mask=mb.response_mask, has_teacher=mb.has_teacher,
+                                    w_rl=hp.w_rl, w_opd=hp.w_opd)
+    return compute_ppo_loss(logprobs, old_logprobs, advantages, mb.response_mask, rollout_logprobs=mb.rollout_logprobs,
+                            ref_logprobs=ref_logprobs, entropy=entropy, clip_low=hp.clip_range,
+                            clip_high=hp.clip_range_high, dual_clip=hp.dual_clip, tis_cap=hp.tis_cap,
+                            kl_coef=hp.kl_coef, kl_type=hp.kl_type, entropy_coef=hp.entropy_coef,
+                            loss_agg=hp.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
 LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
 
 
-def run_ppo_step(
-    batch: TokenBatch,
-    hp: PPOHyperParams,
-    *,
-    forward: ForwardFn,
-    optimizer_step: OptimizerStepFn,
-    ref_logprobs: Tensor | None = None,
-    loss_fn: LossFn = default_loss,
-) -> dict[str, float]:
-    """``hp.ppo_epochs`` optimizer steps over ``batch``, each accumulating micro-batch gradients.
+class TrainBackend:
+    """A long-lived trainer: model and optimizer stay in memory between steps.
 
-    Every micro-batch's loss is normalised by the token/sequence counts of the *whole* batch, so
-    the accumulated gradient equals the gradient of the full-batch aggregate whatever the
-    micro-batch size. ``ref_logprobs`` (B, L-1) is required when ``hp.kl_coef > 0``.
-    Returned metrics are full-batch values averaged over epochs (``*_min``/``*_max`` taken over
-    all of them), plus ``grad_norm``, ``num_tokens``, ``num_seqs`` and ``rollout_logprob_abs_diff``.
+    A subclass loads ``model`` (and ``reference`` or None) from ``model_dir``, sets ``hf_config``
+    and ``device``, calls :meth:`_init_optimizer`, and implements :meth:`_logprobs`,
+    :meth:`_clip_gradients`, :meth:`hf_state_dict` and the two moment conversions. Under tensor
+    parallelism every rank calls every method (they are collective); global rank 0 writes files.
     """
-    if hp.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs (the frozen reference's log-probs)")
-    mask = batch.response_mask
-    num_tokens = float(mask.sum())
-    num_seqs = float((mask.sum(-1) > 0).sum())
-    if num_tokens == 0:
-        raise ValueError(f"batch of {len(batch)} samples has no response tokens to train on")
-    reward = batch.reward
-    if hp.group_norm and hp.method in (Method.GRPO, Method.COMBINE):
-        groups = batch.group_ids if hp.group_by == "prompt" else torch.zeros_like(batch.group_ids)
-        reward = normalize_group_rewards(batch.reward, groups)  # R - mean of its group, over the whole batch
 
-    mbs = hp.micro_batch_size
-    spans = [(s, min(s + mbs, len(batch))) for s in range(0, len(batch), mbs)]
-    old_logprobs: list[Tensor] = []
-    epoch_metrics: list[dict[str, float]] = []
-    for epoch in range(hp.ppo_epochs):
-        parts: list[dict[str, float]] = []
-        for i, (s, e) in enumerate(spans):
-            mb = batch.slice(s, e)
-            width = mb.response_mask.shape[1]  # the micro-batch is trimmed to its own length
-            logprobs, entropy = forward(mb, hp.entropy_coef != 0)
-            if epoch == 0:  # still the weights the batch started from: these are the old logprobs
-                old_logprobs.append(logprobs.detach())
-            old = old_logprobs[i]
-            loss, metrics = loss_fn(
-                mb,
-                logprobs=logprobs,
-                old_logprobs=old,
-                ref_logprobs=None if ref_logprobs is None else ref_logprobs[s:e, :width],
-                entropy=entropy,
-                reward=reward[s:e],
-                hp=hp,
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-            )
-            loss.backward()
-            if epoch == 0:  # drift between the serving engine and the trainer, per token
-                drift = ((old - mb.rollout_logprobs).abs() * mb.response_mask).sum() / num_tokens
-                metrics["rollout_logprob_abs_diff"] = float(drift)
-            parts.append(metrics)
-        merged = merge_metrics(parts)
-        merged["grad_norm"] = float(optimizer_step())
-        epoch_metrics.append(merged)
+    OPTIMIZER_STATE_FORMAT = ""  # tags optimizer_state_dict output; a foreign tag is refused on load
+    rank = 0
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    model_dir: Path
+    hf_config: Any
+    device: torch.device
 
-    out = _mean_over_epochs(epoch_metrics)
-    num_groups = float(torch.unique(batch.group_ids).numel())
-    out.update(num_tokens=num_tokens, num_seqs=num_seqs, num_groups=num_groups,
-               reward_mean=float(batch.reward.mean()), teacher_fraction=float(batch.has_teacher.float().mean()))
-    return out
+    def __init__(self, hp: PPOHyperParams, *, dtype: str, deterministic: bool, loss_fn: LossFn) -> None:
+        self.hp = hp
+        self.loss_fn = loss_fn  # [hooks] loss, or the default advantage + PPO loss
+        self.compute_dtype = torch_dtype(dtype)
+        if deterministic:
+            # process-wide switches: a trainer process replays bit-exactly or fails loudly
+            torch.manual_seed(hp.seed)
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+
+    def _init_optimizer(self) -> None:
+        """AdamW over the trainable parameters; weights, gradients and moments stay float32."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.hp.lr, betas=(self.hp.adam_beta1, self.hp.adam_beta2),
+                                           weight_decay=self.hp.weight_decay, fused=self.device.type == "cuda")
+        self.lr = self.hp.lr  # set_lr: the trainer's schedule
+        self.steps_done = 0
+
+    # -- what a backend implements ----------------------------------------------------------
+
+    def _logprobs(self, model: torch.nn.Module, mb: TokenBatch,
+                  entropy_grad: bool | None) -> tuple[Tensor, Tensor | None]:
+        """(log-probs, entropy), each (b, l-1), of a micro-batch; the entropy carries grad only when
+        ``entropy_grad``, and None means it is not needed."""
+        raise NotImplementedError
+
+    def _clip_gradients(self) -> float:
+        """Clip the global gradient norm to ``hp.grad_clip`` (0 = off); returns the pre-clip norm."""
+        raise NotImplementedError
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Full weights under HF names, detached copies; a tied ``lm_head.weight`` included, as HF does."""
+        raise NotImplementedError
+
+    def _export_moments(self, moments: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One AdamW moment per parameter name -> the stored form (CPU, the backend's naming)."""
+        raise NotImplementedError
+
+    def _import_moments(self, state: Mapping[str, Any]) -> dict[str, dict[str, Tensor]] | None:
+        """Stored moments -> {"exp_avg": {param name: tensor}, "exp_avg_sq": ...}; None: keep them fresh."""
+        raise NotImplementedError
+
+    def _weights_to_save(self) -> dict[str, Tensor]:
+        return self.hf_state_dict()
+
+    def _barrier(self) -> None:
+        """Wait for every rank (a checkpoint is complete for all ranks once rank 0 renamed it)."""
+
+    @contextmanager
+    def _reference_model(self) -> Iterator[torch.nn.Module]:
+        if self.reference is None:
+            raise ValueError("no reference model: it is kept only when kl_coef > 0")
+        yield self.reference
+
+    # -- forwards ---------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TokenBatch, *, reference: bool = False) -> Tensor:
+        """Log-prob of each next token, (B, L-1) float32, 0 past each sequence's end, no grad;
+        ``reference``: the frozen initial weights instead of the current policy. Only the response
+        positions are part of the contract: a backend may leave prompt positions at 0."""
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)
+        with self._reference_model() if reference else nullcontext(self.model) as model:
+            for s in range(0, len(batch), self.hp.micro_batch_size):
+                mb = batch.slice(s, s + self.hp.micro_batch_size)
+                lp, _ = self._logprobs(model, mb, None)
+                out[s : s + len(mb), : lp.shape[1]] = lp * mb.attention_mask[:, 1:]
+        return out
+
+    # -- training ---------------------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following optimizer steps (the trainer's schedule)."""
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.lr = lr
+
+    def _optimizer_step(self) -> float:
+        norm = self._clip_gradients()
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)  # weights stay as they were
+            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.steps_done}; update skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def train_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One PPO step on ``batch``: ``hp.ppo_epochs`` optimizer steps, each accumulating the
+        gradients of every micro-batch.
+
+        Every micro-batch's loss is normalised by the token/sequence counts of the *whole* batch, so
+        the accumulated gradient equals the gradient of the full-batch aggregate whatever the
+        micro-batch size. Returned metrics are full-batch values averaged over epochs (``*_min`` /
+        ``*_max`` taken over all of them), plus ``grad_norm``, ``num_tokens``, ``num_seqs``,
+        ``rollout_logprob_abs_diff`` and ``lr``.
+        """
+        hp, batch = self.hp, batch.to(self.device)
+        mask = batch.response_mask
+        num_tokens, num_seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
+        if num_tokens == 0:
+            raise ValueError(f"batch of {len(batch)} samples has no response tokens to train on")
+        ref_logprobs = self.compute_logprobs(batch, reference=True) if hp.kl_coef > 0 else None
+        reward = batch.reward
+        if hp.group_norm and hp.advantage_estimator in (Method.GRPO, Method.COMBINE):
+            groups = batch.group_ids if hp.group_by == "prompt" else torch.zeros_like(batch.group_ids)
+            reward = normalize_group_rewards(batch.reward, groups)  # R - mean of its group, over the whole batch
+        spans = [(s, min(s + hp.micro_batch_size, len(batch))) for s in range(0, len(batch), hp.micro_batch_size)]
+        old_logprobs: list[Tensor] = []
+        epoch_metrics: list[dict[str, float]] = []
+        for epoch in range(hp.ppo_epochs):
+            parts: list[dict[str, float]] = []
+            for i, (s, e) in enumerate(spans):
+                mb = batch.slice(s, e)
+                width = mb.response_mask.shape[1]  # the micro-batch is trimmed to its own length
+                logprobs, entropy = self._logprobs(self.model, mb, hp.entropy_coef != 0)
+                if epoch == 0:  # still the weights the batch started from: these are the old logprobs
+                    old_logprobs.append(logprobs.detach())
+                old = old_logprobs[i]
+                loss, metrics = self.loss_fn(mb, logprobs=logprobs, old_logprobs=old,
+                                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[s:e, :width],
+                                             entropy=entropy, reward=reward[s:e], hp=hp, num_tokens=num_tokens,
+                                             num_seqs=num_seqs)
+                loss.backward()
+                if epoch == 0:  # drift between the serving engine and the trainer, per token
+                    drift = ((old - mb.rollout_logprobs).abs() * mb.response_mask).sum() / num_tokens
+                    metrics["rollout_logprob_abs_diff"] = float(drift)
+                parts.append(metrics)
+            epoch_metrics.append({**merge_metrics(parts), "grad_norm": self._optimizer_step()})
+        self.steps_done += 1
+        return {**_mean_over_epochs(epoch_metrics), "num_tokens": num_tokens, "num_seqs": num_seqs,
+                "num_groups": float(torch.unique(batch.group_ids).numel()), "reward_mean": float(batch.reward.mean()),
+                "teacher_fraction": float(batch.has_teacher.float().mean()), "lr": self.lr}
+
+    # -- optimizer state (resume) -----------------------------------------------------------
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """AdamW's moments by parameter name, on CPU:
+        {"format", "step", "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}."""
+        state = self.optimizer.state_dict()["state"]  # param index -> {"step", "exp_avg", "exp_avg_sq"}
+        out: dict[str, Any] = {"format": self.OPTIMIZER_STATE_FORMAT, "step": 0, "exp_avg": {}, "exp_avg_sq": {}}
+        if not state:
+            return out
+        steps = {float(s["step"]) for s in state.values()}
+        if len(steps) != 1 or len(state) != len(self.params):
+            raise RuntimeError(f"AdamW state covers {len(state)} of {len(self.params)} parameters "
+                               f"at steps {sorted(steps)}")
+        out["step"] = int(steps.pop())
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = self._export_moments({n: state[i][key] for i, n in enumerate(self.param_names)})
+        return out
+
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`optimizer_state_dict` returned (a resume); lr, betas and weight decay
+        stay this backend's own; a foreign ``format`` raises."""
+        if state.get("format") != self.OPTIMIZER_STATE_FORMAT:
+            raise ValueError(f"optimizer state format {state.get('format')!r}; "
+                             f"expected {self.OPTIMIZER_STATE_FORMAT!r}")
+        moments = self._import_moments(state) if state["exp_avg"] else None
+        if moments is None:
+            return
+        step = torch.tensor(float(state["step"]))
+        per_param = {i: {"step": step.clone(), "exp_avg": moments["exp_avg"][n].clone(),
+                         "exp_avg_sq": moments["exp_avg_sq"][n].clone()}
+                     for i, n in enumerate(self.param_names)}  # moved to each parameter's device on load
+        self.optimizer.load_state_dict({"state": per_param,
+                                        "param_groups": self.optimizer.state_dict()["param_groups"]})
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def write_weights(self, directory: Path | None) -> None:
+        """config.json, model.safetensors and the source's tokenizer/generation files into the
+        existing ``directory`` (rank 0; other ranks pass None and take part in the gather)."""
+        from safetensors.torch import save_file
+
+        state = self._weights_to_save()
+        if self.rank != 0:
+            return
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # shared tensor; HF re-ties it
+        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(directory / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        self.hf_config.save_pretrained(str(directory))
+        for src in sorted(self.model_dir.iterdir()):
+            if src.is_file() and src.name not in _NOT_COPIED and not src.name.startswith("model"):
+                shutil.copy2(src, directory / src.name)
+
+    def save_checkpoint(self, out_dir: Path) -> Path:
+        """:meth:`write_weights` into a staging dir beside ``out_dir``, renamed into place; an
+        existing ``out_dir`` raises. Every rank returns after the rename."""
+        out_dir = Path(out_dir)
+        if out_dir.exists():
+            raise FileExistsError(f"checkpoint {out_dir} already exists; checkpoints are never overwritten")
+        with staged_dir(out_dir) if self.rank == 0 else nullcontext() as staging:
+            self.write_weights(staging)
+        self._barrier()
+        return out_dir
 
 
 def _mean_over_epochs(per_epoch: list[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key in per_epoch[0]:
-        values = [m[key] for m in per_epoch if key in m]
-        if key.endswith("_min"):
-            out[key] = min(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
+    """Each metric's mean over the epochs that report it (``*_min`` / ``*_max``: over all of them)."""
+    counts = Counter(key for m in per_epoch for key in m)
+    return {k: v if k.endswith(("_min", "_max")) else v / counts[k] for k, v in merge_metrics(per_epoch).items()}

@@ -49,17 +49,11 @@ class TokenBatch:
         rows = slice(start, stop)
         length = max(int(self.attention_mask[rows].sum(-1).max()), 2)
         cols, tcols = slice(0, length), slice(0, length - 1)
-        return TokenBatch(
-            input_ids=self.input_ids[rows, cols],
-            attention_mask=self.attention_mask[rows, cols],
-            response_mask=self.response_mask[rows, tcols],
-            rollout_logprobs=self.rollout_logprobs[rows, tcols],
-            teacher_logprobs=self.teacher_logprobs[rows, tcols],
-            has_teacher=self.has_teacher[rows],
-            reward=self.reward[rows],
-            group_ids=self.group_ids[rows],
-            sample_ids=self.sample_ids[rows],
-        )
+        return TokenBatch(input_ids=self.input_ids[rows, cols], attention_mask=self.attention_mask[rows, cols],
+                          response_mask=self.response_mask[rows, tcols],
+                          rollout_logprobs=self.rollout_logprobs[rows, tcols],
+                          teacher_logprobs=self.teacher_logprobs[rows, tcols], has_teacher=self.has_teacher[rows],
+                          reward=self.reward[rows], group_ids=self.group_ids[rows], sample_ids=self.sample_ids[rows])
 
     def to(self, device: str | torch.device) -> TokenBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -92,17 +86,11 @@ def collate_samples(samples: Sequence[SampleRecord], pad_id: int) -> TokenBatch:
         if s.has_teacher:
             teacher[i, out] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
         group_ids.append(groups.setdefault(tuple(s.prompt_ids), len(groups)))
-    return TokenBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        response_mask=response_mask,
-        rollout_logprobs=rollout,
-        teacher_logprobs=teacher,
-        has_teacher=torch.tensor([s.has_teacher for s in samples], dtype=torch.bool),
-        reward=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
-        group_ids=torch.tensor(group_ids, dtype=torch.long),
-        sample_ids=[s.sample_id for s in samples],
-    )
+    return TokenBatch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                      rollout_logprobs=rollout, teacher_logprobs=teacher,
+                      has_teacher=torch.tensor([s.has_teacher for s in samples], dtype=torch.bool),
+                      reward=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+                      group_ids=torch.tensor(group_ids, dtype=torch.long), sample_ids=[s.sample_id for s in samples])
 
 
 def _check_sample(s: SampleRecord) -> None:
@@ -114,16 +102,12 @@ def _check_sample(s: SampleRecord) -> None:
         raise BatchAlignmentError(f"{where}: empty output_ids, nothing to train on")
     T = len(s.output_ids)
     if len(s.rollout_logprobs) != T:
-        raise BatchAlignmentError(
-            f"{where}: {len(s.rollout_logprobs)} rollout_logprobs for {T} output_ids"
-        )
+        raise BatchAlignmentError(f"{where}: {len(s.rollout_logprobs)} rollout_logprobs for {T} output_ids")
     if s.has_teacher:
         if s.teacher_logprobs is None:
             raise BatchAlignmentError(f"{where}: has_teacher but teacher_logprobs is None")
         if len(s.teacher_logprobs) != T:
-            raise BatchAlignmentError(
-                f"{where}: {len(s.teacher_logprobs)} teacher_logprobs for {T} output_ids"
-            )
+            raise BatchAlignmentError(f"{where}: {len(s.teacher_logprobs)} teacher_logprobs for {T} output_ids")
     # has_teacher is the authority: teacher log-probs on a sample without it are never read.
     used = list(s.rollout_logprobs) + (list(s.teacher_logprobs) if s.has_teacher else [])
     # a positive value means probabilities or logits were stored, not log-probs (1e-3 of slack
@@ -131,3 +115,22 @@ def _check_sample(s: SampleRecord) -> None:
     bad = [x for x in used if not (math.isfinite(x) and x <= 1e-3)]
     if bad:
         raise BatchAlignmentError(f"{where}: log-probs must be finite and <= 0, got {bad[:3]}")
+
+
+def synthetic_batch(vocab: int, *, batch_size: int, prompt_len: int, output_len: int, seed: int = 0,
+                    pad_id: int = 0, teacher: bool = False) -> TokenBatch:
+    """Random full-length samples for benchmarks and smoke runs, fixed by ``seed``: ids in
+    [3, vocab), rewards alternating +-1, rollout log-probs in (-3, 0], and with ``teacher`` every
+    other sample with teacher log-probs too."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(batch_size):
+        ids = torch.randint(3, vocab, (prompt_len + output_len,), generator=g).tolist()
+        has_teacher = teacher and i % 2 == 0
+        samples.append(SampleRecord(
+            sample_id=f"synthetic-{i}", turn_id=f"synthetic-{i}", session_id="synthetic", judge_config_hash="",
+            method="combine" if teacher else "grpo", prompt_ids=ids[:prompt_len], output_ids=ids[prompt_len:],
+            rollout_logprobs=(-3.0 * torch.rand(output_len, generator=g)).tolist(), reward=1.0 - 2.0 * (i % 2),
+            has_teacher=has_teacher, weight_version="0",
+            teacher_logprobs=(-3.0 * torch.rand(output_len, generator=g)).tolist() if has_teacher else None))
+    return collate_samples(samples, pad_id)

@@ -1,7 +1,7 @@
 """Hugging Face Llama / Qwen3 checkpoints <-> megatron-core GPTModel (local layer spec), with
 tensor-parallel sharding in both directions.
 
-Name and shape map (ref/megatron-cpu.md, "HF <-> Megatron weights"); H hidden, hd head_dim,
+Name and shape map; H hidden, hd head_dim,
 nq query heads, nkv kv heads, F ffn width, V vocab, Vp padded vocab, p = tp_size, r = tp_rank:
 
   embedding.word_embeddings.weight            [Vp/p, H]  model.embed_tokens.weight (rows padded)
@@ -82,17 +82,11 @@ def _dims(hf_config: Any) -> _Dims:
         raise ValueError(f"hidden_act {_get(hf_config, 'hidden_act')!r} is not supported; only silu (SwiGLU)")
     heads = _get(hf_config, "num_attention_heads")
     hidden = _get(hf_config, "hidden_size")
-    return _Dims(
-        layers=_get(hf_config, "num_hidden_layers"),
-        hidden=hidden,
-        heads=heads,
-        kv_heads=_get(hf_config, "num_key_value_heads") or heads,
-        head_dim=_get(hf_config, "head_dim") or hidden // heads,
-        ffn=_get(hf_config, "intermediate_size"),
-        vocab=_get(hf_config, "vocab_size"),
-        tied=bool(_get(hf_config, "tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
-    )
+    return _Dims(layers=_get(hf_config, "num_hidden_layers"), hidden=hidden, heads=heads,
+                 kv_heads=_get(hf_config, "num_key_value_heads") or heads,
+                 head_dim=_get(hf_config, "head_dim") or hidden // heads, ffn=_get(hf_config, "intermediate_size"),
+                 vocab=_get(hf_config, "vocab_size"), tied=bool(_get(hf_config, "tie_word_embeddings", False)),
+                 qk_norm=model_type == "qwen3")
 
 
 def _rope_theta(hf_config: Any) -> float:
@@ -112,15 +106,9 @@ def compute_padded_vocab_size(vocab_size: int, tp_size: int, vocab_multiple: int
     return -(-vocab_size // step) * step
 
 
-def megatron_config_from_hf(
-    hf_config: Any,
-    *,
-    dtype: torch.dtype,
-    tp: int,
-    vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE,
-    use_cpu_initialization: bool = True,
-    perform_initialization: bool = False,
-) -> MegatronModelArgs:
+def megatron_config_from_hf(hf_config: Any, *, dtype: torch.dtype, tp: int,
+                            vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE, use_cpu_initialization: bool = True,
+                            perform_initialization: bool = False) -> MegatronModelArgs:
     """TransformerConfig and GPTModel keyword arguments equivalent to an HF Llama/Qwen3 config.
 
     Every CUDA-only fusion is off (the local spec runs everywhere); dropout is 0 as in HF
@@ -136,41 +124,21 @@ def megatron_config_from_hf(
         raise ValueError(f"tp={tp} must divide intermediate_size ({d.ffn})")
     padded = compute_padded_vocab_size(d.vocab, tp, vocab_multiple)
     config_kwargs: dict[str, Any] = dict(
-        num_layers=d.layers,
-        hidden_size=d.hidden,
-        num_attention_heads=d.heads,
-        num_query_groups=d.kv_heads,
+        num_layers=d.layers, hidden_size=d.hidden, num_attention_heads=d.heads, num_query_groups=d.kv_heads,
         kv_channels=d.head_dim,  # Qwen3: head_dim != hidden / heads
-        ffn_hidden_size=d.ffn,
-        qk_layernorm=d.qk_norm,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=False,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=use_cpu_initialization,
+        ffn_hidden_size=d.ffn, qk_layernorm=d.qk_norm, normalization="RMSNorm",
+        layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)), gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, sequence_parallel=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu_initialization=use_cpu_initialization,
         perform_initialization=perform_initialization,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        # the CUDA-only fusions, off
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
     model_kwargs: dict[str, Any] = dict(
-        vocab_size=padded,
-        max_sequence_length=int(_get(hf_config, "max_position_embeddings", 4096)),
-        position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
-        share_embeddings_and_output_weights=d.tied,
+        vocab_size=padded, max_sequence_length=int(_get(hf_config, "max_position_embeddings", 4096)),
+        position_embedding_type="rope", rotary_base=_rope_theta(hf_config), share_embeddings_and_output_weights=d.tied,
     )
     return MegatronModelArgs(config_kwargs, model_kwargs, d.qk_norm, d.vocab, padded)
 
@@ -200,14 +168,8 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
 
 
-def hf_to_megatron(
-    hf_state_dict: Mapping[str, torch.Tensor],
-    hf_config: Any,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    *,
-    vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE,
-) -> dict[str, torch.Tensor]:
+def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config: Any, tp_rank: int = 0, tp_size: int = 1, *,
+                   vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> dict[str, torch.Tensor]:
     """The megatron state dict of tensor-parallel rank ``tp_rank`` (of ``tp_size``).
 
     Returns views of ``hf_state_dict`` where no copy is needed; load them with ``copy_``.
@@ -256,11 +218,8 @@ def hf_to_megatron(
 # Megatron -> HF
 
 
-def megatron_to_hf(
-    shards: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
-    hf_config: Any,
-    tp_size: int = 1,
-) -> dict[str, torch.Tensor]:
+def megatron_to_hf(shards: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]], hf_config: Any,
+                   tp_size: int = 1) -> dict[str, torch.Tensor]:
     """HF state dict from megatron weights: either one state dict in the unsharded (TP 1) layout,
     or a sequence of ``tp_size`` per-rank state dicts in rank order.
 

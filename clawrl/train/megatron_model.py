@@ -66,12 +66,9 @@ def _sdpa_core_attention_class():
             dropout_p = self.dropout_p if self.training else 0.0
             rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else nullcontext()
             with rng:  # dropout differs per TP rank, as in DotProductAttention
-                if attention_mask is None:
-                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                         scale=self.softmax_scale, enable_gqa=True)
-                else:
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p,
-                                                         scale=self.softmax_scale, enable_gqa=True)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout_p,
+                    is_causal=attention_mask is None, scale=self.softmax_scale, enable_gqa=True)
             sq, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, np*hn]
 
@@ -148,15 +145,8 @@ class _SumOverTP(torch.autograd.Function):
         return grad, None
 
 
-def compute_vocab_parallel_logprobs(
-    logits: Tensor,
-    targets: Tensor,
-    *,
-    vocab_start: int,
-    vocab_size: int,
-    entropy_grad: bool,
-    group=None,
-) -> tuple[Tensor, Tensor]:
+def compute_vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, vocab_start: int, vocab_size: int,
+                                    entropy_grad: bool, group=None) -> tuple[Tensor, Tensor]:
     """log p(target) and the entropy H of the softmax over the real vocabulary, from this rank's
     slice of the logits.
 

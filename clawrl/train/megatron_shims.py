@@ -2,7 +2,7 @@
 RNG tracker, and (on a machine without CUDA) three small patches that let the local layer spec run
 on CPU over gloo.
 
-Why the patches (ref/megatron-cpu.md, "Shims, complete"; each message below was observed):
+Why the patches (each message below is what megatron-core raises on CPU without them):
   A. ``DotProductAttention`` always enters ``get_cuda_rng_tracker().fork()`` around attention
      dropout, even at p=0, and ``model_parallel_cuda_manual_seed`` calls ``torch.cuda.manual_seed``
      ("Torch not compiled with CUDA enabled"). A tracker that forks the *CPU* generator replaces it.
@@ -38,7 +38,6 @@ class MegatronRuntime:
     tp_rank: int
     world_size: int
     rank: int
-    backend: str
     device: torch.device
     owns_process_group: bool  # False when the group came from torchrun or the caller
 
@@ -107,37 +106,21 @@ def apply_cpu_shims(seed: int, tp_rank: int = 0) -> bool:
     return True
 
 
-def init_megatron(
-    tp_size: int,
-    seed: int,
-    backend: str | None = None,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    init_method: str | None = None,
-) -> MegatronRuntime:
+def init_megatron(tp_size: int, seed: int) -> MegatronRuntime:
     """Initialise torch.distributed and Megatron's model-parallel groups (TP ``tp_size``, PP 1).
 
-    An existing default process group (torchrun, a test harness) is reused as is; otherwise one is
-    created with ``rank``/``world_size``/``init_method`` (default: a single process rendezvousing
-    through an in-memory store). ``backend`` defaults to nccl with CUDA, gloo
-    without. Model-parallel groups already set up with the same TP size are kept; a different size
-    tears them down first. Seeds torch and Megatron's RNG tracker (shim A on CPU).
+    An existing default process group (torchrun, a test harness) is reused as is; otherwise this
+    process starts a world of one (nccl with CUDA, gloo without) through an in-memory store: no
+    rendezvous, no port, no file to clean up. Model-parallel groups already set up with the same TP
+    size are kept; a different size tears them down first. Seeds torch and Megatron's RNG tracker
+    (shim A on CPU).
     """
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    owns = not dist.is_initialized()
     if torch.cuda.is_available():  # bind the GPU before nccl creates its communicators
-        torch.cuda.set_device((dist.get_rank() if dist.is_initialized() else rank) % torch.cuda.device_count())
-    owns = False
-    if not dist.is_initialized():
-        if init_method is None:
-            if world_size != 1:
-                raise ValueError("init_megatron: world_size > 1 needs an init_method shared by all ranks")
-            # a single process needs no rendezvous: an in-memory store, no port, no file to clean up
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-        owns = True
+        torch.cuda.set_device((0 if owns else dist.get_rank()) % torch.cuda.device_count())
+    if owns:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size % tp_size:
         raise ValueError(f"world size {world_size} is not divisible by tensor parallel size {tp_size}")
@@ -156,8 +139,8 @@ def init_megatron(
     torch.manual_seed(seed)
     if not apply_cpu_shims(seed, tp_rank):
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return MegatronRuntime(tp_size=tp_size, tp_rank=tp_rank, world_size=world_size, rank=rank,
-                           backend=dist.get_backend(), device=device, owns_process_group=owns)
+    return MegatronRuntime(tp_size=tp_size, tp_rank=tp_rank, world_size=world_size, rank=rank, device=device,
+                           owns_process_group=owns)
 
 
 def shutdown_megatron(runtime: MegatronRuntime | None = None) -> None:

@@ -58,7 +58,7 @@ def test_replay_reproduces_checkpoint_bytes(trained_loop):
     assert report["exact"] and report["identical"] is True
     originals = [r["sha256"] for r in run_query(s.storage.data_root, "select sha256 from checkpoints order by step").to_pylist()]
     assert [st["replay_sha256"] for st in report["steps"]] == originals
-    from clawrl.train.trainer import read_step_result
+    from clawrl.checkpoint import read_step_result
 
     lrs = [read_step_result(s.storage.data_root / "checkpoints" / f"v{v:06d}").metrics["lr"] for v in (1, 2, 3)]
     assert lrs == pytest.approx([1e-3, 7e-4, 4e-4])  # 1e-3 - 9e-4 * k/3: the schedule the replay re-ran

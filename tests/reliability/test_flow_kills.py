@@ -4,7 +4,7 @@ exactly once, and byte-identical checkpoints (sha256 of model.safetensors).
 
 Each kill is a real process killed by SIGKILL: a child forked from a pre-imported parent
 (tests/utils/fork_runner.py) swaps the flow's ``_crash_point`` seam (or, mid-checkpoint, the
-trainer's hash of the staged weights) for ``os.kill(os.getpid(), SIGKILL)`` at one point. The
+writing of the staged checkpoint's marker) for ``os.kill(os.getpid(), SIGKILL)`` at one point. The
 next child, or the final in-process run, is the restart. Kills are chained on one data root, each
 child getting one step further, so one judge pass and four PPO steps cover every point while the
 uninterrupted reference run is shared.
@@ -24,7 +24,7 @@ import pytest
 
 from clawrl.config import dump_toml, load_settings
 from clawrl.lineage import EXPERIMENT, REGISTERED_MODEL, client, experiment_id
-from clawrl.train.trainer import file_sha256
+from clawrl.checkpoint import file_sha256
 from clawrl.storage.catalog import open_catalog, run_query
 from clawrl.storage.queries import trainable_samples
 from clawrl.storage.writer import DataStore
@@ -50,15 +50,15 @@ JUDGE_CHILD = """
 
 TRAIN_CHILD = """
     import os, signal
+    import clawrl.checkpoint as ck
     import clawrl.flows.train as ft
-    import clawrl.train.trainer as tr
     from prefect.client.orchestration import get_client
 
     def kill(*_):
         os.kill(os.getpid(), signal.SIGKILL)
 
     if {point!r} == "mid_checkpoint":  # weights, optimizer and hash are in the staging dir, trainer.json is not
-        tr.asdict = kill
+        ck.asdict = kill
     else:
         ft._crash_point = lambda name: kill() if name == {point!r} else None
     with get_client(sync_client=True) as c:  # the killed run's `trainer` slot: as if its lease expired

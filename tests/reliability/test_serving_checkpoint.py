@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from clawrl.train.trainer import newest_intact_checkpoint
+from clawrl.checkpoint import newest_intact_checkpoint
 
 pytestmark = [pytest.mark.reliability]
 
@@ -36,7 +36,7 @@ def test_newest_intact_checkpoint_skips_corrupt_and_incomplete_ones(tmp_path, ca
     garbled[10] ^= 0xFF
     (v3 / "model.safetensors").write_bytes(bytes(garbled))  # same size, one flipped byte
     (v2 / "model.safetensors").unlink()                      # pruned or lost
-    with caplog.at_level(logging.ERROR, logger="clawrl.train"):
+    with caplog.at_level(logging.ERROR, logger="clawrl.checkpoint"):
         version, d = newest_intact_checkpoint(root)
     assert (version, d.name) == (1, "v000001")
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]

@@ -137,6 +137,17 @@ def _write_samples(s, n: int) -> None:
         store.append(recs)
 
 
+def test_sync_without_any_engine_is_a_skipped_failure_that_says_why():
+    import asyncio
+
+    from clawrl.sync import sync_checkpoint
+
+    rep = asyncio.run(sync_checkpoint("3", "/no/such/checkpoint", "0" * 64))
+    assert (rep.success, rep.skipped, rep.target, rep.weight_version) == (False, True, None, None)
+    assert rep.message == ("no serving engine to sync (in-process engine not running here and engine.kind is not "
+                           "'http')")
+
+
 @pytest.fixture(scope="module")
 def sync_env(prefect_harness, tmp_path_factory, model_cache):
     from prefect.settings import PREFECT_API_URL
@@ -293,7 +304,7 @@ def test_corrupt_checkpoint_is_refused_before_the_engine_and_the_next_step_is_se
     assert _sync_errors(sync_log, bad), [r.getMessage() for r in sync_log]
     tags, oks = _mlflow(s, step["mlflow_run_id"])
     assert tags["sync_status"] == "failed" and "corrupt" in tags["sync_error"] and oks == [0.0]
-    from clawrl.sync import CheckpointError
+    from clawrl.checkpoint import CheckpointError
     from clawrl.train.trainer import trainer_from_settings
 
     with pytest.raises(CheckpointError, match="corrupt"):  # nor would a restarted trainer resume from it

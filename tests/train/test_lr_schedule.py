@@ -10,17 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from clawrl.config import ConfigError, load_settings
-from clawrl.records import Method
+from clawrl.checkpoint import read_step_result
+from clawrl.config import ConfigError, PPOSettings, load_settings
 from clawrl.records import SampleRecord
 from clawrl.train.base import PPOHyperParams, lr_at
-from clawrl.train.trainer import Trainer, read_step_result
+from clawrl.train.trainer import Trainer
 
-HP = PPOHyperParams(
-    method=Method.GRPO, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0, micro_batch_size=4,
-    ppo_epochs=1, clip_low=0.2, clip_high=0.28, dual_clip=0.0, kl_coef=0.0, kl_type="k3", entropy_coef=0.0,
-    loss_agg="token-mean", tis_cap=2.0, w_rl=1.0, w_opd=1.0, group_norm=False, seed=0,
-)
+HP = PPOHyperParams.from_settings(PPOSettings(advantage_estimator="grpo", lr=1e-3, kl_coef=0.0), seed=0)
 
 
 def sched(**kw) -> PPOHyperParams:

@@ -4,6 +4,7 @@ SDPA core attention, vocab-parallel log-probs by hand, and checkpoints that tran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from clawrl.records import Method
+from clawrl.config import PPOSettings
 from clawrl.records import SampleRecord
 from clawrl.train.base import PPOHyperParams
 from clawrl.train.batch import collate_samples
@@ -26,11 +27,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _hp(**overrides) -> PPOHyperParams:
-    base = dict(method=Method.COMBINE, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.98), grad_clip=1.0,
-                micro_batch_size=2, ppo_epochs=2, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.1,
-                kl_type="k3", entropy_coef=0.01, loss_agg="token-mean", tis_cap=2.0, w_rl=1.0, w_opd=0.5,
-                group_norm=False, seed=0)
-    return PPOHyperParams(**{**base, **overrides})
+    ppo = PPOSettings(advantage_estimator="combine", lr=1e-3, weight_decay=0.01, grad_clip=1.0, micro_batch_size=2,
+                      ppo_epochs=2, dual_clip=3.0, kl_coef=0.1, kl_type="k3", entropy_coef=0.01, w_opd=0.5)
+    return dataclasses.replace(PPOHyperParams.from_settings(ppo, seed=0), **overrides)
 
 
 def _batch(vocab: int, seed: int = 0):
@@ -281,12 +280,8 @@ def test_tensor_parallel_2_matches_1_on_cpu(megatron_tp1, tiny_qwen3_dir, tmp_pa
     over ranks."""
     from safetensors.torch import load_file
 
-    from clawrl.train.megatron_backend import (
-        MegatronBackend,
-        build_synthetic_batch,
-        synthetic_hyperparams,
-        with_own_rollout_logprobs,
-    )
+    from clawrl.train.batch import synthetic_batch
+    from clawrl.train.megatron_backend import MegatronBackend, synthetic_hyperparams, with_own_rollout_logprobs
 
     cli = ["--model", str(tiny_qwen3_dir), "--dtype", "float32", "--attention", "local", "--steps", "1",
            "--batch-size", "4", "--prompt-len", "5", "--output-len", "7", "--micro-batch-size", "2",
@@ -301,7 +296,7 @@ def test_tensor_parallel_2_matches_1_on_cpu(megatron_tp1, tiny_qwen3_dir, tmp_pa
 
     hp = synthetic_hyperparams(lr=1e-3, micro_batch_size=2, ppo_epochs=2, kl_coef=0.1, entropy_coef=0.01)
     mb = MegatronBackend(tiny_qwen3_dir, hp)
-    batch = build_synthetic_batch(mb.args.vocab_size, batch_size=4, prompt_len=5, output_len=7, seed=0)
+    batch = synthetic_batch(mb.args.vocab_size, batch_size=4, prompt_len=5, output_len=7)  # the entry point's
     tp1 = mb.train_step(with_own_rollout_logprobs(mb, batch))  # what the entry point trains on
     assert tp2["tp"] == 2
     assert tp1["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy: old == rollout

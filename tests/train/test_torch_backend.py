@@ -12,18 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from clawrl.records import Method
-from clawrl.records import SampleRecord
+from clawrl.config import PPOSettings
+from clawrl.records import Method, SampleRecord
 from clawrl.train.base import PPOHyperParams
 from clawrl.train.batch import collate_samples
 from clawrl.train.torch_backend import TorchBackend
 
 PAD = 2
-HP = PPOHyperParams(
-    method=Method.GRPO, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.98), grad_clip=1.0, micro_batch_size=4,
-    ppo_epochs=1, clip_low=0.2, clip_high=0.28, dual_clip=0.0, kl_coef=0.0, kl_type="k3", entropy_coef=0.0,
-    loss_agg="token-mean", tis_cap=2.0, w_rl=1.0, w_opd=1.0, group_norm=False, seed=0,
-)
+HP = PPOHyperParams.from_settings(PPOSettings(advantage_estimator="grpo", lr=1e-3, kl_coef=0.0), seed=0)
 
 
 def make_batch(seed=0, rewards=(1.0, -1.0, 1.0, -1.0), teacher=False):
@@ -64,7 +60,7 @@ def test_one_step_moves_logprobs_with_the_reward(tiny_dir):
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batches_give_the_full_batch_update(tiny_dir, loss_agg):
-    hp = dataclasses.replace(HP, method=Method.COMBINE, kl_coef=0.1, entropy_coef=0.01, grad_clip=0.0,
+    hp = dataclasses.replace(HP, advantage_estimator=Method.COMBINE, kl_coef=0.1, entropy_coef=0.01, grad_clip=0.0,
                              lr=1e-5, loss_agg=loss_agg)
     batch = make_batch(teacher=True)
     results = []
@@ -127,7 +123,7 @@ def _sha256(path):
 
 
 def test_deterministic_backends_write_byte_identical_checkpoints(tiny_dir, tmp_path):
-    hp = dataclasses.replace(HP, method=Method.COMBINE, kl_coef=0.01, micro_batch_size=2)
+    hp = dataclasses.replace(HP, advantage_estimator=Method.COMBINE, kl_coef=0.01, micro_batch_size=2)
     batch = make_batch(teacher=True)
     paths = []
     for name in ("a", "b"):
@@ -204,12 +200,13 @@ def test_group_norm_subtracts_the_prompt_group_mean(tiny_dir):
     assert metrics["num_groups"] == 2
 
 
-def test_hyperparams_from_settings_copy_plain_values():
-    from clawrl.config import PPOSettings
-
-    hp = PPOHyperParams.from_settings(PPOSettings(clip_range=0.1, clip_range_high=0.3, adam_beta2=0.95,
-                                                  advantage_estimator="grpo"), seed=7)
-    assert (hp.clip_low, hp.clip_high, hp.betas, hp.method, hp.seed) == (0.1, 0.3, (0.9, 0.95), Method.GRPO, 7)
+def test_hyperparams_from_settings_copy_plain_values_under_the_settings_names():
+    ppo = PPOSettings(clip_range=0.1, clip_range_high=0.3, adam_beta2=0.95, advantage_estimator="grpo")
+    hp = PPOHyperParams.from_settings(ppo, seed=7)
+    assert (hp.clip_range, hp.clip_range_high, hp.adam_beta1, hp.adam_beta2, hp.advantage_estimator, hp.seed) == (
+        0.1, 0.3, 0.9, 0.95, Method.GRPO, 7)
+    values = dataclasses.asdict(hp)
+    assert values.pop("seed") == 7 and values == {k: getattr(ppo, k) for k in values}  # every other field: [ppo]
 
 
 def test_train_bench_reports_ppo_and_bound_rows(model_cache):

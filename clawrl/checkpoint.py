@@ -1,0 +1,125 @@
+"""Checkpoints on disk: written complete-or-absent, found, and verified against the recorded hash.
+
+Weight versions are step counts: version 0 is the initial model, version N the weights after N
+steps, in ``<checkpoints>/v{N:06d}/``: HF safetensors weights, the optimizer state, and
+``trainer.json`` (the :class:`StepResult` naming the batch it consumed and the weights' sha256).
+A version directory is built in a staging dir beside it (``.vNNNNNN.<pid>.<random>``) with the
+marker written last, then renamed into place, so it either holds a complete checkpoint or does not
+exist; the staging dir of a writer that died is removed by :func:`remove_stale_staging`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+log = logging.getLogger("clawrl.checkpoint")
+
+WEIGHTS_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    batch_id: str
+    step: int
+    weight_version: str
+    parent_version: str
+    path: str
+    sha256: str
+    metrics: dict[str, float]
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint on disk is not the one the trainer recorded."""
+
+
+def version_dir(checkpoints: Path, version: int) -> Path:
+    return Path(checkpoints) / f"v{version:06d}"
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_step_result(ckpt_dir: Path) -> StepResult:
+    return StepResult(**json.loads((Path(ckpt_dir) / TRAINER_FILE).read_text()))
+
+
+def write_step_result(ckpt_dir: Path, result: StepResult) -> None:
+    """The marker that makes a staged checkpoint complete: written after everything else in it."""
+    (Path(ckpt_dir) / TRAINER_FILE).write_text(json.dumps(asdict(result), indent=1))
+
+
+@contextmanager
+def staged_dir(out_dir: Path) -> Iterator[Path]:
+    """A fresh staging dir beside ``out_dir``, renamed to ``out_dir`` when the block succeeds and
+    deleted when it raises. Its name carries this process's pid, so a later
+    :func:`remove_stale_staging` can tell a dead writer's leftovers from a live writer's."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", dir=out_dir.parent))
+    try:
+        yield staging
+        staging.chmod(0o755)  # mkdtemp makes it private; a checkpoint is read by other processes
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
+    """(version, dir) of every complete checkpoint (``trainer.json`` written last), newest first."""
+    found = [(int(d.name[1:]), d) for d in Path(checkpoints).glob("v[0-9]*")
+             if d.name[1:].isdigit() and (d / TRAINER_FILE).is_file()]
+    return sorted(found, reverse=True)
+
+
+def verify_checkpoint(checkpoint_dir: str | Path, expected_sha256: str) -> None:
+    """Raise CheckpointError unless ``<checkpoint_dir>/model.safetensors`` has ``expected_sha256``
+    (the sync before offering it to an engine, the trainer before resuming from it)."""
+    path = Path(checkpoint_dir) / WEIGHTS_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is missing")
+    actual = file_sha256(path)
+    if actual != expected_sha256:
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is corrupt (sha256 {actual[:12]}..., "
+                              f"{path.stat().st_size} bytes; the trainer recorded {expected_sha256[:12]}...)")
+
+
+def newest_intact_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:
+    """(version, dir) of the newest complete checkpoint whose weights still have the sha256 the
+    trainer recorded (what a restarted gateway serves); a corrupt or half-deleted one is skipped,
+    logged, for the one before it."""
+    for version, d in complete_checkpoints(checkpoints):
+        try:
+            verify_checkpoint(d, read_step_result(d).sha256)
+            return version, d
+        except (CheckpointError, ValueError, TypeError, OSError) as e:
+            log.error("not serving checkpoint v%d: %s", version, e)
+    return None
+
+
+def remove_stale_staging(checkpoints: Path) -> list[Path]:
+    """Delete half-written checkpoints (``.vNNNNNN.<pid>.*`` staging dirs) whose writer process is
+    gone, e.g. a trainer killed while saving; return them. A live writer's staging dir is kept."""
+    removed = []
+    for d in Path(checkpoints).glob(".v[0-9]*.*"):
+        parts = d.name.split(".")  # ["", "v000003", "<pid>", "<random>"]
+        if len(parts) > 3 and parts[2].isdigit() and psutil.pid_exists(int(parts[2])):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed

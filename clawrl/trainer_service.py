@@ -1,0 +1,132 @@
+"""The trainer fed from storage, above both ``clawrl.train`` (which never reads storage) and
+``clawrl.storage``: claiming the next batch, training on its samples (here, or in the trainer
+service) and recording the checkpoint it made. A batch is written to ``batches`` before its step
+trains, and an unfinished one (no checkpoint row yet) is resumed rather than re-taken, so a crash
+between any two steps of the train flow loses no sample and trains none twice.
+
+The trainer service (``clawrl trainer``) keeps model and optimizer in memory while Prefect flow
+runs, each in its own process, come and go: ``POST /step {"batch_id"}`` returns the StepResult
+(idempotent per batch id), ``GET /state`` the current version; steps run one at a time in a worker
+thread so ``/state`` keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import Body, FastAPI
+from fastapi.responses import JSONResponse
+
+from clawrl.checkpoint import StepResult
+from clawrl.records import BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.queries import (
+    batch_samples,
+    checkpoint_exists,
+    custom_samples,
+    latest_version,
+    open_batch,
+    trainable_samples,
+    write_config_snapshot,
+)
+from clawrl.storage.selection import select_batch
+from clawrl.train.trainer import Trainer
+
+
+def claim_batch(store, data_root: Path, *, judge_config_hash: str, batch_size: int, max_staleness: int,
+                method: str, config_hash: str, config_toml: str,
+                sample_source: Callable[..., list] | None = None) -> tuple[str | None, str]:
+    """(the batch to train next, a line saying why): the unfinished claimed batch, else a new batch
+    of the oldest ``batch_size`` fresh samples (from ``sample_source`` when given, a ``[hooks]``
+    hook), else None. Samples staler than ``max_staleness`` versions get the fate ``too_stale``.
+    The config this batch trains under is snapshotted by ``config_hash`` for replay."""
+    store.flush()  # what this process wrote is visible to the query
+    with open_catalog(data_root) as con:
+        pending = open_batch(con)
+        if pending is not None:
+            return pending["batch_id"], f"resuming batch {pending['batch_id']} (claimed, not yet checkpointed)"
+        current = latest_version(con)
+        if sample_source is None:
+            rows = trainable_samples(con, judge_config_hash).to_pylist()
+        else:  # custom samples are stored first, so batches and lineage reach them like any other
+            rows = custom_samples(con, sample_source(data_root=data_root, judge_config_hash=judge_config_hash,
+                                                     limit=batch_size), store)
+    chosen, stale = select_batch(rows, current_version=current, batch_size=batch_size, max_staleness=max_staleness)
+    note = f"{len(stale)} samples too stale for version {current}; " if stale else ""
+    if stale:
+        store.append([FateRecord(r["turn_id"], r["session_id"], judge_config_hash, Fate.TOO_STALE.value,
+                                 f"sampled by version {r['weight_version']}, policy is at {current} "
+                                 f"(max_staleness {max_staleness})") for r in stale])
+    if chosen is None:
+        return None, note + f"{len(rows) - len(stale)} fresh samples wait; rollout_batch_size is {batch_size}"
+    write_config_snapshot(data_root, config_hash, config_toml)  # replay re-reads it by hash
+    batch = BatchRecord(batch_id=uuid.uuid4().hex[:16], step=current + 1, sample_ids=[r["sample_id"] for r in chosen],
+                        session_ids=sorted({r["session_id"] for r in chosen}), method=method,
+                        config_hash=config_hash, parent_version=str(current))
+    store.append(batch)
+    store.flush()
+    return batch.batch_id, note + f"claimed batch {batch.batch_id} ({len(chosen)} samples) for step {current + 1}"
+
+
+def record_checkpoint(store, data_root: Path, step: dict[str, Any], run_id: str) -> bool:
+    """The ``checkpoints`` row of the trainer's StepResult ``step`` (as a dict), once per weight
+    version: False when a re-run finds it already recorded."""
+    store.flush()
+    with open_catalog(data_root) as con:
+        if checkpoint_exists(con, step["weight_version"]):
+            return False
+    keys = ("weight_version", "step", "batch_id", "parent_version", "path", "sha256")
+    store.append(CheckpointRecord(**{k: step[k] for k in keys}, mlflow_run_id=run_id))
+    store.flush()
+    return True
+
+
+def batch_records(con, batch_id: str) -> list[SampleRecord]:
+    """The samples batch ``batch_id`` lists, in its order, as records."""
+    keys = [f.name for f in fields(SampleRecord)]
+    return [SampleRecord(**{k: r[k] for k in keys}) for r in batch_samples(con, batch_id).to_pylist()]
+
+
+def train_batch(trainer: Trainer, data_root: Path, batch_id: str) -> StepResult:
+    """One step of ``trainer`` on the batch's samples (the stored result if it already trained on it)."""
+    with open_catalog(data_root) as con:
+        samples = batch_records(con, batch_id)
+    return trainer.run(batch_id, samples)
+
+
+def create_trainer_app(trainer: Trainer, data_root: Path) -> FastAPI:
+    app = FastAPI(title="clawrl trainer")
+    lock = asyncio.Lock()  # the HTTP server's own guard; cross-process exclusivity is Prefect's `trainer` limit
+
+    @app.get("/state")
+    async def state() -> dict[str, Any]:
+        last = None if trainer.last is None else asdict(trainer.last)
+        return {"weight_version": trainer.weight_version, "last": last}
+
+    @app.post("/step")
+    async def step(batch_id: str = Body(embed=True)):
+        async with lock:
+            try:
+                result = await asyncio.to_thread(train_batch, trainer, data_root, batch_id)
+            except ValueError as e:
+                return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400)
+        return asdict(result)
+
+    return app
+
+
+def request_step(trainer_url: str, batch_id: str, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Ask the trainer service to train on ``batch_id``; its StepResult as a dict."""
+    try:
+        r = httpx.post(trainer_url.rstrip("/") + "/step", json={"batch_id": batch_id}, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"trainer at {trainer_url} unreachable: {e!r}") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"trainer at {trainer_url} failed batch {batch_id}: HTTP {r.status_code} {r.text[:500]}")
+    return r.json()
