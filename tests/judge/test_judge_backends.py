@@ -152,8 +152,11 @@ def _provider_app(state: _ProviderState) -> FastAPI:
 @pytest.fixture
 def provider():
     state = _ProviderState()
-    with serve_in_thread(_provider_app(state)) as server:
+    server = serve_in_thread(_provider_app(state))
+    try:
         yield server.url, state
+    finally:
+        server.stop()
 
 
 MESSAGES = [{"role": "system", "content": "judge"}, {"role": "user", "content": "turn + next state"}]
