@@ -54,8 +54,8 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
         engine = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=max(concurrencies),
                                 max_context_len=1024)
         model = load_causal_lm(model_dir, dtype, device)
-        loop = asyncio.new_event_loop()
-        loop.run_until_complete(engine.start())
+        runner = asyncio.Runner()  # one event loop for the engine across the passes
+        runner.run(engine.start())
         counts: dict[tuple[str, int], tuple[int, int | None]] = {}  # tokens, largest decode batch
 
         def measure(system: str, n: int) -> None:
@@ -64,13 +64,13 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
                 counts[system, n] = _hf_generate(model, tok, group, n, new_tokens), None
                 return
             engine.reset_stats()  # max_batch_seen of this pass only
-            tokens = loop.run_until_complete(_engine_closed_loop(engine, group, n, new_tokens))
+            tokens = runner.run(_engine_closed_loop(engine, group, n, new_tokens))
             counts[system, n] = tokens, engine.stats["max_batch_seen"]
 
         times = interleaved_times({f"{s} {n}": functools.partial(measure, s, n) for s, n in configs}, repeats,
                                   device=device, progress=progress and (lambda label: progress(f"{name} {label}")))
-        loop.run_until_complete(engine.close())
-        loop.close()
+        runner.run(engine.close())
+        runner.close()
         model_rows = [dict(model=name, system=s, concurrency=n, requests=n * ROUNDS, tokens=counts[s, n][0],
                            seconds=round(times[f"{s} {n}"][0], 4),
                            tokens_per_s=round(counts[s, n][0] / times[f"{s} {n}"][0], 1),
@@ -95,15 +95,12 @@ async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int
 @torch.inference_mode()
 def _hf_generate(model, tok, prompts: list[list[int]], batch: int, new_tokens: int) -> int:
     """``model.generate`` over ``prompts`` in static left-padded batches of ``batch``: the tokens generated."""
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     tokens = 0
-    for group in (prompts[i: i + batch] for i in range(0, len(prompts), batch)):
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-        tokens += (out.shape[1] - ids.shape[1]) * len(group)
+    for i in range(0, len(prompts), batch):
+        enc = tok.pad({"input_ids": prompts[i: i + batch]}, padding_side="left", return_tensors="pt").to(model.device)
+        out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+        tokens += out[:, enc["input_ids"].shape[1]:].numel()
     return tokens
 
 

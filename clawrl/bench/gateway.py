@@ -13,6 +13,7 @@ the gateway process's own ``/engine`` mount. The gateway's ``Server-Timing`` giv
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import tempfile
 import time
@@ -35,7 +36,6 @@ from clawrl.bench.common import (
 )
 
 TOPOLOGIES = ("embedded", "http")
-JSON = {"content-type": "application/json"}
 
 
 def _prompts(n: int) -> list[list[dict[str, str]]]:
@@ -76,25 +76,22 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
                    concurrency: int, n: int, max_tokens: int) -> dict[str, Any]:
     """``n`` requests a path, paired: ``/generate`` at ``direct_url`` vs the gateway's chat route;
     ``prompts`` = (messages, the ids the gateway renders them to), used in turn by both paths."""
-    counters = {"direct": 0, "gateway": 0}
+    direct_prompts, gateway_prompts = itertools.cycle(prompts), itertools.cycle(prompts)
     own: list[float] = []
 
-    def next_prompt(path: str) -> tuple[list[dict[str, str]], list[int]]:
-        counters[path] += 1
-        return prompts[counters[path] % len(prompts)]
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), raise_for_status=True,
+                                     json_serialize=lambda body: orjson.dumps(body).decode()) as http:
         async def direct():
-            body = {"input_ids": next_prompt("direct")[1], "return_logprob": True,
+            body = {"input_ids": next(direct_prompts)[1], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
-            async with http.post(direct_url + "/generate", data=orjson.dumps(body), headers=JSON) as r:
-                _check(r.status, await r.read(), direct_url + "/generate")
+            async with http.post(direct_url + "/generate", json=body) as r:
+                await r.read()
 
         async def via_gateway():
-            body = {"messages": next_prompt("gateway")[0], "max_tokens": max_tokens, "temperature": 0.0,
+            body = {"messages": next(gateway_prompts)[0], "max_tokens": max_tokens, "temperature": 0.0,
                     "turn_type": "side"}
-            async with http.post(gateway_url + "/v1/chat/completions", data=orjson.dumps(body), headers=JSON) as r:
-                _check(r.status, await r.read(), gateway_url + "/v1/chat/completions")
+            async with http.post(gateway_url + "/v1/chat/completions", json=body) as r:
+                await r.read()
                 own.append(gateway_own_s(r.headers.get("server-timing", "")))
 
         await _paired_loop((direct, via_gateway), 2 * concurrency, concurrency)  # warm connections and code paths
@@ -108,11 +105,6 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
     row["added_p99_ms"] = row["gateway_p99_ms"] - row["direct_p99_ms"]
     row["own_p50_ms"] = 1000 * float(np.median(own))
     return row
-
-
-def _check(status: int, body: bytes, url: str) -> None:
-    if status != 200:
-        raise RuntimeError(f"{url} answered {status}: {body[:300]!r}")
 
 
 def gateway_own_s(server_timing: str) -> float:

@@ -102,11 +102,6 @@ class Run:
                            "versions": sorted(self.versions, key=lambda v: (len(v), v))})
 
 
-def _judge_limit(rollout_batch_size: int) -> int:
-    """Turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon."""
-    return max(16, 2 * rollout_batch_size)
-
-
 async def _user(client: openai.AsyncOpenAI, i: int, run: Run, *, turns_per_session: int, max_tokens: int) -> None:
     """User ``i``: one session after another until the window closes (module docstring)."""
     rng = random.Random(i)  # user i makes the same choices in every run
@@ -214,6 +209,8 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
 
     root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
     port, dtype = free_port(), bench_dtype(device)
+    # turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon
+    judge_limit = max(16, 2 * rollout_batch_size)
     conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens, device, dtype)
     s = load_flow_settings(conf)
     gw = f"http://127.0.0.1:{port}"
@@ -227,7 +224,7 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
             gw, sessions, run, turns_per_session=turns_per_session, max_tokens=max_tokens)))
         users.start()
         try:
-            judged = _judge_and_train(users, conf, f"{gw}/engine", run, _judge_limit(rollout_batch_size))
+            judged = _judge_and_train(users, conf, f"{gw}/engine", run, judge_limit)
         finally:
             users.join()
             run.report()
@@ -236,7 +233,8 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
         logging.disable(logging.NOTSET)
         stop_clawrl(proc)
     return {"sessions": sessions, "duration_s": duration_s, "turns_per_session": turns_per_session,
-            "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "turns_judged": judged,
+            "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "judge_limit": judge_limit,
+            "turns_judged": judged,
             "load_1m_before": load_before, "load_1m_after": load_after, "device": device, "dtype": dtype,
             "window_s": run.ended_s, "data_root": str(root), **_figures(root, run, wall)}
 
@@ -298,7 +296,7 @@ def format_load_section(r: dict[str, Any]) -> str:
         markdown_table([row], list(row)),
         "",
         f"Weight syncs (times from the window's start): {syncs or 'none'}. Turns judged: {r['turns_judged']} (the",
-        f"judge takes at most {_judge_limit(r['rollout_batch_size'])} turns per run, so training starts early and "
+        f"judge takes at most {r['judge_limit']} turns per run, so training starts early and "
         "keeps going; the rest wait, logged); sessions",
         f"started {r['sessions_started']}, completed {r['sessions_completed']}; sent but not logged: "
         f"{r['sent_not_logged']}. `load_1m`: the 1-minute load average",

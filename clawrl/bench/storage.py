@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import random
-import struct
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ from clawrl.storage.writer import DataStore
 def build_turn_templates(
     n: int, *, prompt_len: int = 200, output_len: int = 64, vocab: int = 49_152, seed: int = 0
 ) -> list[TurnRecord]:
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)
     now = utcnow()
     templates = []
     for i in range(n):
@@ -38,15 +36,15 @@ def build_turn_templates(
             {"role": "system", "content": "You are a coding agent working in the user's repository."},
             {"role": "user", "content": f"Run the tests in module m{i} and fix what fails; keep the API."},
         ]
-        # Round-trip through float32 so each log-prob is what a float32 engine would return.
-        logprobs = [struct.unpack("f", struct.pack("f", -rng.expovariate(1.5)))[0] for _ in range(output_len)]
+        # float32 values, as a float32 engine returns them
+        logprobs = (-rng.exponential(1 / 1.5, output_len)).astype(np.float32).tolist()
         templates.append(TurnRecord(
             turn_id="", session_id="", turn_index=0, turn_type="main", namespace="open",
             model="clawrl-policy", weight_version="v0",
             request_messages=orjson.dumps(messages).decode(), request_tools=None,
             request_params='{"temperature":0.7,"top_p":1.0,"max_new_tokens":512,"logprobs":true}',
-            prompt_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
-            output_ids=[rng.randrange(vocab) for _ in range(output_len)],
+            prompt_ids=rng.integers(vocab, size=prompt_len).tolist(),
+            output_ids=rng.integers(vocab, size=output_len).tolist(),
             rollout_logprobs=logprobs, text="I ran the tests; the failure was an off-by-one, fixed.",
             tool_calls=None, finish_reason="stop", created_at=now, completed_at=now, latency_ms=412.5,
         ))

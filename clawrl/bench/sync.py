@@ -12,6 +12,7 @@ Target: each path <= 1.5x its bound.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import tempfile
 from pathlib import Path
@@ -52,40 +53,36 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
         target = load_causal_lm(model_dir, dtype, device)
         params = dict(target.state_dict())
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        loop = asyncio.new_event_loop()
-        loop.run_until_complete(engine.start())
-        version = [0]
+        runner = asyncio.Runner()  # one event loop for the engine across the passes
+        runner.run(engine.start())
+        ids = itertools.count(1)  # fresh weight versions and file names
 
         def in_process():
-            version[0] += 1
-            rep = loop.run_until_complete(sync_state_dict(engine, state, str(version[0])))
+            rep = runner.run(sync_state_dict(engine, state, str(next(ids))))
             assert rep.success, rep.message
 
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            counter = [0]
 
             def disk_bound():
-                counter[0] += 1
-                f = tmp / f"bound{counter[0]}.safetensors"
+                f = tmp / f"bound{next(ids)}.safetensors"
                 save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight" or
                            not target.config.tie_word_embeddings}, str(f))
                 _copy_into(params, load_file(str(f)))  # load_file is a lazy mmap: the copy reads the bytes
                 f.unlink()  # drop its dirty pages so they do not throttle the next writer
 
             def disk_sync():
-                counter[0] += 1
-                out = trainer.save_checkpoint(tmp / f"ckpt{counter[0]}")
-                version[0] += 1
-                rep = loop.run_until_complete(sync_from_disk(engine, str(out), str(version[0])))
+                version = str(next(ids))
+                out = trainer.save_checkpoint(tmp / f"ckpt{version}")
+                rep = runner.run(sync_from_disk(engine, str(out), version))
                 assert rep.success, rep.message
                 shutil.rmtree(out)
 
             results = interleaved_times({"copy_bound": lambda: _copy_into(params, state), "in_process": in_process,
                                          "disk_bound": disk_bound, "disk_sync": disk_sync}, repeats, device=device,
                                         progress=progress and (lambda label: progress(f"{name} {label}")))
-        loop.run_until_complete(engine.close())
-        loop.close()
+        runner.run(engine.close())
+        runner.close()
         for path, bound in (("in_process", "copy_bound"), ("disk_sync", "disk_bound")):
             best, median = results[path]
             rows.append({"model": name, "path": path, "bytes": nbytes, "seconds": best, "seconds_median": median,

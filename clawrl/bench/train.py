@@ -34,11 +34,9 @@ BENCH_HP = PPOHyperParams.from_settings(PPOSettings(), seed=0)  # the default co
 def _plain_step(model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) -> Callable[[TokenBatch], None]:
     """The bound: HF forward with labels (its own cross-entropy), backward, clip, AdamW; float32
     weights, the forward under autocast when ``dtype`` is not float32 (as TorchBackend does)."""
-    from transformers import AutoModelForCausalLM
+    from clawrl.models import load_causal_lm, torch_dtype
 
-    from clawrl.models import torch_dtype
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    model = load_causal_lm(model_dir, "float32", device)
     params, compute_dtype = list(model.parameters()), torch_dtype(dtype)
     optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), weight_decay=hp.weight_decay,
                                   fused=torch.device(device).type == "cuda")
