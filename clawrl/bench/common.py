@@ -31,7 +31,7 @@ def bench_dtype(device: str) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def machine_line(device: str = "cpu", dtype: str = "float32") -> str:
+def machine_line(device: str, dtype: str) -> str:
     """The machine, the device the models ran on by name (so GPU and CPU figures are never confused), and when."""
     name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else cpu_model()
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

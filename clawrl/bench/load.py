@@ -234,9 +234,8 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
         stop_clawrl(proc)
     return {"sessions": sessions, "duration_s": duration_s, "turns_per_session": turns_per_session,
             "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "judge_limit": judge_limit,
-            "turns_judged": judged,
-            "load_1m_before": load_before, "load_1m_after": load_after, "device": device, "dtype": dtype,
-            "window_s": run.ended_s, "data_root": str(root), **_figures(root, run, wall)}
+            "turns_judged": judged, "load_1m_before": load_before, "load_1m_after": load_after, "device": device,
+            "dtype": dtype, "window_s": run.ended_s, "data_root": str(root), **_figures(root, run, wall)}
 
 
 def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:

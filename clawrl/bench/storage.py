@@ -24,6 +24,8 @@ from clawrl.records import TurnRecord, make_turn_id, utcnow
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 
+POOL = 4096  # templates: more bytes than zstd can match across (module docstring)
+
 
 def build_turn_templates(
     n: int, *, prompt_len: int = 200, output_len: int = 64, vocab: int = 49_152, seed: int = 0
@@ -49,9 +51,6 @@ def build_turn_templates(
             tool_calls=None, finish_reason="stop", created_at=now, completed_at=now, latency_ms=412.5,
         ))
     return templates
-
-
-POOL = 4096  # templates: more bytes than zstd can match across (module docstring)
 
 
 def run_append_bench(
