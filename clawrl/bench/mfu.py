@@ -3,12 +3,12 @@ plain transformers + torch, on a Qwen3-shaped model with random weights (nothing
 
     python -m clawrl.bench.mfu --model qwen3-0.6b --seq 2048 --batch 8 --backend megatron --steps 10
     python -m clawrl.bench.mfu --model qwen3-0.6b --seq 2048 --batch 8 --backend hf --steps 10
-    python -m clawrl.bench.mfu --tiny --backend megatron --steps 1        # CPU smoke test
+    python -m clawrl.bench.mfu --model tiny --device cpu --backend megatron --steps 1    # smoke test
 
 A step is forward + backward + AdamW step on ``batch`` random sequences of ``seq`` tokens with the
 next-token cross-entropy loss. Both backends start from the same random weights (the megatron
 model is converted from the HF one), hold bf16 parameters and gradients and use torch's fused
-AdamW (``--tiny`` on CPU: float32, unfused). Prints one JSON object; ``loss_first`` of the two
+AdamW (on the CPU: float32, unfused). Prints one JSON object; ``loss_first`` of the two
 backends should agree to bf16 precision.
 
 FLOP count (model FLOPs, PaLM's convention: Chowdhery et al. 2022, appendix B):
@@ -53,7 +53,7 @@ SHAPES = {
                          head_dim=128, intermediate_size=3072, vocab_size=151936),
     "qwen3-4b": _qwen3(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, intermediate_size=9728, vocab_size=151936),
-    # the CPU smoke shape (--tiny): the unit tests' tiny-qwen3 layout with a small vocabulary
+    # the smoke-test shape: the unit tests' tiny-qwen3 layout with a small vocabulary
     "tiny": _qwen3(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    intermediate_size=160, vocab_size=1024),
 }
@@ -173,8 +173,7 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=[k for k in SHAPES if k != "tiny"], default="qwen3-0.6b")
-    ap.add_argument("--tiny", action="store_true", help="the 2-layer smoke shape (overrides --model)")
+    ap.add_argument("--model", choices=list(SHAPES), default="qwen3-0.6b", help="tiny: the 2-layer smoke-test shape")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu; bf16 on cuda, "
                     "float32 on cpu")
     ap.add_argument("--backend", choices=["megatron", "hf"], required=True)
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     a = ap.parse_args(argv)
-    result = run_benchmark("tiny" if a.tiny else a.model, backend=a.backend, seq=a.seq, batch=a.batch,
+    result = run_benchmark(a.model, backend=a.backend, seq=a.seq, batch=a.batch,
                            steps=a.steps, warmup=a.warmup, attention=a.attention, peak_tflops=a.peak_tflops,
                            device=a.device)
     print(json.dumps(result), flush=True)

@@ -157,7 +157,7 @@ def bench_train(
 
     s = settings_or_exit(config)
     kw = dict(cache_dir=s.storage.models_dir, repeats=repeats, device=_device(device))
-    with _status("train bench: PPO step vs plain HF step, then weight sync vs its bound") as progress:
+    with _status("train bench") as progress:
         train_rows = run_train_bench(_split(models), progress=progress, **kw)
         sync_rows = run_sync_bench(_split(models), progress=progress, **kw)
     _write("train", format_train_section(train_rows, sync_rows), out)
