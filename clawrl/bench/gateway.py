@@ -13,53 +13,35 @@ the gateway process's own ``/engine`` mount. The gateway's ``Server-Timing`` giv
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
+import itertools
+import re
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
+import numpy as np
 import orjson
 
+from clawrl.bench.common import (
+    bench_dtype,
+    free_port,
+    load_average,
+    machine_line,
+    markdown_table,
+    start_clawrl,
+    stop_clawrl,
+    wait_healthy,
+)
+
 TOPOLOGIES = ("embedded", "http")
-JSON = {"content-type": "application/json"}
 
 
 def _prompts(n: int) -> list[list[dict[str, str]]]:
     """Distinct user messages of one shape: the gateway caches the encoding of conversation pieces
     it has seen (history), so repeating one message would hide the cost of encoding a new one."""
     return [[{"role": "user", "content": f"Say something short, request {i:05d}."}] for i in range(n)]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not up after {timeout_s} s")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def requests_at(n: int, concurrency: int) -> int:
@@ -94,25 +76,22 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
                    concurrency: int, n: int, max_tokens: int) -> dict[str, Any]:
     """``n`` requests a path, paired: ``/generate`` at ``direct_url`` vs the gateway's chat route;
     ``prompts`` = (messages, the ids the gateway renders them to), used in turn by both paths."""
-    counters = {"direct": 0, "gateway": 0}
+    direct_prompts, gateway_prompts = itertools.cycle(prompts), itertools.cycle(prompts)
     own: list[float] = []
 
-    def next_prompt(path: str) -> tuple[list[dict[str, str]], list[int]]:
-        counters[path] += 1
-        return prompts[counters[path] % len(prompts)]
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), raise_for_status=True,
+                                     json_serialize=lambda body: orjson.dumps(body).decode()) as http:
         async def direct():
-            body = {"input_ids": next_prompt("direct")[1], "return_logprob": True,
+            body = {"input_ids": next(direct_prompts)[1], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0}}
-            async with http.post(direct_url + "/generate", data=orjson.dumps(body), headers=JSON) as r:
-                _check(r.status, await r.read(), direct_url + "/generate")
+            async with http.post(direct_url + "/generate", json=body) as r:
+                await r.read()
 
         async def via_gateway():
-            body = {"messages": next_prompt("gateway")[0], "max_tokens": max_tokens, "temperature": 0.0,
+            body = {"messages": next(gateway_prompts)[0], "max_tokens": max_tokens, "temperature": 0.0,
                     "turn_type": "side"}
-            async with http.post(gateway_url + "/v1/chat/completions", data=orjson.dumps(body), headers=JSON) as r:
-                _check(r.status, await r.read(), gateway_url + "/v1/chat/completions")
+            async with http.post(gateway_url + "/v1/chat/completions", json=body) as r:
+                await r.read()
                 own.append(gateway_own_s(r.headers.get("server-timing", "")))
 
         await _paired_loop((direct, via_gateway), 2 * concurrency, concurrency)  # warm connections and code paths
@@ -120,52 +99,20 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
         d_lat, g_lat = await _paired_loop((direct, via_gateway), n, concurrency)
     row: dict[str, Any] = {"concurrency": concurrency, "requests": len(g_lat)}
     for name, lat in (("direct", d_lat), ("gateway", g_lat)):
-        row[f"{name}_p50_ms"] = 1000 * _pct(lat, 0.50)
-        row[f"{name}_p99_ms"] = 1000 * _pct(lat, 0.99)
+        row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = (1000 * np.percentile(lat, [50, 99])).tolist()
     row["added_p50_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
     row["added_p50_pct"] = 100 * row["added_p50_ms"] / row["direct_p50_ms"]
     row["added_p99_ms"] = row["gateway_p99_ms"] - row["direct_p99_ms"]
-    row["own_p50_ms"] = 1000 * _pct(own, 0.50)
+    row["own_p50_ms"] = 1000 * float(np.median(own))
     return row
 
 
-def _check(status: int, body: bytes, url: str) -> None:
-    if status != 200:
-        raise RuntimeError(f"{url} answered {status}: {body[:300]!r}")
-
-
 def gateway_own_s(server_timing: str) -> float:
-    """Seconds of the ``gateway`` metric in a Server-Timing header (routes.server_timing)."""
-    for metric in server_timing.split(","):
-        name, _, params = metric.strip().partition(";")
-        if name == "gateway":
-            for param in params.split(";"):
-                key, _, value = param.strip().partition("=")
-                if key == "dur":
-                    return float(value) / 1000.0
-    raise ValueError(f"no gateway;dur in Server-Timing {server_timing!r}")
-
-
-def _start(args: list[str], env: dict[str, str], health: str) -> subprocess.Popen:
-    """A clawrl server process, up and answering ``health``."""
-    proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        _wait(health, proc)
-    except BaseException:
-        _stop(proc)
-        raise
-    return proc
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    """Seconds of the ``gateway`` metric's ``dur`` (ms) in a Server-Timing header (routes.server_timing)."""
+    m = re.search(r"(?:^|,)\s*gateway\s*;[^,]*?\bdur=([0-9.]+)", server_timing)
+    if m is None:
+        raise ValueError(f"no gateway;dur in Server-Timing {server_timing!r}")
+    return float(m.group(1)) / 1000.0
 
 
 def _direct_url(topology: str, engine_url: str, gateway_url: str) -> str:
@@ -175,30 +122,31 @@ def _direct_url(topology: str, engine_url: str, gateway_url: str) -> str:
 
 
 def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000, max_tokens: int = 8,
-                      append_turns: int = 200_000, progress=None) -> dict[str, Any]:
-    """Both topologies at each concurrency (``_measure``), then the session-log append rate.
-    ``progress(description)`` is called as each cell starts."""
-    from clawrl.bench.report import load_average
+                      append_turns: int = 200_000, device: str = "cpu", progress=None) -> dict[str, Any]:
+    """Both topologies at each concurrency (``_measure``), the engine on ``device``, then the
+    session-log append rate. ``progress(description)`` is called as each cell starts."""
     from clawrl.bench.storage import run_append_bench
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir("tiny", model_cache))
     prompts = [(m, list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)))
                for m in _prompts(4 * requests_at(n, max(concurrencies)))]
-    root = Path(tempfile.mkdtemp(prefix="clawrl-gwbench-"))
-    base_env = {**os.environ, "CLAWRL__MODEL__NAME": "tiny", "CLAWRL__STORAGE__MODEL_CACHE": str(model_cache),
-                "CLAWRL__STORAGE__DATA_ROOT": str(root / "data"), "CLAWRL__SERVER__OPEN_MODE": "true",
-                "OMP_NUM_THREADS": "1"}
+    root, dtype = Path(tempfile.mkdtemp(prefix="clawrl-gwbench-")), bench_dtype(device)
+    env = {"CLAWRL__MODEL__NAME": "tiny", "CLAWRL__MODEL__DEVICE": device, "CLAWRL__MODEL__DTYPE": dtype,
+           "CLAWRL__STORAGE__MODEL_CACHE": str(model_cache), "CLAWRL__STORAGE__DATA_ROOT": str(root / "data"),
+           "CLAWRL__SERVER__OPEN_MODE": "true", "OMP_NUM_THREADS": "1"}
     rows = []
     for topology in TOPOLOGIES:
-        eport, gport = _free_port(), _free_port()
+        eport, gport = free_port(), free_port()
         engine_url, gateway_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
         gw_env = {} if topology == "embedded" else {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": engine_url}
         engine = gateway = None
         try:
             if topology == "http":
-                engine = _start(["engine", "--port", str(eport)], base_env, engine_url + "/health")
-            gateway = _start(["serve", "--port", str(gport)], {**base_env, **gw_env}, gateway_url + "/healthz")
+                engine = start_clawrl(["engine", "--port", str(eport)], root / "engine.log", **env)
+                wait_healthy(engine, engine_url + "/health")
+            gateway = start_clawrl(["serve", "--port", str(gport)], root / f"gateway-{topology}.log", **env, **gw_env)
+            wait_healthy(gateway, gateway_url + "/healthz")
             for c in concurrencies:
                 if progress:
                     progress(f"{topology} engine, concurrency {c}")
@@ -206,24 +154,23 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
                                            requests_at(n, c), max_tokens))
                 rows.append({"engine": topology, **row, "load_1m": load_average()})
         finally:
-            _stop(gateway)
-            _stop(engine)
+            stop_clawrl(gateway)
+            stop_clawrl(engine)
     if progress:
         progress("session-log append rate")
     append = run_append_bench(append_turns)
-    return {"latency": rows, "append": append, "max_tokens": max_tokens, "data_root": str(root / "data")}
+    return {"latency": rows, "append": append, "max_tokens": max_tokens, "device": device, "dtype": dtype,
+            "data_root": str(root / "data")}
 
 
-def format_gateway_section(result: dict[str, Any], machine_line: str) -> str:
-    from clawrl.bench.report import markdown_table
-
+def format_gateway_section(result: dict[str, Any]) -> str:
     cols = ["engine", "concurrency", "requests", "direct_p50_ms", "gateway_p50_ms", "added_p50_ms", "added_p50_pct",
             "direct_p99_ms", "gateway_p99_ms", "added_p99_ms", "own_p50_ms", "load_1m"]
     a = result["append"]
     lines = [
         "## Gateway overhead and session-log append rate",
         "",
-        machine_line,
+        machine_line(result["device"], result["dtype"]),
         f"Tiny model, greedy, {result['max_tokens']} new tokens, a distinct user message per request (so the",
         "gateway's cache of conversation pieces does not hide the encoding cost). Every client of a closed loop",
         "alternates a direct call - the engine's `/generate` with the prompt ids the gateway renders - and a",

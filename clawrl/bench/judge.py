@@ -11,20 +11,19 @@ batches less) at request concurrency 1 vs 16. With one vote per turn the two gai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from clawrl.bench.report import load_average, markdown_table
+from clawrl.bench.common import bench_dtype, gather_bounded, load_average, machine_line, markdown_table
+from clawrl.config import load_settings
 from clawrl.engine.types import GenerateRequest, SamplingParams
-from clawrl.judge.backends import EngineJudge
 from clawrl.judge.context import build_judge_context
-from clawrl.judge.pipeline import Judge
 from clawrl.judge.prompts import build_prm_messages
-from clawrl.records import Method, NextStateRecord, TurnRecord, utcnow
-
-BUDGET_CHARS = 2000
+from clawrl.judge.runner import build_judge
+from clawrl.records import NextStateRecord, TurnRecord, utcnow
 
 
 def build_judge_turns(tokenizer, n: int) -> list[tuple[TurnRecord, NextStateRecord]]:
@@ -47,49 +46,45 @@ def build_judge_turns(tokenizer, n: int) -> list[tuple[TurnRecord, NextStateReco
     return out
 
 
-async def _rate(n: int, concurrency: int, one) -> float:
-    """``n`` calls of ``one(i)``, at most ``concurrency`` in flight: calls per second."""
-    sem = asyncio.Semaphore(concurrency)
-
-    async def bounded(i: int) -> None:
-        async with sem:
-            await one(i)
-
+async def _rate(concurrency: int, aws) -> float:
+    """Awaitables completed per second, at most ``concurrency`` in flight."""
+    aws = list(aws)
     t0 = time.perf_counter()
-    await asyncio.gather(*(bounded(i) for i in range(n)))
-    return n / (time.perf_counter() - t0)
+    await gather_bounded(concurrency, aws)
+    return len(aws) / (time.perf_counter() - t0)
 
 
 async def _measure(engine, pairs, concurrencies, judge_samples: int, max_tokens: int) -> dict[int, tuple[float, float]]:
     """{concurrency: (turns judged per second, engine requests per second)}."""
-    def judge(tokens: int) -> Judge:
-        return Judge(backend=EngineJudge(engine, engine.tokenizer), method=Method.GRPO, judge_samples=judge_samples,
-                     hint_samples=1, temperature=0.6, max_tokens=tokens, budget_chars=BUDGET_CHARS,
-                     hint_policy="longest", hint_placement="append_last_user", teacher=None, teacher_tokenizer=None,
-                     config_hash="bench", backend_name="engine")
-
-    msgs = build_prm_messages(build_judge_context(*pairs[0]), BUDGET_CHARS)
+    s = load_settings(env={}, overrides={"prm.backend": "engine", "ppo.advantage_estimator": "grpo",
+                                         "prm.judge_samples": judge_samples, "prm.max_new_tokens": max_tokens})
+    timed = build_judge(s, frozen=lambda _: engine)  # what `[prm] backend = "engine"` builds, over this engine
+    warm = dataclasses.replace(timed, max_tokens=4)
+    msgs = build_prm_messages(build_judge_context(*pairs[0]), s.prm.budget_chars)
     prompt = list(engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
 
-    async def generate(i: int) -> None:
-        await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=SamplingParams(
-            max_new_tokens=max_tokens, temperature=0.6, ignore_eos=True, sampling_seed=i)))
+    def generate(i: int):
+        return engine.generate(GenerateRequest(input_ids=prompt, sampling_params=SamplingParams(
+            max_new_tokens=max_tokens, temperature=s.prm.temperature, ignore_eos=True, sampling_seed=i)))
 
-    warm, timed = judge(4), judge(max_tokens)
-    await _rate(4, 4, lambda i: warm.judge(*pairs[i]))
-    return {c: (await _rate(len(pairs), c, lambda i: timed.judge(*pairs[i])),
-                await _rate(len(pairs) * judge_samples, c * judge_samples, generate)) for c in concurrencies}
+    await _rate(4, (warm.judge(*p) for p in pairs[:4]))
+    return {c: (await _rate(c, (timed.judge(*p) for p in pairs)),
+                await _rate(c * judge_samples, map(generate, range(len(pairs) * judge_samples))))
+            for c in concurrencies}
 
 
 def run_judge_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, n_turns: int = 32,
-                    judge_samples: int = 1, max_tokens: int = 32, concurrencies=(1, 16)) -> list[dict[str, Any]]:
+                    judge_samples: int = 1, max_tokens: int = 32, concurrencies=(1, 16),
+                    device: str = "cpu") -> list[dict[str, Any]]:
+    """One row per (model, concurrency), the judge's engine on ``device`` (module docstring)."""
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.models import resolve_model_dir
 
-    rows = []
+    rows, dtype = [], bench_dtype(device)
     for name in model_names:
-        engine = EmbeddedEngine(resolve_model_dir(name, cache_dir), max_batch_size=16, max_context_len=2048)
+        engine = EmbeddedEngine(resolve_model_dir(name, cache_dir), dtype=dtype, device=device, max_batch_size=16,
+                                max_context_len=2048)
 
         async def measure():
             async with engine:
@@ -100,15 +95,17 @@ def run_judge_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, n_
         base_turns, base_gen = res[concurrencies[0]]
         rows += [{"model": name, "concurrency": c, "judge_samples": judge_samples, "turns": n_turns,
                   "turns_per_s": turns_s, "judge_gain": turns_s / base_turns, "engine_requests_per_s": gen_s,
-                  "engine_gain": gen_s / base_gen, "load_1m": load_average()} for c, (turns_s, gen_s) in res.items()]
+                  "engine_gain": gen_s / base_gen, "max_tokens": max_tokens, "device": device, "dtype": dtype,
+                  "load_1m": load_average()} for c, (turns_s, gen_s) in res.items()]
     return rows
 
 
-def format_judge_section(rows: list[dict[str, Any]], machine_line: str, max_tokens: int) -> str:
+def format_judge_section(rows: list[dict[str, Any]]) -> str:
     cols = ["model", "concurrency", "judge_samples", "turns", "turns_per_s", "judge_gain", "engine_requests_per_s",
             "engine_gain", "load_1m"]
-    lines = ["## Judge throughput", "", machine_line,
-             f"`EngineJudge` over the embedded engine, {max_tokens}-token votes, turns in flight = `concurrency`;",
+    lines = ["## Judge throughput", "", machine_line(rows[0]["device"], rows[0]["dtype"]),
+             f"`EngineJudge` over the embedded engine, {rows[0]['max_tokens']}-token votes, turns in flight = "
+             "`concurrency`;",
              "`engine_gain` is the same engine's requests/s at the same request concurrency vs 1, on the judge's",
              "own rendered PRM prompt (ignore_eos, same token budget). Target: the judge's gain at 16 at least",
              "matches the engine's batching gain.", "",

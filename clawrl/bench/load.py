@@ -19,15 +19,9 @@ weight syncs completed inside the window.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,10 +31,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import numpy as np
 import openai
 
-from clawrl.bench.report import describe_machine, load_average, markdown_table
+from clawrl.bench.common import (
+    bench_dtype,
+    free_port,
+    load_average,
+    machine_line,
+    markdown_table,
+    start_clawrl,
+    stop_clawrl,
+    wait_healthy,
+)
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
 
@@ -48,12 +51,23 @@ SESSION_PREFIX = "load-"
 
 
 @dataclass
-class ClientStats:
+class Run:
+    """What the clients saw and the train steps done, over the measured window: ``duration_s`` long,
+    held open past that (up to 4x + 240 s) until ``min_syncs`` weight syncs are done and a client was
+    served a new version, so a slow machine still shows serving across a sync instead of ending before
+    the first one. ``progress`` gets the live counters after every request."""
+
+    duration_s: float
+    min_syncs: int
+    progress: Callable[[dict[str, Any]], None] | None = None
+    t0: float = field(default_factory=time.monotonic)
+    ended_s: float | None = None  # when the last user stopped (turns in flight included)
     latencies: list[float] = field(default_factory=list)
     acked: list[tuple[str, int]] = field(default_factory=list)  # (session id, turn index) of each 200
     errors: list[str] = field(default_factory=list)
     versions: Counter = field(default_factory=Counter)
     first_seen: dict[str, float] = field(default_factory=dict)  # version -> when a client first got it
+    steps: list[dict[str, Any]] = field(default_factory=list)  # train steps, each with its sync
     completion_tokens: int = 0
     sessions_started: int = 0
     sessions_done: int = 0
@@ -62,56 +76,45 @@ class ClientStats:
     def requests(self) -> int:
         return len(self.acked) + len(self.errors)
 
-    def record(self, session_id: str, r, seconds: float, t0: float) -> None:
-        self.latencies.append(seconds)
-        self.acked.append((session_id, int(r.model_extra["turn_index"])))
-        version = str(r.model_extra["weight_version"])
-        self.versions[version] += 1
-        self.first_seen.setdefault(version, time.monotonic() - t0)
-        self.completion_tokens += r.usage.completion_tokens if r.usage else 0
-
-
-def _judge_limit(rollout_batch_size: int) -> int:
-    """Turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon."""
-    return max(16, 2 * rollout_batch_size)
-
-
-@dataclass
-class Window:
-    """The measured window: ``duration_s`` long, held open past that (up to ``cap_s``) until
-    ``min_syncs`` weight syncs are done and a client was served a new version, so a slow machine
-    still shows serving across a sync instead of ending before the first one."""
-
-    t0: float
-    duration_s: float
-    cap_s: float
-    min_syncs: int
-    stats: ClientStats
-    steps: list[dict[str, Any]]
-    ended_s: float | None = None  # when the last user stopped (turns in flight included)
+    def syncs(self) -> int:
+        return sum(1 for st in self.steps if st["synced"])
 
     def closed(self) -> bool:
         elapsed = time.monotonic() - self.t0
         if elapsed < self.duration_s:
             return False
-        synced = sum(1 for st in self.steps if st["synced"]) >= self.min_syncs
-        return elapsed >= self.cap_s or self.min_syncs == 0 or (synced and len(self.stats.versions) > 1)
+        served_a_sync = self.syncs() >= self.min_syncs and len(self.versions) > 1
+        return elapsed >= 4 * self.duration_s + 240 or self.min_syncs == 0 or served_a_sync
+
+    def record(self, session_id: str, r, seconds: float) -> None:
+        self.latencies.append(seconds)
+        self.acked.append((session_id, int(r.model_extra["turn_index"])))
+        version = str(r.model_extra["weight_version"])
+        self.versions[version] += 1
+        self.first_seen.setdefault(version, time.monotonic() - self.t0)
+        self.completion_tokens += r.usage.completion_tokens if r.usage else 0
+        self.report()
+
+    def report(self) -> None:
+        if self.progress is not None:
+            self.progress({"elapsed_s": time.monotonic() - self.t0, "duration_s": self.duration_s,
+                           "requests": self.requests, "errors": len(self.errors), "syncs": self.syncs(),
+                           "versions": sorted(self.versions, key=lambda v: (len(v), v))})
 
 
-async def _user(client: openai.AsyncOpenAI, i: int, stats: ClientStats, window: Window, *,
-                turns_per_session: int, max_tokens: int, seed: int) -> None:
+async def _user(client: openai.AsyncOpenAI, i: int, run: Run, *, turns_per_session: int, max_tokens: int) -> None:
     """User ``i``: one session after another until the window closes (module docstring)."""
-    rng = random.Random(seed * 100_003 + i)
+    rng = random.Random(i)  # user i makes the same choices in every run
     personas = sorted(PERSONAS)
     for k in itertools.count():
-        if window.closed():
+        if run.closed():
             return
         sid, persona = f"{SESSION_PREFIX}{i:03d}-{k:04d}", PERSONAS[rng.choice(personas)]
         question, keywords = QUESTIONS[rng.randrange(len(QUESTIONS))]
         messages = [{"role": "user", "content": question}]
-        stats.sessions_started += 1
+        run.sessions_started += 1
         for turn in range(turns_per_session):
-            if window.closed():
+            if run.closed():
                 break  # no new turn after the window (the session then ends by idle timeout)
             done = turn == turns_per_session - 1
             sent_at = time.perf_counter()
@@ -121,53 +124,35 @@ async def _user(client: openai.AsyncOpenAI, i: int, stats: ClientStats, window: 
                     seed=rng.randrange(2**31), extra_body={"session_id": sid, "turn_type": "main",
                                                            "session_done": done})
             except Exception as e:  # noqa: BLE001 - every failure is a figure
-                stats.errors.append(f"{sid} turn {turn}: {type(e).__name__}: {e}"[:400])
+                run.errors.append(f"{sid} turn {turn}: {type(e).__name__}: {e}"[:400])
+                run.report()
                 await asyncio.sleep(0.5)  # a failing gateway is not hammered
                 break
-            stats.record(sid, r, time.perf_counter() - sent_at, window.t0)
+            run.record(sid, r, time.perf_counter() - sent_at)
             if done:
-                stats.sessions_done += 1
+                run.sessions_done += 1
                 break
             answer = r.choices[0].message.content or ""
             reply, _, _ = react(persona, answer, keywords, question)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": reply}]
 
 
-async def _users(base_url: str, n_users: int, stats: ClientStats, window: Window,
-                 report: Callable[[], None], **user_options) -> None:
-    """``n_users`` concurrent users (:func:`_user`), calling ``report`` twice a second while they run."""
-    async def tick() -> None:
-        while True:
-            report()
-            await asyncio.sleep(0.5)
-
-    ticker = asyncio.create_task(tick())
+async def _users(base_url: str, n_users: int, run: Run, **user_options) -> None:
+    """``n_users`` concurrent users (:func:`_user`)."""
     async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=300.0) as client:
         try:
-            await asyncio.gather(*(_user(client, i, stats, window, **user_options) for i in range(n_users)))
+            await asyncio.gather(*(_user(client, i, run, **user_options) for i in range(n_users)))
         finally:
-            window.ended_s = time.monotonic() - window.t0
-            ticker.cancel()
+            run.ended_s = time.monotonic() - run.t0
 
 
-@contextlib.contextmanager
-def _quiet(*names: str):
-    """Flow-run INFO lines would scroll through the progress bar; the figures say what happened."""
-    levels = {lg: lg.level for lg in map(logging.getLogger, names)}
-    try:
-        for lg in levels:
-            lg.setLevel(logging.WARNING)
-        yield
-    finally:
-        for lg, level in levels.items():
-            lg.setLevel(level)
-
-
-def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int) -> str:
+def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int,
+                  device: str, dtype: str) -> str:
     from clawrl.config import dump_toml, load_settings
 
     s = load_settings(env={}, overrides={
-        "model.name": "tiny", "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),
+        "model.name": "tiny", "model.device": device, "model.dtype": dtype,
+        "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),
         "server.open_mode": True, "server.api_port": port, "ppo.rollout_batch_size": rollout_batch_size,
         "ppo.micro_batch_size": min(rollout_batch_size, 8), "ppo.max_new_tokens": max_tokens,
         "ppo.advantage_estimator": "grpo", "ppo.max_staleness": 1000, "ppo.lr": 1e-4, "ppo.temperature": 1.0,
@@ -176,39 +161,6 @@ def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_s
     conf = data_root / "load-bench.toml"
     conf.write_text(dump_toml(s))
     return str(conf)
-
-
-def _start_gateway(s, conf: str, log_path: Path) -> subprocess.Popen:
-    from clawrl.config import OFFLINE_ENV
-
-    # The gateway runs open (loopback, no keys): keys the caller has in its env are not passed on,
-    # so a key set there cannot make every simulated user a 401.
-    env = {k: v for k, v in os.environ.items() if k not in (s.server.api_keys_env, s.server.admin_keys_env)}
-    with open(log_path, "ab") as log_file:
-        return subprocess.Popen([sys.executable, "-m", "clawrl.cli", "serve", "-c", conf], env={**env, **OFFLINE_ENV},
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not up (gateway exit code {proc.poll()}, after {timeout_s:g} s at most)")
-
-
-def _stop_gateway(proc: subprocess.Popen) -> None:
-    """SIGTERM: uvicorn finishes open requests and the lifespan closes (flushes) the store."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 def _warm_up(s, conf: str) -> None:
@@ -225,10 +177,9 @@ def _warm_up(s, conf: str) -> None:
     local_trainer(s)
 
 
-def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, t0: float, judge_limit: int,
-                     steps: list[dict[str, Any]]) -> int:
+def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: Run, judge_limit: int) -> int:
     """Run the judge and train flows in turn while ``users`` runs; append each train step (with its
-    sync) to ``steps``; return the turns judged."""
+    sync) to ``run.steps``; return the turns judged."""
     from clawrl.flows.judge import judge_flow
     from clawrl.flows.train import train_flow
 
@@ -237,94 +188,85 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, t0: fl
     while users.is_alive():
         judged += judge_flow(config_path=conf, limit=judge_limit)["judged"]
         out = train_flow(config_path=conf, max_steps=1, engine_url=engine_url)
-        steps += [{"weight_version": st["weight_version"], "at_s": time.monotonic() - t0,
-                   "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
-                   "sync_message": st["sync"]["message"]} for st in out["steps"]]
+        run.steps += [{"weight_version": st["weight_version"], "at_s": time.monotonic() - run.t0,
+                       "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
+                       "sync_message": st["sync"]["message"]} for st in out["steps"]]
         if not out["steps"]:
             users.join(0.5)
     return judged
 
 
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
-                   max_tokens: int = 16, turns_per_session: int = 3, seed: int = 0, data_root: Path | None = None,
-                   min_syncs: int = 0, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the load benchmark; returns the figures (module docstring). ``min_syncs``: hold the window
-    open past ``duration_s`` until that many syncs were served (:class:`Window`). ``progress`` gets a
-    dict of live counters about twice a second. Needs a Prefect API (a test harness, ``clawrl up``'s
-    server, or the ephemeral one Prefect starts)."""
+                   max_tokens: int = 16, turns_per_session: int = 3, data_root: Path | None = None,
+                   min_syncs: int = 0, device: str = "cpu",
+                   progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the load benchmark, the gateway's engine and the trainer on ``device``; returns
+    the figures (module docstring). ``min_syncs``: hold the window open past ``duration_s`` until that
+    many syncs were served (:class:`Run`). ``progress`` gets a dict of live counters after every
+    request. Needs a Prefect API (a test harness, ``clawrl up``'s server, or the ephemeral one Prefect
+    starts)."""
     from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
 
     root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
-    with socket.socket() as sock:  # a free port for the gateway
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens)
+    port, dtype = free_port(), bench_dtype(device)
+    # turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon
+    judge_limit = max(16, 2 * rollout_batch_size)
+    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens, device, dtype)
     s = load_flow_settings(conf)
     gw = f"http://127.0.0.1:{port}"
-    stats, steps = ClientStats(), []
-
-    def report() -> None:
-        if progress is not None:
-            progress({"elapsed_s": min(time.monotonic() - t0, duration_s), "duration_s": duration_s,
-                      "requests": stats.requests, "errors": len(stats.errors),
-                      "syncs": sum(1 for st in steps if st["synced"]),
-                      "versions": sorted(stats.versions, key=lambda v: (len(v), v))})
-
-    proc = _start_gateway(s, conf, root / "gateway.log")
+    proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
+    logging.disable(logging.INFO)  # flow-run INFO lines would scroll through the progress line
     try:
-        with _quiet("prefect", "prefect.flow_runs", "prefect.task_runs"):
-            _warm_up(s, conf)
-            _wait_healthy(f"{gw}/healthz", proc)
-            load_before, t0 = load_average(), time.monotonic()
-            window = Window(t0, duration_s, 4 * duration_s + 240, min_syncs, stats, steps)
-            users = threading.Thread(name="load-users", daemon=True, target=lambda: asyncio.run(_users(
-                gw, sessions, stats, window, report, turns_per_session=turns_per_session,
-                max_tokens=max_tokens, seed=seed)))
-            users.start()
-            try:
-                judged = _judge_and_train(users, conf, f"{gw}/engine", t0, _judge_limit(rollout_batch_size), steps)
-            finally:
-                users.join()
-                report()
-            wall, load_after = time.monotonic() - t0, load_average()
+        _warm_up(s, conf)  # while the gateway starts
+        wait_healthy(proc, f"{gw}/healthz")
+        load_before, run = load_average(), Run(duration_s, min_syncs, progress)
+        users = threading.Thread(name="load-users", daemon=True, target=lambda: asyncio.run(_users(
+            gw, sessions, run, turns_per_session=turns_per_session, max_tokens=max_tokens)))
+        users.start()
+        try:
+            judged = _judge_and_train(users, conf, f"{gw}/engine", run, judge_limit)
+        finally:
+            users.join()
+            run.report()
+        wall, load_after = time.monotonic() - run.t0, load_average()
     finally:
-        _stop_gateway(proc)
+        logging.disable(logging.NOTSET)
+        stop_clawrl(proc)
     return {"sessions": sessions, "duration_s": duration_s, "turns_per_session": turns_per_session,
-            "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "turns_judged": judged,
-            "load_1m_before": load_before, "load_1m_after": load_after, "machine": describe_machine(),
-            "window_s": window.ended_s, "data_root": str(root), **_figures(root, stats, steps, window.ended_s, wall)}
+            "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "judge_limit": judge_limit,
+            "turns_judged": judged, "load_1m_before": load_before, "load_1m_after": load_after, "device": device,
+            "dtype": dtype, "window_s": run.ended_s, "data_root": str(root), **_figures(root, run, wall)}
 
 
-def _figures(root: Path, stats: ClientStats, steps: list[dict[str, Any]], window_s: float,
-             wall: float) -> dict[str, Any]:
+def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
     """What the clients saw, checked against the log of the stopped gateway (its store is flushed):
     every acknowledged main turn must be in it."""
     from clawrl.storage.catalog import run_query
 
     rows = run_query(root, f"select distinct session_id, turn_index from turns where turn_type = 'main' "
                            f"and session_id like '{SESSION_PREFIX}%'").to_pylist()
-    logged, acked, lat = {(r["session_id"], r["turn_index"]) for r in rows}, set(stats.acked), sorted(stats.latencies)
+    logged, acked = {(r["session_id"], r["turn_index"]) for r in rows}, set(run.acked)
+    p50, p99 = (1000 * np.percentile(run.latencies, [50, 99])).tolist() if run.latencies else (None, None)
     # A sync counts as inside the window when its flow run returned in it, or when a client was
     # already served the new version in it (the flow run returns a little after its sync).
-    for st in steps:
-        st["first_served_s"] = stats.first_seen.get(st["weight_version"])
-    in_window = [st for st in steps if st["at_s"] <= window_s
-                 or (st["first_served_s"] is not None and st["first_served_s"] <= window_s)]
+    for st in run.steps:
+        st["first_served_s"] = run.first_seen.get(st["weight_version"])
+    in_window = [st for st in run.steps if st["at_s"] <= run.ended_s
+                 or (st["first_served_s"] is not None and st["first_served_s"] <= run.ended_s)]
     return {
-        "requests": stats.requests, "errors": len(stats.errors), "error_samples": stats.errors[:5],
-        "sessions_started": stats.sessions_started, "sessions_completed": stats.sessions_done,
-        "main_turns_sent": len(stats.acked), "main_turns_logged": len(logged),
+        "requests": run.requests, "errors": len(run.errors), "error_samples": run.errors[:5],
+        "sessions_started": run.sessions_started, "sessions_completed": run.sessions_done,
+        "main_turns_sent": len(run.acked), "main_turns_logged": len(logged),
         "sent_not_logged": len(acked - logged), "logged_not_sent": len(logged - acked),
-        "p50_ms": 1000 * lat[round(0.50 * (len(lat) - 1))] if lat else None,
-        "p99_ms": 1000 * lat[round(0.99 * (len(lat) - 1))] if lat else None,
-        "requests_per_s": stats.requests / wall, "completion_tokens_per_s": stats.completion_tokens / wall,
-        "weight_versions_seen": dict(sorted(stats.versions.items(), key=lambda kv: (len(kv[0]), kv[0]))),
-        "train_steps": len(steps), "syncs_during_run": sum(1 for st in in_window if st["synced"]),
-        "failed_syncs": [st["sync_message"] for st in steps if not st["synced"]], "steps": steps,
+        "p50_ms": p50, "p99_ms": p99,
+        "requests_per_s": run.requests / wall, "completion_tokens_per_s": run.completion_tokens / wall,
+        "weight_versions_seen": dict(sorted(run.versions.items(), key=lambda kv: (len(kv[0]), kv[0]))),
+        "train_steps": len(run.steps), "syncs_during_run": sum(1 for st in in_window if st["synced"]),
+        "failed_syncs": [st["sync_message"] for st in run.steps if not st["synced"]], "steps": run.steps,
     }
 
 
-def format_load_section(r: dict[str, Any], machine_line: str) -> str:
+def format_load_section(r: dict[str, Any]) -> str:
     row = {k: r[k] for k in ("sessions", "duration_s", "window_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
                              "p50_ms", "p99_ms", "requests_per_s", "completion_tokens_per_s", "train_steps",
                              "syncs_during_run")}
@@ -338,7 +280,7 @@ def format_load_section(r: dict[str, Any], machine_line: str) -> str:
     return "\n".join([
         "## Load: concurrent sessions while judging, training and syncing",
         "",
-        machine_line,
+        machine_line(r["device"], r["dtype"]),
         f"`clawrl bench load`: {r['sessions']} simulated users (clawrl/sim personas, openai SDK AsyncOpenAI, "
         "no retries)",
         f"in multi-turn sessions ({r['turns_per_session']} main turns each, the last with `session_done`) against",
@@ -353,7 +295,7 @@ def format_load_section(r: dict[str, Any], machine_line: str) -> str:
         markdown_table([row], list(row)),
         "",
         f"Weight syncs (times from the window's start): {syncs or 'none'}. Turns judged: {r['turns_judged']} (the",
-        f"judge takes at most {_judge_limit(r['rollout_batch_size'])} turns per run, so training starts early and "
+        f"judge takes at most {r['judge_limit']} turns per run, so training starts early and "
         "keeps going; the rest wait, logged); sessions",
         f"started {r['sessions_started']}, completed {r['sessions_completed']}; sent but not logged: "
         f"{r['sent_not_logged']}. `load_1m`: the 1-minute load average",

@@ -3,12 +3,12 @@ plain transformers + torch, on a Qwen3-shaped model with random weights (nothing
 
     python -m clawrl.bench.mfu --model qwen3-0.6b --seq 2048 --batch 8 --backend megatron --steps 10
     python -m clawrl.bench.mfu --model qwen3-0.6b --seq 2048 --batch 8 --backend hf --steps 10
-    python -m clawrl.bench.mfu --tiny --backend megatron --steps 1        # CPU smoke test
+    python -m clawrl.bench.mfu --model tiny --device cpu --backend megatron --steps 1    # smoke test
 
 A step is forward + backward + AdamW step on ``batch`` random sequences of ``seq`` tokens with the
 next-token cross-entropy loss. Both backends start from the same random weights (the megatron
 model is converted from the HF one), hold bf16 parameters and gradients and use torch's fused
-AdamW (``--tiny`` on CPU: float32, unfused). Prints one JSON object; ``loss_first`` of the two
+AdamW (on the CPU: float32, unfused). Prints one JSON object; ``loss_first`` of the two
 backends should agree to bf16 precision.
 
 FLOP count (model FLOPs, PaLM's convention: Chowdhery et al. 2022, appendix B):
@@ -29,57 +29,47 @@ that has no other clawrl dependency installed.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import Qwen3Config
+
+from clawrl.bench import cpu_model
 
 PEAK_TFLOPS = 790.0
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool = True
+def _qwen3(**shape: int) -> Qwen3Config:
+    """A Qwen3 config of ``shape`` with Qwen3's own norm epsilon, RoPE and tied embeddings."""
+    return Qwen3Config(**shape, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_cache=False)
 
 
 SHAPES = {
-    "qwen3-0.6b": ModelShape(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936),
-    "qwen3-4b": ModelShape(layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, ffn=9728, vocab=151936),
-    # the CPU smoke shape (--tiny): the unit tests' tiny-qwen3 layout with a small vocabulary
-    "tiny": ModelShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, ffn=160, vocab=1024),
+    "qwen3-0.6b": _qwen3(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=3072, vocab_size=151936),
+    "qwen3-4b": _qwen3(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=9728, vocab_size=151936),
+    # the smoke-test shape: the unit tests' tiny-qwen3 layout with a small vocabulary
+    "tiny": _qwen3(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   intermediate_size=160, vocab_size=1024),
 }
 
 
-def count_matmul_params(s: ModelShape) -> int:
+def count_matmul_params(c: Qwen3Config) -> int:
     """N = L (H·(nq+2nkv)·hd + nq·hd·H + 3·H·F) + H·V (see the module docstring)."""
-    attention = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim * s.hidden
-    mlp = 3 * s.hidden * s.ffn  # gate, up, down
-    return s.layers * (attention + mlp) + s.hidden * s.vocab
+    h, q_width = c.hidden_size, c.num_attention_heads * c.head_dim
+    attention = h * (q_width + 2 * c.num_key_value_heads * c.head_dim) + q_width * h
+    mlp = 3 * h * c.intermediate_size  # gate, up, down
+    return c.num_hidden_layers * (attention + mlp) + h * c.vocab_size
 
 
-def compute_flops_per_sequence(s: ModelShape, seq: int) -> int:
+def compute_flops_per_sequence(c: Qwen3Config, seq: int) -> int:
     """6·N·s + 12·L·(nq·hd)·s² training FLOPs for one sequence of ``seq`` tokens."""
-    return 6 * count_matmul_params(s) * seq + 12 * s.layers * s.heads * s.head_dim * seq**2
-
-
-def build_hf_config(s: ModelShape):
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn, num_hidden_layers=s.layers,
-        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=s.tied,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_cache=False,
-    )
+    return 6 * count_matmul_params(c) * seq + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq**2
 
 
 def _build_hf(cfg, dtype: torch.dtype, device: torch.device):
@@ -124,14 +114,12 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
                   attention: str = "sdpa", seed: int = 0, peak_tflops: float = PEAK_TFLOPS,
                   device: str | None = None) -> dict:
     """Build, warm up, time ``steps`` training steps; returns the JSON-able result."""
-    shape = SHAPES[shape_name]
+    cfg = copy.deepcopy(SHAPES[shape_name])  # building a model may write to its config
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(seed)
-    cfg = build_hf_config(shape)
     runtime = None
     if backend == "hf":
-        torch.manual_seed(seed)
         model, loss_fn = _build_hf(cfg, dtype, dev)
     elif backend == "megatron":
         model, loss_fn, runtime = _build_megatron(cfg, dtype, dev, attention, seed)
@@ -142,7 +130,7 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
     n_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, fused=dev.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(0, shape.vocab, (batch, seq), generator=g).to(dev)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev)
 
     def step() -> float:
         loss = loss_fn(ids)
@@ -162,17 +150,17 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
         times.append(time.perf_counter() - t0)
 
     step_s = sorted(times)[len(times) // 2]  # median: robust to one slow step
-    flops = compute_flops_per_sequence(shape, seq) * batch
+    flops = compute_flops_per_sequence(cfg, seq) * batch
     result = {
         "model": shape_name, "backend": backend, "attention": attention if backend == "megatron" else "sdpa",
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": str(dtype),
-        "seq": seq, "batch": batch, "steps": steps, "warmup": warmup, "params": n_params,
-        "matmul_params": count_matmul_params(shape), "step_s_median": step_s, "step_s_all": times,
+        "device": dev.type, "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model(),
+        "dtype": str(dtype), "seq": seq, "batch": batch, "steps": steps, "warmup": warmup, "params": n_params,
+        "matmul_params": count_matmul_params(cfg), "step_s_median": step_s, "step_s_all": times,
         "loss_first": losses[0], "loss_last": losses[-1], "tokens_per_s": batch * seq / step_s,
         "model_tflops_per_step": flops / 1e12, "achieved_tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / (peak_tflops * 1e12), "peak_tflops": peak_tflops,
         "flops_formula": "6*N*s + 12*L*(nq*hd)*s^2 per sequence (PaLM App. B; full s^2 attention)",
-        "shape": asdict(shape), "torch": torch.__version__,
+        "torch": torch.__version__,
     }
     if dev.type == "cuda":
         result["max_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
@@ -185,9 +173,9 @@ def run_benchmark(shape_name: str, *, backend: str, seq: int, batch: int, steps:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=[k for k in SHAPES if k != "tiny"], default="qwen3-0.6b")
-    ap.add_argument("--tiny", action="store_true", help="the 2-layer smoke shape (overrides --model); "
-                    "float32 on CPU, bf16 on a GPU")
+    ap.add_argument("--model", choices=list(SHAPES), default="qwen3-0.6b", help="tiny: the 2-layer smoke-test shape")
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu; bf16 on cuda, "
+                    "float32 on cpu")
     ap.add_argument("--backend", choices=["megatron", "hf"], required=True)
     ap.add_argument("--attention", choices=["sdpa", "local"], default="sdpa", help="megatron core attention")
     ap.add_argument("--seq", type=int, default=2048)
@@ -196,8 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     a = ap.parse_args(argv)
-    result = run_benchmark("tiny" if a.tiny else a.model, backend=a.backend, seq=a.seq, batch=a.batch,
-                           steps=a.steps, warmup=a.warmup, attention=a.attention, peak_tflops=a.peak_tflops)
+    result = run_benchmark(a.model, backend=a.backend, seq=a.seq, batch=a.batch,
+                           steps=a.steps, warmup=a.warmup, attention=a.attention, peak_tflops=a.peak_tflops,
+                           device=a.device)
     print(json.dumps(result), flush=True)
     return result
 

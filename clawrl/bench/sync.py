@@ -12,6 +12,7 @@ Target: each path <= 1.5x its bound.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,8 +20,7 @@ from typing import Any
 
 import torch
 
-from clawrl.bench.report import load_average
-from clawrl.bench.train import interleaved_times
+from clawrl.bench.common import bench_dtype, interleaved_times, load_average
 
 
 @torch.no_grad()
@@ -29,7 +29,11 @@ def _copy_into(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) 
         params[k].copy_(v)
 
 
-def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, repeats: int = 3) -> list[dict[str, Any]]:
+def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, repeats: int = 3, device: str = "cpu",
+                   progress=None) -> list[dict[str, Any]]:
+    """One row per (model, path): best and median seconds of the sync and of its bound (module docstring),
+    the engine and the copy target on ``device`` in :func:`bench_dtype`, the trainer's weights in float32.
+    ``progress(label)`` is called after each timed call."""
     from safetensors.torch import load_file, save_file
 
     from clawrl.config import PPOSettings
@@ -39,51 +43,49 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
     from clawrl.train.base import PPOHyperParams
     from clawrl.train.torch_backend import TorchBackend
 
-    rows = []
+    rows, dtype = [], bench_dtype(device)
     for name in model_names:
         model_dir = resolve_model_dir(name, cache_dir)
-        engine = EmbeddedEngine(model_dir, max_batch_size=4, max_context_len=512)
-        trainer = TorchBackend(model_dir, PPOHyperParams.from_settings(PPOSettings(), seed=0))
+        engine = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=4, max_context_len=512)
+        trainer = TorchBackend(model_dir, PPOHyperParams.from_settings(PPOSettings(), seed=0), dtype=dtype,
+                               device=device)
         state = trainer.hf_state_dict()
-        target = load_causal_lm(model_dir)
+        target = load_causal_lm(model_dir, dtype, device)
         params = dict(target.state_dict())
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        loop = asyncio.new_event_loop()
-        loop.run_until_complete(engine.start())
-        version = [0]
+        runner = asyncio.Runner()  # one event loop for the engine across the passes
+        runner.run(engine.start())
+        ids = itertools.count(1)  # fresh weight versions and file names
 
         def in_process():
-            version[0] += 1
-            rep = loop.run_until_complete(sync_state_dict(engine, state, str(version[0])))
+            rep = runner.run(sync_state_dict(engine, state, str(next(ids))))
             assert rep.success, rep.message
 
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            counter = [0]
 
             def disk_bound():
-                counter[0] += 1
-                f = tmp / f"bound{counter[0]}.safetensors"
+                f = tmp / f"bound{next(ids)}.safetensors"
                 save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight" or
                            not target.config.tie_word_embeddings}, str(f))
                 _copy_into(params, load_file(str(f)))  # load_file is a lazy mmap: the copy reads the bytes
                 f.unlink()  # drop its dirty pages so they do not throttle the next writer
 
             def disk_sync():
-                counter[0] += 1
-                out = trainer.save_checkpoint(tmp / f"ckpt{counter[0]}")
-                version[0] += 1
-                rep = loop.run_until_complete(sync_from_disk(engine, str(out), str(version[0])))
+                version = str(next(ids))
+                out = trainer.save_checkpoint(tmp / f"ckpt{version}")
+                rep = runner.run(sync_from_disk(engine, str(out), version))
                 assert rep.success, rep.message
                 shutil.rmtree(out)
 
             results = interleaved_times({"copy_bound": lambda: _copy_into(params, state), "in_process": in_process,
-                                         "disk_bound": disk_bound, "disk_sync": disk_sync}, repeats)
-        loop.run_until_complete(engine.close())
-        loop.close()
+                                         "disk_bound": disk_bound, "disk_sync": disk_sync}, repeats, device=device,
+                                        progress=progress and (lambda label: progress(f"{name} {label}")))
+        runner.run(engine.close())
+        runner.close()
         for path, bound in (("in_process", "copy_bound"), ("disk_sync", "disk_bound")):
             best, median = results[path]
             rows.append({"model": name, "path": path, "bytes": nbytes, "seconds": best, "seconds_median": median,
                          "bound_seconds": results[bound][0], "vs_bound": best / results[bound][0],
-                         "load_1m": load_average()})
+                         "device": device, "dtype": dtype, "load_1m": load_average()})
     return rows

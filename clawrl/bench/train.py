@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from clawrl.bench.common import bench_dtype, interleaved_times, machine_line, markdown_table
 from clawrl.config import PPOSettings
 from clawrl.train.base import PPOHyperParams
 from clawrl.train.batch import TokenBatch, synthetic_batch
@@ -35,11 +34,9 @@ BENCH_HP = PPOHyperParams.from_settings(PPOSettings(), seed=0)  # the default co
 def _plain_step(model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) -> Callable[[TokenBatch], None]:
     """The bound: HF forward with labels (its own cross-entropy), backward, clip, AdamW; float32
     weights, the forward under autocast when ``dtype`` is not float32 (as TorchBackend does)."""
-    from transformers import AutoModelForCausalLM
+    from clawrl.models import load_causal_lm, torch_dtype
 
-    from clawrl.models import torch_dtype
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    model = load_causal_lm(model_dir, "float32", device)
     params, compute_dtype = list(model.parameters()), torch_dtype(dtype)
     optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), weight_decay=hp.weight_decay,
                                   fused=torch.device(device).type == "cuda")
@@ -57,37 +54,19 @@ def _plain_step(model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) ->
     return step
 
 
-def interleaved_times(fns: dict[str, Callable[[], Any]], repeats: int,
-                      warmup: int = 1) -> dict[str, tuple[float, float]]:
-    """(best, median) seconds of each function over ``repeats`` rounds, after ``warmup`` untimed calls
-    of each. The functions alternate in each round, so a load spike on a shared machine, or the page
-    cache's dirty-page throttling after hundreds of MB written, hits all of them alike. Best of N: the
-    fastest run is the least disturbed one; the median beside it shows the noise."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
-
-
 def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, cache_dir: Path,
                     batch_size: int = 8, seq_len: int = 256, prompt_len: int = 128, warmup: int = 1,
-                    repeats: int = 3, device: str = "cpu", dtype: str = "float32",
-                    threads: int | None = None) -> list[dict[str, Any]]:
+                    repeats: int = 3, device: str = "cpu",
+                    progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Seconds (best and median of ``repeats``) and tokens/s (all B*L positions, best run) per step
     for: the plain HF step (the bound), the PPO step with the KL reference (``ppo_step``, the
     default config) and without it (``ppo_step_no_ref``), and the reference forward alone.
-    ``vs_bound`` = best bound time / best time (>= 0.8 is the target)."""
+    ``vs_bound`` = best bound time / best time (>= 0.8 is the target). ``progress(label)`` is called
+    after each timed step."""
     from clawrl.models import load_tokenizer, resolve_model_dir
 
-    if threads:
-        torch.set_num_threads(threads)
     rows: list[dict[str, Any]] = []
+    dtype = bench_dtype(device)
     for name in model_names:
         model_dir = resolve_model_dir(name, Path(cache_dir))
         tok = load_tokenizer(model_dir)
@@ -99,13 +78,12 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
         plain = _plain_step(model_dir, hp, device, dtype)
         with_ref = TorchBackend(model_dir, hp, dtype=dtype, device=device)
         no_ref = TorchBackend(model_dir, dataclasses.replace(hp, kl_coef=0.0), dtype=dtype, device=device)
-        done = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
         results = interleaved_times({
-            "hf_step": lambda: (plain(batch), done()),
-            "ppo_step": lambda: (with_ref.train_step(batch), done()),
-            "ppo_step_no_ref": lambda: (no_ref.train_step(batch), done()),
-            "ref_forward": lambda: (with_ref.compute_logprobs(batch, reference=True), done()),
-        }, repeats, warmup)
+            "hf_step": lambda: plain(batch),
+            "ppo_step": lambda: with_ref.train_step(batch),
+            "ppo_step_no_ref": lambda: no_ref.train_step(batch),
+            "ref_forward": lambda: with_ref.compute_logprobs(batch, reference=True),
+        }, repeats, warmup, device=device, progress=progress and (lambda label: progress(f"{name} {label}")))
         bound = results["hf_step"][0]
         for k, (best, median) in results.items():
             rows.append(dict(model=name, what=k, device=device, dtype=dtype, batch=batch_size, seq_len=seq_len,
@@ -115,3 +93,21 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
         del plain, with_ref, no_ref
         gc.collect()
     return rows
+
+
+def format_train_section(train_rows: list[dict[str, Any]], sync_rows: list[dict[str, Any]]) -> str:
+    """The train section: the PPO step vs its bound (these rows) and the weight sync vs its (clawrl.bench.sync)."""
+    return "\n".join([
+        "## Training step and weight sync", "", machine_line(train_rows[0]["device"], train_rows[0]["dtype"]),
+        f"(a) One PPO step (`TorchBackend.train_step`, {train_rows[0]['batch']} x {train_rows[0]['seq_len']} tokens, "
+        "one micro-batch) vs a plain HF",
+        "forward + backward + AdamW step of the same batch (the bound). `ppo_step` includes the KL",
+        "reference forward (kl_coef > 0, the default); `ppo_step_no_ref` is the step without it.",
+        "Target: vs_bound >= 0.8.", "",
+        markdown_table(train_rows, ["model", "what", "threads", "seconds", "seconds_median", "tokens_per_s", "vs_bound"]),
+        "", "(b) Weight sync into an idle embedded engine vs its bound (target <= 1.5x): `in_process` =",
+        "pause -> state-dict copy -> continue vs copying the same tensors; `disk_sync` = checkpoint save +",
+        "`update_weights_from_disk` vs safetensors save_file + load_file of the same state dict.", "",
+        markdown_table(sync_rows, ["model", "path", "bytes", "seconds", "seconds_median", "bound_seconds", "vs_bound",
+                                   "load_1m"]),
+    ])

@@ -1,4 +1,4 @@
-"""The GPU MFU benchmark: its FLOP count by hand, and one CPU step of each backend (--tiny)."""
+"""The GPU MFU benchmark: its FLOP count by hand, and one CPU step of each backend (--model tiny)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_tiny_step_runs_on_cpu_for_both_backends_from_the_same_weights():
     code = (
         "import json, sys\n"
         "from clawrl.bench.mfu import main\n"
-        "main(['--tiny', '--backend', 'megatron', '--steps', '1', '--warmup', '0', '--seq', '16', '--batch', '2'])\n"
+        "main(['--model', 'tiny', '--device', 'cpu', '--backend', 'megatron', '--steps', '1', '--warmup', '0',"
+        " '--seq', '16', '--batch', '2'])\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('clawrl'))))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -46,9 +47,10 @@ def test_tiny_step_runs_on_cpu_for_both_backends_from_the_same_weights():
     assert set(clawrl_modules) <= {"clawrl", "clawrl.bench", "clawrl.bench.mfu", "clawrl.train", "clawrl.train.convert",
                                    "clawrl.train.megatron_model", "clawrl.train.megatron_shims"}
 
-    hf = main(["--tiny", "--backend", "hf", "--steps", "1", "--warmup", "0", "--seq", "16", "--batch", "2"])
+    hf = main(["--model", "tiny", "--device", "cpu", "--backend", "hf", "--steps", "1", "--warmup", "0", "--seq",
+               "16", "--batch", "2"])
     for r in (mcore, hf):
-        assert r["device"] == "cpu" and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        assert (r["device"], r["dtype"]) == ("cpu", "torch.float32") and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
         assert r["params"] == 176128 + 448  # + norms: 2 * (64 + 64 + 32 + 32) + 64
         assert r["model_tflops_per_step"] == compute_flops_per_sequence(SHAPES["tiny"], 16) * 2 / 1e12
         assert abs(r["loss_first"] - math.log(1024)) < 0.5  # random init: about uniform over 1024 tokens

@@ -17,7 +17,7 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
     seen: list[dict] = []
     r = run_load_bench(model_cache=model_cache, sessions=16, duration_s=15, rollout_batch_size=4, max_tokens=8,
                        turns_per_session=3, data_root=tmp_path / "load", min_syncs=1, progress=seen.append)
-    print(format_load_section(r, "Machine: test run."))
+    print(format_load_section(r))
     assert r["errors"] == 0, r["error_samples"]
     assert r["requests"] == r["main_turns_sent"] >= 32
     assert r["main_turns_logged"] == r["main_turns_sent"] and r["sent_not_logged"] == r["logged_not_sent"] == 0

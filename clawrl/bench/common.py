@@ -1,0 +1,152 @@
+"""Shared by every benchmark: the machine and device it ran on, best-of-N timing, free ports and
+`clawrl serve` / `clawrl engine` child processes, markdown tables, and replacing one section of
+``docs/benchmarks.md`` while leaving the others alone (each benchmark owns the text between its own
+``<!-- NAME-bench:start -->`` / ``<!-- NAME-bench:end -->`` markers)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from clawrl.bench import cpu_model
+from clawrl.config import ServerSettings, child_env
+
+
+def bench_dtype(device: str) -> str:
+    """The dtype a bench runs its models in: bfloat16 on a GPU, float32 on the CPU (as ``[model] dtype`` says)."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def machine_line(device: str, dtype: str) -> str:
+    """The machine, the device the models ran on by name (so GPU and CPU figures are never confused), and when."""
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else cpu_model()
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"Machine: {os.cpu_count()} cores, {cpu_model()}; torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads); device {device} ({name}), {dtype}; {date}.")
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, *, device: str = "cpu",
+                      progress: Callable[[str], None] | None = None) -> dict[str, tuple[float, float]]:
+    """(best, median) seconds of each function over ``repeats`` rounds, after ``warmup`` untimed calls
+    of each. The functions alternate in each round, so a load spike on a shared machine, or the page
+    cache's dirty-page throttling after hundreds of MB written, hits all of them alike. Best of N: the
+    fastest run is the least disturbed one (another process can only ever make a run slower); the
+    median beside it shows the noise. On a CUDA ``device`` each call is timed until the GPU is done
+    (kernels return before their work is). ``progress(label)`` is called after each timed call."""
+    done = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(repeats):
+        for k, fn in fns.items():
+            done()
+            t = time.perf_counter()
+            fn()
+            done()
+            times[k].append(time.perf_counter() - t)
+            if progress:
+                progress(f"{k} (pass {i + 1}/{repeats})")
+    return {k: (min(v), statistics.median(v)) for k, v in times.items()}
+
+
+async def gather_bounded(concurrency: int, aws) -> list:
+    """Await each of ``aws`` (coroutines, started here) with at most ``concurrency`` in flight: a closed
+    loop of ``concurrency`` clients. Their results, in order."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(aw):
+        async with gate:
+            return await aw
+
+    return await asyncio.gather(*(one(aw) for aw in aws))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_clawrl(args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
+    """``python -m clawrl.cli ARGS`` in its own process group, with ``env`` on top of this process's
+    environment and its output in ``log_path``. API keys set here are not passed on: the bench's
+    servers run open on loopback, and a key would turn every bench request into a 401."""
+    server = ServerSettings()
+    env = {k: v for k, v in child_env(**env).items() if k not in (server.api_keys_env, server.admin_keys_env)}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "clawrl.cli", *args], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300.0) -> None:
+    """Return once ``url`` answers 200; raise when ``proc`` exits or ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not up ({proc.args[3:]} exit code {proc.poll()}, after {timeout_s:g} s at most)")
+
+
+def stop_clawrl(proc: subprocess.Popen | None) -> None:
+    """SIGTERM to its process group: uvicorn finishes open requests and the lifespan closes (flushes)
+    the store; SIGKILL if it is still there after a minute."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, body: str, path: Path) -> Path:
+    """Replace (or append) the section ``name`` of the report at ``path`` with ``body``."""
+    start, end = f"<!-- {name}-bench:start -->", f"<!-- {name}-bench:end -->"
+    section = f"{start}\n{body.rstrip()}\n{end}"
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nWritten by `clawrl bench ...`; each section is replaced by its own command.\n"
+    text, found = re.subn(f"{re.escape(start)}.*?{re.escape(end)}", lambda _: section, text, count=1, flags=re.DOTALL)
+    if not found:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
