@@ -22,7 +22,7 @@ Where we knowingly differ from SGLang:
     token usage or throughput); ``/server_info`` is a subset of SGLang's server args.
   * ``/abort_request`` and ``/update_weight_version`` exist only when the engine has methods of
     those names (EmbeddedEngine has both; with another engine they answer 404).
-  * ``top_logprobs_num`` above 20 (``schemas.MAX_TOP_LOGPROBS``) is a 400; SGLang has no cap.
+  * ``top_logprobs_num`` above 20 (``types.MAX_TOP_LOGPROBS``) is refused, in process too; SGLang has no cap.
 
 As in SGLang, a client that disconnects gets its request aborted: streams are closed when the
 connection drops, and a non-streaming call notices within ``routes.DISCONNECT_POLL_S`` (0.5 s).
@@ -53,10 +53,10 @@ from clawrl.engine.routes import (
     validation_error,
     value_error,
 )
-from clawrl.engine.schemas import REQUEST_MODELS, document_request_models
+from clawrl.engine.schemas import document_generate_body
 from clawrl.engine.types import BadRequestError, Engine, EngineError
 
-__all__ = ["build_uvicorn_server", "create_engine_app", "document_request_models", "serve_engine"]
+__all__ = ["build_uvicorn_server", "create_engine_app", "serve_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class _ApiKeyMiddleware:
 
 
 async def _on_invalid_body(request: Request, exc: Exception) -> Response:
-    return validation_error(str(exc))  # FastAPI would answer 422; SGLang answers 400
+    # FastAPI would answer 422; SGLang answers 400. The errors, not str(exc): that names our source file.
+    return validation_error(str(exc.errors()) if isinstance(exc, RequestValidationError) else str(exc))
 
 
 async def _on_client_gone(request: Request, exc: ClientGone) -> Response:
@@ -128,8 +129,8 @@ def create_engine_app(engine: Engine, *, model_path: str, served_model_name: str
         app.include_router(relabel_router)
     if hasattr(engine, "abort_request"):
         app.include_router(abort_router)
-    # /openapi.json documents the bodies routes read by hand (the schema fuzz tests generate from it)
-    document_request_models(app, *REQUEST_MODELS)
+    # /openapi.json documents the body /generate reads by hand (the schema fuzz tests generate from it)
+    document_generate_body(app)
     return app
 
 
