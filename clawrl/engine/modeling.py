@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 from transformers.models.llama.modeling_llama import rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
@@ -128,12 +129,9 @@ class CausalLMRunner:
         positions ``keep_from[i] .. len_i - 1``; :meth:`lm_head` turns them into logits (the
         caller decides how many positions at a time, which bounds the logits' memory)."""
         lengths = [len(p) for p in prompts]
-        n, width = len(prompts), max(lengths)
+        width = max(lengths)
         cache.ensure_capacity(width)
-        ids = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
+        ids = pad_sequence([torch.tensor(p, dtype=torch.long) for p in prompts], batch_first=True).to(self.device)
         row_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]  # (1, 1, L, hd)
 

@@ -25,7 +25,6 @@ from clawrl.engine.schemas import (
     UpdateWeightsFromDiskBody,
     UpdateWeightVersionBody,
     WeightUpdateSessionBody,
-    is_batch,
     split_batch,
 )
 from clawrl.engine.types import (
@@ -161,24 +160,23 @@ abort_router = APIRouter()  # only for engines with abort_request
 @router.put("/generate", openapi_extra=GENERATE_DOC)
 async def generate(request: Request, srv: Srv) -> Response:
     body = await _read_json_object(request)
-    items = split_batch(body)
+    items, batch = split_batch(body)
     try:
         reqs = [GenerateRequest(**item) for item in items]  # all validated before any runs
     except UnknownKeyError as e:  # SGLang 0.5.22+'s typed /generate contract answers these with a plain string
         return json_response({"error": str(e)}, 400)
-    if not is_batch(body):
-        if reqs[0].stream:
-            return await _stream(request, srv, reqs[0])
-        res = await _unless_disconnected(request, srv.run_one(reqs[0]))
-        return json_response(srv.render(res, reqs[0]))
+    if not batch and reqs[0].stream:
+        return await _stream(request, srv, reqs[0])
     if any(r.stream for r in reqs):
         raise BadRequestError("streaming a batch of prompts is not supported; send one request per prompt")
+    # a batch's requests all end (none is left running for nobody) before the first error is raised
     results = await _unless_disconnected(request, asyncio.gather(*(srv.run_one(r) for r in reqs),
                                                                  return_exceptions=True))
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    return json_response([srv.render(res, req) for res, req in zip(results, reqs)])
+    out = [srv.render(res, req) for res, req in zip(results, reqs)]
+    return json_response(out if batch else out[0])
 
 
 async def _stream(request: Request, srv: Served, req: GenerateRequest) -> Response:
@@ -423,11 +421,8 @@ async def detokenize(srv: Srv, body: DetokenizeBody) -> Response:
 
 def _apply_chat_template(tokenizer, messages, tools, add_generation_prompt: bool) -> list[int]:
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=True, return_dict=False)
     except Exception as e:  # jinja errors, missing roles: the caller's input is the likely cause
         raise BadRequestError(f"could not apply the chat template: {e}") from None
-    if isinstance(ids, Mapping):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 

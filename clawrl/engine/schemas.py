@@ -1,10 +1,11 @@
 """Request bodies of the SGLang-compatible engine server, and /generate's batch form.
 
-The control routes take their bodies as pydantic models, as SGLang's do; unknown keys are ignored,
-as SGLang's io_struct dataclasses do. /generate reads its JSON by hand (its error shapes differ per
-failure, as in SGLang) into :class:`~clawrl.engine.types.GenerateRequest` s, so its body is
-declared to OpenAPI by ``$ref`` (:data:`GENERATE_DOC`) and its schema added to the document's
-components (:func:`document_generate_body`).
+The control routes take their bodies as pydantic models, as SGLang's do; unknown keys are
+ignored (pydantic's default), as SGLang's io_struct dataclasses do. /generate reads its JSON by
+hand (its error shapes differ per failure, as in SGLang) into
+:class:`~clawrl.engine.types.GenerateRequest` s, so its body is declared to OpenAPI by ``$ref``
+(:data:`GENERATE_DOC`) and its schema added to the document's components
+(:func:`document_generate_body`).
 """
 
 from __future__ import annotations
@@ -19,19 +20,15 @@ from pydantic.json_schema import SkipJsonSchema
 from clawrl.engine.types import BadRequestError, GenerateRequest, SamplingParams
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class PauseGenerationBody(_Body):
+class PauseGenerationBody(BaseModel):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
-class ContinueGenerationBody(_Body):
+class ContinueGenerationBody(BaseModel):
     torch_empty_cache: bool = False  # nothing to empty on this engine
 
 
-class UpdateWeightsFromDiskBody(_Body):
+class UpdateWeightsFromDiskBody(BaseModel):
     model_path: str
     weight_version: str | None = None
     load_format: str | None = None
@@ -39,21 +36,21 @@ class UpdateWeightsFromDiskBody(_Body):
     flush_cache: bool = True
 
 
-class UpdateWeightVersionBody(_Body):
+class UpdateWeightVersionBody(BaseModel):
     new_version: str
     abort_all_requests: bool = True  # SGLang's default: relabelling aborts everything in flight
 
 
-class WeightUpdateSessionBody(_Body):
+class WeightUpdateSessionBody(BaseModel):
     selector: Literal["all", "target", "draft"] = "all"
 
 
-class AbortRequestBody(_Body):
+class AbortRequestBody(BaseModel):
     rid: str = ""
     abort_all: bool = False
 
 
-class TokenizeBody(_Body):
+class TokenizeBody(BaseModel):
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     prompt: str | list[str] | SkipJsonSchema[None] = None  # exactly one of prompt / messages
     messages: list[dict[str, Any]] | SkipJsonSchema[None] = None
@@ -62,7 +59,7 @@ class TokenizeBody(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeBody(_Body):
+class DetokenizeBody(BaseModel):
     tokens: list[int] | list[list[int]]
     skip_special_tokens: bool = True
 
@@ -104,15 +101,12 @@ def document_generate_body(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def is_batch(body: Mapping[str, Any]) -> bool:
+def split_batch(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """One /generate body per prompt, and whether ``body`` is a batch (a list of prompts); a batch's
+    per-prompt ``sampling_params`` and ``rid`` lists are spread."""
     ids, text = body.get("input_ids"), body.get("text")
-    return (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)) or isinstance(text, list)
-
-
-def split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One /generate body per prompt; per-prompt ``sampling_params`` and ``rid`` lists are spread."""
-    if not is_batch(body):
-        return [dict(body)]
+    if not ((isinstance(ids, list) and ids and isinstance(ids[0], list)) or isinstance(text, list)):
+        return [dict(body)], False
     key = "input_ids" if body.get("input_ids") is not None else "text"
     prompts = body[key]
     if not prompts:
@@ -131,4 +125,4 @@ def split_batch(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if rids is not None:
             item["rid"] = rids[i]
         items.append(item)
-    return items
+    return items, True

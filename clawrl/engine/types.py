@@ -48,7 +48,6 @@ _NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
     "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
     "custom_params": None, "beam_width": None, "watermark": None,
 }
-_IGNORED_SAMPLING_KEYS = frozenset({"stream_interval"})  # streaming cadence: harmless to ignore
 _BOOL = "true or false"
 
 
@@ -119,7 +118,7 @@ class SamplingParams(_Refusing):
             if k in _NEUTRAL_SAMPLING_VALUES:
                 if v != _NEUTRAL_SAMPLING_VALUES[k]:
                     raise BadRequestError(f"sampling_params.{k} = {v!r} is not supported by this engine")
-            elif k not in _IGNORED_SAMPLING_KEYS and (v is not None or k == "max_new_tokens"):
+            elif k != "stream_interval" and (v is not None or k == "max_new_tokens"):  # streaming cadence: ignored
                 kw[k] = v
         return cls(**kw)
 
@@ -130,9 +129,8 @@ class SamplingParams(_Refusing):
 
 class GenerateRequest(_Refusing):
     """One prompt of SGLang's /generate body: exactly one of ``text`` / ``input_ids``. Keys this
-    engine does not read are ignored, and ``null`` is "not given", as in SGLang's io_struct."""
-
-    model_config = ConfigDict(extra="ignore")
+    engine does not read are ignored (pydantic's default), and ``null`` is "not given", as in
+    SGLang's io_struct."""
 
     input_ids: list[StrictInt] | None = Field(None, min_length=1, description="a non-empty list of token ids")
     text: str | None = Field(None, min_length=1, description="a non-empty string")
