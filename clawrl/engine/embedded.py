@@ -190,10 +190,7 @@ class EmbeddedEngine:
         gen = getattr(self.model, "generation_config", None)
         for source in (getattr(gen, "eos_token_id", None), self.model.config.eos_token_id,
                        self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(t) for t in source)
+            ids.update([source] if isinstance(source, int) else source or ())  # an id, a list of them, or None
         return frozenset(ids)
 
     # ------------------------------------------------------------------------------ control

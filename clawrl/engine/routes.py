@@ -47,22 +47,11 @@ T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
-# responses: SGLang serialises with orjson (NaN/inf -> null) and uses several error shapes
+# responses: SGLang serialises with orjson (NaN/inf -> null); its error shapes are in server.py
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS), status_code, media_type="application/json")
-
-
-def value_error(message: str, status_code: int = 400) -> Response:
-    """A ValueError inside /generate and most control routes: ``{"error": {"message": ...}}``."""
-    return json_response({"error": {"message": message}}, status_code)
-
-
-def validation_error(message: str) -> Response:
-    """Pydantic validation of a route body (also malformed JSON): SGLang's ErrorResponse."""
-    return json_response({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-                         400)
 
 
 def _sse(obj: Any) -> bytes:
@@ -121,12 +110,6 @@ class Served:
             raise BadRequestError("this engine exposes no tokenizer")
         return self.tokenizer
 
-    def render(self, res: GenerateResult, req: GenerateRequest) -> dict[str, Any]:
-        tok, decode = self.tokenizer, None
-        if req.return_text_in_logprobs:
-            decode = (lambda t: tok.decode([t])) if tok is not None else (lambda t: "")
-        return res.to_sglang(req, decode)
-
     async def run_one(self, req: GenerateRequest) -> GenerateResult:
         self.running += 1
         try:
@@ -175,7 +158,7 @@ async def generate(request: Request, srv: Srv) -> Response:
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    out = [srv.render(res, req) for res, req in zip(results, reqs)]
+    out = [res.to_sglang(req, srv.tokenizer) for res, req in zip(results, reqs)]
     return json_response(out if batch else out[0])
 
 
@@ -186,19 +169,18 @@ async def _stream(request: Request, srv: Served, req: GenerateRequest) -> Respon
         # Pull the first partial before answering: bad input then gets a real HTTP 400, not an
         # SSE error event behind a 200 status.
         first = await _unless_disconnected(request, parts.__anext__())
-    except StopAsyncIteration:
-        srv.running -= 1
-        raise EngineError("the engine ended the stream without a result") from None
-    except BaseException:
+    except BaseException as e:
         srv.running -= 1
         await _aclose(parts)
+        if isinstance(e, StopAsyncIteration):
+            raise EngineError("the engine ended the stream without a result") from None
         raise
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            yield _sse(srv.render(first, req))
+            yield _sse(first.to_sglang(req, srv.tokenizer))
             async for part in parts:
-                yield _sse(srv.render(part, req))
+                yield _sse(part.to_sglang(req, srv.tokenizer))
         except Exception as e:  # the status line is sent already: report in-band, as SGLang does
             code, kind = (400, "invalid_request_error") if isinstance(e, BadRequestError) else (500, "engine_error")
             if code == 500:
@@ -394,15 +376,17 @@ async def tokenize(srv: Srv, body: TokenizeBody) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise BadRequestError("send exactly one of 'prompt' or 'messages'")
     if body.messages is not None:
-        tokens: list[int] | list[list[int]] = _apply_chat_template(tok, body.messages, body.tools,
-                                                                    body.add_generation_prompt)
-        count: int | list[int] = len(tokens)
+        try:
+            tokens: list[int] | list[list[int]] = tok.apply_chat_template(
+                body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                return_dict=False)
+        except Exception as e:  # jinja errors, missing roles: the caller's input is the likely cause
+            raise BadRequestError(f"could not apply the chat template: {e}") from None
     elif isinstance(body.prompt, str):
         tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        count = len(tokens)
     else:
         tokens = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
-        count = [len(t) for t in tokens]
+    count = [len(t) for t in tokens] if isinstance(body.prompt, list) else len(tokens)
     return json_response({"tokens": tokens, "count": count, "max_model_len": srv.max_context_len})
 
 
@@ -417,12 +401,4 @@ async def detokenize(srv: Srv, body: DetokenizeBody) -> Response:
         raise BadRequestError(f"tokens contain {len(bad)} id(s) outside [0, {len(tok)}), e.g. {bad[:3]}")
     texts = [tok.decode(row, skip_special_tokens=body.skip_special_tokens) for row in rows]
     return json_response({"text": texts if batch else texts[0]})
-
-
-def _apply_chat_template(tokenizer, messages, tools, add_generation_prompt: bool) -> list[int]:
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=True, return_dict=False)
-    except Exception as e:  # jinja errors, missing roles: the caller's input is the likely cause
-        raise BadRequestError(f"could not apply the chat template: {e}") from None
 

@@ -107,7 +107,7 @@ def split_batch(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if not ((isinstance(ids, list) and ids and isinstance(ids[0], list)) or isinstance(text, list)):
         return [dict(body)], False
-    key = "input_ids" if body.get("input_ids") is not None else "text"
+    key = "text" if isinstance(text, list) else "input_ids"
     prompts = body[key]
     if not prompts:
         raise BadRequestError(f"{key} is an empty batch")
@@ -117,12 +117,5 @@ def split_batch(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         raise BadRequestError(f"sampling_params has {len(sps)} entries for a batch of {n} prompts")
     if rids is not None and (not isinstance(rids, list) or len(rids) != n):
         raise BadRequestError(f"rid must be a list of {n} ids for a batch of {n} prompts")
-    items = []
-    for i, prompt in enumerate(prompts):
-        item = {**body, key: prompt}
-        if isinstance(sps, list):
-            item["sampling_params"] = sps[i]
-        if rids is not None:
-            item["rid"] = rids[i]
-        items.append(item)
-    return items, True
+    spread = {k: v for k, v in ((key, prompts), ("sampling_params", sps), ("rid", rids)) if isinstance(v, list)}
+    return [{**body, **{k: v[i] for k, v in spread.items()}} for i in range(n)], True

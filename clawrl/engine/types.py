@@ -10,7 +10,7 @@ constructing the request models (invalid input raises :class:`BadRequestError`) 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -188,11 +188,14 @@ class GenerateResult:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def to_sglang(self, req: GenerateRequest, decode_token: Callable[[int], str] | None = None) -> dict[str, Any]:
-        """SGLang's response JSON to ``req``. ``decode_token(id) -> str``, when given, fills the triples' texts."""
+    def to_sglang(self, req: GenerateRequest, tokenizer: Any = None) -> dict[str, Any]:
+        """SGLang's response JSON to ``req``; ``tokenizer`` decodes the triples' texts when ``req``
+        asks for them (``return_text_in_logprobs``; "" without a tokenizer)."""
 
         def triples(pairs) -> list[list[Any]]:  # (logprob, id) pairs -> SGLang's [logprob, id, text|null]
-            return [[lp, t, decode_token(t) if decode_token else None] for lp, t in pairs]
+            if not req.return_text_in_logprobs:
+                return [[lp, t, None] for lp, t in pairs]
+            return [[lp, t, tokenizer.decode([t]) if tokenizer is not None else ""] for lp, t in pairs]
 
         meta: dict[str, Any] = {
             "id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
