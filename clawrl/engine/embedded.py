@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, get_args
 
@@ -113,15 +114,8 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------ generation
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        seq = self._submit(req, stream=False)
-        try:
-            item = await seq.queue.get()
-        except asyncio.CancelledError:
-            self._sched.abort([seq], "the client cancelled the request")
-            raise
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        async with aclosing(self._stream(self._submit(req, stream=False))) as results:
+            return await anext(results)  # not streamed: the one result is the final one
 
     def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         """Validates now (raises BadRequestError), then yields cumulative partial results; the
@@ -129,6 +123,8 @@ class EmbeddedEngine:
         return self._stream(self._submit(req, stream=True))
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerateResult]:
+        """``seq``'s results as the worker hands them over; a caller that goes away before the
+        last one (cancelled, or closing the stream) aborts the request."""
         try:
             while True:
                 item = await seq.queue.get()
@@ -139,7 +135,7 @@ class EmbeddedEngine:
                     return
         finally:
             if seq.finish_reason is None:
-                self._sched.abort([seq], "the client closed the stream")
+                self._sched.abort([seq], "the client went away")
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
         """Abort requests whose rid starts with ``rid`` (SGLang's prefix match) or all; returns how many."""

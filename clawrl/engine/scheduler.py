@@ -190,9 +190,7 @@ class Scheduler:
             return True
         if self.paused:
             return False
-        if self.running:
-            return True
-        return bool(self.waiting) and len(self.running) < self.max_batch_size and self._admissible(self.waiting[0])
+        return bool(self.running) or (bool(self.waiting) and self._admissible(self.waiting[0]))
 
     def _admissible(self, seq: Sequence) -> bool:
         return not self._updates or seq.order <= self._updates[0].barrier
