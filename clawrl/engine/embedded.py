@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, get_args
 
@@ -53,12 +54,12 @@ class EmbeddedEngine:
             raise ValueError("max_batch_size must be >= 1")
         if max_context_len < 2:
             raise ValueError("max_context_len must be >= 2")
-        self._model_path = self._tokenizer_path = str(model_dir)
-        self._tokenizer = load_tokenizer(Path(model_dir))
+        self._model_path = self.tokenizer_path = str(model_dir)
+        self.tokenizer = load_tokenizer(Path(model_dir))
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
-        self._model = load_causal_lm(Path(model_dir), dtype=dtype, device=device)
-        self._runner = CausalLMRunner(self._model, max_context_len)
-        self.vocab_size: int = int(self._model.config.vocab_size)
+        self.model = load_causal_lm(Path(model_dir), dtype=dtype, device=device)
+        self._runner = CausalLMRunner(self.model, max_context_len)
+        self.vocab_size: int = int(self.model.config.vocab_size)
         self.eos_token_ids: frozenset[int] = self._find_eos_ids()
         self.max_batch_size = max_batch_size
         self.max_context_len = max_context_len
@@ -67,14 +68,6 @@ class EmbeddedEngine:
                                 weight_version=str(weight_version))
 
     # ------------------------------------------------------------------------------ state
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def model(self):
-        return self._model
 
     @property
     def weight_version(self) -> str:
@@ -105,10 +98,10 @@ class EmbeddedEngine:
         await self.close()
 
     async def model_info(self) -> dict[str, Any]:
-        cfg = self._model.config
+        cfg = self.model.config
         return {
             "model_path": self._model_path, "served_model_name": self.served_model_name,
-            "tokenizer_path": self._tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
+            "tokenizer_path": self.tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
             "weight_version": self._sched.weight_version, "load_format": None, "reasoning_parser": None,
             "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
             "has_audio_understanding": False, "model_type": cfg.model_type,
@@ -121,15 +114,8 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------ generation
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        seq = self._submit(req, stream=False)
-        try:
-            item = await seq.queue.get()
-        except asyncio.CancelledError:
-            self._sched.abort([seq], "the client cancelled the request")
-            raise
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        async with aclosing(self._stream(self._submit(req, stream=False))) as results:
+            return await anext(results)  # not streamed: the one result is the final one
 
     def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         """Validates now (raises BadRequestError), then yields cumulative partial results; the
@@ -137,6 +123,8 @@ class EmbeddedEngine:
         return self._stream(self._submit(req, stream=True))
 
     async def _stream(self, seq: Sequence) -> AsyncIterator[GenerateResult]:
+        """``seq``'s results as the worker hands them over; a caller that goes away before the
+        last one (cancelled, or closing the stream) aborts the request."""
         try:
             while True:
                 item = await seq.queue.get()
@@ -147,7 +135,7 @@ class EmbeddedEngine:
                     return
         finally:
             if seq.finish_reason is None:
-                self._sched.abort([seq], "the client closed the stream")
+                self._sched.abort([seq], "the client went away")
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
         """Abort requests whose rid starts with ``rid`` (SGLang's prefix match) or all; returns how many."""
@@ -157,63 +145,48 @@ class EmbeddedEngine:
         return len(victims)
 
     def _submit(self, req: GenerateRequest, stream: bool) -> Sequence:
-        prompt = self._prompt_ids(req)
+        prompt = self._prompt_ids(req)  # GenerateRequest and SamplingParams validated the rest when made
         sp = req.sampling_params
-        sp.validate()
         if len(prompt) >= self.max_context_len:
             raise BadRequestError(f"prompt of {len(prompt)} tokens exceeds the context limit {self.max_context_len}")
-        if req.logprob_start_len < -1:
-            raise BadRequestError(f"logprob_start_len must be >= -1, got {req.logprob_start_len}")
         if req.logprob_start_len > len(prompt):
             raise BadRequestError(f"logprob_start_len {req.logprob_start_len} exceeds the prompt length {len(prompt)}")
-        if req.top_logprobs_num < 0:
-            raise BadRequestError(f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}")
         room = self.max_context_len - len(prompt)  # prompt + output <= max_context_len
-        generator = None
-        if sp.sampling_seed is not None:
-            generator = torch.Generator()
-            generator.manual_seed(int(sp.sampling_seed))
+        generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
         seq = Sequence(
             req=req, prompt_ids=prompt, stream=stream,
             max_new=room if sp.max_new_tokens is None else min(sp.max_new_tokens, room),
             stop_ids=frozenset() if sp.ignore_eos else self.eos_token_ids | frozenset(sp.stop_token_ids),
-            sampling=RowSampling(temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p),
-                                 min_p=float(sp.min_p), generator=generator,
+            sampling=RowSampling(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+                                 generator=generator,
                                  top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0))
         self._sched.submit(seq)
         return seq
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
-        if req.input_ids is not None:
+        if req.input_ids is not None:  # a non-empty list of ints: GenerateRequest checked it
             ids = list(req.input_ids)
-            if not ids:
-                raise BadRequestError("input_ids must be a non-empty list of token ids")
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 raise BadRequestError(f"input_ids contain {len(bad)} id(s) outside [0, {self.vocab_size}), "
                                       f"e.g. {bad[0]!r}")
             return ids
-        if not isinstance(req.text, str) or not req.text:
-            raise BadRequestError("exactly one of 'text' or 'input_ids' must be given, non-empty")
         with self._tok_lock:
-            ids = self._tokenizer.encode(req.text)  # as SGLang: no chat template, tokenizer's defaults
+            ids = self.tokenizer.encode(req.text)  # as SGLang: no chat template, tokenizer's defaults
         if not ids:
             raise BadRequestError("text tokenizes to no tokens")
         return ids
 
     def _decode_text(self, ids: list[int], skip_special_tokens: bool) -> str:
         with self._tok_lock:
-            return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _find_eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        gen = getattr(self._model, "generation_config", None)
-        for source in (getattr(gen, "eos_token_id", None), self._model.config.eos_token_id,
-                       self._tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(t) for t in source)
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), self.model.config.eos_token_id,
+                       self.tokenizer.eos_token_id):
+            ids.update([source] if isinstance(source, int) else source or ())  # an id, a list of them, or None
         return frozenset(ids)
 
     # ------------------------------------------------------------------------------ control
@@ -242,7 +215,7 @@ class EmbeddedEngine:
         paused). Any failure leaves the old weights and label serving. ``weight_version`` None
         keeps the label."""
         try:
-            new = await asyncio.to_thread(load_checkpoint_tensors, model_path, self._model)
+            new = await asyncio.to_thread(load_checkpoint_tensors, model_path, self.model)
         except WeightLoadError as e:
             return UpdateResult(False, f"weights not updated: {e}", self._sched.weight_version)
         return await self._swap(new, weight_version, model_path)
@@ -252,7 +225,7 @@ class EmbeddedEngine:
         """The in-process sync path: check keys and shapes, then copy the tensors into the served
         parameters between two steps (draining first unless paused). The caller must not modify
         the tensors until this returns."""
-        canonical, aliases = served_tensors(self._model)
+        canonical, aliases = served_tensors(self.model)
         try:
             check_weights(state_dict, canonical, aliases)
         except WeightLoadError as e:
@@ -264,7 +237,7 @@ class EmbeddedEngine:
         (validated, so no copy fails half way) rather than rebinding ``.data``: tensors loaded from
         disk are views of the checkpoint's mmap, and serving from them would tie the weights to that
         file and make later in-place syncs page-fault through copy-on-write."""
-        canonical, _ = served_tensors(self._model)
+        canonical, _ = served_tensors(self.model)
         pairs = [(canonical[name], tensor) for name, tensor in new.items() if name in canonical]
 
         def apply() -> None:

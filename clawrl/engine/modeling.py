@@ -1,15 +1,11 @@
 """A batched forward for the Llama and Qwen3 Hugging Face layouts, with a per-slot KV cache.
 
-The forward reads every weight from the loaded HF model's modules at call time (never a copy), so
-a weight update applied to the HF model is what the next step computes with. The maths follows
-HF transformers 5.24 op for op (``modeling_llama.py`` / ``modeling_qwen3.py``) so fp32 logits
-agree with ``model(input_ids).logits`` to ~1e-5:
-
-* RMSNorm in fp32: ``w * (x * rsqrt(mean(x²) + eps)).to(dtype)``;
-* RoPE, rotate-half convention: ``inv_freq = 1 / theta^(2i/d)``, ``x·cos + rotate_half(x)·sin``;
-* Qwen3 only: RMSNorm over head_dim on q and k (before RoPE);
-* GQA attention through ``scaled_dot_product_attention(enable_gqa=True)``, scale 1/sqrt(head_dim);
-* SwiGLU MLP ``down(silu(gate(x)) * up(x))``; LM head tied or untied.
+The forward calls the loaded HF model's own modules (embedding, RMSNorms, projections, Qwen3's
+q/k norms, MLP, LM head) and HF's ``rotate_half``, with RoPE tables from its rotary embedding,
+so the maths is HF transformers' op for op and a weight update applied to the HF model is what
+the next step computes with. Only attention is ours: GQA through
+``scaled_dot_product_attention(enable_gqa=True)`` over the cache. fp32 logits agree with
+``model(input_ids).logits`` to ~1e-5.
 
 Two entry points share the layer code:
 
@@ -31,22 +27,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from transformers.models.llama.modeling_llama import rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    model_type: str
     num_layers: int
-    num_heads: int
     num_kv_heads: int
     head_dim: int
-    hidden_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k
 
 
 def build_model_spec(config) -> ModelSpec:
@@ -55,49 +46,12 @@ def build_model_spec(config) -> ModelSpec:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
+    if rope.get("rope_type", "default") != "default":  # the RoPE tables are computed once, for every position
         raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported; only 'default'")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
     if model_type == "qwen3" and getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return ModelSpec(
-        model_type=model_type,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size,
-        rms_norm_eps=float(config.rms_norm_eps),
-        rope_theta=float(rope["rope_theta"]),
-        qk_norm=model_type == "qwen3",
-    )
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF's RMSNorm: statistics in fp32, scaled back in the input dtype."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def build_rope_tables(head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
-                      device: torch.device | str) -> tuple[Tensor, Tensor]:
-    """cos, sin of shape (max_positions, head_dim), each row computed exactly as HF computes it
-    for that position (``pos.float() * inv_freq``, duplicated halves), so a table lookup equals
-    HF's on-the-fly value bit for bit."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    return ModelSpec(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=head_dim)
 
 
 class KVCache:
@@ -152,8 +106,10 @@ class CausalLMRunner:
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.max_positions = max_positions
-        self.cos, self.sin = build_rope_tables(self.spec.head_dim, self.spec.rope_theta, max_positions,
-                                               self.dtype, self.device)
+        with torch.inference_mode():  # cos, sin (max_positions, head_dim): HF's values, looked up per position
+            cos, sin = hf_model.model.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device),
+                                                 torch.arange(max_positions, device=self.device)[None])
+        self.cos, self.sin = cos[0], sin[0]
         self._layers = list(hf_model.model.layers)
         if len(self._layers) != self.spec.num_layers:
             raise ValueError(f"config says {self.spec.num_layers} layers, model has {len(self._layers)}")
@@ -173,12 +129,9 @@ class CausalLMRunner:
         positions ``keep_from[i] .. len_i - 1``; :meth:`lm_head` turns them into logits (the
         caller decides how many positions at a time, which bounds the logits' memory)."""
         lengths = [len(p) for p in prompts]
-        n, width = len(prompts), max(lengths)
+        width = max(lengths)
         cache.ensure_capacity(width)
-        ids = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
+        ids = pad_sequence([torch.tensor(p, dtype=torch.long) for p in prompts], batch_first=True).to(self.device)
         row_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]  # (1, 1, L, hd)
 
@@ -217,31 +170,24 @@ class CausalLMRunner:
     # the layers
 
     def _forward(self, ids: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
-        spec, eps = self.spec, self.spec.rms_norm_eps
-        n, length = ids.shape
-        h = F.embedding(ids, self.hf.model.embed_tokens.weight)  # (N, L, D)
+        n, length, head_dim = *ids.shape, self.spec.head_dim
+        h = self.hf.model.embed_tokens(ids)  # (N, L, D)
         for i, layer in enumerate(self._layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = rms_norm(h, layer.input_layernorm.weight, eps)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(n, length, spec.num_heads, spec.head_dim)
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(n, length, spec.num_kv_heads, spec.head_dim)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(n, length, spec.num_kv_heads, spec.head_dim)
-            if spec.qk_norm:
-                q = rms_norm(q, attn.q_norm.weight, eps)
-                k = rms_norm(k, attn.k_norm.weight, eps)
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, length, -1, head_dim)
+            k = attn.k_proj(x).view(n, length, -1, head_dim)
+            v = attn.v_proj(x).view(n, length, -1, head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, heads, L, hd)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            o = attend(i, q, k, v).transpose(1, 2).reshape(n, length, spec.num_heads * spec.head_dim)
-            h = h + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
-            x = rms_norm(h, layer.post_attention_layernorm.weight, eps)
-            gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
-            h = h + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        return rms_norm(h, self.hf.model.norm.weight, eps)
+            h = h + attn.o_proj(attend(i, q, k, v).transpose(1, 2).reshape(n, length, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.hf.model.norm(h)
 
     @torch.inference_mode()
     def lm_head(self, hidden: Tensor) -> Tensor:
         """Final-norm hidden states (..., hidden) -> fp32 logits (..., vocab)."""
-        head = self.hf.lm_head
-        return F.linear(hidden, head.weight, head.bias).float()
+        return self.hf.lm_head(hidden).float()

@@ -14,31 +14,27 @@ from typing import Annotated, Any, TypeVar
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
 from clawrl.engine.schemas import (
+    GENERATE_DOC,
     AbortRequestBody,
     ContinueGenerationBody,
     DetokenizeBody,
-    GenerateBody,
     PauseGenerationBody,
     TokenizeBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightVersionBody,
     WeightUpdateSessionBody,
-    body_doc,
-    is_batch,
-    parse_generate,
     split_batch,
 )
 from clawrl.engine.types import (
-    SGLANG_SAMPLING_KEYS,
     BadRequestError,
     Engine,
     EngineError,
     GenerateRequest,
     GenerateResult,
     SamplingParams,
+    UnknownKeyError,
 )
 
 log = logging.getLogger(__name__)
@@ -51,22 +47,11 @@ T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
-# responses: SGLang serialises with orjson (NaN/inf -> null) and uses several error shapes
+# responses: SGLang serialises with orjson (NaN/inf -> null); its error shapes are in server.py
 
 
 def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS), status_code, media_type="application/json")
-
-
-def value_error(message: str, status_code: int = 400) -> Response:
-    """A ValueError inside /generate and most control routes: ``{"error": {"message": ...}}``."""
-    return json_response({"error": {"message": message}}, status_code)
-
-
-def validation_error(message: str) -> Response:
-    """Pydantic validation of a route body (also malformed JSON): SGLang's ErrorResponse."""
-    return json_response({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-                         400)
 
 
 def _sse(obj: Any) -> bytes:
@@ -74,34 +59,24 @@ def _sse(obj: Any) -> bytes:
 
 
 class BodyError(Exception):
-    """The body is not JSON, or not the JSON shape the route needs."""
+    """The /generate body is not JSON, or not a JSON object."""
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its generation finished."""
 
 
-async def _read_json(request: Request, *, required: bool) -> Any:
+async def _read_json_object(request: Request) -> Mapping[str, Any]:
     raw = await request.body()
     if not raw.strip():
-        if required:
-            raise BodyError("request body is empty; expected a JSON object")
-        return {}
+        raise BodyError("request body is empty; expected a JSON object")
     try:
-        return orjson.loads(raw)
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise BodyError(f"request body is not valid JSON: {e}") from None
-
-
-async def _body(request: Request, model: type[BaseModel], *, required: bool = True) -> Any:
-    """The request's JSON body validated as ``model``; BodyError (400) when it is not one."""
-    data = await _read_json(request, required=required)
-    if not isinstance(data, Mapping):
-        raise BodyError(f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise BodyError(str(e)) from None
+    if not isinstance(body, Mapping):
+        raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,18 +110,6 @@ class Served:
             raise BadRequestError("this engine exposes no tokenizer")
         return self.tokenizer
 
-    def render(self, res: GenerateResult, req: GenerateRequest, body: Mapping[str, Any]) -> dict[str, Any]:
-        tok = self.tokenizer
-        prompt_ids = req.input_ids if req.input_ids is not None else res.prompt_ids
-        decode = None
-        if req.return_text_in_logprobs:
-            decode = (lambda t: tok.decode([t])) if tok is not None else (lambda t: "")
-        out = res.to_sglang(decode_token=decode, with_logprobs=req.return_logprob, input_ids=prompt_ids,
-                            logprob_start_len=req.logprob_start_len)
-        if body.get("return_prompt_token_ids"):
-            out["prompt_token_ids"] = list(prompt_ids or [])
-        return out
-
     async def run_one(self, req: GenerateRequest) -> GenerateResult:
         self.running += 1
         try:
@@ -176,54 +139,48 @@ abort_router = APIRouter()  # only for engines with abort_request
 # generation
 
 
-@router.post("/generate", openapi_extra=body_doc(GenerateBody))
-@router.put("/generate", openapi_extra=body_doc(GenerateBody))
+@router.post("/generate", openapi_extra=GENERATE_DOC)
+@router.put("/generate", openapi_extra=GENERATE_DOC)
 async def generate(request: Request, srv: Srv) -> Response:
-    body = await _read_json(request, required=True)
-    if not isinstance(body, Mapping):
-        raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
-    items = split_batch(body)
-    for item in items:
-        sp = item.get("sampling_params")
-        if isinstance(sp, Mapping) and (unknown := sorted(set(sp) - SGLANG_SAMPLING_KEYS)):
-            # SGLang 0.5.22+'s typed /generate contract answers these with a plain string
-            return json_response({"error": f"unknown sampling_params key(s): {', '.join(unknown)}"}, 400)
-    reqs = [parse_generate(item) for item in items]  # all validated before any runs
-    if not is_batch(body):
-        if reqs[0].stream:
-            return await _stream(request, srv, reqs[0], body)
-        res = await _unless_disconnected(request, srv.run_one(reqs[0]))
-        return json_response(srv.render(res, reqs[0], body))
+    body = await _read_json_object(request)
+    items, batch = split_batch(body)
+    try:
+        reqs = [GenerateRequest(**item) for item in items]  # all validated before any runs
+    except UnknownKeyError as e:  # SGLang 0.5.22+'s typed /generate contract answers these with a plain string
+        return json_response({"error": str(e)}, 400)
+    if not batch and reqs[0].stream:
+        return await _stream(request, srv, reqs[0])
     if any(r.stream for r in reqs):
         raise BadRequestError("streaming a batch of prompts is not supported; send one request per prompt")
+    # a batch's requests all end (none is left running for nobody) before the first error is raised
     results = await _unless_disconnected(request, asyncio.gather(*(srv.run_one(r) for r in reqs),
                                                                  return_exceptions=True))
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    return json_response([srv.render(res, req, item) for res, req, item in zip(results, reqs, items)])
+    out = [res.to_sglang(req, srv.tokenizer) for res, req in zip(results, reqs)]
+    return json_response(out if batch else out[0])
 
 
-async def _stream(request: Request, srv: Served, req: GenerateRequest, body: Mapping[str, Any]) -> Response:
+async def _stream(request: Request, srv: Served, req: GenerateRequest) -> Response:
     parts = srv.engine.generate_stream(req).__aiter__()
     srv.running += 1
     try:
         # Pull the first partial before answering: bad input then gets a real HTTP 400, not an
         # SSE error event behind a 200 status.
         first = await _unless_disconnected(request, parts.__anext__())
-    except StopAsyncIteration:
-        srv.running -= 1
-        raise EngineError("the engine ended the stream without a result") from None
-    except BaseException:
+    except BaseException as e:
         srv.running -= 1
         await _aclose(parts)
+        if isinstance(e, StopAsyncIteration):
+            raise EngineError("the engine ended the stream without a result") from None
         raise
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            yield _sse(srv.render(first, req, body))
+            yield _sse(first.to_sglang(req, srv.tokenizer))
             async for part in parts:
-                yield _sse(srv.render(part, req, body))
+                yield _sse(part.to_sglang(req, srv.tokenizer))
         except Exception as e:  # the status line is sent already: report in-band, as SGLang does
             code, kind = (400, "invalid_request_error") if isinstance(e, BadRequestError) else (500, "engine_error")
             if code == 500:
@@ -335,17 +292,15 @@ async def loads(srv: Srv) -> Response:
 # pause, flush, weights
 
 
-@router.post("/pause_generation", openapi_extra=body_doc(PauseGenerationBody, required=False))
-async def pause_generation(request: Request, srv: Srv) -> Response:
-    body = await _body(request, PauseGenerationBody, required=False)
+@router.post("/pause_generation")
+async def pause_generation(srv: Srv, body: PauseGenerationBody = PauseGenerationBody()) -> Response:
     await srv.engine.pause_generation(body.mode)
     srv.paused = True
     return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
-@router.post("/continue_generation", openapi_extra=body_doc(ContinueGenerationBody, required=False))
-async def continue_generation(request: Request, srv: Srv) -> Response:
-    await _read_json(request, required=False)  # torch_empty_cache: nothing to empty here
+@router.post("/continue_generation")
+async def continue_generation(srv: Srv, body: ContinueGenerationBody = ContinueGenerationBody()) -> Response:
     await srv.engine.continue_generation()
     srv.paused = False
     return json_response({"message": "Generation continued successfully.", "status": "ok"})
@@ -360,9 +315,8 @@ async def flush_cache(srv: Srv) -> Response:
                     "Pause first or retry when idle.\n", 400, media_type="text/plain")
 
 
-@router.post("/update_weights_from_disk", openapi_extra=body_doc(UpdateWeightsFromDiskBody))
-async def update_weights_from_disk(request: Request, srv: Srv) -> Response:
-    body = await _body(request, UpdateWeightsFromDiskBody)
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(srv: Srv, body: UpdateWeightsFromDiskBody) -> Response:
     if body.abort_all_requests and hasattr(srv.engine, "abort_request"):
         await srv.engine.abort_request(abort_all=True)
     result = await srv.engine.update_weights_from_disk(body.model_path, body.weight_version)
@@ -370,9 +324,8 @@ async def update_weights_from_disk(request: Request, srv: Srv) -> Response:
     return json_response(content, 200 if result.success else 400)
 
 
-@router.post("/begin_weight_update", openapi_extra=body_doc(WeightUpdateSessionBody, required=False))
-async def begin_weight_update(request: Request, srv: Srv) -> Response:
-    await _body(request, WeightUpdateSessionBody, required=False)
+@router.post("/begin_weight_update")
+async def begin_weight_update(srv: Srv, body: WeightUpdateSessionBody = WeightUpdateSessionBody()) -> Response:
     if srv.update_session_open:
         return json_response({"success": False, "message": "A weight update session is already open; "
                               "call /end_weight_update first."}, 400)
@@ -381,8 +334,7 @@ async def begin_weight_update(request: Request, srv: Srv) -> Response:
 
 
 @router.post("/end_weight_update")
-async def end_weight_update(request: Request, srv: Srv) -> Response:
-    await _read_json(request, required=False)
+async def end_weight_update(srv: Srv) -> Response:
     if not srv.update_session_open:
         return json_response({"success": False, "message": "No weight update session is open; "
                               "call /begin_weight_update first."}, 400)
@@ -390,9 +342,8 @@ async def end_weight_update(request: Request, srv: Srv) -> Response:
     return json_response({"success": True, "message": "Weight update session closed."})
 
 
-@relabel_router.post("/update_weight_version", openapi_extra=body_doc(UpdateWeightVersionBody))
-async def update_weight_version(request: Request, srv: Srv) -> Response:
-    body = await _body(request, UpdateWeightVersionBody)
+@relabel_router.post("/update_weight_version")
+async def update_weight_version(srv: Srv, body: UpdateWeightVersionBody) -> Response:
     if body.abort_all_requests and hasattr(srv.engine, "abort_request"):
         await srv.engine.abort_request(abort_all=True)
     await srv.engine.update_weight_version(body.new_version)
@@ -400,9 +351,8 @@ async def update_weight_version(request: Request, srv: Srv) -> Response:
                           "new_version": body.new_version})
 
 
-@abort_router.post("/abort_request", openapi_extra=body_doc(AbortRequestBody, required=False))
-async def abort_request(request: Request, srv: Srv) -> Response:
-    body = await _body(request, AbortRequestBody, required=False)
+@abort_router.post("/abort_request")
+async def abort_request(srv: Srv, body: AbortRequestBody = AbortRequestBody()) -> Response:
     await srv.engine.abort_request(rid=body.rid, abort_all=body.abort_all)
     return Response(status_code=200)
 
@@ -419,30 +369,30 @@ async def memory_occupation() -> Response:
 # tokenizer
 
 
-@router.post("/tokenize", openapi_extra=body_doc(TokenizeBody))
-@router.post("/v1/tokenize", openapi_extra=body_doc(TokenizeBody))
-async def tokenize(request: Request, srv: Srv) -> Response:
-    body = await _body(request, TokenizeBody)
+@router.post("/tokenize")
+@router.post("/v1/tokenize")
+async def tokenize(srv: Srv, body: TokenizeBody) -> Response:
     tok = srv.need_tokenizer()
     if (body.prompt is None) == (body.messages is None):
         raise BadRequestError("send exactly one of 'prompt' or 'messages'")
     if body.messages is not None:
-        tokens: list[int] | list[list[int]] = _apply_chat_template(tok, body.messages, body.tools,
-                                                                    body.add_generation_prompt)
-        count: int | list[int] = len(tokens)
+        try:
+            tokens: list[int] | list[list[int]] = tok.apply_chat_template(
+                body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                return_dict=False)
+        except Exception as e:  # jinja errors, missing roles: the caller's input is the likely cause
+            raise BadRequestError(f"could not apply the chat template: {e}") from None
     elif isinstance(body.prompt, str):
         tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        count = len(tokens)
     else:
         tokens = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
-        count = [len(t) for t in tokens]
+    count = [len(t) for t in tokens] if isinstance(body.prompt, list) else len(tokens)
     return json_response({"tokens": tokens, "count": count, "max_model_len": srv.max_context_len})
 
 
-@router.post("/detokenize", openapi_extra=body_doc(DetokenizeBody))
-@router.post("/v1/detokenize", openapi_extra=body_doc(DetokenizeBody))
-async def detokenize(request: Request, srv: Srv) -> Response:
-    body = await _body(request, DetokenizeBody)
+@router.post("/detokenize")
+@router.post("/v1/detokenize")
+async def detokenize(srv: Srv, body: DetokenizeBody) -> Response:
     tok = srv.need_tokenizer()
     batch = bool(body.tokens) and isinstance(body.tokens[0], list)
     rows = body.tokens if batch else [body.tokens]
@@ -451,15 +401,4 @@ async def detokenize(request: Request, srv: Srv) -> Response:
         raise BadRequestError(f"tokens contain {len(bad)} id(s) outside [0, {len(tok)}), e.g. {bad[:3]}")
     texts = [tok.decode(row, skip_special_tokens=body.skip_special_tokens) for row in rows]
     return json_response({"text": texts if batch else texts[0]})
-
-
-def _apply_chat_template(tokenizer, messages, tools, add_generation_prompt: bool) -> list[int]:
-    try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
-    except Exception as e:  # jinja errors, missing roles: the caller's input is the likely cause
-        raise BadRequestError(f"could not apply the chat template: {e}") from None
-    if isinstance(ids, Mapping):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 

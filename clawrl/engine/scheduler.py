@@ -179,7 +179,7 @@ class Scheduler:
                     if not done.done():
                         done.set_exception(e)
             if sweep:
-                self._sweep_aborts()
+                self._abort_where(lambda s: s.abort_message is not None)
             try:
                 self._step()
             except Exception as e:
@@ -190,9 +190,7 @@ class Scheduler:
             return True
         if self.paused:
             return False
-        if self.running:
-            return True
-        return bool(self.waiting) and len(self.running) < self.max_batch_size and self._admissible(self.waiting[0])
+        return bool(self.running) or (bool(self.waiting) and self._admissible(self.waiting[0]))
 
     def _admissible(self, seq: Sequence) -> bool:
         return not self._updates or seq.order <= self._updates[0].barrier
@@ -315,12 +313,16 @@ class Scheduler:
 
     # ---------------------------------------------------------------- finishing
 
-    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+    def _finish(self, seq: Sequence, reason: dict[str, Any], error: EngineError | None = None) -> None:
+        """End ``seq``: its caller gets the final result, or ``error``."""
         seq.finish_reason = reason
         if seq.row is not None:
             self._release_row(seq)
         with self.cv:
             self.live.discard(seq)
+        if error is not None:
+            seq.put(error)
+            return
         self.counters["requests_done"] += 1
         seq.put(seq.result(self.decode_text, self.weight_version))
 
@@ -334,25 +336,21 @@ class Scheduler:
             self.running[hole] = last
         seq.row = None
 
-    def _sweep_aborts(self) -> None:
+    def _abort_where(self, doomed: Callable[[Sequence], bool], message: str | None = None) -> None:
+        """End the waiting and running sequences ``doomed`` picks with their partial output (finish
+        reason ``abort`` with ``message``, else the sequence's own abort message)."""
         with self.cv:
-            doomed = [s for s in self.waiting if s.abort_message is not None]
-            for s in doomed:
+            waiting = [s for s in self.waiting if doomed(s)]
+            for s in waiting:
                 self.waiting.remove(s)
-        for s in doomed + [s for s in self.running if s.abort_message is not None]:
-            self._finish(s, abort_reason(s.abort_message))
+        for s in waiting + [s for s in self.running if doomed(s)]:
+            self._finish(s, abort_reason(message or s.abort_message))
 
     def _fail(self, seqs: list[Sequence], exc: EngineError) -> None:
         """End ``seqs`` with ``exc`` (their callers get the exception, not a result)."""
         for s in seqs:
-            if s.finish_reason is not None:
-                continue
-            if s.row is not None:
-                self._release_row(s)
-            s.finish_reason = abort_reason(str(exc), 500, "EngineError")
-            with self.cv:
-                self.live.discard(s)
-            s.put(exc)
+            if s.finish_reason is None:
+                self._finish(s, abort_reason(str(exc), 500, "EngineError"), exc)
 
     def _fail_running(self, exc: EngineError) -> None:
         """After a failed step: no cache row is trusted or moved any more, the whole cache goes."""
@@ -381,12 +379,7 @@ class Scheduler:
     def do_pause(self, mode: str, barrier: int, done: concurrent.futures.Future) -> None:
         self.paused, self.pause_mode = True, mode
         if mode == "abort":
-            with self.cv:
-                doomed = [s for s in self.waiting if s.order <= barrier]
-                for s in doomed:
-                    self.waiting.remove(s)
-            for s in doomed + [s for s in self.running if s.order <= barrier]:
-                self._finish(s, abort_reason("generation paused (abort mode)"))
+            self._abort_where(lambda s: s.order <= barrier, "generation paused (abort mode)")
         elif mode == "retract":
             retracted = list(self.running)
             for s in reversed(retracted):

@@ -22,7 +22,7 @@ Where we knowingly differ from SGLang:
     token usage or throughput); ``/server_info`` is a subset of SGLang's server args.
   * ``/abort_request`` and ``/update_weight_version`` exist only when the engine has methods of
     those names (EmbeddedEngine has both; with another engine they answer 404).
-  * ``top_logprobs_num`` above 20 (``schemas.MAX_TOP_LOGPROBS``) is a 400; SGLang has no cap.
+  * ``top_logprobs_num`` above 20 (``types.MAX_TOP_LOGPROBS``) is refused, in process too; SGLang has no cap.
 
 As in SGLang, a client that disconnects gets its request aborted: streams are closed when the
 connection drops, and a non-streaming call notices within ``routes.DISCONNECT_POLL_S`` (0.5 s).
@@ -50,13 +50,11 @@ from clawrl.engine.routes import (
     json_response,
     relabel_router,
     router,
-    validation_error,
-    value_error,
 )
-from clawrl.engine.schemas import REQUEST_MODELS, document_request_models
+from clawrl.engine.schemas import document_generate_body
 from clawrl.engine.types import BadRequestError, Engine, EngineError
 
-__all__ = ["build_uvicorn_server", "create_engine_app", "document_request_models", "serve_engine"]
+__all__ = ["create_engine_app", "serve_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +78,17 @@ class _ApiKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
+def value_error(message: str, status_code: int = 400) -> Response:
+    """SGLang's shape for a ValueError inside /generate and most control routes."""
+    return json_response({"error": {"message": message}}, status_code)
+
+
 async def _on_invalid_body(request: Request, exc: Exception) -> Response:
-    return validation_error(str(exc))  # FastAPI would answer 422; SGLang answers 400
+    """A route body that fails validation, or is not JSON: SGLang's ErrorResponse, status 400
+    (FastAPI's would be 422). The errors, not str(exc): that names our source file."""
+    message = str(exc.errors()) if isinstance(exc, RequestValidationError) else str(exc)
+    return json_response({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+                         400)
 
 
 async def _on_client_gone(request: Request, exc: ClientGone) -> Response:
@@ -128,8 +135,8 @@ def create_engine_app(engine: Engine, *, model_path: str, served_model_name: str
         app.include_router(relabel_router)
     if hasattr(engine, "abort_request"):
         app.include_router(abort_router)
-    # /openapi.json documents the bodies routes read by hand (the schema fuzz tests generate from it)
-    document_request_models(app, *REQUEST_MODELS)
+    # /openapi.json documents the body /generate reads by hand (the schema fuzz tests generate from it)
+    document_generate_body(app)
     return app
 
 
@@ -137,25 +144,20 @@ def create_engine_app(engine: Engine, *, model_path: str, served_model_name: str
 # serving
 
 
-def build_uvicorn_server(app: FastAPI, host: str, port: int, *, log_level: str = "info"):
-    """A uvicorn.Server for ``app``; ``await server.serve()`` runs it, ``server.should_exit = True`` stops it."""
-    import uvicorn
-
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
-
-
 def serve_engine(engine: Engine, host: str, port: int, *, log_level: str = "info", **app_kw: Any) -> None:
     """Blocking: start ``engine``, serve it on ``host:port`` with uvicorn until interrupted, then
     close it (``clawrl engine`` calls this). ``app_kw`` go to :func:`create_engine_app`."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(create_engine_app(engine, **app_kw), host=host, port=port,
+                                           log_level=log_level, lifespan="off", timeout_graceful_shutdown=5))
 
     async def run() -> None:
         start = getattr(engine, "start", None)
         if start is not None:
             await start()
         try:
-            await build_uvicorn_server(create_engine_app(engine, **app_kw), host, port, log_level=log_level).serve()
+            await server.serve()
         finally:
             await engine.close()
 

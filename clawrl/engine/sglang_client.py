@@ -143,11 +143,8 @@ class SGLangClient:
     # ------------------------------------------------------------------ generation
 
     def _generate_body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
-        body = req.to_sglang()
-        body["stream"] = stream
-        if req.text is not None:
-            body["return_prompt_token_ids"] = True  # so the result carries the tokenized prompt, as in-process
-        return body
+        # a text prompt asks for its token ids back: the result carries the tokenized prompt, as in-process
+        return {**req.to_sglang(), "stream": stream, "return_prompt_token_ids": req.text is not None}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         _, content = await self._request("POST", "/generate", self._generate_body(req, stream=False))

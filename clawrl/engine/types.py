@@ -1,20 +1,28 @@
 """The engine contract, shared by the embedded engine and the SGLang client.
 
-Field names and meanings follow SGLang's native ``/generate`` API (SGLang 0.5.23), so a
-:class:`GenerateRequest` maps 1:1 onto an SGLang request body and a :class:`GenerateResult` onto
-its response. Both implementations return these typed records; the HTTP layer converts them to and
-from SGLang's JSON with :meth:`GenerateRequest.from_sglang` / :meth:`GenerateResult.to_sglang`.
+Field names and meanings follow SGLang's native ``/generate`` API (SGLang 0.5.23): a
+:class:`GenerateRequest` is one prompt of an SGLang request body and a :class:`GenerateResult` its
+response. Both implementations take and return these typed records; the SGLang JSON is read by
+constructing the request models (invalid input raises :class:`BadRequestError`) and by
+:meth:`GenerateResult.from_sglang`, and written by :meth:`GenerateRequest.to_sglang` and
+:meth:`GenerateResult.to_sglang`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from clawrl.ids import new_id
 
 PauseMode = Literal["abort", "retract", "in_place"]
+
+# vLLM's default max_logprobs and OpenAI's top_logprobs limit. Uncapped, one request could ask for
+# the whole vocabulary at every position: 28 tokens at k = 10**6 made a 45 MB response here.
+MAX_TOP_LOGPROBS = 20
 
 
 class EngineError(RuntimeError):
@@ -29,158 +37,132 @@ class BadRequestError(ValueError):
     """A request the engine refuses (SGLang answers these with HTTP 400)."""
 
 
-# SGLang 0.5.23 sampling_params keys. Keys outside this set are rejected with 400, as SGLang does
-# since 0.5.22. Keys inside it that the embedded engine does not implement are rejected too, with
-# a message that says so, rather than silently ignored.
-SGLANG_SAMPLING_KEYS = frozenset(
-    {
-        "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-        "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
-        "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-        "no_stop_trim", "n", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias",
-        "sampling_seed", "stream_interval", "custom_params", "beam_width", "watermark",
-    }
-)
+class UnknownKeyError(BadRequestError):
+    """``sampling_params`` holds a key SGLang does not know (SGLang 0.5.22+ refuses these too)."""
 
-# Known SGLang keys the embedded engine does not implement: accepted only at their no-op value.
+
+# Known SGLang sampling_params keys the embedded engine does not implement: accepted only at their
+# no-op value, refused with a message that says so otherwise, rather than silently ignored.
 _NEUTRAL_SAMPLING_VALUES: dict[str, Any] = {
     "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "stop_regex": None,
     "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
     "custom_params": None, "beam_width": None, "watermark": None,
 }
-_IGNORED_SAMPLING_KEYS = frozenset({"stream_interval"})  # streaming cadence: harmless to ignore
+_BOOL = "true or false"
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int | None = 128  # 0 = score the prompt only; None = up to the context limit
-    min_new_tokens: int = 0
-    temperature: float = 1.0  # <= 1e-6 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = whole vocabulary
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-    n: int = 1
+class _Refusing(BaseModel):
+    """A request model whose invalid input raises BadRequestError: a validator's own message, else
+    ``<field> must be <the field's description>, got <value>``."""
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 1e-6
+    _prefix: ClassVar[str] = ""  # how messages name the model's fields
+
+    def __init__(self, /, **data: Any) -> None:  # positional-only: a JSON key "self" is just a key
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise self._refusal(e) from None
+
+    @classmethod
+    def _refusal(cls, e: ValidationError) -> BadRequestError:
+        errors = e.errors(include_url=False)
+        cause = errors[0].get("ctx", {}).get("error")
+        if isinstance(cause, BadRequestError):  # a nested model's refusal, a rule across fields
+            return cause
+        unknown = sorted(str(err["loc"][0]) for err in errors if err["type"] == "extra_forbidden")
+        if unknown:
+            return UnknownKeyError(f"unknown {cls._prefix.rstrip('.')} key(s): {', '.join(unknown)}")
+        name = str(errors[0]["loc"][0])
+        rule = cls.model_fields[name].description
+        return BadRequestError(f"{cls._prefix}{name} must be {rule}, got {errors[0]['input']!r:.40}")
+
+
+class SamplingParams(_Refusing):
+    """SGLang 0.5.23's ``sampling_params``: the keys this engine implements, with SGLang's defaults.
+    :meth:`from_dict` reads the JSON object, where other SGLang keys pass only at their no-op value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _prefix: ClassVar[str] = "sampling_params."
+
+    # capped at the context room; 0 = score the prompt only; None = up to the context limit
+    max_new_tokens: int | None = Field(128, ge=0, strict=True, description="a non-negative integer")
+    min_new_tokens: int = Field(0, ge=0, strict=True, description="a non-negative integer")
+    temperature: float = Field(1.0, ge=0, description=">= 0")  # <= 1e-6 means greedy
+    top_p: float = Field(1.0, gt=0, le=1, description="in (0, 1]")
+    top_k: Literal[-1] | Annotated[int, Field(ge=1, strict=True)] = Field(
+        -1, description="-1 (the whole vocabulary) or >= 1")
+    min_p: float = Field(0.0, ge=0, le=1, description="in [0, 1]")
+    stop: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
+        (), description="a non-empty string or a list of them")
+    stop_token_ids: tuple[Annotated[int, Field(ge=0, strict=True)], ...] = Field(
+        (), description="a list of non-negative integers")
+    ignore_eos: bool = Field(False, description=_BOOL)
+    skip_special_tokens: bool = Field(True, description=_BOOL)
+    spaces_between_special_tokens: bool = Field(True, description=_BOOL)
+    no_stop_trim: bool = Field(False, description=_BOOL)
+    # what torch seeds take
+    sampling_seed: int | None = Field(None, ge=-(2**63), lt=2**64, strict=True, description="a 64-bit integer")
+    n: int = Field(1, ge=1, le=1, strict=True, description="1 (send n separate requests)")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
-        """Validate an SGLang ``sampling_params`` object; raises BadRequestError naming the key."""
-        d = dict(d or {})
-        unknown = sorted(set(d) - SGLANG_SAMPLING_KEYS)
-        if unknown:
-            raise BadRequestError(f"unknown sampling_params key(s): {', '.join(unknown)}")
+        """Read SGLang's ``sampling_params`` object: ``null`` is "not given" (but ``max_new_tokens``
+        null is "up to the context limit"); raises BadRequestError naming the key."""
         kw: dict[str, Any] = {}
-        for k, v in d.items():
-            if k in cls.__dataclass_fields__:
-                if v is not None or k in ("max_new_tokens", "sampling_seed"):
-                    kw[k] = v
-            elif k in _IGNORED_SAMPLING_KEYS or v == _NEUTRAL_SAMPLING_VALUES.get(k, object()):
-                continue  # a no-op value of a feature we do not implement
-            else:
-                raise BadRequestError(f"sampling_params.{k} = {v!r} is not supported by this engine")
-        if isinstance(kw.get("stop"), str):
-            kw["stop"] = (kw["stop"],)
-        for k in ("stop", "stop_token_ids"):
-            if k in kw:
-                kw[k] = tuple(kw[k])
-        try:
-            sp = cls(**kw)
-        except TypeError as e:
-            raise BadRequestError(f"invalid sampling_params: {e}") from None
-        sp.validate()
-        return sp
-
-    def validate(self) -> None:
-        def bad(msg: str) -> BadRequestError:
-            return BadRequestError(f"sampling_params.{msg}")
-
-        if self.max_new_tokens is not None and (not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0):
-            raise bad(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise bad(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise bad(f"top_k must be -1 or >= 1, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.n != 1:
-            raise bad("n > 1 is not supported; send n separate requests")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop must be a non-empty string or a list of them")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids must be non-negative integers")
-        if self.sampling_seed is not None and not (
-            isinstance(self.sampling_seed, int) and -(2**63) <= self.sampling_seed < 2**64  # what torch seeds take
-        ):
-            raise bad(f"sampling_seed must be a 64-bit integer, got {self.sampling_seed!r:.40}")
+        for k, v in (d or {}).items():
+            if k in _NEUTRAL_SAMPLING_VALUES:
+                if v != _NEUTRAL_SAMPLING_VALUES[k]:
+                    raise BadRequestError(f"sampling_params.{k} = {v!r} is not supported by this engine")
+            elif k != "stream_interval" and (v is not None or k == "max_new_tokens"):  # streaming cadence: ignored
+                kw[k] = v
+        return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}  # shallow: asdict() is slow on a hot path
-        d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
-        return {k: v for k, v in d.items() if v is not None or k == "max_new_tokens"}
+        """SGLang's ``sampling_params`` object (``sampling_seed`` only when set)."""
+        return self.model_dump(exclude={"sampling_seed"} if self.sampling_seed is None else None)
 
 
-@dataclass
-class GenerateRequest:
-    input_ids: list[int] | None = None
-    text: str | None = None
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # first prompt position to score; -1 = no prompt logprobs
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    rid: str = field(default_factory=new_id)
-    stream: bool = False
+class GenerateRequest(_Refusing):
+    """One prompt of SGLang's /generate body: exactly one of ``text`` / ``input_ids``. Keys this
+    engine does not read are ignored (pydantic's default), and ``null`` is "not given", as in
+    SGLang's io_struct."""
 
+    input_ids: list[StrictInt] | None = Field(None, min_length=1, description="a non-empty list of token ids")
+    text: str | None = Field(None, min_length=1, description="a non-empty string")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="an object")
+    return_logprob: bool = Field(False, description=_BOOL)
+    # first prompt position to score (and < the prompt length); -1 = no prompt logprobs
+    logprob_start_len: int = Field(-1, ge=-1, description=">= -1")
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description=f"in [0, {MAX_TOP_LOGPROBS}]")
+    return_text_in_logprobs: bool = Field(False, description=_BOOL)
+    return_prompt_token_ids: bool = Field(False, description=_BOOL)
+    rid: str = Field(default_factory=new_id, description="a string")
+    stream: bool = Field(False, description=_BOOL)
+
+    @model_validator(mode="before")
     @classmethod
-    def from_sglang(cls, body: Mapping[str, Any]) -> GenerateRequest:
-        """Parse an SGLang /generate body (single prompt); raises BadRequestError."""
-        ids, text = body.get("input_ids"), body.get("text")
-        if (ids is None) == (text is None):
+    def _from_json(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None}
+            if isinstance(data.get("sampling_params"), Mapping):
+                data["sampling_params"] = SamplingParams.from_dict(data["sampling_params"])
+        return data
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.input_ids is None) == (self.text is None):
             raise BadRequestError("exactly one of 'text' or 'input_ids' must be given")
-        if ids is not None:
-            if not isinstance(ids, list) or not ids:
-                raise BadRequestError("input_ids must be a non-empty list of token ids")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise BadRequestError("input_ids must be a flat list of integers (batches are not supported)")
-        elif not isinstance(text, str) or not text:
-            raise BadRequestError("text must be a non-empty string")
-        sp = body.get("sampling_params") or {}
-        if not isinstance(sp, Mapping):
-            raise BadRequestError("sampling_params must be an object")
-        start = body.get("logprob_start_len")
-        req = cls(input_ids=ids, text=text, sampling_params=SamplingParams.from_dict(sp),
-                  return_logprob=bool(body.get("return_logprob", False)),
-                  logprob_start_len=-1 if start is None else int(start),
-                  top_logprobs_num=int(body.get("top_logprobs_num") or 0),
-                  return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-                  stream=bool(body.get("stream", False)))
-        if body.get("rid"):
-            req.rid = str(body["rid"])
-        if req.top_logprobs_num < 0:
-            raise BadRequestError("top_logprobs_num must be >= 0")
-        if req.logprob_start_len < -1:
-            raise BadRequestError("logprob_start_len must be >= -1")
-        return req
+        return self
 
     def to_sglang(self) -> dict[str, Any]:
-        prompt = {"input_ids": list(self.input_ids)} if self.input_ids is not None else {"text": self.text}
-        return {**prompt, "sampling_params": self.sampling_params.to_dict(), "return_logprob": self.return_logprob,
-                "logprob_start_len": self.logprob_start_len, "top_logprobs_num": self.top_logprobs_num,
-                "return_text_in_logprobs": self.return_text_in_logprobs, "rid": self.rid, "stream": self.stream}
+        """SGLang's /generate body for this request."""
+        body = self.model_dump(exclude={"sampling_params"}, exclude_none=True)
+        return {**body, "sampling_params": self.sampling_params.to_dict()}
 
 
 @dataclass
@@ -206,12 +188,14 @@ class GenerateResult:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def to_sglang(self, decode_token: Callable[[int], str] | None = None, with_logprobs: bool = False,
-                  input_ids: list[int] | None = None, logprob_start_len: int = -1) -> dict[str, Any]:
-        """SGLang's response JSON. ``decode_token(id) -> str``, when given, fills the triples' texts."""
+    def to_sglang(self, req: GenerateRequest, tokenizer: Any = None) -> dict[str, Any]:
+        """SGLang's response JSON to ``req``; ``tokenizer`` decodes the triples' texts when ``req``
+        asks for them (``return_text_in_logprobs``; "" without a tokenizer)."""
 
         def triples(pairs) -> list[list[Any]]:  # (logprob, id) pairs -> SGLang's [logprob, id, text|null]
-            return [[lp, t, decode_token(t) if decode_token else None] for lp, t in pairs]
+            if not req.return_text_in_logprobs:
+                return [[lp, t, None] for lp, t in pairs]
+            return [[lp, t, tokenizer.decode([t]) if tokenizer is not None else ""] for lp, t in pairs]
 
         meta: dict[str, Any] = {
             "id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
@@ -219,17 +203,21 @@ class GenerateResult:
             "num_retractions": 0, "weight_version": self.weight_version, "e2e_latency": self.e2e_latency}
         if self.finished:
             meta["weight_versions"] = self.weight_versions
-        if with_logprobs:
+        prompt_ids = req.input_ids if req.input_ids is not None else (self.prompt_ids or [])
+        if req.return_logprob:
             meta["output_token_logprobs"] = triples(zip(self.output_logprobs or [], self.output_ids))
             meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
-            ids = input_ids if input_ids is not None else (self.prompt_ids or [])
-            scored = self.input_logprobs is not None and logprob_start_len >= 0
-            meta["input_token_logprobs"] = triples(zip(self.input_logprobs, ids[logprob_start_len:])) if scored else []
+            start = req.logprob_start_len
+            scored = self.input_logprobs is not None and start >= 0
+            meta["input_token_logprobs"] = triples(zip(self.input_logprobs, prompt_ids[start:])) if scored else []
             if self.output_top_logprobs is not None:
                 meta["output_top_logprobs"] = [triples(row) for row in self.output_top_logprobs]
             if self.input_top_logprobs is not None:
                 meta["input_top_logprobs"] = [None if row is None else triples(row) for row in self.input_top_logprobs]
-        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+        if req.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(prompt_ids)
+        return out
 
     @classmethod
     def from_sglang(cls, body: Mapping[str, Any]) -> GenerateResult:

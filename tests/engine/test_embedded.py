@@ -294,23 +294,24 @@ def test_output_is_capped_by_the_context_limit(tiny_dir):
 # 4. bad input
 
 
-@pytest.mark.parametrize("req, message", [
-    (GenerateRequest(input_ids=[]), "input_ids must be a non-empty list"),
-    (GenerateRequest(input_ids=[5, 49152]), r"outside \[0, 49152\)"),
-    (GenerateRequest(input_ids=[-1]), r"outside \[0, 49152\)"),
-    (GenerateRequest(input_ids=list(range(64))), "prompt of 64 tokens exceeds the context limit 64"),
-    (GenerateRequest(input_ids=[5, 6, 7], logprob_start_len=4, return_logprob=True),
+# requests are built inside the test: the request models refuse what they can check on their own
+@pytest.mark.parametrize("make_req, message", [
+    (lambda: GenerateRequest(input_ids=[]), "input_ids must be a non-empty list"),
+    (lambda: GenerateRequest(input_ids=[5, 49152]), r"outside \[0, 49152\)"),
+    (lambda: GenerateRequest(input_ids=[-1]), r"outside \[0, 49152\)"),
+    (lambda: GenerateRequest(input_ids=list(range(64))), "prompt of 64 tokens exceeds the context limit 64"),
+    (lambda: GenerateRequest(input_ids=[5, 6, 7], logprob_start_len=4, return_logprob=True),
      "logprob_start_len 4 exceeds the prompt length 3"),
-    (GenerateRequest(), "exactly one of 'text' or 'input_ids'"),
-    (GenerateRequest(input_ids=[5], sampling_params=SamplingParams(max_new_tokens=-1)),
+    (lambda: GenerateRequest(), "exactly one of 'text' or 'input_ids'"),
+    (lambda: GenerateRequest(input_ids=[5], sampling_params=SamplingParams(max_new_tokens=-1)),
      "max_new_tokens must be a non-negative integer"),
 ])
-def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_dir, req, message):
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_dir, make_req, message):
     eng = EmbeddedEngine(tiny_dir, max_batch_size=2, max_context_len=64)
 
     async def scenario():
         with pytest.raises(BadRequestError, match=message):
-            await eng.generate(req)
+            await eng.generate(make_req())
         ok = await eng.generate(GenerateRequest(input_ids=[5, 6], sampling_params=greedy(3)))
         await eng.close()
         return ok
@@ -685,7 +686,7 @@ def test_stream_yields_cumulative_partials_ending_with_the_finished_result(engin
 def test_stream_validates_before_iteration_and_closing_it_aborts(engine):
     async def scenario():
         with pytest.raises(BadRequestError):
-            engine.generate_stream(GenerateRequest(input_ids=[]))
+            engine.generate_stream(GenerateRequest(input_ids=[5, 10**9]))  # outside the vocabulary
         stream = engine.generate_stream(GenerateRequest(input_ids=[5, 6], sampling_params=greedy(500)))
         first = await stream.__anext__()
         await stream.aclose()

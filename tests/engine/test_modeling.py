@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clawrl.engine.modeling import CausalLMRunner, KVCache, build_model_spec, build_rope_tables
+from clawrl.engine.modeling import CausalLMRunner, KVCache, build_model_spec
 from clawrl.models import load_causal_lm
 
 # Batched, padded matmuls reduce in a different order than a batch of one; over 30 layers
@@ -94,12 +94,11 @@ def test_forward_reads_live_weights(tiny_dir):
 
 def test_rope_tables_equal_hf_rotary_embedding(tiny_qwen3_dir):
     model = load_causal_lm(tiny_qwen3_dir)
-    spec = build_model_spec(model.config)
-    cos, sin = build_rope_tables(spec.head_dim, spec.rope_theta, 100, torch.float32, "cpu")
+    runner = CausalLMRunner(model, max_positions=100)
     positions = torch.tensor([[0, 1, 37, 99]])
     ref_cos, ref_sin = model.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
-    assert torch.equal(cos[positions[0]], ref_cos[0]) and torch.equal(sin[positions[0]], ref_sin[0])
-    assert cos.shape == (100, 32)  # tiny-qwen3: head_dim 32 != hidden 64 / 4 heads
+    assert torch.equal(runner.cos[positions[0]], ref_cos[0]) and torch.equal(runner.sin[positions[0]], ref_sin[0])
+    assert runner.cos.shape == (100, 32)  # tiny-qwen3: head_dim 32 != hidden 64 / 4 heads
 
 
 def test_kv_cache_grows_by_doubling_and_keeps_contents(tiny_dir):

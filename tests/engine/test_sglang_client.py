@@ -156,14 +156,16 @@ BAD_REQUESTS = {
 }
 
 
-class _unchecked(SamplingParams):
-    """Sampling params that serialise arbitrary keys: lets the test send what a buggy caller would."""
-
-    def __init__(self, raw: dict):
-        object.__setattr__(self, "_raw", raw)
+class _Unchecked(SamplingParams):
+    raw: dict = {}
 
     def to_dict(self) -> dict:
-        return dict(self._raw)
+        return dict(self.raw)
+
+
+def _unchecked(raw: dict) -> SamplingParams:
+    """Sampling params that serialise arbitrary keys, unvalidated: lets the test send what a buggy caller would."""
+    return _Unchecked.model_construct(raw=raw)
 
 
 @pytest.mark.parametrize("name", list(BAD_REQUESTS))

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 
-from clawrl.engine.server import build_uvicorn_server, create_engine_app
+from clawrl.engine.server import create_engine_app
 
 
 CONTEXT = 256  # small, so "prompt longer than the context" is cheap to send
@@ -87,7 +88,7 @@ def running_engine_server(
         running.engine, running.loop = engine, asyncio.get_running_loop()
         app = create_engine_app(engine, model_path=model_path, served_model_name=served_model_name,
                                 max_context_len=max_context_len, max_running_requests=16, api_key=api_key)
-        server = build_uvicorn_server(app, "127.0.0.1", port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
         running._server = server
         try:
             await server.serve(sockets=[sock])
