@@ -31,7 +31,7 @@ from clawrl.gateway.schemas import (
     SessionLog,
     SessionTurn,
 )
-from clawrl.gateway.service import ChatService, GatewayError, GatewayOptions
+from clawrl.gateway.service import ChatService, GatewayError
 from clawrl.gateway.sessions import PendingTurn, SessionTracker, validate_session_id
 from clawrl.hooks import load_hook
 
@@ -143,24 +143,16 @@ async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, ser
     if service.paused:
         metrics.requests.labels("503", "unknown", "unknown").inc()
         raise admin.paused_error()
-    turn_type = body.turn_type or ctx.turn_type or service.options.default_turn_type
-    if body.stream:
-        try:
-            headers, events = await service.stream(body, ctx)  # its outcome is counted as it ends
-        except GatewayError as e:
-            metrics.requests.labels(str(e.status), "true", turn_type).inc()
-            raise
-        metrics.in_flight.inc()
-        return StreamingResponse(_counted(events, metrics), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
-    metrics.in_flight.inc()
     try:
+        if body.stream:  # the service counts a stream's outcome as it ends
+            headers, events = service.stream(body, ctx)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
         resp, engine_s = await service.complete(body, ctx)
     except GatewayError as e:
-        metrics.requests.labels(str(e.status), "false", turn_type).inc()
+        turn_type = body.turn_type or ctx.turn_type or service.settings.server.default_turn_type
+        metrics.requests.labels(str(e.status), "true" if body.stream else "false", turn_type).inc()
         raise
-    finally:
-        metrics.in_flight.dec()
     metrics.requests.labels("200", "false", resp["turn_type"]).inc()
     payload = orjson.dumps(resp)
     total = time.perf_counter() - request.arrived
@@ -168,14 +160,6 @@ async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, ser
     return Response(payload, media_type="application/json", headers={
         "X-Session-Id": resp["session_id"], "X-Turn-Type": resp["turn_type"], "X-Turn-Index": str(resp["turn_index"]),
         "X-Weight-Version": resp["weight_version"], "Server-Timing": server_timing(total, engine_s)})
-
-
-async def _counted(events, metrics: GatewayMetrics):
-    try:
-        async for e in events:
-            yield e
-    finally:
-        metrics.in_flight.dec()
 
 
 @v1.get("/models", responses={401: ERROR_RESPONSES[401]})
@@ -354,12 +338,9 @@ async def _lifespan(app: FastAPI):
     tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
                              max_sessions=settings.server.max_sessions)
     restored = _restore_sessions(tracker, settings, store)
-    options = GatewayOptions(
-        served_model_name=settings.server.served_model_name, default_turn_type=settings.server.default_turn_type,
-        default_temperature=settings.ppo.temperature, default_max_tokens=settings.ppo.max_new_tokens,
-        engine_timeout_s=settings.engine.request_timeout_s, generate_hook=state.generate_hook)
     tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
-    state.service = service = ChatService(engine, tokenizer, store, tracker, options, state.metrics)
+    state.service = service = ChatService(engine, tokenizer, store, tracker, settings, state.metrics,
+                                          state.generate_hook)
     with contextlib.suppress(Exception):
         service.weight_version = str((await engine.model_info()).get("weight_version", "unknown"))
     _warn_open_access(settings, state.api_keys, state.admin_keys)
