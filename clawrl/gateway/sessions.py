@@ -63,6 +63,11 @@ class PendingTurn:
     turn_index: int
     message_count: int  # messages in the request that produced the turn
 
+    def next_state(self, session_id: str, reason: str, added: list[dict[str, Any]] | None = None) -> NextStateRecord:
+        """The record that closes this turn: the messages ``added`` after it, or none (none will come)."""
+        return NextStateRecord(self.turn_id, session_id, self.turn_index, has_next_state=bool(added),
+                               messages=json.dumps(added) if added else None, reason=reason)
+
 
 @dataclass
 class SessionState:
@@ -132,11 +137,7 @@ class SessionTracker:
             # History was rewritten or truncated: take what follows the last assistant message.
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
             added, reason = messages[last + 1 :], "next_request_realigned"
-        if not added:
-            return NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
-                                   has_next_state=False, messages=None, reason="no_new_messages")
-        return NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
-                               has_next_state=True, messages=json.dumps(added), reason=reason)
+        return pending.next_state(state.session_id, reason if added else "no_new_messages", added)
 
     def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, message_count: int,
                     *, main: bool, done: bool) -> list[NextStateRecord]:
@@ -159,14 +160,13 @@ class SessionTracker:
 
     def restore(self, namespace: str, session_id: str, next_index: int, pending: PendingTurn | None,
                 age_s: float = 0.0) -> None:
-        """Rebuild a session from storage after a restart."""
-        state = SessionState(namespace, session_id, next_index=next_index, pending=pending,
-                             last_active=self.clock() - age_s)
-        self._sessions[(namespace, session_id)] = state
-
-    def restore_index(self, namespace: str, session_id: str, next_index: int) -> None:
-        """Remember, after a restart, where a session not held open stopped counting turns."""
-        self._remember_index((namespace, session_id), next_index)
+        """Rebuild a session from storage after a restart: open again if a turn of it waits for its
+        next state (idle for ``age_s``), else only remembered where it stopped counting turns."""
+        if pending is None:
+            self._remember_index((namespace, session_id), next_index)
+            return
+        self._sessions[(namespace, session_id)] = SessionState(namespace, session_id, next_index=next_index,
+                                                               pending=pending, last_active=self.clock() - age_s)
 
     def _remember_index(self, key: tuple[str, str], next_index: int) -> None:
         self._closed_index[key] = next_index
@@ -179,7 +179,4 @@ class SessionTracker:
         self._sessions.pop(key, None)
         self._remember_index(key, state.next_index)
         pending, state.pending = state.pending, None
-        if pending is None:
-            return []
-        return [NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
-                                has_next_state=False, messages=None, reason=reason)]
+        return [] if pending is None else [pending.next_state(state.session_id, reason)]
