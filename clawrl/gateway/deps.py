@@ -8,7 +8,8 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
-from fastapi.responses import JSONResponse
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
 
 from clawrl.config import Settings
 from clawrl.gateway.service import ChatService, GatewayError, TurnContext
@@ -65,20 +66,17 @@ def check_admin_key(presented: str | None, admin_keys: list[str], api_keys: list
     raise GatewayError(401, "invalid admin key", "authentication_error")
 
 
-def bearer_token(authorization: str | bytes | None) -> str | None:
-    if not authorization:
-        return None
-    if isinstance(authorization, bytes):
-        authorization = authorization.decode("latin-1")
-    scheme, _, value = authorization.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else None
+def bearer_token(authorization: str | None) -> str | None:
+    scheme, token = get_authorization_scheme_param(authorization)
+    return token if scheme.lower() == "bearer" else None
 
 
 class AdminGuard:
     """ASGI wrapper: every route of ``app`` but ``open_paths`` needs an admin key (``check_admin_key``).
 
     Plain ASGI (not BaseHTTPMiddleware) so SSE streams and client disconnects pass through untouched.
-    Under a mount, paths are compared without the mount prefix.
+    Under a mount, paths are compared without the mount prefix, and a refusal raised here is
+    answered by the outer app's GatewayError handler.
     """
 
     def __init__(self, app, *, admin_keys: list[str], api_keys: list[str],
@@ -93,10 +91,7 @@ class AdminGuard:
             path = path[len(root):] or "/"
         if scope["method"] == "OPTIONS" or path in self.open_paths:
             return await self.app(scope, receive, send)
-        try:
-            check_admin_key(bearer_token(dict(scope["headers"]).get(b"authorization")), self.admin_keys, self.api_keys)
-        except GatewayError as e:
-            return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+        check_admin_key(bearer_token(Headers(scope=scope).get("authorization")), self.admin_keys, self.api_keys)
         return await self.app(scope, receive, send)
 
 
