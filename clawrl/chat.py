@@ -18,6 +18,7 @@ an instruction in the prompt, not a guarantee (SGLang constrains decoding there)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections import OrderedDict
@@ -262,25 +263,19 @@ class ChatAdapter:
             return ParsedOutput(content=text)
         names = {t.function.name for t in tools}
         calls: list[dict[str, Any]] = []
-        kept_spans: list[tuple[int, int]] = []
-        for i, m in enumerate(_TOOL_CALL_RE.finditer(text)):
-            call = _parse_call(m.group(1), names)
+        numbers = itertools.count()  # every match is numbered, kept or not: the ids depend on it
+
+        def take(m: re.Match) -> str:  # a call of a declared tool leaves the content; anything else stays
+            i, call = next(numbers), _parse_call(m.group(1), names)
             if call is None:
-                continue
+                return m.group(0)
             name, args = call
             digest = hashlib.sha256(f"{i}:{name}:{args}:{text}".encode()).hexdigest()[:24]
-            calls.append({"id": f"call_{digest}", "type": "function",
-                          "function": {"name": name, "arguments": args}})
-            kept_spans.append(m.span())
-        if not calls:
-            return ParsedOutput(content=text)
-        content, last = [], 0
-        for a, b in kept_spans:
-            content.append(text[last:a])
-            last = b
-        content.append(text[last:])
-        rest = "".join(content).strip()
-        return ParsedOutput(content=rest or None, tool_calls=calls)
+            calls.append({"id": f"call_{digest}", "type": "function", "function": {"name": name, "arguments": args}})
+            return ""
+
+        rest = _TOOL_CALL_RE.sub(take, text).strip()
+        return ParsedOutput(content=rest or None, tool_calls=calls) if calls else ParsedOutput(content=text)
 
 
 def _parse_call(body: str, names: set[str]) -> tuple[str, str] | None:
