@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -40,7 +40,7 @@ from clawrl.engine.types import (
 )
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
-from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session_id, validate_session_id
+from clawrl.gateway.sessions import PendingTurn, SessionState, SessionTracker, derive_session_id, validate_session_id
 from clawrl.ids import new_id
 from clawrl.records import NextStateRecord, TurnRecord, TurnType, utcnow
 
@@ -105,12 +105,13 @@ class _Turn:
 
 
 class ChatService:
-    def __init__(self, engine: Engine, tokenizer, store, tracker: SessionTracker, settings: Settings,
-                 metrics: GatewayMetrics, generate_hook: Any = None):
+    def __init__(self, engine: Engine, tokenizer, store, settings: Settings, metrics: GatewayMetrics,
+                 generate_hook: Any = None):
         self.engine = engine
         self.adapter = ChatAdapter(tokenizer)
         self.store = store
-        self.tracker = tracker
+        self.tracker = tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
+                                                max_sessions=settings.server.max_sessions)
         self.settings = settings
         self.metrics = metrics
         self.generate_hook = generate_hook  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
@@ -151,6 +152,38 @@ class ChatService:
         self._write_next_states(records)
         return len(records)
 
+    def read(self, query: Callable[..., Any], *args: Any) -> Any:
+        """``query(con, *args)`` (clawrl.storage.queries) over the tables, once the records still in
+        the write-ahead log are Parquet: a client reads its own writes."""
+        from clawrl.storage.catalog import open_catalog
+
+        if hasattr(self.store, "flush"):
+            self.store.flush()
+        with open_catalog(self.settings.storage.data_root) as con:
+            return query(con, *args)
+
+    def restore_sessions(self) -> int:
+        """After a restart, continue the sessions in the log: a session waiting for the user's reply
+        comes back with its pending turn (so the reply becomes that turn's next state, and the idle
+        sweep closes it if none comes), and every recent session goes on counting turn indices where
+        it stopped, so a returning session never reuses one. Returns the sessions restored as open.
+        (The WAL of a killed predecessor was recovered when the store opened.)"""
+        from clawrl.storage.queries import session_states
+
+        rows = self.read(session_states, 10 * self.settings.server.max_sessions)  # as many as the tracker remembers
+        for row in reversed(rows):  # oldest first: the tracker's order is its recency order
+            pending = None if row["pending_turn_id"] is None else PendingTurn(
+                row["pending_turn_id"], row["pending_turn_index"], row["pending_message_count"])
+            self.tracker.restore(row["namespace"], row["session_id"], row["next_index"], pending, row["age_s"])
+        return len(self.tracker)
+
+    async def live_weight_version(self) -> str:
+        """The engine's weight version now (a sync may have happened since the last turn), else the
+        last one known."""
+        with contextlib.suppress(Exception):
+            self.weight_version = str((await self.engine.model_info()).get("weight_version", "unknown"))
+        return self.weight_version
+
     # ---------------------------------------------------------------------------- internals
     def _prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> _Turn:
         if req.n != 1:
@@ -181,18 +214,12 @@ class ChatService:
         if isinstance(limit, int) and len(prompt_ids) >= limit:  # refuse before any byte is streamed
             raise GatewayError(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is "
                                     f"{limit} tokens (prompt + completion)", param="messages")
-        sp: dict[str, Any] = {
+        sp: dict[str, Any] = {  # from_dict leaves the engine's default where a value is None
             "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.settings.ppo.max_new_tokens,
             "temperature": self.settings.ppo.temperature if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed,
+            **{k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))},
         }
-        if req.stop:
-            sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-        if req.seed is not None:
-            sp["sampling_seed"] = req.seed
-        for k in ("frequency_penalty", "presence_penalty", "logit_bias"):
-            if getattr(req, k):
-                sp[k] = getattr(req, k)
         try:
             sampling = SamplingParams.from_dict(sp)
         except BadRequestError as e:
@@ -231,23 +258,20 @@ class ChatService:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.settings.engine.request_timeout_s):  # no extra task, unlike wait_for
-                result = await self._engine_call(gen)
+                hook = self.generate_hook
+                result = await (hook(engine=self.engine, request=gen) if hook else self.engine.generate(gen))
         except (TimeoutError, BadRequestError, EngineError) as e:
             raise self._engine_failure(e) from None
         elapsed = time.perf_counter() - t0
         self.metrics.engine_latency.observe(elapsed)
         return result, elapsed
 
-    def _engine_call(self, gen: GenerateRequest):
-        hook = self.generate_hook
-        return hook(engine=self.engine, request=gen) if hook else self.engine.generate(gen)
-
     def _engine_stream(self, gen: GenerateRequest) -> AsyncIterator[GenerateResult]:
         if self.generate_hook is None:
             return self.engine.generate_stream(gen)
 
         async def one_chunk():  # a generate hook returns the whole result: it streams as one chunk
-            yield await self._engine_call(gen)
+            yield await self.generate_hook(engine=self.engine, request=gen)
 
         return one_chunk()
 
@@ -332,16 +356,14 @@ class ChatService:
         if not batch:
             return
         try:
-            self.store.append(batch)
-        except OSError as e:
-            self.storage_error = f"{type(e).__name__}: {e.strerror or e}"
+            self._append(batch, f"{len(batch)} next-state records (kept for retry)")
+        except GatewayError:
             dropped = max(0, len(batch) - MAX_UNWRITTEN_NEXT_STATES)
             self._unwritten_next_states = batch[dropped:]
-            log.error("could not record %d next-state records (%s); kept for retry%s", len(batch),
-                      self.storage_error, f", {dropped} oldest dropped" if dropped else "")
+            if dropped:
+                log.error("dropped the %d oldest unwritten next-state records", dropped)
             return
         self._unwritten_next_states = []
-        self.storage_error = None
         for r in batch:
             self.metrics.next_states.labels(r.reason).inc()
 
