@@ -72,27 +72,22 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class AdminGuard:
-    """ASGI wrapper: every route of ``app`` but ``open_paths`` needs an admin key (``check_admin_key``).
+    """ASGI wrapper: every route of ``app`` but ``/health`` (liveness, no data) needs an admin key
+    (``check_admin_key``).
 
     Plain ASGI (not BaseHTTPMiddleware) so SSE streams and client disconnects pass through untouched.
     Under a mount, paths are compared without the mount prefix, and a refusal raised here is
     answered by the outer app's GatewayError handler.
     """
 
-    def __init__(self, app, *, admin_keys: list[str], api_keys: list[str],
-                 open_paths: tuple[str, ...] = ("/health",)):
-        self.app, self.admin_keys, self.api_keys, self.open_paths = app, admin_keys, api_keys, open_paths
+    def __init__(self, app, *, admin_keys: list[str], api_keys: list[str]):
+        self.app, self.admin_keys, self.api_keys = app, admin_keys, api_keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):] or "/"
-        if scope["method"] == "OPTIONS" or path in self.open_paths:
-            return await self.app(scope, receive, send)
-        check_admin_key(bearer_token(Headers(scope=scope).get("authorization")), self.admin_keys, self.api_keys)
-        return await self.app(scope, receive, send)
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and path != "/health":
+            check_admin_key(bearer_token(Headers(scope=scope).get("authorization")), self.admin_keys, self.api_keys)
+        await self.app(scope, receive, send)
 
 
 async def get_service(request: Request) -> ChatService:

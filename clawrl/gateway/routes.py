@@ -330,7 +330,7 @@ async def _lifespan(app: FastAPI):
     _warn_open_access(settings, state.api_keys, state.admin_keys)
     if restored:
         log.info("restored %d open sessions from the session log", restored)
-    sweeper = asyncio.create_task(_sweep_forever(service, settings.server.session_idle_timeout_s))
+    sweeper = asyncio.create_task(service.sweep_forever())
     try:
         yield
     finally:
@@ -353,13 +353,3 @@ def _warn_open_access(settings: Settings, api_keys: list[str], admin_keys: list[
     elif not admin_keys:
         log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
                     settings.server.admin_keys_env)
-
-
-async def _sweep_forever(service: ChatService, idle_timeout_s: float) -> None:
-    period = max(0.05, min(5.0, idle_timeout_s / 4))
-    while True:
-        await asyncio.sleep(period)
-        try:
-            await service.sweep_sessions()
-        except Exception:  # keep sweeping; a storage hiccup must not kill the loop
-            log.exception("session sweep failed")

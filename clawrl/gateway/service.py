@@ -66,19 +66,14 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
-# engine sampling_params names -> the request fields they come from
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
-
-
 def _sampling_error(e: BadRequestError) -> GatewayError:
-    """The engine's sampling_params complaint, in the request's own field names, kept short (it
-    may quote a value the client sent, e.g. a large logit_bias)."""
+    """The engine's sampling_params complaint naming the request field, kept short (it may quote a
+    value the client sent, e.g. a large logit_bias). The engine's names are the request's own for
+    every field it can refuse: max_tokens and seed, whose names differ, are range-checked by the
+    request schema before the engine sees them."""
     msg = str(e).removeprefix("sampling_params.")
     name = msg.split(" ", 1)[0].rstrip(":")
-    param = _OPENAI_NAMES.get(name, name) if name.isidentifier() else None
-    if param and name != param:
-        msg = param + msg[len(name):]
-    return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=param)
+    return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=name if name.isidentifier() else None)
 
 
 @dataclass(frozen=True)
@@ -147,10 +142,16 @@ class ChatService:
         turn = self._prepare(req, ctx)
         return {"X-Session-Id": turn.session_id, "X-Turn-Type": turn.turn_type}, self._stream_events(turn)
 
-    async def sweep_sessions(self) -> int:
-        records = self.tracker.sweep()
-        self._write_next_states(records)
-        return len(records)
+    async def sweep_forever(self) -> None:
+        """Close idle sessions (their pending turns get no next state), every quarter of the idle
+        timeout, at most 5 s apart."""
+        period = max(0.05, min(5.0, self.tracker.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._write_next_states(self.tracker.sweep())
+            except Exception:  # keep sweeping; a storage hiccup must not kill the loop
+                log.exception("session sweep failed")
 
     def read(self, query: Callable[..., Any], *args: Any) -> Any:
         """``query(con, *args)`` (clawrl.storage.queries) over the tables, once the records still in
