@@ -9,7 +9,7 @@ kill -9 of this process) *before* the client receives the end of its response â€
 non-streamed completion, or the final chunk of a stream. A response the client has received in full
 is therefore always in the log. If the append fails (disk full, I/O error) the client gets a 507
 ``storage_error`` instead (an error event in a stream) and the session is left as if the request
-had not come: its turn index is given back and a pending turn stays pending.
+had not come: its turn index stays free and a pending turn stays pending.
 """
 
 
@@ -299,7 +299,7 @@ class ChatService:
         req, state = turn.req, turn.state
         parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
         finish = "tool_calls" if parsed.tool_calls else (result.finish_reason or {}).get("type", "stop")
-        index = self.tracker.allocate_index(state)
+        index = state.next_index  # taken by finish_turn once the turn is in the log (nothing awaits between)
         rec = TurnRecord(
             turn_id=new_id(),
             session_id=turn.session_id,
@@ -322,11 +322,7 @@ class ChatService:
             latency_ms=(time.perf_counter() - turn.t0) * 1000.0,
             weight_versions=_json(result.weight_versions or []),
         )
-        try:
-            self._append(rec, "the turn")
-        except GatewayError:
-            self.tracker.release_index(state, index)  # nothing was recorded under it
-            raise
+        self._append(rec, "the turn")
         self.metrics.turns_recorded.labels(turn.turn_type).inc()
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         self.metrics.completion_tokens.inc(result.completion_tokens)
@@ -408,9 +404,8 @@ class ChatService:
                     if result.finished:
                         break
                     text = result.text
-                    if req.tools and TOOL_CALL_OPEN in text:
-                        tool_mode = True
-                    safe = len(text) if tool_mode else max(sent_chars, len(text) - holdback)
+                    tool_mode = tool_mode or bool(req.tools) and TOOL_CALL_OPEN in text  # then no content until the end
+                    safe = max(sent_chars, len(text) - holdback)
                     while safe > sent_chars and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 char
                         safe -= 1
                     lp = None

@@ -114,16 +114,6 @@ class SessionTracker:
     def is_open(self, namespace: str, session_id: str) -> bool:
         return (namespace, session_id) in self._sessions
 
-    def allocate_index(self, state: SessionState) -> int:
-        idx = state.next_index
-        state.next_index += 1
-        return idx
-
-    def release_index(self, state: SessionState, index: int) -> None:
-        """Give back the index just allocated for a turn that could not be recorded."""
-        if state.next_index == index + 1:
-            state.next_index = index
-
     def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
         """Called when a new main request arrives: close the pending turn with what was added."""
         pending = state.pending
@@ -141,7 +131,10 @@ class SessionTracker:
 
     def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, message_count: int,
                     *, main: bool, done: bool) -> list[NextStateRecord]:
-        """Record a completed turn; returns the records to write if this closes the session."""
+        """Record a turn appended to the log under ``turn_index``, the session's next index, which
+        it takes only now (a turn that could not be recorded leaves it free); returns the records
+        to write if this closes the session."""
+        state.next_index = turn_index + 1
         state.last_active = self.clock()
         if main:
             state.pending = PendingTurn(turn_id, turn_index, message_count)
