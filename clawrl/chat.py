@@ -243,11 +243,11 @@ class ChatAdapter:
             if self.native_tools:
                 return {"role": "assistant", "content": content,
                         "tool_calls": [tc.model_dump(exclude_none=True) for tc in m.tool_calls]}
-            rendered = [
-                f"{TOOL_CALL_OPEN}\n" + json.dumps({"name": tc.function.name, "arguments": _loads_or_str(tc.function.arguments)})
-                + f"\n{TOOL_CALL_CLOSE}"
-                for tc in m.tool_calls
-            ]
+            rendered = []
+            for tc in m.tool_calls:  # arguments: JSON text (FunctionCall checks it), or blank
+                args = tc.function.arguments
+                call = {"name": tc.function.name, "arguments": json.loads(args) if args.strip() else args}
+                rendered.append(f"{TOOL_CALL_OPEN}\n{json.dumps(call)}\n{TOOL_CALL_CLOSE}")
             content = "\n".join(([content] if content else []) + rendered)
         elif m.role == "tool" and not self.native_tools:
             content = f"<tool_response>\n{content}\n</tool_response>"
@@ -287,13 +287,6 @@ def _parse_call(body: str, names: set[str]) -> tuple[str, str] | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return obj["name"], args if isinstance(args, str) else json.dumps(args)
-
-
-def _loads_or_str(s: str) -> Any:
-    try:
-        return json.loads(s)
-    except (json.JSONDecodeError, TypeError):
-        return s
 
 
 def _tools_block(tools: list[ToolDef], tool_choice: str | dict | None) -> str:

@@ -19,7 +19,7 @@ import httpx
 from fastapi import APIRouter
 
 from clawrl.config import ConfigError, parse_override, prefect_api_url
-from clawrl.gateway.deps import AdminDep, ServiceDep, SettingsDep
+from clawrl.gateway.deps import AdminDep, ServiceDep
 from clawrl.gateway.schemas import ReplayRequest
 from clawrl.gateway.service import GatewayError
 from clawrl.ids import new_id
@@ -53,7 +53,7 @@ async def resume(_: AdminDep, service: ServiceDep) -> dict[str, Any]:
 
 
 @router.post("/replay")
-async def replay(_: AdminDep, settings: SettingsDep, body: ReplayRequest | None = None) -> dict[str, Any]:
+async def replay(_: AdminDep, service: ServiceDep, body: ReplayRequest | None = None) -> dict[str, Any]:
     body = body or ReplayRequest()
     if body.version is not None and body.run_id is not None:
         raise GatewayError(400, "give version or run_id, not both", param="version")
@@ -64,7 +64,9 @@ async def replay(_: AdminDep, settings: SettingsDep, body: ReplayRequest | None 
             raise GatewayError(400, str(e), param="set") from None
     version = body.version or "latest"
     if body.run_id is not None:
-        found = await asyncio.to_thread(_version_for_run, settings.storage.data_root, body.run_id)
+        from clawrl.storage.queries import version_for_run
+
+        found = await asyncio.to_thread(service.read, version_for_run, body.run_id)
         if found is None:
             raise GatewayError(404, "no checkpoint was trained by that MLflow run", param="run_id")
         version = found
@@ -74,14 +76,6 @@ async def replay(_: AdminDep, settings: SettingsDep, body: ReplayRequest | None 
     log.info("replay of version %s submitted: flow run %s", version, run["id"])
     return {"flow_run_id": run["id"], "flow_run_name": run["name"], "deployment": REPLAY_DEPLOYMENT,
             "parameters": params}
-
-
-def _version_for_run(data_root, run_id: str) -> str | None:
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import version_for_run
-
-    with open_catalog(data_root) as con:
-        return version_for_run(con, run_id)
 
 
 async def submit_deployment_run(name: str, parameters: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from fastapi import Depends, Header, Request
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 
-from clawrl.config import Settings
 from clawrl.gateway.service import ChatService, GatewayError, TurnContext
 from clawrl.gateway.sessions import SESSION_ID_RE
 
@@ -94,10 +93,6 @@ async def get_service(request: Request) -> ChatService:
     return request.app.state.service
 
 
-async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
-
-
 async def get_namespace(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
     return check_api_key(bearer_token(authorization), request.app.state.api_keys)
 
@@ -134,7 +129,6 @@ async def get_turn_context(
 
 
 ServiceDep = Annotated[ChatService, Depends(get_service)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 TurnContextDep = Annotated[TurnContext, Depends(get_turn_context)]
 NamespaceDep = Annotated[str, Depends(get_namespace)]
 AdminDep = Annotated[None, Depends(require_admin)]

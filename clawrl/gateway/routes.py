@@ -20,8 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawrl.config import ConfigError, Settings, read_api_keys
 from clawrl.engine.types import Engine
 from clawrl.gateway import admin
-from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, SettingsDep, TurnContextDep
-from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, TurnContextDep
 from clawrl.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -144,36 +143,36 @@ async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, ser
         metrics.requests.labels("503", "unknown", "unknown").inc()
         raise admin.paused_error()
     try:
+        turn = service.prepare(body, ctx)
+        headers = {"X-Session-Id": turn.session_id, "X-Turn-Type": turn.turn_type}
         if body.stream:  # the service counts a stream's outcome as it ends
-            headers, events = service.stream(body, ctx)
-            return StreamingResponse(events, media_type="text/event-stream",
+            return StreamingResponse(service.stream(turn), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        resp, engine_s = await service.complete(body, ctx)
+        resp, engine_s = await service.complete(turn)
     except GatewayError as e:
         turn_type = body.turn_type or ctx.turn_type or service.settings.server.default_turn_type
         metrics.requests.labels(str(e.status), "true" if body.stream else "false", turn_type).inc()
         raise
-    metrics.requests.labels("200", "false", resp["turn_type"]).inc()
+    metrics.requests.labels("200", "false", turn.turn_type).inc()
     payload = orjson.dumps(resp)
     total = time.perf_counter() - request.arrived
     metrics.latency.labels("false").observe(total)
     return Response(payload, media_type="application/json", headers={
-        "X-Session-Id": resp["session_id"], "X-Turn-Type": resp["turn_type"], "X-Turn-Index": str(resp["turn_index"]),
-        "X-Weight-Version": resp["weight_version"], "Server-Timing": server_timing(total, engine_s)})
+        **headers, "X-Turn-Index": str(resp["turn_index"]), "X-Weight-Version": resp["weight_version"],
+        "Server-Timing": server_timing(total, engine_s)})
 
 
 @v1.get("/models", responses={401: ERROR_RESPONSES[401]})
-async def list_models(_: NamespaceDep, service: ServiceDep, settings: SettingsDep) -> ModelList:
-    name = settings.server.served_model_name
+async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:
+    name = service.settings.server.served_model_name
     return ModelList(data=[ModelCard(id=name, created=int(time.time()), root=name,
-                                     max_model_len=settings.engine.max_context_len,
+                                     max_model_len=service.settings.engine.max_context_len,
                                      weight_version=await service.live_weight_version())])
 
 
 @v1.get("/sessions/{session_id}", responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401], 404: {
     "model": ErrorResponse, "description": "No session of that id under the caller's key."}})
-async def read_session(session_id: str, namespace: NamespaceDep, service: ServiceDep,
-                       settings: SettingsDep) -> SessionLog:
+async def read_session(session_id: str, namespace: NamespaceDep, service: ServiceDep) -> SessionLog:
     """The caller's own session as logged: its turns with index, type, text, weight version and
     whether the next state arrived. Another key's session answers exactly as a missing one."""
     from clawrl.storage.queries import session_log
@@ -190,7 +189,7 @@ async def read_session(session_id: str, namespace: NamespaceDep, service: Servic
 
 
 @ops.get("/healthz")
-async def healthz(service: ServiceDep, settings: SettingsDep) -> JSONResponse:
+async def healthz(service: ServiceDep) -> JSONResponse:
     try:
         ok = await asyncio.wait_for(service.engine.health(), timeout=5.0)
     except Exception:
@@ -199,7 +198,7 @@ async def healthz(service: ServiceDep, settings: SettingsDep) -> JSONResponse:
         from clawrl.storage.writer import DataRootError, check_data_root
 
         try:
-            check_data_root(settings.storage.data_root)
+            check_data_root(service.settings.storage.data_root)
             service.storage_error = None
         except DataRootError as e:
             log.error("health: %s", e)
@@ -225,7 +224,7 @@ _JSON_TYPE_MESSAGES = {"list_type": "Input should be a valid array", "dict_type"
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """A 400 naming the first field at fault (``param``) and how many more there are."""
-    request.app.state.metrics.requests.labels("400", "unknown", "unknown").inc()
+    request.app.state.service.metrics.requests.labels("400", "unknown", "unknown").inc()
     errs = exc.errors()
     first = errs[0] if errs else {}
     loc = ".".join(str(p) for p in first.get("loc", ())[1:])  # after "body" (or "header", "path"...)
@@ -287,7 +286,6 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         Exception: _error})
     state = app.state
     state.settings, state.api_keys, state.admin_keys = settings, api_keys, read_api_keys(settings.server.admin_keys_env)
-    state.metrics = GatewayMetrics()
     state.generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
     if store is None:  # refuse a data root we cannot write before loading a model (DataRootError)
         from clawrl.storage.writer import check_data_root
@@ -324,7 +322,7 @@ async def _lifespan(app: FastAPI):
     if hasattr(engine, "start"):
         await engine.start()
     tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
-    state.service = service = ChatService(engine, tokenizer, store, settings, state.metrics, state.generate_hook)
+    state.service = service = ChatService(engine, tokenizer, store, settings, state.generate_hook)
     restored = service.restore_sessions()
     await service.live_weight_version()
     _warn_open_access(settings, state.api_keys, state.admin_keys)

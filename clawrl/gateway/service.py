@@ -87,7 +87,9 @@ class TurnContext:
 
 
 @dataclass
-class _Turn:
+class Turn:
+    """A request on its way: checked, rendered, its session opened."""
+
     req: ChatCompletionRequest
     state: SessionState
     session_id: str
@@ -100,15 +102,14 @@ class _Turn:
 
 
 class ChatService:
-    def __init__(self, engine: Engine, tokenizer, store, settings: Settings, metrics: GatewayMetrics,
-                 generate_hook: Any = None):
+    def __init__(self, engine: Engine, tokenizer, store, settings: Settings, generate_hook: Any = None):
         self.engine = engine
         self.adapter = ChatAdapter(tokenizer)
         self.store = store
         self.tracker = tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
                                                 max_sessions=settings.server.max_sessions)
         self.settings = settings
-        self.metrics = metrics
+        self.metrics = metrics = GatewayMetrics()
         self.generate_hook = generate_hook  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
         self.weight_version = "unknown"
         self.storage_error: str | None = None  # the last append's OSError, None once one succeeds
@@ -121,12 +122,59 @@ class ChatService:
         metrics.open_sessions.set_function(lambda: len(tracker))
 
     # --------------------------------------------------------------------------- public API
-    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, Any], float]:
+    def prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> Turn:
+        """The request checked, its prompt rendered and its session opened: a GatewayError from here
+        comes before any byte of the response."""
+        if req.n != 1:
+            raise GatewayError(400, "n > 1 is not supported: send n separate requests" if req.n > 1
+                               else f"n must be 1, got {req.n}", param="n")
+        if req.top_logprobs and not req.logprobs:
+            raise GatewayError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise GatewayError(400, "response_format other than 'text' is not supported", param="response_format")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        session_id = req.session_id or ctx.session_id
+        if session_id is None:
+            session_id = derive_session_id(ctx.namespace, messages, req.user)
+        try:
+            validate_session_id(session_id)
+        except ValueError as e:  # say where the bad id came from; it is never used to build a path
+            where = "session_id" if req.session_id else "X-Session-Id header"
+            raise GatewayError(400, f"{where}: {e}", param="session_id") from None
+        turn_type = req.turn_type or ctx.turn_type or self.settings.server.default_turn_type
+        if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
+            raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
+        done = bool(req.session_done if req.session_done is not None else ctx.session_done)
+        try:
+            prompt_ids = self.adapter.render(req.messages, req.tools, req.tool_choice)
+        except Exception as e:  # a template error is the client's message shape, not a server fault
+            raise GatewayError(400, f"could not apply the chat template: {e}", param="messages") from None
+        limit = getattr(self.engine, "max_context_len", None)  # known for an in-process engine only
+        if isinstance(limit, int) and len(prompt_ids) >= limit:  # refuse before any byte is streamed
+            raise GatewayError(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is "
+                                    f"{limit} tokens (prompt + completion)", param="messages")
+        sp: dict[str, Any] = {  # from_dict leaves the engine's default where a value is None
+            "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.settings.ppo.max_new_tokens,
+            "temperature": self.settings.ppo.temperature if req.temperature is None else req.temperature,
+            "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed,
+            **{k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))},
+        }
+        try:
+            sampling = SamplingParams.from_dict(sp)
+        except BadRequestError as e:
+            raise _sampling_error(e) from None
+        gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
+                              top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0)
+        state, evicted = self.tracker.open(ctx.namespace, session_id)
+        self._write_next_states(evicted)
+        return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())
+
+    async def complete(self, turn: Turn) -> tuple[dict[str, Any], float]:
         """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
         response is serialized once, with orjson) and the seconds spent in the engine call (the rest
         of a request's time in the gateway is its own work, and the wait for the session's previous
         main turn)."""
-        turn = self._prepare(req, ctx)
+        req = turn.req
         async with self._serving(turn):
             self._link_next_state(turn)
             result, engine_s = await self._generate(turn.gen)
@@ -137,10 +185,63 @@ class ChatService:
                 "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
                 "usage": _usage(result), "turn_index": index, "weight_version": result.weight_version}, engine_s
 
-    def stream(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, str], AsyncIterator[str]]:
-        """Headers to send and an async iterator of SSE lines. Validation errors raise before any byte."""
-        turn = self._prepare(req, ctx)
-        return {"X-Session-Id": turn.session_id, "X-Turn-Type": turn.turn_type}, self._stream_events(turn)
+    async def stream(self, turn: Turn) -> AsyncIterator[str]:
+        """The completion as SSE lines; an error after the first is an error event, then [DONE]."""
+        req, head = turn.req, self._head(turn, "chat.completion.chunk")
+
+        def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return _event({**head, "choices": [choice], **more})
+
+        holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
+        async with self._serving(turn):
+            try:
+                self._link_next_state(turn)
+                yield chunk({"role": "assistant", "content": ""})
+                sent_chars, sent_tokens, tool_mode = 0, 0, False
+                result: GenerateResult | None = None
+                stream = _with_deadline(self._engine_stream(turn.gen), self.settings.engine.request_timeout_s)
+                async for result in stream:
+                    if result.finished:
+                        break
+                    text = result.text
+                    tool_mode = tool_mode or bool(req.tools) and TOOL_CALL_OPEN in text  # then no content until the end
+                    safe = max(sent_chars, len(text) - holdback)
+                    while safe > sent_chars and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 char
+                        safe -= 1
+                    lp = None
+                    if req.logprobs and len(result.output_ids) > sent_tokens:
+                        lp = self._logprobs(result, sent_tokens, req.top_logprobs)
+                        sent_tokens = len(result.output_ids)
+                    if not tool_mode and safe > sent_chars:
+                        yield chunk({"content": text[sent_chars:safe]}, logprobs=lp)
+                        sent_chars = safe
+                    elif lp is not None:
+                        yield chunk({}, logprobs=lp)
+                if result is None or not result.finished:
+                    raise GatewayError(502, "engine stream ended without a final result", "engine_unavailable")
+                parsed, finish, _ = self._record(turn, result)  # durable before the client sees the end
+                lp = None
+                if req.logprobs and len(result.output_ids) > sent_tokens:
+                    lp = self._logprobs(result, sent_tokens, req.top_logprobs)
+                visible = (parsed.content or "") if parsed.tool_calls else result.text
+                delta: dict[str, Any] = {}
+                if len(visible) > sent_chars:
+                    delta["content"] = visible[sent_chars:]
+                if parsed.tool_calls:
+                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(parsed.tool_calls)]
+                yield chunk(delta, finish=finish, logprobs=lp, weight_version=result.weight_version)
+                if req.stream_options and req.stream_options.include_usage:
+                    yield _event({**head, "choices": [], "usage": _usage(result),
+                                  "weight_version": result.weight_version})
+                self.metrics.requests.labels("200", "true", turn.turn_type).inc()
+            except (GatewayError, TimeoutError, BadRequestError, EngineError) as e:
+                err = self._engine_failure(e)
+                self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
+                yield _event(err.body())
+            finally:
+                self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
+        yield "data: [DONE]\n\n"
 
     async def sweep_forever(self) -> None:
         """Close idle sessions (their pending turns get no next state), every quarter of the idle
@@ -186,53 +287,8 @@ class ChatService:
         return self.weight_version
 
     # ---------------------------------------------------------------------------- internals
-    def _prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> _Turn:
-        if req.n != 1:
-            raise GatewayError(400, "n > 1 is not supported: send n separate requests" if req.n > 1
-                               else f"n must be 1, got {req.n}", param="n")
-        if req.top_logprobs and not req.logprobs:
-            raise GatewayError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise GatewayError(400, "response_format other than 'text' is not supported", param="response_format")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        session_id = req.session_id or ctx.session_id
-        if session_id is None:
-            session_id = derive_session_id(ctx.namespace, messages, req.user)
-        try:
-            validate_session_id(session_id)
-        except ValueError as e:  # say where the bad id came from; it is never used to build a path
-            where = "session_id" if req.session_id else "X-Session-Id header"
-            raise GatewayError(400, f"{where}: {e}", param="session_id") from None
-        turn_type = req.turn_type or ctx.turn_type or self.settings.server.default_turn_type
-        if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
-            raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
-        done = bool(req.session_done if req.session_done is not None else ctx.session_done)
-        try:
-            prompt_ids = self.adapter.render(req.messages, req.tools, req.tool_choice)
-        except Exception as e:  # a template error is the client's message shape, not a server fault
-            raise GatewayError(400, f"could not apply the chat template: {e}", param="messages") from None
-        limit = getattr(self.engine, "max_context_len", None)  # known for an in-process engine only
-        if isinstance(limit, int) and len(prompt_ids) >= limit:  # refuse before any byte is streamed
-            raise GatewayError(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is "
-                                    f"{limit} tokens (prompt + completion)", param="messages")
-        sp: dict[str, Any] = {  # from_dict leaves the engine's default where a value is None
-            "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.settings.ppo.max_new_tokens,
-            "temperature": self.settings.ppo.temperature if req.temperature is None else req.temperature,
-            "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed,
-            **{k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))},
-        }
-        try:
-            sampling = SamplingParams.from_dict(sp)
-        except BadRequestError as e:
-            raise _sampling_error(e) from None
-        gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
-                              top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0)
-        state, evicted = self.tracker.open(ctx.namespace, session_id)
-        self._write_next_states(evicted)
-        return _Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())
-
     @contextlib.asynccontextmanager
-    async def _serving(self, turn: _Turn):
+    async def _serving(self, turn: Turn):
         """A turn in flight (counted in the gauge). Main turns of one session take turns: the next
         state links to the previous turn. Side turns do not wait."""
         with self.metrics.in_flight.track_inprogress():
@@ -242,7 +298,7 @@ class ChatService:
             async with turn.state.lock:
                 yield
 
-    def _link_next_state(self, turn: _Turn) -> None:
+    def _link_next_state(self, turn: Turn) -> None:
         if turn.turn_type == TurnType.MAIN.value:
             pending = turn.state.pending
             rec = self.tracker.link_next_state(turn.state, turn.messages)
@@ -288,7 +344,7 @@ class ChatService:
             return GatewayError(400, str(e))
         return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
 
-    def _record(self, turn: _Turn, result: GenerateResult) -> tuple[ParsedOutput, str, int]:
+    def _record(self, turn: Turn, result: GenerateResult) -> tuple[ParsedOutput, str, int]:
         """Append the turn (the acknowledgement point) and update the session. Returns the parsed
         output, the finish reason and the turn's index."""
         self.weight_version = result.weight_version
@@ -379,68 +435,11 @@ class ChatService:
             out.append({"token": tok, "logprob": lps[i], "bytes": list(tok.encode()), "top_logprobs": top})
         return {"content": out}
 
-    def _head(self, turn: _Turn, object_: str) -> dict[str, Any]:
+    def _head(self, turn: Turn, object_: str) -> dict[str, Any]:
         """The fields a turn's chat.completion, and each of its chat.completion.chunks, start with."""
         return {"id": f"chatcmpl-{turn.gen.rid}", "object": object_, "created": int(time.time()),
                 "model": self.settings.server.served_model_name, "session_id": turn.session_id,
                 "turn_type": turn.turn_type}
-
-    async def _stream_events(self, turn: _Turn) -> AsyncIterator[str]:
-        req, head = turn.req, self._head(turn, "chat.completion.chunk")
-
-        def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return _event({**head, "choices": [choice], **more})
-
-        holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
-        async with self._serving(turn):
-            try:
-                self._link_next_state(turn)
-                yield chunk({"role": "assistant", "content": ""})
-                sent_chars, sent_tokens, tool_mode = 0, 0, False
-                result: GenerateResult | None = None
-                stream = _with_deadline(self._engine_stream(turn.gen), self.settings.engine.request_timeout_s)
-                async for result in stream:
-                    if result.finished:
-                        break
-                    text = result.text
-                    tool_mode = tool_mode or bool(req.tools) and TOOL_CALL_OPEN in text  # then no content until the end
-                    safe = max(sent_chars, len(text) - holdback)
-                    while safe > sent_chars and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 char
-                        safe -= 1
-                    lp = None
-                    if req.logprobs and len(result.output_ids) > sent_tokens:
-                        lp = self._logprobs(result, sent_tokens, req.top_logprobs)
-                        sent_tokens = len(result.output_ids)
-                    if not tool_mode and safe > sent_chars:
-                        yield chunk({"content": text[sent_chars:safe]}, logprobs=lp)
-                        sent_chars = safe
-                    elif lp is not None:
-                        yield chunk({}, logprobs=lp)
-                if result is None or not result.finished:
-                    raise GatewayError(502, "engine stream ended without a final result", "engine_unavailable")
-                parsed, finish, _ = self._record(turn, result)  # durable before the client sees the end
-                lp = None
-                if req.logprobs and len(result.output_ids) > sent_tokens:
-                    lp = self._logprobs(result, sent_tokens, req.top_logprobs)
-                visible = (parsed.content or "") if parsed.tool_calls else result.text
-                delta: dict[str, Any] = {}
-                if len(visible) > sent_chars:
-                    delta["content"] = visible[sent_chars:]
-                if parsed.tool_calls:
-                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(parsed.tool_calls)]
-                yield chunk(delta, finish=finish, logprobs=lp, weight_version=result.weight_version)
-                if req.stream_options and req.stream_options.include_usage:
-                    yield _event({**head, "choices": [], "usage": _usage(result),
-                                  "weight_version": result.weight_version})
-                self.metrics.requests.labels("200", "true", turn.turn_type).inc()
-            except (GatewayError, TimeoutError, BadRequestError, EngineError) as e:
-                err = self._engine_failure(e)
-                self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
-                yield _event(err.body())
-            finally:
-                self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
-        yield "data: [DONE]\n\n"
 
 
 def _event(body: dict[str, Any]) -> str:
