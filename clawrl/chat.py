@@ -17,6 +17,7 @@ an instruction in the prompt, not a guarantee (SGLang constrains decoding there)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -195,17 +196,13 @@ class ChatAdapter:
                      {"role": "assistant", "content": " x  \n\n"}, {"role": "user", "content": "y 12345 日本語 \t"}]
             slow = list(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False))
-            encode = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
+            text = compiled.render(messages=probe, add_generation_prompt=True, **specials)
             segments: SegmentEncoder | None = None
-            try:
+            with contextlib.suppress(ValueError):  # added tokens that strip, or match normalized text
                 segments = SegmentEncoder(backend)
-                text = compiled.render(messages=probe, add_generation_prompt=True, **specials)
-                if segments.encode(text) == slow and segments.encode(text) == slow:  # cold, then cached
-                    encode = segments.encode
-                else:
-                    segments = None
-            except ValueError:
-                segments = None
+            if segments is not None and (segments.encode(text) != slow or segments.encode(text) != slow):
+                segments = None  # the pieces' ids differ, cold or from the cache: encode whole texts
+            encode = segments.encode if segments else lambda t: backend.encode(t, add_special_tokens=False).ids
 
             def fast(msgs: list[dict[str, Any]], **kw: Any) -> list[int]:
                 return encode(compiled.render(messages=msgs, add_generation_prompt=True, **specials, **kw))

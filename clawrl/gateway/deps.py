@@ -131,4 +131,3 @@ async def get_turn_context(
 ServiceDep = Annotated[ChatService, Depends(get_service)]
 TurnContextDep = Annotated[TurnContext, Depends(get_turn_context)]
 NamespaceDep = Annotated[str, Depends(get_namespace)]
-AdminDep = Annotated[None, Depends(require_admin)]

@@ -174,13 +174,12 @@ class ChatService:
         response is serialized once, with orjson) and the seconds spent in the engine call (the rest
         of a request's time in the gateway is its own work, and the wait for the session's previous
         main turn)."""
-        req = turn.req
         async with self._serving(turn):
             self._link_next_state(turn)
             result, engine_s = await self._generate(turn.gen)
             parsed, finish, index = self._record(turn, result)
         message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None}
-        logprobs = self._logprobs(result, 0, req.top_logprobs) if req.logprobs else None
+        logprobs = self._logprobs(result, 0, turn.req.top_logprobs) if turn.req.logprobs else None
         return {**self._head(turn, "chat.completion"),
                 "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
                 "usage": _usage(result), "turn_index": index, "weight_version": result.weight_version}, engine_s
@@ -259,8 +258,7 @@ class ChatService:
         the write-ahead log are Parquet: a client reads its own writes."""
         from clawrl.storage.catalog import open_catalog
 
-        if hasattr(self.store, "flush"):
-            self.store.flush()
+        self.store.flush()
         with open_catalog(self.settings.storage.data_root) as con:
             return query(con, *args)
 
@@ -291,11 +289,9 @@ class ChatService:
     async def _serving(self, turn: Turn):
         """A turn in flight (counted in the gauge). Main turns of one session take turns: the next
         state links to the previous turn. Side turns do not wait."""
+        lock = turn.state.lock if turn.turn_type == TurnType.MAIN.value else contextlib.nullcontext()
         with self.metrics.in_flight.track_inprogress():
-            if turn.turn_type != TurnType.MAIN.value:
-                yield
-                return
-            async with turn.state.lock:
+            async with lock:
                 yield
 
     def _link_next_state(self, turn: Turn) -> None:
@@ -467,9 +463,8 @@ async def _with_deadline(stream: AsyncIterator[GenerateResult], timeout_s: float
     deadline = asyncio.get_running_loop().time() + timeout_s
     it = aiter(stream)
     while True:
-        try:
-            async with asyncio.timeout_at(deadline):  # no extra task per item, unlike wait_for
-                item = await anext(it)
-        except StopAsyncIteration:
+        async with asyncio.timeout_at(deadline):  # no extra task per item, unlike wait_for
+            item = await anext(it, None)  # an engine stream never yields None
+        if item is None:
             return
         yield item
