@@ -12,7 +12,6 @@ is therefore always in the log. If the append fails (disk full, I/O error) the c
 had not come: its turn index stays free and a pending turn stays pending.
 """
 
-
 from __future__ import annotations
 
 import asyncio
