@@ -17,7 +17,9 @@ an instruction in the prompt, not a guarantee (SGLang constrains decoding there)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import re
 from collections import OrderedDict
@@ -194,17 +196,13 @@ class ChatAdapter:
                      {"role": "assistant", "content": " x  \n\n"}, {"role": "user", "content": "y 12345 日本語 \t"}]
             slow = list(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False))
-            encode = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
+            text = compiled.render(messages=probe, add_generation_prompt=True, **specials)
             segments: SegmentEncoder | None = None
-            try:
+            with contextlib.suppress(ValueError):  # added tokens that strip, or match normalized text
                 segments = SegmentEncoder(backend)
-                text = compiled.render(messages=probe, add_generation_prompt=True, **specials)
-                if segments.encode(text) == slow and segments.encode(text) == slow:  # cold, then cached
-                    encode = segments.encode
-                else:
-                    segments = None
-            except ValueError:
-                segments = None
+            if segments is not None and (segments.encode(text) != slow or segments.encode(text) != slow):
+                segments = None  # the pieces' ids differ, cold or from the cache: encode whole texts
+            encode = segments.encode if segments else lambda t: backend.encode(t, add_special_tokens=False).ids
 
             def fast(msgs: list[dict[str, Any]], **kw: Any) -> list[int]:
                 return encode(compiled.render(messages=msgs, add_generation_prompt=True, **specials, **kw))
@@ -242,11 +240,11 @@ class ChatAdapter:
             if self.native_tools:
                 return {"role": "assistant", "content": content,
                         "tool_calls": [tc.model_dump(exclude_none=True) for tc in m.tool_calls]}
-            rendered = [
-                f"{TOOL_CALL_OPEN}\n" + json.dumps({"name": tc.function.name, "arguments": _loads_or_str(tc.function.arguments)})
-                + f"\n{TOOL_CALL_CLOSE}"
-                for tc in m.tool_calls
-            ]
+            rendered = []
+            for tc in m.tool_calls:  # arguments: JSON text (FunctionCall checks it), or blank
+                args = tc.function.arguments
+                call = {"name": tc.function.name, "arguments": json.loads(args) if args.strip() else args}
+                rendered.append(f"{TOOL_CALL_OPEN}\n{json.dumps(call)}\n{TOOL_CALL_CLOSE}")
             content = "\n".join(([content] if content else []) + rendered)
         elif m.role == "tool" and not self.native_tools:
             content = f"<tool_response>\n{content}\n</tool_response>"
@@ -262,25 +260,19 @@ class ChatAdapter:
             return ParsedOutput(content=text)
         names = {t.function.name for t in tools}
         calls: list[dict[str, Any]] = []
-        kept_spans: list[tuple[int, int]] = []
-        for i, m in enumerate(_TOOL_CALL_RE.finditer(text)):
-            call = _parse_call(m.group(1), names)
+        numbers = itertools.count()  # every match is numbered, kept or not: the ids depend on it
+
+        def take(m: re.Match) -> str:  # a call of a declared tool leaves the content; anything else stays
+            i, call = next(numbers), _parse_call(m.group(1), names)
             if call is None:
-                continue
+                return m.group(0)
             name, args = call
             digest = hashlib.sha256(f"{i}:{name}:{args}:{text}".encode()).hexdigest()[:24]
-            calls.append({"id": f"call_{digest}", "type": "function",
-                          "function": {"name": name, "arguments": args}})
-            kept_spans.append(m.span())
-        if not calls:
-            return ParsedOutput(content=text)
-        content, last = [], 0
-        for a, b in kept_spans:
-            content.append(text[last:a])
-            last = b
-        content.append(text[last:])
-        rest = "".join(content).strip()
-        return ParsedOutput(content=rest or None, tool_calls=calls)
+            calls.append({"id": f"call_{digest}", "type": "function", "function": {"name": name, "arguments": args}})
+            return ""
+
+        rest = _TOOL_CALL_RE.sub(take, text).strip()
+        return ParsedOutput(content=rest or None, tool_calls=calls) if calls else ParsedOutput(content=text)
 
 
 def _parse_call(body: str, names: set[str]) -> tuple[str, str] | None:
@@ -292,13 +284,6 @@ def _parse_call(body: str, names: set[str]) -> tuple[str, str] | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return obj["name"], args if isinstance(args, str) else json.dumps(args)
-
-
-def _loads_or_str(s: str) -> Any:
-    try:
-        return json.loads(s)
-    except (json.JSONDecodeError, TypeError):
-        return s
 
 
 def _tools_block(tools: list[ToolDef], tool_choice: str | dict | None) -> str:

@@ -16,10 +16,10 @@ import logging
 from typing import Any
 
 import httpx
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
 from clawrl.config import ConfigError, parse_override, prefect_api_url
-from clawrl.gateway.deps import AdminDep, ServiceDep, SettingsDep
+from clawrl.gateway.deps import ServiceDep, require_admin
 from clawrl.gateway.schemas import ReplayRequest
 from clawrl.gateway.service import GatewayError
 from clawrl.ids import new_id
@@ -30,7 +30,7 @@ REPLAY_DEPLOYMENT = "replay/on-demand"  # flow name/deployment name (flows/serve
 PREFECT_TIMEOUT_S = 10.0
 PAUSED_RETRY_AFTER_S = 5
 
-router = APIRouter(prefix="/admin", include_in_schema=False)
+router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(require_admin)])
 
 
 def paused_error() -> GatewayError:
@@ -39,21 +39,21 @@ def paused_error() -> GatewayError:
 
 
 @router.post("/pause")
-async def pause(_: AdminDep, service: ServiceDep) -> dict[str, Any]:
+async def pause(service: ServiceDep) -> dict[str, Any]:
     service.paused = True
     log.warning("paused by an admin: new turns get 503 until POST /admin/resume")
     return {"paused": True}
 
 
 @router.post("/resume")
-async def resume(_: AdminDep, service: ServiceDep) -> dict[str, Any]:
+async def resume(service: ServiceDep) -> dict[str, Any]:
     service.paused = False
     log.warning("resumed by an admin")
     return {"paused": False}
 
 
 @router.post("/replay")
-async def replay(_: AdminDep, settings: SettingsDep, body: ReplayRequest | None = None) -> dict[str, Any]:
+async def replay(service: ServiceDep, body: ReplayRequest | None = None) -> dict[str, Any]:
     body = body or ReplayRequest()
     if body.version is not None and body.run_id is not None:
         raise GatewayError(400, "give version or run_id, not both", param="version")
@@ -64,7 +64,9 @@ async def replay(_: AdminDep, settings: SettingsDep, body: ReplayRequest | None 
             raise GatewayError(400, str(e), param="set") from None
     version = body.version or "latest"
     if body.run_id is not None:
-        found = await asyncio.to_thread(_version_for_run, settings.storage.data_root, body.run_id)
+        from clawrl.storage.queries import version_for_run
+
+        found = await asyncio.to_thread(service.read, version_for_run, body.run_id)
         if found is None:
             raise GatewayError(404, "no checkpoint was trained by that MLflow run", param="run_id")
         version = found
@@ -74,14 +76,6 @@ async def replay(_: AdminDep, settings: SettingsDep, body: ReplayRequest | None 
     log.info("replay of version %s submitted: flow run %s", version, run["id"])
     return {"flow_run_id": run["id"], "flow_run_name": run["name"], "deployment": REPLAY_DEPLOYMENT,
             "parameters": params}
-
-
-def _version_for_run(data_root, run_id: str) -> str | None:
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import version_for_run
-
-    with open_catalog(data_root) as con:
-        return version_for_run(con, run_id)
 
 
 async def submit_deployment_run(name: str, parameters: dict[str, Any]) -> dict[str, Any]:

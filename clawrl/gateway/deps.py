@@ -8,9 +8,9 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
-from fastapi.responses import JSONResponse
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
 
-from clawrl.config import Settings
 from clawrl.gateway.service import ChatService, GatewayError, TurnContext
 from clawrl.gateway.sessions import SESSION_ID_RE
 
@@ -65,47 +65,32 @@ def check_admin_key(presented: str | None, admin_keys: list[str], api_keys: list
     raise GatewayError(401, "invalid admin key", "authentication_error")
 
 
-def bearer_token(authorization: str | bytes | None) -> str | None:
-    if not authorization:
-        return None
-    if isinstance(authorization, bytes):
-        authorization = authorization.decode("latin-1")
-    scheme, _, value = authorization.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else None
+def bearer_token(authorization: str | None) -> str | None:
+    scheme, token = get_authorization_scheme_param(authorization)
+    return token if scheme.lower() == "bearer" else None
 
 
 class AdminGuard:
-    """ASGI wrapper: every route of ``app`` but ``open_paths`` needs an admin key (``check_admin_key``).
+    """ASGI wrapper: every route of ``app`` but ``/health`` (liveness, no data) needs an admin key
+    (``check_admin_key``).
 
     Plain ASGI (not BaseHTTPMiddleware) so SSE streams and client disconnects pass through untouched.
-    Under a mount, paths are compared without the mount prefix.
+    Under a mount, paths are compared without the mount prefix, and a refusal raised here is
+    answered by the outer app's GatewayError handler.
     """
 
-    def __init__(self, app, *, admin_keys: list[str], api_keys: list[str],
-                 open_paths: tuple[str, ...] = ("/health",)):
-        self.app, self.admin_keys, self.api_keys, self.open_paths = app, admin_keys, api_keys, open_paths
+    def __init__(self, app, *, admin_keys: list[str], api_keys: list[str]):
+        self.app, self.admin_keys, self.api_keys = app, admin_keys, api_keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):] or "/"
-        if scope["method"] == "OPTIONS" or path in self.open_paths:
-            return await self.app(scope, receive, send)
-        try:
-            check_admin_key(bearer_token(dict(scope["headers"]).get(b"authorization")), self.admin_keys, self.api_keys)
-        except GatewayError as e:
-            return await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
-        return await self.app(scope, receive, send)
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and path != "/health":
+            check_admin_key(bearer_token(Headers(scope=scope).get("authorization")), self.admin_keys, self.api_keys)
+        await self.app(scope, receive, send)
 
 
 async def get_service(request: Request) -> ChatService:
     return request.app.state.service
-
-
-async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
 
 
 async def get_namespace(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
@@ -144,7 +129,5 @@ async def get_turn_context(
 
 
 ServiceDep = Annotated[ChatService, Depends(get_service)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 TurnContextDep = Annotated[TurnContext, Depends(get_turn_context)]
 NamespaceDep = Annotated[str, Depends(get_namespace)]
-AdminDep = Annotated[None, Depends(require_admin)]

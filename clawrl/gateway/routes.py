@@ -20,8 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawrl.config import ConfigError, Settings, read_api_keys
 from clawrl.engine.types import Engine
 from clawrl.gateway import admin
-from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, SettingsDep, TurnContextDep
-from clawrl.gateway.metrics import GatewayMetrics
+from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, TurnContextDep
 from clawrl.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -31,8 +30,8 @@ from clawrl.gateway.schemas import (
     SessionLog,
     SessionTurn,
 )
-from clawrl.gateway.service import ChatService, GatewayError, GatewayOptions
-from clawrl.gateway.sessions import PendingTurn, SessionTracker, validate_session_id
+from clawrl.gateway.service import ChatService, GatewayError
+from clawrl.gateway.sessions import validate_session_id
 from clawrl.hooks import load_hook
 
 log = logging.getLogger("clawrl.gateway")
@@ -143,80 +142,54 @@ async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, ser
     if service.paused:
         metrics.requests.labels("503", "unknown", "unknown").inc()
         raise admin.paused_error()
-    turn_type = body.turn_type or ctx.turn_type or service.options.default_turn_type
-    if body.stream:
-        try:
-            headers, events = await service.stream(body, ctx)  # its outcome is counted as it ends
-        except GatewayError as e:
-            metrics.requests.labels(str(e.status), "true", turn_type).inc()
-            raise
-        metrics.in_flight.inc()
-        return StreamingResponse(_counted(events, metrics), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
-    metrics.in_flight.inc()
     try:
-        resp, engine_s = await service.complete(body, ctx)
+        turn = service.prepare(body, ctx)
+        headers = {"X-Session-Id": turn.session_id, "X-Turn-Type": turn.turn_type}
+        if body.stream:  # the service counts a stream's outcome as it ends
+            return StreamingResponse(service.stream(turn), media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        resp, engine_s = await service.complete(turn)
     except GatewayError as e:
-        metrics.requests.labels(str(e.status), "false", turn_type).inc()
+        turn_type = body.turn_type or ctx.turn_type or service.settings.server.default_turn_type
+        metrics.requests.labels(str(e.status), "true" if body.stream else "false", turn_type).inc()
         raise
-    finally:
-        metrics.in_flight.dec()
-    metrics.requests.labels("200", "false", resp["turn_type"]).inc()
+    metrics.requests.labels("200", "false", turn.turn_type).inc()
     payload = orjson.dumps(resp)
     total = time.perf_counter() - request.arrived
     metrics.latency.labels("false").observe(total)
     return Response(payload, media_type="application/json", headers={
-        "X-Session-Id": resp["session_id"], "X-Turn-Type": resp["turn_type"], "X-Turn-Index": str(resp["turn_index"]),
-        "X-Weight-Version": resp["weight_version"], "Server-Timing": server_timing(total, engine_s)})
-
-
-async def _counted(events, metrics: GatewayMetrics):
-    try:
-        async for e in events:
-            yield e
-    finally:
-        metrics.in_flight.dec()
+        **headers, "X-Turn-Index": str(resp["turn_index"]), "X-Weight-Version": resp["weight_version"],
+        "Server-Timing": server_timing(total, engine_s)})
 
 
 @v1.get("/models", responses={401: ERROR_RESPONSES[401]})
-async def list_models(_: NamespaceDep, service: ServiceDep, settings: SettingsDep) -> ModelList:
-    name = settings.server.served_model_name
-    with contextlib.suppress(Exception):  # the live version (a sync may have happened since the last turn)
-        service.weight_version = str((await service.engine.model_info()).get("weight_version"))
+async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:
+    name = service.settings.server.served_model_name
     return ModelList(data=[ModelCard(id=name, created=int(time.time()), root=name,
-                                     max_model_len=settings.engine.max_context_len,
-                                     weight_version=service.weight_version)])
+                                     max_model_len=service.settings.engine.max_context_len,
+                                     weight_version=await service.live_weight_version())])
 
 
 @v1.get("/sessions/{session_id}", responses={400: ERROR_RESPONSES[400], 401: ERROR_RESPONSES[401], 404: {
     "model": ErrorResponse, "description": "No session of that id under the caller's key."}})
-async def read_session(session_id: str, namespace: NamespaceDep, service: ServiceDep,
-                       settings: SettingsDep) -> SessionLog:
+async def read_session(session_id: str, namespace: NamespaceDep, service: ServiceDep) -> SessionLog:
     """The caller's own session as logged: its turns with index, type, text, weight version and
     whether the next state arrived. Another key's session answers exactly as a missing one."""
+    from clawrl.storage.queries import session_log
+
     try:
         validate_session_id(session_id)
     except ValueError as e:
         raise GatewayError(400, str(e), param="session_id") from None
-    rows = await asyncio.to_thread(_session_log, service.store, settings.storage.data_root, namespace, session_id)
+    rows = await asyncio.to_thread(service.read, session_log, namespace, session_id)
     if not rows:
         raise GatewayError(404, "no such session", "not_found_error", "session_id")
     return SessionLog(id=session_id, open=service.tracker.is_open(namespace, session_id), turns=[
         SessionTurn(**{**r, "created_at": r["created_at"].isoformat()}) for r in rows])
 
 
-def _session_log(store: Any, data_root, namespace: str, session_id: str) -> list[dict[str, Any]]:
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import session_log
-
-    if hasattr(store, "flush"):
-        store.flush()  # read your own writes: turns still in the write-ahead log become Parquet
-    with open_catalog(data_root) as con:
-        return session_log(con, namespace, session_id)
-
-
 @ops.get("/healthz")
-async def healthz(service: ServiceDep, settings: SettingsDep) -> JSONResponse:
+async def healthz(service: ServiceDep) -> JSONResponse:
     try:
         ok = await asyncio.wait_for(service.engine.health(), timeout=5.0)
     except Exception:
@@ -225,7 +198,7 @@ async def healthz(service: ServiceDep, settings: SettingsDep) -> JSONResponse:
         from clawrl.storage.writer import DataRootError, check_data_root
 
         try:
-            check_data_root(settings.storage.data_root)
+            check_data_root(service.settings.storage.data_root)
             service.storage_error = None
         except DataRootError as e:
             log.error("health: %s", e)
@@ -243,10 +216,6 @@ async def prometheus_metrics(service: ServiceDep) -> Response:
     return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-    return error_response(exc)
-
-
 # FastAPI validates a parsed body in Python mode, whose messages name Python's types: a JSON client
 # is told JSON's names instead (what pydantic says when it validates JSON text).
 _JSON_TYPE_MESSAGES = {"list_type": "Input should be a valid array", "dict_type": "Input should be an object",
@@ -255,7 +224,7 @@ _JSON_TYPE_MESSAGES = {"list_type": "Input should be a valid array", "dict_type"
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """A 400 naming the first field at fault (``param``) and how many more there are."""
-    request.app.state.metrics.requests.labels("400", "unknown", "unknown").inc()
+    request.app.state.service.metrics.requests.labels("400", "unknown", "unknown").inc()
     errs = exc.errors()
     first = errs[0] if errs else {}
     loc = ".".join(str(p) for p in first.get("loc", ())[1:])  # after "body" (or "header", "path"...)
@@ -268,13 +237,15 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return error_response(GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None))
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(GatewayError(exc.status_code, str(exc.detail), headers=exc.headers))
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error")
-    return error_response(GatewayError(500, f"internal error: {type(exc).__name__}", "server_error"))
+async def _error(request: Request, exc: Exception) -> JSONResponse:
+    """Every other error in the OpenAI shape: a GatewayError as raised, Starlette's HTTP errors
+    (404, 405, the body limit's 413) with their status, anything else a 500 (logged)."""
+    if isinstance(exc, StarletteHTTPException):
+        exc = GatewayError(exc.status_code, str(exc.detail), headers=exc.headers)
+    elif not isinstance(exc, GatewayError):
+        log.exception("unhandled error")
+        exc = GatewayError(500, f"internal error: {type(exc).__name__}", "server_error")
+    return error_response(exc)
 
 
 def build_engine(settings: Settings) -> tuple[Engine, Any]:
@@ -311,11 +282,10 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
                           "set keys, or server.open_mode = true to serve without authentication")
     app = FastAPI(title="clawrl gateway", lifespan=_lifespan, docs_url="/docs", redoc_url=None, exception_handlers={
-        GatewayError: _gateway_error, RequestValidationError: _validation_error,
-        StarletteHTTPException: _http_error, Exception: _unexpected})
+        GatewayError: _error, RequestValidationError: _validation_error, StarletteHTTPException: _error,
+        Exception: _error})
     state = app.state
     state.settings, state.api_keys, state.admin_keys = settings, api_keys, read_api_keys(settings.server.admin_keys_env)
-    state.metrics = GatewayMetrics()
     state.generate_hook = load_hook("generate", settings.hooks.generate)  # loaded once, at app creation
     if store is None:  # refuse a data root we cannot write before loading a model (DataRootError)
         from clawrl.storage.writer import check_data_root
@@ -351,21 +321,14 @@ async def _lifespan(app: FastAPI):
         store = DataStore(settings.storage.data_root)
     if hasattr(engine, "start"):
         await engine.start()
-    tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
-                             max_sessions=settings.server.max_sessions)
-    restored = _restore_sessions(tracker, settings, store)
-    options = GatewayOptions(
-        served_model_name=settings.server.served_model_name, default_turn_type=settings.server.default_turn_type,
-        default_temperature=settings.ppo.temperature, default_max_tokens=settings.ppo.max_new_tokens,
-        engine_timeout_s=settings.engine.request_timeout_s, generate_hook=state.generate_hook)
     tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
-    state.service = service = ChatService(engine, tokenizer, store, tracker, options, state.metrics)
-    with contextlib.suppress(Exception):
-        service.weight_version = str((await engine.model_info()).get("weight_version", "unknown"))
+    state.service = service = ChatService(engine, tokenizer, store, settings, state.generate_hook)
+    restored = service.restore_sessions()
+    await service.live_weight_version()
     _warn_open_access(settings, state.api_keys, state.admin_keys)
     if restored:
         log.info("restored %d open sessions from the session log", restored)
-    sweeper = asyncio.create_task(_sweep_forever(service, settings.server.session_idle_timeout_s))
+    sweeper = asyncio.create_task(service.sweep_forever())
     try:
         yield
     finally:
@@ -388,36 +351,3 @@ def _warn_open_access(settings: Settings, api_keys: list[str], admin_keys: list[
     elif not admin_keys:
         log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
                     settings.server.admin_keys_env)
-
-
-async def _sweep_forever(service: ChatService, idle_timeout_s: float) -> None:
-    period = max(0.05, min(5.0, idle_timeout_s / 4))
-    while True:
-        await asyncio.sleep(period)
-        try:
-            await service.sweep_sessions()
-        except Exception:  # keep sweeping; a storage hiccup must not kill the loop
-            log.exception("session sweep failed")
-
-
-def _restore_sessions(tracker: SessionTracker, settings: Settings, store: Any) -> int:
-    """After a restart, continue the sessions in the log: a session waiting for the user's reply
-    comes back with its pending turn (so the reply becomes that turn's next state, and the idle
-    sweep closes it if none comes), and every recent session goes on counting turn indices where
-    it stopped, so a returning session never reuses one. Returns the sessions restored as open."""
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import session_states
-
-    if hasattr(store, "flush"):
-        store.flush()  # the WAL of a killed predecessor was recovered when the store opened
-    with open_catalog(settings.storage.data_root) as con:
-        rows = session_states(con, 10 * settings.server.max_sessions)  # as many as the tracker remembers
-    n = 0
-    for row in reversed(rows):  # oldest first: the tracker's order is its recency order
-        if row["pending_turn_id"] is None:
-            tracker.restore_index(row["namespace"], row["session_id"], row["next_index"])
-            continue
-        pending = PendingTurn(row["pending_turn_id"], row["pending_turn_index"], row["pending_message_count"])
-        tracker.restore(row["namespace"], row["session_id"], row["next_index"], pending, row["age_s"])
-        n += 1
-    return n

@@ -1,4 +1,5 @@
-"""OpenAI chat-completions request/response shapes, fields in the spec's order.
+"""OpenAI chat-completions request shape, fields in the spec's order; the response shapes are the
+openai SDK's own types, with clawrl's fields added.
 
 Our extensions are grouped at the end of the request and marked: ``session_id``, ``turn_type``,
 ``session_done`` (also accepted as headers ``X-Session-Id`` / ``X-Turn-Type`` / ``X-Session-Done``);
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import openai.types
+from openai.types import chat as openai_chat
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from clawrl.chat import ChatMessage, Lenient, ToolCall, ToolDef
+from clawrl.chat import ChatMessage, Lenient, ToolDef
 
 
 class StreamOptions(Lenient):
@@ -68,46 +71,14 @@ class ChatCompletionRequest(Lenient):
 # ------------------------------------------------------------------------------- responses
 
 
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
+class Choice(openai_chat.chat_completion.Choice):
+    finish_reason: str  # OpenAI's reasons, and "abort": the engine aborted the generation
 
 
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
+class ChatCompletion(openai_chat.ChatCompletion):
+    """OpenAI's chat.completion, as the openai SDK defines it, and clawrl's fields."""
 
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
-
-
-class ResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class Choice(BaseModel):
-    index: int = 0
-    message: ResponseMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[Choice]
-    usage: Usage
     # --- clawrl extensions ---
     session_id: str
     turn_type: str
@@ -115,10 +86,8 @@ class ChatCompletion(BaseModel):
     weight_version: str
 
 
-class ModelCard(BaseModel):
-    id: str
+class ModelCard(openai.types.Model):
     object: Literal["model"] = "model"
-    created: int
     owned_by: str = "clawrl"
     root: str | None = None
     max_model_len: int | None = None

@@ -9,7 +9,7 @@ kill -9 of this process) *before* the client receives the end of its response â€
 non-streamed completion, or the final chunk of a stream. A response the client has received in full
 is therefore always in the log. If the append fails (disk full, I/O error) the client gets a 507
 ``storage_error`` instead (an error event in a stream) and the session is left as if the request
-had not come: its turn index is given back and a pending turn stays pending.
+had not come: its turn index stays free and a pending turn stays pending.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from clawrl.chat import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
+from clawrl.config import Settings
 from clawrl.engine.types import (
     BadRequestError,
     Engine,
@@ -38,7 +39,7 @@ from clawrl.engine.types import (
 )
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
-from clawrl.gateway.sessions import SessionState, SessionTracker, derive_session_id, validate_session_id
+from clawrl.gateway.sessions import PendingTurn, SessionState, SessionTracker, derive_session_id, validate_session_id
 from clawrl.ids import new_id
 from clawrl.records import NextStateRecord, TurnRecord, TurnType, utcnow
 
@@ -64,29 +65,14 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
-# engine sampling_params names -> the request fields they come from
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed"}
-
-
 def _sampling_error(e: BadRequestError) -> GatewayError:
-    """The engine's sampling_params complaint, in the request's own field names, kept short (it
-    may quote a value the client sent, e.g. a large logit_bias)."""
+    """The engine's sampling_params complaint naming the request field, kept short (it may quote a
+    value the client sent, e.g. a large logit_bias). The engine's names are the request's own for
+    every field it can refuse: max_tokens and seed, whose names differ, are range-checked by the
+    request schema before the engine sees them."""
     msg = str(e).removeprefix("sampling_params.")
     name = msg.split(" ", 1)[0].rstrip(":")
-    param = _OPENAI_NAMES.get(name, name) if name.isidentifier() else None
-    if param and name != param:
-        msg = param + msg[len(name):]
-    return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=param)
-
-
-@dataclass(frozen=True)
-class GatewayOptions:
-    served_model_name: str
-    default_turn_type: str
-    default_temperature: float
-    default_max_tokens: int
-    engine_timeout_s: float
-    generate_hook: Any = None  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
+    return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=name if name.isidentifier() else None)
 
 
 @dataclass(frozen=True)
@@ -100,29 +86,30 @@ class TurnContext:
 
 
 @dataclass
-class _Turn:
+class Turn:
+    """A request on its way: checked, rendered, its session opened."""
+
+    req: ChatCompletionRequest
     state: SessionState
     session_id: str
     turn_type: str
     done: bool
     messages: list[dict[str, Any]]
-    tools_json: str | None
-    prompt_ids: list[int]
     gen: GenerateRequest
     created_at: Any
     t0: float
 
 
 class ChatService:
-    def __init__(self, engine: Engine, tokenizer, store, tracker: SessionTracker, options: GatewayOptions,
-                 metrics: GatewayMetrics):
+    def __init__(self, engine: Engine, tokenizer, store, settings: Settings, generate_hook: Any = None):
         self.engine = engine
-        self.tokenizer = tokenizer
         self.adapter = ChatAdapter(tokenizer)
         self.store = store
-        self.tracker = tracker
-        self.options = options
-        self.metrics = metrics
+        self.tracker = tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
+                                                max_sessions=settings.server.max_sessions)
+        self.settings = settings
+        self.metrics = metrics = GatewayMetrics()
+        self.generate_hook = generate_hook  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
         self.weight_version = "unknown"
         self.storage_error: str | None = None  # the last append's OSError, None once one succeeds
         self._unwritten_next_states: list[NextStateRecord] = []
@@ -134,41 +121,9 @@ class ChatService:
         metrics.open_sessions.set_function(lambda: len(tracker))
 
     # --------------------------------------------------------------------------- public API
-    async def complete(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, Any], float]:
-        """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
-        response is serialized once, with orjson) and the seconds spent in the engine call (the rest
-        of a request's time in the gateway is its own work, and the wait for the session's previous
-        main turn)."""
-        turn = self._prepare(req, ctx)
-        async with _session_lock(turn):
-            self._link_next_state(turn)
-            result, engine_s = await self._generate(turn.gen)
-            parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
-            finish = _finish_reason(result, parsed)
-            index = self._record(turn, result, parsed, finish)
-        return {
-            "id": f"chatcmpl-{turn.gen.rid}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.options.served_model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None},
-                "logprobs": self._logprobs(result, 0, len(result.output_ids), req) if req.logprobs else None,
-                "finish_reason": finish,
-            }],
-            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                      "total_tokens": result.prompt_tokens + result.completion_tokens},
-            "session_id": turn.session_id, "turn_type": turn.turn_type, "turn_index": index,
-            "weight_version": result.weight_version,
-        }, engine_s
-
-    async def stream(self, req: ChatCompletionRequest, ctx: TurnContext) -> tuple[dict[str, str], AsyncIterator[str]]:
-        """Headers to send and an async iterator of SSE lines. Validation errors raise before any byte."""
-        turn = self._prepare(req, ctx)
-        headers = {"X-Session-Id": turn.session_id, "X-Turn-Type": turn.turn_type}
-        return headers, self._stream_events(req, turn)
-
-    # ---------------------------------------------------------------------------- internals
-    def _prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> _Turn:
+    def prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> Turn:
+        """The request checked, its prompt rendered and its session opened: a GatewayError from here
+        comes before any byte of the response."""
         if req.n != 1:
             raise GatewayError(400, "n > 1 is not supported: send n separate requests" if req.n > 1
                                else f"n must be 1, got {req.n}", param="n")
@@ -185,7 +140,7 @@ class ChatService:
         except ValueError as e:  # say where the bad id came from; it is never used to build a path
             where = "session_id" if req.session_id else "X-Session-Id header"
             raise GatewayError(400, f"{where}: {e}", param="session_id") from None
-        turn_type = req.turn_type or ctx.turn_type or self.options.default_turn_type
+        turn_type = req.turn_type or ctx.turn_type or self.settings.server.default_turn_type
         if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
             raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
         done = bool(req.session_done if req.session_done is not None else ctx.session_done)
@@ -197,18 +152,12 @@ class ChatService:
         if isinstance(limit, int) and len(prompt_ids) >= limit:  # refuse before any byte is streamed
             raise GatewayError(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is "
                                     f"{limit} tokens (prompt + completion)", param="messages")
-        sp: dict[str, Any] = {
-            "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.options.default_max_tokens,
-            "temperature": self.options.default_temperature if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
+        sp: dict[str, Any] = {  # from_dict leaves the engine's default where a value is None
+            "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.settings.ppo.max_new_tokens,
+            "temperature": self.settings.ppo.temperature if req.temperature is None else req.temperature,
+            "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed,
+            **{k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))},
         }
-        if req.stop:
-            sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
-        if req.seed is not None:
-            sp["sampling_seed"] = req.seed
-        for k in ("frequency_penalty", "presence_penalty", "logit_bias"):
-            if getattr(req, k):
-                sp[k] = getattr(req, k)
         try:
             sampling = SamplingParams.from_dict(sp)
         except BadRequestError as e:
@@ -217,11 +166,134 @@ class ChatService:
                               top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0)
         state, evicted = self.tracker.open(ctx.namespace, session_id)
         self._write_next_states(evicted)
-        tools_json = json.dumps([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools else None
-        return _Turn(state, session_id, turn_type, done, messages, tools_json, prompt_ids, gen, utcnow(),
-                     time.perf_counter())
+        return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())
 
-    def _link_next_state(self, turn: _Turn) -> None:
+    async def complete(self, turn: Turn) -> tuple[dict[str, Any], float]:
+        """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
+        response is serialized once, with orjson) and the seconds spent in the engine call (the rest
+        of a request's time in the gateway is its own work, and the wait for the session's previous
+        main turn)."""
+        async with self._serving(turn):
+            self._link_next_state(turn)
+            result, engine_s = await self._generate(turn.gen)
+            parsed, finish, index = self._record(turn, result)
+        message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None}
+        logprobs = self._logprobs(result, 0, turn.req.top_logprobs) if turn.req.logprobs else None
+        return {**self._head(turn, "chat.completion"),
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
+                "usage": _usage(result), "turn_index": index, "weight_version": result.weight_version}, engine_s
+
+    async def stream(self, turn: Turn) -> AsyncIterator[str]:
+        """The completion as SSE lines; an error after the first is an error event, then [DONE]."""
+        req, head = turn.req, self._head(turn, "chat.completion.chunk")
+
+        def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return _event({**head, "choices": [choice], **more})
+
+        holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
+        async with self._serving(turn):
+            try:
+                self._link_next_state(turn)
+                yield chunk({"role": "assistant", "content": ""})
+                sent_chars, sent_tokens, tool_mode = 0, 0, False
+                result: GenerateResult | None = None
+                stream = _with_deadline(self._engine_stream(turn.gen), self.settings.engine.request_timeout_s)
+                async for result in stream:
+                    if result.finished:
+                        break
+                    text = result.text
+                    tool_mode = tool_mode or bool(req.tools) and TOOL_CALL_OPEN in text  # then no content until the end
+                    safe = max(sent_chars, len(text) - holdback)
+                    while safe > sent_chars and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 char
+                        safe -= 1
+                    lp = None
+                    if req.logprobs and len(result.output_ids) > sent_tokens:
+                        lp = self._logprobs(result, sent_tokens, req.top_logprobs)
+                        sent_tokens = len(result.output_ids)
+                    if not tool_mode and safe > sent_chars:
+                        yield chunk({"content": text[sent_chars:safe]}, logprobs=lp)
+                        sent_chars = safe
+                    elif lp is not None:
+                        yield chunk({}, logprobs=lp)
+                if result is None or not result.finished:
+                    raise GatewayError(502, "engine stream ended without a final result", "engine_unavailable")
+                parsed, finish, _ = self._record(turn, result)  # durable before the client sees the end
+                lp = None
+                if req.logprobs and len(result.output_ids) > sent_tokens:
+                    lp = self._logprobs(result, sent_tokens, req.top_logprobs)
+                visible = (parsed.content or "") if parsed.tool_calls else result.text
+                delta: dict[str, Any] = {}
+                if len(visible) > sent_chars:
+                    delta["content"] = visible[sent_chars:]
+                if parsed.tool_calls:
+                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(parsed.tool_calls)]
+                yield chunk(delta, finish=finish, logprobs=lp, weight_version=result.weight_version)
+                if req.stream_options and req.stream_options.include_usage:
+                    yield _event({**head, "choices": [], "usage": _usage(result),
+                                  "weight_version": result.weight_version})
+                self.metrics.requests.labels("200", "true", turn.turn_type).inc()
+            except (GatewayError, TimeoutError, BadRequestError, EngineError) as e:
+                err = self._engine_failure(e)
+                self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
+                yield _event(err.body())
+            finally:
+                self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
+        yield "data: [DONE]\n\n"
+
+    async def sweep_forever(self) -> None:
+        """Close idle sessions (their pending turns get no next state), every quarter of the idle
+        timeout, at most 5 s apart."""
+        period = max(0.05, min(5.0, self.tracker.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._write_next_states(self.tracker.sweep())
+            except Exception:  # keep sweeping; a storage hiccup must not kill the loop
+                log.exception("session sweep failed")
+
+    def read(self, query: Callable[..., Any], *args: Any) -> Any:
+        """``query(con, *args)`` (clawrl.storage.queries) over the tables, once the records still in
+        the write-ahead log are Parquet: a client reads its own writes."""
+        from clawrl.storage.catalog import open_catalog
+
+        self.store.flush()
+        with open_catalog(self.settings.storage.data_root) as con:
+            return query(con, *args)
+
+    def restore_sessions(self) -> int:
+        """After a restart, continue the sessions in the log: a session waiting for the user's reply
+        comes back with its pending turn (so the reply becomes that turn's next state, and the idle
+        sweep closes it if none comes), and every recent session goes on counting turn indices where
+        it stopped, so a returning session never reuses one. Returns the sessions restored as open.
+        (The WAL of a killed predecessor was recovered when the store opened.)"""
+        from clawrl.storage.queries import session_states
+
+        rows = self.read(session_states, 10 * self.settings.server.max_sessions)  # as many as the tracker remembers
+        for row in reversed(rows):  # oldest first: the tracker's order is its recency order
+            pending = None if row["pending_turn_id"] is None else PendingTurn(
+                row["pending_turn_id"], row["pending_turn_index"], row["pending_message_count"])
+            self.tracker.restore(row["namespace"], row["session_id"], row["next_index"], pending, row["age_s"])
+        return len(self.tracker)
+
+    async def live_weight_version(self) -> str:
+        """The engine's weight version now (a sync may have happened since the last turn), else the
+        last one known."""
+        with contextlib.suppress(Exception):
+            self.weight_version = str((await self.engine.model_info()).get("weight_version", "unknown"))
+        return self.weight_version
+
+    # ---------------------------------------------------------------------------- internals
+    @contextlib.asynccontextmanager
+    async def _serving(self, turn: Turn):
+        """A turn in flight (counted in the gauge). Main turns of one session take turns: the next
+        state links to the previous turn. Side turns do not wait."""
+        lock = turn.state.lock if turn.turn_type == TurnType.MAIN.value else contextlib.nullcontext()
+        with self.metrics.in_flight.track_inprogress():
+            async with lock:
+                yield
+
+    def _link_next_state(self, turn: Turn) -> None:
         if turn.turn_type == TurnType.MAIN.value:
             pending = turn.state.pending
             rec = self.tracker.link_next_state(turn.state, turn.messages)
@@ -237,47 +309,60 @@ class ChatService:
         """The engine's result and the seconds the call took."""
         t0 = time.perf_counter()
         try:
-            async with asyncio.timeout(self.options.engine_timeout_s):  # no extra task, unlike wait_for
-                result = await self._engine_call(gen)
-        except (asyncio.TimeoutError, EngineTimeoutError):
-            raise GatewayError(504, f"engine did not answer within {self.options.engine_timeout_s:g} s",
-                               "engine_timeout") from None
-        except (BadRequestError, EngineError) as e:
-            raise _engine_error(e) from None
+            async with asyncio.timeout(self.settings.engine.request_timeout_s):  # no extra task, unlike wait_for
+                hook = self.generate_hook
+                result = await (hook(engine=self.engine, request=gen) if hook else self.engine.generate(gen))
+        except (TimeoutError, BadRequestError, EngineError) as e:
+            raise self._engine_failure(e) from None
         elapsed = time.perf_counter() - t0
         self.metrics.engine_latency.observe(elapsed)
-        self.weight_version = result.weight_version
         return result, elapsed
 
-    def _engine_call(self, gen: GenerateRequest):
-        hook = self.options.generate_hook
-        return hook(engine=self.engine, request=gen) if hook else self.engine.generate(gen)
-
     def _engine_stream(self, gen: GenerateRequest) -> AsyncIterator[GenerateResult]:
-        if self.options.generate_hook is None:
+        if self.generate_hook is None:
             return self.engine.generate_stream(gen)
 
         async def one_chunk():  # a generate hook returns the whole result: it streams as one chunk
-            yield await self._engine_call(gen)
+            yield await self.generate_hook(engine=self.engine, request=gen)
 
         return one_chunk()
 
-    def _record(self, turn: _Turn, result: GenerateResult, parsed: ParsedOutput, finish: str) -> int:
-        """Append the turn (the acknowledgement point) and update the session. Returns its index."""
-        state = turn.state
-        index = self.tracker.allocate_index(state)
+    def _engine_failure(self, e: Exception) -> GatewayError:
+        """The answer to a failed engine call: 504 when it ran out of time, 400 for a request the
+        engine refused, 502 when it is unreachable or broke (a GatewayError stays as it is)."""
+        if isinstance(e, GatewayError):
+            return e
+        if isinstance(e, (TimeoutError, EngineTimeoutError)):
+            return GatewayError(504, f"engine did not answer within {self.settings.engine.request_timeout_s:g} s",
+                                "engine_timeout")
+        if isinstance(e, BadRequestError):
+            return GatewayError(400, str(e))
+        return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
+
+    def _record(self, turn: Turn, result: GenerateResult) -> tuple[ParsedOutput, str, int]:
+        """Append the turn (the acknowledgement point) and update the session. Returns the parsed
+        output, the finish reason and the turn's index."""
+        self.weight_version = result.weight_version
+        if len(result.output_logprobs or []) != len(result.output_ids):
+            # Never record a turn whose log-probs do not align with its tokens (the reference pads).
+            raise GatewayError(502, "engine returned log-probs that do not align with its output ids",
+                               "engine_protocol_error")
+        req, state = turn.req, turn.state
+        parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
+        finish = "tool_calls" if parsed.tool_calls else (result.finish_reason or {}).get("type", "stop")
+        index = state.next_index  # taken by finish_turn once the turn is in the log (nothing awaits between)
         rec = TurnRecord(
             turn_id=new_id(),
             session_id=turn.session_id,
             turn_index=index,
             turn_type=turn.turn_type,
             namespace=state.namespace,
-            model=self.options.served_model_name,
+            model=self.settings.server.served_model_name,
             weight_version=result.weight_version,
             request_messages=_json(turn.messages),
-            request_tools=turn.tools_json,
+            request_tools=json.dumps([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools else None,
             request_params=_json(turn.gen.sampling_params.to_dict()),
-            prompt_ids=list(turn.prompt_ids),
+            prompt_ids=list(turn.gen.input_ids),
             output_ids=list(result.output_ids),
             rollout_logprobs=list(result.output_logprobs or []),
             text=result.text,
@@ -288,22 +373,14 @@ class ChatService:
             latency_ms=(time.perf_counter() - turn.t0) * 1000.0,
             weight_versions=_json(result.weight_versions or []),
         )
-        if len(rec.rollout_logprobs) != len(rec.output_ids):
-            # Never record a turn whose log-probs do not align with its tokens (the reference pads).
-            raise GatewayError(502, "engine returned log-probs that do not align with its output ids",
-                               "engine_protocol_error")
-        try:
-            self._append(rec, "the turn")
-        except GatewayError:
-            self.tracker.release_index(state, index)  # nothing was recorded under it
-            raise
+        self._append(rec, "the turn")
         self.metrics.turns_recorded.labels(turn.turn_type).inc()
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         self.metrics.completion_tokens.inc(result.completion_tokens)
         closing = self.tracker.finish_turn(state, rec.turn_id, index, len(turn.messages),
                                            main=turn.turn_type == TurnType.MAIN.value, done=turn.done)
         self._write_next_states(closing)
-        return index
+        return parsed, finish, index
 
     def _append(self, record: Any, what: str) -> None:
         """Append one record; a store that cannot write (disk full, I/O error, file size limit)
@@ -327,110 +404,47 @@ class ChatService:
         if not batch:
             return
         try:
-            self.store.append(batch)
-        except OSError as e:
-            self.storage_error = f"{type(e).__name__}: {e.strerror or e}"
+            self._append(batch, f"{len(batch)} next-state records (kept for retry)")
+        except GatewayError:
             dropped = max(0, len(batch) - MAX_UNWRITTEN_NEXT_STATES)
             self._unwritten_next_states = batch[dropped:]
-            log.error("could not record %d next-state records (%s); kept for retry%s", len(batch),
-                      self.storage_error, f", {dropped} oldest dropped" if dropped else "")
+            if dropped:
+                log.error("dropped the %d oldest unwritten next-state records", dropped)
             return
         self._unwritten_next_states = []
-        self.storage_error = None
         for r in batch:
             self.metrics.next_states.labels(r.reason).inc()
 
-    def _logprobs(self, result: GenerateResult, start: int, end: int, req: ChatCompletionRequest) -> dict[str, Any]:
-        """schemas.ChoiceLogprobs as a dict: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-        ids = result.output_ids
-        if result.finish_reason and result.finish_reason.get("type") == "stop" and isinstance(
-            result.finish_reason.get("matched"), int
-        ) and end == len(ids):
+    def _logprobs(self, result: GenerateResult, start: int, n_top: int | None) -> dict[str, Any]:
+        """OpenAI's choice logprobs of the output tokens from ``start`` on, as a dict:
+        {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        ids, lps, tops = result.output_ids, result.output_logprobs or [], result.output_top_logprobs
+        end = len(ids)
+        if (result.finish_reason or {}).get("type") == "stop" and isinstance(result.finish_reason.get("matched"), int):
             end -= 1  # the EOS/stop token is recorded for training but not shown, as OpenAI does
-        lps = result.output_logprobs or []
-        tops = result.output_top_logprobs
-        n_top = req.top_logprobs or 0
         out = []
         for i in range(start, max(start, end)):
             tok = self._decode(ids[i])
             top = [{"token": (t_tok := self._decode(t)), "logprob": lp, "bytes": list(t_tok.encode())}
-                   for lp, t in (tops[i] if tops and i < len(tops) else [])][:n_top]
+                   for lp, t in (tops[i] if tops and i < len(tops) else [])][:n_top or 0]
             out.append({"token": tok, "logprob": lps[i], "bytes": list(tok.encode()), "top_logprobs": top})
         return {"content": out}
 
-    async def _stream_events(self, req: ChatCompletionRequest, turn: _Turn) -> AsyncIterator[str]:
-        created, cid, model = int(time.time()), f"chatcmpl-{turn.gen.rid}", self.options.served_model_name
-        extras = {"session_id": turn.session_id, "turn_type": turn.turn_type}
+    def _head(self, turn: Turn, object_: str) -> dict[str, Any]:
+        """The fields a turn's chat.completion, and each of its chat.completion.chunks, start with."""
+        return {"id": f"chatcmpl-{turn.gen.rid}", "object": object_, "created": int(time.time()),
+                "model": self.settings.server.served_model_name, "session_id": turn.session_id,
+                "turn_type": turn.turn_type}
 
-        def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> str:
-            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                    **extras, **more}
-            return f"data: {orjson.dumps(body).decode()}\n\n"
 
-        holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
-        async with _session_lock(turn):
-            try:
-                self._link_next_state(turn)
-                yield chunk({"role": "assistant", "content": ""})
-                sent_chars, sent_tokens, tool_mode = 0, 0, False
-                result: GenerateResult | None = None
-                stream = self._engine_stream(turn.gen)
-                deadline = time.monotonic() + self.options.engine_timeout_s
-                async for result in _with_deadline(stream, deadline, self.options.engine_timeout_s):
-                    if result.finished:
-                        break
-                    text = result.text
-                    if req.tools and TOOL_CALL_OPEN in text:
-                        tool_mode = True
-                    safe = len(text) if tool_mode else max(sent_chars, len(text) - holdback)
-                    while safe > sent_chars and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 char
-                        safe -= 1
-                    lp = None
-                    if req.logprobs and len(result.output_ids) > sent_tokens:
-                        lp = self._logprobs(result, sent_tokens, len(result.output_ids), req)
-                        sent_tokens = len(result.output_ids)
-                    if not tool_mode and safe > sent_chars:
-                        yield chunk({"content": text[sent_chars:safe]}, logprobs=lp)
-                        sent_chars = safe
-                    elif lp is not None:
-                        yield chunk({}, logprobs=lp)
-                if result is None or not result.finished:
-                    raise GatewayError(502, "engine stream ended without a final result", "engine_unavailable")
-                self.weight_version = result.weight_version
-                parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
-                finish = _finish_reason(result, parsed)
-                self._record(turn, result, parsed, finish)  # durable before the client sees the end
-                lp = None
-                if req.logprobs and len(result.output_ids) > sent_tokens:
-                    lp = self._logprobs(result, sent_tokens, len(result.output_ids), req)
-                visible = (parsed.content or "") if parsed.tool_calls else result.text
-                delta: dict[str, Any] = {}
-                if len(visible) > sent_chars:
-                    delta["content"] = visible[sent_chars:]
-                if parsed.tool_calls:
-                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(parsed.tool_calls)]
-                yield chunk(delta, finish=finish, logprobs=lp, weight_version=result.weight_version)
-                if req.stream_options and req.stream_options.include_usage:
-                    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                             "total_tokens": result.prompt_tokens + result.completion_tokens}
-                    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage, **extras, "weight_version": result.weight_version}
-                    yield f"data: {json.dumps(body)}\n\n"
-                self.metrics.requests.labels("200", "true", turn.turn_type).inc()
-            except (GatewayError, BadRequestError, EngineError) as e:
-                err = e if isinstance(e, GatewayError) else _engine_error(e)
-                self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
-                error = {"message": err.message, "type": err.type, "code": err.status}
-                yield f"data: {json.dumps({'error': error})}\n\n"
-            finally:
-                self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
-        yield "data: [DONE]\n\n"
+def _event(body: dict[str, Any]) -> str:
+    """One server-sent event carrying ``body`` as JSON."""
+    return f"data: {orjson.dumps(body).decode()}\n\n"
 
-    async def sweep_sessions(self) -> int:
-        records = self.tracker.sweep()
-        self._write_next_states(records)
-        return len(records)
+
+def _usage(result: GenerateResult) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
 def _json(value: Any) -> str:
@@ -442,32 +456,14 @@ def _json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _engine_error(e: BadRequestError | EngineError) -> GatewayError:
-    if isinstance(e, BadRequestError):
-        return GatewayError(400, str(e))
-    return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
-
-
-def _finish_reason(result: GenerateResult, parsed: ParsedOutput) -> str:
-    if parsed.tool_calls:
-        return "tool_calls"
-    kind = (result.finish_reason or {}).get("type", "stop")
-    return {"stop": "stop", "length": "length"}.get(kind, kind)
-
-
-async def _with_deadline(stream: AsyncIterator[GenerateResult], deadline: float, timeout_s: float):
-    it = stream.__aiter__()
+async def _with_deadline(stream: AsyncIterator[GenerateResult], timeout_s: float) -> AsyncIterator[GenerateResult]:
+    """The stream's items until ``timeout_s`` from now, then TimeoutError. The deadline covers only
+    the waits for the engine: a context around the caller's loop would also cancel its yields."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    it = aiter(stream)
     while True:
-        remaining = deadline - time.monotonic()
-        try:
-            item = await asyncio.wait_for(it.__anext__(), max(remaining, 0.001))
-        except StopAsyncIteration:
+        async with asyncio.timeout_at(deadline):  # no extra task per item, unlike wait_for
+            item = await anext(it, None)  # an engine stream never yields None
+        if item is None:
             return
-        except (asyncio.TimeoutError, EngineTimeoutError):
-            raise GatewayError(504, f"engine did not answer within {timeout_s:g} s", "engine_timeout") from None
         yield item
-
-
-def _session_lock(turn: _Turn) -> contextlib.AbstractAsyncContextManager:
-    """Main turns of one session take turns (the next state links to the previous turn); side turns do not wait."""
-    return turn.state.lock if turn.turn_type == TurnType.MAIN.value else contextlib.nullcontext()

@@ -63,6 +63,11 @@ class PendingTurn:
     turn_index: int
     message_count: int  # messages in the request that produced the turn
 
+    def next_state(self, session_id: str, reason: str, added: list[dict[str, Any]] | None = None) -> NextStateRecord:
+        """The record that closes this turn: the messages ``added`` after it, or none (none will come)."""
+        return NextStateRecord(self.turn_id, session_id, self.turn_index, has_next_state=bool(added),
+                               messages=json.dumps(added) if added else None, reason=reason)
+
 
 @dataclass
 class SessionState:
@@ -109,16 +114,6 @@ class SessionTracker:
     def is_open(self, namespace: str, session_id: str) -> bool:
         return (namespace, session_id) in self._sessions
 
-    def allocate_index(self, state: SessionState) -> int:
-        idx = state.next_index
-        state.next_index += 1
-        return idx
-
-    def release_index(self, state: SessionState, index: int) -> None:
-        """Give back the index just allocated for a turn that could not be recorded."""
-        if state.next_index == index + 1:
-            state.next_index = index
-
     def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
         """Called when a new main request arrives: close the pending turn with what was added."""
         pending = state.pending
@@ -132,15 +127,14 @@ class SessionTracker:
             # History was rewritten or truncated: take what follows the last assistant message.
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
             added, reason = messages[last + 1 :], "next_request_realigned"
-        if not added:
-            return NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
-                                   has_next_state=False, messages=None, reason="no_new_messages")
-        return NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
-                               has_next_state=True, messages=json.dumps(added), reason=reason)
+        return pending.next_state(state.session_id, reason if added else "no_new_messages", added)
 
     def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, message_count: int,
                     *, main: bool, done: bool) -> list[NextStateRecord]:
-        """Record a completed turn; returns the records to write if this closes the session."""
+        """Record a turn appended to the log under ``turn_index``, the session's next index, which
+        it takes only now (a turn that could not be recorded leaves it free); returns the records
+        to write if this closes the session."""
+        state.next_index = turn_index + 1
         state.last_active = self.clock()
         if main:
             state.pending = PendingTurn(turn_id, turn_index, message_count)
@@ -159,14 +153,13 @@ class SessionTracker:
 
     def restore(self, namespace: str, session_id: str, next_index: int, pending: PendingTurn | None,
                 age_s: float = 0.0) -> None:
-        """Rebuild a session from storage after a restart."""
-        state = SessionState(namespace, session_id, next_index=next_index, pending=pending,
-                             last_active=self.clock() - age_s)
-        self._sessions[(namespace, session_id)] = state
-
-    def restore_index(self, namespace: str, session_id: str, next_index: int) -> None:
-        """Remember, after a restart, where a session not held open stopped counting turns."""
-        self._remember_index((namespace, session_id), next_index)
+        """Rebuild a session from storage after a restart: open again if a turn of it waits for its
+        next state (idle for ``age_s``), else only remembered where it stopped counting turns."""
+        if pending is None:
+            self._remember_index((namespace, session_id), next_index)
+            return
+        self._sessions[(namespace, session_id)] = SessionState(namespace, session_id, next_index=next_index,
+                                                               pending=pending, last_active=self.clock() - age_s)
 
     def _remember_index(self, key: tuple[str, str], next_index: int) -> None:
         self._closed_index[key] = next_index
@@ -179,7 +172,4 @@ class SessionTracker:
         self._sessions.pop(key, None)
         self._remember_index(key, state.next_index)
         pending, state.pending = state.pending, None
-        if pending is None:
-            return []
-        return [NextStateRecord(pending.turn_id, state.session_id, pending.turn_index,
-                                has_next_state=False, messages=None, reason=reason)]
+        return [] if pending is None else [pending.next_state(state.session_id, reason)]

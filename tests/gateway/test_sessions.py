@@ -22,8 +22,7 @@ def test_next_state_is_messages_added_after_the_assistant_turn():
     s, _ = tr.open("ns", "s1")
     first = msgs(("system", "be brief"), ("user", "hi"))
     assert tr.link_next_state(s, first) is None  # nothing pending yet
-    idx = tr.allocate_index(s)
-    tr.finish_turn(s, "t0", idx, len(first), main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, len(first), main=True, done=False)
     second = first + msgs(("assistant", "hello"), ("user", "no, shorter please"))
     rec = tr.link_next_state(s, second)
     assert rec.turn_id == "t0" and rec.turn_index == 0 and rec.has_next_state
@@ -36,7 +35,7 @@ def test_parallel_tool_results_all_belong_to_the_next_state():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
     first = msgs(("user", "weather in Paris and Rome?"))
-    tr.finish_turn(s, "t0", tr.allocate_index(s), 1, main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, 1, main=True, done=False)
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}, {"id": "b"}]}
     results = [{"role": "tool", "tool_call_id": "a", "content": "12C"},
                {"role": "tool", "tool_call_id": "b", "content": "18C"}]
@@ -47,28 +46,28 @@ def test_parallel_tool_results_all_belong_to_the_next_state():
 def test_side_turns_never_become_pending_and_indices_count_all_turns():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
-    tr.finish_turn(s, "side0", tr.allocate_index(s), 1, main=False, done=False)
+    tr.finish_turn(s, "side0", s.next_index, 1, main=False, done=False)
     assert s.pending is None
-    i = tr.allocate_index(s)
+    i = s.next_index
     tr.finish_turn(s, "main1", i, 1, main=True, done=False)
-    assert i == 1 and s.pending.turn_id == "main1"
+    assert i == 1 and s.pending.turn_id == "main1" and s.next_index == 2
 
 
 def test_session_done_closes_with_no_next_state():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
-    out = tr.finish_turn(s, "t0", tr.allocate_index(s), 1, main=True, done=True)
+    out = tr.finish_turn(s, "t0", s.next_index, 1, main=True, done=True)
     assert len(out) == 1 and out[0].has_next_state is False and out[0].reason == "session_done"
     assert len(tr) == 0
     s2, _ = tr.open("ns", "s1")  # a returning session continues its indices
-    assert tr.allocate_index(s2) == 1
+    assert s2.next_index == 1
 
 
 def test_idle_timeout_sweeps_pending_turns():
     clock = Clock()
     tr = SessionTracker(idle_timeout_s=10, max_sessions=10, clock=clock)
     s, _ = tr.open("ns", "s1")
-    tr.finish_turn(s, "t0", tr.allocate_index(s), 1, main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, 1, main=True, done=False)
     clock.t = 9.9
     assert tr.sweep() == []
     clock.t = 10.0
@@ -81,7 +80,7 @@ def test_memory_is_bounded_and_eviction_records_no_next_state():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=2)
     for i in range(2):
         s, ev = tr.open("ns", f"s{i}")
-        tr.finish_turn(s, f"t{i}", tr.allocate_index(s), 1, main=True, done=False)
+        tr.finish_turn(s, f"t{i}", s.next_index, 1, main=True, done=False)
         assert ev == []
     _, evicted = tr.open("ns", "s2")
     assert len(tr) == 2
@@ -91,7 +90,7 @@ def test_memory_is_bounded_and_eviction_records_no_next_state():
 def test_namespaces_isolate_sessions():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     a, _ = tr.open("key-a", "shared-id")
-    tr.finish_turn(a, "ta", tr.allocate_index(a), 1, main=True, done=False)
+    tr.finish_turn(a, "ta", a.next_index, 1, main=True, done=False)
     b, _ = tr.open("key-b", "shared-id")
     assert b is not a and b.pending is None
     assert tr.link_next_state(b, msgs(("user", "x"), ("assistant", "y"), ("user", "z"))) is None
@@ -101,7 +100,7 @@ def test_namespaces_isolate_sessions():
 def test_realigns_when_history_was_truncated():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
-    tr.finish_turn(s, "t0", tr.allocate_index(s), 5, main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, 5, main=True, done=False)
     rec = tr.link_next_state(s, msgs(("assistant", "old"), ("user", "and then?")))
     assert rec.reason == "next_request_realigned"
     assert json.loads(rec.messages) == [{"role": "user", "content": "and then?"}]
