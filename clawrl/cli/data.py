@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
+from clawrl.config import Settings
 
 
 @app.command("sql")
@@ -58,22 +59,26 @@ def sql(
 @app.command("status")
 def status(config: ConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
-    s = settings_or_exit(config)
+    show_status(settings_or_exit(config))
+
+
+def show_status(s: Settings) -> None:
+    """What `clawrl status` prints for the data root of ``s``: the table and the line on weight sync."""
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import pending_counts, sync_state
+    from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
         counts = pending_counts(con, chash, s.ppo.rollout_batch_size)
-        versions = con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()
+        latest = find_checkpoint(con)
         syncs = sync_state(con)
-    print_status(counts, chash, versions[0] if versions else None)
+    print_status(counts, chash, latest)
     _print_sync_status(syncs)
 
 
-def print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
-    """The `clawrl status` table of ``pending_counts`` (and the latest checkpoint, when given)."""
+def print_status(c: dict, chash: str, latest: dict | None = None) -> None:
+    """The `clawrl status` table of ``pending_counts`` (and the latest ``checkpoints`` row, when given)."""
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -88,7 +93,7 @@ def print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
     if c["samples_needed"]:
         rows.append(("next training step needs", f"{c['samples_needed']} more samples"))
     if latest:
-        rows.append(("latest checkpoint", f"weight_version {latest[0]} (step {latest[1]})"))
+        rows.append(("latest checkpoint", f"weight_version {latest['weight_version']} (step {latest['step']})"))
     rows += [(f"  excluded: {fate}", n) for fate, n in sorted(c["fates"].items()) if fate != "sample"]
     for k, v in rows:
         t.add_row(k, str(v))

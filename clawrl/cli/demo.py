@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from clawrl.cli.common import app, console, settings_or_exit
-from clawrl.cli.data import print_status
+from clawrl.cli.data import show_status
 from clawrl.config import Settings, dump_toml
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "conf" / "demo.toml"
@@ -36,10 +36,8 @@ def demo(
     conf = config or DEMO_CONFIG
     base = settings_or_exit(conf)
     root = run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
-    overrides = {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir)}
-    if model:
-        overrides["model.name"] = model
-    s = settings_or_exit(conf, overrides)
+    s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
+                                "model.name": model})
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
@@ -81,10 +79,6 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
 
 def _report(s: Settings, out: dict, persona: str) -> None:
     """The held-out score per step, the learning curve's file, and the status of the run's data."""
-    from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import pending_counts
-
     rows = out["rows"]
     t = Table(title=f"held-out score per step (persona {persona})")
     for col in ("step", "score", "on-topic", "persona", "KL", "words"):
@@ -97,10 +91,7 @@ def _report(s: Settings, out: dict, persona: str) -> None:
                   f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
                   f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
-    chash = build_judge_config_hash(s)
-    with open_catalog(s.storage.data_root) as con:
-        print_status(pending_counts(con, chash, s.ppo.rollout_batch_size), chash,
-                     con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()[0])
+    show_status(s)
 
 
 WHERE_TO_LOOK = """

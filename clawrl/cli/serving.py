@@ -24,8 +24,7 @@ def serve(
     from clawrl.serving import freeze_startup_heap
     from clawrl.storage.writer import DataRootError
 
-    overrides = {k: v for k, v in {"server.host": host, "server.api_port": port}.items() if v is not None}
-    settings = settings_or_exit(config, overrides)
+    settings = settings_or_exit(config, {"server.host": host, "server.api_port": port})
     try:
         app = create_app(settings)
     except ConfigError as e:
@@ -58,9 +57,7 @@ def engine(
     from clawrl.models import ModelNotFoundError, resolve_model_dir
     from clawrl.serving import freeze_startup_heap
 
-    overrides = {k: v for k, v in {"model.name": model, "engine.port": port, "server.host": host}.items()
-                 if v is not None}
-    s = settings_or_exit(config, overrides)
+    s = settings_or_exit(config, {"model.name": model, "engine.port": port, "server.host": host})
     device, device_reason = resolve_device(s.model.device)
     try:
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, seed=s.model.seed)
