@@ -51,23 +51,17 @@ def demo(
 
 def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
     """Serve the policy engine behind the gateway on a thread and run the learning loop against it."""
-    from clawrl.config import resolve_device
-    from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.flows.common import attach_policy_engine, data_store, load_flow_settings
     from clawrl.flows.loop import learning_loop
-    from clawrl.gateway.routes import create_app
-    from clawrl.models import resolve_model_dir
+    from clawrl.gateway.routes import build_engine, create_app
     from clawrl.serving import serve_in_thread
 
     with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
-        model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
-    device, _ = resolve_device(s.model.device)
-    engine = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name)
+        engine, tokenizer = build_engine(s)  # the gateway's own: the newest checkpoint of a run continued
     attach_policy_engine(engine)  # the train flow syncs this engine in-process
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     store = data_store(load_flow_settings(str(run_conf)))
-    gw = serve_in_thread(create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store))
+    gw = serve_in_thread(create_app(s, engine=engine, tokenizer=tokenizer, store=store))
     console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {s.storage.data_root}", markup=False)
     try:
         return learning_loop(config_path=str(run_conf), gateway_url=gw.url, **loop_args)
