@@ -43,11 +43,8 @@ def experiment_id(c, data_root: Path, name: str = EXPERIMENT) -> str:
 
 
 def _ensure_registered_model(c, name: str, description: str) -> None:
-    try:
-        c.get_registered_model(name)
-    except Exception:
-        with contextlib.suppress(Exception):  # created concurrently
-            c.create_registered_model(name, description=description)
+    with contextlib.suppress(Exception):  # it exists already (made before, or just now by another process)
+        c.create_registered_model(name, description=description)
 
 
 def _metric(key: str, value: float, step: int):
@@ -102,17 +99,16 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
     return run_id
 
 
-def _register_checkpoint(c, *, step: dict[str, Any], run_id: str, tags: dict[str, str], sample_count: int):
+def _register_checkpoint(c, *, step: dict[str, Any], run_id: str, tags: dict[str, str], sample_count: int) -> None:
     """The checkpoint as a version of the registered model, tagged with its lineage (idempotent)."""
     _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
-    for mv in c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):
-        return mv
+    if c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):
+        return
     mv_tags = {"weight_version": step["weight_version"], "batch_id": step["batch_id"],
                "parent_version": step["parent_version"], "sample_count": str(sample_count),
                "checkpoint_sha256": step["sha256"], **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
     mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
     c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
-    return mv
 
 
 def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, serving_version: str | None,
@@ -132,14 +128,6 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
     c.log_batch(run_id, metrics=[_metric("sync_ok", ok, attempt), _metric("sync_seconds", seconds, attempt)], tags=tags)
     if ok and "sync_error" in c.get_run(run_id).data.tags:
         c.delete_tag(run_id, "sync_error")
-
-
-def model_version_for(data_root: Path, weight_version: str):
-    """The registered model version whose weight_version tag matches, or None."""
-    for mv in client(data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'"):
-        if mv.tags.get("weight_version") == str(weight_version):
-            return mv
-    return None
 
 
 def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any]) -> str:
