@@ -127,10 +127,8 @@ def up(
         check_data_root(s.storage.data_root)
     except DataRootError as e:
         fail(f"storage error: {e}")
-    conf = config.resolve() if config else None
-    if conf is None:  # the child processes read the same effective config from a file
-        conf = s.storage.data_root / "up-config.toml"
-        conf.write_text(dump_toml(s))
+    conf = s.storage.data_root / "up-config.toml"  # every child process reads this effective config
+    conf.write_text(dump_toml(s))
     try:
         run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
                judge_every_s=judge_every, train_every_s=train_every, echo=lambda m: console.print(m, markup=False))
