@@ -11,7 +11,6 @@ from rich.table import Table
 from rich.text import Text
 
 from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
-from clawrl.config import Settings
 
 
 @app.command("sql")
@@ -58,27 +57,18 @@ def sql(
 
 @app.command("status")
 def status(config: ConfigOpt = None) -> None:
-    """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
-    show_status(settings_or_exit(config))
-
-
-def show_status(s: Settings) -> None:
-    """What `clawrl status` prints for the data root of ``s``: the table and the line on weight sync."""
+    """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons, the
+    latest checkpoint and the last weight sync."""
+    s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
-        counts = pending_counts(con, chash, s.ppo.rollout_batch_size)
+        c = pending_counts(con, chash, s.ppo.rollout_batch_size)
         latest = find_checkpoint(con)
         syncs = sync_state(con)
-    print_status(counts, chash, latest)
-    _print_sync_status(syncs)
-
-
-def print_status(c: dict, chash: str, latest: dict | None = None) -> None:
-    """The `clawrl status` table of ``pending_counts`` (and the latest ``checkpoints`` row, when given)."""
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -98,6 +88,7 @@ def print_status(c: dict, chash: str, latest: dict | None = None) -> None:
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
+    _print_sync_status(syncs)
 
 
 def _print_sync_status(st: dict) -> None:

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from clawrl.cli.common import app, console, settings_or_exit
-from clawrl.cli.data import show_status
+from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "conf" / "demo.toml"
@@ -44,7 +44,8 @@ def demo(
     use_prefect_home(base.storage.data_root / "prefect")
     out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
                     heldout=heldout, eval_samples=eval_samples, group_size=group_size)
-    _report(s, out, persona)
+    _report(out, persona)
+    status(run_conf)
     console.print(WHERE_TO_LOOK.format(conf=run_conf, last=len(out["rows"]) - 1, root=root,
                                        prefect=base.storage.data_root / "prefect"), markup=False)
 
@@ -71,8 +72,8 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
         store.flush()
 
 
-def _report(s: Settings, out: dict, persona: str) -> None:
-    """The held-out score per step, the learning curve's file, and the status of the run's data."""
+def _report(out: dict, persona: str) -> None:
+    """The held-out score per step and the learning curve's file."""
     rows = out["rows"]
     t = Table(title=f"held-out score per step (persona {persona})")
     for col in ("step", "score", "on-topic", "persona", "KL", "words"):
@@ -85,7 +86,6 @@ def _report(s: Settings, out: dict, persona: str) -> None:
                   f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
                   f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
-    show_status(s)
 
 
 WHERE_TO_LOOK = """

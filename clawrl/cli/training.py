@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
-from clawrl.cli.data import print_status
+from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
 
@@ -22,7 +22,7 @@ def judge(
 
     out = judge_flow(config_path=str(config) if config else None, limit=limit)
     console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
-    print_status(out["status"], out["judge_config_hash"])
+    status(config)
 
 
 @app.command("train")
