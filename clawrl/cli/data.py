@@ -68,7 +68,7 @@ def status(config: ConfigOpt = None) -> None:
     with open_catalog(s.storage.data_root) as con:
         c = pending_counts(con, chash, s.ppo.rollout_batch_size)
         latest = find_checkpoint(con)
-        syncs = sync_state(con)
+        st = sync_state(con)
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -88,12 +88,8 @@ def status(config: ConfigOpt = None) -> None:
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
-    _print_sync_status(syncs)
-
-
-def _print_sync_status(st: dict) -> None:
-    """One line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>;
-    serving version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it."""
+    # one line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>; serving
+    # version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it
     last = st["last"]
     if last is None:
         console.print("last sync: none recorded", markup=False, highlight=False)

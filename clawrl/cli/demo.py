@@ -44,7 +44,18 @@ def demo(
     use_prefect_home(base.storage.data_root / "prefect")
     out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
                     heldout=heldout, eval_samples=eval_samples, group_size=group_size)
-    _report(out, persona)
+    rows = out["rows"]
+    t = Table(title=f"held-out score per step (persona {persona})")
+    for col in ("step", "score", "on-topic", "persona", "KL", "words"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["step"]), f"{r['score']:.3f}", f"{r['on_topic_rate']:.3f}", f"{r['persona_rate']:.3f}",
+                  f"{r['kl']:.4f}", f"{r['mean_words']:.1f}")
+    console.print(t)
+    console.print(f"base score {rows[0]['score']:.3f} -> {rows[-1]['score']:.3f} after {len(rows) - 1} steps "
+                  f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
+                  f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
+    console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
     status(run_conf)
     console.print(WHERE_TO_LOOK.format(conf=run_conf, last=len(out["rows"]) - 1, root=root,
                                        prefect=base.storage.data_root / "prefect"), markup=False)
@@ -70,22 +81,6 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
         gw.stop()
         attach_policy_engine(None)
         store.flush()
-
-
-def _report(out: dict, persona: str) -> None:
-    """The held-out score per step and the learning curve's file."""
-    rows = out["rows"]
-    t = Table(title=f"held-out score per step (persona {persona})")
-    for col in ("step", "score", "on-topic", "persona", "KL", "words"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(str(r["step"]), f"{r['score']:.3f}", f"{r['on_topic_rate']:.3f}", f"{r['persona_rate']:.3f}",
-                  f"{r['kl']:.4f}", f"{r['mean_words']:.1f}")
-    console.print(t)
-    console.print(f"base score {rows[0]['score']:.3f} -> {rows[-1]['score']:.3f} after {len(rows) - 1} steps "
-                  f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
-                  f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
-    console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
 
 
 WHERE_TO_LOOK = """
