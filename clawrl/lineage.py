@@ -43,11 +43,8 @@ def experiment_id(c, data_root: Path, name: str = EXPERIMENT) -> str:
 
 
 def _ensure_registered_model(c, name: str, description: str) -> None:
-    try:
-        c.get_registered_model(name)
-    except Exception:
-        with contextlib.suppress(Exception):  # created concurrently
-            c.create_registered_model(name, description=description)
+    with contextlib.suppress(Exception):  # it exists already (made before, or just now by another process)
+        c.create_registered_model(name, description=description)
 
 
 def _metric(key: str, value: float, step: int):
@@ -70,7 +67,8 @@ def _new_run(c, exp_id: str, name: str, *, tags: dict[str, str], metrics: list, 
 
 def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, Any],
                    manifest: list[dict[str, Any]], tags: dict[str, str]) -> str:
-    """Log one PPO step; returns the run id (the existing one when this batch was logged before).
+    """Log one PPO step: a run, and the checkpoint as a version of the registered model, both tagged
+    with their lineage. Returns the run id (the existing one when this batch was logged before).
 
     ``step``: the trainer's StepResult as a dict; ``manifest``: one row per sample (sample_id,
     session_id, turn_id, reward, has_teacher, weight_version); ``params``: hyper-parameters and
@@ -82,37 +80,29 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
 
     c = client(data_root)
     exp_id = experiment_id(c, data_root)
+    lineage = {"batch_id": step["batch_id"], "weight_version": step["weight_version"],
+               "parent_version": step["parent_version"], "checkpoint_sha256": step["sha256"],
+               "sample_count": str(len(manifest))}
     runs = c.search_runs([exp_id], filter_string=f"tags.batch_id = '{step['batch_id']}'", max_results=1)
     if runs:
         run_id = runs[0].info.run_id
     else:
-        run_id = _new_run(c, exp_id, f"step-{step['step']:04d}", tags={
-            "batch_id": step["batch_id"], "weight_version": step["weight_version"],
-            "parent_version": step["parent_version"], "checkpoint_sha256": step["sha256"],
-            "sample_count": str(len(manifest)), **tags},
-            metrics=[_metric(k, v, step["step"]) for k, v in step["metrics"].items()], params=params,
-            record={"batch_id": step["batch_id"], "samples": manifest}, record_file="batch_manifest.json")
+        run_id = _new_run(c, exp_id, f"step-{step['step']:04d}", tags={**lineage, **tags},
+                          metrics=[_metric(k, v, step["step"]) for k, v in step["metrics"].items()],
+                          params=params, record={"batch_id": step["batch_id"], "samples": manifest},
+                          record_file="batch_manifest.json")
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:16]
         ds = mlflow.data.from_pandas(pd.DataFrame(manifest), source=str(Path(data_root) / "tables" / "batches"),
                                      name=f"batch-{step['batch_id']}", digest=digest)
         c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                     tags=[InputTag("mlflow.data.context", "training")])])
         c.set_terminated(run_id)
-    _register_checkpoint(c, step=step, run_id=run_id, tags=tags, sample_count=len(manifest))
-    return run_id
-
-
-def _register_checkpoint(c, *, step: dict[str, Any], run_id: str, tags: dict[str, str], sample_count: int):
-    """The checkpoint as a version of the registered model, tagged with its lineage (idempotent)."""
     _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
-    for mv in c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):
-        return mv
-    mv_tags = {"weight_version": step["weight_version"], "batch_id": step["batch_id"],
-               "parent_version": step["parent_version"], "sample_count": str(sample_count),
-               "checkpoint_sha256": step["sha256"], **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
-    mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
-    c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
-    return mv
+    if not c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):  # once per run
+        mv_tags = {**lineage, **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
+        mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
+        c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
+    return run_id
 
 
 def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, serving_version: str | None,
@@ -132,14 +122,6 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
     c.log_batch(run_id, metrics=[_metric("sync_ok", ok, attempt), _metric("sync_seconds", seconds, attempt)], tags=tags)
     if ok and "sync_error" in c.get_run(run_id).data.tags:
         c.delete_tag(run_id, "sync_error")
-
-
-def model_version_for(data_root: Path, weight_version: str):
-    """The registered model version whose weight_version tag matches, or None."""
-    for mv in client(data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'"):
-        if mv.tags.get("weight_version") == str(weight_version):
-            return mv
-    return None
 
 
 def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any]) -> str:

@@ -63,19 +63,24 @@ class ReplayReport:
 
 def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] = (), reason: str = "",
            overrides: dict[str, Any] | None = None, progress=None) -> ReplayReport:
-    """Re-train versions 1..``weight_version`` (or the newest, "latest") of ``settings.storage.data_root``
-    into a new directory."""
+    """Re-train versions 1..``weight_version`` (the newest for "latest"; an MLflow run id: the version
+    that run trained) of ``settings.storage.data_root`` into a new directory."""
     import torch
 
     from clawrl.config import load_settings
     from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan
+    from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan, version_for_run
     from clawrl.train.trainer import trainer_from_settings
     from clawrl.trainer_service import batch_records
 
     data_root = Path(settings.storage.data_root)
     with open_catalog(data_root) as con:
-        weight_version = str(latest_version(con)) if weight_version == "latest" else str(weight_version)
+        if weight_version == "latest":
+            weight_version = str(latest_version(con))
+        elif len(weight_version) == 32 and not weight_version.isdigit():  # an MLflow run id
+            run_id, weight_version = weight_version, version_for_run(con, weight_version)
+            if weight_version is None:
+                raise ValueError(f"no checkpoint was trained by MLflow run {run_id!r}")
         plan = replay_plan(con, weight_version)
         batches = [batch_records(con, p["batch_id"]) for p in plan]
     overrides = dict(overrides or {})

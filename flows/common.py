@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from clawrl.engine.types import Engine
     from clawrl.judge.pipeline import Judge
     from clawrl.storage.writer import DataStore
+    from clawrl.sync import SyncReport
     from clawrl.train.trainer import Trainer
 
 T = TypeVar("T")
@@ -114,21 +115,20 @@ def close_all(timeout_s: float = 5.0) -> None:
 atexit.register(close_all)  # registered after runtime's loop shutdown, so it runs before it
 
 
-def record_sync(s: Settings, rep, *, weight_version: str, target: str, checkpoint_path: str | None,
-                run_id: str | None, started_at) -> None:
-    """One ``syncs`` row per attempt (what `clawrl status` shows), and the attempt on the MLflow run
-    of the step that made the version (``clawrl.lineage.log_sync``)."""
+def record_sync(s: Settings, rep: SyncReport, weight_version: str, run_id: str | None) -> None:
+    """The attempt ``rep`` to serve ``weight_version``: one ``syncs`` row (what `clawrl status` shows),
+    and a point on the MLflow run ``run_id`` of the step that made the version (``clawrl.lineage.log_sync``)."""
     import uuid
 
     from clawrl.lineage import log_sync
     from clawrl.records import SyncRecord
 
     store = data_store(s)
-    store.append(SyncRecord(sync_id=uuid.uuid4().hex[:16], weight_version=str(weight_version), target=target,
+    store.append(SyncRecord(sync_id=uuid.uuid4().hex[:16], weight_version=str(weight_version), target=rep.target,
                             ok=rep.success, skipped=rep.skipped, error=None if rep.success else rep.message,
-                            serving_version=rep.weight_version, checkpoint_path=checkpoint_path,
-                            mlflow_run_id=run_id, started_at=started_at, seconds=float(rep.seconds)))
+                            serving_version=rep.weight_version, checkpoint_path=rep.checkpoint_path,
+                            mlflow_run_id=run_id, started_at=rep.started_at, seconds=float(rep.seconds)))
     store.flush()
     if run_id:
         log_sync(s.storage.data_root, run_id, ok=rep.success, error=rep.message, serving_version=rep.weight_version,
-                 seconds=rep.seconds, target=target)
+                 seconds=rep.seconds, target=rep.target)

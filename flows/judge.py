@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.tasks import exponential_backoff
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.runtime import task_run
@@ -103,8 +104,7 @@ def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict
     turn_ids = find_turns(config_path, judge.config_hash, limit or s.prm.batch_limit)
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
-    delays = [s.prm.retry_delay_s * 2**i for i in range(s.prm.retries)]
-    one = judge_one.with_options(retries=s.prm.retries, retry_delay_seconds=delays or 0)
+    one = judge_one.with_options(retries=s.prm.retries, retry_delay_seconds=exponential_backoff(s.prm.retry_delay_s))
     fates: Counter[str] = Counter()
     for i in range(0, len(turn_ids), s.prm.max_in_flight):  # at most max_in_flight in flight
         batch = turn_ids[i : i + s.prm.max_in_flight]

@@ -100,8 +100,7 @@ def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str 
         url=engine_url or (s.engine.url if s.engine.kind == "http" else None),
         admin_key=read_admin_key(s.server.admin_keys_env), timeout_s=s.engine.request_timeout_s))
     if rep.target is not None:
-        record_sync(s, rep, weight_version=step["weight_version"], target=rep.target,
-                    checkpoint_path=rep.checkpoint_path, run_id=run_id, started_at=rep.started_at)
+        record_sync(s, rep, step["weight_version"], run_id)
         if not rep.success:
             get_run_logger().error("weight sync to version %s failed, still serving %s: %s",
                                    step["weight_version"], rep.weight_version, rep.message)

@@ -208,6 +208,13 @@ def latest_version(con: duckdb.DuckDBPyConnection) -> int:
     return 0 if value is None else int(value)
 
 
+def find_checkpoint(con: duckdb.DuckDBPyConnection, weight_version: str = "latest") -> dict[str, Any] | None:
+    """The ``checkpoints`` row of ``weight_version`` ("latest": the newest step's), or None."""
+    rows = _rows(con, "SELECT * EXCLUDE (date) FROM checkpoints WHERE $v IN ('latest', weight_version) "
+                 "ORDER BY step DESC LIMIT 1", v=str(weight_version))
+    return rows[0] if rows else None
+
+
 def version_for_run(con: duckdb.DuckDBPyConnection, mlflow_run_id: str) -> str | None:
     """The weight version the MLflow run ``mlflow_run_id`` trained, or None."""
     rows = con.execute("SELECT weight_version FROM checkpoints WHERE mlflow_run_id = $r ORDER BY created_at LIMIT 1",

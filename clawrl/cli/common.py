@@ -33,8 +33,9 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 def settings_or_exit(config: Path | None, overrides: dict | None = None) -> Settings:
+    """The settings of ``config`` and ``overrides`` (dotted keys; a None value: an option not given)."""
     try:
-        return load_settings(config, overrides=overrides)
+        return load_settings(config, overrides={k: v for k, v in (overrides or {}).items() if v is not None})
     except ConfigError as e:
         fail(f"config error: {e}")
 

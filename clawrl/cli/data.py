@@ -57,23 +57,18 @@ def sql(
 
 @app.command("status")
 def status(config: ConfigOpt = None) -> None:
-    """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons."""
+    """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons, the
+    latest checkpoint and the last weight sync."""
     s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import pending_counts, sync_state
+    from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
-        counts = pending_counts(con, chash, s.ppo.rollout_batch_size)
-        versions = con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()
-        syncs = sync_state(con)
-    print_status(counts, chash, versions[0] if versions else None)
-    _print_sync_status(syncs)
-
-
-def print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
-    """The `clawrl status` table of ``pending_counts`` (and the latest checkpoint, when given)."""
+        c = pending_counts(con, chash, s.ppo.rollout_batch_size)
+        latest = find_checkpoint(con)
+        st = sync_state(con)
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -88,16 +83,13 @@ def print_status(c: dict, chash: str, latest: tuple | None = None) -> None:
     if c["samples_needed"]:
         rows.append(("next training step needs", f"{c['samples_needed']} more samples"))
     if latest:
-        rows.append(("latest checkpoint", f"weight_version {latest[0]} (step {latest[1]})"))
+        rows.append(("latest checkpoint", f"weight_version {latest['weight_version']} (step {latest['step']})"))
     rows += [(f"  excluded: {fate}", n) for fate, n in sorted(c["fates"].items()) if fate != "sample"]
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
-
-
-def _print_sync_status(st: dict) -> None:
-    """One line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>;
-    serving version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it."""
+    # one line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>; serving
+    # version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it
     last = st["last"]
     if last is None:
         console.print("last sync: none recorded", markup=False, highlight=False)

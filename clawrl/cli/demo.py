@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from clawrl.cli.common import app, console, settings_or_exit
-from clawrl.cli.data import print_status
+from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "conf" / "demo.toml"
@@ -36,55 +36,14 @@ def demo(
     conf = config or DEMO_CONFIG
     base = settings_or_exit(conf)
     root = run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
-    overrides = {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir)}
-    if model:
-        overrides["model.name"] = model
-    s = settings_or_exit(conf, overrides)
+    s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
+                                "model.name": model})
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
     use_prefect_home(base.storage.data_root / "prefect")
     out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
                     heldout=heldout, eval_samples=eval_samples, group_size=group_size)
-    _report(s, out, persona)
-    console.print(WHERE_TO_LOOK.format(conf=run_conf, last=len(out["rows"]) - 1, root=root,
-                                       prefect=base.storage.data_root / "prefect"), markup=False)
-
-
-def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
-    """Serve the policy engine behind the gateway on a thread and run the learning loop against it."""
-    from clawrl.config import resolve_device
-    from clawrl.engine.embedded import EmbeddedEngine
-    from clawrl.flows.common import attach_policy_engine, data_store, load_flow_settings
-    from clawrl.flows.loop import learning_loop
-    from clawrl.gateway.routes import create_app
-    from clawrl.models import resolve_model_dir
-    from clawrl.serving import serve_in_thread
-
-    with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
-        model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
-    device, _ = resolve_device(s.model.device)
-    engine = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                            max_context_len=s.engine.max_context_len, served_model_name=s.server.served_model_name)
-    attach_policy_engine(engine)  # the train flow syncs this engine in-process
-    # the flows and the gateway share one store; settings are cached by config path in flows.common
-    store = data_store(load_flow_settings(str(run_conf)))
-    gw = serve_in_thread(create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store))
-    console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {s.storage.data_root}", markup=False)
-    try:
-        return learning_loop(config_path=str(run_conf), gateway_url=gw.url, **loop_args)
-    finally:
-        gw.stop()
-        attach_policy_engine(None)
-        store.flush()
-
-
-def _report(s: Settings, out: dict, persona: str) -> None:
-    """The held-out score per step, the learning curve's file, and the status of the run's data."""
-    from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import pending_counts
-
     rows = out["rows"]
     t = Table(title=f"held-out score per step (persona {persona})")
     for col in ("step", "score", "on-topic", "persona", "KL", "words"):
@@ -97,10 +56,31 @@ def _report(s: Settings, out: dict, persona: str) -> None:
                   f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
                   f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
-    chash = build_judge_config_hash(s)
-    with open_catalog(s.storage.data_root) as con:
-        print_status(pending_counts(con, chash, s.ppo.rollout_batch_size), chash,
-                     con.sql("SELECT weight_version, step FROM checkpoints ORDER BY step DESC LIMIT 1").fetchall()[0])
+    status(run_conf)
+    console.print(WHERE_TO_LOOK.format(conf=run_conf, last=len(out["rows"]) - 1, root=root,
+                                       prefect=base.storage.data_root / "prefect"), markup=False)
+
+
+def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
+    """Serve the policy engine behind the gateway on a thread and run the learning loop against it."""
+    from clawrl.flows.common import attach_policy_engine, data_store, load_flow_settings
+    from clawrl.flows.loop import learning_loop
+    from clawrl.gateway.routes import build_engine, create_app
+    from clawrl.serving import serve_in_thread
+
+    with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
+        engine, tokenizer = build_engine(s)  # the gateway's own: the newest checkpoint of a run continued
+    attach_policy_engine(engine)  # the train flow syncs this engine in-process
+    # the flows and the gateway share one store; settings are cached by config path in flows.common
+    store = data_store(load_flow_settings(str(run_conf)))
+    gw = serve_in_thread(create_app(s, engine=engine, tokenizer=tokenizer, store=store))
+    console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {s.storage.data_root}", markup=False)
+    try:
+        return learning_loop(config_path=str(run_conf), gateway_url=gw.url, **loop_args)
+    finally:
+        gw.stop()
+        attach_policy_engine(None)
+        store.flush()
 
 
 WHERE_TO_LOOK = """

@@ -24,8 +24,7 @@ def serve(
     from clawrl.serving import freeze_startup_heap
     from clawrl.storage.writer import DataRootError
 
-    overrides = {k: v for k, v in {"server.host": host, "server.api_port": port}.items() if v is not None}
-    settings = settings_or_exit(config, overrides)
+    settings = settings_or_exit(config, {"server.host": host, "server.api_port": port})
     try:
         app = create_app(settings)
     except ConfigError as e:
@@ -58,9 +57,7 @@ def engine(
     from clawrl.models import ModelNotFoundError, resolve_model_dir
     from clawrl.serving import freeze_startup_heap
 
-    overrides = {k: v for k, v in {"model.name": model, "engine.port": port, "server.host": host}.items()
-                 if v is not None}
-    s = settings_or_exit(config, overrides)
+    s = settings_or_exit(config, {"model.name": model, "engine.port": port, "server.host": host})
     device, device_reason = resolve_device(s.model.device)
     try:
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, seed=s.model.seed)
@@ -130,10 +127,8 @@ def up(
         check_data_root(s.storage.data_root)
     except DataRootError as e:
         fail(f"storage error: {e}")
-    conf = config.resolve() if config else None
-    if conf is None:  # the child processes read the same effective config from a file
-        conf = s.storage.data_root / "up-config.toml"
-        conf.write_text(dump_toml(s))
+    conf = s.storage.data_root / "up-config.toml"  # every child process reads this effective config
+    conf.write_text(dump_toml(s))
     try:
         run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
                judge_every_s=judge_every, train_every_s=train_every, echo=lambda m: console.print(m, markup=False))

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
-from clawrl.cli.data import print_status
+from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
 
@@ -22,7 +22,7 @@ def judge(
 
     out = judge_flow(config_path=str(config) if config else None, limit=limit)
     console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
-    print_status(out["status"], out["judge_config_hash"])
+    status(config)
 
 
 @app.command("train")
@@ -63,20 +63,17 @@ def sync(
     from clawrl.sync import sync_checkpoint
     from clawrl.flows.common import record_sync
     from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import find_checkpoint
 
     with open_catalog(s.storage.data_root) as con:
-        where = "ORDER BY step DESC LIMIT 1" if version == "latest" else "WHERE weight_version = $v LIMIT 1"
-        rows = con.sql(f"SELECT weight_version, path, sha256, mlflow_run_id FROM checkpoints {where}",
-                       params={} if version == "latest" else {"v": version}).fetchall()
-    if not rows:
+        ck = find_checkpoint(con, version)
+    if ck is None:
         fail(f"no checkpoint for version {version!r} in {s.storage.data_root}")
-    v, path, sha256, run_id = rows[0]
-
-    rep = runtime.run(sync_checkpoint(v, path, sha256, url=url, admin_key=read_admin_key(s.server.admin_keys_env),
+    rep = runtime.run(sync_checkpoint(ck["weight_version"], ck["path"], ck["sha256"], url=url,
+                                      admin_key=read_admin_key(s.server.admin_keys_env),
                                       timeout_s=s.engine.request_timeout_s))
     # recorded like the train flow's attempts (flushed: `clawrl status` and MLflow show it at once)
-    record_sync(s, rep, weight_version=v, target=rep.target, checkpoint_path=rep.checkpoint_path, run_id=run_id,
-                started_at=rep.started_at)
+    record_sync(s, rep, ck["weight_version"], ck["mlflow_run_id"])
     console.print(f"{'synced' if rep.success else 'FAILED'}: engine serves version {rep.weight_version} "
                   f"({rep.message}, {rep.seconds:.2f} s)", markup=False)
     raise typer.Exit(0 if rep.success else 1)
@@ -93,22 +90,9 @@ def replay_cmd(
     """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes."""
     from rich.table import Table
 
-    from clawrl.config import parse_override
     from clawrl.flows.replay import replay_flow
 
-    s = settings_or_exit(config)
-    if len(version) == 32 and not version.isdigit():  # an MLflow run id: the version it trained
-        from clawrl.lineage import client
-
-        try:
-            version = client(s.storage.data_root).get_run(version).data.tags["weight_version"]
-        except Exception as e:
-            fail(f"MLflow run {version!r}: {e}")
-    try:
-        for item in set_ or []:
-            parse_override(item)
-    except ConfigError as e:
-        fail(str(e))
+    settings_or_exit(config)
     try:
         report = replay_flow(config_path=str(config) if config else None, version=version,
                              exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])

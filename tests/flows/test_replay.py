@@ -97,7 +97,9 @@ def test_counterfactual_replay_with_another_learning_rate(trained_loop):
     from clawrl.flows.replay import replay_flow
 
     s, conf = trained_loop
-    report = replay_flow(config_path=str(conf), version="2", set_overrides=["ppo.lr=5e-4"])
+    [v2] = run_query(s.storage.data_root, "select mlflow_run_id from checkpoints where step = 2").to_pylist()
+    report = replay_flow(config_path=str(conf), version=v2["mlflow_run_id"], set_overrides=["ppo.lr=5e-4"])
+    assert report["source_version"] == "2"  # the version the MLflow run trained
     assert report["overrides"] == {"ppo.lr": 5e-4} and report["identical"] is None
     assert len(report["steps"]) == 2 and all(st["replay_sha256"] for st in report["steps"])
     run = client(s.storage.data_root).get_run(report["mlflow_run_id"])
@@ -111,3 +113,5 @@ def test_counterfactual_that_breaks_the_config_is_refused_by_name(trained_loop):
     _, conf = trained_loop
     with pytest.raises(ConfigError, match="lr_min"):  # lr below the schedule's floor
         replay_flow(config_path=str(conf), version="2", set_overrides=["ppo.lr=1e-5"])
+    with pytest.raises(ValueError, match="no checkpoint was trained by MLflow run 'f{32}'"):
+        replay_flow(config_path=str(conf), version="f" * 32)

@@ -12,7 +12,6 @@ from clawrl.config import dump_toml
 from clawrl.engine.embedded import EmbeddedEngine
 from clawrl.gateway.routes import create_app
 from clawrl.flows.common import attach_policy_engine
-from clawrl.lineage import model_version_for
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
@@ -91,10 +90,11 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
         join samples s on s.sample_id = u.sid join turns t on t.turn_id = s.turn_id
         where b.batch_id = '{ck["batch_id"]}' order by 1""").to_pylist()
     assert turns == [{"session_id": "alice", "turn_index": 0}, {"session_id": "bob", "turn_index": 0}]
-    mv = model_version_for(s.storage.data_root, "1")
-    assert mv is not None and mv.run_id == ck["mlflow_run_id"] and mv.tags["batch_id"] == ck["batch_id"]
-    from clawrl.lineage import client as mlflow_client
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
 
+    [mv] = mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'")
+    assert mv.tags["weight_version"] == "1"
+    assert mv.run_id == ck["mlflow_run_id"] and mv.tags["batch_id"] == ck["batch_id"]
     run = mlflow_client(s.storage.data_root).get_run(mv.run_id)
     assert run.data.params["method"] == "combine" and float(run.data.params["lr"]) == 1e-3
     assert {"loss", "kl", "entropy", "clip_frac"} <= set(run.data.metrics)
