@@ -212,7 +212,6 @@ class ChatAdapter:
         except Exception:  # noqa: BLE001 - any surprise: keep the reference path
             return None
 
-    # ------------------------------------------------------------------------------ render
     def render(self, messages: list[ChatMessage], tools: list[ToolDef] | None = None,
                tool_choice: str | dict | None = None) -> list[int]:
         use_tools = bool(tools) and tool_choice != "none"
@@ -253,7 +252,6 @@ class ChatAdapter:
             out["tool_call_id"] = m.tool_call_id
         return out
 
-    # ------------------------------------------------------------------------------- parse
     def parse(self, text: str, tools: list[ToolDef] | None, tool_choice: str | dict | None = None) -> ParsedOutput:
         """Split model text into content and OpenAI tool calls (only for declared tool names)."""
         if not tools or tool_choice == "none" or TOOL_CALL_OPEN not in text:

@@ -153,10 +153,6 @@ def _convert_smollm2(out: Path) -> None:
     _save(fresh, tok, out)
 
 
-# --------------------------------------------------------------------------------------------
-# loading
-
-
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 

@@ -149,8 +149,6 @@ def run_query(data_root: str | os.PathLike, sql: str, *, read_only: bool = False
         return rel.to_arrow_table() if rel is not None else pa.table({})
 
 
-# ------------------------------------------------------------------------------ export
-
 EXPORT_FORMATS = ("csv", "json", "parquet")
 
 

@@ -31,9 +31,6 @@ def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (d
     return f"SELECT {columns} FROM {view} {where} QUALIFY row_number() OVER (PARTITION BY {key} ORDER BY {order}) = 1"
 
 
-# ------------------------------------------------------------------------------ judge
-
-
 def turns_to_judge(
     con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, limit: int | None = None,
     turn_id: str | None = None,
@@ -136,9 +133,6 @@ def pending_counts(
     return counts
 
 
-# ------------------------------------------------------------------------------ train
-
-
 def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) -> pa.Table:
     """Usable samples under this judge config (see ``_USABLE_SAMPLES``) not yet consumed by a batch,
     oldest turn first (ties by sample id). Ordered by the turn's time, not the sample's: which
@@ -222,8 +216,6 @@ def version_for_run(con: duckdb.DuckDBPyConnection, mlflow_run_id: str) -> str |
     return str(rows[0][0]) if rows else None
 
 
-# ------------------------------------------------------------------------------ lineage and replay
-
 # Every checkpoint with the batch that trained it (the first write of each).
 _CHAIN = f"""
     WITH c AS ({_first("checkpoints", "weight_version")}), b AS ({_first("batches", "batch_id")})
@@ -267,9 +259,6 @@ def write_config_snapshot(data_root: str | os.PathLike, config_hash: str, toml_t
         tmp.write_text(toml_text)
         os.replace(tmp, path)
     return path
-
-
-# ------------------------------------------------------------------------------ sessions
 
 
 def session_turns(con: duckdb.DuckDBPyConnection, session_pattern: str) -> list[dict[str, Any]]:
@@ -331,9 +320,6 @@ def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str,
     for r in rows:
         r["pending_message_count"] = counts.get(r["pending_turn_id"]) if r["pending_turn_id"] else None
     return rows
-
-
-# ------------------------------------------------------------------------------ weight sync
 
 
 def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:

@@ -120,8 +120,6 @@ class TableLog:
             self._thread.start()
         atexit.register(self.close)
 
-    # ---------------------------------------------------------------------------- append path
-
     def append(self, rows: Sequence[Any]) -> int:
         """Write rows (dataclass instances or dicts matching the schema) to the WAL; return the count.
 
@@ -208,8 +206,6 @@ class TableLog:
             finally:
                 os.close(fd)
         return converted
-
-    # ---------------------------------------------------------------------------- internals
 
     def _open_segment(self) -> _Segment:
         """Create, lock and publish a new segment (caller holds _lock)."""

@@ -67,8 +67,6 @@ class EmbeddedEngine:
         self._sched = Scheduler(self._runner, self._decode_text, max_batch_size=max_batch_size,
                                 weight_version=str(weight_version))
 
-    # ------------------------------------------------------------------------------ state
-
     @property
     def weight_version(self) -> str:
         return self._sched.weight_version
@@ -110,8 +108,6 @@ class EmbeddedEngine:
 
     async def health(self) -> bool:
         return self._sched.alive
-
-    # ------------------------------------------------------------------------------ generation
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         async with aclosing(self._stream(self._submit(req, stream=False))) as results:
@@ -188,8 +184,6 @@ class EmbeddedEngine:
                        self.tokenizer.eos_token_id):
             ids.update([source] if isinstance(source, int) else source or ())  # an id, a list of them, or None
         return frozenset(ids)
-
-    # ------------------------------------------------------------------------------ control
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
         """Stop stepping (module docstring: abort / retract / in_place); returns once done."""

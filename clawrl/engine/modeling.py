@@ -117,9 +117,6 @@ class CausalLMRunner:
     def new_cache(self, rows: int) -> KVCache:
         return KVCache(self.spec, rows, self.max_positions, self.dtype, self.device)
 
-    # ---------------------------------------------------------------------------------------
-    # entry points
-
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], rows: list[int], cache: KVCache,
                 keep_from: list[int]) -> list[Tensor]:
@@ -165,9 +162,6 @@ class CausalLMRunner:
 
         hidden = self._forward(tokens[:, None].to(self.device), cos, sin, attend)  # (B, 1, D)
         return self.lm_head(hidden[:, 0])
-
-    # ---------------------------------------------------------------------------------------
-    # the layers
 
     def _forward(self, ids: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
         n, length, head_dim = *ids.shape, self.spec.head_dim

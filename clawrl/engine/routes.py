@@ -46,10 +46,7 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting /generate checks whether its clie
 T = TypeVar("T")
 
 
-# --------------------------------------------------------------------------------------------
-# responses: SGLang serialises with orjson (NaN/inf -> null); its error shapes are in server.py
-
-
+# SGLang serialises with orjson (NaN/inf -> null); its error shapes are in server.py
 def json_response(content: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS), status_code, media_type="application/json")
 
@@ -77,10 +74,6 @@ async def _read_json_object(request: Request) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
         raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-# --------------------------------------------------------------------------------------------
-# what the routes serve
 
 
 @dataclass
@@ -133,10 +126,6 @@ Srv = Annotated[Served, Depends(_served)]
 router = APIRouter()
 relabel_router = APIRouter()  # only for engines with update_weight_version
 abort_router = APIRouter()  # only for engines with abort_request
-
-
-# --------------------------------------------------------------------------------------------
-# generation
 
 
 @router.post("/generate", openapi_extra=GENERATE_DOC)
@@ -221,10 +210,6 @@ async def _aclose(it: Any) -> None:
             log.warning("closing the engine stream failed: %r", e)
 
 
-# --------------------------------------------------------------------------------------------
-# information and health
-
-
 @router.get("/model_info")
 @router.get("/get_model_info")  # deprecated alias, still served by SGLang 0.5.23
 async def model_info(srv: Srv) -> Response:
@@ -286,10 +271,6 @@ async def loads(srv: Srv) -> Response:
     device = getattr(getattr(srv.engine, "model", None), "device", None)
     return json_response({"timestamp": time.time(), "version": SERVER_VERSION,
                           "accelerator": getattr(device, "type", "unknown"), "num_accelerators": 1, "loads": [load]})
-
-
-# --------------------------------------------------------------------------------------------
-# pause, flush, weights
 
 
 @router.post("/pause_generation")
@@ -363,10 +344,6 @@ async def abort_request(srv: Srv, body: AbortRequestBody = AbortRequestBody()) -
 @router.post("/resume_memory_occupation")
 async def memory_occupation() -> Response:
     return json_response(None)  # nothing to release on this engine; RL drivers call these unconditionally
-
-
-# --------------------------------------------------------------------------------------------
-# tokenizer
 
 
 @router.post("/tokenize")

@@ -88,8 +88,6 @@ class Scheduler:
         self.counters = {"steps": 0, "prefill_steps": 0, "max_batch_seen": 0, "requests_done": 0,
                          "tokens_generated": 0, "retractions": 0, "weight_updates": 0}
 
-    # ---------------------------------------------------------------- caller side (any thread)
-
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.closing
@@ -155,8 +153,6 @@ class Scheduler:
         return {**self.counters, "queued": queued, "running": len(self.running), "paused": self.paused,
                 "pause_mode": self.pause_mode, "weight_version": self.weight_version,
                 "kv_capacity": self.cache.capacity}
-
-    # ---------------------------------------------------------------- the loop
 
     def _worker(self) -> None:
         with torch.inference_mode():  # thread-local: the worker never needs autograd
@@ -229,8 +225,6 @@ class Scheduler:
                 out.append(self.waiting.popleft())
                 room -= 1
         return out
-
-    # ---------------------------------------------------------------- prefill and decode
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -311,8 +305,6 @@ class Scheduler:
             elif s.stream:
                 s.put(s.result(self.decode_text, self.weight_version))
 
-    # ---------------------------------------------------------------- finishing
-
     def _finish(self, seq: Sequence, reason: dict[str, Any], error: EngineError | None = None) -> None:
         """End ``seq``: its caller gets the final result, or ``error``."""
         seq.finish_reason = reason
@@ -374,8 +366,7 @@ class Scheduler:
         self._updates.clear()
         self.paused, self.pause_mode = False, None
 
-    # ---------------------------------------------------------------- control (on the worker; each resolves ``done``)
-
+    # control calls: they run on the worker, between steps, and each resolves ``done``
     def do_pause(self, mode: str, barrier: int, done: concurrent.futures.Future) -> None:
         self.paused, self.pause_mode = True, mode
         if mode == "abort":

@@ -140,10 +140,6 @@ def create_engine_app(engine: Engine, *, model_path: str, served_model_name: str
     return app
 
 
-# --------------------------------------------------------------------------------------------
-# serving
-
-
 def serve_engine(engine: Engine, host: str, port: int, *, log_level: str = "info", **app_kw: Any) -> None:
     """Blocking: start ``engine``, serve it on ``host:port`` with uvicorn until interrupted, then
     close it (``clawrl engine`` calls this). ``app_kw`` go to :func:`create_engine_app`."""

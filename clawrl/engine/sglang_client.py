@@ -86,8 +86,6 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._has_update_session: bool | None = None  # False once /begin_weight_update answered 404
 
-    # ------------------------------------------------------------------ plumbing
-
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
@@ -140,8 +138,6 @@ class SGLangClient:
             raise EngineError(f"engine at {self.base_url} answered {method} {path} with non-JSON: "
                               f"{content[:200].decode('utf-8', 'replace')!r}") from None
 
-    # ------------------------------------------------------------------ generation
-
     def _generate_body(self, req: GenerateRequest, stream: bool) -> dict[str, Any]:
         # a text prompt asks for its token ids back: the result carries the tokenized prompt, as in-process
         return {**req.to_sglang(), "stream": stream, "return_prompt_token_ids": req.text is not None}
@@ -188,8 +184,6 @@ class SGLangClient:
             return BadRequestError(msg)
         return EngineError(f"engine at {self.base_url} failed mid-stream (code {code}): {msg}")
 
-    # ------------------------------------------------------------------ information
-
     async def model_info(self) -> dict[str, Any]:
         _, content = await self._request("GET", "/model_info")
         return self._json(content, "GET", "/model_info")
@@ -202,8 +196,6 @@ class SGLangClient:
             log.warning("%s", e)
             return False
         return status == 200
-
-    # ------------------------------------------------------------------ control
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
         await self._request("POST", "/pause_generation", {"mode": mode})

@@ -68,9 +68,6 @@ class ChatCompletionRequest(Lenient):
         return choice
 
 
-# ------------------------------------------------------------------------------- responses
-
-
 class Choice(openai_chat.chat_completion.Choice):
     finish_reason: str  # OpenAI's reasons, and "abort": the engine aborted the generation
 

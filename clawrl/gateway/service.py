@@ -120,7 +120,6 @@ class ChatService:
         metrics.pending_turns.set_function(lambda: tracker.pending_turns)
         metrics.open_sessions.set_function(lambda: len(tracker))
 
-    # --------------------------------------------------------------------------- public API
     def prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> Turn:
         """The request checked, its prompt rendered and its session opened: a GatewayError from here
         comes before any byte of the response."""
@@ -283,7 +282,6 @@ class ChatService:
             self.weight_version = str((await self.engine.model_info()).get("weight_version", "unknown"))
         return self.weight_version
 
-    # ---------------------------------------------------------------------------- internals
     @contextlib.asynccontextmanager
     async def _serving(self, turn: Turn):
         """A turn in flight (counted in the gauge). Main turns of one session take turns: the next

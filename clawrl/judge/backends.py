@@ -58,7 +58,6 @@ def answer(kind: str, score: int, hint: str | None, why: str) -> str:
     return f"{why}\n\\boxed{{1}}\n{HINT_START}{hint}{HINT_END}" if hint else f"{why}\n\\boxed{{-1}}"
 
 
-# ------------------------------------------------------------------------------ engine
 class EngineJudge:
     """Votes sampled from an engine holding the frozen judge model (see the module docstring).
 
@@ -87,7 +86,6 @@ class EngineJudge:
         return await _gather_votes([one(i) for i in range(n)])
 
 
-# ---------------------------------------------------------------------------- provider
 class ProviderJudge:
     """Votes from an external OpenAI-compatible chat-completions API, through the ``openai`` SDK.
 
@@ -133,7 +131,6 @@ class ProviderJudge:
         return content
 
 
-# -------------------------------------------------------------------------------- rules
 _TOOL_ERROR = re.compile(
     r"\b(error|errors|exception|traceback|failed|failure|not found|no such file|permission denied|"
     r"timed out|invalid)\b", re.IGNORECASE)
@@ -203,7 +200,6 @@ class RuleJudge:
         return [answer(kind, score, hint, f"Rule judge (deterministic): the next state matches rule '{rule}'.")] * n
 
 
-# ------------------------------------------------------------------------------- reward hook
 class RewardHookBackend:
     """Adapts a ``[hooks] reward`` function to the JudgeBackend protocol: its (score, hint) is
     written in the judge's answer format, so votes, hints, teacher log-probs and fates take the

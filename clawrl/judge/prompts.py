@@ -199,7 +199,6 @@ def build_hint_messages(ctx: JudgeContext, budget_chars: int) -> list[dict[str, 
             {"role": "user", "content": _body(ctx, budget_chars, HINT_INSTRUCTION)}]
 
 
-# ------------------------------------------------------------------ reading a prompt back (rule judge)
 def prompt_kind(messages: list[dict[str, Any]]) -> Literal["prm", "hint"]:
     system = next((m.get("content") or "" for m in messages if m.get("role") == "system"), "")
     if system == PRM_SYSTEM:

@@ -124,8 +124,6 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
                  reward_hook=load_hook("reward", settings.hooks.reward))
 
 
-# ------------------------------------------------------------------------------ rows <-> records
-
 _TURN_FIELDS = [f.name for f in fields(TurnRecord)]
 
 

@@ -154,10 +154,6 @@ def is_tp_sharded(name: str) -> bool:
     return name.endswith(_TP_SHARDED)
 
 
-# --------------------------------------------------------------------------------------------
-# HF -> Megatron
-
-
 def _layer(i: int) -> tuple[str, str]:
     return f"model.layers.{i}.", f"decoder.layers.{i}."
 
@@ -212,10 +208,6 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config: Any, tp
             out[mc + "self_attention.q_layernorm.weight"] = hf_state_dict[hf + "self_attn.q_norm.weight"]
             out[mc + "self_attention.k_layernorm.weight"] = hf_state_dict[hf + "self_attn.k_norm.weight"]
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# Megatron -> HF
 
 
 def megatron_to_hf(shards: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]], hf_config: Any,

@@ -183,10 +183,7 @@ class MegatronBackend(TrainBackend):
             dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
 
-# --------------------------------------------------------------------------------------------
 # standalone multi-GPU step: torchrun --nproc-per-node N -m clawrl.train.megatron_backend ...
-
-
 def with_own_rollout_logprobs(backend, batch: TokenBatch) -> TokenBatch:
     """``batch`` as if the trainer's current weights had sampled it (on-policy): rollout log-probs
     are the backend's own, so TIS weights are 1 and the gradients have a realistic size (random

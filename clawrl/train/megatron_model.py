@@ -126,10 +126,6 @@ def load_hf_state_dict(model_dir: Path) -> dict[str, Tensor]:
     return state
 
 
-# --------------------------------------------------------------------------------------------
-# log-probs from vocab-parallel logits
-
-
 class _SumOverTP(torch.autograd.Function):
     """Forward: all-reduce sum over the TP group. Backward: identity, because every rank goes on
     to compute the same (replicated) loss, so d loss / d (local summand) = d loss / d sum."""
