@@ -42,16 +42,9 @@ _TMP_SUFFIX = ".tmp"  # Parquet being written; "*.parquet" globs never match it
 _PARSE_ERRORS = (duckdb.Error, pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)
 
 
-def convert_segment(
-    path: Path,
-    schema: pa.Schema,
-    table_dir: Path,
-    segment_id: str,
-    *,
-    fsync: bool = False,
-    longest_line: int | None = None,
-    n_rows: int | None = None,
-) -> int:
+def convert_segment(path: Path, schema: pa.Schema, table_dir: Path, segment_id: str, *,
+                    fsync: bool = False, longest_line: int | None = None,
+                    n_rows: int | None = None) -> int:
     """Turn one closed WAL segment into ``date=*/part-<segment_id>.parquet`` files under table_dir;
     return the rows now in Parquet (including rows whose file already existed).
 

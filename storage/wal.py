@@ -72,19 +72,10 @@ class _Segment:
 class TableLog:
     """An append-only table: rows go to a write-ahead log, then to Parquet (see the module docstring)."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        table: str,
-        schema: pa.Schema,
-        *,
-        flush_rows: int = 50_000,
-        flush_bytes: int = 64 * _MIB,
-        flush_interval_s: float = 0.5,
-        fsync: bool = False,
-        recover_interval_s: float = 10.0,
-        background: bool = True,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, table: str, schema: pa.Schema, *,
+                 flush_rows: int = 50_000, flush_bytes: int = 64 * _MIB,
+                 flush_interval_s: float = 0.5, fsync: bool = False,
+                 recover_interval_s: float = 10.0, background: bool = True) -> None:
         if flush_rows < 1 or flush_bytes < 1 or flush_interval_s <= 0:
             raise ValueError("flush_rows, flush_bytes and flush_interval_s must be positive")
         self.table = table

@@ -65,15 +65,9 @@ class DataStore:
     clawrl/bench/storage.py).
     """
 
-    def __init__(
-        self,
-        data_root: str | os.PathLike,
-        *,
-        fsync: bool = False,
-        flush_interval_s: float = 0.5,
-        flush_rows: int = 50_000,
-        background: bool = True,
-    ) -> None:
+    def __init__(self, data_root: str | os.PathLike, *, fsync: bool = False,
+                 flush_interval_s: float = 0.5, flush_rows: int = 50_000,
+                 background: bool = True) -> None:
         self.data_root = Path(data_root)
         self.tables_dir = check_data_root(self.data_root)
         self._logs: dict[str, TableLog] = {}

@@ -159,8 +159,6 @@ class TrainBackend:
         self.lr = self.hp.lr  # set_lr: the trainer's schedule
         self.steps_done = 0
 
-    # -- what a backend implements ----------------------------------------------------------
-
     def _logprobs(self, model: torch.nn.Module, mb: TokenBatch,
                   entropy_grad: bool | None) -> tuple[Tensor, Tensor | None]:
         """(log-probs, entropy), each (b, l-1), of a micro-batch; the entropy carries grad only when
@@ -195,8 +193,6 @@ class TrainBackend:
             raise ValueError("no reference model: it is kept only when kl_coef > 0")
         yield self.reference
 
-    # -- forwards ---------------------------------------------------------------------------
-
     def _autocast(self):
         if self.compute_dtype == torch.float32:
             return nullcontext()
@@ -215,8 +211,6 @@ class TrainBackend:
                 lp, _ = self._logprobs(model, mb, None)
                 out[s : s + len(mb), : lp.shape[1]] = lp * mb.attention_mask[:, 1:]
         return out
-
-    # -- training ---------------------------------------------------------------------------
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the following optimizer steps (the trainer's schedule)."""
@@ -282,8 +276,6 @@ class TrainBackend:
                 "num_groups": float(torch.unique(batch.group_ids).numel()), "reward_mean": float(batch.reward.mean()),
                 "teacher_fraction": float(batch.has_teacher.float().mean()), "lr": self.lr}
 
-    # -- optimizer state (resume) -----------------------------------------------------------
-
     def optimizer_state_dict(self) -> dict[str, Any]:
         """AdamW's moments by parameter name, on CPU:
         {"format", "step", "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}."""
@@ -315,8 +307,6 @@ class TrainBackend:
                      for i, n in enumerate(self.param_names)}  # moved to each parameter's device on load
         self.optimizer.load_state_dict({"state": per_param,
                                         "param_groups": self.optimizer.state_dict()["param_groups"]})
-
-    # -- checkpoints ------------------------------------------------------------------------
 
     def write_weights(self, directory: Path | None) -> None:
         """config.json, model.safetensors and the source's tokenizer/generation files into the
