@@ -220,15 +220,6 @@ class TrainBackend:
             group["lr"] = lr
         self.lr = lr
 
-    def _optimizer_step(self) -> float:
-        norm = self._clip_gradients()
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)  # weights stay as they were
-            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.steps_done}; update skipped")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
     def train_step(self, batch: TokenBatch) -> dict[str, float]:
         """One PPO step on ``batch``: ``hp.ppo_epochs`` optimizer steps, each accumulating the
         gradients of every micro-batch.
@@ -270,9 +261,19 @@ class TrainBackend:
                     drift = ((old - mb.rollout_logprobs).abs() * mb.response_mask).sum() / num_tokens
                     metrics["rollout_logprob_abs_diff"] = float(drift)
                 parts.append(metrics)
-            epoch_metrics.append({**merge_metrics(parts), "grad_norm": self._optimizer_step()})
+            norm = self._clip_gradients()
+            if not math.isfinite(norm):
+                self.optimizer.zero_grad(set_to_none=True)  # weights stay as they were
+                raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.steps_done}; "
+                                         "update skipped")
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            epoch_metrics.append({**merge_metrics(parts), "grad_norm": norm})
         self.steps_done += 1
-        return {**_mean_over_epochs(epoch_metrics), "num_tokens": num_tokens, "num_seqs": num_seqs,
+        counts = Counter(key for m in epoch_metrics for key in m)  # *_min / *_max: over all epochs
+        means = {k: v if k.endswith(("_min", "_max")) else v / counts[k]
+                 for k, v in merge_metrics(epoch_metrics).items()}
+        return {**means, "num_tokens": num_tokens, "num_seqs": num_seqs,
                 "num_groups": float(torch.unique(batch.group_ids).numel()), "reward_mean": float(batch.reward.mean()),
                 "teacher_fraction": float(batch.has_teacher.float().mean()), "lr": self.lr}
 
@@ -335,9 +336,3 @@ class TrainBackend:
             self.write_weights(staging)
         self._barrier()
         return out_dir
-
-
-def _mean_over_epochs(per_epoch: list[dict[str, float]]) -> dict[str, float]:
-    """Each metric's mean over the epochs that report it (``*_min`` / ``*_max``: over all of them)."""
-    counts = Counter(key for m in per_epoch for key in m)
-    return {k: v if k.endswith(("_min", "_max")) else v / counts[k] for k, v in merge_metrics(per_epoch).items()}
