@@ -63,19 +63,6 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its generation finished."""
 
 
-async def _read_json_object(request: Request) -> Mapping[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        raise BodyError("request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise BodyError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, Mapping):
-        raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
 @dataclass
 class Served:
     """The engine behind the routes, how it is described, and this server's own bookkeeping."""
@@ -131,7 +118,15 @@ abort_router = APIRouter()  # only for engines with abort_request
 @router.post("/generate", openapi_extra=GENERATE_DOC)
 @router.put("/generate", openapi_extra=GENERATE_DOC)
 async def generate(request: Request, srv: Srv) -> Response:
-    body = await _read_json_object(request)
+    raw = await request.body()
+    if not raw.strip():
+        raise BodyError("request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BodyError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, Mapping):
+        raise BodyError(f"request body must be a JSON object, got {type(body).__name__}")
     items, batch = split_batch(body)
     try:
         reqs = [GenerateRequest(**item) for item in items]  # all validated before any runs

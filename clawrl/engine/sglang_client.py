@@ -169,20 +169,17 @@ class SGLangClient:
                     raise EngineError(f"engine at {self.base_url} sent a malformed stream event: "
                                       f"{payload[:200].decode('utf-8', 'replace')!r}") from None
                 if "error" in event:
-                    raise self._stream_error(event["error"])
+                    err = event["error"]
+                    msg = str(err.get("message", err)) if isinstance(err, Mapping) else str(err)
+                    code = err.get("code", 400) if isinstance(err, Mapping) else 400
+                    if code == 400:
+                        raise BadRequestError(msg)
+                    raise EngineError(f"engine at {self.base_url} failed mid-stream "
+                                      f"(code {code}): {msg}")
                 last = GenerateResult.from_sglang(event)
                 yield last
         if last is None or not last.finished:
             raise EngineError(f"engine at {self.base_url}: the stream of request {req.rid} ended before it finished")
-
-    def _stream_error(self, err: Any) -> Exception:
-        if isinstance(err, Mapping):
-            msg, code = str(err.get("message", err)), err.get("code", 400)
-        else:
-            msg, code = str(err), 400
-        if code == 400:
-            return BadRequestError(msg)
-        return EngineError(f"engine at {self.base_url} failed mid-stream (code {code}): {msg}")
 
     async def model_info(self) -> dict[str, Any]:
         _, content = await self._request("GET", "/model_info")

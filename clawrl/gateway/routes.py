@@ -325,7 +325,16 @@ async def _lifespan(app: FastAPI):
     state.service = service = ChatService(engine, tokenizer, store, settings, state.generate_hook)
     restored = service.restore_sessions()
     await service.live_weight_version()
-    _warn_open_access(settings, state.api_keys, state.admin_keys)
+    if not state.api_keys:
+        log.warning("OPEN MODE: serving without API keys (server.open_mode = true); every caller "
+                    "shares the 'open' session namespace")
+    if not state.api_keys and not state.admin_keys:
+        log.warning("OPEN ADMIN: no admin keys in env %s either: anyone who reaches this port can "
+                    "pause, replay and replace the served weights (/admin, /engine)",
+                    settings.server.admin_keys_env)
+    elif not state.admin_keys:
+        log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
+                    settings.server.admin_keys_env)
     if restored:
         log.info("restored %d open sessions from the session log", restored)
     sweeper = asyncio.create_task(service.sweep_forever())
@@ -339,15 +348,3 @@ async def _lifespan(app: FastAPI):
             store.close()
         if state.owned_engine:
             await engine.close()
-
-
-def _warn_open_access(settings: Settings, api_keys: list[str], admin_keys: list[str]) -> None:
-    if not api_keys:
-        log.warning("OPEN MODE: serving without API keys (server.open_mode = true); every caller "
-                    "shares the 'open' session namespace")
-    if not api_keys and not admin_keys:
-        log.warning("OPEN ADMIN: no admin keys in env %s either: anyone who reaches this port can pause, "
-                    "replay and replace the served weights (/admin, /engine)", settings.server.admin_keys_env)
-    elif not admin_keys:
-        log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
-                    settings.server.admin_keys_env)
