@@ -113,9 +113,11 @@ def _flag(v: str | None) -> bool | None:
 
 
 # The session headers are checked by the service, whose 400s say where a bad value came from: FastAPI
-# documents their shapes (json_schema_extra) without enforcing them.
+# documents their shapes (json_schema_extra) without enforcing them. The key is read here too rather
+# than through a sub-dependency: every dependency FastAPI solves adds to each completion's CPU time.
 async def get_turn_context(
-    namespace: Annotated[str, Depends(get_namespace)],
+    request: Request,
+    authorization: Annotated[str | None, Header()] = None,
     x_session_id: Annotated[str | None, Header(
         alias="X-Session-Id", description="Session id (the body's session_id wins); 1-128 characters from "
         "A-Z a-z 0-9 . _ : @ -.", json_schema_extra={"pattern": SESSION_ID_RE.pattern})] = None,
@@ -123,6 +125,7 @@ async def get_turn_context(
     x_session_done: Annotated[str | None, Header(alias="X-Session-Done", json_schema_extra={
         "enum": ["true", "false", "1", "0", "yes", "no", "on", "off"]})] = None,
 ) -> TurnContext:
+    namespace = await get_namespace(request, authorization)
     turn_type = x_turn_type.strip().lower() if x_turn_type else None
     return TurnContext(namespace=namespace, session_id=x_session_id, turn_type=turn_type,
                        session_done=_flag(x_session_done))

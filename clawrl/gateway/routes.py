@@ -134,10 +134,11 @@ ops = APIRouter()
 @v1.post("/chat/completions", response_model=ChatCompletion, responses={
     **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                              "description": "The completion; an SSE stream when stream = true."}})
-async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep, service: ServiceDep,
+async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep,
                            request: JSONBodyRequest) -> Response:
     """A completion, recorded in the session log before the client gets the end of it (the JSON
     body, or a stream's last chunk)."""
+    service: ChatService = request.app.state.service
     metrics = service.metrics
     if service.paused:
         metrics.requests.labels("503", "unknown", "unknown").inc()
