@@ -2,9 +2,9 @@
 overrides -> one frozen Settings object.
 
 Load order (later wins): the defaults -> ``--config FILE`` -> env ``CLAWRL__SECTION__KEY`` -> overrides
-(replay's ``--set``). Each layer is read as {section: {key: value}} with its origin, the layers are
-merged, and the result is validated once, at load time: an unknown key, a wrong type or a missing file
-raises :class:`ConfigError` naming the key, the value and where it came from (file path or env var).
+(replay's ``--set``). The file and the environment are read by pydantic-settings' TOML and env sources;
+validation runs at load time, and an unknown key, a wrong type or a missing file raises
+:class:`ConfigError` naming the key, the value and where it came from (file path or env var).
 
 This module is also the only place that reads the process environment: secrets (API keys) are read
 here from the variables the config *names*, never from the files themselves.
@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import to_jsonable_python
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from clawrl.records import Method
 
@@ -209,9 +210,12 @@ class HooksSettings(_Section):
     sample_source: str = Field("", description="Replaces trainable samples: fn(data_root, judge_config_hash, limit).")
 
 
-class Settings(_Section):
+class Settings(BaseSettings):
     """Every section; the defaults here are the only ones (``clawrl config show --defaults`` prints them).
-    :func:`load_settings` builds it from the file, the environment and overrides."""
+    ``Settings()`` takes CLAWRL__SECTION__KEY variables as is; :func:`load_settings` is the checked way in."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False,
+                                      extra="forbid", frozen=True)
 
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
@@ -224,19 +228,20 @@ class Settings(_Section):
     hooks: HooksSettings = HooksSettings()
 
 
-# loading: every layer is (origin, {section: {key: value}}), and the merge keeps each key's origin so
-# that an error can name it (settings sources, as pydantic-settings has them, merge without saying)
+_SECTIONS = ", ".join(Settings.model_fields)
+
+# loading: pydantic-settings' sources read the file and the environment; the layer below keeps, for
+# every key, where it came from (the sources merge without saying), so an error can name it
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    # a missing path or a directory would read as nothing: both are mistakes here
+    # the TOML source reads a missing path or a directory as an empty file: both are mistakes here
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory; expected a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+        return TomlConfigSettingsSource(Settings, toml_file=path)()
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
@@ -246,16 +251,23 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _read_env(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
-    """The CLAWRL__SECTION__KEY variables of ``env`` (any case), each as (its name, {section: {key:
-    value}}). A name that places no key (no key, a deeper path) is refused, not ignored."""
-    layers = []
-    for name, value in env.items():
-        if name.upper().startswith(ENV_PREFIX):
-            section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
-            if not key or "__" in key:
-                raise ConfigError(f"env {name}: expected CLAWRL__SECTION__KEY")
-            layers.append((f"env {name}", {section: {key: value}}))
-    return layers
+    """The CLAWRL__SECTION__KEY variables of ``env``, each as (its name, {section: {key: value}}). The
+    env source skips a name it cannot place (an unknown section, a deeper path): those are refused
+    here, not ignored."""
+    origins = {}
+    for name in env:
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if section not in Settings.model_fields:
+            raise ConfigError(f"env {name}: unknown section [{section}]; valid sections: {_SECTIONS}")
+        if not key or "__" in key:
+            raise ConfigError(f"env {name}: expected CLAWRL__SECTION__KEY")
+        origins[(section, key)] = f"env {name}"
+    source = EnvSettingsSource(Settings)
+    source.env_vars = {name.lower(): value for name, value in env.items()}  # ``env``, which need not be os.environ
+    return [(origins[(section, key)], {section: {key: value}})
+            for section, table in source().items() for key, value in table.items()]
 
 
 def _merge(merged: dict[str, dict[str, Any]], origins: dict[tuple[str, str], str], overlay: Mapping[str, Any],
@@ -263,8 +275,7 @@ def _merge(merged: dict[str, dict[str, Any]], origins: dict[tuple[str, str], str
     """Lay ``overlay`` ({section: {key: value}}, from ``origin``) over ``merged``, noting where each key came from."""
     for section, table in overlay.items():
         if section not in Settings.model_fields:
-            raise ConfigError(f"{origin}: unknown section [{section}]; "
-                              f"valid sections: {', '.join(Settings.model_fields)}")
+            raise ConfigError(f"{origin}: unknown section [{section}]; valid sections: {_SECTIONS}")
         if not isinstance(table, Mapping):
             raise ConfigError(f"{origin}: [{section}] must be a table, got {_shown(table)}")
         for key, value in table.items():
@@ -308,7 +319,8 @@ def _refuse_secret(section: str, key: str, value: Any, origin: str) -> None:
             f"{origin}: [{section}] {key}: secrets are never read from config files; put the value in an "
             f"environment variable and name that variable in {where} (the value is not shown here)")
     if key.endswith("_env") and isinstance(value, str) and (not _ENV_NAME.match(value) or looks_like_secret(value)):
-        field = Settings.model_fields[section].annotation.model_fields.get(key)  # _merge checked the section
+        section_model = getattr(Settings.model_fields.get(section), "annotation", None)
+        field = getattr(section_model, "model_fields", {}).get(key)
         example = field.default if field is not None and isinstance(field.default, str) else "MY_API_KEY"
         raise ConfigError(
             f"{origin}: [{section}] {key} must be the NAME of an environment variable (letters, digits, _), "
