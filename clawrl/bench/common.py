@@ -23,12 +23,12 @@ import httpx
 import torch
 
 from clawrl.bench import cpu_model
-from clawrl.config import ServerSettings, child_env
+from clawrl.config import ServerSettings, child_env, resolve_dtype
 
 
 def bench_dtype(device: str) -> str:
-    """The dtype a bench runs its models in: bfloat16 on a GPU, float32 on the CPU (as ``[model] dtype`` says)."""
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    """The dtype a bench runs its models in: what ``[model] dtype = "auto"`` means on ``device``."""
+    return resolve_dtype("auto", str(torch.device(device)))
 
 
 def machine_line(device: str, dtype: str) -> str:

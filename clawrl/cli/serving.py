@@ -51,7 +51,7 @@ def engine(
 ) -> None:
     """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0", or with
     --resume at the last version synced successfully)."""
-    from clawrl.config import resolve_device
+    from clawrl.config import resolve_device, resolve_dtype
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.engine.server import serve_engine
     from clawrl.models import ModelNotFoundError, resolve_model_dir
@@ -78,11 +78,12 @@ def engine(
         except CheckpointError as e:
             err.print(f"not resuming version {last['weight_version']}: {e}; serving the base model (version 0)",
                       markup=False, style="red", soft_wrap=True)
-    eng = EmbeddedEngine(model_dir, dtype=s.model.dtype, device=device, max_batch_size=s.engine.max_batch_size,
+    dtype = resolve_dtype(s.model.dtype, device)
+    eng = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=s.engine.max_batch_size,
                          max_context_len=s.engine.max_context_len, weight_version=version,
                          served_model_name=s.server.served_model_name)
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
-                  f"weight_version {version}, device: {device} [{device_reason}], dtype: {s.model.dtype})",
+                  f"weight_version {version}, device: {device} [{device_reason}], dtype: {dtype} [{s.model.dtype}])",
                   markup=False, soft_wrap=True)
     freeze_startup_heap()  # model loaded: keep it out of full GC passes
     serve_engine(eng, s.server.host, s.engine.port, model_path=str(model_dir),

@@ -260,7 +260,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
         from clawrl.engine.sglang_client import SGLangClient
 
         return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
-    from clawrl.config import resolve_device
+    from clawrl.config import resolve_device, resolve_dtype
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.checkpoint import newest_intact_checkpoint
 
@@ -269,7 +269,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     if intact is not None:
         model_dir, version = intact[1], str(intact[0])
     device, _ = resolve_device(settings.model.device)
-    engine = EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
+    engine = EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                             max_batch_size=settings.engine.max_batch_size,
                             max_context_len=settings.engine.max_context_len, weight_version=version,
                             served_model_name=settings.server.served_model_name)

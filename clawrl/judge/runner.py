@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from clawrl.config import Settings, read_secret, resolve_device
+from clawrl.config import Settings, read_secret, resolve_device, resolve_dtype
 from clawrl.engine.types import Engine
 from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
@@ -28,7 +28,7 @@ def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
 
     model_dir = resolve_model_dir(name or settings.model.name, settings.storage.models_dir, settings.model.seed)
     device, _ = resolve_device(settings.model.device)
-    return EmbeddedEngine(model_dir, dtype=settings.model.dtype, device=device,
+    return EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                           max_batch_size=settings.engine.max_batch_size,
                           max_context_len=settings.engine.max_context_len, weight_version="frozen",
                           served_model_name="clawrl-frozen")

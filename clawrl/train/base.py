@@ -20,6 +20,7 @@ i.e. every update at lr 1e-5.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -146,6 +147,8 @@ class TrainBackend:
         if deterministic:
             # process-wide switches: a trainer process replays bit-exactly or fails loudly
             torch.manual_seed(hp.seed)
+            # cuBLAS is deterministic only with a fixed workspace; torch refuses CUDA matmuls otherwise
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
 

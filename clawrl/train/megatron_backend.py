@@ -58,11 +58,13 @@ class MegatronBackend(TrainBackend):
     OPTIMIZER_STATE_FORMAT = "clawrl-megatron-adamw-hf-v1"
 
     def __init__(self, model_dir: Path, hp: PPOHyperParams, *, dtype: str = "float32", device: str = "cpu",
-                 tp_size: int = 1, attention: str = "local", deterministic: bool = True,
+                 tp_size: int = 1, attention: str = "auto", deterministic: bool = True,
                  reference_dir: Path | None = None, loss_fn: LossFn = default_loss) -> None:
         """``model_dir``: the weights to train (the base model, or a checkpoint to resume from);
         ``reference_dir``: the frozen KL reference (default ``model_dir``; a resumed trainer
-        passes the base model). Constructing it is collective under torchrun."""
+        passes the base model); ``attention``: "auto" is the SDPA core attention (flash kernels) on
+        CUDA, as ``clawrl.bench.mfu`` measures it, and Megatron's own local attention on the CPU.
+        Constructing it is collective under torchrun."""
         from megatron.core import parallel_state
         from transformers import AutoConfig
 
@@ -75,6 +77,8 @@ class MegatronBackend(TrainBackend):
             # megatron-core's linear layers re-enter autocast in backward for CUDA only
             # (custom_bwd(device_type="cuda")): a CPU bf16 backward fails on a dtype mismatch
             raise ValueError(f"dtype {dtype!r} on CPU: the Megatron backend runs float32 on CPU")
+        if attention == "auto":
+            attention = "sdpa" if want_cuda else "local"
         super().__init__(hp, dtype=dtype, deterministic=deterministic, loss_fn=loss_fn)
         self.model_dir = Path(model_dir)
         self.runtime = init_megatron(tp_size, hp.seed)

@@ -128,16 +128,16 @@ class Trainer:
 
 def trainer_from_settings(settings) -> Trainer:
     """The entry-point factory: a Trainer for ``[model]`` / ``[ppo]`` under ``<data_root>/checkpoints``."""
-    from clawrl.config import resolve_device
+    from clawrl.config import resolve_device, resolve_dtype
     from clawrl.hooks import load_hook
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     base = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
     tok = load_tokenizer(base)
-    ppo = settings.ppo
+    ppo, device = settings.ppo, resolve_device(settings.model.device)[0]
     return Trainer(base_model_dir=base, checkpoints=settings.storage.data_root / "checkpoints",
                    hp=PPOHyperParams.from_settings(ppo, settings.model.seed),
                    pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-                   backend=ppo.backend, dtype=settings.model.dtype, device=resolve_device(settings.model.device)[0],
+                   backend=ppo.backend, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                    tp_size=settings.model.tensor_parallel, lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha,
                    deterministic=ppo.deterministic, loss_fn=load_hook("loss", settings.hooks.loss) or default_loss)

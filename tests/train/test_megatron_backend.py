@@ -122,6 +122,8 @@ def test_no_reference_without_kl(megatron_tp1, tiny_dir):
 
     mb = MegatronBackend(tiny_dir, _hp(kl_coef=0.0))
     assert mb.reference is None
+    # attention "auto" on the CPU: Megatron's own local attention (SDPA is what it picks on CUDA)
+    assert type(mb.model.decoder.layers[0].self_attention.core_attention).__name__ == "DotProductAttention"
     with pytest.raises(ValueError, match="kl_coef > 0"):
         mb.compute_logprobs(_batch(49152), reference=True)
 

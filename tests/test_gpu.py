@@ -1,0 +1,71 @@
+"""The CUDA paths, run on a GPU machine with ``pytest -m gpu`` (skipped without CUDA, so never in CI):
+``[model] dtype = "auto"`` serves bfloat16 there, and the trainer the train flow builds takes bf16 PPO
+steps on CUDA with float32 master weights, the Megatron backend through the SDPA core attention that
+``clawrl.bench.mfu`` measures. Each bf16 result is held against the float32 CPU run of the same batch."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from tests.train.test_megatron_backend import _batch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron",
+                                         "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")]
+
+# kl_coef > 0 keeps a reference model; lr large enough that one step visibly moves the weights
+TRAIN = {"ppo.kl_coef": 0.1, "ppo.lr": 1e-3, "ppo.micro_batch_size": 2, "ppo.ppo_epochs": 1, "ppo.entropy_coef": 0.01}
+
+
+def test_dtype_auto_serves_bfloat16_on_cuda(make_settings):
+    from clawrl.engine.types import GenerateRequest, SamplingParams
+    from clawrl.judge.runner import load_frozen_engine
+
+    settings = make_settings()
+    assert (settings.model.dtype, settings.model.device) == ("auto", "auto")
+    engine = load_frozen_engine(settings)
+    params = list(engine.model.parameters())
+    assert {p.device.type for p in params} == {"cuda"} and {p.dtype for p in params} == {torch.bfloat16}
+
+    async def generate():
+        await engine.start()
+        try:
+            sp = SamplingParams.from_dict({"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            return await engine.generate(GenerateRequest(input_ids=[1, 504, 1029, 30, 2], sampling_params=sp,
+                                                         return_logprob=True))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(generate())
+    assert len(result.output_ids) == len(result.output_logprobs) == 8
+    assert all(math.isfinite(lp) and lp <= 0 for lp in result.output_logprobs)
+
+
+@pytest.mark.parametrize("backend,model", [("torch", "tiny"), ("megatron", "tiny-qwen3")])
+def test_trainer_takes_a_bf16_step_on_cuda_close_to_float32_on_cpu(make_settings, backend, model):
+    from clawrl.train.trainer import trainer_from_settings
+
+    batch = _batch(49152)
+    metrics, moved = {}, {}
+    # the float32 reference: the torch backend on the CPU (the CPU tests hold megatron to it within 1e-5)
+    for device, kind in (("cpu", "torch"), ("cuda", backend)):
+        trainer = trainer_from_settings(make_settings({**TRAIN, "ppo.backend": kind, "model.name": model,
+                                                       "model.device": device}))
+        b = trainer.backend
+        assert b.compute_dtype == (torch.bfloat16 if device == "cuda" else torch.float32)
+        assert {p.dtype for p in b.params} == {torch.float32}  # master weights and AdamW state stay float32
+        before = {n: p.detach().clone() for n, p in zip(b.param_names, b.params)}
+        metrics[device] = b.train_step(batch)
+        moved[device] = max((p.detach() - before[n]).abs().max().item() for n, p in zip(b.param_names, b.params))
+    if backend == "megatron":
+        assert type(b.model.decoder.layers[0].self_attention.core_attention).__name__ == "SDPACoreAttention"
+    cuda = metrics["cuda"]
+    assert math.isfinite(cuda["grad_norm"]) and cuda["grad_norm"] > 0
+    assert cuda["num_tokens"] == metrics["cpu"]["num_tokens"] == 25.0  # 5 + 2 + 9 + 3 + 6 output tokens
+    assert moved["cuda"] > 1e-4  # AdamW's first step moves a weight by up to lr = 1e-3
+    for key in ("loss", "entropy"):  # bf16 compute: log-probs near -10.8 carry ~0.05 of rounding
+        assert cuda[key] == pytest.approx(metrics["cpu"][key], rel=0.05, abs=0.05), (key, cuda[key], metrics["cpu"][key])
