@@ -58,6 +58,7 @@ def test_trainer_takes_a_bf16_step_on_cuda_close_to_float32_on_cpu(make_settings
         b = trainer.backend
         assert b.compute_dtype == (torch.bfloat16 if device == "cuda" else torch.float32)
         assert {p.dtype for p in b.params} == {torch.float32}  # master weights and AdamW state stay float32
+        assert {p.dtype for p in b.reference.parameters()} == {b.compute_dtype}  # the frozen reference: bf16 on CUDA
         before = {n: p.detach().clone() for n, p in zip(b.param_names, b.params)}
         metrics[device] = b.train_step(batch)
         moved[device] = max((p.detach() - before[n]).abs().max().item() for n, p in zip(b.param_names, b.params))
@@ -67,5 +68,7 @@ def test_trainer_takes_a_bf16_step_on_cuda_close_to_float32_on_cpu(make_settings
     assert math.isfinite(cuda["grad_norm"]) and cuda["grad_norm"] > 0
     assert cuda["num_tokens"] == metrics["cpu"]["num_tokens"] == 25.0  # 5 + 2 + 9 + 3 + 6 output tokens
     assert moved["cuda"] > 1e-4  # AdamW's first step moves a weight by up to lr = 1e-3
+    assert abs(cuda["kl"]) < 0.02  # the bf16 reference vs the policy's autocast pass on the same weights; 0 in fp32
+    assert abs(metrics["cpu"]["kl"]) < 1e-6
     for key in ("loss", "entropy"):  # bf16 compute: log-probs near -10.8 carry ~0.05 of rounding
         assert cuda[key] == pytest.approx(metrics["cpu"][key], rel=0.05, abs=0.05), (key, cuda[key], metrics["cpu"][key])

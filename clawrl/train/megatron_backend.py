@@ -97,7 +97,7 @@ class MegatronBackend(TrainBackend):
         self.reference = None
         if hp.kl_coef > 0:
             # a second model, not a deepcopy: Megatron modules hold process groups, which do not copy
-            self.reference = self._build(reference_dir or self.model_dir, attention).requires_grad_(False)
+            self.reference = self._frozen(self._build(reference_dir or self.model_dir, attention))
         self._init_optimizer()
         self.sharded = [is_tp_sharded(n) for n in self.param_names]  # aligned with self.params
         # q/k norms are replicated but each rank applies them to its own heads only, so their

@@ -50,7 +50,7 @@ class TorchBackend(TrainBackend):
             else:
                 self.reference = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32)
                 self.reference.to(self.device).eval()
-            self.reference.requires_grad_(False)
+            self.reference = self._frozen(self.reference)
         if lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
