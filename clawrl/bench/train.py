@@ -1,4 +1,4 @@
-"""Training throughput: one PPO step of :class:`TorchBackend` vs a plain HF training step.
+"""Training throughput: one PPO step of the trainer's backend (torch or megatron) vs a plain HF training step.
 
 The bound is what any trainer pays for the batch: one forward + backward of the policy with a
 cross-entropy loss on the output tokens, grad-norm clip, one AdamW step. A PPO step does that
@@ -9,7 +9,9 @@ same work plus what the objective needs on top:
 
 The old log-probs cost nothing: they are read from the training forward itself (see
 ``clawrl/train/base.py``). Rows report the PPO step with and without the reference (KL on / off)
-and the reference forward alone, so the overhead can be attributed.
+and the reference forward alone, so the overhead can be attributed. On a GPU each step also gets its
+MFU: the model FLOPs of a training step (``clawrl.bench.mfu``'s count, 6·N·s + attention; the reference
+forward is work on top that it does not count) per second over the H200's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from typing import Any
 import torch
 
 from clawrl.bench.common import bench_dtype, interleaved_times, machine_line, markdown_table
+from clawrl.bench.mfu import PEAK_TFLOPS, compute_flops_per_sequence
 from clawrl.config import PPOSettings
-from clawrl.train.base import PPOHyperParams
+from clawrl.train.base import PPOHyperParams, TrainBackend
 from clawrl.train.batch import TokenBatch, synthetic_batch
-from clawrl.train.torch_backend import TorchBackend
 
 BENCH_HP = PPOHyperParams.from_settings(PPOSettings(), seed=0)  # the default config (combine, KL on)
 
@@ -54,19 +56,34 @@ def _plain_step(model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) ->
     return step
 
 
+def _backend(kind: str, model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) -> TrainBackend:
+    """The trainer's backend as the train flow builds it (Megatron: its default attention, SDPA on CUDA)."""
+    if kind == "megatron":
+        from clawrl.train.megatron_backend import MegatronBackend
+
+        return MegatronBackend(model_dir, hp, dtype=dtype, device=device)
+    from clawrl.train.torch_backend import TorchBackend
+
+    return TorchBackend(model_dir, hp, dtype=dtype, device=device)
+
+
 def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, cache_dir: Path,
-                    batch_size: int = 8, seq_len: int = 256, prompt_len: int = 128, warmup: int = 1,
-                    repeats: int = 3, device: str = "cpu",
+                    batch_size: int = 8, seq_len: int = 256, prompt_len: int | None = None, warmup: int = 1,
+                    repeats: int = 3, device: str = "cpu", backend: str = "torch",
                     progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Seconds (best and median of ``repeats``) and tokens/s (all B*L positions, best run) per step
-    for: the plain HF step (the bound), the PPO step with the KL reference (``ppo_step``, the
-    default config) and without it (``ppo_step_no_ref``), and the reference forward alone.
-    ``vs_bound`` = best bound time / best time (>= 0.8 is the target). ``progress(label)`` is called
-    after each timed step."""
+    for: the plain HF step (the bound), the PPO step of ``backend`` with the KL reference
+    (``ppo_step``, the default config) and without it (``ppo_step_no_ref``), and the reference
+    forward alone. ``vs_bound`` = best bound time / best time (>= 0.8 is the target); ``mfu`` on
+    CUDA (module docstring). Prompts are half of ``seq_len`` unless ``prompt_len`` says otherwise.
+    ``progress(label)`` is called after each timed step."""
+    from transformers import AutoConfig
+
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     rows: list[dict[str, Any]] = []
     dtype = bench_dtype(device)
+    prompt_len = seq_len // 2 if prompt_len is None else prompt_len
     for name in model_names:
         model_dir = resolve_model_dir(name, Path(cache_dir))
         tok = load_tokenizer(model_dir)
@@ -76,8 +93,9 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
         tokens = batch_size * seq_len
         hp = dataclasses.replace(BENCH_HP, micro_batch_size=batch_size)
         plain = _plain_step(model_dir, hp, device, dtype)
-        with_ref = TorchBackend(model_dir, hp, dtype=dtype, device=device)
-        no_ref = TorchBackend(model_dir, dataclasses.replace(hp, kl_coef=0.0), dtype=dtype, device=device)
+        with_ref = _backend(backend, model_dir, hp, device, dtype)
+        no_ref = _backend(backend, model_dir, dataclasses.replace(hp, kl_coef=0.0), device, dtype)
+        flops = batch_size * compute_flops_per_sequence(AutoConfig.from_pretrained(str(model_dir)), seq_len)
         results = interleaved_times({
             "hf_step": lambda: plain(batch),
             "ppo_step": lambda: with_ref.train_step(batch),
@@ -86,12 +104,20 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
         }, repeats, warmup, device=device, progress=progress and (lambda label: progress(f"{name} {label}")))
         bound = results["hf_step"][0]
         for k, (best, median) in results.items():
-            rows.append(dict(model=name, what=k, device=device, dtype=dtype, batch=batch_size, seq_len=seq_len,
-                             threads=torch.get_num_threads(), seconds=round(best, 4), seconds_median=round(median, 4),
-                             tokens_per_s=round(tokens / best, 1),
-                             vs_bound=round(bound / best, 3) if k != "ref_forward" else None))
+            train = k != "ref_forward"
+            rows.append(dict(model=name, what=k, backend="hf" if k == "hf_step" else backend, device=device,
+                             dtype=dtype, batch=batch_size, seq_len=seq_len, threads=torch.get_num_threads(),
+                             seconds=round(best, 4), seconds_median=round(median, 4),
+                             tokens_per_s=round(tokens / best, 1), vs_bound=round(bound / best, 3) if train else None,
+                             mfu=f"{100 * flops / best / (PEAK_TFLOPS * 1e12):.1f}%" if train and device != "cpu"
+                             else None))
+        runtime = getattr(with_ref, "runtime", None)  # megatron: the process group it started
         del plain, with_ref, no_ref
         gc.collect()
+        if runtime is not None:
+            from clawrl.train.megatron_shims import shutdown_megatron
+
+            shutdown_megatron(runtime)
     return rows
 
 
@@ -99,12 +125,14 @@ def format_train_section(train_rows: list[dict[str, Any]], sync_rows: list[dict[
     """The train section: the PPO step vs its bound (these rows) and the weight sync vs its (clawrl.bench.sync)."""
     return "\n".join([
         "## Training step and weight sync", "", machine_line(train_rows[0]["device"], train_rows[0]["dtype"]),
-        f"(a) One PPO step (`TorchBackend.train_step`, {train_rows[0]['batch']} x {train_rows[0]['seq_len']} tokens, "
-        "one micro-batch) vs a plain HF",
+        f"(a) One PPO step (the trainer backend's `train_step`, {train_rows[0]['batch']} x {train_rows[0]['seq_len']} "
+        "tokens, one micro-batch) vs a plain HF",
         "forward + backward + AdamW step of the same batch (the bound). `ppo_step` includes the KL",
         "reference forward (kl_coef > 0, the default); `ppo_step_no_ref` is the step without it.",
+        "`mfu` (GPU only): training FLOPs per second over the 790 TFLOP/s bf16 peak (`clawrl.bench.mfu`).",
         "Target: vs_bound >= 0.8.", "",
-        markdown_table(train_rows, ["model", "what", "threads", "seconds", "seconds_median", "tokens_per_s", "vs_bound"]),
+        markdown_table(train_rows, ["model", "what", "backend", "threads", "seconds", "seconds_median", "tokens_per_s",
+                                    "vs_bound", "mfu"]),
         "", "(b) Weight sync into an idle embedded engine vs its bound (target <= 1.5x): `in_process` =",
         "pause -> state-dict copy -> continue vs copying the same tensors; `disk_sync` = checkpoint save +",
         "`update_weights_from_disk` vs safetensors save_file + load_file of the same state dict.", "",

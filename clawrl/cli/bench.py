@@ -147,17 +147,22 @@ def bench_load(
 def bench_train(
     models: ModelsOpt = "tiny,smollm2-135m",
     repeats: Annotated[int, typer.Option(help="Timed repeats (best is reported, median beside it).")] = 3,
+    backend: Annotated[Literal["torch", "megatron"], typer.Option(help="The trainer backend whose PPO step is timed.")]
+    = "torch",
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
+    seq_len: Annotated[int, typer.Option(min=4, help="Tokens per sequence (half prompt, half output).")] = 256,
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
 ) -> None:
-    """(a) PPO step tokens/s vs a plain HF step; (b) weight-sync time vs its bound."""
+    """(a) PPO step tokens/s (and MFU on a GPU) vs a plain HF step; (b) weight-sync time vs its bound."""
     from clawrl.bench.sync import run_sync_bench
     from clawrl.bench.train import format_train_section, run_train_bench
 
     s = settings_or_exit(config)
     kw = dict(cache_dir=s.storage.models_dir, repeats=repeats, device=_device(device))
     with _status("train bench") as progress:
-        train_rows = run_train_bench(_split(models), progress=progress, **kw)
+        train_rows = run_train_bench(_split(models), progress=progress, backend=backend, batch_size=batch_size,
+                                     seq_len=seq_len, **kw)
         sync_rows = run_sync_bench(_split(models), progress=progress, **kw)
     _write("train", format_train_section(train_rows, sync_rows), out)

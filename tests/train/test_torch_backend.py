@@ -209,13 +209,16 @@ def test_hyperparams_from_settings_copy_plain_values_under_the_settings_names():
     assert values.pop("seed") == 7 and values == {k: getattr(ppo, k) for k in values}  # every other field: [ppo]
 
 
-def test_train_bench_reports_ppo_and_bound_rows(model_cache):
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_train_bench_reports_ppo_and_bound_rows(model_cache, backend):
     from clawrl.bench.train import run_train_bench
 
-    rows = run_train_bench(("tiny",), cache_dir=model_cache, batch_size=2, seq_len=16, prompt_len=8,
-                           warmup=0, repeats=1)
+    rows = run_train_bench(("tiny-qwen3",), cache_dir=model_cache, batch_size=2, seq_len=16, warmup=0, repeats=1,
+                           backend=backend)
     assert [r["what"] for r in rows] == ["hf_step", "ppo_step", "ppo_step_no_ref", "ref_forward"]
+    assert [r["backend"] for r in rows] == ["hf", backend, backend, backend]
     assert rows[0]["vs_bound"] == 1.0 and rows[3]["vs_bound"] is None
+    assert {r["mfu"] for r in rows} == {None}  # MFU is a GPU figure
     for r in rows:  # 2 x 16 tokens per step, from the best run
         assert r["seconds"] <= r["seconds_median"]
         assert r["tokens_per_s"] == pytest.approx(32 / r["seconds"], rel=0.05)  # seconds is rounded
