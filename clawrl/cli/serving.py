@@ -79,9 +79,12 @@ def engine(
             err.print(f"not resuming version {last['weight_version']}: {e}; serving the base model (version 0)",
                       markup=False, style="red", soft_wrap=True)
     dtype = resolve_dtype(s.model.dtype, device)
-    eng = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                         max_context_len=s.engine.max_context_len, weight_version=version,
-                         served_model_name=s.server.served_model_name)
+    try:
+        eng = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=s.engine.max_batch_size,
+                             max_context_len=s.engine.max_context_len, weight_version=version,
+                             served_model_name=s.server.served_model_name)
+    except ConfigError as e:
+        fail(f"config error: {e}")
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
                   f"weight_version {version}, device: {device} [{device_reason}], dtype: {dtype} [{s.model.dtype}])",
                   markup=False, soft_wrap=True)

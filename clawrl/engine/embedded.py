@@ -25,6 +25,7 @@ keeps ``served_model_name`` (SGLang overwrites it with the path).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
@@ -34,6 +35,7 @@ from typing import Any, get_args
 import torch
 from torch import Tensor
 
+from clawrl.config import ConfigError
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import RowSampling
 from clawrl.engine.scheduler import Scheduler
@@ -54,6 +56,11 @@ class EmbeddedEngine:
             raise ValueError("max_batch_size must be >= 1")
         if max_context_len < 2:
             raise ValueError("max_context_len must be >= 2")
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        if max_context_len > config.get("max_position_embeddings", max_context_len):
+            raise ConfigError(f"engine.max_context_len = {max_context_len} is above the model's context of "
+                              f"{config['max_position_embeddings']} tokens (max_position_embeddings in "
+                              f"{Path(model_dir) / 'config.json'}); set it to at most that")
         self._model_path = self.tokenizer_path = str(model_dir)
         self.tokenizer = load_tokenizer(Path(model_dir))
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
@@ -144,7 +151,8 @@ class EmbeddedEngine:
         prompt = self._prompt_ids(req)  # GenerateRequest and SamplingParams validated the rest when made
         sp = req.sampling_params
         if len(prompt) >= self.max_context_len:
-            raise BadRequestError(f"prompt of {len(prompt)} tokens exceeds the context limit {self.max_context_len}")
+            raise BadRequestError(f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                                  f"({self.max_context_len} tokens).")  # SGLang's words
         if req.logprob_start_len > len(prompt):
             raise BadRequestError(f"logprob_start_len {req.logprob_start_len} exceeds the prompt length {len(prompt)}")
         room = self.max_context_len - len(prompt)  # prompt + output <= max_context_len

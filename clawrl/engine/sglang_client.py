@@ -85,6 +85,7 @@ class SGLangClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._session: aiohttp.ClientSession | None = None
         self._has_update_session: bool | None = None  # False once /begin_weight_update answered 404
+        self.max_context_len: int | None = None  # set by learn_context_len
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -184,6 +185,17 @@ class SGLangClient:
     async def model_info(self) -> dict[str, Any]:
         _, content = await self._request("GET", "/model_info")
         return self._json(content, "GET", "/model_info")
+
+    async def learn_context_len(self) -> int | None:
+        """The server's context from ``/server_info`` (SGLang's ``max_req_input_len`` + 1), kept as
+        ``max_context_len`` so that a caller can refuse what does not fit before streaming; None if
+        the server does not say or cannot be reached (its own refusal still comes per request)."""
+        try:
+            _, content = await self._request("GET", "/server_info")
+            self.max_context_len = int(self._json(content, "GET", "/server_info")["max_req_input_len"]) + 1
+        except (EngineError, BadRequestError, KeyError, TypeError, ValueError) as e:
+            log.warning("engine at %s: no context length from /server_info (%s)", self.base_url, e)
+        return self.max_context_len
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200; False on 503 or when the server is unreachable."""

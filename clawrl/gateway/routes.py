@@ -322,6 +322,8 @@ async def _lifespan(app: FastAPI):
         store = DataStore(settings.storage.data_root)
     if hasattr(engine, "start"):
         await engine.start()
+    if hasattr(engine, "learn_context_len"):  # an HTTP engine: refuse what cannot fit before streaming
+        await engine.learn_context_len()
     tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
     state.service = service = ChatService(engine, tokenizer, store, settings, state.generate_hook)
     restored = service.restore_sessions()

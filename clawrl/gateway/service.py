@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -55,14 +56,44 @@ class GatewayError(Exception):
     """An error with an HTTP status and an OpenAI error type."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers = headers  # e.g. Retry-After on a 503
+        self.code = code  # OpenAI's machine-readable code where it has one; else the HTTP status
 
     def body(self) -> dict[str, Any]:
         """The OpenAI-style error body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status if self.code is None else self.code}}
+
+
+def context_length_error(limit: int, prompt_tokens: int, completion_tokens: int | None = None) -> GatewayError:
+    """A request that does not fit the model's context, answered in OpenAI's words and with its code
+    (``context_length_exceeded``), which agents such as OpenClaw read as "compact the conversation"."""
+    if completion_tokens is None:
+        message = (f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                   f"{prompt_tokens} tokens. Please reduce the length of the messages.")
+    else:
+        message = (f"This model's maximum context length is {limit} tokens. However, you requested "
+                   f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, {completion_tokens} "
+                   "in the completion). Please reduce the length of the messages or completion.")
+    return GatewayError(400, message, param="messages", code="context_length_exceeded")
+
+
+# An HTTP engine's own refusals, in SGLang's words (the embedded engine uses the first one too)
+_INPUT_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
+_TOTAL_TOO_LONG = re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: "
+                             r"(\d+) tokens from the input messages and (\d+) tokens for the completion")
+
+
+def _engine_context_error(message: str) -> GatewayError | None:
+    """The OpenAI answer for an engine's context refusal, or None if ``message`` is another refusal."""
+    if m := _INPUT_TOO_LONG.search(message):
+        return context_length_error(int(m[2]), int(m[1]))
+    if m := _TOTAL_TOO_LONG.search(message):
+        return context_length_error(int(m[1]), int(m[2]), int(m[3]))
+    return None
 
 
 def _sampling_error(e: BadRequestError) -> GatewayError:
@@ -147,12 +178,15 @@ class ChatService:
             prompt_ids = self.adapter.render(req.messages, req.tools, req.tool_choice)
         except Exception as e:  # a template error is the client's message shape, not a server fault
             raise GatewayError(400, f"could not apply the chat template: {e}", param="messages") from None
-        limit = getattr(self.engine, "max_context_len", None)  # known for an in-process engine only
-        if isinstance(limit, int) and len(prompt_ids) >= limit:  # refuse before any byte is streamed
-            raise GatewayError(400, f"messages: the prompt is {len(prompt_ids)} tokens; the model's context is "
-                                    f"{limit} tokens (prompt + completion)", param="messages")
+        asked = req.max_completion_tokens or req.max_tokens
+        limit = getattr(self.engine, "max_context_len", None)  # known for an in-process engine; else the engine says
+        if isinstance(limit, int):  # refused before any byte is streamed
+            if len(prompt_ids) >= limit:  # not even one output token fits
+                raise context_length_error(limit, len(prompt_ids))
+            if asked and len(prompt_ids) + asked > limit:
+                raise context_length_error(limit, len(prompt_ids), asked)
         sp: dict[str, Any] = {  # from_dict leaves the engine's default where a value is None
-            "max_new_tokens": req.max_completion_tokens or req.max_tokens or self.settings.ppo.max_new_tokens,
+            "max_new_tokens": asked or self.settings.ppo.max_new_tokens,  # the embedded engine cuts the default to fit
             "temperature": self.settings.ppo.temperature if req.temperature is None else req.temperature,
             "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed,
             **{k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))},
@@ -334,7 +368,7 @@ class ChatService:
             return GatewayError(504, f"engine did not answer within {self.settings.engine.request_timeout_s:g} s",
                                 "engine_timeout")
         if isinstance(e, BadRequestError):
-            return GatewayError(400, str(e))
+            return _engine_context_error(str(e)) or GatewayError(400, str(e))
         return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
 
     def _record(self, turn: Turn, result: GenerateResult) -> tuple[ParsedOutput, str, int]:

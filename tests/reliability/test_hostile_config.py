@@ -136,3 +136,22 @@ def test_env_names_and_ordinary_values_are_not_mistaken_for_secrets(tmp_path):
     s = load_settings(f, env={})
     assert s.server.api_keys_env == "MY_GATEWAY_KEYS" and s.provider.api_key_env == "OPENROUTER_API_KEY"
     assert s.provider.model == "meta-llama/Llama-3.1-8B-Instruct" and s.model.name == "hf_checkpoints/run-2026-01-01"
+
+
+@pytest.mark.timeout(180)
+def test_a_context_above_the_models_own_is_a_config_error_naming_both(tmp_path, model_cache):
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.models import resolve_model_dir
+
+    tiny = resolve_model_dir("tiny", model_cache)  # max_position_embeddings = 4096
+    with pytest.raises(ConfigError, match="engine.max_context_len = 4097 is above the model's context of 4096 tokens"):
+        EmbeddedEngine(tiny, max_context_len=4097)
+    assert EmbeddedEngine(tiny, max_context_len=4096).max_context_len == 4096  # the model's own limit is allowed
+    # `clawrl engine` says so and exits 2 before it binds a port
+    env = _clean_env(CLAWRL__ENGINE__MAX_CONTEXT_LEN="16384", CLAWRL__STORAGE__MODEL_CACHE=str(model_cache),
+                     CLAWRL__STORAGE__DATA_ROOT=str(tmp_path / "data"), CLAWRL__MODEL__DEVICE="cpu")
+    p = subprocess.run([sys.executable, "-m", "clawrl.cli", "engine", "--model", "tiny", "--port", "1"],
+                       capture_output=True, text=True, env=env, timeout=150)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("config error: engine.max_context_len = 16384 is above the model's context of 4096 "
+                               "tokens") and "Traceback" not in p.stderr, p.stderr

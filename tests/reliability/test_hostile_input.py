@@ -137,34 +137,47 @@ def _raw_request(gw: Gateway, raw: bytes) -> tuple[int, bytes]:
     return int(head.split(b" ", 2)[1]), body
 
 
-# ------------------------------------------------------------------------------ huge max_tokens
+# ------------------------------------------------------------------------ context overflow
+
+
+def assert_context_error(err: dict, prompt_tokens: int | None, completion_tokens: int | None = None) -> None:
+    """OpenAI's context_length_exceeded error, in its words (agents match them to compact)."""
+    assert err["code"] == "context_length_exceeded" and err["type"] == "invalid_request_error", err
+    assert err["param"] == "messages", err
+    head = f"This model's maximum context length is {CONTEXT} tokens. However, "
+    if completion_tokens is None:
+        assert err["message"] == (f"{head}your messages resulted in {prompt_tokens} tokens. "
+                                  "Please reduce the length of the messages."), err
+    else:
+        assert err["message"] == (f"{head}you requested {prompt_tokens + completion_tokens} tokens ({prompt_tokens} "
+                                  f"in the messages, {completion_tokens} in the completion). Please reduce the "
+                                  "length of the messages or completion."), err
 
 
 @pytest.mark.timeout(180)
-def test_huge_max_tokens_is_clamped_to_the_context(gw):
+def test_a_request_that_does_not_fit_the_context_is_refused_as_openai_does(gw):
     before = len(gw.turns())
-    for field, value in (("max_tokens", 10**9), ("max_completion_tokens", 2**80)):  # 2**80: beyond int64
-        r = gw.post(json={"messages": HI, field: value, "temperature": 1.0, "seed": 3},
-                    headers={"X-Session-Id": f"huge-{field}"})
-        assert r.status_code == 200, r.text
-        usage, finish = r.json()["usage"], r.json()["choices"][0]["finish_reason"]
-        used = usage["prompt_tokens"] + usage["completion_tokens"]
-        assert (finish == "length" and used == CONTEXT) or (finish == "stop" and used < CONTEXT)  # clamped
-    # streamed: the same clamp, and the stream ends with a finish reason and [DONE]
-    with httpx.stream("POST", gw.url, json={"messages": HI, "max_tokens": 10**9, "stream": True, "seed": 3,
-                                            "stream_options": {"include_usage": True}},
-                      headers={"X-Session-Id": "huge-stream"}, timeout=120) as s:
-        assert s.status_code == 200
-        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert not any("error" in c for c in chunks)
-    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    used = chunks[-1]["usage"]["prompt_tokens"] + chunks[-1]["usage"]["completion_tokens"]
-    assert (finish == ["length"] and used == CONTEXT) or (finish == ["stop"] and used < CONTEXT)
-    rows = gw.turns()
-    assert len(rows) == before + 3
-    assert all(len(r["output_ids"]) == len(r["rollout_logprobs"]) for r in rows)
+    prompt = gw.post(json={"messages": HI, "max_tokens": 1, "temperature": 0}).json()["usage"]["prompt_tokens"]
+    for field, value in (("max_tokens", 10**9), ("max_completion_tokens", 2**80), ("max_tokens", CONTEXT - prompt + 1)):
+        r = gw.post(json={"messages": HI, field: value}, headers={"X-Session-Id": f"huge-{field}"})
+        assert r.status_code == 400, r.text
+        assert_context_error(r.json()["error"], prompt, value)
+    long = [{"role": "user", "content": "word " * 200}]
+    for stream in (False, True):  # refused before a byte of the stream
+        r = gw.post(json={"messages": long, "stream": stream})
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+        err = r.json()["error"]
+        assert_context_error(err, int(err["message"].split("resulted in ")[1].split(" ")[0]))
+        assert int(err["message"].split("resulted in ")[1].split(" ")[0]) > CONTEXT
+    # the openai SDK raises it as a BadRequestError carrying the code
+    with pytest.raises(openai.BadRequestError) as info:
+        gw.client.chat.completions.create(model="m", messages=HI, max_tokens=CONTEXT)
+    assert info.value.code == "context_length_exceeded"
+    # a request that fits exactly is served
+    r = gw.post(json={"messages": HI, "max_tokens": CONTEXT - prompt, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(gw.turns()) == before + 2  # the two probes only: nothing from the refused ones
+    assert all(len(r["output_ids"]) == len(r["rollout_logprobs"]) for r in gw.turns())
 
 
 # --------------------------------------------------------------------------- malformed bodies
@@ -317,11 +330,8 @@ def test_malformed_messages_and_tool_calls_are_400s(gw):
          [f"{tc}.function.arguments", "JSON-encoded string"], f"{tc}.function.arguments"),
         (convo({"tool_calls": [{"type": "function", "function": {"name": "f"}}]}), 400,
          [f"{tc}.id", "Field required"], f"{tc}.id"),
-        # a prompt longer than the context is refused before anything is generated or streamed
-        (dict(json={"messages": [{"role": "user", "content": "word " * 200}], "stream": True}), 400,
-         ["messages: the prompt is", f"context is {CONTEXT} tokens"], "messages"),
     ]
-    assert rejected_without_a_turn(gw, cases, "after-bad-messages") == 13
+    assert rejected_without_a_turn(gw, cases, "after-bad-messages") == 12
 
 
 # -------------------------------------------------------------------------------------- judge
