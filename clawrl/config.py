@@ -53,6 +53,14 @@ Url = Annotated[str, AfterValidator(lambda v: v.rstrip("/"))]
 AbsPath = Annotated[Path, AfterValidator(lambda p: p.expanduser().resolve())]
 
 
+def _regex(pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"not a regular expression: {e}") from None
+    return pattern
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: TOML has inf and nan literals, and no setting means anything with them
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
@@ -94,6 +102,12 @@ class ServerSettings(_Section):
     served_model_name: str = Field("clawrl-policy", description="The model id /v1/models reports.")
     default_turn_type: Literal["main", "side"] = Field("main", description="Turn type when a request names none. "
                                                        "'main' makes any OpenAI client produce training data.")
+    side_turn_patterns: list[Annotated[str, AfterValidator(_regex)]] = Field(
+        [r"you are a context summari[sz]ation assistant",
+         r"the messages above are (a conversation|new conversation messages) to (summari[sz]e|incorporate)"],
+        description="Regular expressions (case-insensitive): a request naming no turn type whose system "
+        "message or last message matches one is a side turn - an agent's own maintenance call, such as "
+        "OpenClaw's compaction summariser (the defaults). A request that adds no user or tool message is one too.")
     session_idle_timeout_s: float = Field(900.0, gt=0, description="A session idle this long is closed.")
     max_sessions: int = Field(10000, ge=1, description="Open sessions kept in memory (LRU beyond).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
@@ -472,21 +486,3 @@ def prefect_api_url() -> str | None:
     """``PREFECT_API_URL`` as ``clawrl up`` sets it for its processes, or None: then there is no Prefect
     server to submit a deployment run to (the gateway's /admin/replay says so)."""
     return read_secret("PREFECT_API_URL")
-
-
-def resolve_device(setting: str) -> tuple[str, str]:
-    """('cuda'|'cpu'|'cuda:N', reason) for a model.device setting; 'auto' probes torch."""
-    if setting != "auto":
-        return setting, "set in config"
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda", "auto: torch.cuda.is_available() is True"
-    return "cpu", "auto: no CUDA device visible"
-
-
-def resolve_dtype(setting: str, device: str) -> str:
-    """The dtype a model.dtype setting means on ``device``: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
-    if setting != "auto":
-        return setting
-    return "bfloat16" if device.startswith("cuda") else "float32"

@@ -164,6 +164,24 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def resolve_device(setting: str) -> tuple[str, str]:
+    """('cuda'|'cpu'|'cuda:N', reason) for a model.device setting; 'auto' probes torch."""
+    if setting != "auto":
+        return setting, "set in config"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", "auto: torch.cuda.is_available() is True"
+    return "cpu", "auto: no CUDA device visible"
+
+
+def resolve_dtype(setting: str, device: str) -> str:
+    """The dtype a model.dtype setting means on ``device``: 'auto' is bfloat16 on CUDA, float32 elsewhere."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 def torch_dtype(name: str):
     import torch
 

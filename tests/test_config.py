@@ -13,8 +13,8 @@ from clawrl.config import (
     load_settings,
     parse_override,
     read_api_keys,
-    resolve_dtype,
 )
+from clawrl.models import resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 

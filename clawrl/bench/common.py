@@ -23,7 +23,8 @@ import httpx
 import torch
 
 from clawrl.bench import cpu_model
-from clawrl.config import ServerSettings, child_env, resolve_dtype
+from clawrl.config import ServerSettings, child_env
+from clawrl.models import resolve_dtype
 
 
 def bench_dtype(device: str) -> str:

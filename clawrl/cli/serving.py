@@ -51,7 +51,7 @@ def engine(
 ) -> None:
     """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0", or with
     --resume at the last version synced successfully)."""
-    from clawrl.config import resolve_device, resolve_dtype
+    from clawrl.models import resolve_device, resolve_dtype
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.engine.server import serve_engine
     from clawrl.models import ModelNotFoundError, resolve_model_dir

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends
 from clawrl.config import ConfigError, parse_override, prefect_api_url
 from clawrl.gateway.deps import ServiceDep, require_admin
 from clawrl.gateway.schemas import ReplayRequest
-from clawrl.gateway.service import GatewayError
+from clawrl.gateway.errors import GatewayError
 from clawrl.ids import new_id
 
 log = logging.getLogger("clawrl.gateway.admin")

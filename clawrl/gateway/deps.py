@@ -11,7 +11,8 @@ from fastapi import Depends, Header, Request
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 
-from clawrl.gateway.service import ChatService, GatewayError, TurnContext
+from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.service import ChatService, TurnContext
 from clawrl.gateway.sessions import SESSION_ID_RE
 
 OPEN_NAMESPACE = "open"

@@ -30,7 +30,8 @@ from clawrl.gateway.schemas import (
     SessionLog,
     SessionTurn,
 )
-from clawrl.gateway.service import ChatService, GatewayError
+from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.service import ChatService
 from clawrl.gateway.sessions import validate_session_id
 from clawrl.hooks import load_hook
 
@@ -260,7 +261,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
         from clawrl.engine.sglang_client import SGLangClient
 
         return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
-    from clawrl.config import resolve_device, resolve_dtype
+    from clawrl.models import resolve_device, resolve_dtype
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.checkpoint import newest_intact_checkpoint
 

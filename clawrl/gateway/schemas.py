@@ -44,6 +44,8 @@ class ChatCompletionRequest(Lenient):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # with user and metadata.session_id: a session id (sessions.py)
+    metadata: dict[str, Any] | None = None
     # --- clawrl extensions (also accepted as X-Session-Id / X-Turn-Type / X-Session-Done headers) ---
     session_id: str | None = None
     turn_type: Literal["main", "side"] | None = None

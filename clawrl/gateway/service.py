@@ -38,9 +38,16 @@ from clawrl.engine.types import (
     GenerateResult,
     SamplingParams,
 )
+from clawrl.gateway.errors import GatewayError, context_length_error, engine_context_error, sampling_error
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
-from clawrl.gateway.sessions import PendingTurn, SessionState, SessionTracker, derive_session_id, validate_session_id
+from clawrl.gateway.sessions import (
+    PendingTurn,
+    SessionState,
+    SessionTracker,
+    explicit_session_id,
+    validate_session_id,
+)
 from clawrl.ids import new_id
 from clawrl.records import NextStateRecord, TurnRecord, TurnType, utcnow
 
@@ -50,60 +57,6 @@ log = logging.getLogger("clawrl.gateway")
 # Next-state records that could not be written (full disk) wait in memory for the next write;
 # beyond this many the oldest are dropped (logged) rather than growing without bound.
 MAX_UNWRITTEN_NEXT_STATES = 100_000
-
-
-class GatewayError(Exception):
-    """An error with an HTTP status and an OpenAI error type."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-        self.headers = headers  # e.g. Retry-After on a 503
-        self.code = code  # OpenAI's machine-readable code where it has one; else the HTTP status
-
-    def body(self) -> dict[str, Any]:
-        """The OpenAI-style error body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status if self.code is None else self.code}}
-
-
-def context_length_error(limit: int, prompt_tokens: int, completion_tokens: int | None = None) -> GatewayError:
-    """A request that does not fit the model's context, answered in OpenAI's words and with its code
-    (``context_length_exceeded``), which agents such as OpenClaw read as "compact the conversation"."""
-    if completion_tokens is None:
-        message = (f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
-                   f"{prompt_tokens} tokens. Please reduce the length of the messages.")
-    else:
-        message = (f"This model's maximum context length is {limit} tokens. However, you requested "
-                   f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, {completion_tokens} "
-                   "in the completion). Please reduce the length of the messages or completion.")
-    return GatewayError(400, message, param="messages", code="context_length_exceeded")
-
-
-# An HTTP engine's own refusals, in SGLang's words (the embedded engine uses the first one too)
-_INPUT_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
-_TOTAL_TOO_LONG = re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: "
-                             r"(\d+) tokens from the input messages and (\d+) tokens for the completion")
-
-
-def _engine_context_error(message: str) -> GatewayError | None:
-    """The OpenAI answer for an engine's context refusal, or None if ``message`` is another refusal."""
-    if m := _INPUT_TOO_LONG.search(message):
-        return context_length_error(int(m[2]), int(m[1]))
-    if m := _TOTAL_TOO_LONG.search(message):
-        return context_length_error(int(m[1]), int(m[2]), int(m[3]))
-    return None
-
-
-def _sampling_error(e: BadRequestError) -> GatewayError:
-    """The engine's sampling_params complaint naming the request field, kept short (it may quote a
-    value the client sent, e.g. a large logit_bias). The engine's names are the request's own for
-    every field it can refuse: max_tokens and seed, whose names differ, are range-checked by the
-    request schema before the engine sees them."""
-    msg = str(e).removeprefix("sampling_params.")
-    name = msg.split(" ", 1)[0].rstrip(":")
-    return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=name if name.isidentifier() else None)
 
 
 @dataclass(frozen=True)
@@ -146,6 +99,7 @@ class ChatService:
         self._unwritten_next_states: list[NextStateRecord] = []
         self.paused = False  # POST /admin/pause: new turns get 503, turns in flight finish
         self._decode = lru_cache(maxsize=65536)(lambda tid: tokenizer.decode([tid]))
+        self._side_patterns = [re.compile(p, re.IGNORECASE) for p in settings.server.side_turn_patterns]
         # Read when /metrics is scraped: counting pending turns walks every open session, which
         # per request would cost O(open sessions) (~0.3 ms at a few thousand).
         metrics.pending_turns.set_function(lambda: tracker.pending_turns)
@@ -162,15 +116,18 @@ class ChatService:
         if req.response_format and req.response_format.get("type") not in (None, "text"):
             raise GatewayError(400, "response_format other than 'text' is not supported", param="response_format")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        session_id = req.session_id or ctx.session_id
-        if session_id is None:
-            session_id = derive_session_id(ctx.namespace, messages, req.user)
+        # which session a request belongs to: sessions.py's docstring
+        session_id = ctx.session_id if ctx.session_id is not None else req.session_id
         try:
-            validate_session_id(session_id)
+            if session_id is not None:
+                validate_session_id(session_id)
         except ValueError as e:  # say where the bad id came from; it is never used to build a path
-            where = "session_id" if req.session_id else "X-Session-Id header"
+            where = "X-Session-Id header" if ctx.session_id is not None else "session_id"
             raise GatewayError(400, f"{where}: {e}", param="session_id") from None
-        turn_type = req.turn_type or ctx.turn_type or self.settings.server.default_turn_type
+        session_id = (session_id or explicit_session_id(req.prompt_cache_key, req.user, req.metadata)
+                      or self.tracker.find(ctx.namespace, messages))
+        turn_type = req.turn_type or ctx.turn_type or (
+            TurnType.SIDE.value if self._maintenance(messages) else self.settings.server.default_turn_type)
         if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
             raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
         done = bool(req.session_done if req.session_done is not None else ctx.session_done)
@@ -194,12 +151,24 @@ class ChatService:
         try:
             sampling = SamplingParams.from_dict(sp)
         except BadRequestError as e:
-            raise _sampling_error(e) from None
+            raise sampling_error(e) from None
         gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
                               top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0)
         state, evicted = self.tracker.open(ctx.namespace, session_id)
         self._write_next_states(evicted)
         return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())
+
+    def _maintenance(self, messages: list[dict[str, Any]]) -> bool:
+        """An agent's own call, made a side turn when the request names no turn type: it adds no
+        user or tool message, or a system message or its last message matches [server]
+        side_turn_patterns (an agent's compaction summariser, say)."""
+        if messages[-1].get("role") not in ("user", "tool"):
+            return True
+        texts = [m.get("content") for m in messages if m.get("role") in ("system", "developer")]
+        texts.append(messages[-1].get("content"))
+        texts = [t if isinstance(t, str) else " ".join(p.get("text", "") for p in t or [] if isinstance(p, dict))
+                 for t in texts]
+        return any(p.search(t) for p in self._side_patterns for t in texts)
 
     async def complete(self, turn: Turn) -> tuple[dict[str, Any], float]:
         """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
@@ -368,7 +337,7 @@ class ChatService:
             return GatewayError(504, f"engine did not answer within {self.settings.engine.request_timeout_s:g} s",
                                 "engine_timeout")
         if isinstance(e, BadRequestError):
-            return _engine_context_error(str(e)) or GatewayError(400, str(e))
+            return engine_context_error(str(e)) or GatewayError(400, str(e))
         return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
 
     def _record(self, turn: Turn, result: GenerateResult) -> tuple[ParsedOutput, str, int]:
@@ -409,8 +378,11 @@ class ChatService:
         self.metrics.turns_recorded.labels(turn.turn_type).inc()
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         self.metrics.completion_tokens.inc(result.completion_tokens)
-        closing = self.tracker.finish_turn(state, rec.turn_id, index, len(turn.messages),
-                                           main=turn.turn_type == TurnType.MAIN.value, done=turn.done)
+        main = turn.turn_type == TurnType.MAIN.value
+        if main:
+            self.tracker.remember_answer(state, turn.messages, {"role": "assistant", "content": parsed.content,
+                                                                "tool_calls": parsed.tool_calls})
+        closing = self.tracker.finish_turn(state, rec.turn_id, index, len(turn.messages), main=main, done=turn.done)
         self._write_next_states(closing)
         return parsed, finish, index
 

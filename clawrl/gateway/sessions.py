@@ -8,10 +8,16 @@ the pending turn's next state. A session ends on ``session_done``, after ``idle_
 a request, or when evicted to keep at most ``max_sessions`` in memory; its pending turn is then
 recorded as having no next state. Nothing waits forever.
 
-Without a session id, :func:`derive_session_id` hashes the namespace, the OpenAI ``user`` field and
-the conversation's first system and user messages: every request of one conversation resends that
-prefix, so it maps to one stable id. Two conversations that open with identical messages (and no
-``user`` field) share an id; clients that care send ``X-Session-Id``.
+Which session a request belongs to (:func:`explicit_session_id`, then the tracker): the first id the
+client gives - the ``X-Session-Id`` header, the body's ``session_id``, OpenAI's ``prompt_cache_key``
+and ``user`` fields, ``metadata.session_id`` (agents such as OpenClaw cannot send per-session headers
+but send their session id as ``prompt_cache_key``); else the session whose last answer (and the user
+message before it) the request continues, if the id derived next is not an open session - so a
+conversation whose earlier messages an agent compacted stays one session; else
+:func:`derive_session_id`, a hash of the namespace and the conversation's first system and user
+messages with the parts agents change on every request (dates, times, numbers, weekday and month
+names) left out. Two conversations that open with identical messages share a derived id; clients
+that care send an id.
 """
 
 from __future__ import annotations
@@ -50,11 +56,43 @@ def validate_session_id(session_id: str) -> str:
 _ID_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
 
 
-def derive_session_id(namespace: str, messages: list[dict[str, Any]], user: str | None) -> str:
+_VOLATILE = re.compile(r"\d+|\b(?:mon|tues|wednes|thurs|fri|satur|sun)day\b|\b(?:january|february|march|april|may|"
+                       r"june|july|august|september|october|november|december)\b", re.IGNORECASE)
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(_ID_ENCODER.encode(list(parts)).encode()).hexdigest()[:20]
+
+
+def explicit_session_id(prompt_cache_key: Any, user: Any, metadata: Any) -> str | None:
+    """The session id an OpenAI field carries (``prompt_cache_key``, ``user``, ``metadata.session_id``,
+    in that order), as it is when it is a valid id, else as a stable hash of it; None if none is set."""
+    meta = metadata.get("session_id") if isinstance(metadata, dict) else None
+    value = next((v for v in (prompt_cache_key, user, meta) if isinstance(v, str) and v), None)
+    if value is None or (SESSION_ID_RE.match(value) and value.strip(".")):
+        return value
+    return "key-" + _digest(value)
+
+
+def derive_session_id(namespace: str, messages: list[dict[str, Any]]) -> str:
     first_system = next((m.get("content") for m in messages if m.get("role") in ("system", "developer")), None)
     first_user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
-    blob = _ID_ENCODER.encode([namespace, user, first_system, first_user])
-    return "auto-" + hashlib.sha256(blob.encode()).hexdigest()[:20]
+    if isinstance(first_system, str):
+        first_system = _VOLATILE.sub("#", first_system)
+    # the None: where the `user` field went before it became an id of its own; kept so that ids of
+    # conversations without volatile parts stay what they were
+    return "auto-" + _digest(namespace, None, first_system, first_user)
+
+
+def _last_exchange(messages: list[dict[str, Any]]) -> str | None:
+    """A digest of the last assistant message and the user message before it (None without one)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        return None
+    asked = next((m.get("content") for m in reversed(messages[:last]) if m.get("role") == "user"), None)
+    answer = messages[last]
+    calls = [(c.get("function") or {}).get("name") for c in answer.get("tool_calls") or []]  # ids and args get
+    return _digest(asked, answer.get("content") or "", calls)  # re-serialised by clients: names only
 
 
 @dataclass
@@ -88,6 +126,8 @@ class SessionTracker:
         # Next turn index of sessions no longer in memory, so a returning session never reuses an
         # index. Bounded too: beyond it, indices restart (turn ids stay unique regardless).
         self._closed_index: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # (namespace, digest of a main turn's answer and the user message before it) -> its session
+        self._answers: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -113,6 +153,23 @@ class SessionTracker:
 
     def is_open(self, namespace: str, session_id: str) -> bool:
         return (namespace, session_id) in self._sessions
+
+    def find(self, namespace: str, messages: list[dict[str, Any]]) -> str:
+        """The session of a request without an id (module docstring): the derived id if that session
+        is open, else the session whose recorded answer the messages continue, else the derived id."""
+        derived = derive_session_id(namespace, messages)
+        if self.is_open(namespace, derived):
+            return derived
+        exchange = _last_exchange(messages)
+        return self._answers.get((namespace, exchange), derived) if exchange else derived
+
+    def remember_answer(self, state: SessionState, messages: list[dict[str, Any]], answer: dict[str, Any]) -> None:
+        """Note a main turn's answer, so that a request continuing it finds its session (bounded)."""
+        key = (state.namespace, _last_exchange([*messages, answer]) or "")
+        self._answers[key] = state.session_id
+        self._answers.move_to_end(key)
+        while len(self._answers) > self.max_sessions:
+            self._answers.popitem(last=False)
 
     def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
         """Called when a new main request arrives: close the pending turn with what was added."""

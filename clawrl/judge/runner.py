@@ -12,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from clawrl.config import Settings, read_secret, resolve_device, resolve_dtype
+from clawrl.config import Settings, read_secret
 from clawrl.engine.types import Engine
 from clawrl.hooks import load_hook
 from clawrl.judge.backends import EngineJudge, JudgeBackend, ProviderJudge, RuleJudge
 from clawrl.judge.pipeline import Judge, JudgeOutcome, judge_config_hash
+from clawrl.models import resolve_device, resolve_dtype
 from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, TurnRecord
 
 

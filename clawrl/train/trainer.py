@@ -128,7 +128,7 @@ class Trainer:
 
 def trainer_from_settings(settings) -> Trainer:
     """The entry-point factory: a Trainer for ``[model]`` / ``[ppo]`` under ``<data_root>/checkpoints``."""
-    from clawrl.config import resolve_device, resolve_dtype
+    from clawrl.models import resolve_device, resolve_dtype
     from clawrl.hooks import load_hook
     from clawrl.models import load_tokenizer, resolve_model_dir
 

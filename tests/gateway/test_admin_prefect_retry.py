@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from clawrl.gateway import admin
-from clawrl.gateway.service import GatewayError
+from clawrl.gateway.errors import GatewayError
 
 DEPLOYMENT_ID, FLOW_ID = str(uuid.uuid4()), str(uuid.uuid4())
 

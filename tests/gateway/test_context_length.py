@@ -9,27 +9,27 @@ import httpx
 import pytest
 
 from clawrl.gateway.routes import create_app
-from clawrl.gateway.service import _engine_context_error
+from clawrl.gateway.errors import engine_context_error
 from clawrl.serving import serve_in_thread
 from clawrl.storage.writer import DataStore
 from tests.utils.engine_server import CONTEXT, make_tiny_engine, running_engine_server
 
 
 def test_sglangs_two_refusals_become_openais_error():
-    err = _engine_context_error("The input (300 tokens) is longer than the model's context length (256 tokens).")
+    err = engine_context_error("The input (300 tokens) is longer than the model's context length (256 tokens).")
     assert err.status == 400 and err.body()["error"] == {
         "message": "This model's maximum context length is 256 tokens. However, your messages resulted in 300 tokens. "
                    "Please reduce the length of the messages.",
         "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
     # SGLang's words when the prompt fits but prompt + max_new_tokens does not
-    err = _engine_context_error(
+    err = engine_context_error(
         "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a total of "
         "70000 tokens: 6000 tokens from the input messages and 64000 tokens for the completion. Please reduce the "
         "number of tokens in the input messages or the completion to fit within the limit.")
     assert err.body()["error"]["message"] == (
         "This model's maximum context length is 32768 tokens. However, you requested 70000 tokens (6000 in the "
         "messages, 64000 in the completion). Please reduce the length of the messages or completion.")
-    assert _engine_context_error("sampling_params.temperature must be >= 0") is None
+    assert engine_context_error("sampling_params.temperature must be >= 0") is None
 
 
 @pytest.mark.timeout(180)

@@ -194,6 +194,52 @@ def test_sessions_without_id_get_a_stable_derived_id(gateway):
     assert r1.model_extra["turn_type"] == "main"  # generic clients produce training data
 
 
+def test_an_agent_without_session_headers_keeps_one_session(gateway):
+    """OpenClaw-shaped traffic: no session header; a system prompt that carries the time; a
+    compaction that rewrites the history; the agent's own summariser call. One conversation stays
+    one session, its next states link, and the summariser call is a side turn."""
+    s, store, ctx = gateway(**{"ppo.temperature": 0.0})
+    with ctx as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="x")
+
+        def ask(messages, **kw):
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=6, **kw)
+            return r, {"role": "assistant", "content": r.choices[0].message.content}
+
+        def system(t):
+            return {"role": "system", "content": f"You are Claw. Current time: 2026-12-01 {t} UTC."}
+
+        # 1. prompt_cache_key names the session (an invalid id is hashed, never refused)
+        r, _ = ask([system("10:00"), {"role": "user", "content": "hi"}], prompt_cache_key="agent:main/chat 1")
+        assert r.model_extra["session_id"].startswith("key-")
+        assert ask([{"role": "user", "content": "x"}], user="bob")[0].model_extra["session_id"] == "bob"
+        # 2. derived: the time in the system prompt changes every request, the session does not
+        history = [system("10:00"), {"role": "user", "content": "plan my week"}]
+        r1, a1 = ask(history)
+        history = [system("10:05"), *history[1:], a1, {"role": "user", "content": "and Tuesday?"}]
+        r2, a2 = ask(history)
+        sid = r1.model_extra["session_id"]
+        assert sid.startswith("auto-") and r2.model_extra["session_id"] == sid
+        # 3. the agent's summariser: a side turn of a session of its own
+        summary = [{"role": "system", "content": "You are a context summarization assistant. ..."},
+                   {"role": "user", "content": "<conversation>...</conversation>\n\nThe messages above are a "
+                                               "conversation to summarize. Create a structured checkpoint."}]
+        rs, _ = ask(summary)
+        assert rs.model_extra["turn_type"] == "side" and rs.model_extra["session_id"] != sid
+        # 4. after compaction the opening is a summary; the last exchange continues the session
+        compacted = [system("10:09"), {"role": "user", "content": "Summary: the user plans a week."},
+                     history[3], a2, {"role": "user", "content": "thanks!"}]
+        r3, _ = ask(compacted)
+        assert r3.model_extra["session_id"] == sid and r3.model_extra["turn_type"] == "main"
+    store.flush()
+    rows = turns(s, f"session_id = '{sid}'")
+    assert [(r["turn_index"], r["turn_type"]) for r in rows] == [(0, "main"), (1, "main"), (2, "main")]
+    links = run_query(s.storage.data_root, f"select turn_index, reason, messages from next_states "
+                                           f"where session_id = '{sid}' order by turn_index").to_pylist()
+    assert [(n["turn_index"], n["reason"]) for n in links][:2] == [(0, "next_request"), (1, "next_request_realigned")]
+    assert json.loads(links[1]["messages"]) == [{"role": "user", "content": "thanks!"}]
+
+
 def test_errors_are_openai_shaped(gateway):
     s, store, ctx = gateway(server__max_body_bytes=2048)
     with ctx as gw:

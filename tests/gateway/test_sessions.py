@@ -2,7 +2,13 @@ import json
 
 import pytest
 
-from clawrl.gateway.sessions import BadSessionError, SessionTracker, derive_session_id, validate_session_id
+from clawrl.gateway.sessions import (
+    BadSessionError,
+    SessionTracker,
+    derive_session_id,
+    explicit_session_id,
+    validate_session_id,
+)
 
 
 class Clock:
@@ -113,12 +119,41 @@ def test_session_id_validation_and_derivation():
             validate_session_id(bad)
     m1 = msgs(("system", "s"), ("user", "u"))
     m2 = m1 + msgs(("assistant", "a"), ("user", "next"))
-    assert derive_session_id("ns", m1, None) == derive_session_id("ns", m2, None)  # same conversation
-    assert derive_session_id("ns", m1, None) != derive_session_id("other", m1, None)
-    assert derive_session_id("ns", m1, None) != derive_session_id("ns", m1, "alice")
-    assert validate_session_id(derive_session_id("ns", m1, None))
+    assert derive_session_id("ns", m1) == derive_session_id("ns", m2)  # same conversation
+    assert derive_session_id("ns", m1) != derive_session_id("other", m1)
+    assert validate_session_id(derive_session_id("ns", m1))
     # Pinned: a derived id must not change across versions (a conversation that continues after an
     # upgrade keeps its session). sha256 of '["ns", null, "s", "u"]' (json.dumps, sort_keys, ASCII):
-    assert derive_session_id("ns", m1, None) == "auto-829f743b500215853aab"
-    parts = [{"role": "user", "content": [{"type": "text", "text": "h\u00e9llo"}]}]  # keys sorted, non-ASCII escaped
-    assert derive_session_id("ns", parts, "alice") == "auto-c672bd11e945877aae52"
+    assert derive_session_id("ns", m1) == "auto-829f743b500215853aab"
+    # what an agent changes on every request does not split the conversation: dates, times, weekdays
+    day1 = msgs(("system", "You are Claw. Today is Tuesday, December 1, 2026, 23:59 UTC."), ("user", "u"))
+    day2 = msgs(("system", "You are Claw. Today is Wednesday, December 2, 2026, 00:01 UTC."), ("user", "u"))
+    other = msgs(("system", "You are Paw. Today is Tuesday, December 1, 2026, 23:59 UTC."), ("user", "u"))
+    assert derive_session_id("ns", day1) == derive_session_id("ns", day2) != derive_session_id("ns", other)
+
+
+def test_an_id_in_openai_fields_names_the_session():
+    assert explicit_session_id("oc-session-7", "alice", {"session_id": "m"}) == "oc-session-7"  # the first set
+    assert explicit_session_id(None, "alice", {"session_id": "m"}) == "alice"
+    assert explicit_session_id("", None, {"session_id": "m"}) == "m"
+    assert explicit_session_id(None, None, {"other": 1}) is None and explicit_session_id(None, None, None) is None
+    # a value that is not a valid id (a slash, a space) becomes a stable hash of it, never a 400
+    hashed = explicit_session_id("agent:main/telegram chat 42", None, None)
+    assert hashed == explicit_session_id("agent:main/telegram chat 42", None, None) != explicit_session_id("x y", None, None)
+    assert hashed.startswith("key-") and validate_session_id(hashed)
+
+
+def test_a_compacted_conversation_is_found_by_its_last_answer():
+    tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    first = msgs(("system", "s"), ("user", "plan my week"))
+    sid = tr.find("ns", first)
+    state, _ = tr.open("ns", sid)
+    tr.remember_answer(state, first, {"role": "assistant", "content": "Monday: gym.", "tool_calls": None})
+    tr.finish_turn(state, "t0", 0, len(first), main=True, done=False)
+    # the agent compacted: a summary replaces the opening, the last exchange is kept
+    compacted = msgs(("system", "s"), ("user", "Summary of the earlier conversation: ..."),
+                     ("user", "plan my week"), ("assistant", "Monday: gym."), ("user", "and Tuesday?"))
+    assert derive_session_id("ns", compacted) != sid and tr.find("ns", compacted) == sid
+    # another conversation whose answer differs does not land there; nor does another namespace
+    assert tr.find("ns", compacted[:3] + msgs(("assistant", "Rest."), ("user", "ok"))) != sid
+    assert tr.find("other", compacted) != sid

@@ -1,0 +1,63 @@
+"""The gateway's errors: an HTTP status with an OpenAI-style body, and the refusals that have
+OpenAI's or SGLang's own wording."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from clawrl.engine.types import BadRequestError
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status and an OpenAI error type."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers  # e.g. Retry-After on a 503
+        self.code = code  # OpenAI's machine-readable code where it has one; else the HTTP status
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-style error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status if self.code is None else self.code}}
+
+
+def context_length_error(limit: int, prompt_tokens: int, completion_tokens: int | None = None) -> GatewayError:
+    """A request that does not fit the model's context, answered in OpenAI's words and with its code
+    (``context_length_exceeded``), which agents such as OpenClaw read as "compact the conversation"."""
+    if completion_tokens is None:
+        message = (f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                   f"{prompt_tokens} tokens. Please reduce the length of the messages.")
+    else:
+        message = (f"This model's maximum context length is {limit} tokens. However, you requested "
+                   f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, {completion_tokens} "
+                   "in the completion). Please reduce the length of the messages or completion.")
+    return GatewayError(400, message, param="messages", code="context_length_exceeded")
+
+
+# An HTTP engine's own refusals, in SGLang's words (the embedded engine uses the first one too)
+_INPUT_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
+_TOTAL_TOO_LONG = re.compile(r"maximum context length of (\d+) tokens\. You requested a total of \d+ tokens: "
+                             r"(\d+) tokens from the input messages and (\d+) tokens for the completion")
+
+
+def engine_context_error(message: str) -> GatewayError | None:
+    """The OpenAI answer for an engine's context refusal, or None if ``message`` is another refusal."""
+    if m := _INPUT_TOO_LONG.search(message):
+        return context_length_error(int(m[2]), int(m[1]))
+    if m := _TOTAL_TOO_LONG.search(message):
+        return context_length_error(int(m[1]), int(m[2]), int(m[3]))
+    return None
+
+
+def sampling_error(e: BadRequestError) -> GatewayError:
+    """The engine's sampling_params complaint naming the request field, kept short (it may quote a
+    value the client sent, e.g. a large logit_bias). The engine's names are the request's own for
+    every field it can refuse: max_tokens and seed, whose names differ, are range-checked by the
+    request schema before the engine sees them."""
+    msg = str(e).removeprefix("sampling_params.")
+    name = msg.split(" ", 1)[0].rstrip(":")
+    return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=name if name.isidentifier() else None)
