@@ -120,7 +120,7 @@ async def get_turn_context(
     request: Request,
     authorization: Annotated[str | None, Header()] = None,
     x_session_id: Annotated[str | None, Header(
-        alias="X-Session-Id", description="Session id (the body's session_id wins); 1-128 characters from "
+        alias="X-Session-Id", description="Session id (before the body's session_id); 1-128 characters from "
         "A-Z a-z 0-9 . _ : @ -.", json_schema_extra={"pattern": SESSION_ID_RE.pattern})] = None,
     x_turn_type: Annotated[str | None, Header(alias="X-Turn-Type", json_schema_extra={"enum": ["main", "side"]})] = None,
     x_session_done: Annotated[str | None, Header(alias="X-Session-Done", json_schema_extra={

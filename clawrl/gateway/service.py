@@ -61,7 +61,8 @@ MAX_UNWRITTEN_NEXT_STATES = 100_000
 
 @dataclass(frozen=True)
 class TurnContext:
-    """Who is asking and the session fields from headers (body fields win)."""
+    """Who is asking and the session fields from headers (the header names the session; the body's
+    turn_type and session_done win over theirs)."""
 
     namespace: str
     session_id: str | None = None
