@@ -132,6 +132,8 @@ async def generate(request: Request, srv: Srv) -> Response:
         reqs = [GenerateRequest(**item) for item in items]  # all validated before any runs
     except UnknownKeyError as e:  # SGLang 0.5.22+'s typed /generate contract answers these with a plain string
         return json_response({"error": str(e)}, 400)
+    if len({r.rid for r in reqs}) < len(reqs):
+        raise BadRequestError("rid: the same rid appears more than once in the batch; a rid names one request")
     if not batch and reqs[0].stream:
         return await _stream(request, srv, reqs[0])
     if any(r.stream for r in reqs):
@@ -220,6 +222,7 @@ async def server_info(srv: Srv) -> Response:
         "context_length": srv.max_context_len,
         "max_req_input_len": srv.max_context_len - 1,  # a prompt must leave room for one token
         "max_running_requests": srv.max_running_requests, "weight_version": info.get("weight_version"),
+        "max_total_num_tokens": srv.max_running_requests * srv.max_context_len,  # the KV cache's token slots
         "startup_time": srv.started_at, "version": SERVER_VERSION, "frontend": "python",
     })
 

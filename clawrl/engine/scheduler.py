@@ -28,7 +28,7 @@ from torch import Tensor
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, top_logprobs
 from clawrl.engine.sequence import DecodeText, Sequence, abort_reason
-from clawrl.engine.types import EngineError, UpdateResult
+from clawrl.engine.types import BadRequestError, EngineError, UpdateResult
 
 PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
 PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
@@ -116,6 +116,8 @@ class Scheduler:
         with self.cv:
             if self.closing:
                 raise EngineError("the engine is closing")
+            if any(s.req.rid == seq.req.rid for s in self.live):  # /abort_request by rid must name one request
+                raise BadRequestError(f"rid {seq.req.rid!r} is already in flight; a rid names one request")
             self._order += 1
             seq.order = self._order
             self.waiting.append(seq)

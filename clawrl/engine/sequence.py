@@ -117,7 +117,9 @@ class Sequence:
             input_logprobs=self.input_logprobs if with_lp and req.logprob_start_len >= 0 else None,
             output_top_logprobs=[list(t or []) for t in self.output_top] if with_top else None,
             input_top_logprobs=self.input_top if with_top else None,
-            weight_versions=build_version_spans(self.versions) if reason is not None else [],
+            # finished without output (aborted while waiting, a prefill-only score): an empty span of the version
+            weight_versions=(build_version_spans(self.versions) or [{"version": weight_version, "start": 0, "end": 0}])
+            if reason is not None else [],
             e2e_latency=time.perf_counter() - self.started,
             prompt_ids=list(self.prompt_ids) if req.input_ids is None else None,
         )

@@ -109,6 +109,7 @@ def test_prompt_scoring_with_zero_new_tokens_matches_generation_logprobs(http):
     assert (scored["text"], scored["output_ids"]) == ("", [])
     assert meta["finish_reason"] == {"type": "length", "length": 0}
     assert meta["output_token_logprobs"] == []
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 0}]  # no output: an empty span
     inp = meta["input_token_logprobs"]
     assert len(inp) == len(full) and inp[0][0] is None and [t[1] for t in inp] == full
     # greedy output logprobs are unscaled log_softmax, as are prompt logprobs: the last R agree
@@ -220,6 +221,7 @@ def test_info_routes(http, tiny_dir):
     srv = http.get("/server_info").json()
     assert srv["context_length"] == CONTEXT
     assert srv["max_running_requests"] == 16
+    assert srv["max_total_num_tokens"] == 16 * CONTEXT  # a KV slot of the full context per running request
     assert (srv["version"], srv["weight_version"]) == ("clawrl-embedded", "0")
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
@@ -292,6 +294,25 @@ def test_abort_request_by_rid_prefix_returns_partial_output(http, server):
     # the aborted call still answers 200, with what was generated so far
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(result["output_ids"]) < LONG["max_new_tokens"]
+
+
+def test_a_rid_names_one_request(http, server):
+    # two equal rids in one batch: refused before either runs
+    r = http.post("/generate", json={"input_ids": [PROMPT, PROMPT], "rid": ["same", "same"],
+                                     "sampling_params": GREEDY8})
+    assert r.status_code == 400 and "more than once" in r.text, r.text
+    # a rid already in flight: refused, and the running request is untouched
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(generate(
+        httpx.Client(base_url=server.url, timeout=60), input_ids=PROMPT, sampling_params=LONG, rid="busy-1")))
+    worker.start()
+    wait_for_load(http, "num_running_reqs", lambda n: n >= 1)
+    r = http.post("/generate", json={"input_ids": PROMPT, "rid": "busy-1", "sampling_params": GREEDY8})
+    assert r.status_code == 400 and "already in flight" in r.text, r.text
+    http.post("/abort_request", json={"rid": "busy-1"})
+    worker.join(timeout=60)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert generate(http, input_ids=PROMPT, rid="busy-1", sampling_params=GREEDY8)["output_ids"]  # free again
 
 
 def test_client_giving_up_on_a_held_request_aborts_it(http, server):
