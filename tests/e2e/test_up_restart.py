@@ -107,6 +107,10 @@ rollout_batch_size = 2
 max_new_tokens = 6
 lr = 1e-4
 max_staleness = 100
+[prm]
+# short judge runs: the users below log tens of turns a second, and a judge run of the default 512
+# turns takes minutes on two cores before its samples-ready event starts a training step
+batch_limit = 64
 """)
     log = tmp_path / "up.log"
     base = f"http://127.0.0.1:{ports[0]}/v1"
