@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from clawrl.chat import TOOL_CALL_OPEN, ChatAdapter, ParsedOutput
+from clawrl.chat import TOOL_CALL_OPEN, ChatAdapter, ChatMessage, ParsedOutput
 from clawrl.config import Settings
 from clawrl.engine.types import (
     BadRequestError,
@@ -128,7 +128,7 @@ class ChatService:
         session_id = (session_id or explicit_session_id(req.prompt_cache_key, req.user, req.metadata)
                       or self.tracker.find(ctx.namespace, messages))
         turn_type = req.turn_type or ctx.turn_type or (
-            TurnType.SIDE.value if self._maintenance(messages) else self.settings.server.default_turn_type)
+            TurnType.SIDE.value if self._maintenance(req.messages) else self.settings.server.default_turn_type)
         if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
             raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
         done = bool(req.session_done if req.session_done is not None else ctx.session_done)
@@ -159,16 +159,13 @@ class ChatService:
         self._write_next_states(evicted)
         return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())
 
-    def _maintenance(self, messages: list[dict[str, Any]]) -> bool:
+    def _maintenance(self, messages: list[ChatMessage]) -> bool:
         """An agent's own call, made a side turn when the request names no turn type: it adds no
         user or tool message, or a system message or its last message matches [server]
         side_turn_patterns (an agent's compaction summariser, say)."""
-        if messages[-1].get("role") not in ("user", "tool"):
+        if messages[-1].role not in ("user", "tool"):
             return True
-        texts = [m.get("content") for m in messages if m.get("role") in ("system", "developer")]
-        texts.append(messages[-1].get("content"))
-        texts = [t if isinstance(t, str) else " ".join(p.get("text", "") for p in t or [] if isinstance(p, dict))
-                 for t in texts]
+        texts = [m.text() for m in messages if m.role in ("system", "developer")] + [messages[-1].text()]
         return any(p.search(t) for p in self._side_patterns for t in texts)
 
     async def complete(self, turn: Turn) -> tuple[dict[str, Any], float]:
