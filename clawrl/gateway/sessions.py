@@ -8,16 +8,17 @@ the pending turn's next state. A session ends on ``session_done``, after ``idle_
 a request, or when evicted to keep at most ``max_sessions`` in memory; its pending turn is then
 recorded as having no next state. Nothing waits forever.
 
-Which session a request belongs to (:func:`explicit_session_id`, then the tracker): the first id the
-client gives - the ``X-Session-Id`` header, the body's ``session_id``, OpenAI's ``prompt_cache_key``
-and ``user`` fields, ``metadata.session_id`` (agents such as OpenClaw cannot send per-session headers
-but send their session id as ``prompt_cache_key``); else the session whose last answer (and the user
-message before it) the request continues, if the id derived next is not an open session - so a
-conversation whose earlier messages an agent compacted stays one session; else
-:func:`derive_session_id`, a hash of the namespace and the conversation's first system and user
-messages with the parts agents change on every request (dates, times, numbers, weekday and month
-names) left out. Two conversations that open with identical messages share a derived id; clients
-that care send an id.
+Which session a request belongs to: the first id the client gives - the ``X-Session-Id`` header,
+the body's ``session_id``, OpenAI's ``prompt_cache_key`` (less the suffix ``[server]
+prompt_cache_key_boundary`` matches: OpenClaw sends ``<session id>:<compactions so far>``) and
+``user`` fields, ``metadata.session_id`` (:func:`explicit_session_id`; agents such as OpenClaw cannot
+send per-session headers but send their session id as ``prompt_cache_key``); else the session whose
+last answer (and the message that asked for it) the request continues, if the id derived next is
+not an open session - so a conversation whose earlier messages an agent compacted stays one
+session; else :func:`derive_session_id`, a hash of the namespace and the conversation's first
+system and user messages with the parts agents change on every request (dates, times, numbers,
+weekday and month names) left out. Two conversations that open with identical messages share a
+derived id; clients that care send an id. Remembered answers live in memory only.
 """
 
 from __future__ import annotations
@@ -64,9 +65,14 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(_ID_ENCODER.encode(list(parts)).encode()).hexdigest()[:20]
 
 
-def explicit_session_id(prompt_cache_key: Any, user: Any, metadata: Any) -> str | None:
+def explicit_session_id(prompt_cache_key: Any, user: Any, metadata: Any, boundary: re.Pattern | None = None) -> str | None:
     """The session id an OpenAI field carries (``prompt_cache_key``, ``user``, ``metadata.session_id``,
-    in that order), as it is when it is a valid id, else as a stable hash of it; None if none is set."""
+    in that order), as it is when it is a valid id, else as a stable hash of it; None if none is set.
+    ``boundary`` matches the suffix an agent adds to ``prompt_cache_key`` at each context boundary,
+    which is left out (OpenClaw sends ``<session id>:<compactions so far>``, and its compaction
+    summariser the bare session id)."""
+    if isinstance(prompt_cache_key, str) and boundary is not None:
+        prompt_cache_key = boundary.sub("", prompt_cache_key) or prompt_cache_key
     meta = metadata.get("session_id") if isinstance(metadata, dict) else None
     value = next((v for v in (prompt_cache_key, user, meta) if isinstance(v, str) and v), None)
     if value is None or (SESSION_ID_RE.match(value) and value.strip(".")):
@@ -84,15 +90,21 @@ def derive_session_id(namespace: str, messages: list[dict[str, Any]]) -> str:
     return "auto-" + _digest(namespace, None, first_system, first_user)
 
 
-def _last_exchange(messages: list[dict[str, Any]]) -> str | None:
-    """A digest of the last assistant message and the user message before it (None without one)."""
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-    if last is None:
-        return None
-    asked = next((m.get("content") for m in reversed(messages[:last]) if m.get("role") == "user"), None)
+def _last_exchange(messages: list[dict[str, Any]]) -> list[str]:
+    """Digests of the last assistant message with the message that asked for it: the last user or
+    tool message before it, and the first one after the assistant message before that (they differ
+    when agents append per-request context after the user's message, which the next request's
+    history no longer carries - OpenClaw's internal-context block). Empty without an answer."""
+    answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not answers:
+        return []
+    last, prev = answers[-1], (answers[-2] if len(answers) > 1 else -1)
+    asking = [m.get("content") for m in messages[prev + 1:last] if m.get("role") in ("user", "tool")]
     answer = messages[last]
     calls = [(c.get("function") or {}).get("name") for c in answer.get("tool_calls") or []]  # ids and args get
-    return _digest(asked, answer.get("content") or "", calls)  # re-serialised by clients: names only
+    # re-serialised by clients: names only
+    return list(dict.fromkeys(_digest(asked, answer.get("content") or "", calls) for asked in
+                              (asking[-1:] + asking[:1] or [None])))
 
 
 @dataclass
@@ -160,16 +172,8 @@ class SessionTracker:
         derived = derive_session_id(namespace, messages)
         if self.is_open(namespace, derived):
             return derived
-        exchange = _last_exchange(messages)
-        return self._answers.get((namespace, exchange), derived) if exchange else derived
-
-    def remember_answer(self, state: SessionState, messages: list[dict[str, Any]], answer: dict[str, Any]) -> None:
-        """Note a main turn's answer, so that a request continuing it finds its session (bounded)."""
-        key = (state.namespace, _last_exchange([*messages, answer]) or "")
-        self._answers[key] = state.session_id
-        self._answers.move_to_end(key)
-        while len(self._answers) > self.max_sessions:
-            self._answers.popitem(last=False)
+        return next((self._answers[k] for e in _last_exchange(messages) if (k := (namespace, e)) in self._answers),
+                    derived)
 
     def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
         """Called when a new main request arrives: close the pending turn with what was added."""
@@ -186,15 +190,22 @@ class SessionTracker:
             added, reason = messages[last + 1 :], "next_request_realigned"
         return pending.next_state(state.session_id, reason if added else "no_new_messages", added)
 
-    def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, message_count: int,
-                    *, main: bool, done: bool) -> list[NextStateRecord]:
+    def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, messages: list[dict[str, Any]],
+                    answer: dict[str, Any] | None = None, *, main: bool, done: bool) -> list[NextStateRecord]:
         """Record a turn appended to the log under ``turn_index``, the session's next index, which
         it takes only now (a turn that could not be recorded leaves it free); returns the records
-        to write if this closes the session."""
+        to write if this closes the session. A main turn becomes the pending one, and its
+        ``answer`` is remembered (bounded) so that a request continuing it finds its session."""
         state.next_index = turn_index + 1
         state.last_active = self.clock()
         if main:
-            state.pending = PendingTurn(turn_id, turn_index, message_count)
+            state.pending = PendingTurn(turn_id, turn_index, len(messages))
+            for exchange in _last_exchange([*messages, answer] if answer else []):
+                key = (state.namespace, exchange)
+                self._answers[key] = state.session_id
+                self._answers.move_to_end(key)
+            while len(self._answers) > 2 * self.max_sessions:
+                self._answers.popitem(last=False)
         if done:
             return self._close(state, "session_done")
         return []

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_next_state_is_messages_added_after_the_assistant_turn():
     s, _ = tr.open("ns", "s1")
     first = msgs(("system", "be brief"), ("user", "hi"))
     assert tr.link_next_state(s, first) is None  # nothing pending yet
-    tr.finish_turn(s, "t0", s.next_index, len(first), main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, first, main=True, done=False)
     second = first + msgs(("assistant", "hello"), ("user", "no, shorter please"))
     rec = tr.link_next_state(s, second)
     assert rec.turn_id == "t0" and rec.turn_index == 0 and rec.has_next_state
@@ -41,7 +42,7 @@ def test_parallel_tool_results_all_belong_to_the_next_state():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
     first = msgs(("user", "weather in Paris and Rome?"))
-    tr.finish_turn(s, "t0", s.next_index, 1, main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, [{"role": "user"}], main=True, done=False)
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "a"}, {"id": "b"}]}
     results = [{"role": "tool", "tool_call_id": "a", "content": "12C"},
                {"role": "tool", "tool_call_id": "b", "content": "18C"}]
@@ -52,17 +53,17 @@ def test_parallel_tool_results_all_belong_to_the_next_state():
 def test_side_turns_never_become_pending_and_indices_count_all_turns():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
-    tr.finish_turn(s, "side0", s.next_index, 1, main=False, done=False)
+    tr.finish_turn(s, "side0", s.next_index, [{"role": "user"}], main=False, done=False)
     assert s.pending is None
     i = s.next_index
-    tr.finish_turn(s, "main1", i, 1, main=True, done=False)
+    tr.finish_turn(s, "main1", i, [{"role": "user"}], main=True, done=False)
     assert i == 1 and s.pending.turn_id == "main1" and s.next_index == 2
 
 
 def test_session_done_closes_with_no_next_state():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
-    out = tr.finish_turn(s, "t0", s.next_index, 1, main=True, done=True)
+    out = tr.finish_turn(s, "t0", s.next_index, [{"role": "user"}], main=True, done=True)
     assert len(out) == 1 and out[0].has_next_state is False and out[0].reason == "session_done"
     assert len(tr) == 0
     s2, _ = tr.open("ns", "s1")  # a returning session continues its indices
@@ -73,7 +74,7 @@ def test_idle_timeout_sweeps_pending_turns():
     clock = Clock()
     tr = SessionTracker(idle_timeout_s=10, max_sessions=10, clock=clock)
     s, _ = tr.open("ns", "s1")
-    tr.finish_turn(s, "t0", s.next_index, 1, main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, [{"role": "user"}], main=True, done=False)
     clock.t = 9.9
     assert tr.sweep() == []
     clock.t = 10.0
@@ -86,7 +87,7 @@ def test_memory_is_bounded_and_eviction_records_no_next_state():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=2)
     for i in range(2):
         s, ev = tr.open("ns", f"s{i}")
-        tr.finish_turn(s, f"t{i}", s.next_index, 1, main=True, done=False)
+        tr.finish_turn(s, f"t{i}", s.next_index, [{"role": "user"}], main=True, done=False)
         assert ev == []
     _, evicted = tr.open("ns", "s2")
     assert len(tr) == 2
@@ -96,7 +97,7 @@ def test_memory_is_bounded_and_eviction_records_no_next_state():
 def test_namespaces_isolate_sessions():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     a, _ = tr.open("key-a", "shared-id")
-    tr.finish_turn(a, "ta", a.next_index, 1, main=True, done=False)
+    tr.finish_turn(a, "ta", a.next_index, [{"role": "user"}], main=True, done=False)
     b, _ = tr.open("key-b", "shared-id")
     assert b is not a and b.pending is None
     assert tr.link_next_state(b, msgs(("user", "x"), ("assistant", "y"), ("user", "z"))) is None
@@ -106,7 +107,7 @@ def test_namespaces_isolate_sessions():
 def test_realigns_when_history_was_truncated():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
-    tr.finish_turn(s, "t0", s.next_index, 5, main=True, done=False)
+    tr.finish_turn(s, "t0", s.next_index, [{"role": "user"}] * 5, main=True, done=False)
     rec = tr.link_next_state(s, msgs(("assistant", "old"), ("user", "and then?")))
     assert rec.reason == "next_request_realigned"
     assert json.loads(rec.messages) == [{"role": "user", "content": "and then?"}]
@@ -148,8 +149,7 @@ def test_a_compacted_conversation_is_found_by_its_last_answer():
     first = msgs(("system", "s"), ("user", "plan my week"))
     sid = tr.find("ns", first)
     state, _ = tr.open("ns", sid)
-    tr.remember_answer(state, first, {"role": "assistant", "content": "Monday: gym.", "tool_calls": None})
-    tr.finish_turn(state, "t0", 0, len(first), main=True, done=False)
+    tr.finish_turn(state, "t0", 0, first, {"role": "assistant", "content": "Monday: gym."}, main=True, done=False)
     # the agent compacted: a summary replaces the opening, the last exchange is kept
     compacted = msgs(("system", "s"), ("user", "Summary of the earlier conversation: ..."),
                      ("user", "plan my week"), ("assistant", "Monday: gym."), ("user", "and Tuesday?"))
@@ -157,3 +157,33 @@ def test_a_compacted_conversation_is_found_by_its_last_answer():
     # another conversation whose answer differs does not land there; nor does another namespace
     assert tr.find("ns", compacted[:3] + msgs(("assistant", "Rest."), ("user", "ok"))) != sid
     assert tr.find("other", compacted) != sid
+
+
+def test_a_request_continues_the_answer_even_after_per_request_context():
+    """OpenClaw appends its internal-context block as a last user message to each request; the next
+    request's history no longer has it, so the answer is found by the message before it too."""
+    tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    block = ("user", "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> none <<<END_OPENCLAW_INTERNAL_CONTEXT>>>")
+    first = msgs(("system", "s"), ("user", "hello"), block)
+    sid = tr.find("ns", first)
+    state, _ = tr.open("ns", sid)
+    tr.finish_turn(state, "t0", 0, first, {"role": "assistant", "content": "Hi!"}, main=True, done=False)
+    compacted = msgs(("system", "s2"), ("user", "hello"), ("assistant", "Hi!"), ("user", "and now?"), block)
+    assert derive_session_id("ns", compacted) != sid and tr.find("ns", compacted) == sid
+    # a tool result asked for the answer: found by it
+    state2, _ = tr.open("ns", "x")
+    with_tool = msgs(("system", "s"), ("user", "list"), ("assistant", "calling ls"), ("tool", "a.txt"), block)
+    tr.finish_turn(state2, "t1", 0, with_tool, {"role": "assistant", "content": "One file."}, main=True, done=False)
+    later = msgs(("system", "other"), ("tool", "a.txt"), ("assistant", "One file."), ("user", "thanks"))
+    assert tr.find("ns", later) == "x"
+    assert tr.find("ns", msgs(("system", "other"), ("tool", "b.txt"), ("assistant", "One file."))) != "x"
+
+
+def test_an_agent_boundary_suffix_on_prompt_cache_key_is_left_out():
+    """OpenClaw's prompt_cache_key is '<session>:<compactions>' (its summariser's the bare session)."""
+    boundary = re.compile(r":\d+$")
+    assert [explicit_session_id(k, None, None, boundary) for k in ("s1:0", "s1:12", "s1", "a:b:3")] == \
+        ["s1", "s1", "s1", "a:b"]
+    assert explicit_session_id(":7", None, None, boundary) == ":7"  # nothing left: the key as sent
+    assert explicit_session_id("s1:0", None, None) == "s1:0"  # no boundary configured
+    assert explicit_session_id(None, "alice:2", None, boundary) == "alice:2"  # only prompt_cache_key
