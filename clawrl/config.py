@@ -87,6 +87,13 @@ class EngineSettings(_Section):
     max_batch_size: int = Field(16, ge=1, description="Sequences decoded together. More = more throughput, more KV "
                                                       "memory.")
     max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
+    chunked_prefill_size: int = Field(2048, ge=1, description="Prompt tokens prefilled per step; longer prompts go "
+                                      "in chunks between the others' decode steps (SGLang's --chunked-prefill-size).")
+    max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until they "
+                                  "fit. 0: 1/4 of RAM (CPU) or 1/2 of free GPU memory, at most max_batch_size x "
+                                  "max_context_len.")
+    max_queued_requests: int = Field(1024, ge=0, description="Queued requests beyond which the engine answers 503 "
+                                     "(the gateway too, with Retry-After). 0: no limit.")
     request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
 
     @model_validator(mode="after")
@@ -110,10 +117,9 @@ class ServerSettings(_Section):
         "message or last message matches one is a side turn - an agent's own maintenance call, such as "
         "OpenClaw's compaction summariser and its pre-compaction memory flush (the defaults). A request that adds no user or tool message is one too.")
     prompt_cache_key_boundary: Annotated[str, AfterValidator(_regex)] = Field(
-        r":\d+$", description="A regular expression for the suffix an agent adds to prompt_cache_key at each "
-        "context boundary; the session id is the key without it. The default fits OpenClaw, whose key is "
-        "'<session id>:<compactions so far>' (its compaction summariser sends the bare session id). Empty: "
-        "the key as sent. Keys of other clients that end in ':<digits>' lose that part too.")
+        r":\d+$", description="Regex of the suffix an agent adds to prompt_cache_key at each context boundary, left "
+        "out of the session id (OpenClaw: '<session id>:<compactions so far>'; its summariser sends the bare id). "
+        "Empty: the key as sent. Other clients' keys ending in ':<digits>' lose that part too.")
     session_idle_timeout_s: float = Field(900.0, gt=0, description="A session idle this long is closed.")
     max_sessions: int = Field(10000, ge=1, description="Open sessions kept in memory (LRU beyond).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")

@@ -52,7 +52,7 @@ def engine(
     """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0", or with
     --resume at the last version synced successfully)."""
     from clawrl.models import resolve_device, resolve_dtype
-    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.engine.server import serve_engine
     from clawrl.models import ModelNotFoundError, resolve_model_dir
     from clawrl.serving import freeze_startup_heap
@@ -80,9 +80,8 @@ def engine(
                       markup=False, style="red", soft_wrap=True)
     dtype = resolve_dtype(s.model.dtype, device)
     try:
-        eng = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=s.engine.max_batch_size,
-                             max_context_len=s.engine.max_context_len, weight_version=version,
-                             served_model_name=s.server.served_model_name)
+        eng = EmbeddedEngine(model_dir, dtype=dtype, device=device, weight_version=version,
+                             served_model_name=s.server.served_model_name, **s.engine.model_dump(include=LIMIT_KEYS))
     except ConfigError as e:
         fail(f"config error: {e}")
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "

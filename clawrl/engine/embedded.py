@@ -15,6 +15,11 @@ Pause and update semantics follow SGLang 0.5.23:
   wait, then the swap runs and serving resumes; while paused it runs at once. A request whose
   output spans an update reports two ``weight_versions`` spans.
 
+Long prompts are prefilled in chunks of ``chunked_prefill_size`` tokens, one per step, between
+the decode steps of the others; the KV cache holds at most ``max_total_tokens`` token slots (rows
+x positions: requests wait in the queue until they fit); at most ``max_queued_requests`` wait
+(0: no limit), beyond which a request gets :class:`EngineOverloadedError` (SGLang's 503).
+
 Departures from SGLang, on purpose: no radix/prefix cache (``cached_tokens`` is always 0);
 ``stop_token_ids`` are ignored under ``ignore_eos`` *as in SGLang*; ``min_new_tokens`` masks the
 stop tokens (SGLang's penalizer, so the returned log-probs see the mask) and also defers stop
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
@@ -45,13 +51,16 @@ from clawrl.engine.weights import WeightLoadError, check_weights, load_checkpoin
 from clawrl.models import load_causal_lm, load_tokenizer
 
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+# the [engine] keys that are EmbeddedEngine's keyword arguments too
+LIMIT_KEYS = {"max_batch_size", "max_context_len", "chunked_prefill_size", "max_total_tokens", "max_queued_requests"}
 
 
 class EmbeddedEngine:
     """In-process engine implementing :class:`clawrl.engine.types.Engine` (see module docstring)."""
 
     def __init__(self, model_dir: Path, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 16,
-                 max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None):
+                 max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None,
+                 chunked_prefill_size: int = 2048, max_total_tokens: int = 0, max_queued_requests: int = 0):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_context_len < 2:
@@ -71,8 +80,26 @@ class EmbeddedEngine:
         self.max_batch_size = max_batch_size
         self.max_context_len = max_context_len
         self.served_model_name = served_model_name or Path(model_dir).name
+        if chunked_prefill_size < 1:
+            raise ConfigError(f"engine.chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        self.max_total_tokens = max_total_tokens or self._auto_kv_budget(max_batch_size, max_context_len)
+        if self.max_total_tokens < max_context_len:
+            raise ConfigError(f"engine.max_total_tokens = {self.max_total_tokens} is below engine.max_context_len = "
+                              f"{max_context_len}: a request of the full context could never run")
         self._sched = Scheduler(self._runner, self._decode_text, max_batch_size=max_batch_size,
-                                weight_version=str(weight_version))
+                                weight_version=str(weight_version), chunked_prefill_size=chunked_prefill_size,
+                                max_total_tokens=self.max_total_tokens, max_queued_requests=max_queued_requests)
+
+    def _auto_kv_budget(self, max_batch_size: int, max_context_len: int) -> int:
+        """KV token slots for a quarter of the machine's memory (CPU) or half the GPU memory still
+        free after loading the model, at most what a full batch of full contexts needs and at least
+        one full context."""
+        slot = self._runner.new_cache(1).slot_bytes
+        if self._runner.device.type == "cuda":
+            memory = torch.cuda.mem_get_info(self._runner.device)[0] // 2
+        else:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        return max(max_context_len, min(max_batch_size * max_context_len, memory // slot))
 
     @property
     def weight_version(self) -> str:
@@ -80,9 +107,11 @@ class EmbeddedEngine:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counters: ``steps`` (decode steps), ``prefill_steps``, ``max_batch_seen`` (largest decode
-        batch), ``requests_done``, ``tokens_generated``, ``retractions``, ``weight_updates``; and
-        the state now: ``queued``, ``running``, ``paused``, ``pause_mode``, ``kv_capacity``."""
+        """Counters: ``steps`` (decode steps), ``prefill_steps`` (prefill batches and chunks),
+        ``max_batch_seen`` (largest decode batch), ``requests_done``, ``tokens_generated``,
+        ``retractions``, ``weight_updates``; and the state now: ``queued``, ``running``, ``paused``,
+        ``pause_mode``, ``kv_capacity`` and ``kv_rows`` (the cache's positions and rows),
+        ``kv_budget_tokens``."""
         return self._sched.stats()
 
     def reset_stats(self) -> None:

@@ -15,9 +15,13 @@ Two entry points share the layer code:
 * :meth:`CausalLMRunner.decode` feeds one token to each of the first B cache rows, each at its own
   position, attending over its own cached length through a key mask.
 
+A third, :meth:`CausalLMRunner.extend`, runs one chunk of a long prompt in one row after the
+chunks before it (chunked prefill: the engine bounds the tokens a step computes).
+
 The cache (:class:`KVCache`) is one ``(rows, kv_heads, capacity, head_dim)`` buffer per layer and
 per K/V. Active sequences occupy rows ``0..B-1`` (the engine moves the last row into a freed one),
-so decode reads plain slices, never a gather. Capacity grows by doubling, up to the context limit.
+so decode reads plain slices, never a gather. Rows and capacity grow by doubling, up to the batch
+size, the context limit and a budget of token slots.
 """
 
 from __future__ import annotations
@@ -54,35 +58,58 @@ def build_model_spec(config) -> ModelSpec:
     return ModelSpec(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=head_dim)
 
 
+class KVBudgetError(RuntimeError):
+    """The KV cache would need more token slots than its budget (the scheduler admits so it never does)."""
+
+
 class KVCache:
     """Per-layer K and V buffers of shape (rows, kv_heads, capacity, head_dim).
 
-    ``rows`` is fixed (the engine's max batch size); ``capacity`` grows by doubling when a
-    sequence needs more room and is released by :meth:`reset` when the engine goes idle."""
+    Both dimensions grow on demand (by doubling, up to ``max_rows`` = the engine's max batch size
+    and ``max_len`` = the context limit) and are released by :meth:`reset` when the engine goes
+    idle. ``max_tokens`` bounds rows x capacity, the token slots held: growth stops there, and a
+    request for more raises :class:`KVBudgetError`."""
 
-    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
-        self.spec, self.rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
+    def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 max_tokens: int | None = None):
+        self.spec, self.max_rows, self.max_len, self.dtype, self.device = spec, rows, max_len, dtype, device
+        self.max_tokens = max_tokens or rows * max_len
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
-        self.capacity = 0
+        self.rows = self.capacity = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of K and V per token slot, over all layers."""
+        return 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
 
     @torch.inference_mode()
-    def ensure_capacity(self, length: int) -> None:
-        """Make room for ``length`` positions in every row, keeping what is already cached."""
-        if length <= self.capacity:
+    def ensure(self, rows: int, length: int) -> None:
+        """Make room for ``rows`` rows of ``length`` positions, keeping what is cached (the buffers
+        never shrink while in use: :meth:`reset` releases them)."""
+        if rows <= self.rows and length <= self.capacity:
             return
         if length > self.max_len:
             raise ValueError(f"KV length {length} exceeds the context limit {self.max_len}")
-        new_cap = min(self.max_len, max(length, 2 * self.capacity, 64))
-        shape = (self.rows, self.spec.num_kv_heads, new_cap, self.spec.head_dim)
-        old_k, old_v, old_cap = self.k, self.v, self.capacity
+        rows, length = max(rows, self.rows), max(length, self.capacity)
+        if rows * length > self.max_tokens:
+            raise KVBudgetError(f"{rows} rows x {length} positions exceed the KV budget of {self.max_tokens} tokens")
+        new_rows = min(self.max_rows, max(rows, 2 * self.rows, 1)) if rows > self.rows else rows
+        new_cap = min(self.max_len, max(length, 2 * self.capacity, 64)) if length > self.capacity else length
+        if new_rows * new_cap > self.max_tokens:  # grow less: first the spare positions, then the spare rows
+            new_cap = max(length, min(new_cap, self.max_tokens // new_rows))
+            new_rows = max(rows, min(new_rows, self.max_tokens // new_cap))
+        shape = (new_rows, self.spec.num_kv_heads, new_cap, self.spec.head_dim)
+        old_k, old_v, old_rows, old_cap = self.k, self.v, self.rows, self.capacity
+        self.k = self.v = []  # the old buffers go as soon as they are copied
         # zeros, not empty: a masked key still enters the attention matmul with weight exactly 0,
         # and 0 * NaN (uninitialised memory) would poison the row
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
-        for new, old in zip(self.k + self.v, old_k + old_v):
-            new[:, :, :old_cap].copy_(old)
-        self.capacity = new_cap
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.spec.num_layers)]
+        for new, old in zip(new_k + new_v, old_k + old_v):
+            new[:old_rows, :, :old_cap].copy_(old)
+        del old_k, old_v
+        self.k, self.v, self.rows, self.capacity = new_k, new_v, new_rows, new_cap
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -94,7 +121,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Drop every buffer (the next sequence allocates afresh)."""
-        self.k, self.v, self.capacity = [], [], 0
+        self.k, self.v, self.rows, self.capacity = [], [], 0, 0
 
 
 class CausalLMRunner:
@@ -114,8 +141,8 @@ class CausalLMRunner:
         if len(self._layers) != self.spec.num_layers:
             raise ValueError(f"config says {self.spec.num_layers} layers, model has {len(self._layers)}")
 
-    def new_cache(self, rows: int) -> KVCache:
-        return KVCache(self.spec, rows, self.max_positions, self.dtype, self.device)
+    def new_cache(self, rows: int, max_tokens: int | None = None) -> KVCache:
+        return KVCache(self.spec, rows, self.max_positions, self.dtype, self.device, max_tokens)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], rows: list[int], cache: KVCache,
@@ -127,7 +154,7 @@ class CausalLMRunner:
         caller decides how many positions at a time, which bounds the logits' memory)."""
         lengths = [len(p) for p in prompts]
         width = max(lengths)
-        cache.ensure_capacity(width)
+        cache.ensure(max(rows) + 1, width)
         ids = pad_sequence([torch.tensor(p, dtype=torch.long) for p in prompts], batch_first=True).to(self.device)
         row_idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         cos, sin = self.cos[:width][None, None], self.sin[:width][None, None]  # (1, 1, L, hd)
@@ -141,12 +168,33 @@ class CausalLMRunner:
         return [hidden[i, start:length] for i, (start, length) in enumerate(zip(keep_from, lengths))]
 
     @torch.inference_mode()
+    def extend(self, ids: list[int], row: int, start: int, cache: KVCache, keep_from: int) -> Tensor:
+        """A chunk of a long prompt: run ``ids`` at positions ``start ..`` of cache row ``row``,
+        whose first ``start`` positions are cached, attending over them and causally within the
+        chunk; writes the chunk's K/V. Returns the final-norm hidden states of the chunk's
+        positions ``keep_from ..`` (relative to the chunk)."""
+        end = start + len(ids)
+        cache.ensure(row + 1, end)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        cos, sin = self.cos[start:end][None, None], self.sin[start:end][None, None]
+        mask = torch.arange(end, device=self.device)[None, :] <= torch.arange(start, end, device=self.device)[:, None]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = cache.k[layer], cache.v[layer]
+            kc[row, :, start:end] = k[0]
+            vc[row, :, start:end] = v[0]
+            return F.scaled_dot_product_attention(q, kc[row:row + 1, :, :end], vc[row:row + 1, :, :end],
+                                                  attn_mask=mask, enable_gqa=True)
+
+        return self._forward(x, cos, sin, attend)[0, keep_from:]
+
+    @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
         """One step for cache rows ``0..B-1``: ``tokens[b]`` sits at ``positions[b]`` and attends
         to that row's cached positions ``0..positions[b]``. Returns fp32 logits (B, vocab)."""
         b = tokens.shape[0]
         span = int(positions.max()) + 1
-        cache.ensure_capacity(span)
+        cache.ensure(b, span)
         positions = positions.to(self.device)
         rows = torch.arange(b, device=self.device)
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, hd)

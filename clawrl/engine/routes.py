@@ -222,7 +222,8 @@ async def server_info(srv: Srv) -> Response:
         "context_length": srv.max_context_len,
         "max_req_input_len": srv.max_context_len - 1,  # a prompt must leave room for one token
         "max_running_requests": srv.max_running_requests, "weight_version": info.get("weight_version"),
-        "max_total_num_tokens": srv.max_running_requests * srv.max_context_len,  # the KV cache's token slots
+        "max_total_num_tokens": getattr(srv.engine, "max_total_tokens", None)  # the KV cache's token slots
+        or srv.max_running_requests * srv.max_context_len,
         "startup_time": srv.started_at, "version": SERVER_VERSION, "frontend": "python",
     })
 

@@ -5,11 +5,16 @@ through ``loop.call_soon_threadsafe``, so no engine call blocks an event loop. C
 (pause, continue, flush, weight swaps) run *on the worker, between steps*: a step never sees half
 a weight update.
 
-Each iteration the worker (1) admits waiting sequences FIFO into free batch rows, prefills them in
-right-padded causal batches of similar lengths and samples their first token, then (2) runs one
-decode step over every running sequence. A request that arrives while others decode therefore
-joins at the next step. At most ``max_batch_size`` sequences run; the rest queue. Running
-sequences occupy cache rows ``0..B-1``: a finished one's row is filled by moving the last one in.
+Each iteration the worker (1) admits waiting sequences FIFO into free batch rows while the KV
+budget holds their longest possible length, (2) prefills at most ``chunked_prefill_size`` prompt
+tokens - whole short prompts in right-padded causal batches of similar lengths, a long prompt one
+chunk per step - and samples the first token of each prompt it completes, then (3) runs one
+decode step over every running sequence whose prompt is in the cache. A request that arrives
+while others decode therefore joins at the next step, a long prompt never stalls the others'
+decoding for more than one chunk, and an abort (a client gone, a deadline) ends it at the next
+chunk. At most ``max_batch_size`` sequences run; the rest queue (at most ``max_queued_requests``:
+beyond, a request is refused with :class:`EngineOverloadedError`). Running sequences occupy cache
+rows ``0..B-1``: a finished one's row is filled by moving the last one in.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch import Tensor
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, top_logprobs
 from clawrl.engine.sequence import DecodeText, Sequence, abort_reason
-from clawrl.engine.types import BadRequestError, EngineError, UpdateResult
+from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError, UpdateResult
 
 PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
 PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
@@ -64,10 +69,11 @@ class Scheduler:
     """The worker thread and everything it owns (see module docstring); ``decode_text`` turns
     output ids into text (stop strings, results)."""
 
-    def __init__(self, runner: CausalLMRunner, decode_text: DecodeText, *,
-                 max_batch_size: int, weight_version: str):
+    def __init__(self, runner: CausalLMRunner, decode_text: DecodeText, *, max_batch_size: int, weight_version: str,
+                 chunked_prefill_size: int = 2048, max_total_tokens: int | None = None, max_queued_requests: int = 0):
         self.runner, self.decode_text, self.max_batch_size = runner, decode_text, max_batch_size
-        self.cache = runner.new_cache(max_batch_size)
+        self.chunked_prefill_size, self.max_queued_requests = chunked_prefill_size, max_queued_requests
+        self.cache = runner.new_cache(max_batch_size, max_total_tokens)
         self.weight_version = weight_version
         self.generator = torch.Generator()  # rows without a sampling_seed share it
         self.generator.seed()
@@ -118,6 +124,8 @@ class Scheduler:
                 raise EngineError("the engine is closing")
             if any(s.req.rid == seq.req.rid for s in self.live):  # /abort_request by rid must name one request
                 raise BadRequestError(f"rid {seq.req.rid!r} is already in flight; a rid names one request")
+            if self.max_queued_requests and len(self.waiting) >= self.max_queued_requests:
+                raise EngineOverloadedError(f"the request queue is full ({len(self.waiting)} waiting)")
             self._order += 1
             seq.order = self._order
             self.waiting.append(seq)
@@ -154,7 +162,8 @@ class Scheduler:
             queued = len(self.waiting)
         return {**self.counters, "queued": queued, "running": len(self.running), "paused": self.paused,
                 "pause_mode": self.pause_mode, "weight_version": self.weight_version,
-                "kv_capacity": self.cache.capacity}
+                "kv_capacity": self.cache.capacity, "kv_rows": self.cache.rows,
+                "kv_budget_tokens": self.cache.max_tokens}
 
     def _worker(self) -> None:
         with torch.inference_mode():  # thread-local: the worker never needs autograd
@@ -206,47 +215,89 @@ class Scheduler:
             self._apply_update(self._updates.popleft())
         if self.paused:
             return
-        admitted = self._admit()
-        if admitted:
+        self._admit()
+        if any(s.prefilling for s in self.running):
             try:
-                self._prefill(admitted)
+                self._prefill()
             except Exception as e:  # e.g. out of memory on a huge prompt: fail those, keep the batch
-                self._fail(admitted, EngineError(f"prefill failed: {type(e).__name__}: {e}"))
-        if self.running:
+                self._fail([s for s in self.running if s.prefilling],
+                           EngineError(f"prefill failed: {type(e).__name__}: {e}"))
+        if any(not s.prefilling for s in self.running):
             self._decode()
         if not self.running and self.cache.capacity:
             self.cache.reset()  # idle: give the KV memory back
 
-    def _admit(self) -> list[Sequence]:
-        out: list[Sequence] = []
+    def _admit(self) -> None:
+        """Waiting sequences, FIFO, into rows while the KV budget holds every running sequence at
+        its longest (the cache is rows x the longest row, and keeps its size until the engine is idle)."""
+        need = max([s.kv_need for s in self.running] + [self.cache.capacity])
         with self.cv:
-            room = self.max_batch_size - len(self.running)
-            while room > 0 and self.waiting and self._admissible(self.waiting[0]):
-                if self.waiting[0].abort_message is not None:
+            while len(self.running) < self.max_batch_size and self.waiting and self._admissible(self.waiting[0]):
+                head = self.waiting[0]
+                if head.abort_message is not None:
                     break  # the sweep will end it
-                out.append(self.waiting.popleft())
-                room -= 1
-        return out
+                if (len(self.running) + 1) * max(need, head.kv_need) > self.cache.max_tokens and self.running:
+                    break  # waits for room; alone it always fits (submit refused anything longer)
+                self.waiting.popleft()
+                need = max(need, head.kv_need)
+                head.row, head.prefilling = len(self.running), True
+                self.running.append(head)
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            seq.row = len(self.running)
-            self.running.append(seq)
-        last_hidden: dict[int, Tensor] = {}
-        for group in plan_prefill_groups(seqs):
+    def _prefill(self) -> None:
+        """At most ``chunked_prefill_size`` tokens of the prompts not yet in the cache, oldest first:
+        whole short prompts batched, else the next chunk of one; the first token of every prompt
+        completed is sampled."""
+        budget = self.chunked_prefill_size
+        whole: list[Sequence] = []
+        done: list[tuple[Sequence, Tensor]] = []
+        for s in [s for s in self.running if s.prefilling]:
+            left = len(s.tokens) - s.cache_len
+            if s.cache_len == 0 and left <= budget:
+                whole.append(s)
+                budget -= left
+            elif budget > 0 or not (whole or done):
+                n = min(left, max(budget, 1))
+                if (last := self._prefill_chunk(s, n)) is not None:
+                    done.append((s, last))
+                budget -= n
+            if budget <= 0:
+                break
+        for group in plan_prefill_groups(whole):
             # the first position whose logits are needed: the last one always is
             starts = [min(s.req.logprob_start_len, len(s.tokens) - 1) if s.scores_prompt else len(s.tokens) - 1
                       for s in group]
             hidden = self.runner.prefill([s.tokens for s in group], [s.row for s in group], self.cache, starts)
             self.counters["prefill_steps"] += 1
-            for s, h in zip(group, hidden):
+            for s, h, start in zip(group, hidden, starts):
                 s.cache_len = len(s.tokens)
                 if s.scores_prompt:
-                    self._score_prompt(s, h[:-1])
-                s.prefilled_once = True
-                last_hidden[id(s)] = h[-1]
-        # one LM-head call for every new sequence: each call streams the whole (vocab x hidden) matrix
-        last_logits = self.runner.lm_head(torch.stack([last_hidden[id(s)] for s in seqs]))  # (N, vocab)
+                    self._score_prompt(s, h[:-1], start)
+                done.append((s, h[-1]))
+        if done:
+            self._first_tokens(done)
+
+    def _prefill_chunk(self, seq: Sequence, n: int) -> Tensor | None:
+        """The next ``n`` tokens of ``seq`` into its row; the last position's hidden state once its
+        whole prompt is in."""
+        start, tokens = seq.cache_len, seq.tokens
+        scoring = seq.scores_prompt and start + n > seq.req.logprob_start_len
+        keep = max(0, seq.req.logprob_start_len - start) if scoring else n - 1
+        hidden = self.runner.extend(tokens[start:start + n], seq.row, start, self.cache, keep)
+        self.counters["prefill_steps"] += 1
+        seq.cache_len = start + n
+        complete = seq.cache_len == len(tokens)
+        if scoring:
+            self._score_prompt(seq, hidden[:-1] if complete else hidden, start + keep)
+        return hidden[-1] if complete else None
+
+    def _first_tokens(self, done: list[tuple[Sequence, Tensor]]) -> None:
+        seqs = [s for s, _ in done]
+        for s in seqs:
+            if s.scores_prompt and s.input_logprobs is None:  # from the prompt's end: nothing to score
+                s.input_logprobs, s.input_top = [], []
+            s.prefilling, s.prefilled_once = False, True
+        # one LM-head call for every completed prompt: each call streams the whole (vocab x hidden) matrix
+        last_logits = self.runner.lm_head(torch.stack([h for _, h in done]))  # (N, vocab)
         sampling = [i for i, s in enumerate(seqs) if s.max_new > 0]
         for i, s in enumerate(seqs):
             if s.max_new == 0:  # prefill-only scoring (the teacher path)
@@ -258,32 +309,36 @@ class Scheduler:
         if sampling:
             self._sample_and_append([seqs[i] for i in sampling], last_logits[sampling])
 
-    def _score_prompt(self, seq: Sequence, hidden: Tensor) -> None:
+    def _score_prompt(self, seq: Sequence, hidden: Tensor, first: int) -> None:
         """SGLang's input logprobs from start s: entry 0 is None, entry j >= 1 is
-        log P(prompt[s+j] | prompt[:s+j]), read from the logits at position s+j-1 (``hidden[j-1]``)."""
-        s, prompt, top_num = seq.req.logprob_start_len, seq.prompt_ids, seq.sampling.top_logprobs_num
-        targets = prompt[s + 1:]
-        values: list[float | None] = [None] if s < len(prompt) else []
-        tops: list[list[tuple[float, int]] | None] = [None] if s < len(prompt) else []
+        log P(prompt[s+j] | prompt[:s+j]), read from the logits at position s+j-1. ``hidden`` holds
+        positions ``first ..`` (all of the prompt's from s on, or the next chunk of them)."""
+        prompt, top_num = seq.prompt_ids, seq.sampling.top_logprobs_num
+        if seq.input_logprobs is None:
+            seq.input_logprobs = [None] if seq.req.logprob_start_len < len(prompt) else []
+            seq.input_top = [None] if seq.req.logprob_start_len < len(prompt) else []
+        targets = prompt[first + 1:first + 1 + len(hidden)]
         for a in range(0, len(targets), PROMPT_LOGITS_CHUNK):
             logits = self.runner.lm_head(hidden[a:a + PROMPT_LOGITS_CHUNK])
             v, t = compute_prompt_logprobs(logits, targets[a:a + PROMPT_LOGITS_CHUNK], top_num)
-            values.extend(v)
+            seq.input_logprobs.extend(v)
             if t is not None:
-                tops.extend(t)
-        seq.input_logprobs = values
-        seq.input_top = tops if top_num > 0 else None
+                seq.input_top.extend(t)
 
     def _decode(self) -> None:
+        """One step over every row; a row whose prompt is still being prefilled rides along on a
+        placeholder token at its next position (its next chunk overwrites that K/V) and is not sampled."""
         running = self.running
-        tokens = torch.tensor([s.output_ids[-1] for s in running], dtype=torch.long)
+        tokens = torch.tensor([0 if s.prefilling else s.output_ids[-1] for s in running], dtype=torch.long)
         positions = torch.tensor([s.cache_len for s in running], dtype=torch.long)
         logits = self.runner.decode(tokens, positions, self.cache)
-        for s in running:
+        decoding = [i for i, s in enumerate(running) if not s.prefilling]
+        seqs = [running[i] for i in decoding]
+        for s in seqs:
             s.cache_len += 1
         self.counters["steps"] += 1
-        self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(running))
-        self._sample_and_append(list(running), logits)
+        self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], len(seqs))
+        self._sample_and_append(seqs, logits if len(seqs) == len(running) else logits[decoding])
 
     def _sample_and_append(self, seqs: list[Sequence], logits: Tensor) -> None:
         banned = None
@@ -377,7 +432,9 @@ class Scheduler:
             retracted = list(self.running)
             for s in reversed(retracted):
                 self._release_row(s)
-                s.cache_len = 0
+                s.cache_len, s.prefilling = 0, False
+                if not s.prefilled_once:  # scored again from the start when prefilled again
+                    s.input_logprobs = s.input_top = None
             self.counters["retractions"] += len(retracted)
             with self.cv:  # back to the queue, in submission order, ahead of later arrivals
                 self.waiting = deque(sorted([*retracted, *self.waiting], key=lambda s: s.order))

@@ -52,6 +52,7 @@ class Sequence:
     input_logprobs: list[float | None] | None = None
     input_top: list[list[tuple[float, int]] | None] | None = None
     prefilled_once: bool = False  # prompt logprobs are computed on the first prefill only
+    prefilling: bool = False  # holds a row, its tokens not all in the cache yet (chunked prefill)
     row: int | None = None  # KV cache row while running
     cache_len: int = 0  # tokens whose K/V sit in the cache
     finish_reason: dict[str, Any] | None = None
@@ -69,6 +70,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def kv_need(self) -> int:
+        """The most KV positions this sequence can come to hold: its prompt and every output token."""
+        return len(self.prompt_ids) + self.max_new
 
     @property
     def scores_prompt(self) -> bool:

@@ -52,7 +52,7 @@ from clawrl.engine.routes import (
     router,
 )
 from clawrl.engine.schemas import document_generate_body
-from clawrl.engine.types import BadRequestError, Engine, EngineError
+from clawrl.engine.types import BadRequestError, Engine, EngineError, EngineOverloadedError
 
 __all__ = ["create_engine_app", "serve_engine"]
 
@@ -100,6 +100,8 @@ async def _on_bad_request(request: Request, exc: BadRequestError) -> Response:
 
 
 async def _on_engine_error(request: Request, exc: EngineError) -> Response:
+    if isinstance(exc, EngineOverloadedError):  # SGLang: 503 when its queue is full
+        return value_error(str(exc), 503)
     log.error("engine error on %s: %s", request.url.path, exc)
     return value_error(str(exc), 500)
 

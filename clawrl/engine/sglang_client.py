@@ -29,6 +29,7 @@ import orjson
 from clawrl.engine.types import (
     BadRequestError,
     EngineError,
+    EngineOverloadedError,
     EngineTimeoutError,
     GenerateRequest,
     GenerateResult,
@@ -120,6 +121,8 @@ class SGLangClient:
                     msg = error_message(resp.status, await resp.read())
                     if resp.status == 400:
                         raise BadRequestError(msg)
+                    if resp.status == 503 and path == "/generate":
+                        raise EngineOverloadedError(f"engine at {self.base_url}: {msg}")
                     raise EngineError(f"engine at {self.base_url} answered HTTP {resp.status} on {method} {path}: "
                                       f"{msg}")
                 yield resp

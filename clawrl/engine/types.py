@@ -33,6 +33,10 @@ class EngineTimeoutError(EngineError):
     """The engine did not answer within the configured timeout (the gateway maps this to 504)."""
 
 
+class EngineOverloadedError(EngineError):
+    """The engine's request queue is full (SGLang answers HTTP 503; the gateway too, with Retry-After)."""
+
+
 class BadRequestError(ValueError):
     """A request the engine refuses (SGLang answers these with HTTP 400)."""
 

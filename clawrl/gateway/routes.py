@@ -110,6 +110,38 @@ def server_timing(total_s: float, engine_s: float) -> str:
     return f"gateway;dur={1000.0 * (total_s - engine_s):.3f}, engine;dur={1000.0 * engine_s:.3f}"
 
 
+DISCONNECT_GRACE_S, DISCONNECT_POLL_S = 1.0, 0.25  # a completion shorter than the grace is never polled
+
+
+def abort_when_gone(request: Request, service: ChatService, turn: Any):
+    """Watch whether the client of a non-streamed completion goes away (polled after a grace
+    period, so short completions cost one timer): then the turn is marked (it will not be recorded)
+    and its engine request aborted, which the engine ends at its next step or prefill chunk.
+    (Streams need no watch: the stream is closed, which aborts it.) Returns the stop function."""
+    loop = asyncio.get_running_loop()
+    task: asyncio.Task | None = None
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        turn.client_gone = True
+        with contextlib.suppress(Exception):
+            await service.engine.abort_request(turn.gen.rid)
+
+    def start() -> None:
+        nonlocal task
+        task = loop.create_task(watch())
+
+    handle = loop.call_later(DISCONNECT_GRACE_S, start)
+
+    def stop() -> None:
+        handle.cancel()
+        if task is not None:
+            task.cancel()
+
+    return stop
+
+
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
         (400, "Invalid request: the message names the field or header."),
@@ -150,7 +182,11 @@ async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep,
         if body.stream:  # the service counts a stream's outcome as it ends
             return StreamingResponse(service.stream(turn), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        resp, engine_s = await service.complete(turn)
+        stop_watching = abort_when_gone(request, service, turn)
+        try:
+            resp, engine_s = await service.complete(turn)
+        finally:
+            stop_watching()
     except GatewayError as e:
         turn_type = body.turn_type or ctx.turn_type or service.settings.server.default_turn_type
         metrics.requests.labels(str(e.status), "true" if body.stream else "false", turn_type).inc()
@@ -262,7 +298,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
 
         return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
     from clawrl.models import resolve_device, resolve_dtype
-    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.checkpoint import newest_intact_checkpoint
 
     version = "0"
@@ -271,9 +307,8 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
         model_dir, version = intact[1], str(intact[0])
     device, _ = resolve_device(settings.model.device)
     engine = EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
-                            max_batch_size=settings.engine.max_batch_size,
-                            max_context_len=settings.engine.max_context_len, weight_version=version,
-                            served_model_name=settings.server.served_model_name)
+                            weight_version=version, served_model_name=settings.server.served_model_name,
+                            **settings.engine.model_dump(include=LIMIT_KEYS))
     return engine, engine.tokenizer
 
 

@@ -31,6 +31,7 @@ class ChatCompletionRequest(Lenient):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0, description="vLLM's extension: no stop before this many tokens.")
     n: int = 1
     presence_penalty: float | None = None
     response_format: dict[str, Any] | None = None

@@ -33,6 +33,7 @@ from clawrl.engine.types import (
     BadRequestError,
     Engine,
     EngineError,
+    EngineOverloadedError,
     EngineTimeoutError,
     GenerateRequest,
     GenerateResult,
@@ -83,6 +84,7 @@ class Turn:
     gen: GenerateRequest
     created_at: Any
     t0: float
+    client_gone: bool = False  # the client went away: nothing is recorded
 
 
 class ChatService:
@@ -147,7 +149,7 @@ class ChatService:
         sp: dict[str, Any] = {  # from_dict leaves the engine's default where a value is None
             "max_new_tokens": asked or self.settings.ppo.max_new_tokens,  # the embedded engine cuts the default to fit
             "temperature": self.settings.ppo.temperature if req.temperature is None else req.temperature,
-            "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed,
+            "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed, "min_new_tokens": req.min_tokens,
             **{k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))},
         }
         try:
@@ -177,6 +179,8 @@ class ChatService:
         async with self._serving(turn):
             self._link_next_state(turn)
             result, engine_s = await self._generate(turn.gen)
+            if turn.client_gone:  # nobody receives it: not a turn (nginx's 499, logged as such)
+                raise GatewayError(499, "the client closed the request", "client_closed_request")
             parsed, finish, index = self._record(turn, result)
         message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None}
         logprobs = self._logprobs(result, 0, turn.req.top_logprobs) if turn.req.logprobs else None
@@ -337,6 +341,9 @@ class ChatService:
                                 "engine_timeout")
         if isinstance(e, BadRequestError):
             return engine_context_error(str(e)) or GatewayError(400, str(e))
+        if isinstance(e, EngineOverloadedError):
+            return GatewayError(503, f"the engine is at capacity: {e}; retry later", "service_unavailable",
+                                headers={"Retry-After": "1"})
         return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
 
     def _record(self, turn: Turn, result: GenerateResult) -> tuple[ParsedOutput, str, int]:

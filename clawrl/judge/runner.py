@@ -24,15 +24,14 @@ from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateReco
 def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
     model), never synced: the frozen judge, and the frozen or local OPD teacher."""
-    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.models import resolve_model_dir
 
     model_dir = resolve_model_dir(name or settings.model.name, settings.storage.models_dir, settings.model.seed)
     device, _ = resolve_device(settings.model.device)
     return EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
-                          max_batch_size=settings.engine.max_batch_size,
-                          max_context_len=settings.engine.max_context_len, weight_version="frozen",
-                          served_model_name="clawrl-frozen")
+                          weight_version="frozen", served_model_name="clawrl-frozen",
+                          **settings.engine.model_dump(include=LIMIT_KEYS))
 
 
 def _judge_model_id(settings: Settings) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clawrl.engine.modeling import CausalLMRunner, KVCache, build_model_spec
+from clawrl.engine.modeling import KVBudgetError, CausalLMRunner, KVCache, build_model_spec
 from clawrl.models import load_causal_lm
 
 # Batched, padded matmuls reduce in a different order than a batch of one; over 30 layers
@@ -103,25 +103,46 @@ def test_rope_tables_equal_hf_rotary_embedding(tiny_qwen3_dir):
 
 def test_kv_cache_grows_by_doubling_and_keeps_contents(tiny_dir):
     spec = build_model_spec(load_causal_lm(tiny_dir).config)
-    cache = KVCache(spec, rows=2, max_len=300, dtype=torch.float32, device="cpu")
-    cache.ensure_capacity(10)
-    assert cache.capacity == 64  # minimum allocation
+    cache = KVCache(spec, rows=4, max_len=300, dtype=torch.float32, device="cpu")
+    assert cache.max_tokens == 4 * 300 and cache.slot_bytes == 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x dim
+    cache.ensure(1, 10)
+    assert (cache.rows, cache.capacity) == (1, 64)  # one row, the minimum positions
     assert torch.all(cache.k[0] == 0)  # zeroed: masked keys must be finite
     with torch.inference_mode():  # cache buffers are inference tensors
-        cache.k[1][1, :, :10] = 7.0
-    cache.ensure_capacity(65)
-    assert cache.capacity == 128  # doubled
-    assert torch.all(cache.k[1][1, :, :10] == 7.0)
-    cache.ensure_capacity(200)
-    assert cache.capacity == 256
-    cache.ensure_capacity(290)
-    assert cache.capacity == 300  # capped at the context limit
+        cache.k[1][0, :, :10] = 7.0
+    cache.ensure(2, 65)
+    assert (cache.rows, cache.capacity) == (2, 128)  # both doubled
+    assert torch.all(cache.k[1][0, :, :10] == 7.0) and torch.all(cache.k[1][1] == 0)
+    cache.ensure(3, 200)
+    assert (cache.rows, cache.capacity) == (4, 256)
+    cache.ensure(1, 290)
+    assert (cache.rows, cache.capacity) == (4, 300)  # capped at the context limit
     with pytest.raises(ValueError, match="exceeds the context limit 300"):
-        cache.ensure_capacity(301)
-    cache.move_row(1, 0, 10)
-    assert torch.all(cache.k[1][0, :, :10] == 7.0)
+        cache.ensure(1, 301)
+    cache.move_row(0, 2, 10)
+    assert torch.all(cache.k[1][2, :, :10] == 7.0)
     cache.reset()
-    assert cache.capacity == 0 and cache.k == [] and cache.v == []  # every buffer dropped
+    assert (cache.rows, cache.capacity) == (0, 0) and cache.k == [] and cache.v == []  # every buffer dropped
+
+
+def test_kv_cache_stays_within_its_token_budget(tiny_dir):
+    spec = build_model_spec(load_causal_lm(tiny_dir).config)
+    cache = KVCache(spec, rows=8, max_len=1000, dtype=torch.float32, device="cpu", max_tokens=1200)
+    cache.ensure(1, 900)
+    assert (cache.rows, cache.capacity) == (1, 900)
+    with pytest.raises(KVBudgetError, match="2 rows x 900 positions exceed the KV budget of 1200"):
+        cache.ensure(2, 100)  # what is cached stays (no shrinking while in use): 2 x 900
+    cache.reset()
+    cache.ensure(3, 100)
+    cache.ensure(5, 150)  # doubling would be 6 x 200 = 1200: fits exactly
+    assert (cache.rows, cache.capacity) == (6, 200)
+    with pytest.raises(KVBudgetError):
+        cache.ensure(5, 201)  # 6 rows stay: 6 x 201 > 1200
+    cache.reset()
+    cache.ensure(2, 500)  # doubling the positions would be 2 x 1000: grows only as far as the budget allows
+    cache.ensure(2, 550)
+    assert (cache.rows, cache.capacity) == (2, 600)
+    assert sum(t.numel() for t in cache.k + cache.v) * 4 == cache.rows * cache.capacity * cache.slot_bytes
 
 
 def test_unsupported_architecture_is_refused(tiny_dir):

@@ -221,7 +221,7 @@ def test_info_routes(http, tiny_dir):
     srv = http.get("/server_info").json()
     assert srv["context_length"] == CONTEXT
     assert srv["max_running_requests"] == 16
-    assert srv["max_total_num_tokens"] == 16 * CONTEXT  # a KV slot of the full context per running request
+    assert srv["max_total_num_tokens"] == 8 * CONTEXT  # the engine's KV budget: here a full batch of full contexts
     assert (srv["version"], srv["weight_version"]) == ("clawrl-embedded", "0")
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
