@@ -84,14 +84,14 @@ class EngineSettings(_Section):
                                               "native HTTP contract).")
     url: Url = Field("", description="Base URL of the HTTP engine (kind='http').")
     port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
-    max_batch_size: int = Field(16, ge=1, description="Sequences decoded together. More = more throughput, more KV "
-                                                      "memory.")
+    max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
     max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
     chunked_prefill_size: int = Field(2048, ge=1, description="Prompt tokens prefilled per step; longer prompts go "
                                       "in chunks between the others' decode steps (SGLang's --chunked-prefill-size).")
-    max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until they "
-                                  "fit. 0: 1/4 of RAM (CPU) or 1/2 of free GPU memory, at most max_batch_size x "
-                                  "max_context_len.")
+    max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until "
+                                  "they fit. 0: 1/4 of RAM (CPU) or 1/2 of free GPU memory, at most a full batch.")
+    prefix_cache_tokens: int = Field(-1, ge=-1, description="Prompt-prefix K/V kept for reuse (cached_tokens). -1: "
+                                     "max_total_tokens / 4, at least max_context_len; 0: off.")
     max_queued_requests: int = Field(1024, ge=0, description="Queued requests beyond which the engine answers 503 "
                                      "(the gateway too, with Retry-After). 0: no limit.")
     request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
@@ -113,9 +113,9 @@ class ServerSettings(_Section):
         [r"you are a context summari[sz]ation assistant",
          r"the messages above are (a conversation|new conversation messages) to (summari[sz]e|incorporate)",
          r"^pre-compaction memory flush\b"],
-        description="Regular expressions (case-insensitive): a request naming no turn type whose system "
-        "message or last message matches one is a side turn - an agent's own maintenance call, such as "
-        "OpenClaw's compaction summariser and its pre-compaction memory flush (the defaults). A request that adds no user or tool message is one too.")
+        description="Regexes (case-insensitive): a request naming no turn type whose system or last message "
+        "matches one is a side turn - an agent's own maintenance call (defaults: OpenClaw's compaction summariser "
+        "and pre-compaction memory flush). A request that adds no user or tool message is one too.")
     prompt_cache_key_boundary: Annotated[str, AfterValidator(_regex)] = Field(
         r":\d+$", description="Regex of the suffix an agent adds to prompt_cache_key at each context boundary, left "
         "out of the session id (OpenClaw: '<session id>:<compactions so far>'; its summariser sends the bare id). "

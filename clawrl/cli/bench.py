@@ -87,6 +87,29 @@ def bench_gateway(
     _write("gateway", format_gateway_section(result), out)
 
 
+@bench_app.command("long-prompt")
+def bench_long_prompt(
+    model: Annotated[str, typer.Option(help="Model name.")] = "smollm2-135m",
+    context: Annotated[int, typer.Option(help="max_context_len of the engine.")] = 8192,
+    prompt_tokens: Annotated[int, typer.Option(help="Tokens of the long prompt.")] = 7500,
+    chunks: Annotated[str, typer.Option(help="Comma-separated chunked_prefill_size values.")] = "8192,2048,512",
+    prefixes: Annotated[str, typer.Option(help="Comma-separated shared-prefix lengths of the conversation "
+                                                "with and without the prefix cache ('' = skip).")] = "2000,6000",
+    device: DeviceOpt = None,
+    out: OutOpt = REPORT,
+    config: ConfigOpt = None,
+) -> None:
+    """A long prompt's cost to running requests, abort latency and memory at several prefill chunk sizes."""
+    from clawrl.bench.longprompt import format_long_prompt_section, run_long_prompt_bench
+
+    s = settings_or_exit(config)
+    with _status("long-prompt bench") as progress:
+        rows = run_long_prompt_bench(model, cache_dir=s.storage.models_dir, context=context, prompt_tokens=prompt_tokens,
+                                     chunks=_split(chunks, int), prefixes=_split(prefixes, int),
+                                     device=_device(device), progress=progress)
+    _write("long-prompt", format_long_prompt_section(rows, _device(device)), out)
+
+
 @bench_app.command("judge")
 def bench_judge(
     models: ModelsOpt = "tiny,smollm2-135m",

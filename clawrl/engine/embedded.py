@@ -20,7 +20,12 @@ the decode steps of the others; the KV cache holds at most ``max_total_tokens`` 
 x positions: requests wait in the queue until they fit); at most ``max_queued_requests`` wait
 (0: no limit), beyond which a request gets :class:`EngineOverloadedError` (SGLang's 503).
 
-Departures from SGLang, on purpose: no radix/prefix cache (``cached_tokens`` is always 0);
+A prefix cache (clawrl/engine/prefix_cache.py) keeps the K/V of what finished requests computed,
+in blocks of 64 tokens, up to ``prefix_cache_tokens``: a request that starts the same way prefills
+only the rest, and reports the tokens it reused as ``cached_tokens``. A weight update or
+``flush_cache`` empties it.
+
+Departures from SGLang, on purpose:
 ``stop_token_ids`` are ignored under ``ignore_eos`` *as in SGLang*; ``min_new_tokens`` masks the
 stop tokens (SGLang's penalizer, so the returned log-probs see the mask) and also defers stop
 strings until it is reached (SGLang lets a stop string end the request earlier); a disk update
@@ -52,7 +57,8 @@ from clawrl.models import load_causal_lm, load_tokenizer
 
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 # the [engine] keys that are EmbeddedEngine's keyword arguments too
-LIMIT_KEYS = {"max_batch_size", "max_context_len", "chunked_prefill_size", "max_total_tokens", "max_queued_requests"}
+LIMIT_KEYS = {"max_batch_size", "max_context_len", "chunked_prefill_size", "max_total_tokens", "max_queued_requests",
+              "prefix_cache_tokens"}
 
 
 class EmbeddedEngine:
@@ -60,7 +66,8 @@ class EmbeddedEngine:
 
     def __init__(self, model_dir: Path, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 16,
                  max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None,
-                 chunked_prefill_size: int = 2048, max_total_tokens: int = 0, max_queued_requests: int = 0):
+                 chunked_prefill_size: int = 2048, max_total_tokens: int = 0, max_queued_requests: int = 0,
+                 prefix_cache_tokens: int = -1):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_context_len < 2:
@@ -88,7 +95,9 @@ class EmbeddedEngine:
                               f"{max_context_len}: a request of the full context could never run")
         self._sched = Scheduler(self._runner, self._decode_text, max_batch_size=max_batch_size,
                                 weight_version=str(weight_version), chunked_prefill_size=chunked_prefill_size,
-                                max_total_tokens=self.max_total_tokens, max_queued_requests=max_queued_requests)
+                                max_total_tokens=self.max_total_tokens, max_queued_requests=max_queued_requests,
+                                prefix_cache_tokens=prefix_cache_tokens if prefix_cache_tokens >= 0 else
+                                max(max_context_len, self.max_total_tokens // 4))
 
     def _auto_kv_budget(self, max_batch_size: int, max_context_len: int) -> int:
         """KV token slots for a quarter of the machine's memory (CPU) or half the GPU memory still

@@ -31,11 +31,13 @@ import torch
 from torch import Tensor
 
 from clawrl.engine.modeling import CausalLMRunner
+from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, top_logprobs
 from clawrl.engine.sequence import DecodeText, Sequence, abort_reason
 from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError, UpdateResult
 
 PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
+PREFIX_BLOCK = 64  # tokens per block of the prefix cache
 PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
 
 
@@ -70,10 +72,12 @@ class Scheduler:
     output ids into text (stop strings, results)."""
 
     def __init__(self, runner: CausalLMRunner, decode_text: DecodeText, *, max_batch_size: int, weight_version: str,
-                 chunked_prefill_size: int = 2048, max_total_tokens: int | None = None, max_queued_requests: int = 0):
+                 chunked_prefill_size: int = 2048, max_total_tokens: int | None = None, max_queued_requests: int = 0,
+                 prefix_cache_tokens: int = 0):
         self.runner, self.decode_text, self.max_batch_size = runner, decode_text, max_batch_size
         self.chunked_prefill_size, self.max_queued_requests = chunked_prefill_size, max_queued_requests
         self.cache = runner.new_cache(max_batch_size, max_total_tokens)
+        self.prefix = PrefixCache(PREFIX_BLOCK, prefix_cache_tokens) if prefix_cache_tokens >= PREFIX_BLOCK else None
         self.weight_version = weight_version
         self.generator = torch.Generator()  # rows without a sampling_seed share it
         self.generator.seed()
@@ -163,7 +167,10 @@ class Scheduler:
         return {**self.counters, "queued": queued, "running": len(self.running), "paused": self.paused,
                 "pause_mode": self.pause_mode, "weight_version": self.weight_version,
                 "kv_capacity": self.cache.capacity, "kv_rows": self.cache.rows,
-                "kv_budget_tokens": self.cache.max_tokens}
+                "kv_budget_tokens": self.cache.max_tokens,
+                "prefix_cache_tokens": len(self.prefix) * PREFIX_BLOCK if self.prefix else 0,
+                "prefix_cache_hits": self.prefix.hits if self.prefix else 0,
+                "prefix_tokens_saved": self.prefix.tokens_saved if self.prefix else 0}
 
     def _worker(self) -> None:
         with torch.inference_mode():  # thread-local: the worker never needs autograd
@@ -251,6 +258,12 @@ class Scheduler:
         whole: list[Sequence] = []
         done: list[tuple[Sequence, Tensor]] = []
         for s in [s for s in self.running if s.prefilling]:
+            if s.cache_len == 0 and self.prefix is not None:
+                limit = len(s.tokens) - 1  # the last position is computed: its logits give the next token
+                if s.scores_prompt:  # the positions scored are computed too
+                    limit = min(limit, max(s.req.logprob_start_len, 0))
+                s.cache_len = self.prefix.load(s.tokens, limit, self.cache, s.row)
+                s.cached_tokens = max(s.cached_tokens, s.cache_len)
             left = len(s.tokens) - s.cache_len
             if s.cache_len == 0 and left <= budget:
                 whole.append(s)
@@ -366,6 +379,8 @@ class Scheduler:
         """End ``seq``: its caller gets the final result, or ``error``."""
         seq.finish_reason = reason
         if seq.row is not None:
+            if self.prefix is not None and error is None and seq.cache_len >= PREFIX_BLOCK:
+                self.prefix.store(seq.tokens[:seq.cache_len], self.cache, seq.row)
             self._release_row(seq)
         with self.cv:
             self.live.discard(seq)
@@ -451,6 +466,8 @@ class Scheduler:
             busy = bool(self.running) or (bool(self.waiting) and not self.paused)
         if not busy:
             self.cache.reset()
+            if self.prefix is not None:
+                self.prefix.clear()
         done.set_result(not busy)
 
     def do_relabel(self, version: str, done: concurrent.futures.Future) -> None:
@@ -472,6 +489,8 @@ class Scheduler:
             update.done.set_result(UpdateResult(False, f"weights update failed: {type(e).__name__}: {e}",
                                                 self.weight_version))
             return
+        if self.prefix is not None:  # its K/V came from the old weights
+            self.prefix.clear()
         if update.version is not None:
             self.weight_version = str(update.version)
         if not self.running:  # in_place-paused requests keep their (now stale) KV, as in SGLang

@@ -55,6 +55,7 @@ class Sequence:
     prefilling: bool = False  # holds a row, its tokens not all in the cache yet (chunked prefill)
     row: int | None = None  # KV cache row while running
     cache_len: int = 0  # tokens whose K/V sit in the cache
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     finish_reason: dict[str, Any] | None = None
     stop_trim: int | None = None  # text index where a matched stop string starts
     scanned_text_len: int = 0
@@ -126,6 +127,6 @@ class Sequence:
             # finished without output (aborted while waiting, a prefill-only score): an empty span of the version
             weight_versions=(build_version_spans(self.versions) or [{"version": weight_version, "start": 0, "end": 0}])
             if reason is not None else [],
-            e2e_latency=time.perf_counter() - self.started,
+            e2e_latency=time.perf_counter() - self.started, cached_tokens=self.cached_tokens,
             prompt_ids=list(self.prompt_ids) if req.input_ids is None else None,
         )

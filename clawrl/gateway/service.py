@@ -450,9 +450,10 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {orjson.dumps(body).decode()}\n\n"
 
 
-def _usage(result: GenerateResult) -> dict[str, int]:
+def _usage(result: GenerateResult) -> dict[str, Any]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 def _json(value: Any) -> str:
