@@ -86,8 +86,8 @@ class EngineSettings(_Section):
     port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
     max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
     max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
-    chunked_prefill_size: int = Field(2048, ge=1, description="Prompt tokens prefilled per step; longer prompts go "
-                                      "in chunks between the others' decode steps (SGLang's --chunked-prefill-size).")
+    chunked_prefill_size: int = Field(0, ge=0, description="Prompt tokens prefilled per step, longer prompts in chunks "
+                                      "between the others' decode steps. 0: 2048 on CPU, 8192 on CUDA.")
     max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until "
                                   "they fit. 0: 1/4 of RAM (CPU) or 1/2 of free GPU memory, at most a full batch.")
     prefix_cache_tokens: int = Field(-1, ge=-1, description="Prompt-prefix K/V kept for reuse (cached_tokens). -1: "

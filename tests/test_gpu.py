@@ -72,3 +72,31 @@ def test_trainer_takes_a_bf16_step_on_cuda_close_to_float32_on_cpu(make_settings
     assert abs(metrics["cpu"]["kl"]) < 1e-6
     for key in ("loss", "entropy"):  # bf16 compute: log-probs near -10.8 carry ~0.05 of rounding
         assert cuda[key] == pytest.approx(metrics["cpu"][key], rel=0.05, abs=0.05), (key, cuda[key], metrics["cpu"][key])
+
+
+def test_chunked_prefill_and_the_prefix_cache_on_cuda_give_what_one_pass_gives(tiny_dir):
+    """The CUDA kernels of a chunk (SDPA with a mask over the cached prefix) and of a prefix reused
+    from the cache: float32 on the GPU, the same greedy tokens and log-probs as one pass."""
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.types import GenerateRequest, SamplingParams
+    from tests.engine.test_embedded import assert_lp_close, prompts_of
+
+    system, question = prompts_of([1500, 40], 40000, seed=21)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def engine(**kw):
+        return EmbeddedEngine(tiny_dir, dtype="float32", device="cuda", max_batch_size=4, max_context_len=4096, **kw)
+
+    async def ask(eng, prompts):
+        out = [await eng.generate(GenerateRequest(input_ids=p, sampling_params=sp, return_logprob=True))
+               for p in prompts]
+        await eng.close()
+        return out
+
+    one_pass = asyncio.run(ask(engine(chunked_prefill_size=4096, prefix_cache_tokens=0), [system + question]))[0]
+    chunked = asyncio.run(ask(engine(chunked_prefill_size=128, prefix_cache_tokens=0), [system + question]))[0]
+    first, reused = asyncio.run(ask(engine(chunked_prefill_size=4096), [system + [7], system + question]))
+    assert reused.cached_tokens == 1472  # 23 whole blocks of the shared 1,500 tokens
+    for got in (chunked, reused):
+        assert got.output_ids == one_pass.output_ids
+        assert_lp_close(got.output_logprobs, one_pass.output_logprobs, 1e-4)

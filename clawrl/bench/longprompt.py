@@ -9,7 +9,8 @@ Each configuration runs in a fresh child process (its peak RSS is its own):
   prefill), and the long prompt's time to first token.
 * **abort**: the long prompt alone; its caller goes away 0.5 s in. Reported: seconds from then
   until the engine is idle.
-* **peak RSS**: the child's peak resident memory over its level with the model loaded.
+* **peak memory**: the child's peak resident memory (CPU) or allocated GPU memory (CUDA) over its
+  level with the model loaded.
 """
 
 from __future__ import annotations
@@ -72,13 +73,16 @@ def measure(model_dir: str, context: int, prompt_tokens: int, chunk: int, batch:
     async def main() -> dict:
         await engine.start()
         await engine.generate(req([1, 2, 3], 2))  # warm
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        cuda = device == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         gap, ttft = await stall()
         idle = await abort()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         await engine.close()
         return {"chunk": chunk, "max_gap_s": gap, "ttft_s": ttft, "abort_idle_s": idle,
-                "rss_growth_mb": (peak - base) / 1024}
+                "memory_growth_mb": (peak - base) / 2**20}
 
     return asyncio.run(main())
 
@@ -145,18 +149,20 @@ def format_long_prompt_section(rows: list[dict[str, Any]], device: str) -> str:
     from clawrl.bench.common import bench_dtype, machine_line, markdown_table
 
     cols = ["model", "prompt tokens", "chunked_prefill_size", "longest decode gap of a running request (s)",
-            "time to first token (s)", "idle after the caller left (s)", "peak RSS growth (MB)"]
+            "time to first token (s)", "idle after the caller left (s)", "peak memory growth (MB)"]
     table = markdown_table([dict(zip(cols, [
         r["model"], r["prompt_tokens"], r["chunk"], f"{r['max_gap_s']:.2f}", f"{r['ttft_s']:.2f}",
-        f"{r['abort_idle_s']:.2f}", f"{r['rss_growth_mb']:.0f}"])) for r in rows if "chunk" in r], cols)
+        f"{r['abort_idle_s']:.2f}", f"{r['memory_growth_mb']:.0f}"])) for r in rows if "chunk" in r], cols)
     pcols = ["model", "shared prefix", "prefix cache", "turn", "prompt tokens", "reused (cached_tokens)",
              "computed", "time to first token (s)"]
     prefix = markdown_table([dict(zip(pcols, [
         r["model"], r["prefix_tokens"], "on" if r["cache"] else "off", t["turn"], t["prompt_tokens"], t["cached"],
         t["prompt_tokens"] - t["cached"], f"{t['ttft_s']:.2f}"])) for r in rows if "turns" in r for t in r["turns"]],
         pcols)
-    return (f"`clawrl bench long-prompt`. {machine_line(device, bench_dtype(device))}\n\n{table}\n\n"
+    return ("## Long prompts: chunked prefill, aborts, memory and the prefix cache\n\n"
+            f"`clawrl bench long-prompt`. {machine_line(device, bench_dtype(device))}\n\n{table}\n\n"
             "A short request streams 200 tokens while the long prompt arrives; its longest gap between two "
             "tokens is the decoding it lost to the prefill. Then the long prompt alone, its caller gone 0.5 s in. "
-            "Each row is one fresh process (max_batch_size 16); RSS growth is over the process with the model "
-            f"loaded.\n\nAn agent's conversation, with and without the prefix cache:\n\n{prefix}\n")
+            "Each row is one fresh process (max_batch_size 16); memory growth is over the process with the model "
+            "loaded: peak RSS on the CPU, peak allocated GPU memory on CUDA."
+            f"\n\nAn agent's conversation, with and without the prefix cache:\n\n{prefix}\n")

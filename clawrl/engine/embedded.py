@@ -15,7 +15,8 @@ Pause and update semantics follow SGLang 0.5.23:
   wait, then the swap runs and serving resumes; while paused it runs at once. A request whose
   output spans an update reports two ``weight_versions`` spans.
 
-Long prompts are prefilled in chunks of ``chunked_prefill_size`` tokens, one per step, between
+Long prompts are prefilled in chunks of ``chunked_prefill_size`` tokens (0: 2048 on CPU, 8192 on
+CUDA), one per step, between
 the decode steps of the others; the KV cache holds at most ``max_total_tokens`` token slots (rows
 x positions: requests wait in the queue until they fit); at most ``max_queued_requests`` wait
 (0: no limit), beyond which a request gets :class:`EngineOverloadedError` (SGLang's 503).
@@ -66,7 +67,7 @@ class EmbeddedEngine:
 
     def __init__(self, model_dir: Path, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 16,
                  max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None,
-                 chunked_prefill_size: int = 2048, max_total_tokens: int = 0, max_queued_requests: int = 0,
+                 chunked_prefill_size: int = 0, max_total_tokens: int = 0, max_queued_requests: int = 0,
                  prefix_cache_tokens: int = -1):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -87,8 +88,9 @@ class EmbeddedEngine:
         self.max_batch_size = max_batch_size
         self.max_context_len = max_context_len
         self.served_model_name = served_model_name or Path(model_dir).name
-        if chunked_prefill_size < 1:
-            raise ConfigError(f"engine.chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        # 0: a chunk a CPU computes in a few seconds; on a GPU, where a chunk costs its launches more than
+        # its compute, larger (a 15k-token prompt's first token on an H200: 0.26 s in one pass, 1.15 s in 2048s)
+        chunked_prefill_size = chunked_prefill_size or (8192 if self._runner.device.type == "cuda" else 2048)
         self.max_total_tokens = max_total_tokens or self._auto_kv_budget(max_batch_size, max_context_len)
         if self.max_total_tokens < max_context_len:
             raise ConfigError(f"engine.max_total_tokens = {self.max_total_tokens} is below engine.max_context_len = "

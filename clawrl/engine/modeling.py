@@ -183,8 +183,12 @@ class CausalLMRunner:
             kc, vc = cache.k[layer], cache.v[layer]
             kc[row, :, start:end] = k[0]
             vc[row, :, start:end] = v[0]
-            return F.scaled_dot_product_attention(q, kc[row:row + 1, :, :end], vc[row:row + 1, :, :end],
-                                                  attn_mask=mask, enable_gqa=True)
+            keys, values = kc[row:row + 1, :, :end], vc[row:row + 1, :, :end]
+            if q.is_cuda and keys.shape[1] != q.shape[1]:  # CUDA's masked kernels take no GQA: repeat the heads
+                keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], 1)
+                values = values.repeat_interleave(q.shape[1] // values.shape[1], 1)
+                return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
         return self._forward(x, cos, sin, attend)[0, keep_from:]
 

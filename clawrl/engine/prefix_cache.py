@@ -62,12 +62,12 @@ class PrefixCache:
             return 0
         n = len(path) * self.block
         cache.ensure(row + 1, n)
-        for i, node in enumerate(path):
+        kv = torch.cat([node.kv for node in path], dim=3)  # (2, layers, kv_heads, n, head_dim): one copy a layer
+        for layer in range(len(cache.k)):
+            cache.k[layer][row, :, :n] = kv[0, layer]
+            cache.v[layer][row, :, :n] = kv[1, layer]
+        for node in path:
             self._lru.move_to_end(node)
-            a = i * self.block
-            for layer in range(len(cache.k)):
-                cache.k[layer][row, :, a:a + self.block] = node.kv[0, layer]
-                cache.v[layer][row, :, a:a + self.block] = node.kv[1, layer]
         self.hits += 1
         self.tokens_saved += n
         return n
@@ -75,17 +75,20 @@ class PrefixCache:
     @torch.inference_mode()
     def store(self, tokens: list[int], cache: KVCache, row: int) -> None:
         """Keep the K/V of ``tokens`` (all cached in row ``row``), whole blocks of them."""
-        node = self.root
+        node, new = self.root, []
         for i, key in enumerate(self._keys(tokens, min(len(tokens) // self.block, self.max_blocks))):
             child = node.children.get(key)
             if child is None:
-                a = i * self.block
-                kv = torch.stack([torch.stack([c[row, :, a:a + self.block] for c in cache.k]),
-                                  torch.stack([c[row, :, a:a + self.block] for c in cache.v])])
-                child = node.children[key] = _Block(node, key, kv)
+                child = node.children[key] = _Block(node, key)
+                new.append((i, child))
             self._lru[child] = None
             self._lru.move_to_end(child)
             node = child
+        if new:  # the new blocks are the path's tail: read them from the row at once, then one copy each
+            a, b = new[0][0] * self.block, (new[-1][0] + 1) * self.block
+            kv = torch.stack([torch.stack([c[row, :, a:b] for c in buffers]) for buffers in (cache.k, cache.v)])
+            for (_, block), part in zip(new, kv.split(self.block, dim=3)):
+                block.kv = part.clone()
         self._evict()
 
     def _evict(self) -> None:

@@ -33,12 +33,11 @@ from torch import Tensor
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, top_logprobs
-from clawrl.engine.sequence import DecodeText, Sequence, abort_reason
+from clawrl.engine.sequence import DecodeText, Sequence, abort_reason, plan_prefill_groups
 from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError, UpdateResult
 
 PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
 PREFIX_BLOCK = 64  # tokens per block of the prefix cache
-PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
 
 
 @dataclass
@@ -47,24 +46,6 @@ class _PendingUpdate:
     version: str | None
     barrier: int  # requests with order <= barrier finish before the swap
     done: concurrent.futures.Future
-
-
-def plan_prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """Split a prefill into right-padded batches of similar lengths, so padding stays a small
-    fraction of the work: sort by length and cut whenever padding would exceed the slack."""
-    groups: list[list[Sequence]] = []
-    group: list[Sequence] = []
-    real = 0
-    for s in sorted(seqs, key=lambda s: len(s.tokens)):
-        n = len(s.tokens)
-        if group and n * (len(group) + 1) > PREFILL_PAD_SLACK * (real + n) + 64:
-            groups.append(group)
-            group, real = [], 0
-        group.append(s)
-        real += n
-    if group:
-        groups.append(group)
-    return groups
 
 
 class Scheduler:
@@ -275,7 +256,10 @@ class Scheduler:
                 budget -= n
             if budget <= 0:
                 break
-        for group in plan_prefill_groups(whole):
+        twins: dict[tuple[int, ...], list[Sequence]] = {}  # one prefill for equal prompts (a judge's m votes)
+        for s in whole:
+            twins.setdefault(tuple(s.tokens) if not s.scores_prompt else (id(s),), []).append(s)
+        for group in plan_prefill_groups([same[0] for same in twins.values()]):
             # the first position whose logits are needed: the last one always is
             starts = [min(s.req.logprob_start_len, len(s.tokens) - 1) if s.scores_prompt else len(s.tokens) - 1
                       for s in group]
@@ -286,6 +270,11 @@ class Scheduler:
                 if s.scores_prompt:
                     self._score_prompt(s, h[:-1], start)
                 done.append((s, h[-1]))
+                for twin in twins.get(tuple(s.tokens), [s])[1:]:
+                    self.cache.ensure(len(self.running), s.cache_len)
+                    self.cache.move_row(s.row, twin.row, s.cache_len)  # a copy: both rows keep it
+                    twin.cache_len = s.cache_len
+                    done.append((twin, h[-1]))
         if done:
             self._first_tokens(done)
 

@@ -130,3 +130,24 @@ class Sequence:
             e2e_latency=time.perf_counter() - self.started, cached_tokens=self.cached_tokens,
             prompt_ids=list(self.prompt_ids) if req.input_ids is None else None,
         )
+
+
+PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
+
+
+def plan_prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Split a prefill into right-padded batches of similar lengths, so padding stays a small
+    fraction of the work: sort by length and cut whenever padding would exceed the slack."""
+    groups: list[list[Sequence]] = []
+    group: list[Sequence] = []
+    real = 0
+    for s in sorted(seqs, key=lambda s: len(s.tokens)):
+        n = len(s.tokens)
+        if group and n * (len(group) + 1) > PREFILL_PAD_SLACK * (real + n) + 64:
+            groups.append(group)
+            group, real = [], 0
+        group.append(s)
+        real += n
+    if group:
+        groups.append(group)
+    return groups

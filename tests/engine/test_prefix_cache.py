@@ -91,3 +91,39 @@ def test_it_keeps_at_most_its_size_least_recently_used_first(tiny_dir):
     run(eng.close())
     assert (hit_a, hit_b, hit_c) == (128, 0, 128)
     assert stats["prefix_cache_tokens"] <= 256
+
+
+def test_equal_prompts_arriving_together_share_one_prefill(tiny_dir):
+    """A judge's m votes: the same prompt m times, each sampled with its own seed. One prefill; each
+    vote is what it would be alone."""
+    from clawrl.engine.types import SamplingParams
+
+    prompt = prompts_of([500], 40000, seed=16)[0]
+
+    def vote(i: int) -> GenerateRequest:
+        return GenerateRequest(input_ids=prompt, return_logprob=True, sampling_params=SamplingParams(
+            max_new_tokens=8, temperature=1.0, sampling_seed=100 + i))
+
+    eng, alone = make(tiny_dir, prefix_cache_tokens=0), make(tiny_dir, prefix_cache_tokens=0)
+
+    async def together():
+        import asyncio
+
+        await eng.pause_generation("in_place")  # the four arrive in one step, whatever the machine's load
+        votes = [asyncio.create_task(eng.generate(vote(i))) for i in range(4)]
+        while eng.stats["queued"] < 4:
+            await asyncio.sleep(0.001)
+        await eng.continue_generation()
+        return await asyncio.gather(*votes)
+
+    async def one_by_one():
+        return [await alone.generate(vote(i)) for i in range(4)]
+
+    shared, single = run(together()), run(one_by_one())
+    steps = eng.stats["prefill_steps"]
+    run(eng.close()), run(alone.close())
+    assert steps == 1
+    assert len({tuple(r.output_ids) for r in shared}) > 1  # the seeds differ, so do the votes
+    for a, b in zip(shared, single):
+        assert a.output_ids == b.output_ids
+        assert_lp_close(a.output_logprobs, b.output_logprobs, 1e-5)
