@@ -112,6 +112,17 @@ class KVCache:
         self.k, self.v, self.rows, self.capacity = new_k, new_v, new_rows, new_cap
 
     @torch.inference_mode()
+    def shrink(self, rows: int, length: int) -> None:
+        """Keep only the first ``rows`` rows and ``length`` positions (the caller knows nothing live
+        is beyond): what longer requests that finished left behind must not keep new rows out."""
+        rows, length = min(rows, self.rows), min(length, self.capacity)
+        if (rows, length) == (self.rows, self.capacity):
+            return
+        self.k = [buf[:rows, :, :length].clone() for buf in self.k]
+        self.v = [buf[:rows, :, :length].clone() for buf in self.v]
+        self.rows, self.capacity = rows, length
+
+    @torch.inference_mode()
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cached positions of row ``src`` into row ``dst``."""
         if src == dst or length == 0:

@@ -217,8 +217,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Waiting sequences, FIFO, into rows while the KV budget holds every running sequence at
-        its longest (the cache is rows x the longest row, and keeps its size until the engine is idle)."""
-        need = max([s.kv_need for s in self.running] + [self.cache.capacity])
+        its longest (the cache is rows x the longest row); positions left over from longer requests
+        that finished are dropped when they stand in the way."""
+        need = max((s.kv_need for s in self.running), default=0)
         with self.cv:
             while len(self.running) < self.max_batch_size and self.waiting and self._admissible(self.waiting[0]):
                 head = self.waiting[0]
@@ -230,6 +231,9 @@ class Scheduler:
                 need = max(need, head.kv_need)
                 head.row, head.prefilling = len(self.running), True
                 self.running.append(head)
+        if self.running and max(len(self.running), self.cache.rows) * max(self.cache.capacity, need) > \
+                self.cache.max_tokens:
+            self.cache.shrink(len(self.running), need)
 
     def _prefill(self) -> None:
         """At most ``chunked_prefill_size`` tokens of the prompts not yet in the cache, oldest first:

@@ -132,3 +132,26 @@ def test_a_full_queue_refuses_with_overloaded(tiny_dir):
     first, second = run(scenario())
     run(eng.close())
     assert (len(first.output_ids), len(second.output_ids)) == (200, 2)
+
+
+def test_room_a_finished_long_request_held_goes_to_new_rows(tiny_dir):
+    """Budget 2,000 slots: a 900-position request grows the cache to 900+ positions; once it ends,
+    while another request keeps the engine busy, three short ones run together beside it (the
+    leftover positions are dropped) instead of waiting for the engine to go idle."""
+    eng = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024, max_total_tokens=2000)
+    long, keep_busy, *shorts = prompts_of([880, 8, 20, 20, 20], 40000, seed=8)
+
+    async def scenario():
+        busy = asyncio.create_task(eng.generate(GenerateRequest(input_ids=keep_busy, sampling_params=greedy(250))))
+        await eng.generate(GenerateRequest(input_ids=long, sampling_params=greedy(20)))
+        assert eng.stats["running"] == 1 and eng.stats["kv_capacity"] >= 900
+        eng.reset_stats()
+        await asyncio.gather(*(eng.generate(GenerateRequest(input_ids=p, sampling_params=greedy(20))) for p in shorts))
+        stats = eng.stats
+        await busy
+        return stats
+
+    stats = run(scenario())
+    run(eng.close())
+    assert stats["max_batch_seen"] == 4  # the three short ones and the one keeping the engine busy
+    assert stats["kv_rows"] * stats["kv_capacity"] <= 2000
