@@ -59,6 +59,7 @@ class Scheduler:
         self.chunked_prefill_size, self.max_queued_requests = chunked_prefill_size, max_queued_requests
         self.cache = runner.new_cache(max_batch_size, max_total_tokens)
         self.prefix = PrefixCache(PREFIX_BLOCK, prefix_cache_tokens) if prefix_cache_tokens >= PREFIX_BLOCK else None
+        self.epoch = 0  # weight updates so far: K/V begun before the last one is not of the served weights
         self.weight_version = weight_version
         self.generator = torch.Generator()  # rows without a sampling_seed share it
         self.generator.seed()
@@ -243,6 +244,8 @@ class Scheduler:
         whole: list[Sequence] = []
         done: list[tuple[Sequence, Tensor]] = []
         for s in [s for s in self.running if s.prefilling]:
+            if s.cache_len == 0:
+                s.kv_epoch = self.epoch
             if s.cache_len == 0 and self.prefix is not None:
                 limit = len(s.tokens) - 1  # the last position is computed: its logits give the next token
                 if s.scores_prompt:  # the positions scored are computed too
@@ -372,7 +375,9 @@ class Scheduler:
         """End ``seq``: its caller gets the final result, or ``error``."""
         seq.finish_reason = reason
         if seq.row is not None:
-            if self.prefix is not None and error is None and seq.cache_len >= PREFIX_BLOCK:
+            # only K/V of the weights serving now (not of a request that ran on across an in-place update)
+            if self.prefix is not None and error is None and seq.kv_epoch == self.epoch \
+                    and seq.cache_len >= PREFIX_BLOCK:
                 self.prefix.store(seq.tokens[:seq.cache_len], self.cache, seq.row)
             self._release_row(seq)
         with self.cv:
@@ -482,6 +487,7 @@ class Scheduler:
             update.done.set_result(UpdateResult(False, f"weights update failed: {type(e).__name__}: {e}",
                                                 self.weight_version))
             return
+        self.epoch += 1
         if self.prefix is not None:  # its K/V came from the old weights
             self.prefix.clear()
         if update.version is not None:

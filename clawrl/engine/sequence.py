@@ -56,6 +56,7 @@ class Sequence:
     row: int | None = None  # KV cache row while running
     cache_len: int = 0  # tokens whose K/V sit in the cache
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    kv_epoch: int = -1  # the engine's weight epoch when this sequence's K/V began
     finish_reason: dict[str, Any] | None = None
     stop_trim: int | None = None  # text index where a matched stop string starts
     scanned_text_len: int = 0

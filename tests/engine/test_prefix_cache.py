@@ -127,3 +127,27 @@ def test_equal_prompts_arriving_together_share_one_prefill(tiny_dir):
     for a, b in zip(shared, single):
         assert a.output_ids == b.output_ids
         assert_lp_close(a.output_logprobs, b.output_logprobs, 1e-5)
+
+
+def test_k_v_of_a_request_that_ran_on_across_an_update_is_not_kept(tiny_dir):
+    """In-place pause, weight update, continue: the request in flight finishes with K/V partly of the
+    old weights; the cache must not hand that to the next request."""
+    import asyncio
+
+    prompt = prompts_of([200], 40000, seed=17)[0]
+    eng = make(tiny_dir)
+
+    async def scenario():
+        task = asyncio.create_task(eng.generate(req(prompt, 40)))
+        while eng.stats["steps"] < 3:
+            await asyncio.sleep(0.001)
+        await eng.pause_generation("in_place")
+        assert (await eng.update_weights_from_state_dict(perturbed_state_dict(eng.model), "1")).success
+        await eng.continue_generation()
+        await task
+        stale = await eng.generate(req(prompt))  # nothing cached: the old weights' K/V was not kept
+        fresh = await eng.generate(req(prompt))  # now cached, from the new weights
+        return stale.cached_tokens, fresh.cached_tokens
+
+    assert run(scenario()) == (0, 192)
+    run(eng.close())
