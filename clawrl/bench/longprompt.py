@@ -7,7 +7,7 @@ Each configuration runs in a fresh child process (its peak RSS is its own):
 * **stall**: a short request streams 200 tokens; once it decodes, a long prompt arrives. Reported:
   the longest gap between two of the short request's tokens (the decode it lost to the long
   prefill), and the long prompt's time to first token.
-* **abort**: the long prompt alone; its caller goes away 0.5 s in. Reported: seconds from then
+* **abort**: another long prompt alone; its caller goes away 0.5 s in. Reported: seconds from then
   until the engine is idle.
 * **peak memory**: the child's peak resident memory (CPU) or allocated GPU memory (CUDA) over its
   level with the model loaded.
@@ -38,7 +38,8 @@ def measure(model_dir: str, context: int, prompt_tokens: int, chunk: int, batch:
     engine = EmbeddedEngine(Path(model_dir), dtype=dtype, device=device, max_batch_size=batch, max_context_len=context,
                             **kw)
     vocab = engine.vocab_size
-    long_prompt = torch.randint(3, vocab, (prompt_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    g = torch.Generator().manual_seed(1)
+    long_prompt, other_prompt = (torch.randint(3, vocab, (prompt_tokens,), generator=g).tolist() for _ in range(2))
 
     def req(ids, n):
         return GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0,
@@ -62,7 +63,7 @@ def measure(model_dir: str, context: int, prompt_tokens: int, chunk: int, batch:
         return max(b - a for a, b in zip(arrivals, arrivals[1:])), ttft
 
     async def abort() -> float:
-        task = asyncio.create_task(engine.generate(req(long_prompt, LONG_NEW_TOKENS)))
+        task = asyncio.create_task(engine.generate(req(other_prompt, LONG_NEW_TOKENS)))  # not in the prefix cache
         await asyncio.sleep(0.5)
         task.cancel()
         gone = time.perf_counter()
