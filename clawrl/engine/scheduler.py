@@ -263,10 +263,11 @@ class Scheduler:
                 budget -= n
             if budget <= 0:
                 break
-        twins: dict[tuple[int, ...], list[Sequence]] = {}  # one prefill for equal prompts (a judge's m votes)
+        same_prompt: dict[Any, list[Sequence]] = {}  # one prefill for equal prompts (a judge's m votes)
         for s in whole:
-            twins.setdefault(tuple(s.tokens) if not s.scores_prompt else (id(s),), []).append(s)
-        for group in plan_prefill_groups([same[0] for same in twins.values()]):
+            same_prompt.setdefault(tuple(s.tokens) if not s.scores_prompt else id(s), []).append(s)
+        twins = {id(same[0]): same[1:] for same in same_prompt.values()}
+        for group in plan_prefill_groups([same[0] for same in same_prompt.values()]):
             # the first position whose logits are needed: the last one always is
             starts = [min(s.req.logprob_start_len, len(s.tokens) - 1) if s.scores_prompt else len(s.tokens) - 1
                       for s in group]
@@ -277,7 +278,7 @@ class Scheduler:
                 if s.scores_prompt:
                     self._score_prompt(s, h[:-1], start)
                 done.append((s, h[-1]))
-                for twin in twins.get(tuple(s.tokens), [s])[1:]:
+                for twin in twins[id(s)]:
                     self.cache.ensure(len(self.running), s.cache_len)
                     self.cache.move_row(s.row, twin.row, s.cache_len)  # a copy: both rows keep it
                     twin.cache_len = s.cache_len
