@@ -214,6 +214,30 @@ class ChatAdapter:
 
     def render(self, messages: list[ChatMessage], tools: list[ToolDef] | None = None,
                tool_choice: str | dict | None = None) -> list[int]:
+        msgs, kwargs = self._template_input(messages, tools, tool_choice)
+        if self._fast is not None:
+            return self._fast(msgs, **kwargs)
+        ids = self.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
+        return list(ids)
+
+    def render_reply(self, messages: list[ChatMessage], reply: ChatMessage, tools: list[ToolDef] | None = None,
+                     tool_choice: str | dict | None = None) -> list[int]:
+        """The ids of the assistant message ``reply`` as the model writes them after
+        ``render(messages, tools, tool_choice)``: through its end-of-turn (EOS) token. Raises
+        ValueError when the template does not render the conversation with that prompt as a prefix."""
+        prompt = self.render(messages, tools, tool_choice)
+        msgs, kwargs = self._template_input([*messages, reply], tools, tool_choice)
+        full = list(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=True,
+                                                       return_dict=False, **kwargs))
+        rest = full[len(prompt):]
+        if full[:len(prompt)] != prompt or self.tokenizer.eos_token_id not in rest:
+            raise ValueError("the chat template does not render the reply after the prompt, ending in EOS")
+        return rest[:rest.index(self.tokenizer.eos_token_id) + 1]
+
+    def _template_input(self, messages: list[ChatMessage], tools: list[ToolDef] | None,
+                        tool_choice: str | dict | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         use_tools = bool(tools) and tool_choice != "none"
         msgs = [self._message_dict(m) for m in messages]
         kwargs: dict[str, Any] = {}
@@ -225,12 +249,7 @@ class ChatAdapter:
                 msgs[0] = {**msgs[0], "content": (msgs[0]["content"] + "\n\n" + block).strip()}
             else:
                 msgs.insert(0, {"role": "system", "content": block})
-        if self._fast is not None:
-            return self._fast(msgs, **kwargs)
-        ids = self.tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
-        )
-        return list(ids)
+        return msgs, kwargs
 
     def _message_dict(self, m: ChatMessage) -> dict[str, Any]:
         role = "system" if m.role == "developer" else m.role

@@ -206,8 +206,8 @@ class OPDSettings(_Section):
                          "URL of an SGLang server. The teacher must share the policy's tokenizer.")
     hint_samples: int = Field(1, ge=1, description="Hint votes per turn.")
     hint_policy: Literal["longest", "first", "shortest"] = Field("longest", description="Which accepted hint to use.")
-    hint_placement: Literal["append_last_user", "system"] = Field(
-        "append_last_user", description="Where the hint goes in the teacher prompt.")
+    hint_placement: Literal["append_last_user", "system"] = Field("append_last_user", description="Where the hint goes.")
+    hint_demonstrations: bool = Field(False, description="A hint holding tool calls also makes a sample: those calls as the reply.")
 
 
 class StorageSettings(_Section):

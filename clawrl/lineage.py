@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,11 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
         c.delete_tag(run_id, "sync_error")
 
 
-def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any]) -> str:
-    """One run for a whole learning loop: the held-out metrics per step, the curve PNG, the rows."""
+def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any],
+                       keys: Sequence[str] = ("score", "on_topic_rate", "persona_rate", "kl", "mean_words")) -> str:
+    """One run for a whole learning loop: the held-out metrics ``keys`` per step, the curve PNG, the rows."""
     c = client(data_root)
-    metrics = [_metric(k, r[k], r["step"]) for r in rows
-               for k in ("score", "on_topic_rate", "persona_rate", "kl", "mean_words") if r.get(k) is not None]
+    metrics = [_metric(k, r[k], r["step"]) for r in rows for k in dict.fromkeys(keys) if r.get(k) is not None]
     run_id = _new_run(c, experiment_id(c, data_root), "learning-loop", tags={"kind": "learning-loop"}, metrics=metrics,
                       params=params, record={"rows": rows}, record_file="learning_curve.json")
     c.log_artifact(run_id, str(png), "plots")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +26,58 @@ from clawrl.flows.train import train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
+from clawrl.sim.tool_users import tool_round, tool_scores
+from clawrl.sim.tools import ToolTask, split_tasks
 from clawrl.sim.users import kl_to_reference, score, summarize_round, user_round
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import session_turns
 
 
-def _talk(gateway_url: str, *args, **kwargs):
-    """One round of simulated users (``clawrl.sim.users.user_round``) against the gateway."""
+SCENARIOS = ("persona", "tools")
+
+
+def _talk(gateway_url: str, round_fn, *args, **kwargs):
+    """One round of simulated users (``round_fn``: ``user_round`` or ``tool_round``) against the gateway."""
 
     async def go():
         async with AsyncOpenAI(base_url=gateway_url + "/v1", api_key="demo", max_retries=2, timeout=600) as client:
-            return await user_round(client, *args, **kwargs)
+            return await round_fn(client, *args, **kwargs)
 
     return runtime.run(go())
+
+
+def tool_round_tasks(step: int, n_users: int, seed: int) -> list[ToolTask]:
+    """Round ``step``'s tasks: two tool tasks for every plain question, each pool continuing where
+    the last round ended."""
+    tools, _, plain, _ = split_tasks(seed)
+    n_plain = n_users // 3
+    n_tools = n_users - n_plain
+    return ([tools[((step - 1) * n_tools + i) % len(tools)] for i in range(n_tools)]
+            + [plain[((step - 1) * n_plain + i) % len(plain)] for i in range(n_plain)])
+
+
+def _round(scenario: str, gateway_url: str, step: int, persona_name: str, n_users: int, task_seed: int,
+           heldout: int, group_size: int, **kw) -> dict[str, Any]:
+    if scenario == "tools":
+        xs = _talk(gateway_url, tool_round, tool_round_tasks(step, n_users, task_seed), **kw)
+        return {**tool_scores(xs), "reactions": dict(Counter(x.reaction for x in xs))}
+    pool, _ = split_questions(n_heldout=heldout, seed=task_seed)
+    questions = round_questions(pool, step, n_users, group_size)
+    return summarize_round(_talk(gateway_url, user_round, get_persona(persona_name), questions, **kw))
+
+
+def _evaluation(scenario: str, gateway_url: str, persona_name: str, task_seed: int, heldout: int, samples: int,
+                **kw) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(metrics, examples) of one held-out evaluation; the tools scenario asks ``heldout // 2`` tool
+    tasks and as many plain questions."""
+    if scenario == "tools":
+        _, held, _, plain = split_tasks(task_seed, n_heldout=heldout // 2, plain_heldout=heldout // 2)
+        xs = _talk(gateway_url, tool_round, (held + plain) * samples, **kw)
+        return tool_scores(xs), [{"q": x.task.question, "a": x.first_reply[:300], "final": x.final_answer[:200],
+                                  "ok": x.solved} for x in xs[:4] + xs[len(held):len(held) + 2]]
+    _, held_q = split_questions(n_heldout=heldout, seed=task_seed)
+    xs = _talk(gateway_url, user_round, get_persona(persona_name), held_q * samples, **kw)
+    return score(xs), [{"q": x.question, "a": x.answer[:300], "ok": x.satisfied and x.on_topic} for x in xs[:4]]
 
 
 def round_questions(pool: list, step: int, n_users: int, group_size: int = 1) -> list:
@@ -52,32 +92,31 @@ def round_questions(pool: list, step: int, n_users: int, group_size: int = 1) ->
 
 @task(cache_policy=NO_CACHE, task_run_name="users-round-{step}")
 def simulate_users(config_path: str | None, gateway_url: str, step: int, persona_name: str, n_users: int,
-                   max_tokens: int, seed: int, heldout: int, group_size: int = 1) -> dict[str, Any]:
-    """One round: ``n_users`` users, each ``group_size`` of them asking the same question (their
-    answers differ by seed, so ``ppo.group_by = "prompt"`` compares answers to one question)."""
+                   max_tokens: int, seed: int, heldout: int, group_size: int = 1,
+                   scenario: str = "persona") -> dict[str, Any]:
+    """One round: ``n_users`` users; in the persona scenario each ``group_size`` of them ask the same
+    question (their answers differ by seed, so ``ppo.group_by = "prompt"`` compares answers to one
+    question); in the tools scenario each asks a task of its own (``tool_round_tasks``)."""
     s = load_flow_settings(config_path)
-    pool, _ = split_questions(n_heldout=heldout, seed=seed)
-    questions = round_questions(pool, step, n_users, group_size)
-    out = summarize_round(_talk(gateway_url, get_persona(persona_name), questions, round_id=f"train{step:03d}",
-                                train=True, max_tokens=max_tokens, temperature=s.ppo.temperature,
-                                seed=seed * 1000 + step * 97))
+    out = _round(scenario, gateway_url, step, persona_name, n_users, seed, heldout, group_size,
+                 round_id=f"train{step:03d}", train=True, max_tokens=max_tokens, temperature=s.ppo.temperature,
+                 seed=seed * 1000 + step * 97)
     data_store(s).flush()
     return out
 
 
 @task(cache_policy=NO_CACHE, task_run_name="evaluate-v{step}")
 def evaluate_policy(config_path: str | None, gateway_url: str, step: int, persona_name: str, max_tokens: int,
-                    seed: int, heldout: int, samples: int = 1) -> dict[str, Any]:
+                    seed: int, heldout: int, samples: int = 1, scenario: str = "persona") -> dict[str, Any]:
     """Held-out questions as side turns (never trained on), ``samples`` answers to each with fixed
     distinct seeds, at the serving temperature - the answers users get. The KL to the initial model
     is measured on those answers: both the served and the initial weights score the sampled tokens
     (prompt scoring, temperature 1; all turns in flight together, so the engines batch them)."""
     s = load_flow_settings(config_path)
-    _, held = split_questions(n_heldout=heldout, seed=seed)
-    questions = held * samples  # answer i is to question i % heldout, with seed base + i
     round_id = f"eval{step:03d}"
-    interactions = _talk(gateway_url, get_persona(persona_name), questions, round_id=round_id, train=False,
-                         max_tokens=max_tokens, temperature=s.ppo.temperature, seed=seed * 7919)
+    metrics, examples = _evaluation(scenario, gateway_url, persona_name, seed, heldout, samples, round_id=round_id,
+                                    train=False, max_tokens=max_tokens, temperature=s.ppo.temperature,
+                                    seed=seed * 7919)
     data_store(s).flush()
     with open_catalog(s.storage.data_root) as con:
         turns = session_turns(con, f"{round_id}-e%")
@@ -89,56 +128,71 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
 
     ref_lps = runtime.run(score_with(frozen_engine(s)))
     pol_lps = runtime.run(score_with(policy)) if policy is not None else [t["rollout_logprobs"] for t in turns]
-    metrics = score(interactions)
     metrics.update(step=step, kl=kl_to_reference(pol_lps, ref_lps),
-                   weight_version=turns[0]["weight_version"] if turns else None,
-                   examples=[{"q": x.question, "a": x.answer[:300], "ok": x.satisfied and x.on_topic}
-                             for x in interactions[:4]])
+                   weight_version=turns[0]["weight_version"] if turns else None, examples=examples)
     return metrics
 
 
+# per scenario: the held-out rates on the curve and in MLflow, (key, label), the first one the score
+CURVES = {
+    "persona": [("score", "score (persona AND on topic)"), ("on_topic_rate", "on-topic rate"),
+                ("persona_rate", "persona rate")],
+    "tools": [("tool_use", "correct tool use (tool tasks)"), ("solved", "final answer right (tool tasks)"),
+              ("plain_quality", "plain questions: on topic, no call"), ("false_call_rate", "plain questions: tool called")],
+}
+
+
 @task(cache_policy=NO_CACHE)
-def report_curve(config_path: str | None, rows: list[dict[str, Any]], persona_name: str,
-                 params: dict[str, Any]) -> dict[str, str]:
+def report_curve(config_path: str | None, rows: list[dict[str, Any]], title: str, params: dict[str, Any],
+                 scenario: str = "persona") -> dict[str, str]:
     from clawrl.lineage import log_learning_curve
     from clawrl.sim.plot import plot_learning_curve
 
     s = load_flow_settings(config_path)
     out_dir = Path(s.storage.data_root) / "reports"
-    png = plot_learning_curve(rows, out_dir / "learning_curve.png",
-                              f"{s.model.name}, persona '{persona_name}', {s.ppo.advantage_estimator.value}")
+    png = plot_learning_curve(rows, out_dir / "learning_curve.png", CURVES[scenario],
+                              f"{s.model.name}, {title}, {s.ppo.advantage_estimator.value}",
+                              goal=0.5 if scenario == "tools" else 0.8)
     (out_dir / "learning_curve.json").write_text(json.dumps(rows, indent=1))
-    run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params)
+    keys = [k for k, _ in CURVES[scenario]] + ["score", "kl", "mean_words"]
+    run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params, keys=keys)
     return {"png": str(png), "mlflow_run_id": run_id}
+
+
+def _row_line(row: dict[str, Any], scenario: str) -> str:
+    rates = "  ".join(f"{k} {row[k]:.3f}" for k, _ in CURVES[scenario] if k in row)
+    return f"{rates}  KL {row['kl']:.4f}" + (f"  words {row['mean_words']:.1f}" if "mean_words" in row else "")
 
 
 @flow(name="learning-loop", log_prints=True)
 def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
                   persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24,
-                  eval_samples: int = 1, group_size: int = 1) -> dict[str, Any]:
+                  eval_samples: int = 1, group_size: int = 1, scenario: str = "persona") -> dict[str, Any]:
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
     log = get_run_logger()
     s = load_flow_settings(config_path)
-    rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout, eval_samples)]
-    log.info("base model: score %.3f, on-topic %.3f, persona %.3f", rows[0]["score"], rows[0]["on_topic_rate"],
-             rows[0]["persona_rate"])
+    rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout, eval_samples, scenario)]
+    log.info("base model: %s", _row_line(rows[0], scenario))
     for step in range(1, steps + 1):
-        rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size)
+        rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size,
+                                scenario)
         judged = judge_flow(config_path=config_path)
         trained = train_flow(config_path=config_path, max_steps=1)
-        row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples)
+        row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples,
+                              scenario)
         row["train_reactions"] = rounds["reactions"]
         row["samples"] = judged["fates"].get("sample", 0)
         if trained["steps"]:
             m = trained["steps"][0]["metrics"]
             row.update(loss=m.get("loss"), reward_mean=m.get("reward_mean"), train_kl=m.get("kl"))
         rows.append(row)
-        print(f"step {step:2d}: score {row['score']:.3f}  on-topic {row['on_topic_rate']:.3f}  "
-              f"persona {row['persona_rate']:.3f}  KL {row['kl']:.4f}  words {row['mean_words']:.1f}  "
-              f"(served v{row['weight_version']})")
-    params = {"persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens, "seed": seed,
-              "heldout": heldout, "eval_samples": eval_samples, "group_size": group_size,
+        print(f"step {step:2d}: {_row_line(row, scenario)}  (served v{row['weight_version']})")
+    params = {"scenario": scenario, "persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens,
+              "seed": seed, "heldout": heldout, "eval_samples": eval_samples, "group_size": group_size,
               "model": s.model.name, "method": s.ppo.advantage_estimator.value, "lr": s.ppo.lr,
               "kl_coef": s.ppo.kl_coef, "rollout_batch_size": s.ppo.rollout_batch_size,
               "temperature": s.ppo.temperature}
-    out = report_curve(config_path, rows, persona, params)
+    title = "tool use" if scenario == "tools" else f"persona '{persona}'"
+    out = report_curve(config_path, rows, title, params, scenario)
     return {"rows": rows, **out}

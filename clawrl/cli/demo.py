@@ -13,27 +13,34 @@ from clawrl.cli.common import app, console, settings_or_exit
 from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
 
-DEMO_CONFIG = Path(__file__).resolve().parents[2] / "conf" / "demo.toml"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml"}
 
 
 @app.command("demo")
 def demo(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Overlay (default conf/demo.toml).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Overlay (default conf/demo.toml, "
+                                                   "conf/demo-tools.toml for --scenario tools).")] = None,
+    scenario: Annotated[str, typer.Option(help="persona: users with a style preference | tools: tasks that need "
+                                          "a calculator, a unit converter or a country lookup")] = "persona",
     steps: Annotated[int, typer.Option(help="Training steps (weight versions).")] = 16,
     users: Annotated[int, typer.Option(help="Simulated users per step.")] = 16,
     persona: Annotated[str, typer.Option(help="concise | signoff | lowercase | bullets | french")] = "concise",
-    max_tokens: Annotated[int, typer.Option(help="Answer budget per turn.")] = 48,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Answer budget per turn (default 48; tools: 64).")] = None,
     run_dir: Annotated[Optional[Path], typer.Option(help="Data root of this run (default: a new one).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model (default from the config).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,
-    heldout: Annotated[int, typer.Option(help="Held-out questions scored after every step.")] = 24,
+    heldout: Annotated[int, typer.Option(help="Held-out questions scored after every step (tools: half of them "
+                                         "tool tasks, half plain questions).")] = 24,
     eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
     group_size: Annotated[int, typer.Option(min=1, help="Users per step asking the same question (for ppo.group_by = 'prompt').")] = 1,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     from clawrl.config import use_prefect_home
 
-    conf = config or DEMO_CONFIG
+    if scenario not in DEMO_CONFIGS:
+        raise typer.BadParameter(f"{scenario!r}; valid: {', '.join(DEMO_CONFIGS)}", param_hint="--scenario")
+    conf = config or DEMO_CONFIGS[scenario]
     base = settings_or_exit(conf)
     root = run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
     s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
@@ -42,23 +49,32 @@ def demo(
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
     use_prefect_home(base.storage.data_root / "prefect")
+    max_tokens = max_tokens or (64 if scenario == "tools" else 48)
     out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
-                    heldout=heldout, eval_samples=eval_samples, group_size=group_size)
-    rows = out["rows"]
-    t = Table(title=f"held-out score per step (persona {persona})")
-    for col in ("step", "score", "on-topic", "persona", "KL", "words"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(str(r["step"]), f"{r['score']:.3f}", f"{r['on_topic_rate']:.3f}", f"{r['persona_rate']:.3f}",
-                  f"{r['kl']:.4f}", f"{r['mean_words']:.1f}")
-    console.print(t)
-    console.print(f"base score {rows[0]['score']:.3f} -> {rows[-1]['score']:.3f} after {len(rows) - 1} steps "
-                  f"(best {max(r['score'] for r in rows):.3f}); on-topic {rows[0]['on_topic_rate']:.3f} -> "
-                  f"{rows[-1]['on_topic_rate']:.3f}", markup=False)
+                    heldout=heldout, eval_samples=eval_samples, group_size=group_size, scenario=scenario)
+    _print_rows(out["rows"], scenario, persona)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
     status(run_conf)
     console.print(WHERE_TO_LOOK.format(conf=run_conf, last=len(out["rows"]) - 1, root=root,
                                        prefect=base.storage.data_root / "prefect"), markup=False)
+
+
+def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
+    from clawrl.flows.loop import CURVES
+
+    cols = [(k, k.removesuffix("_rate").replace("_", " ")) for k, _ in CURVES[scenario]] + [("kl", "KL")]
+    title = "held-out rates per step (tool tasks and plain questions)" if scenario == "tools" else \
+        f"held-out score per step (persona {persona})"
+    t = Table(title=title)
+    for _, label in [("step", "step"), *cols]:
+        t.add_column(label, justify="right")
+    for r in rows:
+        t.add_row(str(r["step"]), *(f"{r[k]:.4f}" if k == "kl" else f"{r[k]:.3f}" for k, _ in cols))
+    console.print(t)
+    first, last = rows[0], rows[-1]
+    lines = ", ".join(f"{label} {first[k]:.3f} -> {last[k]:.3f} (best {max(r[k] for r in rows):.3f})"
+                      for k, label in cols[:2])
+    console.print(f"after {len(rows) - 1} steps: {lines}", markup=False)
 
 
 def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:

@@ -39,7 +39,8 @@ from clawrl.judge.backends import JudgeBackend, RewardHookBackend
 from clawrl.judge.context import build_judge_context
 from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.prompts import PROMPTS_VERSION, build_hint_messages, build_prm_messages
-from clawrl.judge.teacher import TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs
+from clawrl.judge.teacher import (TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs,
+                                  demonstration_ids)
 from clawrl.judge.voting import majority_vote, select_hint
 from clawrl.records import (Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, SampleRecord, TurnRecord,
                             TurnType)
@@ -52,6 +53,7 @@ class JudgeOutcome:
     verdict: JudgeVerdict | None  # None when the judge was not called (side turn, no next state)
     sample: SampleRecord | None
     fate: FateRecord
+    demonstration: SampleRecord | None = None  # the reply a tool-call hint spells out ([opd] hint_demonstrations)
 
     @property
     def failed(self) -> bool:
@@ -61,7 +63,8 @@ class JudgeOutcome:
 
 def judge_config_hash(*, backend: str, model: str, method: Method | str, judge_samples: int, hint_samples: int,
                       temperature: float, max_tokens: int, budget_chars: int, hint_policy: str,
-                      hint_placement: str, teacher: str = "", prompts_version: str = PROMPTS_VERSION) -> str:
+                      hint_placement: str, teacher: str = "", prompts_version: str = PROMPTS_VERSION,
+                      demonstrations: bool = False) -> str:
     """A short stable hash of everything that changes what the judge decides; samples and verdicts
     are keyed by it, so a new configuration judges turns afresh and a rerun of the same one
     overwrites."""
@@ -71,6 +74,8 @@ def judge_config_hash(*, backend: str, model: str, method: Method | str, judge_s
         "budget_chars": budget_chars, "hint_policy": hint_policy, "hint_placement": hint_placement,
         "teacher": teacher, "prompts_version": prompts_version,
     }
+    if demonstrations:  # a key only when on: hashes of configurations without it stay as they were
+        values["demonstrations"] = True
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -101,17 +106,23 @@ def _stage_error(name: str, raw: list[str | Exception]) -> str | None:
     return None
 
 
-def _teacher_prompt_ids(turn: TurnRecord, tokenizer, hint: str, placement: str) -> list[int]:
+def _turn_rendering(turn: TurnRecord, tokenizer, placement: str) -> tuple[list, list | None, str | None]:
+    """(messages, tools, tool_choice) that render back into the turn's prompt ids with ``tokenizer``."""
     messages = json.loads(turn.request_messages)
     tools = json.loads(turn.request_tools) if turn.request_tools else None
     # TurnRecord does not keep tool_choice; it only changes the rendering when tools are present.
     for tool_choice in ([None, "none", "required"] if tools else [None]):
-        plain = build_teacher_prompt_ids(tokenizer, messages, tools, None, placement, tool_choice=tool_choice)
-        if plain == turn.prompt_ids:
-            return build_teacher_prompt_ids(tokenizer, messages, tools, hint, placement, tool_choice=tool_choice)
+        if build_teacher_prompt_ids(tokenizer, messages, tools, None, placement,
+                                    tool_choice=tool_choice) == turn.prompt_ids:
+            return messages, tools, tool_choice
     raise TeacherAlignmentError(
         "the teacher tokenizer does not reproduce the turn's prompt ids from its messages (different tokenizer "
         "or chat template); its log-probs would describe other tokens than the policy sampled")
+
+
+def _teacher_prompt_ids(turn: TurnRecord, tokenizer, hint: str, placement: str) -> list[int]:
+    messages, tools, tool_choice = _turn_rendering(turn, tokenizer, placement)
+    return build_teacher_prompt_ids(tokenizer, messages, tools, hint, placement, tool_choice=tool_choice)
 
 
 @dataclass
@@ -132,6 +143,8 @@ class Judge:
     config_hash: str
     backend_name: str
     reward_hook: Any = None  # [hooks] reward: async fn(turn=, next_state=) -> (score, hint | None)
+    hint_demonstrations: bool = False  # [opd] hint_demonstrations: a hint holding tool calls -> a demonstration
+    policy: Engine | None = None  # scores a demonstration's behaviour log-probs (the teacher when None)
 
     def __post_init__(self) -> None:
         self.method = Method(self.method)
@@ -174,13 +187,44 @@ class Judge:
                 verdict.error = f"teacher: {type(e).__name__}: {e}"
                 return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
         reward = 0.0 if self.method == Method.OPD else float(score)
-        sample = SampleRecord(
-            sample_id=make_sample_id(turn.turn_id, self.config_hash), turn_id=turn.turn_id,
-            session_id=turn.session_id, judge_config_hash=self.config_hash, method=self.method.value,
-            prompt_ids=list(turn.prompt_ids), output_ids=list(turn.output_ids),
-            rollout_logprobs=list(turn.rollout_logprobs), reward=reward, has_teacher=use_teacher,
-            teacher_logprobs=teacher_logprobs, weight_version=turn.weight_version)
-        return outcome(Fate.SAMPLE, f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}", verdict, sample)
+        sample = self._sample(turn, turn.turn_id, turn.output_ids, turn.rollout_logprobs, reward, teacher_logprobs)
+        detail = f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}"
+        out = outcome(Fate.SAMPLE, detail, verdict, sample)
+        if self.hint_demonstrations and use_teacher and score < 0:
+            out.demonstration, note = await self._demonstration(turn, verdict.hint)
+            out.fate.detail += note
+        return out
+
+    def _sample(self, turn: TurnRecord, key: str, output_ids: list[int], rollout_logprobs: list[float],
+                reward: float, teacher_logprobs: list[float] | None) -> SampleRecord:
+        return SampleRecord(
+            sample_id=make_sample_id(key, self.config_hash), turn_id=turn.turn_id, session_id=turn.session_id,
+            judge_config_hash=self.config_hash, method=self.method.value, prompt_ids=list(turn.prompt_ids),
+            output_ids=list(output_ids), rollout_logprobs=list(rollout_logprobs), reward=reward,
+            has_teacher=teacher_logprobs is not None, teacher_logprobs=teacher_logprobs,
+            weight_version=turn.weight_version)
+
+    async def _demonstration(self, turn: TurnRecord, hint: str) -> tuple[SampleRecord | None, str]:
+        """(the demonstration a hint holding tool calls spells out, a note for the fate's detail).
+        Its reward is +1 (0 under opd); its behaviour log-probs are the policy's (the teacher's when
+        the policy engine is not reachable from here) on the turn's own prompt; its teacher log-probs
+        are the teacher's under the hinted prompt, like any OPD sample."""
+        tok = self.teacher_tokenizer
+        try:
+            messages, tools, tool_choice = _turn_rendering(turn, tok, self.hint_placement)
+            ids = demonstration_ids(tok, messages, tools, hint, tool_choice=tool_choice)
+            if ids is None or ids == list(turn.output_ids):
+                return None, ""
+            hinted = build_teacher_prompt_ids(tok, messages, tools, hint, self.hint_placement,
+                                              tool_choice=tool_choice)
+            behaviour, teacher = await asyncio.gather(
+                compute_teacher_logprobs(self.policy or self.teacher, turn.prompt_ids, ids),
+                compute_teacher_logprobs(self.teacher, hinted, ids))
+        except (ValueError, TeacherAlignmentError, EngineError, BadRequestError) as e:
+            return None, f"; no demonstration ({type(e).__name__}: {e})"
+        reward = 0.0 if self.method == Method.OPD else 1.0
+        demo = self._sample(turn, f"{turn.turn_id}#demonstration", ids, behaviour, reward, teacher)
+        return demo, f"; demonstration of {len(ids)} tokens, reward {reward:+g}"
 
     async def _verdict(self, turn: TurnRecord, next_state: NextStateRecord) -> JudgeVerdict:
         """The PRM votes (and hint votes, for opd and combine: both prompts in flight together) and

@@ -59,6 +59,7 @@ def build_judge_config_hash(settings: Settings) -> str:
         hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
         budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
         teacher=_teacher_id(settings) if method in (Method.OPD, Method.COMBINE) else "",
+        demonstrations=opd.hint_demonstrations and method in (Method.OPD, Method.COMBINE),
     )
 
 
@@ -121,7 +122,9 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
                  hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
                  budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
                  config_hash=build_judge_config_hash(settings),
-                 reward_hook=load_hook("reward", settings.hooks.reward))
+                 reward_hook=load_hook("reward", settings.hooks.reward), hint_demonstrations=opd.hint_demonstrations,
+                 policy=policy or (_http_engine(settings, settings.engine.url) if settings.engine.kind == "http"
+                                   and opd.hint_demonstrations else None))
 
 
 _TURN_FIELDS = [f.name for f in fields(TurnRecord)]
@@ -143,7 +146,7 @@ def next_state_from_row(row: dict[str, Any]) -> NextStateRecord | None:
 def outcome_records(outcome: JudgeOutcome) -> list[Any]:
     """Records to append, the fate LAST: a turn counts as judged once its fate is stored, so a
     crash before that re-judges it and the deterministic sample id overwrites any earlier sample."""
-    return [r for r in (outcome.verdict, outcome.sample) if r is not None] + [outcome.fate]
+    return [r for r in (outcome.verdict, outcome.sample, outcome.demonstration) if r is not None] + [outcome.fate]
 
 
 def failure_records(turn: TurnRecord, judge: Judge, error: str) -> list[Any]:

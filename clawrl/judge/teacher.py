@@ -76,6 +76,25 @@ def build_teacher_prompt_ids(tokenizer, messages: Sequence[ChatMessage | dict[st
     return ChatAdapter(tokenizer).render(msgs, tool_defs, tool_choice)
 
 
+def demonstration_ids(tokenizer, messages: Sequence[ChatMessage | dict[str, Any]],
+                      tools: Sequence[ToolDef | dict[str, Any]] | None, hint: str | None, *,
+                      tool_choice: str | dict | None = None) -> list[int] | None:
+    """The reply a hint spells out, as output ids: when ``hint`` holds tool calls of the turn's
+    declared tools (in the tool-call format the model writes, ``<tool_call>{...}</tool_call>``), the
+    assistant message making exactly those calls, rendered by the chat template after the turn's
+    prompt through its EOS. None when the hint holds no such call."""
+    tool_defs = [t if isinstance(t, ToolDef) else ToolDef.model_validate(t) for t in tools] if tools else None
+    if not hint or not tool_defs:
+        return None
+    adapter = ChatAdapter(tokenizer)
+    calls = adapter.parse(hint, tool_defs).tool_calls
+    if not calls:
+        return None
+    msgs = [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
+    reply = ChatMessage(role="assistant", content=None, tool_calls=calls)
+    return adapter.render_reply(msgs, reply, tool_defs, tool_choice)
+
+
 async def compute_teacher_logprobs(engine: Engine, teacher_prompt_ids: Sequence[int],
                                    output_ids: Sequence[int]) -> list[float]:
     """log P_teacher(output_ids[k] | teacher_prompt_ids, output_ids[:k]) for every k: one

@@ -1,13 +1,18 @@
-"""The learning curve: held-out score vs training step, the base model's score marked, with the
-on-topic rate and the KL to the initial model beside it (a collapse shows as on-topic falling)."""
+"""The learning curve: held-out rates vs training step, the base model's score marked, with the KL
+to the initial model below (a collapse shows as the other rates falling while the KL climbs)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+STYLES = ["o-", "s--", "^:", "d-.", "v:"]
+COLORS = ["tab:blue", "tab:green", "tab:orange", "tab:brown", "tab:gray"]
 
-def plot_learning_curve(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
+
+def plot_learning_curve(rows: list[dict[str, Any]], out: Path, curves: list[tuple[str, str]], title: str,
+                        goal: float | None = None) -> Path:
+    """``curves``: (row key, label) of each rate to draw, the first being the score."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -15,15 +20,16 @@ def plot_learning_curve(rows: list[dict[str, Any]], out: Path, title: str) -> Pa
 
     steps = [r["step"] for r in rows]
     fig, (ax, ax_kl) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    ax.plot(steps, [r["score"] for r in rows], "o-", color="tab:blue", label="score (persona AND on topic)")
-    ax.plot(steps, [r["on_topic_rate"] for r in rows], "s--", color="tab:green", label="on-topic rate")
-    ax.plot(steps, [r["persona_rate"] for r in rows], "^:", color="tab:orange", label="persona rate")
-    ax.axhline(rows[0]["score"], color="gray", linestyle="--", linewidth=1, label=f"base score {rows[0]['score']:.2f}")
-    ax.axhline(0.8, color="tab:red", linestyle=":", linewidth=1, label="goal 0.8")
+    for i, (key, label) in enumerate(curves):
+        ax.plot(steps, [r.get(key, float("nan")) for r in rows], STYLES[i % 5], color=COLORS[i % 5], label=label)
+    first = curves[0][0]
+    ax.axhline(rows[0][first], color="gray", linestyle="--", linewidth=1, label=f"base {rows[0][first]:.2f}")
+    if goal is not None:
+        ax.axhline(goal, color="tab:red", linestyle=":", linewidth=1, label=f"goal {goal:g}")
     ax.set_ylim(-0.02, 1.02)
     ax.set_ylabel("held-out rate")
     ax.set_title(title)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
     ax_kl.plot(steps, [r.get("kl", float("nan")) for r in rows], "o-", color="tab:purple")
     ax_kl.set_ylabel("KL to initial")

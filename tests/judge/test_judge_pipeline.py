@@ -186,9 +186,63 @@ def test_judge_config_hash_covers_every_judge_setting():
     assert len(h) == 16 and h == judge_config_hash(**{**base, "method": "combine"})
     changed = {"backend": "provider", "model": "smollm2-135m", "method": Method.GRPO, "judge_samples": 5,
                "hint_samples": 3, "temperature": 0.7, "max_tokens": 256, "budget_chars": 4000,
-               "hint_policy": "first", "hint_placement": "system", "teacher": "policy", "prompts_version": "v-other"}
+               "hint_policy": "first", "hint_placement": "system", "teacher": "policy", "prompts_version": "v-other",
+               "demonstrations": True}
     hashes = {judge_config_hash(**{**base, k: v}) for k, v in changed.items()}
     assert len(hashes) == len(changed) and h not in hashes
+
+
+# ------------------------------------------------------------------------------ demonstrations
+CALC_TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}}}}
+CALL_HINT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "347*29"}}\n</tool_call>'
+
+
+class _HookSays:
+    """A reward hook's decision: -1 and this hint."""
+
+    def __init__(self, hint):
+        self.hint = hint
+
+    async def __call__(self, *, turn, next_state):
+        return -1, self.hint
+
+
+@pytest.mark.parametrize("method,reward", [(Method.COMBINE, 1.0), (Method.OPD, 0.0)])
+def test_a_tool_call_hint_becomes_a_demonstration(tiny_engine, method, reward):
+    messages = [{"role": "user", "content": "What is 347 times 29?"}]
+    turn = generate_turn(tiny_engine, messages, tools=[CALC_TOOL], seed=4)
+    ns = build_next_state(turn, [{"role": "user", "content": "that's wrong."}])
+    out = _judge(turn, ns, method, tiny_engine, reward_hook=_HookSays(CALL_HINT), hint_demonstrations=True)
+    assert out.fate.fate == "sample" and out.sample.output_ids == turn.output_ids  # the turn's own sample stays
+    demo = out.demonstration
+    tok = tiny_engine.tokenizer
+    # the reply the hint spells out, as the chat template writes an assistant tool call, through EOS
+    assert tok.decode(demo.output_ids) == CALL_HINT + tok.eos_token and demo.output_ids[-1] == tok.eos_token_id
+    assert demo.prompt_ids == turn.prompt_ids and demo.turn_id == turn.turn_id
+    assert demo.sample_id not in (out.sample.sample_id, "") and demo.reward == reward and demo.has_teacher
+    assert len(demo.rollout_logprobs) == len(demo.teacher_logprobs) == len(demo.output_ids)
+    # behaviour log-probs: the policy (here the same tiny engine) on the plain prompt; teacher: hinted prompt
+    assert max(abs(a - b) for a, b in zip(demo.teacher_logprobs, demo.rollout_logprobs)) > 1e-6
+    assert f"demonstration of {len(demo.output_ids)} tokens" in out.fate.detail
+    from clawrl.judge.runner import outcome_records
+
+    assert [type(r).__name__ for r in outcome_records(out)] == ["JudgeVerdict", "SampleRecord", "SampleRecord",
+                                                                 "FateRecord"]
+
+
+def test_no_demonstration_without_the_setting_or_a_call_of_a_declared_tool(tiny_engine):
+    messages = [{"role": "user", "content": "What is 347 times 29?"}]
+    turn = generate_turn(tiny_engine, messages, tools=[CALC_TOOL], seed=4)
+    ns = build_next_state(turn, [{"role": "user", "content": "that's wrong."}])
+    assert _judge(turn, ns, Method.COMBINE, tiny_engine, reward_hook=_HookSays(CALL_HINT)).demonstration is None
+    for hint in ("use the calculator", CALL_HINT.replace("calculator", "weather")):
+        out = _judge(turn, ns, Method.COMBINE, tiny_engine, reward_hook=_HookSays(hint), hint_demonstrations=True)
+        assert out.sample is not None and out.demonstration is None
+    no_tools = generate_turn(tiny_engine, messages, seed=4)
+    out = _judge(no_tools, build_next_state(no_tools, [{"role": "user", "content": "no"}]), Method.COMBINE,
+                 tiny_engine, reward_hook=_HookSays(CALL_HINT), hint_demonstrations=True)
+    assert out.sample is not None and out.demonstration is None
 
 
 def test_opd_without_a_teacher_is_refused(session, tiny_engine):

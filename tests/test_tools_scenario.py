@@ -1,0 +1,170 @@
+"""The tool-use scenario: the tools (hand-computed results), the task bank, the reward hook's
+step-by-step scores, and one step of `clawrl demo --scenario tools` end to end on the tiny model."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clawrl.flows.loop import tool_round_tasks
+from clawrl.sim.tools import TOOLS, ToolTask, find_task, run_tool, score_turn, split_tasks, tool_tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name,args,want", [
+    ("calculator", {"expression": "347*29"}, "10063"),
+    ("calculator", {"expression": "(12 + 8) / 8"}, "2.5"),
+    ("calculator", {"expression": "1,234 + 5678"}, "6912"),
+    ("calculator", {"expression": "7 / 0"}, "error: division by zero"),
+    ("calculator", {"expression": "2**10"}, "error: unsupported expression element BinOp"),
+    ("calculator", {"expression": "__import__('os')"}, "error: unsupported expression element Call"),
+    ("convert_units", {"value": 26, "from_unit": "miles", "to_unit": "km"}, "41.84"),  # 26 * 1.609344 = 41.842944
+    ("convert_units", {"value": 100, "from_unit": "c", "to_unit": "f"}, "212"),
+    ("convert_units", {"value": 212, "from_unit": "fahrenheit", "to_unit": "celsius"}, "100"),
+    ("convert_units", {"value": 10, "from_unit": "lb", "to_unit": "kg"}, "4.54"),  # 4.5359237
+    ("convert_units", {"value": 3, "from_unit": "kg", "to_unit": "mile"},
+     "error: cannot convert mass ('kg') to length ('mile')"),
+    ("convert_units", {"value": "ten", "from_unit": "kg", "to_unit": "g"}, "error: value 'ten' is not a number"),
+    ("lookup_country", {"country": "Japan", "field": "currency"}, "yen"),
+    ("lookup_country", {"country": "mars", "field": "capital"}, "error: unknown country 'mars'"),
+    ("lookup_country", {"country": "Peru"}, "error: missing argument 'field'"),
+    ("weather", {}, "error: unknown tool 'weather'"),
+])
+def test_tools_compute_what_a_person_would(name, args, want):
+    assert run_tool(name, json.dumps(args)) == want
+
+
+def test_malformed_arguments_are_an_error_result():
+    assert run_tool("calculator", "{expression: 1}").startswith("error: arguments are not valid JSON")
+    assert run_tool("calculator", "[1, 2]") == "error: arguments must be a JSON object"
+    assert {t["function"]["name"] for t in TOOLS} == {"calculator", "convert_units", "lookup_country"}
+
+
+def test_task_bank_is_fixed_disjoint_and_rebuilt_from_the_question():
+    train, held, plain_train, plain_held = split_tasks(0)
+    assert (len(train), len(held), len(plain_train), len(plain_held)) == (96, 12, 44, 12)
+    assert split_tasks(0) == (train, held, plain_train, plain_held)
+    assert not {t.question for t in train} & {t.question for t in held}
+    assert not {t.question for t in plain_train} & {t.question for t in plain_held}
+    assert [t.tool for t in train[:3]] == ["calculator", "convert_units", "lookup_country"]
+    for t in train + held + tool_tasks(30, seed=5):  # any seed: the hook finds the task from its text alone
+        assert find_task(t.question) == t
+        assert run_tool(t.tool, t.arguments) == t.answer
+    assert find_task(plain_held[0].question) == plain_held[0] and not plain_held[0].needs_tool
+    assert find_task("What is 12 times 7?").answer == "84" and find_task("hello") is None
+    conv = find_task("How many kilometers is 134 miles?")
+    assert (conv.answer, json.loads(conv.arguments)) == ("215.65", {"value": 134, "from_unit": "mile",
+                                                                    "to_unit": "km"})  # 134 * 1.609344 = 215.652
+
+
+def test_answered_by_reads_numbers_and_words():
+    t = find_task("What is 347 times 29?")
+    assert t.answered_by("The result is 10,063.") and t.answered_by("10063") and not t.answered_by("1006.3 or 100630")
+    assert find_task("What currency does Japan use?").answered_by("Japan uses the Yen.")
+    assert find_task("How many kilometers is 134 miles?").answered_by("about 215.65 km")
+
+
+def test_rounds_ask_two_tool_tasks_per_plain_question_and_move_on():
+    r1, r2 = tool_round_tasks(1, 6, 0), tool_round_tasks(2, 6, 0)
+    assert [t.needs_tool for t in r1] == [True, True, True, True, False, False]
+    train, _, plain, _ = split_tasks(0)
+    assert r1[:4] == train[:4] and r2[:4] == train[4:8] and r1[4:] == plain[:2] and r2[4:] == plain[2:4]
+
+
+CALC = find_task("What is 347 times 29?")
+FIRST = [{"role": "system", "content": "s"}, {"role": "user", "content": CALC.question}]
+
+
+def _call(name, args):
+    return [{"id": "c1", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]
+
+
+@pytest.mark.parametrize("calls,text,next_messages,want", [
+    # a call, scored from its tool result: the answer, an error, a result that is not the answer
+    (_call("calculator", {"expression": "347 * 29"}), "", [{"role": "tool", "content": "10063"}], (1, None)),
+    (_call("calculator", {"expression": "347 x"}), "", [{"role": "tool", "content": "error: cannot parse"}],
+     (-1, CALC.call_text())),
+    (_call("calculator", {"expression": "347+29"}), "", [{"role": "tool", "content": "376"}], (-1, CALC.call_text())),
+    (_call("lookup_country", {"country": "Japan", "field": "capital"}), "",
+     [{"role": "tool", "content": "Tokyo"}], (-1, CALC.call_text())),
+    # no call: right anyway, or wrong (the hint is the call)
+    ([], "It is 10063.", [{"role": "user", "content": "thanks, that's great!"}], (1, None)),
+    ([], "It is 9000.", [{"role": "user", "content": "that's wrong."}], (-1, CALC.call_text())),
+])
+def test_first_replies_to_tool_tasks_score_from_the_tool_result(calls, text, next_messages, want):
+    assert score_turn(CALC, FIRST, calls, text, next_messages) == want
+
+
+def test_final_answers_and_plain_questions_score_from_the_user():
+    after = FIRST + [{"role": "assistant", "content": None}, {"role": "tool", "content": "10063"}]
+    assert score_turn(CALC, after, [], "10063", [{"role": "user", "content": "thanks, that's great!"}]) == (1, None)
+    assert score_turn(CALC, after, [], "9", [{"role": "user", "content": "that's wrong."}])[0] == -1
+    plain = ToolTask("What do bees make?", "", "{}", "", ("honey",))
+    ask = [{"role": "user", "content": plain.question}]
+    assert score_turn(plain, ask, [], "Honey.", [{"role": "user", "content": "thanks, that's great!"}]) == (1, None)
+    assert score_turn(plain, ask, _call("calculator", {"expression": "1"}), "", [{"role": "tool", "content": "1"}]) \
+        == (-1, "This question needs no tool: answer it directly in one or two sentences.")
+    assert score_turn(None, ask, [], "x", [{"role": "user", "content": "that's not what I asked."}])[0] == -1
+
+
+def test_one_step_of_the_tools_demo_end_to_end(tmp_path, model_cache):
+    """`clawrl demo --scenario tools` on the tiny model for one step, a generate hook playing a policy
+    that calls the calculator right, the unit converter wrong and nothing else: the held-out rates
+    are exactly what that policy earns, the judge scored each step from its next state, a failed
+    tool task left a demonstration of its call, and the curve is a PNG and an MLflow run."""
+    conf = tmp_path / "tools.toml"
+    conf.write_text((ROOT / "conf" / "demo-tools.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
+                    + f'generate = "tests.utils.tool_task_hook:generate"\n\n[storage]\ndata_root = "{tmp_path}"\n'
+                    f'model_cache = "{model_cache}"\n')
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(conf),
+                          "--steps", "1", "--users", "6", "--heldout", "6", "--eval-samples", "1",
+                          "--run-dir", str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((run / "reports" / "learning_curve.json").read_text())
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [t.tool for t in split_tasks(0, n_heldout=3, plain_heldout=3)[1]] == ["calculator", "convert_units",
+                                                                                   "lookup_country"]
+    for r in rows:  # held out: the calculator task (right), the conversion (wrong unit), the lookup (no call)
+        assert (r["tool_use"], r["call_rate"], r["solved"]) == pytest.approx((1 / 3, 2 / 3, 1 / 3))
+        assert r["false_call_rate"] == 0.0  # plain questions: the engine answers, never a call
+    assert (run / "reports" / "learning_curve.png").stat().st_size > 10_000
+
+    from clawrl.storage.catalog import open_catalog
+
+    with open_catalog(run) as con:
+        verdicts = con.execute("""
+            select t.request_messages, t.tool_calls, v.score, v.hint from turns t join judgments v using (turn_id)
+            where t.turn_type = 'main'""").fetchall()
+        demos = con.execute("""
+            select s.output_ids, s.reward, s.has_teacher from samples s join turns t using (turn_id)
+            where s.output_ids <> t.output_ids""").fetchall()
+    by_kind = {}
+    for messages, calls, score, hint in verdicts:
+        msgs = json.loads(messages)
+        task = find_task(msgs[1]["content"])
+        stage = "final" if msgs[-1]["role"] == "tool" else "first"
+        by_kind.setdefault((task.tool or "plain", stage), []).append((score, hint))
+    # the round: calculator, conversion, lookup, calculator, then two plain questions
+    assert [t.tool for t in tool_round_tasks(1, 6, 0)] == ["calculator", "convert_units", "lookup_country",
+                                                          "calculator", "", ""]
+    assert by_kind[("calculator", "first")] == [(1, None)] * 2  # the call returned the answer
+    assert by_kind[("calculator", "final")] == [(1, None)] * 2  # "The answer is ...": the user thanked
+    assert [s for s, _ in by_kind[("convert_units", "first")]] == [-1]  # error: unknown unit 'parsec'
+    assert [s for s, _ in by_kind[("convert_units", "final")]] == [-1]  # "The answer is error: ..." is wrong
+    assert [s for s, _ in by_kind[("lookup_country", "first")]] == [-1]  # no call, no answer
+    assert len(by_kind[("plain", "first")]) == 2
+    # every failed first reply to a tool task left a demonstration: its call, then EOS, reward +1
+    assert len(demos) == 2 and all(r == 1.0 and teacher for _, r, teacher in demos)
+    from clawrl.models import load_tokenizer, resolve_model_dir
+
+    tok = load_tokenizer(resolve_model_dir("tiny", model_cache))
+    texts = sorted(tok.decode(ids) for ids, _, _ in demos)
+    hints = sorted(h + tok.eos_token for (tool, stage), vs in by_kind.items() for s, h in vs
+                   if stage == "first" and tool != "plain" and s == -1)
+    assert texts == hints and all(t.startswith("<tool_call>\n{") for t in texts)
