@@ -190,6 +190,8 @@ class EmbeddedEngine:
     def _submit(self, req: GenerateRequest, stream: bool) -> Sequence:
         prompt = self._prompt_ids(req)  # GenerateRequest and SamplingParams validated the rest when made
         sp = req.sampling_params
+        if sp.n != 1:
+            raise BadRequestError("sampling_params.n > 1: submit req.samples(), one request per sample")
         if len(prompt) >= self.max_context_len:
             raise BadRequestError(f"The input ({len(prompt)} tokens) is longer than the model's context length "
                                   f"({self.max_context_len} tokens).")  # SGLang's words

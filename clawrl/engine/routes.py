@@ -134,10 +134,13 @@ async def generate(request: Request, srv: Srv) -> Response:
         return json_response({"error": str(e)}, 400)
     if len({r.rid for r in reqs}) < len(reqs):
         raise BadRequestError("rid: the same rid appears more than once in the batch; a rid names one request")
-    if not batch and reqs[0].stream:
+    parallel = any(r.sampling_params.n > 1 for r in reqs)
+    if not batch and reqs[0].stream and not parallel:
         return await _stream(request, srv, reqs[0])
     if any(r.stream for r in reqs):
-        raise BadRequestError("streaming a batch of prompts is not supported; send one request per prompt")
+        raise BadRequestError("streaming a batch of prompts or n > 1 samples is not supported; send one request "
+                              "per prompt and sample")
+    reqs = [s for r in reqs for s in r.samples()]  # n samples of a prompt: one list entry each, in order
     # a batch's requests all end (none is left running for nobody) before the first error is raised
     results = await _unless_disconnected(request, asyncio.gather(*(srv.run_one(r) for r in reqs),
                                                                  return_exceptions=True))
@@ -145,7 +148,7 @@ async def generate(request: Request, srv: Srv) -> Response:
         if isinstance(r, BaseException):
             raise r
     out = [res.to_sglang(req, srv.tokenizer) for res, req in zip(results, reqs)]
-    return json_response(out if batch else out[0])
+    return json_response(out if batch or parallel else out[0])
 
 
 async def _stream(request: Request, srv: Served, req: GenerateRequest) -> Response:

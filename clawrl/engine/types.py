@@ -23,6 +23,7 @@ PauseMode = Literal["abort", "retract", "in_place"]
 # vLLM's default max_logprobs and OpenAI's top_logprobs limit. Uncapped, one request could ask for
 # the whole vocabulary at every position: 28 tokens at k = 10**6 made a 45 MB response here.
 MAX_TOP_LOGPROBS = 20
+MAX_PARALLEL_SAMPLES = 64  # sampling_params.n
 
 
 class EngineError(RuntimeError):
@@ -106,7 +107,8 @@ class SamplingParams(_Refusing):
     no_stop_trim: bool = Field(False, description=_BOOL)
     # what torch seeds take
     sampling_seed: int | None = Field(None, ge=-(2**63), lt=2**64, strict=True, description="a 64-bit integer")
-    n: int = Field(1, ge=1, le=1, strict=True, description="1 (send n separate requests)")
+    n: int = Field(1, ge=1, le=MAX_PARALLEL_SAMPLES, strict=True,
+                   description=f"in [1, {MAX_PARALLEL_SAMPLES}]: samples of the prompt (the HTTP route's parallel sampling)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -162,6 +164,17 @@ class GenerateRequest(_Refusing):
         if (self.input_ids is None) == (self.text is None):
             raise BadRequestError("exactly one of 'text' or 'input_ids' must be given")
         return self
+
+    def samples(self) -> list[GenerateRequest]:
+        """The ``sampling_params.n`` requests parallel sampling runs: sample i has rid ``<rid>_<i>``
+        and, when a seed is set, seed ``sampling_seed + i`` (so the samples differ and a rerun
+        reproduces each). Equal prompts in flight share one prefill in the embedded engine."""
+        sp = self.sampling_params
+        if sp.n == 1:
+            return [self]
+        return [self.model_copy(update={"rid": f"{self.rid}_{i}", "sampling_params": sp.model_copy(update={
+            "n": 1, "sampling_seed": None if sp.sampling_seed is None else (sp.sampling_seed + i) % 2**64})})
+            for i in range(sp.n)]
 
     def to_sglang(self) -> dict[str, Any]:
         """SGLang's /generate body for this request."""

@@ -315,6 +315,23 @@ def test_a_rid_names_one_request(http, server):
     assert generate(http, input_ids=PROMPT, rid="busy-1", sampling_params=GREEDY8)["output_ids"]  # free again
 
 
+def test_parallel_sampling_answers_n_samples_each_as_its_own_request(http):
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
+    out = generate(http, input_ids=PROMPT, rid="votes", sampling_params={**sp, "n": 3})
+    assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["votes_0", "votes_1", "votes_2"]
+    # sample i is exactly the single request with seed 7 + i: distinct, and reproducible
+    singles = [generate(http, input_ids=PROMPT, sampling_params={**sp, "sampling_seed": 7 + i}) for i in range(3)]
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in singles]
+    assert len({tuple(o["output_ids"]) for o in out}) == 3 and all(len(o["output_ids"]) == 8 for o in out)
+    # a batch of two prompts with n = 2: prompt-major, four entries
+    batch = generate(http, input_ids=[PROMPT, PROMPT[:-1]], sampling_params={**sp, "n": 2})
+    assert len(batch) == 4 and [b["output_ids"] for b in batch[:2]] == [o["output_ids"] for o in out[:2]]
+    for body, what in [({"input_ids": PROMPT, "stream": True, "sampling_params": {**sp, "n": 2}}, "n > 1"),
+                       ({"input_ids": PROMPT, "sampling_params": {**sp, "n": 65}}, "sampling_params.n")]:
+        r = http.post("/generate", json=body)
+        assert r.status_code == 400 and what in r.text, r.text
+
+
 def test_client_giving_up_on_a_held_request_aborts_it(http, server):
     http.post("/pause_generation", json={"mode": "in_place"})
     try:
