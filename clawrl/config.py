@@ -207,7 +207,7 @@ class OPDSettings(_Section):
     hint_samples: int = Field(1, ge=1, description="Hint votes per turn.")
     hint_policy: Literal["longest", "first", "shortest"] = Field("longest", description="Which accepted hint to use.")
     hint_placement: Literal["append_last_user", "system"] = Field("append_last_user", description="Where the hint goes.")
-    hint_demonstrations: bool = Field(False, description="A hint holding tool calls also makes a sample: those calls as the reply.")
+    hint_demonstrations: bool = Field(False, description="A hint holding tool calls also makes a sample: those calls as the reply, reward +1.")
 
 
 class StorageSettings(_Section):

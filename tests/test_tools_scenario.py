@@ -160,7 +160,7 @@ def test_one_step_of_the_tools_demo_end_to_end(tmp_path, model_cache):
     assert [s for s, _ in by_kind[("lookup_country", "first")]] == [-1]  # no call, no answer
     assert len(by_kind[("plain", "first")]) == 2
     # every failed first reply to a tool task left a demonstration: its call, then EOS, reward +1
-    assert len(demos) == 2 and all(r == 1.0 and teacher for _, r, teacher in demos)
+    assert len(demos) == 2 and all(r == 1.0 and not teacher for _, r, teacher in demos)
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir("tiny", model_cache))

@@ -206,25 +206,24 @@ class Judge:
 
     async def _demonstration(self, turn: TurnRecord, hint: str) -> tuple[SampleRecord | None, str]:
         """(the demonstration a hint holding tool calls spells out, a note for the fate's detail).
-        Its reward is +1 (0 under opd); its behaviour log-probs are the policy's (the teacher's when
-        the policy engine is not reachable from here) on the turn's own prompt; its teacher log-probs
-        are the teacher's under the hinted prompt, like any OPD sample."""
+        Reward +1 and no teacher term: the demonstration is the target itself, and the teacher - the
+        model that did not write it - would pull the policy back from it (a frozen small model gives
+        a tool call low probability even under a hint naming it). Its behaviour log-probs are the
+        policy's on the turn's own prompt (the teacher's when the policy engine is not reachable from
+        here). Under opd, which trains on teacher terms only, there is no demonstration."""
+        if self.method == Method.OPD:
+            return None, ""
         tok = self.teacher_tokenizer
         try:
             messages, tools, tool_choice = _turn_rendering(turn, tok, self.hint_placement)
             ids = demonstration_ids(tok, messages, tools, hint, tool_choice=tool_choice)
             if ids is None or ids == list(turn.output_ids):
                 return None, ""
-            hinted = build_teacher_prompt_ids(tok, messages, tools, hint, self.hint_placement,
-                                              tool_choice=tool_choice)
-            behaviour, teacher = await asyncio.gather(
-                compute_teacher_logprobs(self.policy or self.teacher, turn.prompt_ids, ids),
-                compute_teacher_logprobs(self.teacher, hinted, ids))
+            behaviour = await compute_teacher_logprobs(self.policy or self.teacher, turn.prompt_ids, ids)
         except (ValueError, TeacherAlignmentError, EngineError, BadRequestError) as e:
             return None, f"; no demonstration ({type(e).__name__}: {e})"
-        reward = 0.0 if self.method == Method.OPD else 1.0
-        demo = self._sample(turn, f"{turn.turn_id}#demonstration", ids, behaviour, reward, teacher)
-        return demo, f"; demonstration of {len(ids)} tokens, reward {reward:+g}"
+        demo = self._sample(turn, f"{turn.turn_id}#demonstration", ids, behaviour, 1.0, None)
+        return demo, f"; demonstration of {len(ids)} tokens, reward +1"
 
     async def _verdict(self, turn: TurnRecord, next_state: NextStateRecord) -> JudgeVerdict:
         """The PRM votes (and hint votes, for opd and combine: both prompts in flight together) and

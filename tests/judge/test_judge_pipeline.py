@@ -9,6 +9,7 @@ import pytest
 from clawrl.records import Method
 from clawrl.judge.backends import EngineJudge, RuleJudge
 from clawrl.judge.pipeline import Judge, judge_config_hash, make_sample_id
+from clawrl.judge.teacher import compute_teacher_logprobs
 
 from tests.utils.turns import build_next_state, build_turn, generate_turn
 
@@ -208,27 +209,30 @@ class _HookSays:
         return -1, self.hint
 
 
-@pytest.mark.parametrize("method,reward", [(Method.COMBINE, 1.0), (Method.OPD, 0.0)])
-def test_a_tool_call_hint_becomes_a_demonstration(tiny_engine, method, reward):
+def test_a_tool_call_hint_becomes_a_demonstration(tiny_engine):
     messages = [{"role": "user", "content": "What is 347 times 29?"}]
     turn = generate_turn(tiny_engine, messages, tools=[CALC_TOOL], seed=4)
     ns = build_next_state(turn, [{"role": "user", "content": "that's wrong."}])
-    out = _judge(turn, ns, method, tiny_engine, reward_hook=_HookSays(CALL_HINT), hint_demonstrations=True)
+    out = _judge(turn, ns, Method.COMBINE, tiny_engine, reward_hook=_HookSays(CALL_HINT), hint_demonstrations=True)
     assert out.fate.fate == "sample" and out.sample.output_ids == turn.output_ids  # the turn's own sample stays
+    assert out.sample.reward == -1.0 and out.sample.has_teacher
     demo = out.demonstration
     tok = tiny_engine.tokenizer
     # the reply the hint spells out, as the chat template writes an assistant tool call, through EOS
     assert tok.decode(demo.output_ids) == CALL_HINT + tok.eos_token and demo.output_ids[-1] == tok.eos_token_id
     assert demo.prompt_ids == turn.prompt_ids and demo.turn_id == turn.turn_id
-    assert demo.sample_id not in (out.sample.sample_id, "") and demo.reward == reward and demo.has_teacher
-    assert len(demo.rollout_logprobs) == len(demo.teacher_logprobs) == len(demo.output_ids)
-    # behaviour log-probs: the policy (here the same tiny engine) on the plain prompt; teacher: hinted prompt
-    assert max(abs(a - b) for a, b in zip(demo.teacher_logprobs, demo.rollout_logprobs)) > 1e-6
+    assert demo.sample_id not in (out.sample.sample_id, "") and demo.reward == 1.0
+    assert not demo.has_teacher and demo.teacher_logprobs is None  # the target itself: no pull to the teacher
+    # behaviour log-probs: the policy (here the same tiny engine) on the plain prompt, one per token
+    plain = asyncio.run(compute_teacher_logprobs(tiny_engine, turn.prompt_ids, demo.output_ids))
+    assert demo.rollout_logprobs == pytest.approx(plain, abs=1e-4) and len(plain) == len(demo.output_ids)
     assert f"demonstration of {len(demo.output_ids)} tokens" in out.fate.detail
     from clawrl.judge.runner import outcome_records
 
     assert [type(r).__name__ for r in outcome_records(out)] == ["JudgeVerdict", "SampleRecord", "SampleRecord",
                                                                  "FateRecord"]
+    opd = _judge(turn, ns, Method.OPD, tiny_engine, reward_hook=_HookSays(CALL_HINT), hint_demonstrations=True)
+    assert opd.sample is not None and opd.demonstration is None  # opd trains on teacher terms only
 
 
 def test_no_demonstration_without_the_setting_or_a_call_of_a_declared_tool(tiny_engine):
