@@ -10,6 +10,9 @@ holding every raw judge output. Which turns make samples:
 | opd     | m PRM + h hint | a usable hint        | 0.0             | prompt + hint     | no_hint     |
 | combine | m PRM + h hint | score = ±1 or a hint | score (±1 or 0) | only with a hint  | score_zero  |
 
+With ``hint_demonstrations`` (under combine), a -1 turn whose hint holds tool calls of the turn's declared tools also yields a demonstration sample: those calls
+as the reply, reward +1, no teacher term (:meth:`Judge._demonstration`).
+
 opd is ``Method.OPD`` (``on_policy_distillation``). Masks: the response mask is all ones over
 ``output_ids`` for every sample (the trainer masks the prompt); ``has_teacher`` tells the loss
 whether the OPD term applies, so a combine RL-only sample carries no pseudo-teacher term. OPD
