@@ -5,6 +5,10 @@ engine) serves simulated users who talk through the openai SDK; after each round
 `train` flows run as subflows and the new weights are synced into the serving engine; then the
 held-out questions measure the served weights (score = persona satisfied AND on topic, the on-topic
 rate, and the KL to the initial model). The curve is plotted and logged to MLflow.
+
+``scenario = "tools"`` runs the same loop on tool use: the users of ``clawrl.sim.tool_users`` ask
+tool tasks and plain questions with the tools offered, run the calls, and react to the final answer;
+the held-out rates are those of ``tool_scores`` (correct tool use first).
 """
 
 from __future__ import annotations
