@@ -10,8 +10,9 @@ holding every raw judge output. Which turns make samples:
 | opd     | m PRM + h hint | a usable hint        | 0.0             | prompt + hint     | no_hint     |
 | combine | m PRM + h hint | score = ±1 or a hint | score (±1 or 0) | only with a hint  | score_zero  |
 
-With ``hint_demonstrations`` (under combine), a -1 turn whose hint holds tool calls of the turn's declared tools also yields a demonstration sample: those calls
-as the reply, reward +1, no teacher term (:meth:`Judge._demonstration`).
+With ``hint_demonstrations`` (under combine), a -1 turn whose hint holds tool calls of the turn's
+declared tools also yields a demonstration sample: those calls as the reply, reward +1, no teacher
+term (:meth:`Judge._demonstration`).
 
 opd is ``Method.OPD`` (``on_policy_distillation``). Masks: the response mask is all ones over
 ``output_ids`` for every sample (the trainer masks the prompt); ``has_teacher`` tells the loss
@@ -123,11 +124,6 @@ def _turn_rendering(turn: TurnRecord, tokenizer, placement: str) -> tuple[list, 
         "or chat template); its log-probs would describe other tokens than the policy sampled")
 
 
-def _teacher_prompt_ids(turn: TurnRecord, tokenizer, hint: str, placement: str) -> list[int]:
-    messages, tools, tool_choice = _turn_rendering(turn, tokenizer, placement)
-    return build_teacher_prompt_ids(tokenizer, messages, tools, hint, placement, tool_choice=tool_choice)
-
-
 @dataclass
 class Judge:
     """One judge configuration with its live backends: :meth:`judge` turns a turn into an outcome."""
@@ -181,10 +177,13 @@ class Judge:
             if self.method == Method.OPD:
                 return outcome(Fate.NO_HINT, f"no usable hint among {self.hint_samples} votes", verdict)
             return outcome(Fate.SCORE_ZERO, f"score 0 ({verdict.score_reason}; votes {verdict.votes})", verdict)
-        teacher_logprobs = None
+        teacher_logprobs = rendering = None
         if use_teacher:
             try:
-                prompt_ids = _teacher_prompt_ids(turn, self.teacher_tokenizer, verdict.hint, self.hint_placement)
+                rendering = _turn_rendering(turn, self.teacher_tokenizer, self.hint_placement)
+                messages, tools, tool_choice = rendering
+                prompt_ids = build_teacher_prompt_ids(self.teacher_tokenizer, messages, tools, verdict.hint,
+                                                      self.hint_placement, tool_choice=tool_choice)
                 teacher_logprobs = await compute_teacher_logprobs(self.teacher, prompt_ids, turn.output_ids)
             except (TeacherAlignmentError, EngineError, BadRequestError) as e:
                 verdict.error = f"teacher: {type(e).__name__}: {e}"
@@ -194,7 +193,7 @@ class Judge:
         detail = f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}"
         out = outcome(Fate.SAMPLE, detail, verdict, sample)
         if self.hint_demonstrations and use_teacher and score < 0:
-            out.demonstration, note = await self._demonstration(turn, verdict.hint)
+            out.demonstration, note = await self._demonstration(turn, verdict.hint, rendering)
             out.fate.detail += note
         return out
 
@@ -207,18 +206,19 @@ class Judge:
             has_teacher=teacher_logprobs is not None, teacher_logprobs=teacher_logprobs,
             weight_version=turn.weight_version)
 
-    async def _demonstration(self, turn: TurnRecord, hint: str) -> tuple[SampleRecord | None, str]:
+    async def _demonstration(self, turn: TurnRecord, hint: str,
+                             rendering: tuple) -> tuple[SampleRecord | None, str]:
         """(the demonstration a hint holding tool calls spells out, a note for the fate's detail).
         Reward +1 and no teacher term: the demonstration is the target itself, and the teacher - the
         model that did not write it - would pull the policy back from it (a frozen small model gives
         a tool call low probability even under a hint naming it). Its behaviour log-probs are the
         policy's on the turn's own prompt (the teacher's when the policy engine is not reachable from
-        here). Under opd, which trains on teacher terms only, there is no demonstration."""
+        here). ``rendering``: the turn's (messages, tools, tool_choice). Under opd, which trains on teacher terms only, there is no demonstration."""
         if self.method == Method.OPD:
             return None, ""
         tok = self.teacher_tokenizer
         try:
-            messages, tools, tool_choice = _turn_rendering(turn, tok, self.hint_placement)
+            messages, tools, tool_choice = rendering
             ids = demonstration_ids(tok, messages, tools, hint, tool_choice=tool_choice)
             if ids is None or ids == list(turn.output_ids):
                 return None, ""

@@ -59,7 +59,7 @@ def build_judge_config_hash(settings: Settings) -> str:
         hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
         budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
         teacher=_teacher_id(settings) if method in (Method.OPD, Method.COMBINE) else "",
-        demonstrations=opd.hint_demonstrations and method in (Method.OPD, Method.COMBINE),
+        demonstrations=opd.hint_demonstrations and method == Method.COMBINE,
     )
 
 
