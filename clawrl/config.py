@@ -48,8 +48,7 @@ class ConfigError(ValueError):
     """A configuration problem, phrased for the person who has to fix it."""
 
 
-# a trailing slash must not produce '//chat/completions' or '//generate'
-Url = Annotated[str, AfterValidator(lambda v: v.rstrip("/"))]
+Url = Annotated[str, AfterValidator(lambda v: v.rstrip("/"))]  # no '//chat/completions' or '//generate'
 AbsPath = Annotated[Path, AfterValidator(lambda p: p.expanduser().resolve())]
 
 
@@ -61,8 +60,7 @@ def _regex(pattern: str) -> str:
     return pattern
 
 
-class _Section(BaseModel):
-    # allow_inf_nan=False: TOML has inf and nan literals, and no setting means anything with them
+class _Section(BaseModel):  # allow_inf_nan=False: TOML's inf and nan mean nothing to any setting
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
@@ -95,6 +93,8 @@ class EngineSettings(_Section):
     max_queued_requests: int = Field(1024, ge=0, description="Queued requests beyond which the engine answers 503 "
                                      "(the gateway too, with Retry-After). 0: no limit.")
     request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
+    cuda_graphs: bool = Field(True, description="On CUDA, replay decode steps from CUDA graphs (one per batch and "
+                              "context bucket); false launches the same padded steps one kernel at a time.")
 
     @model_validator(mode="after")
     def _url_for_http(self) -> EngineSettings:

@@ -100,3 +100,94 @@ def test_chunked_prefill_and_the_prefix_cache_on_cuda_give_what_one_pass_gives(t
     for got in (chunked, reused):
         assert got.output_ids == one_pass.output_ids
         assert_lp_close(got.output_logprobs, one_pass.output_logprobs, 1e-4)
+
+
+def _answers(model_dir, prompts, params, **engine_kw):
+    """Every prompt through one bf16 CUDA engine at once (requests join and leave the batch); the
+    results and the engine's stats."""
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.types import GenerateRequest
+
+    async def run():
+        engine = EmbeddedEngine(model_dir, dtype="bfloat16", device="cuda", max_context_len=512, **engine_kw)
+        try:
+            results = await asyncio.gather(*(engine.generate(GenerateRequest(input_ids=p, sampling_params=s,
+                                                                             return_logprob=True))
+                                             for p, s in zip(prompts, params)))
+            return results, engine.stats
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-qwen3"])
+def test_graph_decode_is_token_for_token_the_eager_path(model_cache, model):
+    """12 requests of different prompt and output lengths through 8 rows (batch buckets 1..8, spans
+    64..256): the replayed graphs give the tokens and log-probs of the same padded steps launched
+    eagerly, bit for bit."""
+    from clawrl.engine.types import SamplingParams
+    from clawrl.models import resolve_model_dir
+    from tests.engine.test_embedded import prompts_of
+
+    model_dir = resolve_model_dir(model, model_cache)
+    prompts = prompts_of([5, 40, 13, 90, 7, 21, 64, 3, 150, 33, 9, 48], 1000, seed=8)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (30, 12, 100, 5, 64, 47, 20, 90, 8, 33, 70, 16)]
+    graphed, g_stats = _answers(model_dir, prompts, params, max_batch_size=8)
+    eager, e_stats = _answers(model_dir, prompts, params, max_batch_size=8, cuda_graphs=False)
+    assert g_stats["cuda_graphs"] >= 3 and e_stats["cuda_graphs"] == 0
+    assert [len(r.output_ids) for r in graphed] == [p.max_new_tokens for p in params]
+    for g, e in zip(graphed, eager):
+        assert g.output_ids == e.output_ids
+        assert g.output_logprobs == e.output_logprobs
+
+
+def test_weights_synced_into_a_graph_captured_engine_are_what_the_next_replay_computes(model_cache):
+    """An engine that has captured its graphs takes another checkpoint's weights (copied into the
+    parameters the graphs read): from then on it answers as an engine started on that checkpoint,
+    and a request retracted across the update finishes on the new weights."""
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.types import GenerateRequest, SamplingParams
+    from clawrl.models import resolve_model_dir
+
+    old, new = resolve_model_dir("tiny-qwen3", model_cache), resolve_model_dir("tiny-qwen3", model_cache, seed=1)
+    prompt = [1, 504, 1029, 30, 2, 77, 310]
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    long_sp = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        engine = EmbeddedEngine(old, dtype="bfloat16", device="cuda", max_batch_size=4, max_context_len=512)
+        fresh = EmbeddedEngine(new, dtype="bfloat16", device="cuda", max_batch_size=4, max_context_len=512)
+        try:
+            before = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=sp))
+            graphs = engine.stats["cuda_graphs"]
+            long = asyncio.ensure_future(engine.generate(GenerateRequest(input_ids=prompt, sampling_params=long_sp)))
+            while engine.stats["tokens_generated"] < 24 + 50:
+                await asyncio.sleep(0.001)
+            await engine.pause_generation("retract")
+            result = await engine.update_weights_from_disk(str(new), weight_version="1")
+            await engine.continue_generation()
+            after = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=sp))
+            expected = await fresh.generate(GenerateRequest(input_ids=prompt, sampling_params=sp))
+            return before, graphs, result, await long, after, expected, engine.stats
+        finally:
+            await engine.close()
+            await fresh.close()
+
+    before, graphs, result, long, after, expected, stats = asyncio.run(run())
+    assert graphs > 0 and result.success and stats["cuda_graphs"] > 0 and stats["retractions"] == 1
+    assert after.output_ids == expected.output_ids != before.output_ids
+    assert len(long.output_ids) == 400
+    assert [span["version"] for span in long.weight_versions] == ["0", "1"]
+
+
+def test_engine_bench_on_cuda_times_the_graphed_and_the_eager_engine(model_cache):
+    from clawrl.bench.engine import format_engine_section, run_engine_bench
+
+    rows = run_engine_bench(("tiny",), concurrencies=(1, 4), new_tokens=8, cache_dir=model_cache,
+                            hf_batch_sizes=(), repeats=1, device="cuda")
+    assert [(r["system"], r["concurrency"], r["tokens"]) for r in rows] == [
+        ("embedded", 1, 16), ("embedded", 4, 64), ("embedded_eager", 1, 16), ("embedded_eager", 4, 64)]
+    assert all(0 < r["gpu_busy"] <= 1 for r in rows) and {r["dtype"] for r in rows} == {"bfloat16"}
+    assert "## Embedded engine throughput on CUDA" in format_engine_section(rows)

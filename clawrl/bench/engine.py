@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,12 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
                      progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One row per (model, system, concurrency): tokens/s of the embedded engine at each
     concurrency and of HF ``generate`` at each static batch size, on ``device`` (in :func:`bench_dtype`).
+    On CUDA two more systems: ``embedded_eager`` (the engine with ``cuda_graphs`` off: the same
+    padded steps launched kernel by kernel) and ``hf_static`` (``generate`` with
+    ``cache_implementation="static"``, whose decode step transformers compiles with torch.compile
+    ``reduce-overhead``; its compilation falls in the untimed pass). CUDA rows of the engine carry
+    ``gpu_busy``: the share of a pass's wall time the GPU spends in kernels and copies (a separate,
+    profiled pass).
 
     The configurations are timed by :func:`interleaved_times` (one untimed pass each, then
     ``repeats`` interleaved passes); each row keeps its best pass. ``progress(label)`` is called
@@ -45,41 +52,61 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
     from clawrl.models import load_causal_lm, load_tokenizer, resolve_model_dir
 
     rows: list[dict[str, Any]] = []
-    dtype = bench_dtype(device)
-    configs = [("embedded", c) for c in concurrencies] + [("hf_generate", b) for b in hf_batch_sizes]
+    dtype, cuda = bench_dtype(device), torch.device(device).type == "cuda"
+    engine_systems = ("embedded", "embedded_eager") if cuda else ("embedded",)
+    configs = [(e, c) for e in engine_systems for c in concurrencies]
+    configs += [(h, b) for h in (("hf_generate", "hf_static") if cuda else ("hf_generate",)) for b in hf_batch_sizes]
     for name in model_names:
         model_dir = resolve_model_dir(name, Path(cache_dir))
         tok = load_tokenizer(model_dir)
         prompts = build_bench_prompts(tok, max(n for _, n in configs) * ROUNDS)
-        engine = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=max(concurrencies),
-                                max_context_len=1024)
+        engines = {e: EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=max(concurrencies),
+                                     max_context_len=1024, cuda_graphs=e == "embedded") for e in engine_systems}
         model = load_causal_lm(model_dir, dtype, device)
-        runner = asyncio.Runner()  # one event loop for the engine across the passes
-        runner.run(engine.start())
+        runner = asyncio.Runner()  # one event loop for the engines across the passes
         counts: dict[tuple[str, int], tuple[int, int | None]] = {}  # tokens, largest decode batch
 
         def measure(system: str, n: int) -> None:
             group = prompts[: n * ROUNDS]
-            if system == "hf_generate":
-                counts[system, n] = _hf_generate(model, tok, group, n, new_tokens), None
+            if system.startswith("hf"):
+                counts[system, n] = _hf_generate(model, tok, group, n, new_tokens, system == "hf_static"), None
                 return
+            engine = engines[system]
             engine.reset_stats()  # max_batch_seen of this pass only
             tokens = runner.run(_engine_closed_loop(engine, group, n, new_tokens))
             counts[system, n] = tokens, engine.stats["max_batch_seen"]
 
         times = interleaved_times({f"{s} {n}": functools.partial(measure, s, n) for s, n in configs}, repeats,
                                   device=device, progress=progress and (lambda label: progress(f"{name} {label}")))
-        runner.run(engine.close())
+        busy = {(s, n): gpu_busy_fraction(functools.partial(measure, s, n)) for s, n in configs
+                if cuda and s in engine_systems}
+        for engine in engines.values():
+            runner.run(engine.close())
         runner.close()
         model_rows = [dict(model=name, system=s, concurrency=n, requests=n * ROUNDS, tokens=counts[s, n][0],
                            seconds=round(times[f"{s} {n}"][0], 4),
                            tokens_per_s=round(counts[s, n][0] / times[f"{s} {n}"][0], 1),
-                           max_batch=counts[s, n][1], device=device, dtype=dtype, load_1m=load_average())
+                           max_batch=counts[s, n][1], gpu_busy=busy.get((s, n)), device=device, dtype=dtype,
+                           load_1m=load_average())
                       for s, n in configs]
         _add_ratios(model_rows)
         rows += model_rows
-        del engine, model
+        del engines, model
     return rows
+
+
+def gpu_busy_fraction(fn: Callable[[], Any]) -> float:
+    """Run ``fn`` under the torch profiler: the GPU's kernel and copy time over the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return round(busy_us / wall_us, 3)
 
 
 async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> int:
@@ -93,28 +120,35 @@ async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int
 
 
 @torch.inference_mode()
-def _hf_generate(model, tok, prompts: list[list[int]], batch: int, new_tokens: int) -> int:
-    """``model.generate`` over ``prompts`` in static left-padded batches of ``batch``: the tokens generated."""
+def _hf_generate(model, tok, prompts: list[list[int]], batch: int, new_tokens: int, static: bool = False) -> int:
+    """``model.generate`` over ``prompts`` in static left-padded batches of ``batch``: the tokens generated.
+    ``static``: with a static KV cache (on CUDA, transformers then compiles the decode step)."""
+    extra = {"cache_implementation": "static"} if static else {}
     tokens = 0
     for i in range(0, len(prompts), batch):
         enc = tok.pad({"input_ids": prompts[i: i + batch]}, padding_side="left", return_tensors="pt").to(model.device)
         out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
+                             pad_token_id=tok.pad_token_id, **extra)
         tokens += out[:, enc["input_ids"].shape[1]:].numel()
     return tokens
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     """For one model's rows: vs_c1 = tokens/s over the engine's concurrency-1 row (engine rows only);
-    vs_hf_b16 = over HF generate at batch 16."""
+    vs_hf_b16 = over HF generate at batch 16; vs_hf_static = over ``hf_static`` at the same batch size."""
     tps = {(r["system"], r["concurrency"]): r["tokens_per_s"] for r in rows}
-    c1, hf16 = tps.get(("embedded", 1)), tps.get(("hf_generate", 16))
+    hf16 = tps.get(("hf_generate", 16))
     for r in rows:
-        r["vs_c1"] = round(r["tokens_per_s"] / c1, 2) if c1 and r["system"] == "embedded" else None
+        c1 = tps.get((r["system"], 1))
+        static = tps.get(("hf_static", r["concurrency"]))
+        r["vs_c1"] = round(r["tokens_per_s"] / c1, 2) if c1 and r["system"].startswith("embedded") else None
         r["vs_hf_b16"] = round(r["tokens_per_s"] / hf16, 2) if hf16 else None
+        r["vs_hf_static"] = round(r["tokens_per_s"] / static, 2) if static else None
 
 
 def format_engine_section(rows: list[dict[str, Any]]) -> str:
+    if torch.device(rows[0]["device"]).type == "cuda":
+        return _format_cuda_section(rows)
     body = [
         "## Embedded engine throughput",
         "",
@@ -136,4 +170,28 @@ def format_engine_section(rows: list[dict[str, Any]]) -> str:
             body.append(f"- {name}: 16 concurrent = {c16['vs_c1']}x the engine at 1 and "
                         f"{c16['vs_hf_b16']}x HF generate at batch 16.")
     body.append("- Targets (smollm2-135m): >= 5x the engine at 1, >= 0.8x HF generate at batch 16.")
+    return "\n".join(body)
+
+
+def _format_cuda_section(rows: list[dict[str, Any]]) -> str:
+    body = [
+        "## Embedded engine throughput on CUDA",
+        "",
+        machine_line(rows[0]["device"], rows[0]["dtype"]),
+        f"Greedy, `ignore_eos`, {rows[0]['tokens'] // rows[0]['requests']} new tokens per request, short "
+        "chat-templated prompts. `embedded` keeps `concurrency` requests in",
+        "flight, its decode steps replayed from CUDA graphs; `embedded_eager` is the same engine with `cuda_graphs = "
+        "false`; `hf_generate` is",
+        "`model.generate` on a static left-padded batch, `hf_static` the same with `cache_implementation=\"static\"` "
+        "(transformers compiles",
+        "its decode step, torch.compile `reduce-overhead`). Best of the interleaved passes after an untimed one; "
+        "`gpu_busy`: GPU kernel and copy",
+        "time over wall time in one more, profiled pass; `vs_hf_static`: over `hf_static` at the same batch size.",
+        "",
+        markdown_table(rows, ["model", "system", "concurrency", "requests", "tokens", "seconds", "tokens_per_s",
+                              "max_batch", "gpu_busy", "vs_c1", "vs_hf_static"]),
+        "",
+        "- Targets: at 64 in flight at least `hf_static` at batch 64 (vs_hf_static >= 1) with gpu_busy >= 0.6; at 1 "
+        "in flight at least `hf_static` at batch 1.",
+    ]
     return "\n".join(body)

@@ -56,7 +56,8 @@ def bench_engine(
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
 ) -> None:
-    """Embedded-engine tokens/s at several concurrencies vs HF generate; writes docs/benchmarks.md."""
+    """Embedded-engine tokens/s at several concurrencies vs HF generate; writes docs/benchmarks.md (CUDA: its
+    own section, with the engine's eager steps and HF's compiled static-cache generate beside)."""
     from clawrl.bench.engine import format_engine_section, run_engine_bench
 
     s = settings_or_exit(config)
@@ -64,7 +65,7 @@ def bench_engine(
         rows = run_engine_bench(_split(models), _split(concurrency, int), new_tokens, cache_dir=s.storage.models_dir,
                                 hf_batch_sizes=_split(hf_batch, int), repeats=repeats, device=_device(device),
                                 progress=progress)
-    _write("engine", format_engine_section(rows), out)
+    _write("engine" if rows[0]["device"] == "cpu" else "engine-cuda", format_engine_section(rows), out)
 
 
 @bench_app.command("gateway")

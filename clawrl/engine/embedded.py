@@ -59,7 +59,7 @@ from clawrl.models import load_causal_lm, load_tokenizer
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 # the [engine] keys that are EmbeddedEngine's keyword arguments too
 LIMIT_KEYS = {"max_batch_size", "max_context_len", "chunked_prefill_size", "max_total_tokens", "max_queued_requests",
-              "prefix_cache_tokens"}
+              "prefix_cache_tokens", "cuda_graphs"}
 
 
 class EmbeddedEngine:
@@ -68,7 +68,7 @@ class EmbeddedEngine:
     def __init__(self, model_dir: Path, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 16,
                  max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None,
                  chunked_prefill_size: int = 0, max_total_tokens: int = 0, max_queued_requests: int = 0,
-                 prefix_cache_tokens: int = -1):
+                 prefix_cache_tokens: int = -1, cuda_graphs: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_context_len < 2:
@@ -99,7 +99,7 @@ class EmbeddedEngine:
                                 weight_version=str(weight_version), chunked_prefill_size=chunked_prefill_size,
                                 max_total_tokens=self.max_total_tokens, max_queued_requests=max_queued_requests,
                                 prefix_cache_tokens=prefix_cache_tokens if prefix_cache_tokens >= 0 else
-                                max(max_context_len, self.max_total_tokens // 4))
+                                max(max_context_len, self.max_total_tokens // 4), cuda_graphs=cuda_graphs)
 
     def _auto_kv_budget(self, max_batch_size: int, max_context_len: int) -> int:
         """KV token slots for a quarter of the machine's memory (CPU) or half the GPU memory still

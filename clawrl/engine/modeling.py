@@ -77,6 +77,7 @@ class KVCache:
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
         self.rows = self.capacity = 0
+        self.generation = 0  # counts buffer reallocations: what captured the old buffers' addresses is stale
 
     @property
     def slot_bytes(self) -> int:
@@ -110,6 +111,7 @@ class KVCache:
             new[:old_rows, :, :old_cap].copy_(old)
         del old_k, old_v
         self.k, self.v, self.rows, self.capacity = new_k, new_v, new_rows, new_cap
+        self.generation += 1
 
     @torch.inference_mode()
     def shrink(self, rows: int, length: int) -> None:
@@ -121,6 +123,7 @@ class KVCache:
         self.k = [buf[:rows, :, :length].clone() for buf in self.k]
         self.v = [buf[:rows, :, :length].clone() for buf in self.v]
         self.rows, self.capacity = rows, length
+        self.generation += 1
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -133,6 +136,7 @@ class KVCache:
     def reset(self) -> None:
         """Drop every buffer (the next sequence allocates afresh)."""
         self.k, self.v, self.rows, self.capacity = [], [], 0, 0
+        self.generation += 1
 
 
 class CausalLMRunner:
@@ -151,6 +155,11 @@ class CausalLMRunner:
         self._layers = list(hf_model.model.layers)
         if len(self._layers) != self.spec.num_layers:
             raise ValueError(f"config says {self.spec.num_layers} layers, model has {len(self._layers)}")
+
+    @staticmethod
+    def rows(n: int) -> int:
+        """The cache rows a decode step of ``n`` sequences uses (the padded CUDA path uses more)."""
+        return n
 
     def new_cache(self, rows: int, max_tokens: int | None = None) -> KVCache:
         return KVCache(self.spec, rows, self.max_positions, self.dtype, self.device, max_tokens)
@@ -207,10 +216,16 @@ class CausalLMRunner:
     def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
         """One step for cache rows ``0..B-1``: ``tokens[b]`` sits at ``positions[b]`` and attends
         to that row's cached positions ``0..positions[b]``. Returns fp32 logits (B, vocab)."""
-        b = tokens.shape[0]
         span = int(positions.max()) + 1
-        cache.ensure(b, span)
-        positions = positions.to(self.device)
+        cache.ensure(tokens.shape[0], span)
+        return self.decode_rows(tokens.to(self.device), positions.to(self.device), cache, span)
+
+    @torch.inference_mode()
+    def decode_rows(self, tokens: Tensor, positions: Tensor, cache: KVCache, span: int) -> Tensor:
+        """:meth:`decode` on device tensors over the first ``span`` cached positions (at least
+        ``positions.max() + 1``; the cache holds ``len(tokens)`` rows and ``span`` positions). No
+        host synchronisation and no shapes that depend on values: a CUDA graph can capture it."""
+        b = tokens.shape[0]
         rows = torch.arange(b, device=self.device)
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, hd)
         # key j of row b is visible iff j <= positions[b]: the row's own history plus this token
@@ -223,7 +238,7 @@ class CausalLMRunner:
             return F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask,
                                                   enable_gqa=True)
 
-        hidden = self._forward(tokens[:, None].to(self.device), cos, sin, attend)  # (B, 1, D)
+        hidden = self._forward(tokens[:, None], cos, sin, attend)  # (B, 1, D)
         return self.lm_head(hidden[:, 0])
 
     def _forward(self, ids: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:

@@ -1,20 +1,19 @@
 """The embedded engine's worker: one thread that owns the model, the KV cache and the running batch.
 
-Callers on any event loop (any number of loops) hand it sequences under a lock and get results back
-through ``loop.call_soon_threadsafe``, so no engine call blocks an event loop. Control calls
-(pause, continue, flush, weight swaps) run *on the worker, between steps*: a step never sees half
-a weight update.
+Callers on any event loop hand it sequences under a lock and get results back through
+``loop.call_soon_threadsafe``, so no engine call blocks an event loop. Control calls (pause,
+continue, flush, weight swaps) run *on the worker, between steps*: a step never sees half a weight update.
 
-Each iteration the worker (1) admits waiting sequences FIFO into free batch rows while the KV
-budget holds their longest possible length, (2) prefills at most ``chunked_prefill_size`` prompt
-tokens - whole short prompts in right-padded causal batches of similar lengths, a long prompt one
-chunk per step - and samples the first token of each prompt it completes, then (3) runs one
-decode step over every running sequence whose prompt is in the cache. A request that arrives
-while others decode therefore joins at the next step, a long prompt never stalls the others'
-decoding for more than one chunk, and an abort (a client gone, a deadline) ends it at the next
-chunk. At most ``max_batch_size`` sequences run; the rest queue (at most ``max_queued_requests``:
-beyond, a request is refused with :class:`EngineOverloadedError`). Running sequences occupy cache
-rows ``0..B-1``: a finished one's row is filled by moving the last one in.
+Each iteration the worker (1) admits waiting sequences FIFO into free batch rows while the KV budget
+holds their longest possible length, (2) prefills at most ``chunked_prefill_size`` prompt tokens -
+whole short prompts in right-padded causal batches of similar lengths, a long prompt one chunk per
+step - and samples the first token of each prompt it completes, then (3) runs one decode step over
+every running sequence whose prompt is in the cache (on CUDA at padded shapes, replayed from CUDA
+graphs: :mod:`clawrl.engine.cuda_graphs`). A request that arrives while others decode joins at the
+next step, a long prompt never stalls the others for more than one chunk, and an abort (a client
+gone, a deadline) ends it at the next chunk. At most ``max_batch_size`` sequences run; the rest
+queue (at most ``max_queued_requests``, beyond which :class:`EngineOverloadedError`). Running
+sequences occupy cache rows ``0..B-1``: a finished one's row is filled by moving the last one in.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from clawrl.engine.cuda_graphs import GraphedDecode
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, top_logprobs
@@ -54,10 +54,13 @@ class Scheduler:
 
     def __init__(self, runner: CausalLMRunner, decode_text: DecodeText, *, max_batch_size: int, weight_version: str,
                  chunked_prefill_size: int = 2048, max_total_tokens: int | None = None, max_queued_requests: int = 0,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, cuda_graphs: bool = True):
         self.runner, self.decode_text, self.max_batch_size = runner, decode_text, max_batch_size
         self.chunked_prefill_size, self.max_queued_requests = chunked_prefill_size, max_queued_requests
         self.cache = runner.new_cache(max_batch_size, max_total_tokens)
+        graphed = runner.device.type == "cuda"  # padded fixed-shape steps, from CUDA graphs unless cuda_graphs is off
+        self.decoder = GraphedDecode(runner, max_batch_size, capture=cuda_graphs) if graphed else runner
+        self._keep_cache = graphed and cuda_graphs  # graphs read the cache by address: kept between bursts and updates
         self.prefix = PrefixCache(PREFIX_BLOCK, prefix_cache_tokens) if prefix_cache_tokens >= PREFIX_BLOCK else None
         self.epoch = 0  # weight updates so far: K/V begun before the last one is not of the served weights
         self.weight_version = weight_version
@@ -68,13 +71,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.live: set[Sequence] = set()
         self._commands: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
-        self._aborts_pending = False
-        self.closing = False
+        self._aborts_pending = self.closing = False
         self._order = 0
         # owned by the worker thread
         self.running: list[Sequence] = []  # invariant: self.running[i].row == i
-        self.paused = False
-        self.pause_mode: str | None = None
+        self.paused, self.pause_mode = False, None
         self._updates: deque[_PendingUpdate] = deque()
         self._thread: threading.Thread | None = None
         self.counters = {"steps": 0, "prefill_steps": 0, "max_batch_seen": 0, "requests_done": 0,
@@ -144,15 +145,14 @@ class Scheduler:
         return await asyncio.wrap_future(done)
 
     def stats(self) -> dict[str, Any]:
-        with self.cv:
-            queued = len(self.waiting)
+        queued, cache = len(self.waiting), self.cache  # len() of a deque is atomic
         return {**self.counters, "queued": queued, "running": len(self.running), "paused": self.paused,
                 "pause_mode": self.pause_mode, "weight_version": self.weight_version,
-                "kv_capacity": self.cache.capacity, "kv_rows": self.cache.rows,
-                "kv_budget_tokens": self.cache.max_tokens,
+                "kv_capacity": cache.capacity, "kv_rows": cache.rows, "kv_budget_tokens": cache.max_tokens,
                 "prefix_cache_tokens": len(self.prefix) * PREFIX_BLOCK if self.prefix else 0,
                 "prefix_cache_hits": self.prefix.hits if self.prefix else 0,
-                "prefix_tokens_saved": self.prefix.tokens_saved if self.prefix else 0}
+                "prefix_tokens_saved": self.prefix.tokens_saved if self.prefix else 0,
+                "cuda_graphs": len(getattr(self.decoder, "graphs", ()))}
 
     def _worker(self) -> None:
         with torch.inference_mode():  # thread-local: the worker never needs autograd
@@ -213,7 +213,7 @@ class Scheduler:
                            EngineError(f"prefill failed: {type(e).__name__}: {e}"))
         if any(not s.prefilling for s in self.running):
             self._decode()
-        if not self.running and self.cache.capacity:
+        if not self.running and self.cache.capacity and not self._keep_cache:
             self.cache.reset()  # idle: give the KV memory back
 
     def _admit(self) -> None:
@@ -226,15 +226,16 @@ class Scheduler:
                 head = self.waiting[0]
                 if head.abort_message is not None:
                     break  # the sweep will end it
-                if (len(self.running) + 1) * max(need, head.kv_need) > self.cache.max_tokens and self.running:
+                if self.running and \
+                        self.decoder.rows(len(self.running) + 1) * max(need, head.kv_need) > self.cache.max_tokens:
                     break  # waits for room; alone it always fits (submit refused anything longer)
                 self.waiting.popleft()
                 need = max(need, head.kv_need)
                 head.row, head.prefilling = len(self.running), True
                 self.running.append(head)
-        if self.running and max(len(self.running), self.cache.rows) * max(self.cache.capacity, need) > \
-                self.cache.max_tokens:
-            self.cache.shrink(len(self.running), need)
+        rows = self.decoder.rows(len(self.running))
+        if self.running and max(rows, self.cache.rows) * max(self.cache.capacity, need) > self.cache.max_tokens:
+            self.cache.shrink(rows, need)
 
     def _prefill(self) -> None:
         """At most ``chunked_prefill_size`` tokens of the prompts not yet in the cache, oldest first:
@@ -287,8 +288,7 @@ class Scheduler:
             self._first_tokens(done)
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> Tensor | None:
-        """The next ``n`` tokens of ``seq`` into its row; the last position's hidden state once its
-        whole prompt is in."""
+        """The next ``n`` tokens of ``seq`` into its row; the last position's hidden state once all are in."""
         start, tokens = seq.cache_len, seq.tokens
         scoring = seq.scores_prompt and start + n > seq.req.logprob_start_len
         keep = max(0, seq.req.logprob_start_len - start) if scoring else n - 1
@@ -341,7 +341,7 @@ class Scheduler:
         running = self.running
         tokens = torch.tensor([0 if s.prefilling else s.output_ids[-1] for s in running], dtype=torch.long)
         positions = torch.tensor([s.cache_len for s in running], dtype=torch.long)
-        logits = self.runner.decode(tokens, positions, self.cache)
+        logits = self.decoder.decode(tokens, positions, self.cache)
         decoding = [i for i, s in enumerate(running) if not s.prefilling]
         seqs = [running[i] for i in decoding]
         for s in seqs:
@@ -452,7 +452,7 @@ class Scheduler:
             self.counters["retractions"] += len(retracted)
             with self.cv:  # back to the queue, in submission order, ahead of later arrivals
                 self.waiting = deque(sorted([*retracted, *self.waiting], key=lambda s: s.order))
-        if not self.running:
+        if not self.running and not self._keep_cache:
             self.cache.reset()
         done.set_result(None)
 
@@ -493,7 +493,7 @@ class Scheduler:
             self.prefix.clear()
         if update.version is not None:
             self.weight_version = str(update.version)
-        if not self.running:  # in_place-paused requests keep their (now stale) KV, as in SGLang
+        if not self.running and not self._keep_cache:  # in_place-paused requests keep their (stale) KV, as in SGLang
             self.cache.reset()
         self.counters["weight_updates"] += 1
         update.done.set_result(UpdateResult(True, "Succeeded to update model weights.", self.weight_version))
