@@ -41,25 +41,27 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
     On CUDA two more systems: ``embedded_eager`` (the engine with ``cuda_graphs`` off: the same
     padded steps launched kernel by kernel) and ``hf_static`` (``generate`` with
     ``cache_implementation="static"``, whose decode step transformers compiles with torch.compile
-    ``reduce-overhead``; its compilation falls in the untimed pass). CUDA rows of the engine carry
-    ``gpu_busy``: the share of a pass's wall time the GPU spends in kernels and copies (a separate,
-    profiled pass).
+    ``reduce-overhead``; its compilation falls in the untimed pass). The graphed engine's CUDA rows
+    carry ``gpu_busy``: the share of a pass's wall time the GPU spends in kernels and copies (one
+    more pass, profiled; the eager rows' ~1,700 launches a step would take the profiler minutes).
 
     The configurations are timed by :func:`interleaved_times` (one untimed pass each, then
-    ``repeats`` interleaved passes); each row keeps its best pass. ``progress(label)`` is called
-    after each timed pass."""
+    ``repeats`` interleaved passes); each row keeps its best pass. ``hf_static`` is timed on its
+    own once the engines are closed: torch.compile's CUDA graphs and the engine's in one process
+    ended in an illegal memory access once on an H200. ``progress(label)`` is called after each timed pass."""
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.models import load_causal_lm, load_tokenizer, resolve_model_dir
 
     rows: list[dict[str, Any]] = []
     dtype, cuda = bench_dtype(device), torch.device(device).type == "cuda"
     engine_systems = ("embedded", "embedded_eager") if cuda else ("embedded",)
-    configs = [(e, c) for e in engine_systems for c in concurrencies]
-    configs += [(h, b) for h in (("hf_generate", "hf_static") if cuda else ("hf_generate",)) for b in hf_batch_sizes]
+    configs = [(e, c) for e in engine_systems for c in concurrencies] + [("hf_generate", b) for b in hf_batch_sizes]
+    static_configs = [("hf_static", b) for b in hf_batch_sizes] if cuda else []
     for name in model_names:
         model_dir = resolve_model_dir(name, Path(cache_dir))
         tok = load_tokenizer(model_dir)
         prompts = build_bench_prompts(tok, max(n for _, n in configs) * ROUNDS)
+        label = progress and (lambda text: progress(f"{name} {text}"))
         engines = {e: EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=max(concurrencies),
                                      max_context_len=1024, cuda_graphs=e == "embedded") for e in engine_systems}
         model = load_causal_lm(model_dir, dtype, device)
@@ -77,18 +79,20 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
             counts[system, n] = tokens, engine.stats["max_batch_seen"]
 
         times = interleaved_times({f"{s} {n}": functools.partial(measure, s, n) for s, n in configs}, repeats,
-                                  device=device, progress=progress and (lambda label: progress(f"{name} {label}")))
-        busy = {(s, n): gpu_busy_fraction(functools.partial(measure, s, n)) for s, n in configs
-                if cuda and s in engine_systems}
+                                  device=device, progress=label)
+        busy = {(s, n): gpu_busy_fraction(functools.partial(measure, s, n))
+                for s, n in configs if cuda and s == "embedded"}
         for engine in engines.values():
             runner.run(engine.close())
         runner.close()
+        times |= interleaved_times({f"{s} {n}": functools.partial(measure, s, n) for s, n in static_configs}, repeats,
+                                   device=device, progress=label)
         model_rows = [dict(model=name, system=s, concurrency=n, requests=n * ROUNDS, tokens=counts[s, n][0],
                            seconds=round(times[f"{s} {n}"][0], 4),
                            tokens_per_s=round(counts[s, n][0] / times[f"{s} {n}"][0], 1),
                            max_batch=counts[s, n][1], gpu_busy=busy.get((s, n)), device=device, dtype=dtype,
                            load_1m=load_average())
-                      for s, n in configs]
+                      for s, n in configs + static_configs]
         _add_ratios(model_rows)
         rows += model_rows
         del engines, model

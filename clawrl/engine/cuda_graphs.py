@@ -89,9 +89,9 @@ class GraphedDecode:
         if not self.capture:
             device = self.runner.device
             return self.runner.decode_rows(padded_tokens.to(device), padded_positions.to(device), cache, width)[:b]
-        if cache.generation != self.generation:
+        if cache.generation != self.generation:  # new buffers: new graphs, in a new memory pool
             self.graphs.clear()
-            self.generation = cache.generation
+            self.pool, self.generation = torch.cuda.graph_pool_handle(), cache.generation
         graph = self.graphs.get((bucket, width))
         if graph is None:
             graph = self.graphs[bucket, width] = self._capture(padded_tokens, padded_positions, cache, width)
