@@ -1,8 +1,10 @@
 """Checkpoints on disk: written complete-or-absent, found, and verified against the recorded hash.
 
 Weight versions are step counts: version 0 is the initial model, version N the weights after N
-steps, in ``<checkpoints>/v{N:06d}/``: HF safetensors weights, the optimizer state, and
-``trainer.json`` (the :class:`StepResult` naming the batch it consumed and the weights' sha256).
+steps, in ``<checkpoints>/v{N:06d}/``: HF safetensors weights in the served dtype (what an engine
+loads), the optimizer state, and ``trainer.json`` (the :class:`StepResult` naming the batch it
+consumed and the weights' sha256). When the served dtype is not float32 (bfloat16 on a GPU), the
+float32 master weights a resumed trainer continues from are kept beside them in ``MASTER_FILE``.
 A version directory is built in a staging dir beside it (``.vNNNNNN.<pid>.<random>``) with the
 marker written last, then renamed into place, so it either holds a complete checkpoint or does not
 exist; the staging dir of a writer that died is removed by :func:`remove_stale_staging`.
@@ -28,6 +30,8 @@ log = logging.getLogger("clawrl.checkpoint")
 WEIGHTS_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
+# safetensors bytes under a name no model loader picks up (SGLang, HF and the embedded engine read *.safetensors)
+MASTER_FILE = "master-weights.st"
 
 
 @dataclass(frozen=True)
@@ -123,3 +127,14 @@ def remove_stale_staging(checkpoints: Path) -> list[Path]:
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
+
+
+def trainer_weights(model_dir: Path) -> dict | None:
+    """The float32 master weights (HF names) of a checkpoint written in another dtype, or None when
+    its ``model.safetensors`` is what training continues from."""
+    path = Path(model_dir) / MASTER_FILE
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(path))

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from clawrl.algo.advantages import compute_advantages, normalize_group_rewards
 from clawrl.algo.losses import compute_ppo_loss, merge_metrics
-from clawrl.checkpoint import OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, staged_dir
+from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, staged_dir
 from clawrl.models import torch_dtype
 from clawrl.records import Method
 from clawrl.train.batch import TokenBatch
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 # not copied from the source model into a checkpoint: written fresh, a cache marker, or the
 # trainer's own files of the checkpoint a resumed trainer started from
-_NOT_COPIED = {"config.json", ".complete", TRAINER_FILE, OPTIMIZER_FILE}
+_NOT_COPIED = {"config.json", ".complete", TRAINER_FILE, OPTIMIZER_FILE, MASTER_FILE}
 
 
 @dataclass(frozen=True)
@@ -323,8 +323,9 @@ class TrainBackend:
                                         "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     def write_weights(self, directory: Path | None) -> None:
-        """config.json, model.safetensors and the source's tokenizer/generation files into the
-        existing ``directory`` (rank 0; other ranks pass None and take part in the gather)."""
+        """config.json, model.safetensors (in the served dtype: the compute dtype) and the source's
+        tokenizer/generation files into the existing ``directory`` (rank 0; other ranks pass None and
+        take part in the gather); in another dtype than float32, the float32 weights in MASTER_FILE."""
         from safetensors.torch import save_file
 
         state = self._weights_to_save()
@@ -332,8 +333,10 @@ class TrainBackend:
             return
         if getattr(self.hf_config, "tie_word_embeddings", False):
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # shared tensor; HF re-ties it
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(directory / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        served = {k: v.to(self.compute_dtype).contiguous().cpu() for k, v in state.items()}
+        save_file(served, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        if self.compute_dtype != torch.float32:
+            save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(directory / MASTER_FILE))
         self.hf_config.save_pretrained(str(directory))
         for src in sorted(self.model_dir.iterdir()):
             if src.is_file() and src.name not in _NOT_COPIED and not src.name.startswith("model"):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from clawrl.checkpoint import trainer_weights
 from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss
 from clawrl.train.batch import TokenBatch, synthetic_batch
 from clawrl.train.convert import hf_to_megatron, is_tp_sharded, megatron_config_from_hf, megatron_to_hf
@@ -110,7 +111,8 @@ class MegatronBackend(TrainBackend):
 
     def _build(self, model_dir: Path, attention: str):
         model = build_gpt_model(self.args, attention=attention, device=self.device)
-        load_megatron_weights(model, self._to_megatron(load_hf_state_dict(model_dir)))
+        state = trainer_weights(model_dir)  # a checkpoint served in bf16 keeps its float32 weights beside
+        load_megatron_weights(model, self._to_megatron(load_hf_state_dict(model_dir) if state is None else state))
         return model.eval()  # dropout is 0 anyway; eval keeps Megatron off its training-only paths
 
     def _logprobs(self, model: torch.nn.Module, mb: TokenBatch,

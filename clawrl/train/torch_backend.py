@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from clawrl.checkpoint import MASTER_FILE, trainer_weights
 from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss
 from clawrl.train.batch import TokenBatch
 
@@ -41,6 +42,10 @@ class TorchBackend(TrainBackend):
         self.device = torch.device(device)
         self.lora_rank = lora_rank
         model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        if (master := trainer_weights(self.model_dir)) is not None:  # served in bf16: go on from float32
+            missing, unexpected = model.load_state_dict(master, strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:  # a tied lm_head is the embedding
+                raise ValueError(f"{self.model_dir / MASTER_FILE}: missing {missing[:3]}, unexpected {unexpected[:3]}")
         self.hf_config = model.config  # saved with checkpoints unchanged
         model.to(self.device).eval()
         self.reference = None

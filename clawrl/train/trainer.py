@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from clawrl.checkpoint import (
+    MASTER_FILE,
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
     StepResult,
@@ -117,11 +118,13 @@ class Trainer:
         return result
 
     def _prune(self) -> None:
-        """Keep weights of the newest ``keep_weights`` versions and the optimizer of the newest only;
-        trainer.json markers stay forever (lineage and replay read them; replay needs no weights)."""
+        """Keep weights of the newest ``keep_weights`` versions and the optimizer state (and float32
+        master weights) of the newest only; trainer.json markers stay forever (lineage and replay
+        read them; replay needs no weights)."""
         for i, (_, d) in enumerate(complete_checkpoints(self.checkpoints)):
             if i >= 1:
                 (d / OPTIMIZER_FILE).unlink(missing_ok=True)
+                (d / MASTER_FILE).unlink(missing_ok=True)
             if i >= self.keep_weights:
                 (d / WEIGHTS_FILE).unlink(missing_ok=True)
 

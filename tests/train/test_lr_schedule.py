@@ -87,3 +87,24 @@ def test_trainer_applies_the_schedule_per_version_across_a_restart(tiny_dir, tmp
     assert all(torch.equal(w2[k], w3[k]) for k in w2)  # lr 0 reached AdamW: no parameter moved
     w1 = load_file(str(ckpts / "v000001" / "model.safetensors"))
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)  # lr 5e-4 did move them
+
+
+def test_a_bf16_trainer_keeps_the_master_weights_of_its_newest_checkpoint_only(tiny_dir, tmp_path):
+    """Served bf16 checkpoints: the float32 master weights go with the optimizer state (newest
+    only), and a restarted trainer continues from them, not from the rounded served weights."""
+    from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE
+
+    ckpts = tmp_path / "ckpt"
+    t = Trainer(base_model_dir=tiny_dir, checkpoints=ckpts, hp=sched(), pad_id=2, dtype="bfloat16")
+    t.run("b1", _samples(1))
+    t.run("b2", _samples(2))
+    weights = t.state_dict()
+    v1, v2 = ckpts / "v000001", ckpts / "v000002"
+    assert [(d / OPTIMIZER_FILE).is_file() for d in (v1, v2)] == [False, True]
+    assert [(d / MASTER_FILE).is_file() for d in (v1, v2)] == [False, True]
+    assert {t.dtype for t in load_file(str(v2 / "model.safetensors")).values()} == {torch.bfloat16}
+    del t
+    t = Trainer(base_model_dir=tiny_dir, checkpoints=ckpts, hp=sched(), pad_id=2, dtype="bfloat16")
+    assert t.version == 2
+    restarted = t.state_dict()
+    assert all(torch.equal(restarted[k], weights[k]) for k in weights)

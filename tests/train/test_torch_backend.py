@@ -243,3 +243,40 @@ def test_resume_from_checkpoint_and_optimizer_state_continues_exactly(tiny_dir, 
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # bit-exact continuation on CPU
     with pytest.raises(ValueError, match="optimizer state format"):
         resumed.load_optimizer_state_dict({"format": "clawrl-megatron-adamw-hf-v1", "exp_avg": {}})
+
+
+def test_a_bf16_trainer_writes_served_bf16_weights_and_resumes_from_its_float32_master(tiny_dir, tmp_path):
+    """model.safetensors holds what the engine serves (bfloat16, half the bytes); the float32 master
+    weights beside it, under a name no model loader reads, are what a resumed trainer continues from."""
+    from safetensors.torch import load_file
+
+    from clawrl.checkpoint import MASTER_FILE, WEIGHTS_FILE
+    from clawrl.engine.weights import load_checkpoint_tensors
+    from clawrl.models import load_causal_lm
+
+    hp = dataclasses.replace(HP, kl_coef=0.05)
+    first, second = make_batch(seed=0), make_batch(seed=1)
+    running = TorchBackend(tiny_dir, hp, dtype="bfloat16")
+    running.train_step(first)
+    ckpt = running.save_checkpoint(tmp_path / "v1")
+    state = running.optimizer_state_dict()
+    served, master = load_file(str(ckpt / WEIGHTS_FILE)), load_file(str(ckpt / MASTER_FILE))
+    weights = running.hf_state_dict()
+    assert set(served) == set(master) == set(weights) - {"lm_head.weight"}  # tied: the embedding
+    assert {t.dtype for t in served.values()} == {torch.bfloat16}
+    assert {t.dtype for t in master.values()} == {torch.float32}
+    assert all(torch.equal(master[k], weights[k]) and torch.equal(served[k], weights[k].bfloat16()) for k in served)
+    assert any(not torch.equal(served[k].float(), master[k]) for k in served)  # bf16 alone would not resume exactly
+    fp32_bytes = sum(t.numel() * 4 for t in master.values())
+    assert (ckpt / WEIGHTS_FILE).stat().st_size < 0.51 * fp32_bytes + 4096
+    continued = running.train_step(second)
+
+    resumed = TorchBackend(ckpt, hp, dtype="bfloat16", reference_dir=tiny_dir)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.hf_state_dict().values(), weights.values()))
+    resumed.load_optimizer_state_dict(state)
+    assert resumed.train_step(second)["loss"] == continued["loss"]
+    ours, theirs = running.hf_state_dict(), resumed.hf_state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # the engine reads model.safetensors alone (a second file of the same keys would be refused)
+    engine_view = load_checkpoint_tensors(ckpt, load_causal_lm(tiny_dir, dtype="bfloat16"))
+    assert all(torch.equal(engine_view[k], served[k]) for k in served)
