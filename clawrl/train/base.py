@@ -325,7 +325,8 @@ class TrainBackend:
     def write_weights(self, directory: Path | None) -> None:
         """config.json, model.safetensors (in the served dtype: the compute dtype) and the source's
         tokenizer/generation files into the existing ``directory`` (rank 0; other ranks pass None and
-        take part in the gather); in another dtype than float32, the float32 weights in MASTER_FILE."""
+        take part in the gather): what an engine loads. The trainer's own state goes beside it
+        (:meth:`write_master_weights`, the optimizer state)."""
         from safetensors.torch import save_file
 
         state = self._weights_to_save()
@@ -335,12 +336,23 @@ class TrainBackend:
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # shared tensor; HF re-ties it
         served = {k: v.to(self.compute_dtype).contiguous().cpu() for k, v in state.items()}
         save_file(served, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        if self.compute_dtype != torch.float32:
-            save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(directory / MASTER_FILE))
         self.hf_config.save_pretrained(str(directory))
         for src in sorted(self.model_dir.iterdir()):
             if src.is_file() and src.name not in _NOT_COPIED and not src.name.startswith("model"):
                 shutil.copy2(src, directory / src.name)
+
+    def write_master_weights(self, directory: Path | None) -> None:
+        """When the served weights are not float32, the float32 weights training continues from, in
+        ``directory / MASTER_FILE`` (collective like :meth:`write_weights`; rank 0 writes)."""
+        from safetensors.torch import save_file
+
+        if self.compute_dtype == torch.float32:
+            return
+        state = self._weights_to_save()
+        if self.rank == 0:
+            tied = getattr(self.hf_config, "tie_word_embeddings", False)
+            save_file({k: v.contiguous().cpu() for k, v in state.items() if not (tied and k == "lm_head.weight")},
+                      str(directory / MASTER_FILE))
 
     def save_checkpoint(self, out_dir: Path) -> Path:
         """:meth:`write_weights` into a staging dir beside ``out_dir``, renamed into place; an

@@ -110,6 +110,7 @@ class Trainer:
         out = version_dir(self.checkpoints, self.version)
         with staged_dir(out) as staging:
             self.backend.write_weights(staging)
+            self.backend.write_master_weights(staging)
             torch.save(self.backend.optimizer_state_dict(), staging / OPTIMIZER_FILE)
             result = StepResult(batch_id=batch_id, step=self.version, weight_version=str(self.version),
                                 parent_version=str(parent), path=str(out), sha256=file_sha256(staging / WEIGHTS_FILE),

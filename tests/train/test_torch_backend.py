@@ -259,6 +259,8 @@ def test_a_bf16_trainer_writes_served_bf16_weights_and_resumes_from_its_float32_
     running = TorchBackend(tiny_dir, hp, dtype="bfloat16")
     running.train_step(first)
     ckpt = running.save_checkpoint(tmp_path / "v1")
+    assert not (ckpt / MASTER_FILE).exists()  # what the engine loads, alone
+    running.write_master_weights(ckpt)  # the trainer's state, as the trainer stores it
     state = running.optimizer_state_dict()
     served, master = load_file(str(ckpt / WEIGHTS_FILE)), load_file(str(ckpt / MASTER_FILE))
     weights = running.hf_state_dict()
