@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from clawrl.flows.loop import tool_round_tasks
-from clawrl.sim.tools import TOOLS, ToolTask, find_task, run_tool, score_turn, split_tasks, tool_tasks
+from clawrl.sim.tool_reward import find_task, score_turn
+from clawrl.sim.tools import TOOLS, ToolTask, run_tool, split_tasks, tool_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 

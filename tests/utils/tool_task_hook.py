@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from clawrl.sim.tools import find_task
+from clawrl.sim.tool_reward import find_task
 from tests.utils.openclaw_hook import _messages, _scripted
 
 
