@@ -45,6 +45,30 @@ from clawrl.storage.schemas import TABLES, duckdb_type
 # view name -> table directory under <data_root>/tables/: one per table, verdicts twice
 VIEWS: dict[str, str] = {("judgments" if t == "verdicts" else t): t for t in TABLES} | {"judgment_attempts": "verdicts"}
 
+# Views over the table views, for ``clawrl doctor`` and anyone's SQL. turn_outcomes: one row per
+# (turn, judge config), the turn's newest fate with what the turn and its verdict say;
+# learning_by_version: the judged score of live main turns by the weight version that served them
+# (n, mean, a normal 95% interval), per judge config.
+DERIVED_VIEWS: dict[str, str] = {
+    "turn_outcomes": """
+        WITH f AS (SELECT * EXCLUDE (date) FROM turn_fate
+                   QUALIFY row_number() OVER (PARTITION BY turn_id, judge_config_hash ORDER BY created_at DESC) = 1),
+        t AS (SELECT * EXCLUDE (date) FROM turns
+              QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1)
+        SELECT f.judge_config_hash, f.turn_id, t.session_id, t.turn_index, t.turn_type, t.weight_version,
+               f.fate, f.detail, j.score, j.score_reason, j.votes, j.hint IS NOT NULL AS has_hint,
+               j.hint_raw_outputs IS NOT NULL AS hint_asked, j.error AS judge_error, t.created_at
+        FROM f JOIN t USING (turn_id) LEFT JOIN judgments j USING (turn_id, judge_config_hash)""",
+    "learning_by_version": """
+        SELECT judge_config_hash, weight_version,
+               try_cast(regexp_extract(weight_version, '(\\d+)$', 1) AS BIGINT) AS version_number,
+               count(*) AS n, avg(score) AS mean_score,
+               avg(score) - 1.96 * coalesce(stddev_samp(score), 0) / sqrt(count(*)) AS ci_low,
+               avg(score) + 1.96 * coalesce(stddev_samp(score), 0) / sqrt(count(*)) AS ci_high
+        FROM turn_outcomes WHERE turn_type = 'main' AND score IS NOT NULL AND judge_error IS NULL
+        GROUP BY ALL ORDER BY judge_config_hash, version_number, weight_version""",
+}
+
 # Views that show one row per key, the newest write: a judge attempt cut short by a crash before
 # its fate was written is re-run, and the re-run's verdict and sample supersede the first ones
 # (the fate, written last, belongs to the newest). The superseded rows stay in the files.
@@ -99,6 +123,8 @@ def refresh_views(con: duckdb.DuckDBPyConnection, data_root: str | os.PathLike) 
             # Typed NULLs, not a registered Arrow table: con.register imports pandas (~2 s).
             columns = [f"NULL::{duckdb_type(f.type)} AS {f.name}" for f in TABLES[table].schema]
             con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(columns)}, NULL::DATE AS date WHERE false")
+    for view, sql in DERIVED_VIEWS.items():
+        con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
 
 
 class ReadOnlyQueryError(ValueError):

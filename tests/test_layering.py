@@ -20,7 +20,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("clawrl.storage",),
     ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.chat", "clawrl.checkpoint", "clawrl.hooks",
      "clawrl.runtime"),
-    ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage"),
+    ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage", "clawrl.doctor"),
     ("clawrl.trainer_service", "clawrl.replay", "clawrl.supervisor", "clawrl.serving"),
     ("clawrl.flows",),
     ("clawrl.cli", "clawrl.bench"),

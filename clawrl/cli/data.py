@@ -1,4 +1,4 @@
-"""Reading the recorded data: `sql`, `status`, `lineage`."""
+"""Reading the recorded data: `sql`, `status`, `doctor`, `lineage`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
 @app.command("sql")
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
-                                               "turn_fate, batches, checkpoints, syncs, judgment_attempts "
-                                               "(storage/catalog.py).")],
+                                               "turn_fate, batches, checkpoints, syncs, judgment_attempts, "
+                                               "turn_outcomes, learning_by_version (storage/catalog.py).")],
     fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
                                                                            help="parquet needs --out.")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
@@ -104,6 +104,49 @@ def status(config: ConfigOpt = None) -> None:
         parts.append(f"checkpoint{'s' if len(st['waiting']) > 1 else ''} {', '.join(st['waiting'])} waiting")
     parts.append(f"{st['attempts']} sync attempts, {st['failures']} failed")
     console.print("; ".join(parts), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("doctor")
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="The findings and the per-version scores as JSON.")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Why the run is or is not learning: each stage from logged turns to served weights checked,
+    with the cause and the fix of each problem, and the judged score of live turns per weight version."""
+    import json
+
+    s = settings_or_exit(config)
+    from clawrl.doctor import diagnose, learning_by_version, learning_verdict
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.storage.catalog import open_catalog
+
+    chash = build_judge_config_hash(s)
+    with open_catalog(s.storage.data_root) as con:
+        findings = diagnose(con, chash, method=s.ppo.advantage_estimator.value,
+                            checkpoints=s.storage.data_root / "checkpoints")
+        versions = learning_by_version(con, chash)
+    verdict = learning_verdict(versions)
+    if as_json:
+        typer.echo(json.dumps({"judge_config_hash": chash, "findings": [f.as_dict() for f in findings],
+                               "learning_by_version": versions, "learning": verdict}, default=str))
+        return
+    problems = [f for f in findings if not f.ok]
+    console.print(f"clawrl doctor (judge config {chash}): "
+                  f"{len(problems) or 'no'} problem{'s' if len(problems) != 1 else ''} found", markup=False)
+    for f in findings:
+        console.print(f"{'ok  ' if f.ok else 'FAIL'} {f.name}: {f.summary}", markup=False, highlight=False,
+                      soft_wrap=True)
+        if not f.ok:
+            for label, text in (("cause", f.cause), ("fix", f.fix), ("see", f.sql)):
+                console.print(f"       {label}: {text}", markup=False, highlight=False, soft_wrap=True)
+    t = Table(title="judged score of live main turns, by the weight version that served them", title_justify="left")
+    for name in ("version", "n", "mean", "95% interval"):
+        t.add_column(name, justify="right")
+    for r in versions:
+        t.add_row(str(r["weight_version"]), str(r["n"]), f"{r['mean_score']:+.3f}",
+                  f"{r['ci_low']:+.3f} .. {r['ci_high']:+.3f}")
+    console.print(t)
+    console.print(f"learning: {verdict}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("lineage")

@@ -1,0 +1,256 @@
+"""``clawrl doctor``: why a run is (not) learning, in words, from the tables.
+
+:func:`diagnose` reads the DuckDB views of a data root and the trainer's checkpoint markers and
+returns :class:`Finding` s, one per thing that can stop learning, in the order data flows: turns
+arrive (main, not side) -> they get a next state -> the judge scores them (parseable votes, no
+backend errors, not all 0) -> hints (OPD, combine) -> samples are fresh enough -> batches carry
+a signal (not every reward equal) -> training steps stay sane (KL) -> new weights are served. A
+finding that fails names its cause and the fix, and the SQL over a view that shows it, so the
+user can look for themselves. :func:`learning_by_version` is the judged score of live turns by the
+weight version that served them (the ``learning_by_version`` view): learning as users see it, with
+no simulator.
+
+Thresholds are shares of the turns concerned, stated in each finding's text; a finding on too few
+rows to say anything (under ``MIN_ROWS``) passes with a note.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from clawrl.checkpoint import complete_checkpoints, read_step_result
+from clawrl.records import Fate, Method
+
+MIN_ROWS = 5  # fewer judged turns than this: too few to blame anything
+
+
+@dataclass
+class Finding:
+    name: str
+    ok: bool
+    summary: str  # what was measured
+    cause: str = ""  # why it stops learning (when not ok)
+    fix: str = ""
+    sql: str = ""  # a query over the views that shows it
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _one(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> dict[str, Any]:
+    return con.sql(sql, params=params).to_arrow_table().to_pylist()[0]
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def diagnose(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: str,
+             checkpoints: Path | None = None) -> list[Finding]:
+    """Every finding for the turns judged under ``judge_config_hash`` with advantage ``method``."""
+    fates = _fate_counts(con, judge_config_hash)
+    return [_traffic(con), _next_states(con, judge_config_hash, fates), *_judge(con, judge_config_hash, fates),
+            _hints(con, judge_config_hash, method), _staleness(fates), _signal(con, method),
+            _training(checkpoints), _serving(con)]
+
+
+def _fate_counts(con: duckdb.DuckDBPyConnection, chash: str) -> dict[str, int]:
+    counts = dict.fromkeys((f.value for f in Fate), 0)
+    for fate, n in con.sql("SELECT fate, count(*) FROM turn_outcomes WHERE judge_config_hash = $h GROUP BY fate",
+                           params={"h": chash}).fetchall():
+        counts[fate] = int(n)
+    return counts
+
+
+def _traffic(con: duckdb.DuckDBPyConnection) -> Finding:
+    c = _one(con, """SELECT count(*) AS turns, count(*) FILTER (WHERE turn_type = 'main') AS main,
+                     count(DISTINCT session_id) AS sessions
+                     FROM (SELECT DISTINCT turn_id, turn_type, session_id FROM turns)""")
+    summary = f"{c['turns']} turns logged, {c['main']} main, {c['turns'] - c['main']} side, in {c['sessions']} sessions"
+    sql = "SELECT turn_type, count(*) FROM turns GROUP BY turn_type"
+    if c["turns"] == 0:
+        return Finding("traffic", False, summary, "nothing reached the gateway's chat completions",
+                       "point the agent's OpenAI base_url at the gateway (`clawrl serve`, /v1)", sql)
+    side = c["turns"] - c["main"]
+    if c["main"] == 0 or _share(side, c["turns"]) >= 0.9:
+        return Finding("traffic", False, summary + f" ({_share(side, c['turns']):.0%} side)",
+                       "(nearly) every turn is a side turn, which is served and logged but never trained on: the "
+                       "client marks them (X-Turn-Type: side), they match [server] side_turn_patterns (an agent's "
+                       "maintenance calls), or they add no new user or tool message",
+                       "send X-Turn-Type: main for the turns to learn from, or narrow [server] side_turn_patterns",
+                       sql)
+    return Finding("traffic", True, summary)
+
+
+def _next_states(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) -> Finding:
+    """The last turn of a conversation never gets a next state (no reply follows the last answer):
+    only a session of one turn each, or a turn followed by more of its session without one, is wrong."""
+    c = _one(con, """WITH o AS (SELECT *, max(turn_index) OVER (PARTITION BY session_id) AS last_index
+                                FROM turn_outcomes WHERE judge_config_hash = $h AND turn_type = 'main')
+                     SELECT count(*) AS judged, count(*) FILTER (WHERE fate = 'no_next_state') AS missing,
+                            count(*) FILTER (WHERE fate = 'no_next_state' AND turn_index < last_index) AS inner_missing,
+                            count(*) FILTER (WHERE turn_index < last_index) AS inner,
+                            count(DISTINCT session_id) AS sessions,
+                            count(DISTINCT session_id) FILTER (WHERE last_index = 0) AS single FROM o""", h=chash)
+    summary = (f"{c['missing']} of {c['judged']} judged main turns got no next state, {c['inner_missing']} of them "
+               f"before the last turn of their session; {c['single']} of {c['sessions']} sessions have one turn")
+    sql = (f"SELECT session_id, count(*) AS turns, count(*) FILTER (WHERE fate = 'no_next_state') AS no_next_state "
+           f"FROM turn_outcomes WHERE judge_config_hash = '{chash}' AND turn_type = 'main' GROUP BY session_id")
+    one_turn = _share(c["single"], c["sessions"]) >= 0.8
+    if c["judged"] >= MIN_ROWS and one_turn and _share(c["missing"], c["judged"]) >= 0.5:
+        return Finding("next_states", False, summary,
+                       "every request starts a new session, so no turn ever sees the user's next message: the "
+                       "client sends no session id and its requests do not continue a logged conversation",
+                       "send a stable session id (X-Session-Id, the body's session_id, prompt_cache_key or user), "
+                       "or send the conversation's history with each request so the gateway links it", sql)
+    if c["inner"] >= MIN_ROWS and _share(c["inner_missing"], c["inner"]) >= 0.3:
+        return Finding("next_states", False, summary,
+                       "turns that the conversation went on after were closed without their next message: the "
+                       "user's replies came after [server] session_idle_timeout_s, or the gateway restarted",
+                       "raise [server] session_idle_timeout_s", sql)
+    return Finding("next_states", True, summary)
+
+
+def _judge(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) -> list[Finding]:
+    v = _one(con, """SELECT count(*) AS verdicts, coalesce(sum(len(votes)), 0) AS votes,
+                     coalesce(sum(len(list_filter(votes, lambda x: x IS NULL))), 0) AS unparsed,
+                     count(*) FILTER (WHERE score = 0) AS zero FROM judgments WHERE judge_config_hash = $h""", h=chash)
+    sql = f"SELECT score, score_reason, votes, raw_outputs FROM judgments WHERE judge_config_hash = '{chash}'"
+    out = []
+    unparsed = _share(v["unparsed"], v["votes"])
+    summary = f"{v['unparsed']} of {v['votes']} judge votes unparseable ({unparsed:.0%}) over {v['verdicts']} verdicts"
+    if v["verdicts"] >= MIN_ROWS and unparsed >= 0.3:
+        out.append(Finding("judge_votes", False, summary + "; most common outputs: " + _top_outputs(con, chash),
+                           "the judge's outputs carry no score in \\boxed{1}, \\boxed{0} or \\boxed{-1}, so its "
+                           "votes count for nothing and the turns end as score 0 or judge errors",
+                           "use a judge that follows the PRM prompt: a larger model ([prm] backend = sglang or "
+                           "provider), or the rule judge; more tokens ([prm] max_new_tokens) if outputs are cut", sql))
+    else:
+        out.append(Finding("judge_votes", True, summary))
+    errors, judged = fates[Fate.JUDGE_ERROR.value], sum(fates.values()) - fates[Fate.SIDE_TURN.value]
+    if judged >= MIN_ROWS and _share(errors, judged) >= 0.1:
+        top = con.sql("SELECT detail, count(*) AS n FROM turn_outcomes WHERE judge_config_hash = $h AND fate = "
+                      "'judge_error' GROUP BY detail ORDER BY n DESC LIMIT 1", params={"h": chash}).fetchone()
+        out.append(Finding("judge_errors", False, f"{errors} of {judged} judged turns failed in the judge",
+                           f"the judge backend fails: {top[0][:200]}",
+                           "check [prm] backend, url and the provider's api_key_env; the turns are judged again "
+                           "after a fix with `clawrl judge --retry-errors`" if False else
+                           "check [prm] backend, its url and the provider's api_key_env",
+                           sql.replace("SELECT score", "SELECT error, score")))
+    zero = fates[Fate.SCORE_ZERO.value]
+    if judged >= MIN_ROWS and _share(zero, judged) >= 0.5:
+        out.append(Finding("judge_zero", False, f"{zero} of {judged} judged turns scored 0 and were dropped",
+                           "the judge's votes tie or it answers 0: no reward signal",
+                           "more votes ([prm] judge_samples), a better judge model, or a reward hook", sql))
+    return out
+
+
+def _top_outputs(con: duckdb.DuckDBPyConnection, chash: str, k: int = 2) -> str:
+    outputs = Counter()
+    for (raw,) in con.sql("SELECT raw_outputs FROM judgments WHERE judge_config_hash = $h LIMIT 200",
+                          params={"h": chash}).fetchall():
+        outputs.update(str(o).strip()[:60] for o in json.loads(raw or "[]"))
+    return "; ".join(f"{text!r} x{n}" for text, n in outputs.most_common(k)) or "(none recorded)"
+
+
+def _hints(con: duckdb.DuckDBPyConnection, chash: str, method: str) -> Finding:
+    h = _one(con, """SELECT count(*) FILTER (WHERE hint_asked) AS asked,
+                            count(*) FILTER (WHERE hint_asked AND has_hint) AS usable
+                     FROM turn_outcomes WHERE judge_config_hash = $h""", h=chash)
+    summary = f"{h['usable']} usable hints of {h['asked']} asked"
+    if method == Method.GRPO.value:
+        return Finding("hints", True, summary + " (grpo uses none)")
+    sql = f"SELECT fate, has_hint, score, detail FROM turn_outcomes WHERE judge_config_hash = '{chash}' AND hint_asked"
+    # OPD trains only on hinted turns; combine learns from the score too, so only no hints at all is a fault
+    floor = 0.2 if method == Method.OPD.value else 1e-9
+    if h["asked"] >= MIN_ROWS and _share(h["usable"], h["asked"]) < floor:
+        return Finding("hints", False, summary + f" ({_share(h['usable'], h['asked']):.0%} accepted)",
+                       "the hint model writes no usable hindsight hint, so on-policy distillation gets no "
+                       "teacher signal"
+                       + (" and its turns are dropped (no_hint)" if method == Method.OPD.value else ""),
+                       "a stronger hint model (the judge's, [prm] backend), more [opd] hint_samples, or "
+                       "advantage_estimator = grpo / combine, which learn from the score alone", sql)
+    return Finding("hints", True, summary)
+
+
+def _staleness(fates: dict[str, int]) -> Finding:
+    stale, judged = fates[Fate.TOO_STALE.value], sum(fates.values())
+    summary = f"{stale} of {judged} judged turns too stale to train on"
+    if judged >= MIN_ROWS and _share(stale, judged) >= 0.2:
+        return Finding("staleness", False, summary, "samples wait so long that the policy moved on by more than "
+                       "[ppo] max_staleness versions", "raise [ppo] max_staleness, or a smaller rollout_batch_size "
+                       "so steps come sooner", "SELECT * FROM turn_outcomes WHERE fate = 'too_stale'")
+    return Finding("staleness", True, summary)
+
+
+def _signal(con: duckdb.DuckDBPyConnection, method: str) -> Finding:
+    rows = con.sql("""SELECT b.batch_id, count(DISTINCT s.reward) AS rewards, bool_or(s.has_teacher) AS teacher
+                      FROM batches b, unnest(b.sample_ids) AS u(sample_id) JOIN samples s USING (sample_id)
+                      GROUP BY b.batch_id""").fetchall()
+    flat = [b for b, rewards, teacher in rows if rewards <= 1 and not teacher]
+    summary = f"{len(flat)} of {len(rows)} batches had one reward for every sample and no teacher term"
+    if rows and _share(len(flat), len(rows)) >= 0.5:
+        return Finding("signal", False, summary,
+                       "when every reward in a batch is the same and no teacher term is present, the advantage "
+                       "is constant" + (" (zero after the group baseline)" if method == Method.GRPO.value else "")
+                       + ": the step pushes every token the same way and learns nothing about which answer was better",
+                       "a judge that tells answers apart, bigger batches, or combine / on_policy_distillation",
+                       "SELECT b.batch_id, list(DISTINCT s.reward) FROM batches b, unnest(b.sample_ids) AS "
+                       "u(sample_id) JOIN samples s USING (sample_id) GROUP BY b.batch_id")
+    return Finding("signal", True, summary)
+
+
+def _training(checkpoints: Path | None) -> Finding:
+    steps = [read_step_result(d).metrics for _, d in reversed(complete_checkpoints(checkpoints))] \
+        if checkpoints is not None and Path(checkpoints).is_dir() else []
+    kls = [m["kl"] for m in steps if "kl" in m]
+    summary = f"{len(steps)} training steps" + (f", KL to the reference {kls[0]:.3g} -> {kls[-1]:.3g}" if kls else "")
+    if len(kls) >= 3 and (kls[-1] > 1.0 or kls[-1] > 10 * max(statistics.median(kls), 1e-3)):
+        return Finding("training", False, summary, "the policy is running away from its reference: the KL grew "
+                       "more than tenfold (or past 1 nat a token)", "lower [ppo] lr or raise [ppo] kl_coef",
+                       "clawrl lineage VERSION (each step's metrics), or the MLflow runs of experiment clawrl")
+    return Finding("training", True, summary)
+
+
+def _serving(con: duckdb.DuckDBPyConnection) -> Finding:
+    from clawrl.storage.queries import sync_state
+
+    st = sync_state(con)
+    serving = st["last_seen_serving"] or "the initial weights"
+    summary = (f"newest checkpoint v{st['latest_checkpoint']}, serving {serving}; "
+               f"{st['failures']} of {st['attempts']} syncs failed")
+    sql = "SELECT weight_version, ok, error, serving_version, created_at FROM syncs ORDER BY created_at DESC"
+    if st["latest_checkpoint"] and not st["attempts"]:
+        return Finding("serving", False, summary, "checkpoints were trained but never pushed to the engine: users "
+                       "are still served the initial weights", "`clawrl sync`, or run training through the "
+                       "train flow (`clawrl up` / `clawrl train`), which syncs after each step", sql)
+    if st["waiting"] and st["last"] is not None and not st["last"]["ok"]:
+        return Finding("serving", False, summary + f"; versions {', '.join(st['waiting'])} not served",
+                       f"the last sync failed: {(st['last']['error'] or '')[:200]}",
+                       "fix the engine side (is it up, can it read the checkpoint path?), then `clawrl sync`", sql)
+    return Finding("serving", True, summary)
+
+
+def learning_by_version(con: duckdb.DuckDBPyConnection, chash: str) -> list[dict[str, Any]]:
+    """The ``learning_by_version`` rows of one judge config, oldest version first."""
+    return con.sql("SELECT * EXCLUDE (judge_config_hash) FROM learning_by_version WHERE judge_config_hash = $h",
+                   params={"h": chash}).to_arrow_table().to_pylist()
+
+
+def learning_verdict(rows: list[dict[str, Any]]) -> str:
+    """One sentence on the per-version scores: the first and the newest version with enough turns."""
+    enough = [r for r in rows if r["n"] >= MIN_ROWS]
+    if len(enough) < 2:
+        return "not enough judged live turns on two weight versions to tell whether the served model improves"
+    a, b = enough[0], enough[-1]
+    change = "improved" if b["ci_low"] > a["ci_high"] else ("got worse" if b["ci_high"] < a["ci_low"] else
+                                                          "changed within the noise")
+    return (f"the judged score of live turns {change}: {a['mean_score']:+.2f} on version {a['weight_version']} "
+            f"(n={a['n']}) -> {b['mean_score']:+.2f} on version {b['weight_version']} (n={b['n']})")

@@ -1,0 +1,180 @@
+"""`clawrl doctor` on runs broken in the ways users meet, written as the tables those runs leave (the
+records the gateway, the judge flow, the trainer and sync write), and on a healthy one."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from clawrl.doctor import diagnose, learning_by_version, learning_verdict
+from clawrl.records import (
+    BatchRecord,
+    CheckpointRecord,
+    FateRecord,
+    JudgeVerdict,
+    NextStateRecord,
+    SampleRecord,
+    SyncRecord,
+    TurnRecord,
+)
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.writer import DataStore
+
+H = "judgehash"
+T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def turn(i: int, session: str, index: int, version: str = "0", turn_type: str = "main") -> TurnRecord:
+    at = T0 + timedelta(seconds=i)
+    return TurnRecord(turn_id=f"t{i}", session_id=session, turn_index=index, turn_type=turn_type, namespace="open",
+                      model="m", weight_version=version, request_messages="[]", request_tools=None,
+                      request_params="{}", prompt_ids=[1, 2], output_ids=[3], rollout_logprobs=[-0.5], text="ok",
+                      tool_calls=None, finish_reason="stop", created_at=at, completed_at=at, latency_ms=1.0)
+
+
+def verdict(i: int, score: int, votes, raw, *, hint: str | None = None, hint_raw: str | None = None) -> JudgeVerdict:
+    return JudgeVerdict(f"t{i}", H, "engine", score, "majority" if any(v is not None for v in votes) else "all_failed",
+                        list(votes), json.dumps(raw), hint=hint, hint_raw_outputs=hint_raw)
+
+
+def write(root, records) -> None:
+    with DataStore(root, background=False) as store:
+        store.append(records)
+        store.flush()
+
+
+def findings(root, method: str = "grpo", checkpoints=None) -> dict:
+    with open_catalog(root) as con:
+        return {f.name: f for f in diagnose(con, H, method=method, checkpoints=checkpoints)}
+
+
+def failing(found: dict) -> list[str]:
+    return [name for name, f in found.items() if not f.ok]
+
+
+def test_a_client_that_starts_a_new_session_with_every_request(tmp_path):
+    """No session id and no history: every turn is alone in its session and never gets a next state."""
+    recs = []
+    for i in range(12):
+        recs += [turn(i, f"derived-{i}", 0), NextStateRecord(f"t{i}", f"derived-{i}", 0, False, None, "idle_timeout"),
+                 FateRecord(f"t{i}", f"derived-{i}", H, "no_next_state", "idle_timeout")]
+    write(tmp_path, recs)
+    found = findings(tmp_path)
+    assert failing(found) == ["next_states"]
+    f = found["next_states"]
+    assert f.summary == ("12 of 12 judged main turns got no next state, 0 of them before the last turn of their "
+                         "session; 12 of 12 sessions have one turn")
+    assert "every request starts a new session" in f.cause
+    assert "X-Session-Id" in f.fix and "prompt_cache_key" in f.fix and "turn_outcomes" in f.sql
+    with open_catalog(tmp_path) as con:  # the query it points to runs and shows the 12 lonely sessions
+        assert len(con.sql(f.sql).fetchall()) == 12
+
+
+def test_a_judge_that_never_writes_a_boxed_score(tmp_path):
+    recs = []
+    for i in range(10):
+        s = f"s{i // 2}"
+        recs += [turn(i, s, i % 2), NextStateRecord(f"t{i}", s, i % 2, True, "[]", "next_request"),
+                 verdict(i, 0, [None, None, None], ["The reply is helpful and friendly."] * 2 + ["Score: good"]),
+                 FateRecord(f"t{i}", s, H, "score_zero", "score 0 (all_failed)")]
+    write(tmp_path, recs)
+    found = findings(tmp_path)
+    assert failing(found) == ["judge_votes", "judge_zero"]
+    votes = found["judge_votes"]
+    assert votes.summary.startswith("30 of 30 judge votes unparseable (100%) over 10 verdicts; most common outputs: "
+                                    "'The reply is helpful and friendly.' x20; 'Score: good' x10")
+    assert "\\boxed{1}" in votes.cause and "[prm] backend" in votes.fix
+    assert found["judge_zero"].summary == "10 of 10 judged turns scored 0 and were dropped"
+
+
+@pytest.mark.parametrize("method,fate", [("on_policy_distillation", "no_hint"), ("combine", "sample")])
+def test_a_model_that_never_writes_a_usable_hint(tmp_path, method, fate):
+    recs = []
+    for i in range(8):
+        s = f"s{i // 2}"
+        recs += [turn(i, s, i % 2), NextStateRecord(f"t{i}", s, i % 2, True, "[]", "next_request"),
+                 verdict(i, -1, [-1, -1, -1], ["\\boxed{-1}"] * 3, hint_raw=json.dumps(["I cannot help."])),
+                 FateRecord(f"t{i}", s, H, fate, "")]
+    write(tmp_path, recs)
+    found = findings(tmp_path, method)
+    assert failing(found) == ["hints"]
+    assert found["hints"].summary == "0 usable hints of 8 asked (0% accepted)"
+    assert "no usable hindsight hint" in found["hints"].cause
+    assert ("dropped (no_hint)" in found["hints"].cause) == (method == "on_policy_distillation")
+
+
+def test_trained_but_never_synced_and_a_failing_sync_are_stale_serving(tmp_path):
+    write(tmp_path, [turn(0, "s", 0), CheckpointRecord("1", 1, "b1", "0", "/c/v000001", "ab", None),
+                     CheckpointRecord("2", 2, "b2", "1", "/c/v000002", "cd", None)])
+    serving = findings(tmp_path)["serving"]
+    assert not serving.ok and "never pushed to the engine" in serving.cause
+    write(tmp_path, [SyncRecord("y1", "1", "http://e", True, False, None, "1", "/c/v000001", None, T0, 0.5,
+                                created_at=T0 + timedelta(seconds=1)),
+                     SyncRecord("y2", "2", "http://e", False, False, "engine refused: out of memory", "1",
+                                "/c/v000002", None, T0 + timedelta(seconds=5), 0.5,
+                                created_at=T0 + timedelta(seconds=6))])
+    serving = findings(tmp_path)["serving"]
+    assert not serving.ok and serving.summary.endswith("versions 2 not served")
+    assert serving.cause == "the last sync failed: engine refused: out of memory"
+
+
+def test_batches_whose_rewards_are_all_equal_carry_no_signal(tmp_path):
+    recs = []
+    for b in range(2):
+        ids = [f"x{b}{k}" for k in range(4)]
+        recs += [SampleRecord(sid, "t", "s", H, "grpo", [1], [2], [-0.5], 1.0, False, None, "0") for sid in ids]
+        recs.append(BatchRecord(f"b{b}", b, ids, ["s"], "grpo", "c", str(b)))
+    write(tmp_path, recs)
+    signal = findings(tmp_path)["signal"]
+    assert not signal.ok and signal.summary == "2 of 2 batches had one reward for every sample and no teacher term"
+
+
+def test_a_healthy_run_reports_learning_per_version(tmp_path):
+    """Two sessions a version, the first version judged mostly -1, the third mostly +1."""
+    recs, i = [], 0
+    for version, scores in (("0", [-1, -1, -1, 1, -1, -1]), ("1", [-1, 1, 1, -1, 1, -1]), ("2", [1, 1, 1, 1, -1, 1])):
+        for k, score in enumerate(scores):
+            s = f"s{version}-{k // 3}"
+            recs += [turn(i, s, k % 3, version), NextStateRecord(f"t{i}", s, k % 3, True, "[]", "next_request"),
+                     verdict(i, score, [score] * 3, [f"\\boxed{{{score}}}"] * 3),
+                     FateRecord(f"t{i}", s, H, "sample", f"reward {score:+d}")]
+            i += 1
+    write(tmp_path, recs)
+    assert failing(findings(tmp_path)) == []
+    with open_catalog(tmp_path) as con:
+        rows = learning_by_version(con, H)
+    assert [(r["weight_version"], r["n"]) for r in rows] == [("0", 6), ("1", 6), ("2", 6)]
+    first, last = rows[0], rows[-1]
+    assert first["mean_score"] == pytest.approx(-4 / 6) and last["mean_score"] == pytest.approx(4 / 6)
+    # five -1 and one +1: squared deviations 5 * (1/3)^2 + (5/3)^2 = 10/3, sample variance 2/3,
+    # std 0.8165; half-width 1.96 * 0.8165 / sqrt(6) = 0.6533
+    assert first["ci_high"] == pytest.approx(-4 / 6 + 0.6533, abs=1e-4)
+    assert learning_verdict(rows) == ("the judged score of live turns improved: -0.67 on version 0 (n=6) -> "
+                                      "+0.67 on version 2 (n=6)")
+    assert learning_verdict(rows[:1]).startswith("not enough judged live turns")
+
+
+def test_doctor_command_prints_the_cause_and_fix_and_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from clawrl.cli import app
+
+    recs = []
+    for i in range(6):
+        recs += [turn(i, f"d{i}", 0), FateRecord(f"t{i}", f"d{i}", H, "no_next_state", "idle_timeout")]
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)}
+    from clawrl.config import load_settings
+    from clawrl.judge.runner import build_judge_config_hash
+
+    chash = build_judge_config_hash(load_settings(env=env))
+    write(tmp_path, [r if not isinstance(r, FateRecord) else FateRecord(r.turn_id, r.session_id, chash, r.fate,
+                                                                        r.detail) for r in recs])
+    out = CliRunner().invoke(app, ["doctor"], env=env)
+    assert out.exit_code == 0, out.output
+    assert f"clawrl doctor (judge config {chash}): 1 problem found" in out.output
+    assert "FAIL next_states:" in out.output and "fix: send a stable session id" in out.output
+    report = json.loads(CliRunner().invoke(app, ["doctor", "--json"], env=env).output)
+    assert [f["name"] for f in report["findings"] if not f["ok"]] == ["next_states"]
+    assert report["learning_by_version"] == [] and report["learning"].startswith("not enough")
