@@ -78,10 +78,9 @@ def _traffic(con: duckdb.DuckDBPyConnection) -> Finding:
     if c["turns"] == 0:
         return Finding("traffic", False, summary, "nothing reached the gateway's chat completions",
                        "point the agent's OpenAI base_url at the gateway (`clawrl serve`, /v1)", sql)
-    side = c["turns"] - c["main"]
-    if c["main"] == 0 or _share(side, c["turns"]) >= 0.9:
-        return Finding("traffic", False, summary + f" ({_share(side, c['turns']):.0%} side)",
-                       "(nearly) every turn is a side turn, which is served and logged but never trained on: the "
+    if c["main"] == 0:  # side turns beside main ones are normal: heartbeats, an agent's maintenance calls
+        return Finding("traffic", False, summary,
+                       "every turn is a side turn, which is served and logged but never trained on: the "
                        "client marks them (X-Turn-Type: side), they match [server] side_turn_patterns (an agent's "
                        "maintenance calls), or they add no new user or tool message",
                        "send X-Turn-Type: main for the turns to learn from, or narrow [server] side_turn_patterns",

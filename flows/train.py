@@ -12,6 +12,8 @@ Exactly once, with a crash allowed between any two tasks:
 5. ``sync_weights`` pushes the version to the serving engine (``clawrl.sync``); every attempt is a
    ``syncs`` row and a point on the step's MLflow run; after a failed one the next step's sync, or
    ``clawrl sync``, pushes the newest checkpoint again.
+6. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
+   problem it finds as a warning (a report: it never fails the step).
 
 "One training step at a time" is Prefect's global concurrency limit ``trainer`` (limit 1), not a
 lock in code. The trainer is the one in this process (``clawrl train``, ``clawrl demo``) or a
@@ -21,6 +23,7 @@ trainer service at ``trainer_url`` (``clawrl up``).
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import asdict
 from typing import Any
 
@@ -34,7 +37,8 @@ from clawrl.flows.common import (data_store, load_flow_settings, local_trainer, 
                                  trainer_in_process)
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
-from clawrl.lineage import log_train_step
+from clawrl.doctor import diagnose, learning_by_version, learning_verdict
+from clawrl.lineage import log_doctor, log_train_step
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
 from clawrl.sync import sync_checkpoint
@@ -108,6 +112,29 @@ def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str 
             "weight_version": rep.weight_version, "seconds": rep.seconds}
 
 
+@task(cache_policy=NO_CACHE)
+def log_doctor_report(config_path: str | None, step: dict[str, Any], run_id: str) -> int:
+    """``clawrl doctor`` after the step, on the step's MLflow run (the problems found; never fails the step)."""
+    s = load_flow_settings(config_path)
+    chash = build_judge_config_hash(s)
+    try:
+        with open_catalog(s.storage.data_root) as con:
+            findings = diagnose(con, chash, method=s.ppo.advantage_estimator.value,
+                                checkpoints=s.storage.data_root / "checkpoints")
+            versions = learning_by_version(con, chash)
+        report = {"judge_config_hash": chash, "findings": [f.as_dict() for f in findings],
+                  "learning_by_version": versions, "learning": learning_verdict(versions)}
+        report = json.loads(json.dumps(report, default=str))  # MLflow's log_dict takes JSON values
+        log_doctor(s.storage.data_root, run_id, step=int(step["step"]), report=report)
+    except Exception as e:  # a report, not part of training: say so and go on
+        get_run_logger().warning("clawrl doctor after step %s failed: %s: %s", step["step"], type(e).__name__, e)
+        return -1
+    problems = [f for f in findings if not f.ok]
+    for f in problems:
+        get_run_logger().warning("doctor: %s: %s; cause: %s; fix: %s", f.name, f.summary, f.cause, f.fix)
+    return len(problems)
+
+
 def ensure_trainer_limit() -> None:
     """The global concurrency limit `trainer` (1 slot), created if this Prefect server lacks it."""
     from prefect.client.orchestration import get_client
@@ -139,6 +166,7 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
             _crash_point("recorded")
             synced = sync_weights(config_path, step, engine_url, run_id)
             _crash_point("synced")
+            log_doctor_report(config_path, step, run_id)
         m = step["metrics"]
         log.info("step %d (batch %s): loss %.4f, reward %.3f, kl %.5f -> version %s (sync: %s)", step["step"],
                  batch_id, m.get("loss", float("nan")), m.get("reward_mean", float("nan")), m.get("kl", 0.0),

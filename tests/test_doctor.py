@@ -178,3 +178,13 @@ def test_doctor_command_prints_the_cause_and_fix_and_json(tmp_path):
     report = json.loads(CliRunner().invoke(app, ["doctor", "--json"], env=env).output)
     assert [f["name"] for f in report["findings"] if not f["ok"]] == ["next_states"]
     assert report["learning_by_version"] == [] and report["learning"].startswith("not enough")
+
+
+def test_traffic_fails_on_no_turns_and_on_side_turns_only(tmp_path):
+    assert findings(tmp_path / "empty")["traffic"].cause == "nothing reached the gateway's chat completions"
+    write(tmp_path, [turn(i, "s", i, turn_type="side") for i in range(4)])
+    traffic = findings(tmp_path)["traffic"]
+    assert not traffic.ok and traffic.summary == "4 turns logged, 0 main, 4 side, in 1 sessions"
+    assert "X-Turn-Type: main" in traffic.fix
+    write(tmp_path, [turn(9, "s", 9)])  # one main turn beside them: side turns are normal
+    assert findings(tmp_path)["traffic"].ok

@@ -1,8 +1,10 @@
 """The closed loop on CPU with the tiny model and rollout_batch_size = 2: gateway -> judge -> train
 -> sync -> the gateway serves weight_version 1; MLflow traces the version back to the turns."""
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -98,6 +100,12 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     run = mlflow_client(s.storage.data_root).get_run(mv.run_id)
     assert run.data.params["method"] == "combine" and float(run.data.params["lr"]) == 1e-3
     assert {"loss", "kl", "entropy", "clip_frac"} <= set(run.data.metrics)
+    # clawrl doctor's report after the step: one metric per finding, and the report itself
+    assert run.data.metrics["doctor_ok_traffic"] == 1.0 and run.data.metrics["doctor_ok_serving"] == 1.0
+    assert run.data.metrics["doctor_problems"] == sum(v == 0.0 for k, v in run.data.metrics.items()
+                                                      if k.startswith("doctor_ok_"))
+    report = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "doctor.json").read_text())
+    assert [f["name"] for f in report["findings"]][:2] == ["traffic", "next_states"]
     [ds] = run.inputs.dataset_inputs
     assert ds.dataset.name == f"batch-{ck['batch_id']}"
     # clawrl lineage prints the chain down to the sessions
