@@ -4,6 +4,7 @@ records the gateway, the judge flow, the trainer and sync write), and on a healt
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -188,3 +189,24 @@ def test_traffic_fails_on_no_turns_and_on_side_turns_only(tmp_path):
     assert "X-Turn-Type: main" in traffic.fix
     write(tmp_path, [turn(9, "s", 9)])  # one main turn beside them: side turns are normal
     assert findings(tmp_path)["traffic"].ok
+
+
+def test_status_shows_the_live_score_of_the_last_versions(tmp_path):
+    from typer.testing import CliRunner
+
+    from clawrl.cli import app
+    from clawrl.config import load_settings
+    from clawrl.judge.runner import build_judge_config_hash
+
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)}
+    chash = build_judge_config_hash(load_settings(env=env))
+    recs = []
+    for i, (version, score) in enumerate([("0", -1), ("0", 1), ("1", 1), ("2", 1), ("3", -1), ("3", 1)]):
+        recs += [turn(i, f"s{i}", 0, version),
+                 JudgeVerdict(f"t{i}", chash, "rule", score, "majority", [score], "[]"),
+                 FateRecord(f"t{i}", f"s{i}", chash, "sample", "")]
+    write(tmp_path, recs)
+    out = CliRunner().invoke(app, ["status"], env=env)
+    assert out.exit_code == 0, out.output
+    flat = re.sub(r"[│\s]+", " ", out.output)  # the table wraps to the console's width
+    assert "live judged score by version v1 +1.00 (n=1), v2 +1.00 (n=1), v3 +0.00 (n=2)" in flat

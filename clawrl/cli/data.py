@@ -63,12 +63,14 @@ def status(config: ConfigOpt = None) -> None:
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
+    from clawrl.doctor import learning_by_version
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
         c = pending_counts(con, chash, s.ppo.rollout_batch_size)
         latest = find_checkpoint(con)
         st = sync_state(con)
+        versions = learning_by_version(con, chash)[-3:]
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -85,6 +87,9 @@ def status(config: ConfigOpt = None) -> None:
     if latest:
         rows.append(("latest checkpoint", f"weight_version {latest['weight_version']} (step {latest['step']})"))
     rows += [(f"  excluded: {fate}", n) for fate, n in sorted(c["fates"].items()) if fate != "sample"]
+    if versions:  # learning as users see it (clawrl doctor has the rest)
+        rows.append(("live judged score by version", ", ".join(f"v{r['weight_version']} {r['mean_score']:+.2f} "
+                                                               f"(n={r['n']})" for r in versions)))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
