@@ -253,3 +253,33 @@ def learning_verdict(rows: list[dict[str, Any]]) -> str:
                                                           "changed within the noise")
     return (f"the judged score of live turns {change}: {a['mean_score']:+.2f} on version {a['weight_version']} "
             f"(n={a['n']}) -> {b['mean_score']:+.2f} on version {b['weight_version']} (n={b['n']})")
+
+
+def plot_learning_by_version(rows: list[dict[str, Any]], out: Path) -> Path:
+    """The ``learning_by_version`` rows as a PNG: the mean judged score per weight version with its
+    95% interval, and the number of judged turns under it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(rows)))
+    fig, (ax, ax_n) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    mean = [r["mean_score"] for r in rows]
+    ax.errorbar(x, mean, yerr=[[m - r["ci_low"] for m, r in zip(mean, rows)],
+                               [r["ci_high"] - m for m, r in zip(mean, rows)]], fmt="o-", capsize=3)
+    ax.axhline(0, color="gray", linewidth=1)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_ylabel("judged score of live turns")
+    ax.set_title("learning by weight version (mean, 95% interval)")
+    ax.grid(alpha=0.3)
+    ax_n.bar(x, [r["n"] for r in rows], color="tab:gray")
+    ax_n.set_ylabel("judged turns")
+    ax_n.set_xticks(x, [str(r["weight_version"]) for r in rows])
+    ax_n.set_xlabel("weight version that served the turn")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -125,15 +125,18 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
         c.delete_tag(run_id, "sync_error")
 
 
-def log_doctor(data_root: Path, run_id: str, *, step: int, report: dict[str, Any]) -> None:
+def log_doctor(data_root: Path, run_id: str, *, step: int, report: dict[str, Any], png: Path | None = None) -> None:
     """``clawrl doctor``'s report on the run of the step it was made after: metrics
-    ``doctor_problems`` and ``doctor_ok_<finding>`` (1/0) at ``step``, and ``doctor.json``."""
+    ``doctor_problems`` and ``doctor_ok_<finding>`` (1/0) at ``step``, ``doctor.json``, and the
+    per-version plot ``png``."""
     c = client(data_root)
     findings = report["findings"]
     metrics = [_metric("doctor_problems", sum(not f["ok"] for f in findings), step)]
     metrics += [_metric(f"doctor_ok_{f['name']}", f["ok"], step) for f in findings]
     c.log_batch(run_id, metrics=metrics)
     c.log_dict(run_id, report, "doctor.json")
+    if png is not None:
+        c.log_artifact(run_id, str(png))
 
 
 def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any],

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -37,7 +39,7 @@ from clawrl.flows.common import (data_store, load_flow_settings, local_trainer, 
                                  trainer_in_process)
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
-from clawrl.doctor import diagnose, learning_by_version, learning_verdict
+from clawrl.doctor import diagnose, learning_by_version, learning_verdict, plot_learning_by_version
 from clawrl.lineage import log_doctor, log_train_step
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
@@ -125,7 +127,9 @@ def log_doctor_report(config_path: str | None, step: dict[str, Any], run_id: str
         report = {"judge_config_hash": chash, "findings": [f.as_dict() for f in findings],
                   "learning_by_version": versions, "learning": learning_verdict(versions)}
         report = json.loads(json.dumps(report, default=str))  # MLflow's log_dict takes JSON values
-        log_doctor(s.storage.data_root, run_id, step=int(step["step"]), report=report)
+        with tempfile.TemporaryDirectory() as tmp:
+            png = plot_learning_by_version(versions, Path(tmp) / "learning_by_version.png") if versions else None
+            log_doctor(s.storage.data_root, run_id, step=int(step["step"]), report=report, png=png)
     except Exception as e:  # a report, not part of training: say so and go on
         get_run_logger().warning("clawrl doctor after step %s failed: %s: %s", step["step"], type(e).__name__, e)
         return -1

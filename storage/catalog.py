@@ -48,7 +48,7 @@ VIEWS: dict[str, str] = {("judgments" if t == "verdicts" else t): t for t in TAB
 # Views over the table views, for ``clawrl doctor`` and anyone's SQL. turn_outcomes: one row per
 # (turn, judge config), the turn's newest fate with what the turn and its verdict say;
 # learning_by_version: the judged score of live main turns by the weight version that served them
-# (n, mean, a normal 95% interval), per judge config.
+# (n, mean, a normal 95% interval clipped to the scores' range -1..1), per judge config.
 DERIVED_VIEWS: dict[str, str] = {
     "turn_outcomes": """
         WITH f AS (SELECT * EXCLUDE (date) FROM turn_fate
@@ -63,8 +63,8 @@ DERIVED_VIEWS: dict[str, str] = {
         SELECT judge_config_hash, weight_version,
                try_cast(regexp_extract(weight_version, '(\\d+)$', 1) AS BIGINT) AS version_number,
                count(*) AS n, avg(score) AS mean_score,
-               avg(score) - 1.96 * coalesce(stddev_samp(score), 0) / sqrt(count(*)) AS ci_low,
-               avg(score) + 1.96 * coalesce(stddev_samp(score), 0) / sqrt(count(*)) AS ci_high
+               greatest(-1, avg(score) - 1.96 * coalesce(stddev_samp(score), 0) / sqrt(count(*))) AS ci_low,
+               least(1, avg(score) + 1.96 * coalesce(stddev_samp(score), 0) / sqrt(count(*))) AS ci_high
         FROM turn_outcomes WHERE turn_type = 'main' AND score IS NOT NULL AND judge_error IS NULL
         GROUP BY ALL ORDER BY judge_config_hash, version_number, weight_version""",
 }

@@ -155,6 +155,11 @@ def test_a_healthy_run_reports_learning_per_version(tmp_path):
     assert learning_verdict(rows) == ("the judged score of live turns improved: -0.67 on version 0 (n=6) -> "
                                       "+0.67 on version 2 (n=6)")
     assert learning_verdict(rows[:1]).startswith("not enough judged live turns")
+    assert rows[2]["ci_high"] == 1.0  # five +1 and one -1: the interval is clipped to the scores' range
+    from clawrl.doctor import plot_learning_by_version
+
+    png = plot_learning_by_version(rows, tmp_path / "plot" / "lbv.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_doctor_command_prints_the_cause_and_fix_and_json(tmp_path):

@@ -114,6 +114,7 @@ def status(config: ConfigOpt = None) -> None:
 @app.command("doctor")
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="The findings and the per-version scores as JSON.")] = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the per-version scores into this PNG.")] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Why the run is or is not learning: each stage from logged turns to served weights checked,
@@ -121,7 +122,7 @@ def doctor(
     import json
 
     s = settings_or_exit(config)
-    from clawrl.doctor import diagnose, learning_by_version, learning_verdict
+    from clawrl.doctor import diagnose, learning_by_version, learning_verdict, plot_learning_by_version
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
 
@@ -131,6 +132,8 @@ def doctor(
                             checkpoints=s.storage.data_root / "checkpoints")
         versions = learning_by_version(con, chash)
     verdict = learning_verdict(versions)
+    if plot is not None:
+        plot_learning_by_version(versions, plot)
     if as_json:
         typer.echo(json.dumps({"judge_config_hash": chash, "findings": [f.as_dict() for f in findings],
                                "learning_by_version": versions, "learning": verdict}, default=str))
@@ -152,6 +155,8 @@ def doctor(
                   f"{r['ci_low']:+.3f} .. {r['ci_high']:+.3f}")
     console.print(t)
     console.print(f"learning: {verdict}", markup=False, highlight=False, soft_wrap=True)
+    if plot is not None:
+        console.print(f"wrote {plot}", markup=False)
 
 
 @app.command("lineage")
