@@ -211,10 +211,10 @@ class OPDSettings(_Section):
 
 
 class StorageSettings(_Section):
-    data_root: AbsPath = Field(Path("~/.clawrl"), description="Where turns, samples, checkpoints and the model "
-                                                              "cache live.")
-    model_cache: AbsPath | None = Field(
-        None, description="Converted/built models (default: <data_root>/models). Share it between data roots.")
+    data_root: AbsPath = Field(Path("~/.clawrl"), description="Where turns, samples, checkpoints, models live.")
+    model_cache: AbsPath | None = Field(None, description="Built/converted models (default: <data_root>/models).")
+    mlflow_ui_url: Url = Field("http://127.0.0.1:5000", description="The MLflow UI over this data root's store "
+                               "(`clawrl up` serves it): train runs in Prefect link to their MLflow run there.")
 
     @property
     def models_dir(self) -> Path:

@@ -31,16 +31,34 @@ def client(data_root: Path):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+# the MLflow UI opens an experiment of this kind in its model-training view (runs, metrics, models),
+# not the GenAI view that it infers for experiments without the tag
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def experiment_id(c, data_root: Path, name: str = EXPERIMENT) -> str:
     exp = c.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    artifacts = Path(data_root) / "mlflow" / "artifacts"
-    artifacts.mkdir(parents=True, exist_ok=True)
-    try:
-        return c.create_experiment(name, artifact_location=artifacts.as_uri())
-    except Exception:  # created concurrently by another process
-        return c.get_experiment_by_name(name).experiment_id
+    if exp is None:
+        artifacts = Path(data_root) / "mlflow" / "artifacts"
+        artifacts.mkdir(parents=True, exist_ok=True)
+        try:
+            c.create_experiment(name, artifact_location=artifacts.as_uri(), tags=dict([EXPERIMENT_KIND]))
+        except Exception:  # created concurrently by another process
+            pass
+        exp = c.get_experiment_by_name(name)
+    if exp.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:  # made before the tag was set
+        c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def ui_links(data_root: Path, run_id: str, base_url: str) -> dict[str, str]:
+    """URLs of a train step's MLflow run and of its model version in the MLflow UI at ``base_url``."""
+    c = client(data_root)
+    run = c.get_run(run_id)
+    links = {"mlflow_run": f"{base_url}/#/experiments/{run.info.experiment_id}/runs/{run_id}"}
+    for mv in c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):
+        links["model_version"] = f"{base_url}/#/models/{REGISTERED_MODEL}/versions/{mv.version}"
+    return links
 
 
 def _ensure_registered_model(c, name: str, description: str) -> None:

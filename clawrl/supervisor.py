@@ -114,6 +114,16 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     ]
 
 
+def _mlflow_ui_url(settings, mlflow_port: int) -> str:
+    """Where the flows' Prefect pages link MLflow runs: the UI this command starts, unless the config
+    names another (a proxy in front of it)."""
+    from clawrl.config import StorageSettings
+
+    configured = settings.storage.mlflow_ui_url
+    return configured if configured != StorageSettings.model_fields["mlflow_ui_url"].default else \
+        f"http://127.0.0.1:{mlflow_port}"
+
+
 def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
            trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0, echo=print) -> None:
     """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
@@ -121,7 +131,8 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     root = Path(settings.storage.data_root)
     (root / "mlflow").mkdir(parents=True, exist_ok=True)
     base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
-                         MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}")
+                         MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
+                         CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port))
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
                     trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s)
     stopping = False

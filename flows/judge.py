@@ -12,6 +12,7 @@ event ``clawrl.samples.ready`` that the train deployment listens to.
 from __future__ import annotations
 
 from collections import Counter
+from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -95,7 +96,11 @@ def count_pending(config_path: str | None, judge_config_hash: str) -> dict[str, 
         return pending_counts(con, judge_config_hash, s.ppo.rollout_batch_size)
 
 
-@flow(name="judge", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
+def _judge_run_name() -> str:
+    return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+
+
+@flow(name="judge", flow_run_name=_judge_run_name, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
 def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``)."""
     log = get_run_logger()

@@ -7,7 +7,9 @@ Exactly once, with a crash allowed between any two tasks:
    first resumes a claimed batch that has no checkpoint yet, so no sample is lost or taken twice.
 2. ``run_step`` asks the long-lived trainer to train on the batch; the trainer is idempotent per
    batch id (it returns the stored result for a batch it already applied).
-3. ``log_lineage`` creates the MLflow run and model version, idempotent by batch id.
+3. ``log_lineage`` creates the MLflow run and model version, idempotent by batch id, tagged with
+   this flow run's id and URL; ``link_step`` links them back from this flow run (a markdown
+   artifact) and names the flow run for the version it made (``train-v16``).
 4. ``record_checkpoint`` appends the ``checkpoints`` row once per weight version.
 5. ``sync_weights`` pushes the version to the serving engine (``clawrl.sync``); every attempt is a
    ``syncs`` row and a point on the step's MLflow run; after a failed one the next step's sync, or
@@ -40,7 +42,7 @@ from clawrl.flows.common import (data_store, load_flow_settings, local_trainer, 
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import diagnose, learning_by_version, learning_verdict, plot_learning_by_version
-from clawrl.lineage import log_doctor, log_train_step
+from clawrl.lineage import log_doctor, log_train_step, ui_links
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
 from clawrl.sync import sync_checkpoint
@@ -85,8 +87,42 @@ def log_lineage(config_path: str | None, step: dict[str, Any]) -> str:
     params = {**asdict(hp), "method": hp.advantage_estimator.value, "config_hash": config_hash(s),
               "batch_size": s.ppo.rollout_batch_size, "max_staleness": s.ppo.max_staleness, "backend": s.ppo.backend,
               "model": s.model.name, **hook_params(s.hooks)}
-    tags = {"judge_config_hash": build_judge_config_hash(s), "method": hp.advantage_estimator.value}
+    tags = {"judge_config_hash": build_judge_config_hash(s), "method": hp.advantage_estimator.value,
+            **prefect_tags()}
     return log_train_step(s.storage.data_root, step=step, params=params, manifest=manifest, tags=tags)
+
+
+def prefect_tags() -> dict[str, str]:
+    """The flow run this is part of (MLflow run tags: from MLflow back to Prefect)."""
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return {}
+    return {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": str(flow_run.ui_url or "")}
+
+
+@task(cache_policy=NO_CACHE)
+def link_step(config_path: str | None, step: dict[str, Any], run_id: str) -> dict[str, str]:
+    """From Prefect to MLflow: a markdown artifact on this flow run with the step's MLflow run and
+    model version, and the flow run named for the version it made (``train-v16``)."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    s = load_flow_settings(config_path)
+    links = ui_links(s.storage.data_root, run_id, s.storage.mlflow_ui_url)
+    version = step["weight_version"]
+    create_markdown_artifact(
+        key=f"train-v{version}", description=f"MLflow run and model version of weight version {version}",
+        markdown=(f"## Weight version {version} (from {step['parent_version']}, batch `{step['batch_id']}`)\n\n"
+                  f"- [MLflow run]({links['mlflow_run']}) `{run_id}`\n"
+                  + (f"- [model version]({links['model_version']}) of `clawrl-policy`\n" if "model_version" in links
+                     else "")
+                  + f"- checkpoint `{step['path']}`\n"))
+    if flow_run.id:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=f"train-v{version}")
+    return links
 
 
 @task(cache_policy=NO_CACHE)
@@ -166,6 +202,7 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
             _crash_point("trained")
             run_id = log_lineage(config_path, step)
             _crash_point("logged")
+            link_step(config_path, step, run_id)
             record_checkpoint(config_path, step, run_id)
             _crash_point("recorded")
             synced = sync_weights(config_path, step, engine_url, run_id)

@@ -2,6 +2,7 @@
 flow -> verdicts, samples and fates in storage, queryable with DuckDB and `clawrl status`."""
 
 import json
+import re
 
 import pytest
 from openai import OpenAI
@@ -78,6 +79,12 @@ def test_rerun_is_exactly_once_and_status_reports(judged):
 
     again = judge_flow(config_path=str(conf))
     assert again["judged"] == 0
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as pc:  # named for what they do, not "sandy-oyster"
+        names = [r.name for r in pc.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["judge"])))]
+    assert len(names) >= 2 and all(re.fullmatch(r"judge-\d{8}-\d{6}", n) for n in names), names
     assert q(s, "select count(*) as n from turn_fate")[0]["n"] == 5
     assert q(s, "select count(distinct sample_id) as n, count(*) as rows from samples")[0] == {"n": 2, "rows": 2}
     from clawrl.cli import app

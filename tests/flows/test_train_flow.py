@@ -109,6 +109,21 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     assert report["learning_by_version"][0]["weight_version"] == "0"  # the two judged turns v0 served
     png = Path(run.info.artifact_uri.removeprefix("file://")) / "learning_by_version.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Prefect <-> MLflow: the run names its flow run; the flow run, named for the version, links the run
+    fr_id = run.data.tags["prefect.flow_run_id"]
+    assert run.data.tags["prefect.flow_run_url"].endswith(f"/flow-run/{fr_id}")
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as pc:
+        fr = pc.read_flow_run(fr_id)
+        [art] = pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["train-v1"])))
+    assert fr.name == "train-v1" and art.flow_run_id == fr.id
+    exp_id = run.info.experiment_id
+    assert f"(http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{mv.run_id})" in art.data
+    assert f"(http://127.0.0.1:5000/#/models/clawrl-policy/versions/{mv.version})" in art.data
+    assert mlflow_client(s.storage.data_root).get_experiment(exp_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"  # the UI's model-training view
     [ds] = run.inputs.dataset_inputs
     assert ds.dataset.name == f"batch-{ck['batch_id']}"
     # clawrl lineage prints the chain down to the sessions
