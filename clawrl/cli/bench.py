@@ -1,4 +1,5 @@
-"""`clawrl bench engine|gateway|judge|train|load`: measure, print, and rewrite a section of docs/benchmarks.md."""
+"""`clawrl bench engine|gateway|judge|train|load|long-prompt|tools`: measure, print, and rewrite a
+section of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -190,3 +191,36 @@ def bench_train(
                                      seq_len=seq_len, **kw)
         sync_rows = run_sync_bench(_split(models), progress=progress, **kw)
     _write("train", format_train_section(train_rows, sync_rows), out)
+
+
+@bench_app.command("tools")
+def bench_tools(
+    versus: Annotated[Path, typer.Option(help="The checkpoint (an HF directory, e.g. <run>/checkpoints/v000016) "
+                                              "compared with the config's model.")],
+    samples: Annotated[int, typer.Option(min=1, help="Answers to each held-out task, per version.")] = 8,
+    heldout: Annotated[int, typer.Option(min=2, help="Held-out tasks: half tool tasks, half plain questions.")] = 24,
+    seed: Annotated[int, typer.Option(help="The demo's seed: which tasks are held out.")] = 0,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.")] = 64,
+    out: OutOpt = REPORT,
+    config: ConfigOpt = None,
+) -> None:
+    """The tools scenario's held-out split answered by the config's model and by VERSUS, many answers
+    each, compared per task (use the run's config, e.g. -c conf/demo-tools.toml)."""
+    from clawrl.bench.common import machine_line
+    from clawrl.bench.tools_eval import answer_rows, compare, format_section
+    from clawrl.models import resolve_device, resolve_dtype, resolve_model_dir
+
+    s = settings_or_exit(config)
+    if not (versus / "config.json").is_file():
+        fail(f"--versus {versus}: not an HF model directory (no config.json)")
+    base = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
+    answers = []
+    with _status("tools comparison") as progress:
+        for label, model_dir in (("base", base), ("versus", versus)):
+            answers.append(answer_rows(s, model_dir, samples=samples, heldout=heldout, seed=seed,
+                                       max_tokens=max_tokens))
+            progress(f"{label}: {len(answers[-1])} answers")
+    device, _ = resolve_device(s.model.device)
+    section = format_section(compare(*answers), (s.model.name, versus.name), samples=samples,
+                             machine=machine_line(device, resolve_dtype(s.model.dtype, device)))
+    _write("tools-eval", section, out)

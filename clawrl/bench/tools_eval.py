@@ -1,0 +1,92 @@
+"""Two weight versions side by side on the tools scenario's held-out split, with many answers per task.
+
+``clawrl demo --scenario tools`` evaluates after every step with one answer per task (a rate moves
+in steps of 1/12); this compares two versions - by default the base model and a checkpoint of the
+run - on the same held-out tool tasks and plain questions with ``samples`` answers each, the same
+seeds for both, through the gateway with the openai SDK as the demo's users. Per task the answers'
+rate is one paired observation: the comparison is a paired t statistic over the tasks.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from clawrl.sim.tool_users import tool_round
+from clawrl.sim.tools import split_tasks
+
+RATES = {"tool_use": ("correct_call", True), "solved": ("solved", True), "plain_quality": ("solved", False),
+         "false_call_rate": ("calls", False)}
+
+
+def answer_rows(settings, model_dir: Path, *, samples: int, heldout: int, seed: int, max_tokens: int) -> list[dict]:
+    """Each held-out task asked ``samples`` times of ``model_dir`` behind a gateway: one row per answer."""
+    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
+    from clawrl.flows.loop import _talk
+    from clawrl.gateway.routes import create_app
+    from clawrl.models import resolve_device, resolve_dtype
+    from clawrl.serving import serve_in_thread
+    from clawrl.storage.writer import DataStore
+
+    _, held, _, plain = split_tasks(seed, n_heldout=heldout // 2, plain_heldout=heldout // 2)
+    device, _ = resolve_device(settings.model.device)
+    engine = EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
+                            served_model_name=settings.server.served_model_name,
+                            **settings.engine.model_dump(include=LIMIT_KEYS))
+    with tempfile.TemporaryDirectory() as tmp:  # the answers are logged like any turns, then dropped
+        s = settings.model_copy(update={"storage": settings.storage.model_copy(update={"data_root": Path(tmp)})})
+        store = DataStore(tmp)
+        gw = serve_in_thread(create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store))
+        try:
+            xs = _talk(gw.url, tool_round, (held + plain) * samples, round_id="compare", train=False,
+                       max_tokens=max_tokens, temperature=settings.ppo.temperature, seed=seed * 7919 + 1)
+        finally:
+            gw.stop()
+            store.close()
+    return [{"question": x.task.question, "needs_tool": x.task.needs_tool, "correct_call": bool(x.correct_call),
+             "calls": bool(x.calls), "solved": bool(x.solved)} for x in xs]
+
+
+def per_task(rows: list[dict], key: str, needs_tool: bool) -> dict[str, float]:
+    """Each task's rate of ``key`` over its answers."""
+    hits: dict[str, list[bool]] = {}
+    for r in rows:
+        if r["needs_tool"] == needs_tool:
+            hits.setdefault(r["question"], []).append(r[key])
+    return {q: sum(v) / len(v) for q, v in hits.items()}
+
+
+def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
+    """b - a over the tasks both have: mean difference, paired t (None when every difference is
+    equal), and how many tasks went up and down."""
+    diffs = [b[q] - a[q] for q in a if q in b]
+    n = len(diffs)
+    mean = sum(diffs) / n if n else float("nan")
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else 0.0
+    return {"tasks": n, "diff": mean, "t": mean / (sd / math.sqrt(n)) if sd > 0 else None,
+            "up": sum(d > 0 for d in diffs), "down": sum(d < 0 for d in diffs)}
+
+
+def compare(first: list[dict], second: list[dict]) -> list[dict[str, Any]]:
+    """One row per rate: both versions' rate over all answers and the paired statistics per task."""
+    out = []
+    for name, (key, tool) in RATES.items():
+        a, b = per_task(first, key, tool), per_task(second, key, tool)
+        answers = [[r[key] for r in rows if r["needs_tool"] == tool] for rows in (first, second)]
+        first_rate, second_rate = (sum(x) / len(x) for x in answers)
+        out.append({"rate": name, "first": first_rate, "second": second_rate, **paired(a, b)})
+    return out
+
+
+def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, samples: int, machine: str) -> str:
+    head = ["## Tools scenario: two versions on the held-out split", "", machine,
+            f"`{labels[0]}` vs `{labels[1]}`: the held-out tool tasks and plain questions, {samples} answers to each "
+            "with the same seeds for both; paired over the tasks.", "",
+            "| rate | " + f"{labels[0]} | {labels[1]} | tasks | diff | paired t | up | down |", "|---" * 8 + "|"]
+    for r in rows:
+        t = "n/a" if r["t"] is None else f"{r['t']:+.2f}"
+        head.append(f"| {r['rate']} | {r['first']:.3f} | {r['second']:.3f} | {r['tasks']} | {r['diff']:+.3f} | {t} "
+                    f"| {r['up']} | {r['down']} |")
+    return "\n".join(head)

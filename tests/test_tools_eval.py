@@ -1,0 +1,43 @@
+"""`clawrl bench tools`: two versions on the tools scenario's held-out split, compared per task."""
+
+from __future__ import annotations
+
+import pytest
+
+from clawrl.bench.tools_eval import answer_rows, compare, format_section, paired, per_task
+
+
+def _row(q: str, tool: bool, **kw) -> dict:
+    return {"question": q, "needs_tool": tool, "correct_call": False, "calls": False, "solved": False, **kw}
+
+
+def test_per_task_rates_and_the_paired_statistics_by_hand():
+    first = [_row("a", True, correct_call=True), _row("a", True), _row("b", True), _row("b", True),
+             _row("p", False, solved=True), _row("p", False, solved=True)]
+    second = [_row("a", True, correct_call=True), _row("a", True, correct_call=True),
+              _row("b", True, correct_call=True), _row("b", True), _row("p", False, solved=True), _row("p", False)]
+    assert per_task(first, "correct_call", True) == {"a": 0.5, "b": 0.0}
+    # diffs a: +0.5, b: +0.5 -> mean 0.5, sd 0: no t; plain p: 1.0 -> 0.5
+    assert paired(per_task(first, "correct_call", True), per_task(second, "correct_call", True)) == {
+        "tasks": 2, "diff": 0.5, "t": None, "up": 2, "down": 0}
+    # diffs +0.5 and -0.5 over two tasks: mean 0, sd sqrt(0.5), t 0
+    assert paired({"x": 0.0, "y": 1.0}, {"x": 0.5, "y": 0.5}) == {"tasks": 2, "diff": 0.0, "t": 0.0, "up": 1,
+                                                                   "down": 1}
+    # diffs 1, 0, 0.5: mean 0.5, sd 0.5, t = 0.5 / (0.5 / sqrt 3) = sqrt 3
+    assert paired({"x": 0, "y": 0, "z": 0}, {"x": 1, "y": 0, "z": 0.5})["t"] == pytest.approx(3 ** 0.5)
+    rows = {r["rate"]: r for r in compare(first, second)}
+    assert (rows["tool_use"]["first"], rows["tool_use"]["second"]) == (0.25, 0.75)
+    assert (rows["plain_quality"]["first"], rows["plain_quality"]["second"], rows["plain_quality"]["down"]) == \
+        (1.0, 0.5, 1)
+    text = format_section(list(rows.values()), ("base", "v000016"), samples=2, machine="Machine: m.")
+    assert "| tool_use | 0.250 | 0.750 | 2 | +0.500 | n/a | 2 | 0 |" in text
+    assert "| plain_quality | 1.000 | 0.500 | 1 | -0.500 | n/a | 0 | 1 |" in text
+
+
+def test_answer_rows_ask_every_held_out_task_through_the_gateway(make_settings, tiny_dir):
+    s = make_settings({"server.open_mode": True, "ppo.temperature": 0.3, "engine.max_batch_size": 8})
+    rows = answer_rows(s, tiny_dir, samples=2, heldout=4, seed=0, max_tokens=4)
+    assert len(rows) == 8  # (2 tool tasks + 2 plain questions) x 2 answers
+    assert sum(r["needs_tool"] for r in rows) == 4 and len({r["question"] for r in rows}) == 4
+    assert all(isinstance(r[k], bool) for r in rows for k in ("correct_call", "calls", "solved"))
+    assert not (s.storage.data_root / "tables").exists()  # the comparison's turns never enter the run's data
