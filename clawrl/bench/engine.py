@@ -150,15 +150,16 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_hf_static"] = round(r["tokens_per_s"] / static, 2) if static else None
 
 
+def _head(rows: list[dict[str, Any]], title: str) -> list[str]:
+    return [title, "", machine_line(rows[0]["device"], rows[0]["dtype"]),
+            f"Greedy, `ignore_eos`, {rows[0]['tokens'] // rows[0]['requests']} new tokens per request, short"]
+
+
 def format_engine_section(rows: list[dict[str, Any]]) -> str:
     if torch.device(rows[0]["device"]).type == "cuda":
         return _format_cuda_section(rows)
     body = [
-        "## Embedded engine throughput",
-        "",
-        machine_line(rows[0]["device"], rows[0]["dtype"]),
-        f"Greedy, `ignore_eos`, {rows[0]['tokens'] // rows[0]['requests']} new tokens per request, short "
-        "chat-templated prompts. `embedded` keeps",
+        *_head(rows, "## Embedded engine throughput"), "chat-templated prompts. `embedded` keeps",
         "`concurrency` requests in flight; `hf_generate` is `model.generate` on a static left-padded batch.",
         "Rows are measured in interleaved passes after one untimed pass and keep their best pass; `load_1m` is",
         "the 1-minute load average after the model's passes (a load above the core count means other work ran too).",
@@ -179,11 +180,8 @@ def format_engine_section(rows: list[dict[str, Any]]) -> str:
 
 def _format_cuda_section(rows: list[dict[str, Any]]) -> str:
     body = [
-        "## Embedded engine throughput on CUDA",
-        "",
-        machine_line(rows[0]["device"], rows[0]["dtype"]),
-        f"Greedy, `ignore_eos`, {rows[0]['tokens'] // rows[0]['requests']} new tokens per request, short "
-        "chat-templated prompts. `embedded` keeps `concurrency` requests in",
+        *_head(rows, "## Embedded engine throughput on CUDA"), "chat-templated prompts. `embedded` keeps "
+        "`concurrency` requests in",
         "flight, its decode steps replayed from CUDA graphs; `embedded_eager` is the same engine with `cuda_graphs = "
         "false`; `hf_generate` is",
         "`model.generate` on a static left-padded batch, `hf_static` the same with `cache_implementation=\"static\"` "
