@@ -113,12 +113,12 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     fr_id = run.data.tags["prefect.flow_run_id"]
     assert run.data.tags["prefect.flow_run_url"].endswith(f"/flow-run/{fr_id}")
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    with get_client(sync_client=True) as pc:
+    with get_client(sync_client=True) as pc:  # the session's Prefect server: other tests' train-v1 runs are there too
         fr = pc.read_flow_run(fr_id)
-        [art] = pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["train-v1"])))
-    assert fr.name == "train-v1" and art.flow_run_id == fr.id
+        [art] = pc.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
+    assert fr.name == "train-v1" and art.key == "train-v1"
     exp_id = run.info.experiment_id
     assert f"(http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{mv.run_id})" in art.data
     assert f"(http://127.0.0.1:5000/#/models/clawrl-policy/versions/{mv.version})" in art.data
