@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import json
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -86,8 +87,11 @@ def replay_cmd(
     exclude_session: Annotated[Optional[list[str]], typer.Option("--exclude-session", help="Leave this session's samples out (repeatable).")] = None,
     reason: Annotated[str, typer.Option(help="Why sessions are excluded (kept in the lineage).")] = "",
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Counterfactual SECTION.KEY=VALUE (repeatable).")] = None,
+    fmt: Annotated[Literal["table", "json"], typer.Option("--format", "-f", help="json: the whole report, for "
+                                                                               "scripts.")] = "table",
 ) -> None:
-    """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes."""
+    """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes.
+    Exit code 1 when an exact replay did not reproduce the checkpoints byte for byte."""
     from rich.table import Table
 
     from clawrl.flows.replay import replay_flow
@@ -98,6 +102,10 @@ def replay_cmd(
                              exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])
     except (ValueError, FileNotFoundError, ConfigError) as e:
         fail(f"replay failed: {e}")
+    code = 0 if report["identical"] is not False else 1
+    if fmt == "json":
+        typer.echo(json.dumps(report, default=str))
+        raise typer.Exit(code)
     t = Table(title=f"replay {report['replay_id']} of version {report['source_version']}")
     for col in ("step", "batch", "samples", "excluded", "original sha256", "replayed sha256", "identical"):
         t.add_column(col)
@@ -109,4 +117,4 @@ def replay_cmd(
         console.print("checkpoints byte-identical: " + ("yes" if report["identical"] else "NO"), markup=False)
     console.print(f"replayed checkpoint: {report['final_path']} (MLflow run {report['mlflow_run_id']} in "
                   f"experiment clawrl-replays)", markup=False)
-    raise typer.Exit(0 if report["identical"] is not False else 1)
+    raise typer.Exit(code)

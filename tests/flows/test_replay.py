@@ -71,10 +71,12 @@ def test_unlearning_replay_excludes_the_session_everywhere(trained_loop):
     s, conf = trained_loop
     res = CliRunner().invoke(__import__("clawrl.cli", fromlist=["app"]).app,
                              ["replay", "3", "--config", str(conf), "--exclude-session", "session-1",
-                              "--reason", "user asked to be forgotten"])
+                              "--reason", "user asked to be forgotten", "--format", "json"])
     assert res.exit_code == 0, res.output
     [replay_dir] = list((s.storage.data_root / "replays").iterdir())
     report = json.loads((replay_dir / "replay.json").read_text())
+    printed = json.loads(res.stdout)  # --format json: stdout is the report alone (logs go to stderr)
+    assert printed["replay_id"] == report["replay_id"] and printed["steps"] == report["steps"]
     assert report["excluded_sessions"] == ["session-1"] and report["identical"] is None
     assert sum(st["excluded_samples"] for st in report["steps"]) == 3  # every sample of session-1, no other
     # no replayed batch saw the session: every trained sample's session is recorded in the checkpoints' markers
