@@ -215,3 +215,15 @@ def test_status_shows_the_live_score_of_the_last_versions(tmp_path):
     assert out.exit_code == 0, out.output
     flat = re.sub(r"[│\s]+", " ", out.output)  # the table wraps to the console's width
     assert "live judged score by version v1 +1.00 (n=1), v2 +1.00 (n=1), v3 +0.00 (n=2)" in flat
+
+
+def test_status_shows_checkpoints_that_no_sync_ever_served_as_waiting(tmp_path):
+    from typer.testing import CliRunner
+
+    from clawrl.cli import app
+
+    write(tmp_path, [CheckpointRecord("1", 1, "b1", "0", "/c/v000001", "ab", None),
+                     CheckpointRecord("2", 2, "b2", "1", "/c/v000002", "cd", None)])
+    out = CliRunner().invoke(app, ["status"], env={"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)})
+    assert out.exit_code == 0, out.output
+    assert "last sync: none recorded; checkpoints 1, 2 waiting: nothing serves them (`clawrl sync`)" in out.output

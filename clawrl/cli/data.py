@@ -97,7 +97,9 @@ def status(config: ConfigOpt = None) -> None:
     # version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it
     last = st["last"]
     if last is None:
-        console.print("last sync: none recorded", markup=False, highlight=False)
+        waiting = f"; checkpoints {', '.join(st['waiting'])} waiting: nothing serves them (`clawrl sync`)" \
+            if st["waiting"] else ""
+        console.print(f"last sync: none recorded{waiting}", markup=False, highlight=False, soft_wrap=True)
         return
     when = last["created_at"].strftime("%Y-%m-%d %H:%M:%S UTC")
     head = (f"last sync: ok at {when} (version {last['weight_version']} -> {last['target']})" if last["ok"] else
