@@ -237,6 +237,17 @@ def _serving(con: duckdb.DuckDBPyConnection) -> Finding:
     return Finding("serving", True, summary)
 
 
+def report(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: str,
+           checkpoints: Path | None = None) -> dict[str, Any]:
+    """The whole diagnosis as JSON values (``clawrl doctor --json``, the train flow's ``doctor.json``):
+    the findings, the per-version scores and the one-sentence verdict on them."""
+    findings = diagnose(con, judge_config_hash, method=method, checkpoints=checkpoints)
+    versions = learning_by_version(con, judge_config_hash)
+    out = {"judge_config_hash": judge_config_hash, "findings": [f.as_dict() for f in findings],
+           "learning_by_version": versions, "learning": learning_verdict(versions)}
+    return json.loads(json.dumps(out, default=str))
+
+
 def learning_by_version(con: duckdb.DuckDBPyConnection, chash: str) -> list[dict[str, Any]]:
     """The ``learning_by_version`` rows of one judge config, oldest version first."""
     return con.sql("SELECT * EXCLUDE (judge_config_hash) FROM learning_by_version WHERE judge_config_hash = $h",

@@ -25,7 +25,6 @@ trainer service at ``trainer_url`` (``clawrl up``).
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -41,7 +40,7 @@ from clawrl.flows.common import (data_store, load_flow_settings, local_trainer, 
                                  trainer_in_process)
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
-from clawrl.doctor import diagnose, learning_by_version, learning_verdict, plot_learning_by_version
+from clawrl.doctor import plot_learning_by_version, report
 from clawrl.lineage import log_doctor, log_train_step, ui_links
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
@@ -157,21 +156,18 @@ def log_doctor_report(config_path: str | None, step: dict[str, Any], run_id: str
     chash = build_judge_config_hash(s)
     try:
         with open_catalog(s.storage.data_root) as con:
-            findings = diagnose(con, chash, method=s.ppo.advantage_estimator.value,
-                                checkpoints=s.storage.data_root / "checkpoints")
-            versions = learning_by_version(con, chash)
-        report = {"judge_config_hash": chash, "findings": [f.as_dict() for f in findings],
-                  "learning_by_version": versions, "learning": learning_verdict(versions)}
-        report = json.loads(json.dumps(report, default=str))  # MLflow's log_dict takes JSON values
+            found = report(con, chash, method=s.ppo.advantage_estimator.value,
+                           checkpoints=s.storage.data_root / "checkpoints")
+        versions = found["learning_by_version"]
         with tempfile.TemporaryDirectory() as tmp:
             png = plot_learning_by_version(versions, Path(tmp) / "learning_by_version.png") if versions else None
-            log_doctor(s.storage.data_root, run_id, step=int(step["step"]), report=report, png=png)
+            log_doctor(s.storage.data_root, run_id, step=int(step["step"]), report=found, png=png)
     except Exception as e:  # a report, not part of training: say so and go on
         get_run_logger().warning("clawrl doctor after step %s failed: %s: %s", step["step"], type(e).__name__, e)
         return -1
-    problems = [f for f in findings if not f.ok]
+    problems = [f for f in found["findings"] if not f["ok"]]
     for f in problems:
-        get_run_logger().warning("doctor: %s: %s; cause: %s; fix: %s", f.name, f.summary, f.cause, f.fix)
+        get_run_logger().warning("doctor: %s: %s; cause: %s; fix: %s", f["name"], f["summary"], f["cause"], f["fix"])
     return len(problems)
 
 

@@ -124,31 +124,30 @@ def doctor(
     import json
 
     s = settings_or_exit(config)
-    from clawrl.doctor import diagnose, learning_by_version, learning_verdict, plot_learning_by_version
+    from clawrl.doctor import plot_learning_by_version, report
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
-        findings = diagnose(con, chash, method=s.ppo.advantage_estimator.value,
-                            checkpoints=s.storage.data_root / "checkpoints")
-        versions = learning_by_version(con, chash)
-    verdict = learning_verdict(versions)
+        found = report(con, chash, method=s.ppo.advantage_estimator.value,
+                       checkpoints=s.storage.data_root / "checkpoints")
+    versions = found["learning_by_version"]
     if plot is not None:
         plot_learning_by_version(versions, plot)
     if as_json:
-        typer.echo(json.dumps({"judge_config_hash": chash, "findings": [f.as_dict() for f in findings],
-                               "learning_by_version": versions, "learning": verdict}, default=str))
+        typer.echo(json.dumps(found))
         return
-    problems = [f for f in findings if not f.ok]
+    problems = [f for f in found["findings"] if not f["ok"]]
     console.print(f"clawrl doctor (judge config {chash}): "
                   f"{len(problems) or 'no'} problem{'s' if len(problems) != 1 else ''} found", markup=False)
-    for f in findings:
-        console.print(f"{'ok  ' if f.ok else 'FAIL'} {f.name}: {f.summary}", markup=False, highlight=False,
+    for f in found["findings"]:
+        console.print(f"{'ok  ' if f['ok'] else 'FAIL'} {f['name']}: {f['summary']}", markup=False, highlight=False,
                       soft_wrap=True)
-        if not f.ok:
-            for label, text in (("cause", f.cause), ("fix", f.fix), ("see", f.sql)):
-                console.print(f"       {label}: {text}", markup=False, highlight=False, soft_wrap=True)
+        if not f["ok"]:
+            for label in ("cause", "fix", "sql"):
+                console.print(f"       {'see' if label == 'sql' else label}: {f[label]}", markup=False,
+                              highlight=False, soft_wrap=True)
     t = Table(title="judged score of live main turns, by the weight version that served them", title_justify="left")
     for name in ("version", "n", "mean", "95% interval"):
         t.add_column(name, justify="right")
@@ -156,7 +155,7 @@ def doctor(
         t.add_row(str(r["weight_version"]), str(r["n"]), f"{r['mean_score']:+.3f}",
                   f"{r['ci_low']:+.3f} .. {r['ci_high']:+.3f}")
     console.print(t)
-    console.print(f"learning: {verdict}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"learning: {found['learning']}", markup=False, highlight=False, soft_wrap=True)
     if plot is not None:
         console.print(f"wrote {plot}", markup=False)
 
