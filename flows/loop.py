@@ -40,7 +40,7 @@ from clawrl.storage.queries import session_turns
 SCENARIOS = ("persona", "tools")
 
 
-def _talk(gateway_url: str, round_fn, *args, **kwargs):
+def talk(gateway_url: str, round_fn, *args, **kwargs):
     """One round of simulated users (``round_fn``: ``user_round`` or ``tool_round``) against the gateway."""
 
     async def go():
@@ -63,11 +63,11 @@ def tool_round_tasks(step: int, n_users: int, seed: int) -> list[ToolTask]:
 def _round(scenario: str, gateway_url: str, step: int, persona_name: str, n_users: int, task_seed: int,
            heldout: int, group_size: int, **kw) -> dict[str, Any]:
     if scenario == "tools":
-        xs = _talk(gateway_url, tool_round, tool_round_tasks(step, n_users, task_seed), **kw)
+        xs = talk(gateway_url, tool_round, tool_round_tasks(step, n_users, task_seed), **kw)
         return {**tool_scores(xs), "reactions": dict(Counter(x.reaction for x in xs))}
     pool, _ = split_questions(n_heldout=heldout, seed=task_seed)
     questions = round_questions(pool, step, n_users, group_size)
-    return summarize_round(_talk(gateway_url, user_round, get_persona(persona_name), questions, **kw))
+    return summarize_round(talk(gateway_url, user_round, get_persona(persona_name), questions, **kw))
 
 
 def _evaluation(scenario: str, gateway_url: str, persona_name: str, task_seed: int, heldout: int, samples: int,
@@ -76,11 +76,11 @@ def _evaluation(scenario: str, gateway_url: str, persona_name: str, task_seed: i
     tasks and as many plain questions."""
     if scenario == "tools":
         _, held, _, plain = split_tasks(task_seed, n_heldout=heldout // 2, plain_heldout=heldout // 2)
-        xs = _talk(gateway_url, tool_round, (held + plain) * samples, **kw)
+        xs = talk(gateway_url, tool_round, (held + plain) * samples, **kw)
         return tool_scores(xs), [{"q": x.task.question, "a": x.first_reply[:300], "final": x.final_answer[:200],
                                   "ok": x.solved} for x in xs[:4] + xs[len(held):len(held) + 2]]
     _, held_q = split_questions(n_heldout=heldout, seed=task_seed)
-    xs = _talk(gateway_url, user_round, get_persona(persona_name), held_q * samples, **kw)
+    xs = talk(gateway_url, user_round, get_persona(persona_name), held_q * samples, **kw)
     return score(xs), [{"q": x.question, "a": x.answer[:300], "ok": x.satisfied and x.on_topic} for x in xs[:4]]
 
 

@@ -23,25 +23,23 @@ RATES = {"tool_use": ("correct_call", True), "solved": ("solved", True), "plain_
 
 def answer_rows(settings, model_dir: Path, *, samples: int, heldout: int, seed: int, max_tokens: int) -> list[dict]:
     """Each held-out task asked ``samples`` times of ``model_dir`` behind a gateway: one row per answer."""
-    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
-    from clawrl.flows.loop import _talk
-    from clawrl.gateway.routes import create_app
-    from clawrl.models import resolve_device, resolve_dtype
+    from clawrl.flows.loop import talk
+    from clawrl.gateway.routes import build_engine, create_app
     from clawrl.serving import serve_in_thread
     from clawrl.storage.writer import DataStore
 
     _, held, _, plain = split_tasks(seed, n_heldout=heldout // 2, plain_heldout=heldout // 2)
-    device, _ = resolve_device(settings.model.device)
-    engine = EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
-                            served_model_name=settings.server.served_model_name,
-                            **settings.engine.model_dump(include=LIMIT_KEYS))
     with tempfile.TemporaryDirectory() as tmp:  # the answers are logged like any turns, then dropped
-        s = settings.model_copy(update={"storage": settings.storage.model_copy(update={"data_root": Path(tmp)})})
+        s = settings.model_copy(update={
+            "model": settings.model.model_copy(update={"name": str(model_dir)}),
+            "engine": settings.engine.model_copy(update={"kind": "embedded"}),  # these weights, in process
+            "storage": settings.storage.model_copy(update={"data_root": Path(tmp)})})
+        engine, tokenizer = build_engine(s)  # a fresh data root: the model itself, no checkpoint of a run
         store = DataStore(tmp)
-        gw = serve_in_thread(create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store))
+        gw = serve_in_thread(create_app(s, engine=engine, tokenizer=tokenizer, store=store))
         try:
-            xs = _talk(gw.url, tool_round, (held + plain) * samples, round_id="compare", train=False,
-                       max_tokens=max_tokens, temperature=settings.ppo.temperature, seed=seed * 7919 + 1)
+            xs = talk(gw.url, tool_round, (held + plain) * samples, round_id="compare", train=False,
+                      max_tokens=max_tokens, temperature=settings.ppo.temperature, seed=seed * 7919 + 1)
         finally:
             gw.stop()
             store.close()
