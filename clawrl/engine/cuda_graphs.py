@@ -63,7 +63,7 @@ class GraphedDecode:
         self.buckets = batch_buckets(max_batch_size)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.generation: int | None = None  # the cache buffers the graphs were captured on
-        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for every graph
+        self.pool = None  # the graphs' memory pool: a new one with each cache generation (see decode)
         # one stream for warm-ups and captures: cuBLAS makes a workspace per stream on its first use there,
         # which must not happen inside a capture
         self.stream = torch.cuda.Stream(runner.device) if capture else None
