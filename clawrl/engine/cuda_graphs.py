@@ -17,6 +17,10 @@ at once. A graph replays fixed shapes and fixed addresses, so :class:`GraphedDec
 Weight updates copy into the parameters' storage (``param.copy_``), which the graphs read in place,
 so a replay after an update computes with the new weights. Sampling stays outside the graph.
 
+A replayed step still costs its kernels one after another, so the step itself is first made of
+fewer kernels: with ``fuse`` (the default) the runner decodes through the compiled, fused layer
+halves of :mod:`clawrl.engine.fused_decode` (compiled on the first step, in the warm-up pass).
+
 With ``capture=False`` the same padded shapes run eagerly: the same kernels on the same shapes, the
 reference a graph's output is checked against token for token.
 """
@@ -56,10 +60,11 @@ class _Graph:
 class GraphedDecode:
     """:meth:`decode` has :meth:`CausalLMRunner.decode`'s contract (see the module docstring)."""
 
-    def __init__(self, runner: CausalLMRunner, max_batch_size: int, *, capture: bool = True):
+    def __init__(self, runner: CausalLMRunner, max_batch_size: int, *, capture: bool = True, fuse: bool = True):
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {runner.device}")
         self.runner, self.capture = runner, capture
+        self.fused = fuse and runner.fuse_decode()  # fewer, fused kernels a step (clawrl.engine.fused_decode)
         self.buckets = batch_buckets(max_batch_size)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.generation: int | None = None  # the cache buffers the graphs were captured on

@@ -26,6 +26,7 @@ size, the context limit and a budget of token slots.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers.models.llama.modeling_llama import rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+
+log = logging.getLogger("clawrl.engine")
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,21 @@ class CausalLMRunner:
                                                  torch.arange(max_positions, device=self.device)[None])
         self.cos, self.sin = cos[0], sin[0]
         self._layers = list(hf_model.model.layers)
+        self.fused = None  # FusedDecode once fuse_decode() is called
         if len(self._layers) != self.spec.num_layers:
             raise ValueError(f"config says {self.spec.num_layers} layers, model has {len(self._layers)}")
+
+    def fuse_decode(self) -> bool:
+        """Decode through :class:`clawrl.engine.fused_decode.FusedDecode` (compiled, fused layer
+        halves) from now on; False, with the reason logged, when this model's layers are not supported."""
+        from clawrl.engine.fused_decode import FusedDecode, supports_fused_decode
+
+        why = supports_fused_decode(self.hf)
+        if why is not None:
+            log.info("decode steps unfused: %s", why)
+            return False
+        self.fused = FusedDecode(self.hf, self.spec.head_dim)
+        return True
 
     @staticmethod
     def rows(n: int) -> int:
@@ -230,6 +246,14 @@ class CausalLMRunner:
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, hd)
         # key j of row b is visible iff j <= positions[b]: the row's own history plus this token
         mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        if self.fused is not None:
+            try:
+                return self.lm_head(self.fused.forward(tokens, positions, cos[:, 0], sin[:, 0], mask, cache, span))
+            except Exception as e:  # a compiler missing or failing: this runner decodes unfused from now on
+                if tokens.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise
+                log.warning("fused decode failed, decoding unfused from now on: %s: %s", type(e).__name__, e)
+                self.fused = None
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[layer], cache.v[layer]

@@ -152,7 +152,7 @@ class Scheduler:
                 "prefix_cache_tokens": len(self.prefix) * PREFIX_BLOCK if self.prefix else 0,
                 "prefix_cache_hits": self.prefix.hits if self.prefix else 0,
                 "prefix_tokens_saved": self.prefix.tokens_saved if self.prefix else 0,
-                "cuda_graphs": len(getattr(self.decoder, "graphs", ()))}
+                "cuda_graphs": len(getattr(self.decoder, "graphs", ())), "fused_decode": self.runner.fused is not None}
 
     def _worker(self) -> None:
         with torch.inference_mode():  # thread-local: the worker never needs autograd
