@@ -59,15 +59,21 @@ def sample_next_tokens(logits: Tensor, rows: list[RowSampling], shared_generator
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))
     greedy = [r.greedy for r in rows]
-    temps = torch.tensor([1.0 if g else r.temperature for g, r in zip(greedy, rows)], dtype=torch.float32,
-                         device=logits.device)
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)  # log_softmax(logits / T)   (B, V)
-    chosen = logits.argmax(dim=-1)  # greedy rows keep this   (B,)
     sampled = [b for b, g in enumerate(greedy) if not g]
+    if sampled:
+        temps = torch.tensor([1.0 if g else r.temperature for g, r in zip(greedy, rows)], dtype=torch.float32,
+                             device=logits.device)
+        logits_t = logits / temps[:, None]
+    else:  # all greedy: T = 1 everywhere, nothing to divide
+        logits_t = logits
+    logprobs = torch.log_softmax(logits_t, dim=-1)  # log_softmax(logits / T)   (B, V)
+    chosen = logits.argmax(dim=-1)  # greedy rows keep this   (B,)
     if sampled:
         chosen[sampled] = _sample_rows(logprobs[sampled], [rows[b] for b in sampled], shared_generator)
     token_lp = logprobs.gather(1, chosen[:, None])[:, 0]
-    return SampleOutput(chosen.tolist(), token_lp.tolist(), top_logprobs(logprobs, [r.top_logprobs_num for r in rows]))
+    # one copy to the host for both (float64 holds every token id exactly)
+    ids, lps = torch.stack([chosen.double(), token_lp.double()]).tolist()
+    return SampleOutput([int(t) for t in ids], lps, top_logprobs(logprobs, [r.top_logprobs_num for r in rows]))
 
 
 def top_logprobs(logprobs: Tensor, nums: list[int]) -> list[list[tuple[float, int]] | None]:
