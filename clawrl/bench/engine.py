@@ -43,7 +43,7 @@ def run_engine_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"),
     ``cache_implementation="static"``, whose decode step transformers compiles with torch.compile
     ``reduce-overhead``; its compilation falls in the untimed pass). The graphed engine's CUDA rows
     carry ``gpu_busy``: the share of a pass's wall time the GPU spends in kernels and copies (one
-    more pass, profiled; the eager rows' ~1,700 launches a step would take the profiler minutes).
+    more pass, profiled; the eager rows' kernel-by-kernel launches would take the profiler minutes).
 
     The configurations are timed by :func:`interleaved_times` (one untimed pass each, then
     ``repeats`` interleaved passes); each row keeps its best pass. ``hf_static`` is timed on its
@@ -182,8 +182,8 @@ def _format_cuda_section(rows: list[dict[str, Any]]) -> str:
     body = [
         *_head(rows, "## Embedded engine throughput on CUDA"), "chat-templated prompts. `embedded` keeps "
         "`concurrency` requests in",
-        "flight, its decode steps replayed from CUDA graphs; `embedded_eager` is the same engine with `cuda_graphs = "
-        "false`; `hf_generate` is",
+        "flight, its decode steps (compiled, fused layers) replayed from CUDA graphs; `embedded_eager` is the same "
+        "engine with `cuda_graphs = false` (the same kernels launched one by one); `hf_generate` is",
         "`model.generate` on a static left-padded batch, `hf_static` the same with `cache_implementation=\"static\"` "
         "(transformers compiles",
         "its decode step, torch.compile `reduce-overhead`). Best of the interleaved passes after an untimed one; "
