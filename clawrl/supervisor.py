@@ -66,11 +66,12 @@ def start(svc: Service, log_dir: Path, base_env: dict[str, str]) -> None:
                                     preexec_fn=_die_with_parent)
 
 
-def write_pids(path: Path, services: list[Service]) -> None:
-    """``<data_root>/up.pids.json``: which process is which (for operators, and the restart test)."""
+def write_pids(path: Path, services: list[Service], prefect_api_url: str) -> None:
+    """``<data_root>/up.pids.json``: which process is which (for operators, and the restart test),
+    and the Prefect API that commands run on this data root use meanwhile (``clawrl.cli.common``)."""
     pids = {s.name: s.proc.pid for s in services if s.proc is not None}
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"supervisor": os.getpid(), **pids}))
+    tmp.write_text(json.dumps({"supervisor": os.getpid(), **pids, "prefect_api_url": prefect_api_url}))
     os.replace(tmp, path)
 
 
@@ -130,7 +131,8 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
     (root / "mlflow").mkdir(parents=True, exist_ok=True)
-    base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api",
+    prefect_api = f"http://127.0.0.1:{prefect_port}/api"
+    base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=prefect_api,
                          MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
                          CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port))
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
@@ -147,7 +149,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
             echo(f"starting {svc.name} ...")
             start(svc, root / "logs", base_env)
             wait_healthy(svc, timeout_s=300)
-            write_pids(root / "up.pids.json", services)
+            write_pids(root / "up.pids.json", services, prefect_api)
             echo(f"  {svc.name:8s} {svc.url}")
         echo("all up; Ctrl-C stops everything")
         while not stopping:
@@ -157,6 +159,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
                     stopping = True
             time.sleep(0.5)
     finally:
+        (root / "up.pids.json").unlink(missing_ok=True)
         for svc in reversed(services):
             stop(svc)
         for s, h in previous.items():

@@ -40,6 +40,33 @@ def settings_or_exit(config: Path | None, overrides: dict | None = None) -> Sett
         fail(f"config error: {e}")
 
 
+def use_data_root_prefect(s: Settings) -> str:
+    """Point this command's Prefect flows at the data root's Prefect, before Prefect is imported:
+    the API of a `clawrl up` running on this data root when it answers (no server of this command's
+    own), else a temporary server on the data root's Prefect home (``<data_root>/prefect``, the
+    database `clawrl up` and `clawrl demo` use too). A ``PREFECT_API_URL`` already set wins.
+    Returns the API or home used, for the user."""
+    import json
+    import os
+
+    import httpx
+
+    from clawrl.config import use_prefect_home
+
+    root = Path(s.storage.data_root)
+    use_prefect_home(root / "prefect")
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    try:
+        api = json.loads((root / "up.pids.json").read_text())["prefect_api_url"]
+        if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+            os.environ["PREFECT_API_URL"] = api
+            return api
+    except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
+        pass  # no `clawrl up` here, or it is gone: this command's own temporary server
+    return str(root / "prefect")
+
+
 @config_app.command("show")
 def config_show(
     config: ConfigOpt = None,

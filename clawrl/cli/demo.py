@@ -48,7 +48,7 @@ def demo(
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
-    use_prefect_home(base.storage.data_root / "prefect")
+    use_prefect_home(root / "prefect")  # the run's own: `clawrl up -c <run>/config.toml` shows the same flow runs
     max_tokens = max_tokens or (64 if scenario == "tools" else 48)
     out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
                     heldout=heldout, eval_samples=eval_samples, group_size=group_size, scenario=scenario)
@@ -56,7 +56,7 @@ def demo(
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
     status(run_conf)
     console.print(WHERE_TO_LOOK.format(conf=run_conf, last=len(out["rows"]) - 1, root=root,
-                                       prefect=base.storage.data_root / "prefect"), markup=False)
+                                       prefect=root / "prefect"), markup=False)
 
 
 def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
@@ -104,6 +104,6 @@ where to look:
   clawrl status  -c {conf}
   clawrl sql "select * from turn_fate" -c {conf}
   clawrl lineage {last} -c {conf}
-  Prefect UI: PREFECT_HOME={prefect} .venv/bin/prefect server start  -> http://127.0.0.1:4200 (flow runs 'learning-loop', 'judge', 'train')
+  Prefect UI: PREFECT_HOME={prefect} PREFECT_SERVER_ANALYTICS_ENABLED=false .venv/bin/prefect server start  -> http://127.0.0.1:4200 (flow runs 'learning-loop', 'judge', 'train')
   MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{root}/mlflow/mlflow.db  -> http://127.0.0.1:5000 (experiment 'clawrl', model 'clawrl-policy')
   or `clawrl up -c {conf}` to bring up the gateway and both UIs on this run's data"""

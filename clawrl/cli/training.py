@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
+from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit, use_data_root_prefect
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
@@ -18,7 +18,7 @@ def judge(
     limit: Annotated[Optional[int], typer.Option(help="Most turns to judge (default [prm] batch_limit).")] = None,
 ) -> None:
     """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
-    settings_or_exit(config)
+    use_data_root_prefect(settings_or_exit(config))
     from clawrl.flows.judge import judge_flow
 
     out = judge_flow(config_path=str(config) if config else None, limit=limit)
@@ -34,7 +34,7 @@ def train(
     engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http).")] = None,
 ) -> None:
     """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
-    settings_or_exit(config)
+    use_data_root_prefect(settings_or_exit(config))
     from clawrl.flows.train import train_flow
 
     out = train_flow(config_path=str(config) if config else None, max_steps=steps, trainer_url=trainer_url,
@@ -94,9 +94,9 @@ def replay_cmd(
     Exit code 1 when an exact replay did not reproduce the checkpoints byte for byte."""
     from rich.table import Table
 
+    use_data_root_prefect(settings_or_exit(config))
     from clawrl.flows.replay import replay_flow
 
-    settings_or_exit(config)
     try:
         report = replay_flow(config_path=str(config) if config else None, version=version,
                              exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])
