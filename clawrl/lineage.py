@@ -84,6 +84,33 @@ def _new_run(c, exp_id: str, name: str, *, tags: dict[str, str], metrics: list, 
     return run_id
 
 
+POLICY_RUN = "policy"  # the run whose metrics are curves over weight versions (step = version)
+
+
+def policy_run(c, exp_id: str) -> str:
+    """The experiment's ``policy`` run (made on first use): every train step's metrics, and the
+    evaluations of the versions served, logged at step = weight version, so the MLflow UI draws
+    loss, reward, KL and held-out scores as curves over versions. The step runs are its children."""
+    runs = c.search_runs([exp_id], filter_string=f"tags.kind = '{POLICY_RUN}'", max_results=1,
+                         order_by=["attributes.start_time ASC"])
+    if runs:
+        return runs[0].info.run_id
+    return c.create_run(exp_id, run_name=POLICY_RUN, tags={"kind": POLICY_RUN}).info.run_id
+
+
+def log_policy_point(data_root: Path, version: int, metrics: dict[str, float]) -> str:
+    """``metrics`` at step ``version`` of the policy run, once: keys already logged at that step are
+    left alone (a re-run after a crash, a replayed evaluation). Returns the policy run's id."""
+    c = client(data_root)
+    run_id = policy_run(c, experiment_id(c, data_root))
+    fresh = [_metric(k, v, version) for k, v in metrics.items()
+             if v is not None and all(m.step != version for m in c.get_metric_history(run_id, k))]
+    if fresh:
+        c.log_batch(run_id, metrics=fresh)
+        c.set_terminated(run_id)  # finished between points (MLflow takes points on finished runs)
+    return run_id
+
+
 def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, Any],
                    manifest: list[dict[str, Any]], tags: dict[str, str]) -> str:
     """Log one PPO step: a run, and the checkpoint as a version of the registered model, both tagged
@@ -106,7 +133,8 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
     if runs:
         run_id = runs[0].info.run_id
     else:
-        run_id = _new_run(c, exp_id, f"step-{step['step']:04d}", tags={**lineage, **tags},
+        parent = {"mlflow.parentRunId": policy_run(c, exp_id)}  # nested under the policy run in the UI
+        run_id = _new_run(c, exp_id, f"step-{step['step']:04d}", tags={**lineage, **tags, **parent},
                           metrics=[_metric(k, v, step["step"]) for k, v in step["metrics"].items()],
                           params=params, record={"batch_id": step["batch_id"], "samples": manifest},
                           record_file="batch_manifest.json")
@@ -121,6 +149,8 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
         mv_tags = {**lineage, **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
         mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
         c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
+    if str(step["weight_version"]).isdigit():
+        log_policy_point(data_root, int(step["weight_version"]), step["metrics"])
     return run_id
 
 

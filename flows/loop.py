@@ -149,7 +149,7 @@ CURVES = {
 @task(cache_policy=NO_CACHE)
 def report_curve(config_path: str | None, rows: list[dict[str, Any]], title: str, params: dict[str, Any],
                  scenario: str = "persona") -> dict[str, str]:
-    from clawrl.lineage import log_learning_curve
+    from clawrl.lineage import log_learning_curve, log_policy_point
     from clawrl.sim.plot import plot_learning_curve
 
     s = load_flow_settings(config_path)
@@ -160,6 +160,10 @@ def report_curve(config_path: str | None, rows: list[dict[str, Any]], title: str
     (out_dir / "learning_curve.json").write_text(json.dumps(rows, indent=1))
     keys = [k for k, _ in CURVES[scenario]] + ["score", "kl", "mean_words"]
     run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params, keys=keys)
+    for row in rows:  # the held-out scores beside the training metrics, over the versions served
+        if str(row.get("weight_version")).isdigit():
+            log_policy_point(s.storage.data_root, int(row["weight_version"]),
+                             {f"heldout_{k}": row.get(k) for k in dict.fromkeys(keys)})
     return {"png": str(png), "mlflow_run_id": run_id}
 
 

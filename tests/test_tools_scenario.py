@@ -135,6 +135,13 @@ def test_one_step_of_the_tools_demo_end_to_end(tmp_path, model_cache):
         assert (r["tool_use"], r["call_rate"], r["solved"]) == pytest.approx((1 / 3, 2 / 3, 1 / 3))
         assert r["false_call_rate"] == 0.0  # plain questions: the engine answers, never a call
     assert (run / "reports" / "learning_curve.png").stat().st_size > 10_000
+    from clawrl.lineage import client as mlflow_client, log_policy_point
+
+    # the held-out rates also sit on the policy run, at step = the weight version each row served
+    policy = log_policy_point(run, 0, {})
+    history = mlflow_client(run).get_metric_history(policy, "heldout_tool_use")
+    assert [m.step for m in history] == sorted({int(r["weight_version"]) for r in rows})
+    assert [m.value for m in history] == pytest.approx([1 / 3] * len(history))
 
     from clawrl.storage.catalog import open_catalog
 

@@ -126,6 +126,12 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
         "custom_model_development"  # the UI's model-training view
     [ds] = run.inputs.dataset_inputs
     assert ds.dataset.name == f"batch-{ck['batch_id']}"
+    # curves over weight versions: the step's metrics at step 1 (its version) of the policy run, its parent
+    ml = mlflow_client(s.storage.data_root)
+    policy = ml.get_run(run.data.tags["mlflow.parentRunId"])
+    assert policy.info.run_name == "policy" and policy.data.tags["kind"] == "policy"
+    [point] = ml.get_metric_history(policy.info.run_id, "loss")
+    assert point.step == 1 and point.value == pytest.approx(run.data.metrics["loss"])
     # clawrl lineage prints the chain down to the sessions
     from typer.testing import CliRunner
 
@@ -134,3 +140,17 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     res = CliRunner().invoke(app, ["lineage", "1", "--config", str(conf)])
     assert res.exit_code == 0, res.output
     assert "session alice" in res.output and "session bob" in res.output and ck["batch_id"] in res.output
+
+
+def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
+    """A re-run (after a crash) or a second evaluation of a version adds no second point; new keys
+    at a known version and new versions do."""
+    from clawrl.lineage import client as mlflow_client, log_policy_point
+
+    run_id = log_policy_point(tmp_path, 1, {"loss": 0.5, "kl": 0.01})
+    assert log_policy_point(tmp_path, 1, {"loss": 0.9, "heldout_score": 0.75, "skipped": None}) == run_id
+    log_policy_point(tmp_path, 2, {"loss": 0.25})
+    ml = mlflow_client(tmp_path)
+    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]
+    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "heldout_score")] == [(1, 0.75)]
+    assert ml.get_metric_history(run_id, "skipped") == []
