@@ -111,6 +111,26 @@ def log_policy_point(data_root: Path, version: int, metrics: dict[str, float]) -
     return run_id
 
 
+def write_mlmodel(ckpt_dir: Path, step: dict[str, Any]) -> None:
+    """An ``MLmodel`` file in the checkpoint directory (atomically, once): what the MLflow UI reads
+    for a model version's page - the flavor (an HF safetensors checkpoint served by clawrl, not a
+    copy of the weights) and the signature (chat messages in, the answer's text out). The
+    checkpoint's sha256 covers ``model.safetensors`` only, so this file changes no recorded hash."""
+    from mlflow.models import Model, ModelSignature
+    from mlflow.types.schema import ColSpec, Schema
+
+    target = Path(ckpt_dir) / "MLmodel"
+    if target.exists():
+        return
+    flavor = {"format": "huggingface-safetensors", "weights": "model.safetensors", "sha256": step["sha256"],
+              "weight_version": str(step["weight_version"]), "parent_version": str(step["parent_version"])}
+    signature = ModelSignature(inputs=Schema([ColSpec("string", "messages")]),
+                               outputs=Schema([ColSpec("string", "content")]))
+    tmp = target.with_name(".MLmodel.tmp")
+    Model(flavors={"clawrl": flavor}, signature=signature).save(str(tmp))
+    tmp.replace(target)
+
+
 def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, Any],
                    manifest: list[dict[str, Any]], tags: dict[str, str]) -> str:
     """Log one PPO step: a run, and the checkpoint as a version of the registered model, both tagged
@@ -146,6 +166,7 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
         c.set_terminated(run_id)
     _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
     if not c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):  # once per run
+        write_mlmodel(Path(step["path"]), step)
         mv_tags = {**lineage, **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
         mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
         c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))

@@ -87,6 +87,7 @@ def test_crash_between_steps_is_exactly_once(prefect_harness, make_settings, tmp
     assert sorted(p.name for p in ckdir.iterdir()) == ["v000001", "v000002"]  # no half-written leftovers
     assert json.loads((ckdir / "v000001" / "trainer.json").read_text())["batch_id"] == cks[0]["batch_id"]
     c = client(s.storage.data_root)
-    runs = c.search_runs([experiment_id(c, s.storage.data_root, EXPERIMENT)])
+    runs = [r for r in c.search_runs([experiment_id(c, s.storage.data_root, EXPERIMENT)])
+            if r.data.tags.get("kind") != "policy"]  # the step runs (the policy run holds the curves)
     assert sorted(r.data.tags["batch_id"] for r in runs) == sorted(x["batch_id"] for x in cks)
     assert len(c.search_model_versions(f"name = '{REGISTERED_MODEL}'")) == 2

@@ -98,6 +98,11 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     assert mv.tags["weight_version"] == "1"
     assert mv.run_id == ck["mlflow_run_id"] and mv.tags["batch_id"] == ck["batch_id"]
     run = mlflow_client(s.storage.data_root).get_run(mv.run_id)
+    from mlflow.models import Model  # the version page's MLmodel: flavor and signature, in the checkpoint
+
+    mlmodel = Model.load(mv.source.removeprefix("file://"))
+    assert mlmodel.flavors["clawrl"]["sha256"] == ck["sha256"] and mlmodel.flavors["clawrl"]["weight_version"] == "1"
+    assert mlmodel.signature.inputs.input_names() == ["messages"]
     assert run.data.params["method"] == "combine" and float(run.data.params["lr"]) == 1e-3
     assert {"loss", "kl", "entropy", "clip_frac"} <= set(run.data.metrics)
     # clawrl doctor's report after the step: one metric per finding, and the report itself

@@ -123,7 +123,7 @@ def _ck_state(root: Path) -> dict:
     dirs = sorted(ckdir.iterdir()) if ckdir.is_dir() else []
     files = {d.name: file_sha256(d / "model.safetensors") for d in dirs if (d / "model.safetensors").is_file()}
     c = client(root)
-    runs = c.search_runs([experiment_id(c, root, EXPERIMENT)])
+    runs = [r for r in c.search_runs([experiment_id(c, root, EXPERIMENT)]) if r.data.tags.get("kind") != "policy"]
     return {"rows": rows, "files": files, "dirs": [d.name for d in dirs],
             "run_batches": sorted(r.data.tags["batch_id"] for r in runs),
             "model_versions": len(c.search_model_versions(f"name = '{REGISTERED_MODEL}'")),
