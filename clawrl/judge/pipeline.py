@@ -33,8 +33,10 @@ would score other tokens than the policy sampled (different tokenizer or templat
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +47,7 @@ from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.prompts import PROMPTS_VERSION, build_hint_messages, build_prm_messages
 from clawrl.judge.teacher import (TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs,
                                   demonstration_ids)
-from clawrl.judge.voting import majority_vote, select_hint
+from clawrl.judge.voting import hint_problem, majority_vote, select_hint
 from clawrl.records import (Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, SampleRecord, TurnRecord,
                             TurnType)
 
@@ -248,9 +250,16 @@ class Judge:
         return JudgeVerdict(
             turn_id=turn.turn_id, judge_config_hash=self.config_hash, judge_backend=self.backend_name, score=score,
             score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in raws["prm"]]),
-            hint=select_hint([h for accepted, h in hints if accepted], self.hint_policy) if hint_raw else None,
+            hint=select_hint([h for accepted, h in hints if accepted], self.hint_policy,
+                             problem=self._hint_problem(ctx)) if hint_raw else None,
             hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
             error="; ".join(errors) or None)
+
+    def _hint_problem(self, ctx) -> Callable[[str], str | None]:
+        """What :func:`hint_problem` checks a candidate of this turn's hint votes against: the user's
+        replies in the next state (the rule judge's hint is the user's correction itself)."""
+        users = [text for label, text in ctx.next_state if label == "[user]"]
+        return functools.partial(hint_problem, user_texts=users, copy_check=self.backend_name != "rule")
 
     async def close(self) -> None:
         """Close the HTTP clients this judge made (SGLang judge or teacher servers). In-process
