@@ -13,7 +13,10 @@ would (the next state the judge reads), for ``turns_per_session`` turns, the las
 
 Figures: requests, errors (must be 0), main turns acknowledged vs logged afterwards (equal, turn by
 turn), client-side latency p50/p99, throughput, the weight versions served, and the train steps and
-weight syncs completed inside the window.
+weight syncs completed inside the window. Per train step, the loop latency: from the next state that
+completed its batch (the newest next state of the batch's turns, as logged) to the first response a
+client got from the new version; minus the PPO step's and the sync's own time, what is left is the
+loop's orchestration overhead (judging the last turns, Prefect, lineage, waiting for the next request).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Run:
     min_syncs: int
     progress: Callable[[dict[str, Any]], None] | None = None
     t0: float = field(default_factory=time.monotonic)
+    t0_wall: float = field(default_factory=time.time)  # the same instant on the clock the tables use
     ended_s: float | None = None  # when the last user stopped (turns in flight included)
     latencies: list[float] = field(default_factory=list)
     acked: list[tuple[str, int]] = field(default_factory=list)  # (session id, turn index) of each 200
@@ -147,11 +151,11 @@ async def _users(base_url: str, n_users: int, run: Run, **user_options) -> None:
 
 
 def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int,
-                  device: str, dtype: str) -> str:
+                  device: str, dtype: str, model: str = "tiny") -> str:
     from clawrl.config import dump_toml, load_settings
 
     s = load_settings(env={}, overrides={
-        "model.name": "tiny", "model.device": device, "model.dtype": dtype,
+        "model.name": model, "model.device": device, "model.dtype": dtype,
         "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),
         "server.open_mode": True, "server.api_port": port, "ppo.rollout_batch_size": rollout_batch_size,
         "ppo.micro_batch_size": min(rollout_batch_size, 8), "ppo.max_new_tokens": max_tokens,
@@ -188,7 +192,8 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
     while users.is_alive():
         judged += judge_flow(config_path=conf, limit=judge_limit)["judged"]
         out = train_flow(config_path=conf, max_steps=1, engine_url=engine_url)
-        run.steps += [{"weight_version": st["weight_version"], "at_s": time.monotonic() - run.t0,
+        run.steps += [{"weight_version": st["weight_version"], "batch_id": st["batch_id"],
+                       "at_s": time.monotonic() - run.t0, "train_s": st["metrics"].get("step_time_s"),
                        "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
                        "sync_message": st["sync"]["message"]} for st in out["steps"]]
         if not out["steps"]:
@@ -198,7 +203,7 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
 
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
                    max_tokens: int = 16, turns_per_session: int = 3, data_root: Path | None = None,
-                   min_syncs: int = 0, device: str = "cpu",
+                   min_syncs: int = 0, device: str = "cpu", model: str = "tiny",
                    progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the load benchmark, the gateway's engine and the trainer on ``device``; returns
     the figures (module docstring). ``min_syncs``: hold the window open past ``duration_s`` until that
@@ -211,7 +216,7 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     port, dtype = free_port(), bench_dtype(device)
     # turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon
     judge_limit = max(16, 2 * rollout_batch_size)
-    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens, device, dtype)
+    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens, device, dtype, model)
     s = load_flow_settings(conf)
     gw = f"http://127.0.0.1:{port}"
     proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
@@ -235,6 +240,7 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     return {"sessions": sessions, "duration_s": duration_s, "turns_per_session": turns_per_session,
             "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "judge_limit": judge_limit,
             "turns_judged": judged, "load_1m_before": load_before, "load_1m_after": load_after, "device": device,
+            "model": model,
             "dtype": dtype, "window_s": run.ended_s, "data_root": str(root), **_figures(root, run, wall)}
 
 
@@ -251,6 +257,7 @@ def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
     # already served the new version in it (the flow run returns a little after its sync).
     for st in run.steps:
         st["first_served_s"] = run.first_seen.get(st["weight_version"])
+        st.update(_loop_latency(root, run, st))
     in_window = [st for st in run.steps if st["at_s"] <= run.ended_s
                  or (st["first_served_s"] is not None and st["first_served_s"] <= run.ended_s)]
     return {
@@ -266,6 +273,22 @@ def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
     }
 
 
+def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float | None]:
+    """``loop_s``: the batch's last next state -> the first response on the step's version;
+    ``orchestration_s``: that minus the PPO step and the sync (module docstring). None when no
+    client got the version."""
+    from clawrl.storage.catalog import run_query
+
+    [row] = run_query(root, f"""
+        select epoch(max(n.created_at)) as completed from batches b, unnest(b.sample_ids) as u(sid)
+        join samples s on s.sample_id = u.sid join next_states n on n.turn_id = s.turn_id
+        where b.batch_id = '{step['batch_id']}' and n.has_next_state""").to_pylist()
+    if step["first_served_s"] is None or row["completed"] is None:
+        return {"loop_s": None, "orchestration_s": None}
+    loop = run.t0_wall + step["first_served_s"] - row["completed"]
+    return {"loop_s": loop, "orchestration_s": loop - (step["train_s"] or 0.0) - (step["sync_s"] or 0.0)}
+
+
 def format_load_section(r: dict[str, Any]) -> str:
     row = {k: r[k] for k in ("sessions", "duration_s", "window_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
                              "p50_ms", "p99_ms", "requests_per_s", "completion_tokens_per_s", "train_steps",
@@ -277,6 +300,9 @@ def format_load_section(r: dict[str, Any]) -> str:
     syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
                       f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
                       for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
+    loops = [{"version": st["weight_version"], "loop_s": st["loop_s"], "train_s": st["train_s"],
+              "sync_s": st["sync_s"], "orchestration_s": st["orchestration_s"]}
+             for st in r["steps"] if st.get("loop_s") is not None]
     return "\n".join([
         "## Load: concurrent sessions while judging, training and syncing",
         "",
@@ -284,7 +310,8 @@ def format_load_section(r: dict[str, Any]) -> str:
         f"`clawrl bench load`: {r['sessions']} simulated users (clawrl/sim personas, openai SDK AsyncOpenAI, "
         "no retries)",
         f"in multi-turn sessions ({r['turns_per_session']} main turns each, the last with `session_done`) against",
-        "`clawrl serve` (a separate process: uvicorn, the embedded tiny engine) for the window below, while this",
+        f"`clawrl serve` (a separate process: uvicorn, the embedded engine, model `{r.get('model', 'tiny')}`) for the "
+        "window below, while this",
         "process runs the judge flow (rule judge) and the train flow (GRPO, rollout_batch_size "
         f"{r['rollout_batch_size']}) in a loop; each",
         "train step syncs its checkpoint into the serving engine through the gateway's /engine, as `clawrl up` does.",
@@ -300,4 +327,11 @@ def format_load_section(r: dict[str, Any]) -> str:
         f"started {r['sessions_started']}, completed {r['sessions_completed']}; sent but not logged: "
         f"{r['sent_not_logged']}. `load_1m`: the 1-minute load average",
         "before -> after the window; above the core count, other work shared the machine.",
+        "",
+        "Loop latency per train step: `loop_s` from the logged next state that completed the step's batch to the",
+        "first response a client got from the new version; `orchestration_s` = `loop_s` - `train_s` (the PPO step)",
+        "- `sync_s` (target <= 1 s).",
+        "",
+        markdown_table(loops, ["version", "loop_s", "train_s", "sync_s", "orchestration_s"]) if loops
+        else "No step's version reached a client inside the window.",
     ])

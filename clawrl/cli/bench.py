@@ -139,6 +139,7 @@ def bench_load(
     rollout_batch_size: Annotated[int, typer.Option(help="Samples per PPO step (small: steps happen in the window).")] = 8,
     max_tokens: Annotated[int, typer.Option(help="New tokens per turn.")] = 16,
     turns: Annotated[int, typer.Option(help="Main turns per session.")] = 3,
+    model: Annotated[str, typer.Option(help="The served and trained model (e.g. qwen3-0.6b-random on a GPU).")] = "tiny",
     min_syncs: Annotated[int, typer.Option(help="Keep the load on past --duration until this many weight syncs "
                                                  "were served (at most 4x --duration + 240 s).")] = 1,
     device: DeviceOpt = None,
@@ -158,7 +159,7 @@ def bench_load(
 
         result = run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
                                 rollout_batch_size=rollout_batch_size, max_tokens=max_tokens, turns_per_session=turns,
-                                min_syncs=min_syncs, device=_device(device), progress=progress)
+                                min_syncs=min_syncs, device=_device(device), model=model, progress=progress)
     _write("load", format_load_section(result), out)
     console.print(f"run data: {result['data_root']}", markup=False)
     if not (result["errors"] == 0 and result["sent_not_logged"] == 0

@@ -27,3 +27,9 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
     assert 0 < r["p50_ms"] <= r["p99_ms"]
     assert r["sessions_completed"] >= 1 and r["turns_judged"] >= 4
     assert seen and seen[-1]["requests"] == r["requests"] and seen[-1]["errors"] == 0
+    # loop latency: a served step's version reached a client after its batch's last next state, and
+    # at least the step's own training and sync time later
+    served = [st for st in r["steps"] if st["loop_s"] is not None]
+    assert served and all(st["loop_s"] >= st["train_s"] + st["sync_s"] > 0 for st in served), r["steps"]
+    assert all(st["orchestration_s"] == pytest.approx(st["loop_s"] - st["train_s"] - st["sync_s"]) for st in served)
+    assert "| version | loop_s | train_s | sync_s | orchestration_s |" in format_load_section(r)
