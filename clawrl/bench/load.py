@@ -16,7 +16,8 @@ turn), client-side latency p50/p99, throughput, the weight versions served, and 
 weight syncs completed inside the window. Per train step, the loop latency: from the next state that
 completed its batch (the newest next state of the batch's turns, as logged) to the first response a
 client got from the new version; minus the PPO step's and the sync's own time, what is left is the
-loop's orchestration overhead (judging the last turns, Prefect, lineage, waiting for the next request).
+loop's orchestration overhead (judging the last turns, Prefect, lineage, waiting for the next request,
+and, when the judge falls behind the users, the batch's wait in the backlog of turns to judge).
 """
 
 from __future__ import annotations
