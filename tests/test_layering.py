@@ -18,7 +18,7 @@ PACKAGES = {"clawrl": ROOT / "clawrl", "clawrl.flows": ROOT / "flows", "clawrl.s
 FLOORS: list[tuple[str, ...]] = [
     ("clawrl.records", "clawrl.ids", "clawrl.config"),
     ("clawrl.storage",),
-    ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.chat", "clawrl.checkpoint", "clawrl.hooks",
+    ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.gate", "clawrl.chat", "clawrl.checkpoint", "clawrl.hooks",
      "clawrl.runtime"),
     ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage", "clawrl.doctor"),
     ("clawrl.trainer_service", "clawrl.replay", "clawrl.supervisor", "clawrl.serving"),
