@@ -16,14 +16,12 @@ import hashlib
 import json
 import os
 import re
-import textwrap
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import to_jsonable_python
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from clawrl.records import Method
@@ -237,6 +235,30 @@ class HooksSettings(_Section):
     sample_source: str = Field("", description="Replaces trainable samples: fn(data_root, judge_config_hash, limit).")
 
 
+class GateSettings(_Section):
+    """The promotion gate: every new checkpoint is a candidate, scored paired with the serving champion (same
+    prompts, same seeds) and served only when not worse beyond the tolerance (the rule: clawrl/gate.py).
+    Refused candidates stay unserved; training goes on from the trained policy either way."""
+
+    enabled: bool = Field(True, description="Gate every new checkpoint; false serves each one as soon as it exists.")
+    eval_set: Literal["validation"] = Field("validation", description="'validation': the fixed prompts and scorer "
+                                            "`evaluator` returns, the same for every candidate.")
+    evaluator: str = Field("clawrl.sim.validation:concise", description="Import path of fn(size, seed) -> (prompts, "
+                           "score): chat message lists, and score(index, answer) in [0, 1]. Default: the demo's "
+                           "validation questions (disjoint from its held-out ones), scored as its 'concise' user "
+                           "would (satisfied AND on topic); point it at your own prompts and scorer.")
+    size: int = Field(16, ge=1, description="Evaluation prompts: more resolve smaller differences, at more engine time.")
+    samples: int = Field(2, ge=1, description="Answers per prompt (fixed distinct seeds); a prompt scores their mean.")
+    seed: int = Field(0, description="Seed of the evaluation set and of its answers: decisions replay identically.")
+    max_tokens: int = Field(48, ge=1, description="Answer budget per evaluation prompt.")
+    temperature: float | None = Field(None, ge=0, description="Evaluation sampling temperature; unset: "
+                                      "ppo.temperature, what users get.")
+    tolerance: float = Field(0.05, ge=0, le=1, description="The largest drop in mean score a candidate may show "
+                             "and still be promoted, against the champion and against the best promoted score.")
+    alpha: float = Field(0.05, gt=0, lt=1, description="Level of the one-sided paired t-test: a candidate "
+                         "significantly worse than the champion is refused even within the tolerance.")
+
+
 class Settings(BaseSettings):
     """Every section; the defaults here are the only ones (``clawrl config show --defaults`` prints them).
     ``Settings()`` takes CLAWRL__SECTION__KEY variables as is; :func:`load_settings` is the checked way in."""
@@ -253,6 +275,7 @@ class Settings(BaseSettings):
     storage: StorageSettings = StorageSettings()
     provider: ProviderSettings = ProviderSettings()
     hooks: HooksSettings = HooksSettings()
+    gate: GateSettings = GateSettings()
 
 
 _SECTIONS = ", ".join(Settings.model_fields)
@@ -416,38 +439,12 @@ def config_hash(settings: BaseModel) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-_DEFAULTS_HEADER = """\
-# clawrl's defaults, each key under its description: `clawrl config show --defaults` prints this file
-# (tests/test_config.py keeps the two equal). Overlay only the keys you change with `--config FILE`,
-# then env CLAWRL__SECTION__KEY=value. Secrets never live in a file: [server] and [provider] name the
-# environment variables that hold them.
-"""
-
-
-def _comment(text: str) -> list[str]:
-    return textwrap.wrap(" ".join(text.split()), 98, initial_indent="# ", subsequent_indent="# ")
-
-
 def dump_toml(settings: Settings) -> str:
     """``settings`` as TOML that :func:`load_settings` reads back to the same settings (JSON's scalars
     are TOML literals)."""
     out = []
     for section, table in settings.model_dump(mode="json").items():
         out += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in table.items() if v is not None), ""]
-    return "\n".join(out)
-
-
-def dump_defaults() -> str:
-    """The defaults as TOML, each key under its description (``clawrl config show --defaults``, which
-    conf/default.toml is)."""
-    out = [_DEFAULTS_HEADER]
-    for section, field in Settings.model_fields.items():
-        out += [*_comment(field.annotation.__doc__ or ""), f"[{section}]"]
-        for key, f in field.annotation.model_fields.items():
-            value = to_jsonable_python(f.default)  # as written: "~/.clawrl", not this machine's home
-            out += _comment(f.description or "")
-            out.append(f"# {key} is unset" if value is None else f"{key} = {json.dumps(value)}")
-        out.append("")
     return "\n".join(out)
 
 

@@ -16,7 +16,7 @@ PACKAGES = {"clawrl": ROOT / "clawrl", "clawrl.flows": ROOT / "flows", "clawrl.s
 
 # Lowest floor first. A module may import from its own floor and the floors below, never above.
 FLOORS: list[tuple[str, ...]] = [
-    ("clawrl.records", "clawrl.ids", "clawrl.config"),
+    ("clawrl.records", "clawrl.ids", "clawrl.config", "clawrl.config_defaults"),
     ("clawrl.storage",),
     ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.gate", "clawrl.chat", "clawrl.checkpoint", "clawrl.hooks",
      "clawrl.runtime"),
