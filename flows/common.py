@@ -22,6 +22,7 @@ from clawrl.config import Settings, config_hash, load_settings
 
 if TYPE_CHECKING:
     from clawrl.engine.types import Engine
+    from clawrl.evaluation import EvalSet
     from clawrl.judge.pipeline import Judge
     from clawrl.storage.writer import DataStore
     from clawrl.sync import SyncReport
@@ -71,6 +72,39 @@ def frozen_engine(settings: Settings, name: str | None = None) -> Engine:
 
     m = settings.model
     return _once(("frozen", name or m.name, m.seed, m.dtype), lambda: load_frozen_engine(settings, name))
+
+
+def eval_engine(settings: Settings) -> Engine:
+    """The promotion gate's evaluation engine: the initial weights at first, then whichever version the
+    gate loaded last; never the serving engine, so users keep getting the champion while it measures."""
+    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
+    from clawrl.models import resolve_device, resolve_dtype
+
+    def make() -> Engine:
+        device, _ = resolve_device(settings.model.device)
+        return EmbeddedEngine(base_model_dir(settings), dtype=resolve_dtype(settings.model.dtype, device),
+                              device=device, weight_version="0", served_model_name="clawrl-eval",
+                              **settings.engine.model_dump(include=LIMIT_KEYS))
+
+    m = settings.model
+    return _once(("eval", str(settings.storage.data_root), m.name, m.seed, m.dtype), make)
+
+
+def base_model_dir(settings: Settings):
+    """The initial weights (weight version "0") of the policy model."""
+    from clawrl.models import resolve_model_dir
+
+    return resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
+
+
+def gate_eval_set(settings: Settings) -> EvalSet:
+    """The ``[gate]`` evaluation set, loaded once per configuration."""
+    from clawrl.evaluation import load_eval_set
+
+    g = settings.gate
+    temperature = settings.ppo.temperature if g.temperature is None else g.temperature
+    return _once(("gate-set", config_hash(g), temperature), lambda: load_eval_set(
+        g.evaluator, size=g.size, samples=g.samples, seed=g.seed, max_tokens=g.max_tokens, temperature=temperature))
 
 
 def judge_for(settings: Settings) -> Judge:

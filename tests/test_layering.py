@@ -20,8 +20,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("clawrl.storage",),
     ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.gate", "clawrl.chat", "clawrl.checkpoint", "clawrl.hooks",
      "clawrl.runtime"),
-    ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage", "clawrl.doctor"),
-    ("clawrl.trainer_service", "clawrl.replay", "clawrl.supervisor", "clawrl.serving"),
+    ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage", "clawrl.doctor",
+     "clawrl.evaluation"),
+    ("clawrl.trainer_service", "clawrl.replay", "clawrl.supervisor", "clawrl.serving", "clawrl.promotion"),
     ("clawrl.flows",),
     ("clawrl.cli", "clawrl.bench"),
 ]
