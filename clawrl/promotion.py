@@ -31,7 +31,8 @@ from clawrl.storage.catalog import open_catalog
 from clawrl.storage.promotions import (
     BASE_VERSION,
     best_promoted_mean,
-    champion_history,
+    champion_stack,
+    current_champion,
     stored_evaluation,
 )
 from clawrl.storage.queries import find_checkpoint
@@ -93,8 +94,8 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
     spent measuring now) and ``promotion_id``."""
     store.flush()
     with open_catalog(data_root) as con:
-        history = champion_history(con)
-        champion = history[-1]
+        line = champion_stack(con)
+        champion = line[-1]
         champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
         cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
         floor = best_promoted_mean(con, eval_set.key)
@@ -111,8 +112,8 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
     store.append(row)
     store.flush()
     serve = str(candidate) if d.promoted else champion
-    previous = [v for v in history if v != serve][-1:]
-    keep_weights_of(Path(data_root) / "checkpoints", [serve, *previous])
+    # the champion, and what a rollback would serve
+    keep_weights_of(Path(data_root) / "checkpoints", [serve, champion] if d.promoted else line[-2:])
     seconds = (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
     return {**d.to_dict(), "champion_version": champion, "serve_version": serve, "eval_seconds": seconds,
             "promotion_id": row.promotion_id}
@@ -128,13 +129,15 @@ def record_manual(store, data_root: Path, *, action: PromotionAction, version: s
     with no evaluation evidence; the new champion and the one before it keep their weights."""
     store.flush()
     with open_catalog(data_root) as con:
-        history = champion_history(con)
+        champion = current_champion(con)
     row = PromotionRecord(
         promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(version),
-        champion_version=history[-1], source=source, reason=reason, eval_key=None, n=None, candidate_mean=None,
+        champion_version=champion, source=source, reason=reason, eval_key=None, n=None, candidate_mean=None,
         champion_mean=None, mean_diff=None, ci_low=None, ci_high=None, p_value=None, tolerance=None, alpha=None,
         mlflow_run_id=mlflow_run_id)
     store.append(row)
     store.flush()
-    keep_weights_of(Path(data_root) / "checkpoints", [str(version), *[v for v in history if v != str(version)][-1:]])
+    with open_catalog(data_root) as con:
+        line = champion_stack(con)
+    keep_weights_of(Path(data_root) / "checkpoints", line[-2:])  # the champion, and what a rollback serves
     return row

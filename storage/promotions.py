@@ -27,23 +27,37 @@ def promotion_log(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 
 
 def champion_history(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """The versions that served as champion, oldest first, starting with the initial weights ("0")."""
+    """Every version that ever served as champion, in order, starting with the initial weights ("0")."""
     rows = con.execute("SELECT weight_version FROM promotions WHERE action IN (?, ?) ORDER BY created_at, "
                        "promotion_id", list(_SERVING)).fetchall()
     return [BASE_VERSION] + [str(r[0]) for r in rows]
 
 
+def champion_stack(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The line of champions a rollback walks back: a promotion pushes its version, a rollback to a
+    version pops back to it (pushes it when it was not on the line). The last one is the champion."""
+    stack = [BASE_VERSION]
+    for r in promotion_log(con):
+        v = str(r["weight_version"])
+        if r["action"] == PromotionAction.PROMOTE.value:
+            stack.append(v)
+        elif r["action"] == PromotionAction.ROLLBACK.value:
+            if v in stack:
+                del stack[stack.index(v) + 1:]
+            else:
+                stack.append(v)
+    return stack
+
+
 def current_champion(con: duckdb.DuckDBPyConnection) -> str:
-    return champion_history(con)[-1]
+    return champion_stack(con)[-1]
 
 
 def previous_champion(con: duckdb.DuckDBPyConnection) -> str | None:
-    """The champion before the current one (what `clawrl rollback` serves again), or None when the
-    initial weights are the only champion there ever was."""
-    history = champion_history(con)
-    current = history[-1]
-    earlier = [v for v in history[:-1] if v != current]
-    return earlier[-1] if earlier else None
+    """The champion before the current one on the line (what `clawrl rollback` serves again), or None
+    when the initial weights are the champion."""
+    stack = champion_stack(con)
+    return stack[-2] if len(stack) > 1 else None
 
 
 def consecutive_refusals(con: duckdb.DuckDBPyConnection) -> int:

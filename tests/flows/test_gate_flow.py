@@ -149,3 +149,83 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
     assert "champion version 1" in line and "candidate 2 refused" in line, line
     sync_line = next(x for x in res.output.splitlines() if x.startswith("last sync:"))
     assert "serving version 1" in sync_line and "waiting" not in sync_line, sync_line
+
+
+def _write_samples(s, n: int) -> None:
+    import random
+
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.records import SampleRecord
+
+    rng, chash = random.Random(0), build_judge_config_hash(s)
+    with DataStore(s.storage.data_root) as store:
+        store.append([SampleRecord(
+            sample_id=f"smp{i:02d}", turn_id=f"turn{i:02d}", session_id=f"sess{i:02d}", judge_config_hash=chash,
+            method="grpo", prompt_ids=[1] + [rng.randrange(3, 40000) for _ in range(6)],
+            output_ids=[rng.randrange(3, 40000) for _ in range(5)] + [2], rollout_logprobs=[-7.0] * 6,
+            reward=1.0 if i % 2 else -1.0, has_teacher=False, teacher_logprobs=None, weight_version="0")
+            for i in range(n)])
+
+
+def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, make_settings, tmp_path, tiny_dir):
+    from clawrl.cli import app
+    from clawrl.flows.train import train_flow
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
+    from tests.utils.engine_server import CONTEXT, PROMPT, make_tiny_engine, running_engine_server
+
+    with running_engine_server(lambda: make_tiny_engine(tiny_dir), max_context_len=CONTEXT) as srv:
+        s = make_settings({"engine.kind": "http", "engine.url": srv.url, "ppo.rollout_batch_size": 2,
+                           "ppo.advantage_estimator": "grpo", "ppo.lr": 1e-3, "gate.size": 2, "gate.samples": 1,
+                           "gate.max_tokens": 4})
+        conf = tmp_path / "http.toml"
+        conf.write_text(dump_toml(s))
+        _write_samples(s, 4)
+        steps = train_flow(config_path=str(conf), max_steps=2)["steps"]
+        # the tiny model never pleases the default evaluator's user: equal scores, so both are promoted
+        assert [(st["gate"]["decision"], st["sync"]["success"]) for st in steps] == [("promote", True)] * 2
+
+        def serving() -> str:
+            return srv.call(srv.engine.model_info())["weight_version"]
+
+        assert serving() == "2"
+        failures, served, stop = [], [], threading.Event()
+
+        def traffic():
+            with httpx.Client(timeout=60) as c:
+                while not stop.is_set():
+                    r = c.post(srv.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+                        "max_new_tokens": 4}})
+                    (served if r.status_code == 200 else failures).append(r.status_code)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            cli = CliRunner()
+            res = cli.invoke(app, ["rollback", "--config", str(conf), "--reason", "live score fell"])
+            assert res.exit_code == 0 and "rolled back from version 2 to version 1" in res.output, res.output
+            assert serving() == "1"
+            res = cli.invoke(app, ["rollback", "--config", str(conf)])
+            assert res.exit_code == 0 and serving() == "0", res.output  # the initial weights, from the model dir
+            res = cli.invoke(app, ["rollback", "--config", str(conf)])
+            assert res.exit_code == 2 and "nothing to roll back to: the champion is version 0" in res.output
+            res = cli.invoke(app, ["promote", "2", "--config", str(conf)])
+            assert res.exit_code == 0 and "promoted version 2" in res.output and serving() == "2", res.output
+            res = cli.invoke(app, ["promote", "9", "--config", str(conf)])
+            assert res.exit_code == 2 and "no checkpoint of weight version '9'" in res.output
+        finally:
+            stop.set()
+            thread.join(30)
+    assert failures == [] and len(served) >= 4
+    rows = run_query(s.storage.data_root, "select action, weight_version, champion_version, source, reason "
+                     "from promotions order by created_at").to_pylist()
+    assert [(r["action"], r["weight_version"], r["champion_version"], r["source"]) for r in rows] == [
+        ("promote", "1", "0", "gate"), ("promote", "2", "1", "gate"), ("rollback", "1", "2", "manual"),
+        ("rollback", "0", "1", "manual"), ("promote", "2", "0", "manual")]
+    assert rows[2]["reason"] == "live score fell"
+    syncs = run_query(s.storage.data_root, "select weight_version, ok from syncs order by created_at").to_pylist()
+    assert [(r["weight_version"], r["ok"]) for r in syncs][-3:] == [("1", True), ("0", True), ("2", True)]
+    alias = mlflow_client(s.storage.data_root).get_model_version_by_alias(REGISTERED_MODEL, "champion")
+    assert alias.tags["weight_version"] == "2"
+    res = CliRunner().invoke(app, ["status", "--config", str(conf)])
+    line = next(x for x in res.output.splitlines() if x.startswith("promotion:"))
+    assert line.startswith("promotion: champion version 2, promoted by manual"), line
