@@ -65,6 +65,15 @@ async def _score(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, versio
     return await evaluate_version(engine, adapter, eval_set)
 
 
+def score_version(data_root: Path, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, version: str,
+                  base_dir: Path) -> list[float]:
+    """Per-prompt scores of ``version`` on any evaluation set, stored nowhere (the demo's held-out
+    score of a refused candidate); the engine keeps the weights it holds when it holds ``version``."""
+    with open_catalog(data_root) as con:
+        v, path, sha = weights_of(con, version, base_dir)
+    return runtime.run(_score(engine, adapter, eval_set, v, path, sha))[0]
+
+
 def _evaluation(version: str, eval_set: EvalSet, scores: list[float], seconds: float) -> EvaluationRecord:
     return EvaluationRecord(evaluation_id=uuid.uuid4().hex[:16], weight_version=str(version), eval_key=eval_set.key,
                             scores=scores, mean=sum(scores) / len(scores), n=len(scores), samples=eval_set.samples,

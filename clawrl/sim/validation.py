@@ -15,17 +15,22 @@ from clawrl.sim.prompts import validation_questions
 Evaluator = Callable[..., tuple[list[list[dict[str, str]]], Callable[[int, str], float]]]
 
 
+def question_set(persona_name: str, questions: list[tuple[str, tuple[str, ...]]]):
+    """(prompts, score) of ``questions`` as the persona's user asks and scores them."""
+    persona = get_persona(persona_name)
+
+    def score(i: int, answer: str) -> float:
+        question, keywords = questions[i]
+        return float(persona.satisfied(answer) and on_topic(answer, keywords, question))
+
+    return [[{"role": "user", "content": q}] for q, _ in questions], score
+
+
 def persona_evaluator(name: str) -> Evaluator:
-    persona = get_persona(name)
+    get_persona(name)  # an unknown name fails here, at import
 
     def evaluator(*, size: int, seed: int):
-        questions = validation_questions(size, seed)
-
-        def score(i: int, answer: str) -> float:
-            question, keywords = questions[i]
-            return float(persona.satisfied(answer) and on_topic(answer, keywords, question))
-
-        return [[{"role": "user", "content": q}] for q, _ in questions], score
+        return question_set(name, validation_questions(size, seed))
 
     return evaluator
 

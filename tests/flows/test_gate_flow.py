@@ -229,3 +229,38 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
     res = CliRunner().invoke(app, ["status", "--config", str(conf)])
     line = next(x for x in res.output.splitlines() if x.startswith("promotion:"))
     assert line.startswith("promotion: champion version 2, promoted by manual"), line
+
+
+def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
+    """`clawrl demo` on the tiny model for two steps: every row has the gate's decision, both validation
+    means and the candidate's held-out score; the gate scored the demo persona's validation questions."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    conf = tmp_path / "demo.toml"
+    conf.write_text((root / "conf" / "demo.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
+                    .replace("rollout_batch_size = 16", "rollout_batch_size = 4")
+                    + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n\n[gate]\nsize = 4\n')
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--persona", "lowercase",
+                          "--steps", "2", "--users", "4", "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8",
+                          "--run-dir", str(run)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((run / "reports" / "learning_curve.json").read_text())
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["candidate_score"] == rows[0]["score"] and "gate" not in rows[0]
+    for r in rows[1:]:
+        assert r["gate"] in ("promote", "refuse") and r["candidate_version"] == str(r["step"])
+        assert 0.0 <= r["val_candidate"] <= 1.0 and 0.0 <= r["val_champion"] <= 1.0
+        if r["gate"] == "promote":
+            assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["score"]
+    assert "promotion: champion version" in out.stdout and "gate" in out.stdout
+    run_conf = (run / "config.toml").read_text()
+    assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_tokens = 8" in run_conf
+    evals = run_query(run, "select weight_version, n from evaluations order by weight_version").to_pylist()
+    assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
