@@ -21,9 +21,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from clawrl.config_sections import GateSettings
+from clawrl.config_sections import Section as _Section
 from clawrl.records import Method
 
 ENV_PREFIX = "CLAWRL__"
@@ -56,10 +58,6 @@ def _regex(pattern: str) -> str:
     except re.error as e:
         raise ValueError(f"not a regular expression: {e}") from None
     return pattern
-
-
-class _Section(BaseModel):  # allow_inf_nan=False: TOML's inf and nan mean nothing to any setting
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):
@@ -233,30 +231,6 @@ class HooksSettings(_Section):
     loss: str = Field("", description="Replaces advantage + PPO loss of a micro-batch (see clawrl/train/base.py).")
     generate: str = Field("", description="Replaces the gateway's engine call: async fn(engine, request).")
     sample_source: str = Field("", description="Replaces trainable samples: fn(data_root, judge_config_hash, limit).")
-
-
-class GateSettings(_Section):
-    """The promotion gate: every new checkpoint is a candidate, scored paired with the serving champion (same
-    prompts, same seeds) and served only when not worse beyond the tolerance (the rule: clawrl/gate.py).
-    Refused candidates stay unserved; training goes on from the trained policy either way."""
-
-    enabled: bool = Field(True, description="Gate every new checkpoint; false serves each one as soon as it exists.")
-    eval_set: Literal["validation"] = Field("validation", description="'validation': the fixed prompts and scorer "
-                                            "`evaluator` returns, the same for every candidate.")
-    evaluator: str = Field("clawrl.sim.validation:concise", description="Import path of fn(size, seed) -> (prompts, "
-                           "score): chat message lists, and score(index, answer) in [0, 1]. Default: the demo's "
-                           "validation questions (disjoint from its held-out ones), scored as its 'concise' user "
-                           "would (satisfied AND on topic); point it at your own prompts and scorer.")
-    size: int = Field(16, ge=1, description="Evaluation prompts: more resolve smaller differences, at more engine time.")
-    samples: int = Field(2, ge=1, description="Answers per prompt (fixed distinct seeds); a prompt scores their mean.")
-    seed: int = Field(0, description="Seed of the evaluation set and of its answers: decisions replay identically.")
-    max_tokens: int = Field(48, ge=1, description="Answer budget per evaluation prompt.")
-    temperature: float | None = Field(None, ge=0, description="Evaluation sampling temperature; unset: "
-                                      "ppo.temperature, what users get.")
-    tolerance: float = Field(0.05, ge=0, le=1, description="The largest drop in mean score a candidate may show "
-                             "and still be promoted, against the champion and against the best promoted score.")
-    alpha: float = Field(0.05, gt=0, lt=1, description="Level of the one-sided paired t-test: a candidate "
-                         "significantly worse than the champion is refused even within the tolerance.")
 
 
 class Settings(BaseSettings):

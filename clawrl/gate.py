@@ -97,3 +97,56 @@ def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, t
     else:
         decision, why = PROMOTE, f"not worse beyond the tolerance {tolerance:g}"
     return GateDecision(decision, f"{why}: {evidence}", n, cand, champ, mean, low, high, p, tolerance, alpha, floor)
+
+
+@dataclass(frozen=True)
+class LiveCheck:
+    """The live check's verdict on the champion against the previous champion, and its evidence."""
+
+    rollback: bool
+    reason: str
+    n_champion: int
+    n_previous: int
+    champion_mean: float
+    previous_mean: float
+    mean_diff: float  # champion_mean - previous_mean
+    ci_low: float  # (1 - alpha) Welch interval of the difference
+    ci_high: float
+    p_value: float  # one-sided: the chance of a drop this large if the champion were not worse
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decide_live_rollback(champion: Sequence[float], previous: Sequence[float], *, tolerance: float, alpha: float,
+                         min_n: int) -> LiveCheck:
+    """Roll back when the champion's judged live scores are below the previous champion's by more than
+    ``tolerance`` AND significantly so: Welch's one-sided t-test (unpaired: live turns differ from
+    version to version), p < ``alpha``. Both need ``min_n`` scores, else nothing is decided.
+
+        d = m_c - m_p,  se² = v_c/n_c + v_p/n_p,  df = se⁴ / ((v_c/n_c)²/(n_c-1) + (v_p/n_p)²/(n_p-1))
+    """
+    from scipy import stats
+
+    n_c, n_p = len(champion), len(previous)
+    if n_c < min_n or n_p < min_n:
+        nan = math.nan
+        return LiveCheck(False, f"not enough judged live turns to compare ({n_c} and {n_p}; {min_n} needed each)",
+                         n_c, n_p, nan, nan, nan, nan, nan, nan)
+    m_c, m_p = math.fsum(champion) / n_c, math.fsum(previous) / n_p
+    a = math.fsum((x - m_c) ** 2 for x in champion) / (n_c - 1) / n_c  # v_c / n_c
+    b = math.fsum((x - m_p) ** 2 for x in previous) / (n_p - 1) / n_p
+    d, se = m_c - m_p, math.sqrt(a + b)
+    if se == 0.0:
+        p, low, high = (0.0 if d < 0 else 1.0), d, d
+    else:
+        df = se**4 / (a * a / (n_c - 1) + b * b / (n_p - 1))
+        p = float(stats.t.cdf(d / se, df))
+        half = float(stats.t.ppf(1 - alpha / 2, df)) * se
+        low, high = d - half, d + half
+    evidence = (f"live judged score {m_c:+.3f} (n={n_c}) vs {m_p:+.3f} (n={n_p}) on the previous champion, "
+                f"difference {d:+.3f} ({1 - alpha:.0%} interval {low:+.3f} .. {high:+.3f}, one-sided p {p:.3g})")
+    rollback = d < -tolerance and p < alpha
+    why = (f"dropped by more than {tolerance:g}, significantly (p < {alpha:g})" if rollback
+           else "no significant drop beyond the tolerance")
+    return LiveCheck(rollback, f"{why}: {evidence}", n_c, n_p, m_c, m_p, d, low, high, p)

@@ -25,7 +25,7 @@ from clawrl.chat import ChatAdapter
 from clawrl.checkpoint import keep_weights_of
 from clawrl.engine.types import Engine
 from clawrl.evaluation import EvalSet, evaluate_version
-from clawrl.gate import decide_promotion
+from clawrl.gate import decide_live_rollback, decide_promotion
 from clawrl.records import EvaluationRecord, PromotionAction, PromotionRecord
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.promotions import (
@@ -33,6 +33,7 @@ from clawrl.storage.promotions import (
     best_promoted_mean,
     champion_stack,
     current_champion,
+    live_scores,
     stored_evaluation,
 )
 from clawrl.storage.queries import find_checkpoint
@@ -132,17 +133,38 @@ def _finite(x: float | None) -> float | None:
     return None if x is None or x != x else float(x)
 
 
+def check_live(data_root: Path, judge_config_hash: str, *, tolerance: float, alpha: float,
+               min_n: int) -> dict[str, Any] | None:
+    """The live check (``clawrl.gate.decide_live_rollback``) of the champion against the previous
+    champion on the line, with ``champion`` and ``previous``; None when no champion was promoted yet."""
+    with open_catalog(data_root) as con:
+        line = champion_stack(con)
+        if len(line) < 2:
+            return None
+        champion, previous = line[-1], line[-2]
+        check = decide_live_rollback(live_scores(con, judge_config_hash, champion),
+                                     live_scores(con, judge_config_hash, previous),
+                                     tolerance=tolerance, alpha=alpha, min_n=min_n)
+    return {"champion": champion, "previous": previous, **check.to_dict()}
+
+
 def record_manual(store, data_root: Path, *, action: PromotionAction, version: str, reason: str,
-                  source: str = "manual", mlflow_run_id: str | None = None) -> PromotionRecord:
-    """The row of a promotion or rollback made by hand (or by the live check, ``source = "live"``),
-    with no evaluation evidence; the new champion and the one before it keep their weights."""
+                  source: str = "manual", mlflow_run_id: str | None = None,
+                  live: dict[str, Any] | None = None) -> PromotionRecord:
+    """The row of a promotion or rollback made by hand, or by the live check (``source = "live"``,
+    ``live``: :func:`check_live`'s evidence, stored as n = the champion's turns, candidate_mean = the
+    champion's live mean, champion_mean = the restored version's); the new champion and the one
+    before it keep their weights."""
     store.flush()
     with open_catalog(data_root) as con:
         champion = current_champion(con)
+    ev = live or {}
     row = PromotionRecord(
         promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(version),
-        champion_version=champion, source=source, reason=reason, eval_key=None, n=None, candidate_mean=None,
-        champion_mean=None, mean_diff=None, ci_low=None, ci_high=None, p_value=None, tolerance=None, alpha=None,
+        champion_version=champion, source=source, reason=reason, eval_key=None, n=ev.get("n_champion"),
+        candidate_mean=_finite(ev.get("champion_mean")), champion_mean=_finite(ev.get("previous_mean")),
+        mean_diff=_finite(ev.get("mean_diff")), ci_low=_finite(ev.get("ci_low")), ci_high=_finite(ev.get("ci_high")),
+        p_value=_finite(ev.get("p_value")), tolerance=ev.get("tolerance"), alpha=ev.get("alpha"),
         mlflow_run_id=mlflow_run_id)
     store.append(row)
     store.flush()

@@ -166,3 +166,35 @@ def record_sync(s: Settings, rep: SyncReport, weight_version: str, run_id: str |
     if run_id:
         log_sync(s.storage.data_root, run_id, ok=rep.success, error=rep.message, serving_version=rep.weight_version,
                  seconds=rep.seconds, target=rep.target)
+
+
+def serve_target(s: Settings, version: str) -> dict[str, Any]:
+    """What serving ``version`` loads: weight_version, path, sha256 ('' for the initial weights, whose
+    directory has no recorded hash) and the MLflow run of the step that made it (None for "0")."""
+    from clawrl.promotion import weights_of
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import find_checkpoint
+
+    with open_catalog(s.storage.data_root) as con:
+        v, path, sha = weights_of(con, version, base_model_dir(s))
+        ck = find_checkpoint(con, v) if v != "0" else None
+    return {"weight_version": v, "path": path, "sha256": sha or "", "mlflow_run_id": ck["mlflow_run_id"] if ck else None}
+
+
+def push_weights(s: Settings, target: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
+    """Serve ``target`` (``serve_target``'s keys) in this process's engine, else at ``engine_url`` or
+    ``[engine] url``, through ``clawrl.sync``; the attempt is recorded (``record_sync``)."""
+    from clawrl.config import read_admin_key
+    from clawrl.sync import sync_checkpoint
+
+    version = target["weight_version"]
+    rep = runtime.run(sync_checkpoint(
+        version, target["path"], target["sha256"],
+        engine=None if engine_url else policy_engine(),  # an explicit engine URL wins
+        trainer=trainer_in_process(s),
+        url=engine_url or (s.engine.url if s.engine.kind == "http" else None),
+        admin_key=read_admin_key(s.server.admin_keys_env), timeout_s=s.engine.request_timeout_s))
+    if rep.target is not None:
+        record_sync(s, rep, version, target.get("mlflow_run_id"))
+    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message,
+            "weight_version": rep.weight_version, "seconds": rep.seconds}

@@ -40,17 +40,17 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
-from clawrl import runtime, trainer_service
-from clawrl.config import Settings, config_hash, dump_toml, read_admin_key
+from clawrl import trainer_service
+from clawrl.config import config_hash, dump_toml
 from clawrl.flows.common import (base_model_dir, data_store, eval_engine, gate_eval_set, load_flow_settings,
-                                 local_trainer, policy_engine, record_sync, trainer_in_process)
+                                 local_trainer, push_weights, serve_target, trainer_in_process)
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import plot_learning_by_version, report
 from clawrl.lineage import log_doctor, log_train_step, ui_links
 from clawrl.storage.catalog import open_catalog
-from clawrl.storage.queries import batch_manifest, find_checkpoint
-from clawrl.sync import sync_checkpoint
+from clawrl.storage.queries import batch_manifest
+from clawrl.sync import NO_ENGINE
 from clawrl.train.base import PPOHyperParams
 
 TRAINER_LIMIT = "trainer"
@@ -142,7 +142,7 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
     checkpoint to serve now: weight_version, path, sha256, mlflow_run_id)."""
     from clawrl.chat import ChatAdapter
     from clawrl.lineage import log_gate, set_policy_alias
-    from clawrl.promotion import gate_candidate, record_manual, weights_of
+    from clawrl.promotion import gate_candidate, record_manual
     from clawrl.records import PromotionAction
 
     s = load_flow_settings(config_path)
@@ -167,32 +167,17 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
     get_run_logger().info("gate: version %s %s (champion %s): %s", version,
                           "promoted" if out["decision"] == "promote" else "refused", out["champion_version"],
                           out["reason"])
-    with open_catalog(root) as con:
-        v, path, sha = weights_of(con, out["serve_version"], base_model_dir(s))
-        ck = find_checkpoint(con, v) if v != "0" else None
-    out["serve"] = {"weight_version": v, "path": path, "sha256": sha or "",
-                    "mlflow_run_id": ck["mlflow_run_id"] if ck else None}
-    return out
+    return {**out, "serve": serve_target(s, out["serve_version"])}
 
 
 @task(cache_policy=NO_CACHE)
-def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None,
-                 run_id: str | None = None) -> dict[str, Any]:
-    """Serve ``step``'s checkpoint (weight_version, path, sha256)."""
-    s = load_flow_settings(config_path)
-    rep = runtime.run(sync_checkpoint(
-        step["weight_version"], step["path"], step["sha256"],
-        engine=None if engine_url else policy_engine(),  # an explicit engine URL wins
-        trainer=trainer_in_process(s),
-        url=engine_url or (s.engine.url if s.engine.kind == "http" else None),
-        admin_key=read_admin_key(s.server.admin_keys_env), timeout_s=s.engine.request_timeout_s))
-    if rep.target is not None:
-        record_sync(s, rep, step["weight_version"], run_id)
-        if not rep.success:
-            get_run_logger().error("weight sync to version %s failed, still serving %s: %s",
-                                   step["weight_version"], rep.weight_version, rep.message)
-    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message,
-            "weight_version": rep.weight_version, "seconds": rep.seconds}
+def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
+    """Serve ``step``'s checkpoint (weight_version, path, sha256, mlflow_run_id)."""
+    synced = push_weights(load_flow_settings(config_path), step, engine_url)
+    if not synced["success"] and synced["message"] != NO_ENGINE:
+        get_run_logger().error("weight sync to version %s failed, still serving %s: %s",
+                               step["weight_version"], synced["weight_version"], synced["message"])
+    return synced
 
 
 @task(cache_policy=NO_CACHE)
@@ -249,7 +234,7 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
             _crash_point("recorded")
             gate = gate_checkpoint(config_path, step, run_id)
             _crash_point("gated")
-            synced = sync_weights(config_path, gate["serve"], engine_url, gate["serve"]["mlflow_run_id"])
+            synced = sync_weights(config_path, gate["serve"], engine_url)
             _crash_point("synced")
             log_doctor_report(config_path, step, run_id)
         m = step["metrics"]

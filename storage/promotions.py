@@ -78,8 +78,9 @@ def stored_evaluation(con: duckdb.DuckDBPyConnection, weight_version: str, eval_
 
 
 def best_promoted_mean(con: duckdb.DuckDBPyConnection, eval_key: str) -> float | None:
-    """The best mean score any champion (the initial weights included) had under ``eval_key``."""
-    champions = champion_history(con)
+    """The best mean score under ``eval_key`` of a champion on the line (the initial weights included;
+    a version rolled back from no longer counts)."""
+    champions = champion_stack(con)
     value = con.execute("SELECT max(mean) FROM evaluations WHERE eval_key = ? AND list_contains(?, weight_version)",
                         [eval_key, champions]).fetchall()[0][0]
     return None if value is None else float(value)
@@ -94,3 +95,11 @@ def refused_versions(con: duckdb.DuckDBPyConnection) -> set[str]:
         else:
             out.discard(str(r["weight_version"]))
     return out
+
+
+def live_scores(con: duckdb.DuckDBPyConnection, judge_config_hash: str, weight_version: str) -> list[float]:
+    """The judged scores of the live main turns ``weight_version`` served (``learning_by_version``'s rows)."""
+    rows = con.execute("SELECT score FROM turn_outcomes WHERE judge_config_hash = ? AND weight_version = ? AND "
+                       "turn_type = 'main' AND score IS NOT NULL AND judge_error IS NULL",
+                       [judge_config_hash, str(weight_version)]).fetchall()
+    return [float(r[0]) for r in rows]

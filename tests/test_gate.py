@@ -57,3 +57,26 @@ def test_no_prompts_and_bad_input_are_refused_or_raise():
         decide_promotion([1, 0], [1, 0, 1], tolerance=0.05, alpha=0.05)
     with pytest.raises(ValueError, match="alpha in"):
         decide_promotion([1], [1], tolerance=0.05, alpha=1.5)
+
+
+def test_a_significant_live_drop_rolls_back():
+    from clawrl.gate import decide_live_rollback
+
+    # champion: 10 of 40 scored +1, the rest -1 -> mean -0.5; previous: 30 of 40 -> +0.5; d = -1.0
+    # v = 4 p (1 - p) n / (n - 1) = 4 * 0.25 * 0.75 * 40 / 39 = 0.76923 for both; se² = 2 * 0.76923 / 40 = 0.038462,
+    # se = 0.19612, t = -5.099; df = se⁴ / (2 (0.019231)² / 39) = 78.0 -> p ~ 1e-6
+    c = decide_live_rollback([1] * 10 + [-1] * 30, [1] * 30 + [-1] * 10, tolerance=0.1, alpha=0.05, min_n=32)
+    assert c.rollback and c.mean_diff == -1.0 and (c.n_champion, c.n_previous) == (40, 40)
+    assert c.p_value == pytest.approx(1.1e-6, rel=0.5) and c.ci_high < 0
+    assert c.reason.startswith("dropped by more than 0.1, significantly (p < 0.05): live judged score -0.500 (n=40)")
+
+
+def test_no_live_rollback_without_enough_turns_or_within_the_tolerance():
+    from clawrl.gate import decide_live_rollback
+
+    few = decide_live_rollback([-1] * 10, [1] * 10, tolerance=0.1, alpha=0.05, min_n=32)
+    assert not few.rollback and few.reason.startswith("not enough judged live turns to compare (10 and 10; 32")
+    # 0.45 vs 0.5 on 400 turns each: significant? barely not, and within the tolerance 0.1 anyway
+    close = decide_live_rollback([1] * 290 + [-1] * 110, [1] * 300 + [-1] * 100, tolerance=0.1, alpha=0.05, min_n=32)
+    assert not close.rollback and close.mean_diff == pytest.approx(-0.05)
+    assert close.reason.startswith("no significant drop beyond the tolerance")
