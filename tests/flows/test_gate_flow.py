@@ -128,8 +128,21 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
         ("promote", "1", "0"), ("refuse", "2", "1")]
     assert rows[0]["candidate_mean"] == rows[0]["champion_mean"] == 1.0 and rows[0]["mean_diff"] == 0.0
     assert rows[1]["mean_diff"] == pytest.approx(rows[1]["candidate_mean"] - 1.0) and rows[1]["tolerance"] == 0.05
-    evals = run_query(s.storage.data_root, "select weight_version, mean, n from evaluations order by weight_version")
-    assert [(r["weight_version"], r["n"]) for r in evals.to_pylist()] == [("0", 4), ("1", 4), ("2", 4)]
+    evals = run_query(s.storage.data_root, "select weight_version, eval_key, scores, n from evaluations "
+                      "order by weight_version").to_pylist()
+    assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
+    # the decision replays: a fresh evaluation engine measures both versions from their checkpoints again
+    from clawrl.gate import decide_promotion
+    from clawrl.promotion import score_version
+
+    fresh = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
+    eval_set = load_eval_set(EVALUATOR, size=4, samples=1, seed=0, max_tokens=8, temperature=0.0)
+    again = {v: score_version(s.storage.data_root, fresh, ChatAdapter(fresh.tokenizer), eval_set, v, tiny_dir)
+             for v in ("2", "1")}
+    runtime.run(fresh.close())
+    assert {r["eval_key"] for r in evals} == {eval_set.key}
+    assert again == {r["weight_version"]: r["scores"] for r in evals[1:]}
+    assert decide_promotion(again["2"], again["1"], tolerance=0.05, alpha=0.05, floor=1.0).reason == gate["reason"]
     # MLflow: aliases on clawrl-policy, the gate's numbers on the step's run
     from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
 
