@@ -16,8 +16,9 @@ from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
 @app.command("sql")
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
-                                               "turn_fate, batches, checkpoints, syncs, judgment_attempts, "
-                                               "turn_outcomes, learning_by_version (storage/catalog.py).")],
+                                               "turn_fate, batches, checkpoints, syncs, evaluations, promotions, "
+                                               "judgment_attempts, turn_outcomes, learning_by_version "
+                                               "(storage/catalog.py).")],
     fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
                                                                            help="parquet needs --out.")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
