@@ -91,6 +91,24 @@ def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+KEEP_FILE = "keep.json"  # in the checkpoints directory: versions whose weights pruning must leave
+
+
+def keep_weights_of(checkpoints: Path, versions: list[str]) -> None:
+    """Mark ``versions`` (the champion and the one a rollback would serve) as weights the trainer's
+    pruning must keep, however old; replaces the previous list (written atomically)."""
+    path = Path(checkpoints) / KEEP_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(sorted(set(map(str, versions)))))
+    os.replace(tmp, path)
+
+
+def kept_versions(checkpoints: Path) -> set[str]:
+    path = Path(checkpoints) / KEEP_FILE
+    return set(json.loads(path.read_text())) if path.is_file() else set()
+
+
 def verify_checkpoint(checkpoint_dir: str | Path, expected_sha256: str) -> None:
     """Raise CheckpointError unless ``<checkpoint_dir>/model.safetensors`` has ``expected_sha256``
     (the sync before offering it to an engine, the trainer before resuming from it)."""

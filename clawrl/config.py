@@ -16,16 +16,16 @@ import hashlib
 import json
 import os
 import re
-import textwrap
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import to_jsonable_python
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from clawrl.config_sections import GateSettings
+from clawrl.config_sections import Section as _Section
 from clawrl.records import Method
 
 ENV_PREFIX = "CLAWRL__"
@@ -58,10 +58,6 @@ def _regex(pattern: str) -> str:
     except re.error as e:
         raise ValueError(f"not a regular expression: {e}") from None
     return pattern
-
-
-class _Section(BaseModel):  # allow_inf_nan=False: TOML's inf and nan mean nothing to any setting
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelSettings(_Section):
@@ -253,6 +249,7 @@ class Settings(BaseSettings):
     storage: StorageSettings = StorageSettings()
     provider: ProviderSettings = ProviderSettings()
     hooks: HooksSettings = HooksSettings()
+    gate: GateSettings = GateSettings()
 
 
 _SECTIONS = ", ".join(Settings.model_fields)
@@ -416,38 +413,12 @@ def config_hash(settings: BaseModel) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-_DEFAULTS_HEADER = """\
-# clawrl's defaults, each key under its description: `clawrl config show --defaults` prints this file
-# (tests/test_config.py keeps the two equal). Overlay only the keys you change with `--config FILE`,
-# then env CLAWRL__SECTION__KEY=value. Secrets never live in a file: [server] and [provider] name the
-# environment variables that hold them.
-"""
-
-
-def _comment(text: str) -> list[str]:
-    return textwrap.wrap(" ".join(text.split()), 98, initial_indent="# ", subsequent_indent="# ")
-
-
 def dump_toml(settings: Settings) -> str:
     """``settings`` as TOML that :func:`load_settings` reads back to the same settings (JSON's scalars
     are TOML literals)."""
     out = []
     for section, table in settings.model_dump(mode="json").items():
         out += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in table.items() if v is not None), ""]
-    return "\n".join(out)
-
-
-def dump_defaults() -> str:
-    """The defaults as TOML, each key under its description (``clawrl config show --defaults``, which
-    conf/default.toml is)."""
-    out = [_DEFAULTS_HEADER]
-    for section, field in Settings.model_fields.items():
-        out += [*_comment(field.annotation.__doc__ or ""), f"[{section}]"]
-        for key, f in field.annotation.model_fields.items():
-            value = to_jsonable_python(f.default)  # as written: "~/.clawrl", not this machine's home
-            out += _comment(f.description or "")
-            out.append(f"# {key} is unset" if value is None else f"{key} = {json.dumps(value)}")
-        out.append("")
     return "\n".join(out)
 
 

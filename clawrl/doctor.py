@@ -58,7 +58,7 @@ def diagnose(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: 
     fates = _fate_counts(con, judge_config_hash)
     return [_traffic(con), _next_states(con, judge_config_hash, fates), *_judge(con, judge_config_hash, fates),
             _hints(con, judge_config_hash, method), _staleness(fates), _signal(con, method),
-            _training(checkpoints), _serving(con)]
+            _training(checkpoints), _serving(con), _promotion(con)]
 
 
 def _fate_counts(con: duckdb.DuckDBPyConnection, chash: str) -> dict[str, int]:
@@ -235,6 +235,27 @@ def _serving(con: duckdb.DuckDBPyConnection) -> Finding:
                        f"the last sync failed: {(st['last']['error'] or '')[:200]}",
                        "fix the engine side (is it up, can it read the checkpoint path?), then `clawrl sync`", sql)
     return Finding("serving", True, summary)
+
+
+GATE_STALL = 3  # refused candidates in a row that make the gate a finding
+
+
+def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
+    from clawrl.storage.promotions import consecutive_refusals, current_champion, promotion_log
+
+    log = promotion_log(con)
+    champion, refused = current_champion(con), consecutive_refusals(con)
+    summary = f"champion v{champion}; {sum(r['action'] == 'refuse' for r in log)} of " \
+              f"{sum(r['source'] == 'gate' for r in log)} gated candidates refused, {refused} in a row"
+    sql = "SELECT action, weight_version, champion_version, reason, created_at FROM promotions ORDER BY created_at DESC"
+    if refused >= GATE_STALL:
+        return Finding("promotion", False, summary + f"; last: {log[-1]['reason']}",
+                       f"training goes on but the last {refused} checkpoints scored worse than the champion "
+                       f"v{champion} on the evaluation set, so users keep getting v{champion}",
+                       "look at what changed since the champion (a reward with the wrong sign, a learning rate too "
+                       "high, a judge config change); if the evaluation set no longer fits the traffic, point "
+                       "[gate] evaluator at one that does; `clawrl promote VERSION` serves one by hand", sql)
+    return Finding("promotion", True, summary)
 
 
 def report(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: str,

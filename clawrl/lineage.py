@@ -194,6 +194,38 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
         c.delete_tag(run_id, "sync_error")
 
 
+def set_policy_alias(data_root: Path, alias: str, weight_version: str) -> str | None:
+    """Point the ``clawrl-policy`` alias ``alias`` (``champion``, ``candidate``) at the model version of
+    ``weight_version``; returns that model version, or None when the version has none (the initial
+    weights: then a ``champion`` alias is removed, since no model version is the champion)."""
+    c = client(data_root)
+    found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '{weight_version}'")
+    if not found:
+        with contextlib.suppress(Exception):  # no registered model or no such alias yet
+            c.delete_registered_model_alias(REGISTERED_MODEL, alias)
+        return None
+    mv = min(found, key=lambda m: int(m.version))  # the first registered for this weight version
+    c.set_registered_model_alias(REGISTERED_MODEL, alias, str(mv.version))
+    return str(mv.version)
+
+
+def log_gate(data_root: Path, run_id: str, *, step: int, evidence: dict[str, Any], decision: str, reason: str,
+             champion_version: str) -> None:
+    """The promotion gate's decision on the run of the step that made the candidate: metrics
+    ``gate_promoted`` (1/0), ``gate_candidate_mean``, ``gate_champion_mean``, ``gate_mean_diff``,
+    ``gate_ci_low``, ``gate_ci_high``, ``gate_p_value``, ``gate_eval_seconds`` at ``step`` (those known),
+    and the tags ``gate_decision``, ``gate_reason``, ``gate_champion_version``."""
+    from mlflow.entities import RunTag
+
+    keys = ("candidate_mean", "champion_mean", "mean_diff", "ci_low", "ci_high", "p_value", "eval_seconds")
+    metrics = [_metric("gate_promoted", decision == "promote", step)]
+    metrics += [_metric(f"gate_{k}", evidence[k], step) for k in keys
+                if isinstance(evidence.get(k), (int, float)) and evidence[k] == evidence[k]]  # not None, not NaN
+    tags = [RunTag("gate_decision", decision), RunTag("gate_reason", reason[:4000]),
+            RunTag("gate_champion_version", str(champion_version))]
+    client(data_root).log_batch(run_id, metrics=metrics, tags=tags)
+
+
 def log_doctor(data_root: Path, run_id: str, *, step: int, report: dict[str, Any], png: Path | None = None) -> None:
     """``clawrl doctor``'s report on the run of the step it was made after: metrics
     ``doctor_problems`` and ``doctor_ok_<finding>`` (1/0) at ``step``, ``doctor.json``, and the

@@ -177,3 +177,49 @@ class SyncRecord:
     started_at: datetime
     seconds: float
     created_at: datetime = field(default_factory=utcnow)  # when the attempt ended
+
+
+@dataclass
+class EvaluationRecord:
+    """One weight version scored on the promotion gate's evaluation set (clawrl/gate.py)."""
+
+    evaluation_id: str
+    weight_version: str
+    eval_key: str  # hash of what makes scores comparable: evaluator, prompts, samples, seeds, budget, temperature
+    scores: list[float]  # per prompt, in the set's order: the mean over its samples
+    mean: float
+    n: int  # prompts
+    samples: int  # answers per prompt
+    seconds: float  # engine time the evaluation took
+    created_at: datetime = field(default_factory=utcnow)
+
+
+class PromotionAction(str, Enum):
+    PROMOTE = "promote"  # the candidate serves from now on
+    REFUSE = "refuse"  # the candidate stays unserved
+    ROLLBACK = "rollback"  # serving went back to an earlier champion
+
+
+@dataclass
+class PromotionRecord:
+    """A decision about what serves: the gate's (with its evidence), or one made by hand (`clawrl promote`,
+    `clawrl rollback`); the newest promote/rollback row names the champion."""
+
+    promotion_id: str
+    action: str  # PromotionAction value
+    weight_version: str  # the candidate judged, or the version promoted / rolled back to
+    champion_version: str  # the champion before this decision
+    source: str  # gate | manual | live
+    reason: str  # the decision in words
+    eval_key: str | None  # the evaluation set the evidence comes from (None: no evaluation)
+    n: int | None
+    candidate_mean: float | None
+    champion_mean: float | None
+    mean_diff: float | None
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None
+    tolerance: float | None
+    alpha: float | None
+    mlflow_run_id: str | None  # the run of the step that made weight_version
+    created_at: datetime = field(default_factory=utcnow)

@@ -22,6 +22,7 @@ from clawrl.config import Settings, config_hash, load_settings
 
 if TYPE_CHECKING:
     from clawrl.engine.types import Engine
+    from clawrl.evaluation import EvalSet
     from clawrl.judge.pipeline import Judge
     from clawrl.storage.writer import DataStore
     from clawrl.sync import SyncReport
@@ -71,6 +72,39 @@ def frozen_engine(settings: Settings, name: str | None = None) -> Engine:
 
     m = settings.model
     return _once(("frozen", name or m.name, m.seed, m.dtype), lambda: load_frozen_engine(settings, name))
+
+
+def eval_engine(settings: Settings) -> Engine:
+    """The promotion gate's evaluation engine: the initial weights at first, then whichever version the
+    gate loaded last; never the serving engine, so users keep getting the champion while it measures."""
+    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
+    from clawrl.models import resolve_device, resolve_dtype
+
+    def make() -> Engine:
+        device, _ = resolve_device(settings.model.device)
+        return EmbeddedEngine(base_model_dir(settings), dtype=resolve_dtype(settings.model.dtype, device),
+                              device=device, weight_version="0", served_model_name="clawrl-eval",
+                              **settings.engine.model_dump(include=LIMIT_KEYS))
+
+    m = settings.model
+    return _once(("eval", str(settings.storage.data_root), m.name, m.seed, m.dtype), make)
+
+
+def base_model_dir(settings: Settings):
+    """The initial weights (weight version "0") of the policy model."""
+    from clawrl.models import resolve_model_dir
+
+    return resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
+
+
+def gate_eval_set(settings: Settings) -> EvalSet:
+    """The ``[gate]`` evaluation set, loaded once per configuration."""
+    from clawrl.evaluation import load_eval_set
+
+    g = settings.gate
+    temperature = settings.ppo.temperature if g.temperature is None else g.temperature
+    return _once(("gate-set", config_hash(g), temperature), lambda: load_eval_set(
+        g.evaluator, size=g.size, samples=g.samples, seed=g.seed, max_tokens=g.max_tokens, temperature=temperature))
 
 
 def judge_for(settings: Settings) -> Judge:
@@ -132,3 +166,35 @@ def record_sync(s: Settings, rep: SyncReport, weight_version: str, run_id: str |
     if run_id:
         log_sync(s.storage.data_root, run_id, ok=rep.success, error=rep.message, serving_version=rep.weight_version,
                  seconds=rep.seconds, target=rep.target)
+
+
+def serve_target(s: Settings, version: str) -> dict[str, Any]:
+    """What serving ``version`` loads: weight_version, path, sha256 ('' for the initial weights, whose
+    directory has no recorded hash) and the MLflow run of the step that made it (None for "0")."""
+    from clawrl.promotion import weights_of
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import find_checkpoint
+
+    with open_catalog(s.storage.data_root) as con:
+        v, path, sha = weights_of(con, version, base_model_dir(s))
+        ck = find_checkpoint(con, v) if v != "0" else None
+    return {"weight_version": v, "path": path, "sha256": sha or "", "mlflow_run_id": ck["mlflow_run_id"] if ck else None}
+
+
+def push_weights(s: Settings, target: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
+    """Serve ``target`` (``serve_target``'s keys) in this process's engine, else at ``engine_url`` or
+    ``[engine] url``, through ``clawrl.sync``; the attempt is recorded (``record_sync``)."""
+    from clawrl.config import read_admin_key
+    from clawrl.sync import sync_checkpoint
+
+    version = target["weight_version"]
+    rep = runtime.run(sync_checkpoint(
+        version, target["path"], target["sha256"],
+        engine=None if engine_url else policy_engine(),  # an explicit engine URL wins
+        trainer=trainer_in_process(s),
+        url=engine_url or (s.engine.url if s.engine.kind == "http" else None),
+        admin_key=read_admin_key(s.server.admin_keys_env), timeout_s=s.engine.request_timeout_s))
+    if rep.target is not None:
+        record_sync(s, rep, version, target.get("mlflow_run_id"))
+    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message,
+            "weight_version": rep.weight_version, "seconds": rep.seconds}

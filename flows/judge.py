@@ -6,7 +6,9 @@ that still fails on its last attempt is recorded with fate ``judge_error`` (raw 
 the other turns go on. Exactly once per (turn, judge-config hash): a turn is judged when its fate
 row exists, the fate is written last, and sample ids are deterministic, so a rerun or a crash half
 way neither duplicates nor loses a judgment. When enough trainable samples wait, the flow emits the
-event ``clawrl.samples.ready`` that the train deployment listens to.
+event ``clawrl.samples.ready`` that the train deployment listens to. Last, the live check
+(``check_live_score``) compares the judged live score of the champion with the previous champion's
+and rolls serving back on a significant drop.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from prefect.runtime import task_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from clawrl import runtime
-from clawrl.flows.common import data_store, judge_for, load_flow_settings
+from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
@@ -96,6 +98,41 @@ def count_pending(config_path: str | None, judge_config_hash: str) -> dict[str, 
         return pending_counts(con, judge_config_hash, s.ppo.rollout_batch_size)
 
 
+@task(cache_policy=NO_CACHE)
+def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[str, Any] | None:
+    """The live check (``[gate] live_rollback``): when the champion's judged live score dropped
+    significantly below the previous champion's, serve the previous one again (the usual sync, no
+    request refused) and record the rollback with its evidence."""
+    from clawrl.lineage import set_policy_alias
+    from clawrl.promotion import check_live, record_manual
+    from clawrl.records import PromotionAction
+
+    s = load_flow_settings(config_path)
+    g = s.gate
+    if not (g.enabled and g.live_rollback):
+        return None
+    data_store(s).flush()
+    found = check_live(s.storage.data_root, judge_config_hash, tolerance=g.live_tolerance, alpha=g.alpha,
+                       min_n=g.live_min_turns)
+    if found is None or not found["rollback"]:
+        return found
+    log = get_run_logger()
+    target = serve_target(s, found["previous"])
+    synced = push_weights(s, target, None)
+    found["sync"] = synced
+    if not synced["success"]:
+        log.error("live rollback from version %s to %s failed, still serving %s: %s", found["champion"],
+                  found["previous"], synced["weight_version"], synced["message"])
+        return found
+    record_manual(data_store(s), s.storage.data_root, action=PromotionAction.ROLLBACK, version=found["previous"],
+                  source="live", reason=f"live score of version {found['champion']} {found['reason']}",
+                  mlflow_run_id=target["mlflow_run_id"], live={**found, "tolerance": g.live_tolerance, "alpha": g.alpha})
+    set_policy_alias(s.storage.data_root, "champion", found["previous"])
+    log.warning("live rollback: serving version %s again, not %s: %s", found["previous"], found["champion"],
+                found["reason"])
+    return found
+
+
 def _judge_run_name() -> str:
     return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
 
@@ -124,8 +161,10 @@ def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict
     _crash_point("counted")
     log.info("fates this run: %s; trainable samples %d / rollout_batch_size %d", dict(fates), counts["trainable"],
              counts["rollout_batch_size"])
+    live = check_live_score(config_path, judge.config_hash)
     if counts["full_batches"] > 0:
         emit_event(event=SAMPLES_READY_EVENT, resource={"prefect.resource.id": f"clawrl.samples.{judge.config_hash}"},
                    payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
         _crash_point("emitted")
-    return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts}
+    return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts,
+            "live": live}

@@ -6,6 +6,13 @@ engine) serves simulated users who talk through the openai SDK; after each round
 held-out questions measure the served weights (score = persona satisfied AND on topic, the on-topic
 rate, and the KL to the initial model). The curve is plotted and logged to MLflow.
 
+Each new checkpoint is a candidate that the promotion gate of the train flow scores on the
+validation questions (``[gate]``, disjoint from the held-out ones) before it may serve. A row shows
+the gate's decision, both validation means, the version served, and the candidate's held-out score:
+the served score when it was promoted, else measured in the gate's evaluation engine with the same
+questions and seeds (``evaluate_candidate``), so the curve shows what serving every checkpoint
+would have given.
+
 ``scenario = "tools"`` runs the same loop on tool use: the users of ``clawrl.sim.tool_users`` ask
 tool tasks and plain questions with the tools offered, run the calls, and react to the final answer;
 the held-out rates are those of ``tool_scores`` (correct tool use first).
@@ -24,7 +31,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from clawrl import runtime
-from clawrl.flows.common import data_store, frozen_engine, load_flow_settings, policy_engine
+from clawrl.flows.common import (base_model_dir, data_store, eval_engine, frozen_engine, load_flow_settings,
+                                 policy_engine)
 from clawrl.flows.judge import judge_flow
 from clawrl.flows.train import train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
@@ -137,10 +145,41 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
     return metrics
 
 
+@task(cache_policy=NO_CACHE, task_run_name="evaluate-candidate-v{version}")
+def evaluate_candidate(config_path: str | None, version: str, persona_name: str, max_tokens: int, seed: int,
+                       heldout: int, samples: int) -> float:
+    """The held-out score of a candidate that does not serve: the questions, seeds, temperature and
+    budget of ``evaluate_policy``, answered by the gate's evaluation engine."""
+    from clawrl.chat import ChatAdapter
+    from clawrl.evaluation import EvalSet
+    from clawrl.promotion import score_version
+    from clawrl.sim.validation import question_set
+
+    s = load_flow_settings(config_path)
+    _, held_q = split_questions(n_heldout=heldout, seed=seed)
+    prompts, score_fn = question_set(persona_name, held_q * samples)
+    # user i of the evaluation asks with seed seed * 7919 + i (user_round); here prompt i, sample 0
+    eval_set = EvalSet(prompts, score_fn, 1, seed * 7919, max_tokens, s.ppo.temperature, key="heldout")
+    engine = eval_engine(s)
+    scores = score_version(s.storage.data_root, engine, ChatAdapter(engine.tokenizer), eval_set, version,
+                           base_model_dir(s))
+    return sum(scores) / len(scores)
+
+
+def _gate_row(gate: dict[str, Any] | None, served: dict[str, Any], candidate_score: float | None) -> dict[str, Any]:
+    """The gate's part of a curve row."""
+    if gate is None:  # no step this round: nothing new to decide
+        return {"candidate_score": served["score"]}
+    return {"gate": gate["decision"], "candidate_version": gate.get("candidate_version"),
+            "val_candidate": gate.get("candidate_mean"), "val_champion": gate.get("champion_mean"),
+            "gate_p": gate.get("p_value"), "gate_reason": gate["reason"],
+            "candidate_score": served["score"] if candidate_score is None else candidate_score}
+
+
 # per scenario: the held-out rates on the curve and in MLflow, (key, label), the first one the score
 CURVES = {
     "persona": [("score", "score (persona AND on topic)"), ("on_topic_rate", "on-topic rate"),
-                ("persona_rate", "persona rate")],
+                ("persona_rate", "persona rate"), ("candidate_score", "candidate's score (served only if promoted)")],
     "tools": [("tool_use", "correct tool use (tool tasks)"), ("solved", "final answer right (tool tasks)"),
               ("plain_quality", "plain questions: on topic, no call"), ("false_call_rate", "plain questions: tool called")],
 }
@@ -181,6 +220,8 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
     log = get_run_logger()
     s = load_flow_settings(config_path)
     rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout, eval_samples, scenario)]
+    if scenario == "persona":
+        rows[0]["candidate_score"] = rows[0]["score"]
     log.info("base model: %s", _row_line(rows[0], scenario))
     for step in range(1, steps + 1):
         rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size,
@@ -189,13 +230,22 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
         trained = train_flow(config_path=config_path, max_steps=1)
         row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples,
                               scenario)
+        gate = {**trained["steps"][0]["gate"], "candidate_version": trained["steps"][0]["weight_version"]} \
+            if trained["steps"] else None
+        refused = gate is not None and gate["decision"] != "promote"
+        if scenario == "persona":
+            cand = evaluate_candidate(config_path, gate["candidate_version"], persona, max_tokens, seed, heldout,
+                                      eval_samples) if refused else None
+            row.update(_gate_row(gate, row, cand))
         row["train_reactions"] = rounds["reactions"]
         row["samples"] = judged["fates"].get("sample", 0)
         if trained["steps"]:
             m = trained["steps"][0]["metrics"]
             row.update(loss=m.get("loss"), reward_mean=m.get("reward_mean"), train_kl=m.get("kl"))
         rows.append(row)
-        print(f"step {step:2d}: {_row_line(row, scenario)}  (served v{row['weight_version']})")
+        verdict = "" if gate is None else (f", candidate v{gate['candidate_version']} {gate['decision']}d: "
+                                           f"{gate['reason']}")
+        print(f"step {step:2d}: {_row_line(row, scenario)}  (served v{row['weight_version']}{verdict})")
     params = {"scenario": scenario, "persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens,
               "seed": seed, "heldout": heldout, "eval_samples": eval_samples, "group_size": group_size,
               "model": s.model.name, "method": s.ppo.advantage_estimator.value, "lr": s.ppo.lr,

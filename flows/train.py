@@ -11,10 +11,16 @@ Exactly once, with a crash allowed between any two tasks:
    this flow run's id and URL; ``link_step`` links them back from this flow run (a markdown
    artifact) and names the flow run for the version it made (``train-v16``).
 4. ``record_checkpoint`` appends the ``checkpoints`` row once per weight version.
-5. ``sync_weights`` pushes the version to the serving engine (``clawrl.sync``); every attempt is a
-   ``syncs`` row and a point on the step's MLflow run; after a failed one the next step's sync, or
-   ``clawrl sync``, pushes the newest checkpoint again.
-6. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
+5. ``gate_checkpoint``: the new version is a candidate; the promotion gate (``clawrl.promotion``)
+   scores it on the ``[gate]`` evaluation set in an evaluation engine, paired with the champion,
+   and promotes it only when it is not worse beyond the tolerance. The decision is a ``promotions``
+   row, points on the step's MLflow run and the ``champion`` / ``candidate`` aliases of
+   ``clawrl-policy``. With ``[gate] enabled = false`` every candidate is promoted unevaluated.
+6. ``sync_weights`` pushes the champion to the serving engine (``clawrl.sync``): the candidate when
+   promoted, else the champion that served before (nothing to load when it already serves). Every
+   attempt is a ``syncs`` row and a point on the MLflow run of the version pushed; after a failed
+   one the next step's sync, or ``clawrl sync``, pushes again.
+7. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
    problem it finds as a warning (a report: it never fails the step).
 
 "One training step at a time" is Prefect's global concurrency limit ``trainer`` (limit 1), not a
@@ -34,17 +40,17 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
-from clawrl import runtime, trainer_service
-from clawrl.config import Settings, config_hash, dump_toml, read_admin_key
-from clawrl.flows.common import (data_store, load_flow_settings, local_trainer, policy_engine, record_sync,
-                                 trainer_in_process)
+from clawrl import trainer_service
+from clawrl.config import config_hash, dump_toml
+from clawrl.flows.common import (base_model_dir, data_store, eval_engine, gate_eval_set, load_flow_settings,
+                                 local_trainer, push_weights, serve_target, trainer_in_process)
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import plot_learning_by_version, report
 from clawrl.lineage import log_doctor, log_train_step, ui_links
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
-from clawrl.sync import sync_checkpoint
+from clawrl.sync import NO_ENGINE
 from clawrl.train.base import PPOHyperParams
 
 TRAINER_LIMIT = "trainer"
@@ -131,22 +137,47 @@ def record_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str
 
 
 @task(cache_policy=NO_CACHE)
-def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None,
-                 run_id: str | None = None) -> dict[str, Any]:
+def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """The promotion gate on the step's checkpoint: the decision, its evidence, and ``serve`` (the
+    checkpoint to serve now: weight_version, path, sha256, mlflow_run_id)."""
+    from clawrl.chat import ChatAdapter
+    from clawrl.lineage import log_gate, set_policy_alias
+    from clawrl.promotion import gate_candidate, record_manual
+    from clawrl.records import PromotionAction
+
     s = load_flow_settings(config_path)
-    rep = runtime.run(sync_checkpoint(
-        step["weight_version"], step["path"], step["sha256"],
-        engine=None if engine_url else policy_engine(),  # an explicit engine URL wins
-        trainer=trainer_in_process(s),
-        url=engine_url or (s.engine.url if s.engine.kind == "http" else None),
-        admin_key=read_admin_key(s.server.admin_keys_env), timeout_s=s.engine.request_timeout_s))
-    if rep.target is not None:
-        record_sync(s, rep, step["weight_version"], run_id)
-        if not rep.success:
-            get_run_logger().error("weight sync to version %s failed, still serving %s: %s",
-                                   step["weight_version"], rep.weight_version, rep.message)
-    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message,
-            "weight_version": rep.weight_version, "seconds": rep.seconds}
+    root, version = s.storage.data_root, step["weight_version"]
+    if not s.gate.enabled:
+        row = record_manual(data_store(s), root, action=PromotionAction.PROMOTE, version=version, source="ungated",
+                            reason="[gate] enabled = false: served unevaluated", mlflow_run_id=run_id)
+        out: dict[str, Any] = {"decision": "promote", "reason": row.reason, "champion_version": row.champion_version,
+                               "serve_version": version}
+    else:
+        engine = eval_engine(s)
+        tr = trainer_in_process(s)
+        out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
+                             adapter=ChatAdapter(engine.tokenizer), eval_set=gate_eval_set(s),
+                             base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
+                             state_dict=tr.state_dict() if tr is not None and tr.weight_version == version else None,
+                             mlflow_run_id=run_id)
+        log_gate(root, run_id, step=int(step["step"]), evidence=out, decision=out["decision"], reason=out["reason"],
+                 champion_version=out["champion_version"])
+    set_policy_alias(root, "candidate", version)
+    set_policy_alias(root, "champion", out["serve_version"])
+    get_run_logger().info("gate: version %s %s (champion %s): %s", version,
+                          "promoted" if out["decision"] == "promote" else "refused", out["champion_version"],
+                          out["reason"])
+    return {**out, "serve": serve_target(s, out["serve_version"])}
+
+
+@task(cache_policy=NO_CACHE)
+def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
+    """Serve ``step``'s checkpoint (weight_version, path, sha256, mlflow_run_id)."""
+    synced = push_weights(load_flow_settings(config_path), step, engine_url)
+    if not synced["success"] and synced["message"] != NO_ENGINE:
+        get_run_logger().error("weight sync to version %s failed, still serving %s: %s",
+                               step["weight_version"], synced["weight_version"], synced["message"])
+    return synced
 
 
 @task(cache_policy=NO_CACHE)
@@ -201,12 +232,15 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
             link_step(config_path, step, run_id)
             record_checkpoint(config_path, step, run_id)
             _crash_point("recorded")
-            synced = sync_weights(config_path, step, engine_url, run_id)
+            gate = gate_checkpoint(config_path, step, run_id)
+            _crash_point("gated")
+            synced = sync_weights(config_path, gate["serve"], engine_url)
             _crash_point("synced")
             log_doctor_report(config_path, step, run_id)
         m = step["metrics"]
-        log.info("step %d (batch %s): loss %.4f, reward %.3f, kl %.5f -> version %s (sync: %s)", step["step"],
-                 batch_id, m.get("loss", float("nan")), m.get("reward_mean", float("nan")), m.get("kl", 0.0),
-                 step["weight_version"], "ok" if synced["success"] else synced["message"])
-        steps.append({**step, "mlflow_run_id": run_id, "sync": synced})
+        log.info("step %d (batch %s): loss %.4f, reward %.3f, kl %.5f -> version %s, %s; serving %s (sync: %s)",
+                 step["step"], batch_id, m.get("loss", float("nan")), m.get("reward_mean", float("nan")),
+                 m.get("kl", 0.0), step["weight_version"], "promoted" if gate["decision"] == "promote" else "refused",
+                 gate["serve_version"], "ok" if synced["success"] else synced["message"])
+        steps.append({**step, "mlflow_run_id": run_id, "gate": gate, "sync": synced})
     return {"steps": steps}

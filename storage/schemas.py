@@ -77,6 +77,8 @@ TABLES: dict[str, TableSpec] = {
         ("batches", records.BatchRecord),
         ("checkpoints", records.CheckpointRecord),
         ("syncs", records.SyncRecord),
+        ("evaluations", records.EvaluationRecord),
+        ("promotions", records.PromotionRecord),
     )
 }
 

@@ -8,12 +8,12 @@ from clawrl.config import (
     ConfigError,
     Method,
     config_hash,
-    dump_defaults,
     dump_toml,
     load_settings,
     parse_override,
     read_api_keys,
 )
+from clawrl.config_defaults import dump_defaults
 from clawrl.models import resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent

@@ -227,3 +227,20 @@ def test_status_shows_checkpoints_that_no_sync_ever_served_as_waiting(tmp_path):
     out = CliRunner().invoke(app, ["status"], env={"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)})
     assert out.exit_code == 0, out.output
     assert "last sync: none recorded; checkpoints 1, 2 waiting: nothing serves them (`clawrl sync`)" in out.output
+
+
+def test_a_gate_that_keeps_refusing_is_a_finding_with_the_last_reason(tmp_path):
+    from clawrl.records import PromotionRecord
+
+    def row(i: int, action: str, version: str, reason: str) -> PromotionRecord:
+        return PromotionRecord(f"p{i}", action, version, "1" if i else "0", "gate", reason, "k", 16, None, None, None,
+                               None, None, None, 0.05, 0.05, None, created_at=T0 + timedelta(seconds=i))
+
+    write(tmp_path, [row(0, "promote", "1", "ok"), row(1, "refuse", "2", "worse A"), row(2, "refuse", "3", "worse B")])
+    f = findings(tmp_path)["promotion"]
+    assert f.ok and f.summary == "champion v1; 2 of 3 gated candidates refused, 2 in a row"
+    write(tmp_path, [row(3, "refuse", "4", "worse by more than the tolerance 0.05: candidate 0.500 vs ...")])
+    f = findings(tmp_path)["promotion"]
+    assert not f.ok and "the last 3 checkpoints scored worse than the champion v1" in f.cause
+    assert f.summary.endswith("; last: worse by more than the tolerance 0.05: candidate 0.500 vs ...")
+    assert "a reward with the wrong sign" in f.fix and "FROM promotions" in f.sql

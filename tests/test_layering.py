@@ -16,12 +16,14 @@ PACKAGES = {"clawrl": ROOT / "clawrl", "clawrl.flows": ROOT / "flows", "clawrl.s
 
 # Lowest floor first. A module may import from its own floor and the floors below, never above.
 FLOORS: list[tuple[str, ...]] = [
-    ("clawrl.records", "clawrl.ids", "clawrl.config"),
+    ("clawrl.records", "clawrl.ids", "clawrl.config", "clawrl.config_defaults",
+     "clawrl.config_sections"),
     ("clawrl.storage",),
-    ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.chat", "clawrl.checkpoint", "clawrl.hooks",
+    ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.gate", "clawrl.chat", "clawrl.checkpoint", "clawrl.hooks",
      "clawrl.runtime"),
-    ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage", "clawrl.doctor"),
-    ("clawrl.trainer_service", "clawrl.replay", "clawrl.supervisor", "clawrl.serving"),
+    ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage", "clawrl.doctor",
+     "clawrl.evaluation"),
+    ("clawrl.trainer_service", "clawrl.replay", "clawrl.supervisor", "clawrl.serving", "clawrl.promotion"),
     ("clawrl.flows",),
     ("clawrl.cli", "clawrl.bench"),
 ]

@@ -8,7 +8,8 @@ from typing import Annotated, NoReturn, Optional
 import typer
 from rich.console import Console
 
-from clawrl.config import ConfigError, Settings, apply_offline_env, dump_defaults, dump_toml, load_settings
+from clawrl.config import ConfigError, Settings, apply_offline_env, dump_toml, load_settings
+from clawrl.config_defaults import dump_defaults
 
 apply_offline_env()
 

@@ -16,8 +16,9 @@ from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
 @app.command("sql")
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
-                                               "turn_fate, batches, checkpoints, syncs, judgment_attempts, "
-                                               "turn_outcomes, learning_by_version (storage/catalog.py).")],
+                                               "turn_fate, batches, checkpoints, syncs, evaluations, promotions, "
+                                               "judgment_attempts, turn_outcomes, learning_by_version "
+                                               "(storage/catalog.py).")],
     fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
                                                                            help="parquet needs --out.")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
@@ -64,6 +65,7 @@ def status(config: ConfigOpt = None) -> None:
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
     from clawrl.doctor import learning_by_version
+    from clawrl.storage.promotions import consecutive_refusals, promotion_log
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
@@ -71,6 +73,7 @@ def status(config: ConfigOpt = None) -> None:
         latest = find_checkpoint(con)
         st = sync_state(con)
         versions = learning_by_version(con, chash)[-3:]
+        log, consecutive = promotion_log(con), consecutive_refusals(con)
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -93,6 +96,7 @@ def status(config: ConfigOpt = None) -> None:
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
+    console.print(promotion_line(log, consecutive), markup=False, highlight=False, soft_wrap=True)
     # one line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>; serving
     # version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it
     last = st["last"]
@@ -111,6 +115,22 @@ def status(config: ConfigOpt = None) -> None:
         parts.append(f"checkpoint{'s' if len(st['waiting']) > 1 else ''} {', '.join(st['waiting'])} waiting")
     parts.append(f"{st['attempts']} sync attempts, {st['failures']} failed")
     console.print("; ".join(parts), markup=False, highlight=False, soft_wrap=True)
+
+
+def promotion_line(log: list[dict], consecutive: int) -> str:
+    """One line on what serves and why, e.g. 'promotion: champion version 3; candidate 5 refused (worse by
+    more than the tolerance 0.05: ...); 2 refused in a row'. Plain text: scripts grep it."""
+    champions = [r["weight_version"] for r in log if r["action"] in ("promote", "rollback")]
+    champion = champions[-1] if champions else "0"
+    head = f"promotion: champion version {champion}" + ("" if champions else " (the initial weights)")
+    if not log:
+        return head + "; no candidate decided yet"
+    last = log[-1]
+    if last["action"] == "refuse":
+        return (f"{head}; candidate {last['weight_version']} refused ({last['reason']}); "
+                f"{consecutive} refused in a row")
+    verb = "promoted" if last["action"] == "promote" else f"rolled back to from version {last['champion_version']}"
+    return f"{head}, {verb} by {last['source']} ({last['reason']})"
 
 
 @app.command("doctor")

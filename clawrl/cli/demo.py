@@ -12,6 +12,7 @@ from rich.table import Table
 from clawrl.cli.common import app, console, settings_or_exit
 from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
+from clawrl.sim.prompts import QUESTIONS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml"}
@@ -43,13 +44,16 @@ def demo(
     conf = config or DEMO_CONFIGS[scenario]
     base = settings_or_exit(conf)
     root = run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
+    max_tokens = max_tokens or (64 if scenario == "tools" else 48)
     s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
-                                "model.name": model})
+                                "model.name": model, **_gate_overrides(base, scenario, persona, seed, max_tokens)})
+    if s.gate.enabled and heldout + s.gate.size > len(QUESTIONS):
+        raise typer.BadParameter(f"{heldout} held-out + {s.gate.size} validation questions ([gate] size) exceed the "
+                                 f"{len(QUESTIONS)} questions: the two sets must stay disjoint", param_hint="--heldout")
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
     use_prefect_home(root / "prefect")  # the run's own: `clawrl up -c <run>/config.toml` shows the same flow runs
-    max_tokens = max_tokens or (64 if scenario == "tools" else 48)
     out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
                     heldout=heldout, eval_samples=eval_samples, group_size=group_size, scenario=scenario)
     _print_rows(out["rows"], scenario, persona)
@@ -59,6 +63,16 @@ def demo(
                                        prefect=root / "prefect"), markup=False)
 
 
+def _gate_overrides(base: Settings, scenario: str, persona: str, seed: int, max_tokens: int) -> dict:
+    """The gate of the persona demo scores the validation questions as the demo's user would, with the
+    demo's seed and answer budget; the tools demo has no gate evaluator yet: it serves every checkpoint."""
+    if scenario == "tools":
+        return {"gate.enabled": False}
+    if not base.gate.enabled or not base.gate.evaluator.startswith("clawrl.sim.validation:"):
+        return {}  # an evaluator of the user's own is left as it is
+    return {"gate.evaluator": f"clawrl.sim.validation:{persona}", "gate.seed": seed, "gate.max_tokens": max_tokens}
+
+
 def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
     from clawrl.flows.loop import CURVES
 
@@ -66,10 +80,11 @@ def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
     title = "held-out rates per step (tool tasks and plain questions)" if scenario == "tools" else \
         f"held-out score per step (persona {persona})"
     t = Table(title=title)
-    for _, label in [("step", "step"), *cols]:
+    for _, label in [("step", "step"), *cols, ("served", "served"), ("gate", "gate")]:
         t.add_column(label, justify="right")
     for r in rows:
-        t.add_row(str(r["step"]), *(f"{r[k]:.4f}" if k == "kl" else f"{r[k]:.3f}" for k, _ in cols))
+        t.add_row(str(r["step"]), *(f"{r[k]:.4f}" if k == "kl" else f"{r[k]:.3f}" for k, _ in cols),
+                  f"v{r['weight_version']}", r.get("gate", "-"))
     console.print(t)
     first, last = rows[0], rows[-1]
     lines = ", ".join(f"{label} {first[k]:.3f} -> {last[k]:.3f} (best {max(r[k] for r in rows):.3f})"

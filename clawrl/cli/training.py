@@ -80,6 +80,78 @@ def sync(
     raise typer.Exit(0 if rep.success else 1)
 
 
+def _serve_by_hand(config, version: str | None, action: str, reason: str, engine_url: str | None) -> None:
+    """Serve ``version`` (None: the champion before the current one) through the same sync path as the
+    train flow, then record it as a ``promotions`` row and move the MLflow ``champion`` alias.
+    Nothing is recorded when the engine did not take the weights."""
+    s = settings_or_exit(config)
+    url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
+    if not url:
+        fail("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url")
+    from clawrl import runtime
+    from clawrl.config import read_admin_key
+    from clawrl.flows.common import base_model_dir, data_store, record_sync
+    from clawrl.lineage import set_policy_alias
+    from clawrl.promotion import GateError, record_manual, weights_of
+    from clawrl.records import PromotionAction
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import current_champion, previous_champion
+    from clawrl.storage.queries import find_checkpoint
+    from clawrl.sync import sync_checkpoint
+
+    with open_catalog(s.storage.data_root) as con:
+        champion = current_champion(con)
+        if version is None:
+            version = previous_champion(con)
+            if version is None:
+                fail(f"nothing to roll back to: the champion is version {champion}, the initial weights")
+        try:
+            v, path, sha = weights_of(con, version, base_model_dir(s))
+        except GateError as e:
+            fail(f"{e} in {s.storage.data_root}")
+        ck = find_checkpoint(con, v) if v != "0" else None
+    run_id = ck["mlflow_run_id"] if ck else None
+    rep = runtime.run(sync_checkpoint(v, path, sha or "", url=url, admin_key=read_admin_key(s.server.admin_keys_env),
+                                      timeout_s=s.engine.request_timeout_s))
+    record_sync(s, rep, v, run_id)
+    if not rep.success:
+        fail(f"FAILED: engine serves version {rep.weight_version}, champion stays {champion} ({rep.message})", code=1)
+    record_manual(data_store(s), s.storage.data_root, action=PromotionAction(action), version=v,
+                  reason=reason or f"by hand (clawrl {'promote' if action == 'promote' else 'rollback'})",
+                  mlflow_run_id=run_id)
+    data_store(s).flush()
+    set_policy_alias(s.storage.data_root, "champion", v)
+    verb = "promoted" if action == "promote" else f"rolled back from version {champion} to"
+    console.print(f"{verb} version {v}: the engine serves version {rep.weight_version} ({rep.seconds:.2f} s)",
+                  markup=False)
+
+
+EngineUrlOpt = Annotated[Optional[str], typer.Option(help="SGLang server, `clawrl engine` or the gateway's /engine URL "
+                                                          "(default: [engine] url when kind=http).")]
+ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promotions table).")]
+
+
+@app.command("promote")
+def promote(
+    version: Annotated[str, typer.Argument(help="Weight version to serve as the champion (0: the initial weights).")],
+    config: ConfigOpt = None,
+    engine_url: EngineUrlOpt = None,
+    reason: ReasonOpt = "",
+) -> None:
+    """Serve VERSION as the champion now, whatever the gate decided (no rejected requests: the usual sync)."""
+    _serve_by_hand(config, version, "promote", reason, engine_url)
+
+
+@app.command("rollback")
+def rollback(
+    config: ConfigOpt = None,
+    engine_url: EngineUrlOpt = None,
+    reason: ReasonOpt = "",
+) -> None:
+    """Serve the champion before the current one again (no rejected requests: the usual sync)."""
+    _serve_by_hand(config, None, "rollback", reason, engine_url)
+
+
 @app.command("replay")
 def replay_cmd(
     version: Annotated[str, typer.Argument(help="Weight version to rebuild (1..N), 'latest', or an MLflow run id.")],

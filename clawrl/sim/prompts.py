@@ -81,3 +81,14 @@ def split_questions(n_heldout: int = 16, seed: int = 0) -> tuple[list[tuple[str,
     qs = list(QUESTIONS)
     random.Random(seed).shuffle(qs)
     return qs[n_heldout:], qs[:n_heldout]
+
+
+def validation_questions(size: int = 16, seed: int = 0) -> list[tuple[str, tuple[str, ...]]]:
+    """The promotion gate's validation set: the last ``size`` questions of the same fixed shuffle, so it is
+    disjoint from the held-out questions (the first ones) whenever held-out + size <= len(QUESTIONS).
+    They are part of the training pool: the held-out score the demo reports stays an honest test."""
+    if not 1 <= size <= len(QUESTIONS):
+        raise ValueError(f"validation size must be in [1, {len(QUESTIONS)}], got {size}")
+    qs = list(QUESTIONS)
+    random.Random(seed).shuffle(qs)
+    return qs[-size:]

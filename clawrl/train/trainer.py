@@ -22,6 +22,7 @@ from clawrl.checkpoint import (
     StepResult,
     complete_checkpoints,
     file_sha256,
+    kept_versions,
     read_step_result,
     remove_stale_staging,
     staged_dir,
@@ -121,12 +122,14 @@ class Trainer:
     def _prune(self) -> None:
         """Keep weights of the newest ``keep_weights`` versions and the optimizer state (and float32
         master weights) of the newest only; trainer.json markers stay forever (lineage and replay
-        read them; replay needs no weights)."""
-        for i, (_, d) in enumerate(complete_checkpoints(self.checkpoints)):
+        read them; replay needs no weights). Weights the promotion gate serves or may roll back to
+        (``kept_versions``) stay too."""
+        keep = kept_versions(self.checkpoints)
+        for i, (v, d) in enumerate(complete_checkpoints(self.checkpoints)):
             if i >= 1:
                 (d / OPTIMIZER_FILE).unlink(missing_ok=True)
                 (d / MASTER_FILE).unlink(missing_ok=True)
-            if i >= self.keep_weights:
+            if i >= self.keep_weights and str(v) not in keep:
                 (d / WEIGHTS_FILE).unlink(missing_ok=True)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from clawrl.checkpoint import KEEP_FILE
 from clawrl.config import dump_toml
 from clawrl.lineage import EXPERIMENT, REGISTERED_MODEL, client, experiment_id
 from clawrl.records import SampleRecord
@@ -18,7 +19,7 @@ from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 
 REPO = Path(__file__).resolve().parents[2]
-POINTS = ["claimed", "trained", "logged", "recorded", "synced"]
+POINTS = ["claimed", "trained", "logged", "recorded", "gated", "synced"]
 
 
 def _write_samples(s, n=4):
@@ -76,7 +77,7 @@ def test_crash_between_steps_is_exactly_once(prefect_harness, make_settings, tmp
     out = train_flow(config_path=str(conf), max_steps=5)  # resumes, then takes the second batch
     versions = [st["weight_version"] for st in out["steps"]]
     # before its checkpoint row exists, batch 1 is resumed; after, the re-run goes straight to batch 2
-    assert versions == (["2"] if point in ("recorded", "synced") else ["1", "2"])
+    assert versions == (["2"] if point in ("recorded", "gated", "synced") else ["1", "2"])
     q = lambda sql: run_query(s.storage.data_root, sql).to_pylist()  # noqa: E731
     used = [sid for b in q("select sample_ids from batches") for sid in b["sample_ids"]]
     assert sorted(used) == ["smp0", "smp1", "smp2", "smp3"]  # every sample consumed exactly once
@@ -84,7 +85,8 @@ def test_crash_between_steps_is_exactly_once(prefect_harness, make_settings, tmp
     cks = q("select weight_version, batch_id from checkpoints order by step")
     assert [c["weight_version"] for c in cks] == ["1", "2"] and len({c["batch_id"] for c in cks}) == 2
     ckdir = s.storage.data_root / "checkpoints"
-    assert sorted(p.name for p in ckdir.iterdir()) == ["v000001", "v000002"]  # no half-written leftovers
+    # no half-written leftovers (beside them: the list of versions whose weights the promotion gate keeps)
+    assert sorted(p.name for p in ckdir.iterdir() if p.name != KEEP_FILE) == ["v000001", "v000002"]
     assert json.loads((ckdir / "v000001" / "trainer.json").read_text())["batch_id"] == cks[0]["batch_id"]
     c = client(s.storage.data_root)
     runs = [r for r in c.search_runs([experiment_id(c, s.storage.data_root, EXPERIMENT)])

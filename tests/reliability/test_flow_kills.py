@@ -24,7 +24,7 @@ import pytest
 
 from clawrl.config import dump_toml, load_settings
 from clawrl.lineage import EXPERIMENT, REGISTERED_MODEL, client, experiment_id
-from clawrl.checkpoint import file_sha256
+from clawrl.checkpoint import KEEP_FILE, file_sha256
 from clawrl.storage.catalog import open_catalog, run_query
 from clawrl.storage.queries import trainable_samples
 from clawrl.storage.writer import DataStore
@@ -120,7 +120,7 @@ def _ck_state(root: Path) -> dict:
     """Checkpoint rows, sha256 of the weights files still on disk, and the MLflow side, per version."""
     rows = _q(root, "SELECT weight_version, step, batch_id, sha256 FROM checkpoints ORDER BY step")
     ckdir = root / "checkpoints"
-    dirs = sorted(ckdir.iterdir()) if ckdir.is_dir() else []
+    dirs = sorted(d for d in ckdir.iterdir() if d.name != KEEP_FILE) if ckdir.is_dir() else []  # the gate's list
     files = {d.name: file_sha256(d / "model.safetensors") for d in dirs if (d / "model.safetensors").is_file()}
     c = client(root)
     runs = [r for r in c.search_runs([experiment_id(c, root, EXPERIMENT)]) if r.data.tags.get("kind") != "policy"]

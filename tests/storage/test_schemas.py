@@ -34,6 +34,8 @@ RECORDS = {
     "batches": records.BatchRecord,
     "checkpoints": records.CheckpointRecord,
     "syncs": records.SyncRecord,
+    "evaluations": records.EvaluationRecord,
+    "promotions": records.PromotionRecord,
 }
 
 
@@ -186,6 +188,31 @@ ON_DISK = {
         _optional("mlflow_run_id", pa.string()),
         _required("started_at", TIMESTAMP),
         _required("seconds", pa.float64()),
+        _required("created_at", TIMESTAMP),
+    ]),
+    "evaluations": pa.schema([
+        _required("evaluation_id", pa.string()),
+        _required("weight_version", pa.string()),
+        _required("eval_key", pa.string()),
+        _required("scores", pa.list_(pa.field("item", pa.float64(), nullable=False))),
+        _required("mean", pa.float64()),
+        _required("n", pa.int64()),
+        _required("samples", pa.int64()),
+        _required("seconds", pa.float64()),
+        _required("created_at", TIMESTAMP),
+    ]),
+    "promotions": pa.schema([
+        _required("promotion_id", pa.string()),
+        _required("action", pa.string()),
+        _required("weight_version", pa.string()),
+        _required("champion_version", pa.string()),
+        _required("source", pa.string()),
+        _required("reason", pa.string()),
+        _optional("eval_key", pa.string()),
+        _optional("n", pa.int64()),
+        *(_optional(k, pa.float64()) for k in ("candidate_mean", "champion_mean", "mean_diff", "ci_low", "ci_high",
+                                               "p_value", "tolerance", "alpha")),
+        _optional("mlflow_run_id", pa.string()),
         _required("created_at", TIMESTAMP),
     ]),
 }

@@ -1,0 +1,174 @@
+"""The promotion gate at work, above the gate's rule (``clawrl.gate``), the evaluation (``clawrl.evaluation``),
+the weight loading (``clawrl.sync``) and storage.
+
+Every new checkpoint is a candidate. :func:`gate_candidate` loads it into an evaluation engine (its
+own weights, never the serving engine's: users keep getting the champion meanwhile), scores it on
+the evaluation set, and compares it paired with the champion's scores on the same prompts and seeds:
+stored when the champion was evaluated, or measured now (the champion's checkpoint, or the initial
+weights for version "0", loaded into the same engine). The scores are an ``evaluations`` row per
+version, the decision a ``promotions`` row with its evidence; the caller then serves the champion
+after the decision (the candidate when promoted, else the same champion as before).
+
+By hand, :func:`record_manual` writes the row of a `clawrl promote` or `clawrl rollback`. The
+champion and the one before it keep their weights on disk (``clawrl.checkpoint.keep_weights_of``):
+the trainer's pruning of old checkpoints must not take away what serves or what a rollback serves.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from clawrl import runtime
+from clawrl.chat import ChatAdapter
+from clawrl.checkpoint import keep_weights_of
+from clawrl.engine.types import Engine
+from clawrl.evaluation import EvalSet, evaluate_version
+from clawrl.gate import decide_live_rollback, decide_promotion
+from clawrl.records import EvaluationRecord, PromotionAction, PromotionRecord
+from clawrl.storage.catalog import open_catalog
+from clawrl.storage.promotions import (
+    BASE_VERSION,
+    best_promoted_mean,
+    champion_stack,
+    current_champion,
+    live_scores,
+    stored_evaluation,
+)
+from clawrl.storage.queries import find_checkpoint
+from clawrl.sync import sync_from_disk, sync_state_dict
+
+
+class GateError(RuntimeError):
+    """The gate could not measure a version (its checkpoint is gone or does not load)."""
+
+
+def weights_of(con, version: str, base_dir: Path) -> tuple[str, str, str | None]:
+    """(version, weights directory, sha256 or None) of ``version``: its checkpoint, or the initial
+    weights ``base_dir`` for version "0". Raises GateError for a version with no checkpoint."""
+    if str(version) == BASE_VERSION:
+        return BASE_VERSION, str(base_dir), None
+    ck = find_checkpoint(con, str(version))
+    if ck is None:
+        raise GateError(f"no checkpoint of weight version {version!r}")
+    return str(ck["weight_version"]), ck["path"], ck["sha256"]
+
+
+async def _score(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, version: str, path: str,
+                 sha256: str | None, state_dict: Any = None) -> tuple[list[float], float]:
+    if state_dict is not None:
+        rep = await sync_state_dict(engine, state_dict, version)
+    else:
+        rep = await sync_from_disk(engine, path, version, expected_sha256=sha256)
+    if not rep.success:
+        raise GateError(f"could not load weight version {version} into the evaluation engine: {rep.message}")
+    return await evaluate_version(engine, adapter, eval_set)
+
+
+def score_version(data_root: Path, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, version: str,
+                  base_dir: Path) -> list[float]:
+    """Per-prompt scores of ``version`` on any evaluation set, stored nowhere (the demo's held-out
+    score of a refused candidate); the engine keeps the weights it holds when it holds ``version``."""
+    with open_catalog(data_root) as con:
+        v, path, sha = weights_of(con, version, base_dir)
+    return runtime.run(_score(engine, adapter, eval_set, v, path, sha))[0]
+
+
+def _evaluation(version: str, eval_set: EvalSet, scores: list[float], seconds: float) -> EvaluationRecord:
+    return EvaluationRecord(evaluation_id=uuid.uuid4().hex[:16], weight_version=str(version), eval_key=eval_set.key,
+                            scores=scores, mean=sum(scores) / len(scores), n=len(scores), samples=eval_set.samples,
+                            seconds=float(seconds))
+
+
+def measure(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, version: str, base_dir: Path,
+            state_dict: Any = None) -> tuple[EvaluationRecord, bool]:
+    """(the evaluation of ``version`` under this set, whether it was measured now): a stored one is
+    reused; a new one is appended to ``store``."""
+    found = stored_evaluation(con, version, eval_set.key)
+    if found is not None:
+        return EvaluationRecord(**{k: v for k, v in found.items() if k != "date"}), False
+    v, path, sha = weights_of(con, version, base_dir)
+    scores, seconds = runtime.run(_score(engine, adapter, eval_set, v, path, sha, state_dict))
+    rec = _evaluation(v, eval_set, scores, seconds)
+    store.append(rec)
+    return rec, True
+
+
+def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, adapter: ChatAdapter,
+                   eval_set: EvalSet, base_dir: Path, tolerance: float, alpha: float, state_dict: Any = None,
+                   mlflow_run_id: str | None = None) -> dict[str, Any]:
+    """Decide on weight version ``candidate`` (``state_dict``: its weights in memory, else its
+    checkpoint is loaded). Returns the decision with its evidence (``clawrl.gate.GateDecision``'s
+    fields), ``champion_version`` (before), ``serve_version`` (after), ``eval_seconds`` (engine time
+    spent measuring now) and ``promotion_id``."""
+    store.flush()
+    with open_catalog(data_root) as con:
+        line = champion_stack(con)
+        champion = line[-1]
+        champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
+        cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
+        floor = best_promoted_mean(con, eval_set.key)
+    if fresh_champ:  # measured just now, so not yet in the table the floor was read from
+        floor = champ.mean if floor is None else max(floor, champ.mean)
+    d = decide_promotion(cand.scores, champ.scores, tolerance=tolerance, alpha=alpha, floor=floor)
+    action = PromotionAction.PROMOTE if d.promoted else PromotionAction.REFUSE
+    row = PromotionRecord(
+        promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(candidate),
+        champion_version=champion, source="gate", reason=d.reason, eval_key=eval_set.key, n=d.n,
+        **{k: _finite(getattr(d, k)) for k in ("candidate_mean", "champion_mean", "mean_diff", "ci_low", "ci_high",
+                                               "p_value", "tolerance", "alpha")},
+        mlflow_run_id=mlflow_run_id)
+    store.append(row)
+    store.flush()
+    serve = str(candidate) if d.promoted else champion
+    # the champion, and what a rollback would serve
+    keep_weights_of(Path(data_root) / "checkpoints", [serve, champion] if d.promoted else line[-2:])
+    seconds = (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
+    return {**d.to_dict(), "champion_version": champion, "serve_version": serve, "eval_seconds": seconds,
+            "promotion_id": row.promotion_id}
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or x != x else float(x)
+
+
+def check_live(data_root: Path, judge_config_hash: str, *, tolerance: float, alpha: float,
+               min_n: int) -> dict[str, Any] | None:
+    """The live check (``clawrl.gate.decide_live_rollback``) of the champion against the previous
+    champion on the line, with ``champion`` and ``previous``; None when no champion was promoted yet."""
+    with open_catalog(data_root) as con:
+        line = champion_stack(con)
+        if len(line) < 2:
+            return None
+        champion, previous = line[-1], line[-2]
+        check = decide_live_rollback(live_scores(con, judge_config_hash, champion),
+                                     live_scores(con, judge_config_hash, previous),
+                                     tolerance=tolerance, alpha=alpha, min_n=min_n)
+    return {"champion": champion, "previous": previous, **check.to_dict()}
+
+
+def record_manual(store, data_root: Path, *, action: PromotionAction, version: str, reason: str,
+                  source: str = "manual", mlflow_run_id: str | None = None,
+                  live: dict[str, Any] | None = None) -> PromotionRecord:
+    """The row of a promotion or rollback made by hand, or by the live check (``source = "live"``,
+    ``live``: :func:`check_live`'s evidence, stored as n = the champion's turns, candidate_mean = the
+    champion's live mean, champion_mean = the restored version's); the new champion and the one
+    before it keep their weights."""
+    store.flush()
+    with open_catalog(data_root) as con:
+        champion = current_champion(con)
+    ev = live or {}
+    row = PromotionRecord(
+        promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(version),
+        champion_version=champion, source=source, reason=reason, eval_key=None, n=ev.get("n_champion"),
+        candidate_mean=_finite(ev.get("champion_mean")), champion_mean=_finite(ev.get("previous_mean")),
+        mean_diff=_finite(ev.get("mean_diff")), ci_low=_finite(ev.get("ci_low")), ci_high=_finite(ev.get("ci_high")),
+        p_value=_finite(ev.get("p_value")), tolerance=ev.get("tolerance"), alpha=ev.get("alpha"),
+        mlflow_run_id=mlflow_run_id)
+    store.append(row)
+    store.flush()
+    with open_catalog(data_root) as con:
+        line = champion_stack(con)
+    keep_weights_of(Path(data_root) / "checkpoints", line[-2:])  # the champion, and what a rollback serves
+    return row

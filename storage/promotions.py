@@ -1,0 +1,105 @@
+"""What the promotion gate reads: the champion, its history, stored evaluations, the best promoted score.
+
+The champion is the version of the newest ``promote`` or ``rollback`` row of ``promotions``; before
+any, the initial weights (version "0"). Evaluations are reused only under the same ``eval_key``
+(same evaluator, prompts, samples, seeds, budget and temperature), so paired scores stay paired.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+
+from clawrl.records import PromotionAction
+
+BASE_VERSION = "0"
+_SERVING = (PromotionAction.PROMOTE.value, PromotionAction.ROLLBACK.value)
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> list[dict[str, Any]]:
+    return con.sql(sql, params=params).to_arrow_table().to_pylist()
+
+
+def promotion_log(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """Every ``promotions`` row, oldest first."""
+    return _rows(con, "SELECT * EXCLUDE (date) FROM promotions ORDER BY created_at, promotion_id")
+
+
+def champion_history(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Every version that ever served as champion, in order, starting with the initial weights ("0")."""
+    rows = con.execute("SELECT weight_version FROM promotions WHERE action IN (?, ?) ORDER BY created_at, "
+                       "promotion_id", list(_SERVING)).fetchall()
+    return [BASE_VERSION] + [str(r[0]) for r in rows]
+
+
+def champion_stack(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The line of champions a rollback walks back: a promotion pushes its version, a rollback to a
+    version pops back to it (pushes it when it was not on the line). The last one is the champion."""
+    stack = [BASE_VERSION]
+    for r in promotion_log(con):
+        v = str(r["weight_version"])
+        if r["action"] == PromotionAction.PROMOTE.value:
+            stack.append(v)
+        elif r["action"] == PromotionAction.ROLLBACK.value:
+            if v in stack:
+                del stack[stack.index(v) + 1:]
+            else:
+                stack.append(v)
+    return stack
+
+
+def current_champion(con: duckdb.DuckDBPyConnection) -> str:
+    return champion_stack(con)[-1]
+
+
+def previous_champion(con: duckdb.DuckDBPyConnection) -> str | None:
+    """The champion before the current one on the line (what `clawrl rollback` serves again), or None
+    when the initial weights are the champion."""
+    stack = champion_stack(con)
+    return stack[-2] if len(stack) > 1 else None
+
+
+def consecutive_refusals(con: duckdb.DuckDBPyConnection) -> int:
+    """Candidates refused since the last promote or rollback."""
+    n = 0
+    for r in reversed(promotion_log(con)):
+        if r["action"] != PromotionAction.REFUSE.value:
+            break
+        n += 1
+    return n
+
+
+def stored_evaluation(con: duckdb.DuckDBPyConnection, weight_version: str, eval_key: str) -> dict[str, Any] | None:
+    """The newest ``evaluations`` row of ``weight_version`` under ``eval_key``, or None."""
+    rows = _rows(con, "SELECT * EXCLUDE (date) FROM evaluations WHERE weight_version = $v AND eval_key = $k "
+                 "ORDER BY created_at DESC LIMIT 1", v=str(weight_version), k=eval_key)
+    return rows[0] if rows else None
+
+
+def best_promoted_mean(con: duckdb.DuckDBPyConnection, eval_key: str) -> float | None:
+    """The best mean score under ``eval_key`` of a champion on the line (the initial weights included;
+    a version rolled back from no longer counts)."""
+    champions = champion_stack(con)
+    value = con.execute("SELECT max(mean) FROM evaluations WHERE eval_key = ? AND list_contains(?, weight_version)",
+                        [eval_key, champions]).fetchall()[0][0]
+    return None if value is None else float(value)
+
+
+def refused_versions(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """Versions the gate refused and nobody promoted since: unserved on purpose, not waiting."""
+    out: set[str] = set()
+    for r in promotion_log(con):
+        if r["action"] == PromotionAction.REFUSE.value:
+            out.add(str(r["weight_version"]))
+        else:
+            out.discard(str(r["weight_version"]))
+    return out
+
+
+def live_scores(con: duckdb.DuckDBPyConnection, judge_config_hash: str, weight_version: str) -> list[float]:
+    """The judged scores of the live main turns ``weight_version`` served (``learning_by_version``'s rows)."""
+    rows = con.execute("SELECT score FROM turn_outcomes WHERE judge_config_hash = ? AND weight_version = ? AND "
+                       "turn_type = 'main' AND score IS NOT NULL AND judge_error IS NULL",
+                       [judge_config_hash, str(weight_version)]).fetchall()
+    return [float(r[0]) for r in rows]

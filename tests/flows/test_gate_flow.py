@@ -1,0 +1,280 @@
+"""The promotion gate in the train flow, on CPU with the tiny model: a helpful step is promoted and
+served; a deliberately harmful one (the reward's sign flipped) is refused, and serving stays on the
+champion without a single rejected request. The decisions are rows of the promotions view, MLflow
+aliases and metrics, and a line of `clawrl status`."""
+
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from typer.testing import CliRunner
+
+from clawrl import runtime
+from clawrl.chat import ChatAdapter
+from clawrl.config import dump_toml
+from clawrl.engine.embedded import EmbeddedEngine
+from clawrl.evaluation import answer_prompts, load_eval_set
+from clawrl.flows.common import attach_policy_engine
+from clawrl.gateway.routes import create_app
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
+from tests.utils import gate_eval
+from tests.utils.gateway_server import running_gateway
+
+EVALUATOR = "tests.utils.gate_eval:evaluator"
+
+
+def _conversation(client, sid, question):
+    msgs = [{"role": "user", "content": question}]
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=10, extra_body={"session_id": sid})
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "thanks!"}]
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=2,
+                                   extra_body={"session_id": sid, "session_done": True})
+
+
+@pytest.fixture
+def gate_confs(make_settings, tmp_path):
+    """Two configs over one data root: the users' reward, and the same reward with its sign flipped."""
+    base = {"server.open_mode": True, "ppo.rollout_batch_size": 2, "ppo.advantage_estimator": "grpo",
+            "ppo.temperature": 0.0, "ppo.lr": 1e-2, "prm.backend": "rule", "ppo.micro_batch_size": 2,
+            "gate.evaluator": EVALUATOR, "gate.size": 4, "gate.samples": 1, "gate.max_tokens": 8,
+            "gate.tolerance": 0.05, "gate.alpha": 0.05}
+    confs = {}
+    for name, hook in (("helpful", "tests.utils.gate_eval:reward"), ("harmful", "tests.utils.gate_eval:flipped_reward")):
+        s = make_settings({**base, "hooks.reward": hook})
+        confs[name] = tmp_path / f"{name}.toml"
+        confs[name].write_text(dump_toml(s))
+    return s, confs
+
+
+def _fill_reference(tiny_dir):
+    """The initial model's greedy answers to the evaluation prompts: the answers the users liked."""
+    engine = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
+    eval_set = load_eval_set(EVALUATOR, size=4, samples=1, seed=0, max_tokens=8, temperature=0.0)
+    answers = runtime.run(answer_prompts(engine, ChatAdapter(engine.tokenizer), eval_set))
+    runtime.run(engine.close())
+    gate_eval.REFERENCE.update({i: a[0] for i, a in enumerate(answers)})
+
+
+def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_harness, gate_confs, tiny_dir):
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
+
+    s, confs = gate_confs
+    _fill_reference(tiny_dir)
+    engine = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
+    attach_policy_engine(engine)
+    store = DataStore(s.storage.data_root)
+    app = create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store)
+    failures, served = [], []
+    stop = threading.Event()
+    try:
+        with running_gateway(app) as gw:
+            client = OpenAI(base_url=gw.base_url, api_key="x")
+
+            def step(conf, tag):
+                for i, q in enumerate(gate_eval.QUESTIONS[:2]):
+                    _conversation(client, f"{tag}-{i}", q)
+                store.flush()
+                # a new judge config (the other reward) judges the earlier turns again too: the oldest batch is
+                # the first step's turns, now with the other reward
+                assert judge_flow(config_path=str(conf))["fates"]["sample"] >= 2
+                [out] = train_flow(config_path=str(conf), max_steps=1)["steps"]
+                return out
+
+            good = step(confs["helpful"], "helpful")
+            assert good["gate"]["decision"] == "promote", good["gate"]["reason"]
+            assert good["sync"]["success"] and good["gate"]["serve_version"] == "1"
+
+            def traffic():  # steady side-turn traffic while the harmful candidate is measured
+                c = httpx.Client(timeout=60)
+                while not stop.is_set():
+                    try:
+                        r = c.post(gw.base_url + "/chat/completions", json={
+                            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "turn_type": "side"})
+                    except httpx.HTTPError as e:
+                        failures.append(repr(e))
+                        return
+                    (served if r.status_code == 200 else failures).append(
+                        r.headers.get("x-weight-version", r.status_code))
+
+            threads = [threading.Thread(target=traffic) for _ in range(3)]
+            for t in threads:
+                t.start()
+            bad = step(confs["harmful"], "harmful")
+            time.sleep(0.3)
+            stop.set()
+            for t in threads:
+                t.join(30)
+            r = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                                 max_tokens=4)
+            assert r.headers["x-weight-version"] == "1"  # still the champion
+    finally:
+        stop.set()
+        attach_policy_engine(None)
+        store.close()
+    gate = bad["gate"]
+    assert bad["weight_version"] == "2" and gate["decision"] == "refuse" and gate["serve_version"] == "1"
+    assert gate["champion_mean"] == 1.0 and gate["candidate_mean"] < 1.0 and gate["n"] == 4
+    assert gate["reason"].startswith(("worse by more than the tolerance 0.05", "significantly worse")), gate["reason"]
+    assert bad["sync"]["success"] and bad["sync"]["skipped"]  # the champion already serves: nothing loaded
+    assert failures == [] and len(served) >= 3 and set(served) == {"1"}
+    # the promotions view: the evidence of both decisions
+    rows = run_query(s.storage.data_root, "select action, weight_version, champion_version, source, n, candidate_mean, "
+                     "champion_mean, mean_diff, p_value, tolerance from promotions order by created_at").to_pylist()
+    assert [(r["action"], r["weight_version"], r["champion_version"]) for r in rows] == [
+        ("promote", "1", "0"), ("refuse", "2", "1")]
+    assert rows[0]["candidate_mean"] == rows[0]["champion_mean"] == 1.0 and rows[0]["mean_diff"] == 0.0
+    assert rows[1]["mean_diff"] == pytest.approx(rows[1]["candidate_mean"] - 1.0) and rows[1]["tolerance"] == 0.05
+    evals = run_query(s.storage.data_root, "select weight_version, eval_key, scores, n from evaluations "
+                      "order by weight_version").to_pylist()
+    assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
+    # the decision replays: a fresh evaluation engine measures both versions from their checkpoints again
+    from clawrl.gate import decide_promotion
+    from clawrl.promotion import score_version
+
+    fresh = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
+    eval_set = load_eval_set(EVALUATOR, size=4, samples=1, seed=0, max_tokens=8, temperature=0.0)
+    again = {v: score_version(s.storage.data_root, fresh, ChatAdapter(fresh.tokenizer), eval_set, v, tiny_dir)
+             for v in ("2", "1")}
+    runtime.run(fresh.close())
+    assert {r["eval_key"] for r in evals} == {eval_set.key}
+    assert again == {r["weight_version"]: r["scores"] for r in evals[1:]}
+    assert decide_promotion(again["2"], again["1"], tolerance=0.05, alpha=0.05, floor=1.0).reason == gate["reason"]
+    # MLflow: aliases on clawrl-policy, the gate's numbers on the step's run
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
+
+    c = mlflow_client(s.storage.data_root)
+    assert c.get_model_version_by_alias(REGISTERED_MODEL, "champion").tags["weight_version"] == "1"
+    assert c.get_model_version_by_alias(REGISTERED_MODEL, "candidate").tags["weight_version"] == "2"
+    run = c.get_run(bad["mlflow_run_id"])
+    assert run.data.metrics["gate_promoted"] == 0.0 and run.data.tags["gate_decision"] == "refuse"
+    assert run.data.metrics["gate_mean_diff"] == pytest.approx(gate["mean_diff"])
+    assert c.get_run(good["mlflow_run_id"]).data.metrics["gate_promoted"] == 1.0
+    # clawrl status: the champion and the refused candidate, never "waiting"
+    from clawrl.cli import app
+
+    res = CliRunner().invoke(app, ["status", "--config", str(confs["harmful"])])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("promotion:"))
+    assert "champion version 1" in line and "candidate 2 refused" in line, line
+    sync_line = next(x for x in res.output.splitlines() if x.startswith("last sync:"))
+    assert "serving version 1" in sync_line and "waiting" not in sync_line, sync_line
+
+
+def _write_samples(s, n: int) -> None:
+    import random
+
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.records import SampleRecord
+
+    rng, chash = random.Random(0), build_judge_config_hash(s)
+    with DataStore(s.storage.data_root) as store:
+        store.append([SampleRecord(
+            sample_id=f"smp{i:02d}", turn_id=f"turn{i:02d}", session_id=f"sess{i:02d}", judge_config_hash=chash,
+            method="grpo", prompt_ids=[1] + [rng.randrange(3, 40000) for _ in range(6)],
+            output_ids=[rng.randrange(3, 40000) for _ in range(5)] + [2], rollout_logprobs=[-7.0] * 6,
+            reward=1.0 if i % 2 else -1.0, has_teacher=False, teacher_logprobs=None, weight_version="0")
+            for i in range(n)])
+
+
+def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, make_settings, tmp_path, tiny_dir):
+    from clawrl.cli import app
+    from clawrl.flows.train import train_flow
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
+    from tests.utils.engine_server import CONTEXT, PROMPT, make_tiny_engine, running_engine_server
+
+    with running_engine_server(lambda: make_tiny_engine(tiny_dir), max_context_len=CONTEXT) as srv:
+        s = make_settings({"engine.kind": "http", "engine.url": srv.url, "ppo.rollout_batch_size": 2,
+                           "ppo.advantage_estimator": "grpo", "ppo.lr": 1e-3, "gate.size": 2, "gate.samples": 1,
+                           "gate.max_tokens": 4})
+        conf = tmp_path / "http.toml"
+        conf.write_text(dump_toml(s))
+        _write_samples(s, 4)
+        steps = train_flow(config_path=str(conf), max_steps=2)["steps"]
+        # the tiny model never pleases the default evaluator's user: equal scores, so both are promoted
+        assert [(st["gate"]["decision"], st["sync"]["success"]) for st in steps] == [("promote", True)] * 2
+
+        def serving() -> str:
+            return srv.call(srv.engine.model_info())["weight_version"]
+
+        assert serving() == "2"
+        failures, served, stop = [], [], threading.Event()
+
+        def traffic():
+            with httpx.Client(timeout=60) as c:
+                while not stop.is_set():
+                    r = c.post(srv.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
+                        "max_new_tokens": 4}})
+                    (served if r.status_code == 200 else failures).append(r.status_code)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            cli = CliRunner()
+            res = cli.invoke(app, ["rollback", "--config", str(conf), "--reason", "live score fell"])
+            assert res.exit_code == 0 and "rolled back from version 2 to version 1" in res.output, res.output
+            assert serving() == "1"
+            res = cli.invoke(app, ["rollback", "--config", str(conf)])
+            assert res.exit_code == 0 and serving() == "0", res.output  # the initial weights, from the model dir
+            res = cli.invoke(app, ["rollback", "--config", str(conf)])
+            assert res.exit_code == 2 and "nothing to roll back to: the champion is version 0" in res.output
+            res = cli.invoke(app, ["promote", "2", "--config", str(conf)])
+            assert res.exit_code == 0 and "promoted version 2" in res.output and serving() == "2", res.output
+            res = cli.invoke(app, ["promote", "9", "--config", str(conf)])
+            assert res.exit_code == 2 and "no checkpoint of weight version '9'" in res.output
+        finally:
+            stop.set()
+            thread.join(30)
+    assert failures == [] and len(served) >= 4
+    rows = run_query(s.storage.data_root, "select action, weight_version, champion_version, source, reason "
+                     "from promotions order by created_at").to_pylist()
+    assert [(r["action"], r["weight_version"], r["champion_version"], r["source"]) for r in rows] == [
+        ("promote", "1", "0", "gate"), ("promote", "2", "1", "gate"), ("rollback", "1", "2", "manual"),
+        ("rollback", "0", "1", "manual"), ("promote", "2", "0", "manual")]
+    assert rows[2]["reason"] == "live score fell"
+    syncs = run_query(s.storage.data_root, "select weight_version, ok from syncs order by created_at").to_pylist()
+    assert [(r["weight_version"], r["ok"]) for r in syncs][-3:] == [("1", True), ("0", True), ("2", True)]
+    alias = mlflow_client(s.storage.data_root).get_model_version_by_alias(REGISTERED_MODEL, "champion")
+    assert alias.tags["weight_version"] == "2"
+    res = CliRunner().invoke(app, ["status", "--config", str(conf)])
+    line = next(x for x in res.output.splitlines() if x.startswith("promotion:"))
+    assert line.startswith("promotion: champion version 2, promoted by manual"), line
+
+
+def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
+    """`clawrl demo` on the tiny model for two steps: every row has the gate's decision, both validation
+    means and the candidate's held-out score; the gate scored the demo persona's validation questions."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    conf = tmp_path / "demo.toml"
+    conf.write_text((root / "conf" / "demo.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
+                    .replace("rollout_batch_size = 16", "rollout_batch_size = 4")
+                    .replace("[gate]\n", "[gate]\nsize = 4\n")
+                    + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n')
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--persona", "lowercase",
+                          "--steps", "2", "--users", "4", "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8",
+                          "--run-dir", str(run)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((run / "reports" / "learning_curve.json").read_text())
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["candidate_score"] == rows[0]["score"] and "gate" not in rows[0]
+    for r in rows[1:]:
+        assert r["gate"] in ("promote", "refuse") and r["candidate_version"] == str(r["step"])
+        assert 0.0 <= r["val_candidate"] <= 1.0 and 0.0 <= r["val_champion"] <= 1.0
+        if r["gate"] == "promote":
+            assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["score"]
+    assert "promotion: champion version" in out.stdout and "gate" in out.stdout
+    run_conf = (run / "config.toml").read_text()
+    assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_tokens = 8" in run_conf
+    evals = run_query(run, "select weight_version, n from evaluations order by weight_version").to_pylist()
+    assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
