@@ -3,10 +3,8 @@ served; a deliberately harmful one (the reward's sign flipped) is refused, and s
 champion without a single rejected request. The decisions are rows of the promotions view, MLflow
 aliases and metrics, and a line of `clawrl status`."""
 
-import threading
 import time
 
-import httpx
 import pytest
 from openai import OpenAI
 from typer.testing import CliRunner
@@ -22,6 +20,7 @@ from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils import gate_eval
 from tests.utils.gateway_server import running_gateway
+from tests.utils.traffic import WEIGHT_VERSION, generate, side_chat, steady_traffic
 
 EVALUATOR = "tests.utils.gate_eval:evaluator"
 
@@ -68,8 +67,6 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
     attach_policy_engine(engine)
     store = DataStore(s.storage.data_root)
     app = create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store)
-    failures, served = [], []
-    stop = threading.Event()
     try:
         with running_gateway(app) as gw:
             client = OpenAI(base_url=gw.base_url, api_key="x")
@@ -88,31 +85,13 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
             assert good["gate"]["decision"] == "promote", good["gate"]["reason"]
             assert good["sync"]["success"] and good["gate"]["serve_version"] == "1"
 
-            def traffic():  # steady side-turn traffic while the harmful candidate is measured
-                c = httpx.Client(timeout=60)
-                while not stop.is_set():
-                    try:
-                        r = c.post(gw.base_url + "/chat/completions", json={
-                            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "turn_type": "side"})
-                    except httpx.HTTPError as e:
-                        failures.append(repr(e))
-                        return
-                    (served if r.status_code == 200 else failures).append(
-                        r.headers.get("x-weight-version", r.status_code))
-
-            threads = [threading.Thread(target=traffic) for _ in range(3)]
-            for t in threads:
-                t.start()
-            bad = step(confs["harmful"], "harmful")
-            time.sleep(0.3)
-            stop.set()
-            for t in threads:
-                t.join(30)
+            with steady_traffic(side_chat(gw.base_url), threads=3, key=WEIGHT_VERSION) as (served, failures):
+                bad = step(confs["harmful"], "harmful")  # measured while users keep being served
+                time.sleep(0.3)
             r = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                                                  max_tokens=4)
             assert r.headers["x-weight-version"] == "1"  # still the champion
     finally:
-        stop.set()
         attach_policy_engine(None)
         store.close()
     gate = bad["gate"]
@@ -201,18 +180,7 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
             return srv.call(srv.engine.model_info())["weight_version"]
 
         assert serving() == "2"
-        failures, served, stop = [], [], threading.Event()
-
-        def traffic():
-            with httpx.Client(timeout=60) as c:
-                while not stop.is_set():
-                    r = c.post(srv.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
-                        "max_new_tokens": 4}})
-                    (served if r.status_code == 200 else failures).append(r.status_code)
-
-        thread = threading.Thread(target=traffic)
-        thread.start()
-        try:
+        with steady_traffic(generate(srv.url, PROMPT)) as (served, failures):
             cli = CliRunner()
             res = cli.invoke(app, ["rollback", "--config", str(conf), "--reason", "live score fell"])
             assert res.exit_code == 0 and "rolled back from version 2 to version 1" in res.output, res.output
@@ -225,9 +193,6 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
             assert res.exit_code == 0 and "promoted version 2" in res.output and serving() == "2", res.output
             res = cli.invoke(app, ["promote", "9", "--config", str(conf)])
             assert res.exit_code == 2 and "no checkpoint of weight version '9'" in res.output
-        finally:
-            stop.set()
-            thread.join(30)
     assert failures == [] and len(served) >= 4
     rows = run_query(s.storage.data_root, "select action, weight_version, champion_version, source, reason "
                      "from promotions order by created_at").to_pylist()

@@ -4,15 +4,14 @@ sync (no request refused), recorded with its evidence."""
 
 from datetime import datetime, timedelta, timezone
 
-import httpx
 import pytest
-import threading
 
 from clawrl.config import dump_toml
 from clawrl.records import FateRecord, JudgeVerdict, TurnRecord
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.flows.test_gate_flow import _write_samples
+from tests.utils.traffic import generate, steady_traffic
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 
@@ -54,24 +53,10 @@ def test_a_live_score_drop_rolls_serving_back_to_the_previous_champion(prefect_h
         chash = build_judge_config_hash(s)
         with DataStore(s.storage.data_root) as store:  # version 1 pleased its users, version 2 does not
             store.append(_live_turns(chash, "1", [1] * 9 + [-1], 0) + _live_turns(chash, "2", [-1] * 8 + [1] * 2, 10))
-        failures, served, stop = [], [], threading.Event()
-
-        def traffic():
-            with httpx.Client(timeout=60) as c:
-                while not stop.is_set():
-                    r = c.post(srv.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
-                        "max_new_tokens": 4}})
-                    (served if r.status_code == 200 else failures).append(r.status_code)
-
-        thread = threading.Thread(target=traffic)
-        thread.start()
-        try:
+        with steady_traffic(generate(srv.url, PROMPT)) as (served, failures):
             out = judge_flow(config_path=str(conf))
             assert serving() == "1"
             again = judge_flow(config_path=str(conf))  # version 1 against the initial weights: no live turns of 0
-        finally:
-            stop.set()
-            thread.join(30)
     live = out["live"]
     assert live["rollback"] and (live["champion"], live["previous"]) == ("2", "1") and live["sync"]["success"]
     assert live["mean_diff"] == pytest.approx(-0.6 - 0.8) and live["p_value"] < 0.05

@@ -2,11 +2,9 @@
 -> sync -> the gateway serves weight_version 1; MLflow traces the version back to the turns."""
 
 import json
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import OpenAI
 
@@ -17,6 +15,7 @@ from clawrl.flows.common import attach_policy_engine
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
+from tests.utils.traffic import WEIGHT_VERSION, side_chat, steady_traffic
 
 
 def _conversation(client, sid, question, feedback):
@@ -45,8 +44,6 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     attach_policy_engine(engine)  # the in-process sync path: the trainer's state dict
     store = DataStore(s.storage.data_root)
     app = create_app(s, engine=engine, tokenizer=engine.tokenizer, store=store)
-    failures, served = [], []
-    stop = threading.Event()
     try:
         with running_gateway(app) as gw:
             client = OpenAI(base_url=gw.base_url, api_key="x")
@@ -55,25 +52,9 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
             store.flush()
             assert judge_flow(config_path=str(conf))["fates"]["sample"] == 2
 
-            def traffic():  # steady side-turn traffic across the weight sync
-                c = httpx.Client(timeout=60)
-                while not stop.is_set():
-                    try:
-                        r = c.post(gw.base_url + "/chat/completions", json={
-                            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "turn_type": "side"})
-                    except httpx.HTTPError as e:
-                        failures.append(repr(e))
-                        return
-                    (served if r.status_code == 200 else failures).append(r.headers.get("x-weight-version", r.status_code))
-
-            threads = [threading.Thread(target=traffic) for _ in range(4)]
-            for t in threads:
-                t.start()
-            out = train_flow(config_path=str(conf), max_steps=3)
-            time.sleep(0.5)
-            stop.set()
-            for t in threads:
-                t.join(30)
+            with steady_traffic(side_chat(gw.base_url), threads=4, key=WEIGHT_VERSION) as (served, failures):
+                out = train_flow(config_path=str(conf), max_steps=3)  # across the weight sync
+                time.sleep(0.5)
             [step] = out["steps"]  # 2 samples = exactly one batch of 2
             assert step["weight_version"] == "1" and step["sync"]["success"], step["sync"]
             r = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
