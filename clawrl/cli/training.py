@@ -59,10 +59,7 @@ def sync(
     url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
     if not url:
         fail("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url")
-    from clawrl import runtime
-    from clawrl.config import read_admin_key
-    from clawrl.sync import sync_checkpoint
-    from clawrl.flows.common import record_sync
+    from clawrl.flows.common import push_weights
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint
 
@@ -70,14 +67,11 @@ def sync(
         ck = find_checkpoint(con, version)
     if ck is None:
         fail(f"no checkpoint for version {version!r} in {s.storage.data_root}")
-    rep = runtime.run(sync_checkpoint(ck["weight_version"], ck["path"], ck["sha256"], url=url,
-                                      admin_key=read_admin_key(s.server.admin_keys_env),
-                                      timeout_s=s.engine.request_timeout_s))
-    # recorded like the train flow's attempts (flushed: `clawrl status` and MLflow show it at once)
-    record_sync(s, rep, ck["weight_version"], ck["mlflow_run_id"])
-    console.print(f"{'synced' if rep.success else 'FAILED'}: engine serves version {rep.weight_version} "
-                  f"({rep.message}, {rep.seconds:.2f} s)", markup=False)
-    raise typer.Exit(0 if rep.success else 1)
+    # the train flow's sync path, recorded like its attempts (flushed: `clawrl status` and MLflow show it at once)
+    rep = push_weights(s, ck, url)
+    console.print(f"{'synced' if rep['success'] else 'FAILED'}: engine serves version {rep['weight_version']} "
+                  f"({rep['message']}, {rep['seconds']:.2f} s)", markup=False)
+    raise typer.Exit(0 if rep["success"] else 1)
 
 
 def _serve_by_hand(config, version: str | None, action: str, reason: str, engine_url: str | None) -> None:
@@ -88,16 +82,12 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
     url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
     if not url:
         fail("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url")
-    from clawrl import runtime
-    from clawrl.config import read_admin_key
-    from clawrl.flows.common import base_model_dir, data_store, record_sync
+    from clawrl.flows.common import data_store, push_weights, serve_target
     from clawrl.lineage import set_policy_alias
-    from clawrl.promotion import GateError, record_manual, weights_of
+    from clawrl.promotion import GateError, record_manual
     from clawrl.records import PromotionAction
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import current_champion, previous_champion
-    from clawrl.storage.queries import find_checkpoint
-    from clawrl.sync import sync_checkpoint
 
     with open_catalog(s.storage.data_root) as con:
         champion = current_champion(con)
@@ -105,24 +95,22 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
             version = previous_champion(con)
             if version is None:
                 fail(f"nothing to roll back to: the champion is version {champion}, the initial weights")
-        try:
-            v, path, sha = weights_of(con, version, base_model_dir(s))
-        except GateError as e:
-            fail(f"{e} in {s.storage.data_root}")
-        ck = find_checkpoint(con, v) if v != "0" else None
-    run_id = ck["mlflow_run_id"] if ck else None
-    rep = runtime.run(sync_checkpoint(v, path, sha or "", url=url, admin_key=read_admin_key(s.server.admin_keys_env),
-                                      timeout_s=s.engine.request_timeout_s))
-    record_sync(s, rep, v, run_id)
-    if not rep.success:
-        fail(f"FAILED: engine serves version {rep.weight_version}, champion stays {champion} ({rep.message})", code=1)
+    try:
+        target = serve_target(s, version)
+    except GateError as e:
+        fail(f"{e} in {s.storage.data_root}")
+    rep = push_weights(s, target, url)  # the train flow's sync path, recorded like its attempts
+    if not rep["success"]:
+        fail(f"FAILED: engine serves version {rep['weight_version']}, champion stays {champion} ({rep['message']})",
+             code=1)
+    v = target["weight_version"]
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction(action), version=v,
                   reason=reason or f"by hand (clawrl {'promote' if action == 'promote' else 'rollback'})",
-                  mlflow_run_id=run_id)
+                  mlflow_run_id=target["mlflow_run_id"])
     data_store(s).flush()
     set_policy_alias(s.storage.data_root, "champion", v)
     verb = "promoted" if action == "promote" else f"rolled back from version {champion} to"
-    console.print(f"{verb} version {v}: the engine serves version {rep.weight_version} ({rep.seconds:.2f} s)",
+    console.print(f"{verb} version {v}: the engine serves version {rep['weight_version']} ({rep['seconds']:.2f} s)",
                   markup=False)
 
 
