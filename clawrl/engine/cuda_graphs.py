@@ -64,7 +64,8 @@ class GraphedDecode:
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {runner.device}")
         self.runner, self.capture = runner, capture
-        self.fused = fuse and runner.fuse_decode()  # fewer, fused kernels a step (clawrl.engine.fused_decode)
+        if fuse:  # fewer, fused kernels a step (clawrl.engine.fused_decode); runner.fused says whether it took
+            runner.fuse_decode()
         self.buckets = batch_buckets(max_batch_size)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.generation: int | None = None  # the cache buffers the graphs were captured on
