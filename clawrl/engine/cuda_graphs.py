@@ -18,7 +18,7 @@ Weight updates copy into the parameters' storage (``param.copy_``), which the gr
 so a replay after an update computes with the new weights. Sampling stays outside the graph.
 
 A replayed step still costs its kernels one after another, so the step itself is first made of
-fewer kernels: with ``fuse`` (the default) the runner decodes through the compiled, fused layer
+fewer kernels: on CUDA, with ``fuse`` (the default), the runner decodes through the compiled, fused layer
 halves of :mod:`clawrl.engine.fused_decode` (compiled on the first step, in the warm-up pass).
 
 With ``capture=False`` the same padded shapes run eagerly: the same kernels on the same shapes, the
@@ -64,8 +64,8 @@ class GraphedDecode:
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {runner.device}")
         self.runner, self.capture = runner, capture
-        if fuse:  # fewer, fused kernels a step (clawrl.engine.fused_decode); runner.fused says whether it took
-            runner.fuse_decode()
+        if fuse and runner.device.type == "cuda":  # fewer, fused kernels a step (clawrl.engine.fused_decode);
+            runner.fuse_decode()  # runner.fused says whether it took; the CPU checks of the padding stay unfused
         self.buckets = batch_buckets(max_batch_size)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.generation: int | None = None  # the cache buffers the graphs were captured on
