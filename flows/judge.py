@@ -1,10 +1,12 @@
 """Prefect flow `judge`: turns with a next state -> verdicts, samples and fates, exactly once.
 
-Thin orchestration over clawrl.judge.runner and storage/. One task per turn, run concurrently up to
-``[prm] max_in_flight`` (no global lock), each with Prefect retries and exponential backoff; a turn
-that still fails on its last attempt is recorded with fate ``judge_error`` (raw outputs kept) and
+Thin orchestration over clawrl.judge.runner and storage/. The turns are judged in chunks, one task
+each (4 x ``[prm] max_in_flight`` turns, judged ``max_in_flight`` at once, no global lock): one
+catalog read and two writes per chunk, not per turn, which is what lets the judge keep up with live
+traffic. A turn whose judge failed is judged again, alone, with exponential backoff, up to ``[prm]
+retries`` times; one that still fails is recorded with fate ``judge_error`` (raw outputs kept) and
 the other turns go on. Exactly once per (turn, judge-config hash): a turn is judged when its fate
-row exists, the fate is written last, and sample ids are deterministic, so a rerun or a crash half
+row exists, the fates are written last, and sample ids are deterministic, so a rerun or a crash half
 way neither duplicates nor loses a judgment. When enough trainable samples wait, the flow emits the
 event ``clawrl.samples.ready`` that the train deployment listens to. Last, the live check
 (``check_live_score``) compares the judged live score of the champion with the previous champion's
@@ -13,16 +15,15 @@ and rolls serving back on a significant drop.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.tasks import exponential_backoff
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
-from prefect.runtime import task_run
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from clawrl import runtime
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
@@ -31,25 +32,24 @@ from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
-
-
-class JudgeAttemptFailed(RuntimeError):
-    """Raised to make Prefect retry a turn whose judge or teacher failed."""
+_CHUNK_PER_SLOT = 4  # turns per judging task = this x [prm] max_in_flight
 
 
 def _crash_point(name: str) -> None:
     """No-op; the crash tests replace it to SIGKILL the process at this point."""
 
 
-def _append_outcome(s, records: list[Any]) -> None:
-    """The verdict (and sample) first, then the fate in a write of its own: the turn counts as
-    judged once its fate is stored, so a crash in between leaves an uncommitted attempt that the
-    next run judges again (its verdict and sample supersede these: storage/catalog.py)."""
-    if len(records) > 1:
-        data_store(s).append(records[:-1])
+def _append_outcomes(s, outcomes: list[list[Any]]) -> None:
+    """Every turn's verdict (and sample) first, then every fate in a write of its own: a turn counts
+    as judged once its fate is stored, so a crash in between leaves uncommitted attempts that the
+    next run judges again (their verdicts and samples supersede these: storage/catalog.py)."""
+    body = [r for records in outcomes for r in records[:-1]]
+    if body:
+        data_store(s).append(body)
         _crash_point("verdict_written")
-    data_store(s).append(records[-1])
-    _crash_point("fate_written")
+    if outcomes:
+        data_store(s).append([records[-1] for records in outcomes])
+        _crash_point("fate_written")
 
 
 @task(cache_policy=NO_CACHE)
@@ -58,36 +58,74 @@ def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> l
         return turns_to_judge(con, judge_config_hash, limit=limit).column("turn_id").to_pylist()
 
 
-def _pending_turn(config_path: str | None, turn_id: str):
-    """(settings, judge, the turn's row or None when it already has a fate under this config)."""
+def _pending_turns(config_path: str | None, turn_ids: list[str]):
+    """(settings, judge, the rows of those turns that have no fate under this config yet)."""
     s = load_flow_settings(config_path)
     judge = judge_for(s)
     with open_catalog(s.storage.data_root) as con:
-        rows = turns_to_judge(con, judge.config_hash, turn_id=turn_id).to_pylist()
-    return s, judge, (rows[0] if rows else None)
+        rows = turns_to_judge(con, judge.config_hash, turn_ids=turn_ids).to_pylist()
+    return s, judge, rows
 
 
-@task(cache_policy=NO_CACHE, task_run_name="judge-{turn_id}")
-def judge_one(config_path: str | None, turn_id: str, retries: int) -> str:
-    """Judge one turn and append its records; raises (-> Prefect retry) while attempts remain."""
-    s, judge, row = _pending_turn(config_path, turn_id)
-    if row is None:
-        return "already_judged"
-    outcome = runtime.run(judge.judge(turn_from_row(row), next_state_from_row(row)))
-    if outcome.failed and task_run.get_run_count() <= retries:
-        raise JudgeAttemptFailed(f"turn {turn_id}: {outcome.verdict.error if outcome.verdict else 'failed'}")
-    _append_outcome(s, outcome_records(outcome))
-    return outcome.fate.fate
+async def _judge_rows(judge, rows: list[dict[str, Any]], in_flight: int) -> list[Any]:
+    """Each row's JudgeOutcome, or the exception its judge raised; at most ``in_flight`` at once."""
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one(row):
+        async with slots:
+            return await judge.judge(turn_from_row(row), next_state_from_row(row))
+
+    return await asyncio.gather(*(one(row) for row in rows), return_exceptions=True)
+
+
+def _sort_results(judge, rows, results, last: bool) -> tuple[list[list[Any]], list[dict[str, Any]], list[str]]:
+    """(records of the turns decided now, the rows to judge again, their errors): a turn whose judge
+    failed or raised is judged again unless this was the ``last`` attempt, when it ends judge_error."""
+    done, again, errors = [], [], []
+    for row, result in zip(rows, results):
+        error = f"{type(result).__name__}: {result}" if isinstance(result, BaseException) else None
+        if error is not None and last:
+            done.append(failure_records(turn_from_row(row), judge, error))
+        elif error is not None or (result.failed and not last):
+            again.append(row)
+            errors.append(f"turn {row['turn_id']}: {error or (result.verdict and result.verdict.error) or 'failed'}")
+        else:
+            done.append(outcome_records(result))
+    return done, again, errors
+
+
+@task(cache_policy=NO_CACHE, task_run_name="judge-{label}")
+def judge_turns(config_path: str | None, turn_ids: list[str], label: str) -> dict[str, int]:
+    """Judge these turns (``[prm] max_in_flight`` at once) and append their records in two writes
+    per attempt. A turn whose judge failed or raised is judged again, alone, after an exponential
+    backoff (``retry_delay_s`` x 2^attempt), up to ``[prm] retries`` times; then it is recorded with
+    fate judge_error and its error. Returns the count of each fate (``already_judged``: turns that
+    had a fate under this config when the task started)."""
+    log = get_run_logger()
+    s, judge, rows = _pending_turns(config_path, turn_ids)
+    fates = Counter({"already_judged": len(turn_ids) - len(rows)} if len(turn_ids) > len(rows) else {})
+    for attempt in range(s.prm.retries + 1):
+        results = runtime.run(_judge_rows(judge, rows, s.prm.max_in_flight))
+        done, rows, errors = _sort_results(judge, rows, results, last=attempt == s.prm.retries)
+        _append_outcomes(s, done)
+        fates.update(records[-1].fate for records in done)
+        if not rows:
+            break
+        delay = s.prm.retry_delay_s * 2 ** attempt
+        log.warning("%d turns failed (attempt %d of %d), e.g. %s; judging them again in %.1f s", len(rows),
+                    attempt + 1, s.prm.retries + 1, errors[0], delay)
+        time.sleep(delay)
+    return dict(fates)
 
 
 @task(cache_policy=NO_CACHE)
-def record_judge_error(config_path: str | None, turn_id: str, error: str) -> str:
-    """The last attempt raised: keep the turn with fate judge_error and the error text."""
-    s, judge, row = _pending_turn(config_path, turn_id)
-    if row is None:
-        return "already_judged"
-    _append_outcome(s, failure_records(turn_from_row(row), judge, error))
-    return "judge_error"
+def record_judge_errors(config_path: str | None, turn_ids: list[str], error: str) -> dict[str, int]:
+    """The judging task itself failed on its last attempt: keep its turns with fate judge_error and the error."""
+    s = load_flow_settings(config_path)
+    data_store(s).flush()  # the fates the failed task did write must be seen, or they are written twice
+    s, judge, rows = _pending_turns(config_path, turn_ids)
+    _append_outcomes(s, [failure_records(turn_from_row(row), judge, error) for row in rows])
+    return {"judge_error": len(rows)} if rows else {}
 
 
 @task(cache_policy=NO_CACHE)
@@ -137,7 +175,7 @@ def _judge_run_name() -> str:
     return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
 
 
-@flow(name="judge", flow_run_name=_judge_run_name, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=16))
+@flow(name="judge", flow_run_name=_judge_run_name, log_prints=True)
 def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict[str, Any]:
     """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``)."""
     log = get_run_logger()
@@ -146,16 +184,16 @@ def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict
     turn_ids = find_turns(config_path, judge.config_hash, limit or s.prm.batch_limit)
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
-    one = judge_one.with_options(retries=s.prm.retries, retry_delay_seconds=exponential_backoff(s.prm.retry_delay_s))
     fates: Counter[str] = Counter()
-    for i in range(0, len(turn_ids), s.prm.max_in_flight):  # at most max_in_flight in flight
-        batch = turn_ids[i : i + s.prm.max_in_flight]
-        for tid, future in zip(batch, [one.submit(config_path, tid, s.prm.retries) for tid in batch]):
-            fate = future.result(raise_on_failure=False)
-            if isinstance(fate, BaseException):  # every attempt raised: record it, go on with the rest
-                log.warning("turn %s failed after %d retries: %s", tid, s.prm.retries, fate)
-                fate = record_judge_error(config_path, tid, f"{type(fate).__name__}: {fate}")
-            fates[fate] += 1
+    size = _CHUNK_PER_SLOT * s.prm.max_in_flight
+    for i in range(0, len(turn_ids), size):  # one task per chunk: one catalog read and two writes for all
+        chunk = turn_ids[i : i + size]
+        label = f"{i + 1}-{i + len(chunk)}-of-{len(turn_ids)}"
+        got = judge_turns(config_path, chunk, label, return_state=True).result(raise_on_failure=False)
+        if isinstance(got, BaseException):  # the task itself failed (not a judge: storage): record its turns, go on
+            log.warning("judging turns %s failed: %s", label, got)
+            got = record_judge_errors(config_path, chunk, f"{type(got).__name__}: {got}")
+        fates.update(got)
     _crash_point("judged")
     counts = count_pending(config_path, judge.config_hash)
     _crash_point("counted")

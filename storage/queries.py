@@ -7,6 +7,7 @@ queries take the first write of each key (``_first``), except where a view keeps
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (d
 
 def turns_to_judge(
     con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, limit: int | None = None,
-    turn_id: str | None = None,
+    turn_ids: Sequence[str] | None = None,
 ) -> pa.Table:
     """Every turn the judge flow can decide now, oldest first, with no fate under this config:
     main turns whose next state arrived (``next_has_state`` true; its first such next state), main
@@ -42,10 +43,10 @@ def turns_to_judge(
     still waiting are left out.
 
     Columns: every ``turns`` column plus next_has_state, next_messages, next_reason, next_state_at.
-    ``turn_id`` restricts the answer to that one turn.
+    ``turn_ids`` restricts the answer to those turns.
     """
-    only = "" if turn_id is None else "WHERE turn_id = $turn_id"
-    params = {"hash": judge_config_hash} | ({} if turn_id is None else {"turn_id": turn_id})
+    only = "" if turn_ids is None else "WHERE list_contains($turn_ids, turn_id)"
+    params = {"hash": judge_config_hash} | ({} if turn_ids is None else {"turn_ids": list(turn_ids)})
     next_state = _first("next_states", "turn_id", where=only, order="has_next_state DESC, created_at",
                         columns="turn_id, has_next_state AS next_has_state, messages AS next_messages, "
                                 "reason AS next_reason, created_at AS next_state_at")

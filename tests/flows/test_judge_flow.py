@@ -104,3 +104,55 @@ def test_opd_teacher_logprobs_align_with_the_rollout(judged):
     assert sample["reward"] == 0.0 and sample["has_teacher"]
     assert len(sample["teacher_logprobs"]) == len(sample["output_ids"])
     assert all(lp <= 0 for lp in sample["teacher_logprobs"])
+
+
+class _Flaky:
+    """The configured judge, except that the first turn of the session ``bad`` raises on its first ``times``
+    attempts (stands in for a judge backend erroring: the rule judge never fails)."""
+
+    def __init__(self, judge, times: int):
+        self.judge_impl, self.times, self.calls = judge, times, {}
+
+    def __getattr__(self, name):
+        return getattr(self.judge_impl, name)
+
+    async def judge(self, turn, next_state):
+        self.calls[turn.turn_id] = self.calls.get(turn.turn_id, 0) + 1
+        if (turn.session_id, turn.turn_index) == ("bad", 0) and self.calls[turn.turn_id] <= self.times:
+            raise ConnectionError(f"judge backend down for {turn.turn_id}")
+        return await self.judge_impl.judge(turn, next_state)
+
+
+@pytest.mark.parametrize("times, fate", [(1, "sample"), (9, "judge_error")])
+def test_a_failing_turn_is_retried_alone_and_ends_judge_error_when_it_keeps_failing(
+        prefect_harness, make_settings, tiny_engine, tmp_path, monkeypatch, times, fate):
+    import flows.judge as fj
+
+    s = make_settings({"server.open_mode": True, "prm.backend": "rule", "prm.retries": 2, "prm.retry_delay_s": 0.01,
+                       "prm.max_in_flight": 2, "ppo.rollout_batch_size": 2})
+    conf = tmp_path / "flaky.toml"
+    conf.write_text(dump_toml(s))
+    store = DataStore(s.storage.data_root)
+    with running_gateway(create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)) as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="x")
+        for sid in ("a", "b", "bad", "c"):
+            _session(client, sid, "Name a primary color.", "thanks, that's great!")
+    store.close()
+    flaky = {}
+    real_judge_for = fj.judge_for
+    monkeypatch.setattr(fj, "judge_for", lambda s: flaky.setdefault("j", _Flaky(real_judge_for(s), times)))
+
+    out = fj.judge_flow(config_path=str(conf))
+    # 8 turns in one chunk of 4 x max_in_flight; only the failing turn is judged again on each retry
+    assert out["judged"] == 8
+    calls = flaky["j"].calls
+    [bad_first] = [r["turn_id"] for r in q(s, "select turn_id from turns where session_id = 'bad' and turn_index = 0")]
+    assert calls[bad_first] == (2 if fate == "sample" else 3)  # 1 + retries at most
+    assert all(n == 1 for t, n in calls.items() if t != bad_first)
+    assert out["fates"] == ({"sample": 4, "no_next_state": 4} if fate == "sample"
+                            else {"sample": 3, "no_next_state": 4, "judge_error": 1})
+    rows = q(s, f"select fate, detail from turn_fate where turn_id = '{bad_first}'")
+    assert [r["fate"] for r in rows] == [fate]
+    if fate == "judge_error":
+        assert "ConnectionError: judge backend down" in rows[0]["detail"]
+    assert q(s, "select count(*) as n from turn_fate")[0]["n"] == 8  # one fate each, none twice

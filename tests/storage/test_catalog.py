@@ -113,8 +113,10 @@ def test_turns_to_judge_are_the_decidable_turns_without_a_fate_under_that_config
         assert todo2.column("turn_id").to_pylist() == [f"turn-{i:06d}" for i in (0, 1, 2, 4, 5, 6, 8, 9)]
         assert todo2.column("next_messages").to_pylist()[0] == '[{"n": 0}]'
         assert turns_to_judge(con, "h2", limit=2).num_rows == 2
-        assert turns_to_judge(con, "h2", turn_id="turn-000004").column("turn_id").to_pylist() == ["turn-000004"]
-        assert turns_to_judge(con, "h1", turn_id="turn-000000").num_rows == 0  # it has a fate under h1
+        assert turns_to_judge(con, "h2", turn_ids=["turn-000004"]).column("turn_id").to_pylist() == ["turn-000004"]
+        assert turns_to_judge(con, "h1", turn_ids=["turn-000000"]).num_rows == 0  # it has a fate under h1
+        some = turns_to_judge(con, "h2", turn_ids=["turn-000004", "turn-000001", "nope"])
+        assert some.column("turn_id").to_pylist() == ["turn-000001", "turn-000004"]  # oldest first; unknown ignored
 
 
 def test_pending_counts_explain_where_every_turn_is(judged_root):
