@@ -1,7 +1,8 @@
 """Weight-sync time against its bound, for both sync paths.
 
-* in-process: ``sync_state_dict`` (pause -> copy the trainer's state dict into the served
-  parameters -> continue) vs the bound: copying the same tensors into the same parameters.
+* in-process: the trainer's state dict as the sync takes it (``live_state_dict``) + ``sync_state_dict``
+  (pause -> key/shape check -> copy into the served parameters -> continue) vs the bound: copying the
+  same tensors into the same parameters with one ``torch._foreach_copy_`` (the fastest plain copy).
 * disk: ``Trainer``-style checkpoint save + ``update_weights_from_disk`` (load, key/shape check,
   copy into the served parameters) vs the bound: ``safetensors`` save_file + load_file of the same
   state dict + copying the loaded tensors into a model's parameters (load_file alone is a lazy
@@ -25,8 +26,8 @@ from clawrl.bench.common import bench_dtype, interleaved_times, load_average
 
 @torch.no_grad()
 def _copy_into(params: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-    for k, v in state.items():
-        params[k].copy_(v)
+    keys = [k for k in state if k in params]
+    torch._foreach_copy_([params[k] for k in keys], [state[k] for k in keys])
 
 
 def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, repeats: int = 3, device: str = "cpu",
@@ -38,6 +39,7 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
 
     from clawrl.config import PPOSettings
     from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.weights import served_tensors
     from clawrl.models import load_causal_lm, resolve_model_dir
     from clawrl.sync import sync_from_disk, sync_state_dict
     from clawrl.train.base import PPOHyperParams
@@ -51,14 +53,14 @@ def run_sync_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, rep
                                device=device)
         state = trainer.hf_state_dict()
         target = load_causal_lm(model_dir, dtype, device)
-        params = dict(target.state_dict())
+        params, _ = served_tensors(target)  # each distinct tensor once (a tied lm_head is the embedding)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         runner = asyncio.Runner()  # one event loop for the engine across the passes
         runner.run(engine.start())
         ids = itertools.count(1)  # fresh weight versions and file names
 
         def in_process():
-            rep = runner.run(sync_state_dict(engine, state, str(next(ids))))
+            rep = runner.run(sync_state_dict(engine, trainer.live_state_dict(), str(next(ids))))
             assert rep.success, rep.message
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -177,6 +177,12 @@ class TrainBackend:
         """Full weights under HF names, detached copies; a tied ``lm_head.weight`` included, as HF does."""
         raise NotImplementedError
 
+    def live_state_dict(self) -> dict[str, Tensor]:
+        """The weights under HF names for a reader that is done before the next step (the in-process
+        sync copies them at once): the live tensors where the backend holds them under HF names,
+        else :meth:`hf_state_dict`'s copies."""
+        return self.hf_state_dict()
+
     def _export_moments(self, moments: dict[str, Tensor]) -> dict[str, Tensor]:
         """One AdamW moment per parameter name -> the stored form (CPU, the backend's naming)."""
         raise NotImplementedError

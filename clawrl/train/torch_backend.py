@@ -136,6 +136,10 @@ class TorchBackend(TrainBackend):
                     out[f"{name}.weight"] += module.get_delta_weight(adapter)  # W + (alpha/r) B A
         return out
 
+    def live_state_dict(self) -> dict[str, Tensor]:
+        # without LoRA the model's own tensors: cloning them cost ~9 ms of a ~12 ms sync of Qwen3-0.6B (H200)
+        return self._weights_to_save()
+
     def _weights_to_save(self) -> dict[str, Tensor]:
         # without LoRA the live tensors are saved as they are: cloning 0.5 GB first costs more than
         # the write (save_file only reads them)

@@ -104,8 +104,9 @@ class Trainer:
         return self.last
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Current weights under HF names (for the in-process sync path)."""
-        return self.backend.hf_state_dict()
+        """Current weights under HF names for the in-process sync path: the live tensors where the
+        backend can give them, so they are valid until the next train step (the sync copies them first)."""
+        return self.backend.live_state_dict()
 
     def _save(self, batch_id: str, parent: int, metrics: dict[str, float]) -> StepResult:
         out = version_dir(self.checkpoints, self.version)
