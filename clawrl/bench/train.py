@@ -122,20 +122,25 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
 
 
 def format_train_section(train_rows: list[dict[str, Any]], sync_rows: list[dict[str, Any]]) -> str:
-    """The train section: the PPO step vs its bound (these rows) and the weight sync vs its (clawrl.bench.sync)."""
-    return "\n".join([
-        "## Training step and weight sync", "", machine_line(train_rows[0]["device"], train_rows[0]["dtype"]),
-        f"(a) One PPO step (the trainer backend's `train_step`, {train_rows[0]['batch']} x {train_rows[0]['seq_len']} "
-        "tokens, one micro-batch) vs a plain HF",
-        "forward + backward + AdamW step of the same batch (the bound). `ppo_step` includes the KL",
-        "reference forward (kl_coef > 0, the default); `ppo_step_no_ref` is the step without it.",
-        "`mfu` (GPU only): training FLOPs per second over the 790 TFLOP/s bf16 peak (`clawrl.bench.mfu`).",
-        "Target: vs_bound >= 0.8.", "",
-        markdown_table(train_rows, ["model", "what", "backend", "threads", "seconds", "seconds_median", "tokens_per_s",
-                                    "vs_bound", "mfu"]),
-        "", "(b) Weight sync into an idle embedded engine vs its bound (target <= 1.5x): `in_process` =",
-        "pause -> state-dict copy -> continue vs copying the same tensors; `disk_sync` = checkpoint save +",
-        "`update_weights_from_disk` vs safetensors save_file + load_file of the same state dict.", "",
-        markdown_table(sync_rows, ["model", "path", "bytes", "seconds", "seconds_median", "bound_seconds", "vs_bound",
-                                   "load_1m"]),
-    ])
+    """The train section: the PPO step vs its bound (these rows) and the weight sync vs its (clawrl.bench.sync);
+    either list may be empty (``clawrl bench train --parts``)."""
+    first = (train_rows or sync_rows)[0]
+    lines = ["## Training step and weight sync", "", machine_line(first["device"], first["dtype"])]
+    if train_rows:
+        lines += [
+            f"(a) One PPO step (the trainer backend's `train_step`, {train_rows[0]['batch']} x "
+            f"{train_rows[0]['seq_len']} tokens, one micro-batch) vs a plain HF",
+            "forward + backward + AdamW step of the same batch (the bound). `ppo_step` includes the KL",
+            "reference forward (kl_coef > 0, the default); `ppo_step_no_ref` is the step without it.",
+            "`mfu` (GPU only): training FLOPs per second over the 790 TFLOP/s bf16 peak (`clawrl.bench.mfu`).",
+            "Target: vs_bound >= 0.8.", "",
+            markdown_table(train_rows, ["model", "what", "backend", "threads", "seconds", "seconds_median",
+                                        "tokens_per_s", "vs_bound", "mfu"]), ""]
+    if sync_rows:
+        lines += [
+            "(b) Weight sync into an idle embedded engine vs its bound (target <= 1.5x): `in_process` =",
+            "pause -> state-dict copy -> continue vs copying the same tensors; `disk_sync` = checkpoint save +",
+            "`update_weights_from_disk` vs safetensors save_file + load_file of the same state dict.", "",
+            markdown_table(sync_rows, ["model", "path", "bytes", "seconds", "seconds_median", "bound_seconds",
+                                       "vs_bound", "load_1m"])]
+    return "\n".join(lines).rstrip("\n")

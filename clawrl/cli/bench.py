@@ -177,6 +177,9 @@ def bench_train(
     = "torch",
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
     seq_len: Annotated[int, typer.Option(min=4, help="Tokens per sequence (half prompt, half output).")] = 256,
+    parts: Annotated[str, typer.Option(help="Which parts to time: 'step', 'sync' or both ('step,sync'); a 4B "
+                                            "model's step measures three trainers at once, its sync one.")]
+    = "step,sync",
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
@@ -186,11 +189,14 @@ def bench_train(
     from clawrl.bench.train import format_train_section, run_train_bench
 
     s = settings_or_exit(config)
+    chosen = set(_split(parts))
+    if not chosen or chosen - {"step", "sync"}:
+        fail(f"--parts {parts!r}: name 'step', 'sync' or both, comma-separated")
     kw = dict(cache_dir=s.storage.models_dir, repeats=repeats, device=_device(device))
     with _status("train bench") as progress:
         train_rows = run_train_bench(_split(models), progress=progress, backend=backend, batch_size=batch_size,
-                                     seq_len=seq_len, **kw)
-        sync_rows = run_sync_bench(_split(models), progress=progress, **kw)
+                                     seq_len=seq_len, **kw) if "step" in chosen else []
+        sync_rows = run_sync_bench(_split(models), progress=progress, **kw) if "sync" in chosen else []
     _write("train", format_train_section(train_rows, sync_rows), out)
 
 

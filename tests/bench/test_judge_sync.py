@@ -49,3 +49,20 @@ def test_cli_writes_the_judge_section_naming_the_device(model_cache, tmp_path):
     text = out.read_text()
     assert text.count("<!-- judge-bench:start -->") == 1 and "## Judge throughput" in text
     assert f"; device cpu ({cpu_model()}), float32; " in text and "2-token votes" in text
+
+
+def test_train_bench_times_only_the_parts_asked_for(model_cache, tmp_path):
+    from typer.testing import CliRunner
+
+    from clawrl.cli import app
+
+    out = tmp_path / "benchmarks.md"
+    env = {"CLAWRL__STORAGE__MODEL_CACHE": str(model_cache)}
+    res = CliRunner().invoke(app, ["bench", "train", "--models", "tiny", "--parts", "sync", "--repeats", "1",
+                                   "--device", "cpu", "--out", str(out)], env=env)
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert "(b) Weight sync" in text and "(a) One PPO step" not in text
+    assert "| tiny | in_process |" in text and "| tiny | disk_sync |" in text
+    bad = CliRunner().invoke(app, ["bench", "train", "--parts", "step,evaluation", "--out", str(out)], env=env)
+    assert bad.exit_code == 2 and "--parts 'step,evaluation'" in bad.output
