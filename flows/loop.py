@@ -211,7 +211,7 @@ def _row_line(row: dict[str, Any], scenario: str) -> str:
     return f"{rates}  KL {row['kl']:.4f}" + (f"  words {row['mean_words']:.1f}" if "mean_words" in row else "")
 
 
-@flow(name="learning-loop", log_prints=True)
+@flow(name="learning-loop", flow_run_name="learning-loop-{scenario}-{steps}-steps", log_prints=True)
 def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
                   persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24,
                   eval_samples: int = 1, group_size: int = 1, scenario: str = "persona") -> dict[str, Any]:

@@ -36,7 +36,7 @@ def record_replay(config_path: str | None, report: dict[str, Any]) -> str:
     return log_replay(s.storage.data_root, report)
 
 
-@flow(name="replay", log_prints=True)
+@flow(name="replay", flow_run_name="replay-v{version}", log_prints=True)
 def replay_flow(config_path: str | None = None, version: str = "latest", exclude_sessions: list[str] | None = None,
                 reason: str = "", set_overrides: list[str] | None = None) -> dict[str, Any]:
     """``version``: a weight version or 'latest'; ``set_overrides``: ["ppo.lr=1e-5", ...]."""

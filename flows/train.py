@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from datetime import datetime, timezone
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -211,7 +212,12 @@ def ensure_trainer_limit() -> None:
         client.upsert_global_concurrency_limit_by_name(TRAINER_LIMIT, 1)
 
 
-@flow(name="train", log_prints=True)
+def _train_run_name() -> str:
+    """A train run is named for when it started until ``link_step`` names it for the version it made."""
+    return f"train-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+
+
+@flow(name="train", flow_run_name=_train_run_name, log_prints=True)
 def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: str | None = None,
                engine_url: str | None = None) -> dict[str, Any]:
     """Train up to ``max_steps`` PPO steps, one per full batch of waiting samples."""

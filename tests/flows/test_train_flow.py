@@ -140,3 +140,18 @@ def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
     assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]
     assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "heldout_score")] == [(1, 0.75)]
     assert ml.get_metric_history(run_id, "skipped") == []
+
+
+def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
+    import re
+
+    from prefect.client.orchestration import get_client
+
+    from clawrl.flows.train import train_flow
+
+    s, conf = loop_settings
+    state = train_flow(config_path=str(conf), return_state=True)  # no samples: nothing to train
+    assert state.result() == {"steps": []}
+    with get_client(sync_client=True) as pc:
+        name = pc.read_flow_run(state.state_details.flow_run_id).name
+    assert re.fullmatch(r"train-\d{8}-\d{6}", name), name  # not a random "sandy-oyster"
