@@ -111,6 +111,11 @@ max_staleness = 100
 # short judge runs: the users below log tens of turns a second, and a judge run of the default 512
 # turns takes minutes on two cores before its samples-ready event starts a training step
 batch_limit = 64
+[gate]
+# a small evaluation set: the gate is not what this test is about
+size = 4
+samples = 1
+max_tokens = 8
 """)
     log = tmp_path / "up.log"
     base = f"http://127.0.0.1:{ports[0]}/v1"
