@@ -15,9 +15,10 @@ Figures: requests, errors (must be 0), main turns acknowledged vs logged afterwa
 turn), client-side latency p50/p99, throughput, the weight versions served, and the train steps and
 weight syncs completed inside the window. Per train step, the loop latency: from the next state that
 completed its batch (the newest next state of the batch's turns, as logged) to the first response a
-client got from the new version; minus the PPO step's and the sync's own time, what is left is the
-loop's orchestration overhead (judging the last turns, Prefect, lineage, waiting for the next request,
-and, when the judge falls behind the users, the batch's wait in the backlog of turns to judge).
+client got from the new version, split into the judge's delay (that next state -> the batch's last
+fate), the PPO step, the promotion gate's evaluation, the sync, and what is left: the loop's
+orchestration overhead (Prefect, claiming, lineage, recording, waiting for the next request). The
+gate's evaluation is also reported as a share of the window.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -195,6 +197,7 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
         out = train_flow(config_path=conf, max_steps=1, engine_url=engine_url)
         run.steps += [{"weight_version": st["weight_version"], "batch_id": st["batch_id"],
                        "at_s": time.monotonic() - run.t0, "train_s": st["metrics"].get("step_time_s"),
+                       "eval_s": st["gate"].get("eval_seconds", 0.0),
                        "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
                        "sync_message": st["sync"]["message"]} for st in out["steps"]]
         if not out["steps"]:
@@ -276,18 +279,23 @@ def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
 
 def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float | None]:
     """``loop_s``: the batch's last next state -> the first response on the step's version;
-    ``orchestration_s``: that minus the PPO step and the sync (module docstring). None when no
-    client got the version."""
+    ``judged_s``: that next state -> the batch's last fate (the judge's delay); ``orchestration_s``:
+    the loop minus the judge's delay, the PPO step, the gate's evaluation and the sync (module
+    docstring). None when no client got the version."""
     from clawrl.storage.catalog import run_query
 
     [row] = run_query(root, f"""
-        select epoch(max(n.created_at)) as completed from batches b, unnest(b.sample_ids) as u(sid)
+        select epoch(max(n.created_at)) as completed, epoch(max(f.created_at)) as judged
+        from batches b, unnest(b.sample_ids) as u(sid)
         join samples s on s.sample_id = u.sid join next_states n on n.turn_id = s.turn_id
+        join turn_fate f on f.turn_id = s.turn_id and f.judge_config_hash = s.judge_config_hash
         where b.batch_id = '{step['batch_id']}' and n.has_next_state""").to_pylist()
     if step["first_served_s"] is None or row["completed"] is None:
-        return {"loop_s": None, "orchestration_s": None}
+        return {"loop_s": None, "judged_s": None, "orchestration_s": None}
     loop = run.t0_wall + step["first_served_s"] - row["completed"]
-    return {"loop_s": loop, "orchestration_s": loop - (step["train_s"] or 0.0) - (step["sync_s"] or 0.0)}
+    judged = max(0.0, row["judged"] - row["completed"])
+    spent = judged + (step["train_s"] or 0.0) + (step["eval_s"] or 0.0) + (step["sync_s"] or 0.0)
+    return {"loop_s": loop, "judged_s": judged, "orchestration_s": loop - spent}
 
 
 def format_load_section(r: dict[str, Any]) -> str:
@@ -301,9 +309,13 @@ def format_load_section(r: dict[str, Any]) -> str:
     syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
                       f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
                       for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
-    loops = [{"version": st["weight_version"], "loop_s": st["loop_s"], "train_s": st["train_s"],
-              "sync_s": st["sync_s"], "orchestration_s": st["orchestration_s"]}
+    loop_keys = ["loop_s", "judged_s", "train_s", "eval_s", "sync_s", "orchestration_s"]
+    loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}}
              for st in r["steps"] if st.get("loop_s") is not None]
+    evals = [st["eval_s"] for st in r["steps"] if st["eval_s"]]
+    eval_line = (f"The promotion gate's evaluation (an evaluation engine on the same device) took {median(evals):.2f} s "
+                 f"a step (median of {len(evals)}), {100 * sum(evals) / r['window_s']:.1f}% of the window."
+                 if evals else "The promotion gate evaluated nothing (off, or no step).")
     return "\n".join([
         "## Load: concurrent sessions while judging, training and syncing",
         "",
@@ -330,9 +342,12 @@ def format_load_section(r: dict[str, Any]) -> str:
         "before -> after the window; above the core count, other work shared the machine.",
         "",
         "Loop latency per train step: `loop_s` from the logged next state that completed the step's batch to the",
-        "first response a client got from the new version; `orchestration_s` = `loop_s` - `train_s` (the PPO step)",
-        "- `sync_s` (target <= 1 s).",
+        "first response a client got from the new version; `judged_s` from that next state to the batch's last",
+        "fate (the judge's delay: here the judge and train flows take turns); `eval_s` the promotion gate's",
+        "evaluation; `orchestration_s` = `loop_s` - `judged_s` - `train_s` (the PPO step) - `eval_s` - `sync_s`",
+        "(target <= 1 s).",
         "",
-        markdown_table(loops, ["version", "loop_s", "train_s", "sync_s", "orchestration_s"]) if loops
+        markdown_table(loops, ["version", *loop_keys]) if loops
         else "No step's version reached a client inside the window.",
+        "", eval_line,
     ])
