@@ -282,3 +282,15 @@ def test_a_bf16_trainer_writes_served_bf16_weights_and_resumes_from_its_float32_
     # the engine reads model.safetensors alone (a second file of the same keys would be refused)
     engine_view = load_checkpoint_tensors(ckpt, load_causal_lm(tiny_dir, dtype="bfloat16"))
     assert all(torch.equal(engine_view[k], served[k]) for k in served)
+
+
+def test_the_live_state_dict_is_the_weights_a_step_leaves_with_the_tie_kept_as_one_tensor(tiny_dir):
+    backend = TorchBackend(tiny_dir, HP)
+    live = backend.live_state_dict()
+    assert live["lm_head.weight"] is live["model.embed_tokens.weight"]  # tiny ties them: one object
+    assert list(live) == list(backend.hf_state_dict())
+    backend.train_step(make_batch())
+    assert backend.live_state_dict() is live  # found once; the optimizer updated the same tensors in place
+    copies = backend.hf_state_dict()
+    assert all(torch.equal(live[k], copies[k]) for k in copies)
+    assert live["model.embed_tokens.weight"].data_ptr() != copies["model.embed_tokens.weight"].data_ptr()
