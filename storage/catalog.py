@@ -1,9 +1,12 @@
 """DuckDB over the Parquet tables: a view per table for ad-hoc SQL and for storage/queries.py, and
 the export of a result for ``clawrl sql`` (csv, json, parquet).
 
-Each ``open_catalog`` opens an in-memory DuckDB: a ``.duckdb`` file would let only one process
-open it, while any number of readers can read Parquet next to the writers, and they only ever see
-complete files (storage/convert.py).
+The catalog is an in-memory DuckDB: a ``.duckdb`` file would let only one process open it, while
+any number of readers can read Parquet next to the writers, and they only ever see complete files
+(storage/convert.py). ``open_catalog`` hands out a cursor of one connection per process and data
+root, whose views are defined once and again only when a table gained its first file or lost its
+last: defining them reads every file's footer, ~0.1-0.3 s that each of the flows' tasks paid
+before. ``run_query`` and read-only catalogs use a connection of their own.
 
 Every view exists on an empty data root (empty, with its columns). A view's columns are its
 record's fields (``clawrl.records`` documents each) plus ``date`` (DATE), the UTC date of
@@ -30,6 +33,7 @@ import csv
 import io
 import os
 import re
+import threading
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -83,9 +87,49 @@ def sql_str(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+_shared: dict[tuple[int, str], tuple[duckdb.DuckDBPyConnection, frozenset[str]]] = {}
+_shared_lock = threading.Lock()
+_inherited: list[Any] = []  # a forked child's copies of its parent's connections: never used, never closed
+
+
+def _forget_parent_connections() -> None:
+    _inherited.extend(_shared.values())
+    _shared.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_connections)
+
+
+def _tables_with_files(data_root: str | os.PathLike) -> frozenset[str]:
+    tables = Path(data_root) / "tables"
+    return frozenset(t for t in set(VIEWS.values()) if any((tables / t).glob("date=*/*.parquet")))
+
+
+def _connect() -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(":memory:")
+    con.execute("SET enable_progress_bar = false")  # it would be drawn into `clawrl sql --format csv` output
+    return con
+
+
+def _shared_cursor(data_root: str | os.PathLike) -> duckdb.DuckDBPyConnection:
+    """A cursor of this process's connection for ``data_root``, its views current (module docstring)."""
+    key, with_files = (os.getpid(), str(Path(data_root).resolve())), _tables_with_files(data_root)
+    with _shared_lock:
+        con, defined_for = _shared.get(key, (None, None))
+        if con is None:
+            con = _connect()
+        if defined_for != with_files:
+            refresh_views(con, data_root)
+            _shared[key] = (con, with_files)
+        return con.cursor()
+
+
 @contextlib.contextmanager
-def open_catalog(data_root: str | os.PathLike, *, read_only: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-    """An in-memory DuckDB connection with the views above over ``<data_root>/tables/``, closed on exit.
+def open_catalog(data_root: str | os.PathLike, *, read_only: bool = False,
+                 private: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A DuckDB connection with the views above over ``<data_root>/tables/``, closed on exit: a cursor
+    of this process's shared connection (module docstring), or with ``private`` or ``read_only`` a
+    connection of its own, for statements that change the connection (SET, CREATE, ...).
 
     ``read_only``: after the views are defined, DuckDB may only open paths under
     ``<data_root>/tables/`` (``allowed_directories`` + ``enable_external_access = false``: no
@@ -94,6 +138,13 @@ def open_catalog(data_root: str | os.PathLike, *, read_only: bool = False) -> It
     tell reads from writes inside an allowed directory, so ``run_query`` checks the statements
     too (``check_read_only``).
     """
+    if not (read_only or private):
+        cur = _shared_cursor(data_root)
+        try:
+            yield cur
+        finally:
+            cur.close()
+        return
     config = {"temp_directory": "", "autoinstall_known_extensions": False,
               "autoload_known_extensions": False} if read_only else {}
     with duckdb.connect(":memory:", config=config) as con:
@@ -170,7 +221,7 @@ def run_query(data_root: str | os.PathLike, sql: str, *, read_only: bool = False
     """
     if read_only:
         check_read_only(sql)
-    with open_catalog(data_root, read_only=read_only) as con:
+    with open_catalog(data_root, read_only=read_only, private=True) as con:
         rel = con.sql(sql)
         return rel.to_arrow_table() if rel is not None else pa.table({})
 
