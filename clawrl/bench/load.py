@@ -5,7 +5,8 @@ while the judge and train flows run and sync new weights into the gateway's engi
 the users (openai SDK, one client, no retries: every failed request counts) run on a background
 thread and the judge (rule) and train flows in a loop on the main thread, the train flow syncing
 through the gateway's /engine as ``clawrl up`` does. The flows, MLflow and the trainer are warmed
-up before the clock starts, so the window measures serving under training, not cold starts.
+up before the clock starts (the gate's evaluation engine loaded too), so the window measures serving
+under training, not cold starts.
 
 A user picks a persona and a question (clawrl/sim), asks (a main turn) and reacts as the persona
 would (the next state the judge reads), for ``turns_per_session`` turns, the last sent with
@@ -172,16 +173,19 @@ def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_s
 
 def _warm_up(s, conf: str) -> None:
     """Outside the window, while the gateway starts: the Prefect API, MLflow's store and experiment
-    (and its lazy imports), the trainer's model."""
+    (and its lazy imports), the trainer's model and the promotion gate's evaluation engine."""
     import mlflow.data  # noqa: F401 - first use costs seconds; log_train_step needs it
 
-    from clawrl.flows.common import local_trainer
+    from clawrl import runtime
+    from clawrl.flows.common import eval_engine, local_trainer
     from clawrl.flows.judge import judge_flow
     from clawrl.lineage import client, experiment_id
 
     judge_flow(config_path=conf)
     experiment_id(client(s.storage.data_root), s.storage.data_root)
     local_trainer(s)
+    if s.gate.enabled:
+        runtime.run(eval_engine(s).start())
 
 
 def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: Run, judge_limit: int) -> int:
@@ -278,24 +282,33 @@ def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
 
 
 def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float | None]:
-    """``loop_s``: the batch's last next state -> the first response on the step's version;
-    ``judged_s``: that next state -> the batch's last fate (the judge's delay); ``orchestration_s``:
-    the loop minus the judge's delay, the PPO step, the gate's evaluation and the sync (module
-    docstring). None when no client got the version."""
+    """``loop_s``: the batch's last next state -> the first response on the step's version, split
+    into ``judged_s`` (-> the batch's last fate), ``queued_s`` (-> the batch claimed: the trainer was
+    busy, or the loop judging), the flow from the claim to the end of the sync (the PPO step, the
+    gate's evaluation, the sync, and ``orchestration_s``: the rest of the flow) and ``served_s``
+    (the sync's end -> the first response on the new version: requests must start and finish).
+    None when no client got the version."""
     from clawrl.storage.catalog import run_query
 
     [row] = run_query(root, f"""
-        select epoch(max(n.created_at)) as completed, epoch(max(f.created_at)) as judged
-        from batches b, unnest(b.sample_ids) as u(sid)
-        join samples s on s.sample_id = u.sid join next_states n on n.turn_id = s.turn_id
+        with b as (select batch_id, created_at as claimed, u.sid from batches, unnest(sample_ids) as u(sid)
+                   where batch_id = '{step['batch_id']}')
+        select epoch(max(n.created_at)) as completed, epoch(max(f.created_at)) as judged,
+               epoch(min(b.claimed)) as claimed,
+               (select epoch(max(y.created_at)) from syncs y
+                where y.weight_version = '{step['weight_version']}' and y.ok) as synced
+        from b join samples s on s.sample_id = b.sid join next_states n on n.turn_id = s.turn_id
         join turn_fate f on f.turn_id = s.turn_id and f.judge_config_hash = s.judge_config_hash
-        where b.batch_id = '{step['batch_id']}' and n.has_next_state""").to_pylist()
-    if step["first_served_s"] is None or row["completed"] is None:
-        return {"loop_s": None, "judged_s": None, "orchestration_s": None}
-    loop = run.t0_wall + step["first_served_s"] - row["completed"]
-    judged = max(0.0, row["judged"] - row["completed"])
-    spent = judged + (step["train_s"] or 0.0) + (step["eval_s"] or 0.0) + (step["sync_s"] or 0.0)
-    return {"loop_s": loop, "judged_s": judged, "orchestration_s": loop - spent}
+        where n.has_next_state""").to_pylist()
+    keys = ("loop_s", "judged_s", "queued_s", "served_s", "orchestration_s")
+    if step["first_served_s"] is None or None in (row["completed"], row["claimed"], row["synced"]):
+        return dict.fromkeys(keys)
+    first = run.t0_wall + step["first_served_s"]
+    judged = max(row["judged"], row["completed"])
+    spent = (step["train_s"] or 0.0) + (step["eval_s"] or 0.0) + (step["sync_s"] or 0.0)
+    flow = row["synced"] - row["claimed"] - spent
+    return dict(zip(keys, (first - row["completed"], judged - row["completed"], max(0.0, row["claimed"] - judged),
+                           first - row["synced"], flow)))
 
 
 def format_load_section(r: dict[str, Any]) -> str:
@@ -309,7 +322,7 @@ def format_load_section(r: dict[str, Any]) -> str:
     syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
                       f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
                       for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
-    loop_keys = ["loop_s", "judged_s", "train_s", "eval_s", "sync_s", "orchestration_s"]
+    loop_keys = ["loop_s", "judged_s", "queued_s", "train_s", "eval_s", "sync_s", "orchestration_s", "served_s"]
     loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}}
              for st in r["steps"] if st.get("loop_s") is not None]
     evals = [st["eval_s"] for st in r["steps"] if st["eval_s"]]
@@ -342,10 +355,12 @@ def format_load_section(r: dict[str, Any]) -> str:
         "before -> after the window; above the core count, other work shared the machine.",
         "",
         "Loop latency per train step: `loop_s` from the logged next state that completed the step's batch to the",
-        "first response a client got from the new version; `judged_s` from that next state to the batch's last",
-        "fate (the judge's delay: here the judge and train flows take turns); `eval_s` the promotion gate's",
-        "evaluation; `orchestration_s` = `loop_s` - `judged_s` - `train_s` (the PPO step) - `eval_s` - `sync_s`",
-        "(target <= 1 s).",
+        "first response a client got from the new version, in parts: `judged_s` to the batch's last fate (the",
+        "judge's delay), `queued_s` to the batch's claim (the trainer busy with earlier batches: here samples",
+        "arrive faster than one trainer takes them, and the judge and train flows take turns), then the train",
+        "flow up to the end of its sync: `train_s` (the PPO step), `eval_s` (the promotion gate's evaluation),",
+        "`sync_s`, and `orchestration_s`, the rest of that flow (Prefect, claim, lineage, records; target",
+        "<= 1 s); last `served_s`, from the sync's end to the first response on the new version.",
         "",
         markdown_table(loops, ["version", *loop_keys]) if loops
         else "No step's version reached a client inside the window.",
