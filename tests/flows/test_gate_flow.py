@@ -219,11 +219,9 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    conf = tmp_path / "demo.toml"
-    conf.write_text((root / "conf" / "demo.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
-                    .replace("rollout_batch_size = 16", "rollout_batch_size = 4")
-                    .replace("[gate]\n", "[gate]\nsize = 4\n")
-                    + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n')
+    from tests.utils.demo_config import tiny_demo_config
+
+    conf = tiny_demo_config(tmp_path, model_cache)
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--persona", "lowercase",
                           "--steps", "2", "--users", "4", "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8",
