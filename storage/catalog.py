@@ -87,7 +87,8 @@ def sql_str(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-_shared: dict[tuple[int, str], tuple[duckdb.DuckDBPyConnection, frozenset[str]]] = {}
+# resolved data root -> (its connection, the tables that had files when its views were defined)
+_shared: dict[str, tuple[duckdb.DuckDBPyConnection, frozenset[str]]] = {}
 _shared_lock = threading.Lock()
 _inherited: list[Any] = []  # a forked child's copies of its parent's connections: never used, never closed
 
@@ -105,15 +106,15 @@ def _tables_with_files(data_root: str | os.PathLike) -> frozenset[str]:
     return frozenset(t for t in set(VIEWS.values()) if any((tables / t).glob("date=*/*.parquet")))
 
 
-def _connect() -> duckdb.DuckDBPyConnection:
-    con = duckdb.connect(":memory:")
+def _connect(config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(":memory:", config=config or {})
     con.execute("SET enable_progress_bar = false")  # it would be drawn into `clawrl sql --format csv` output
     return con
 
 
 def _shared_cursor(data_root: str | os.PathLike) -> duckdb.DuckDBPyConnection:
     """A cursor of this process's connection for ``data_root``, its views current (module docstring)."""
-    key, with_files = (os.getpid(), str(Path(data_root).resolve())), _tables_with_files(data_root)
+    key, with_files = str(Path(data_root).resolve()), _tables_with_files(data_root)
     with _shared_lock:
         con, defined_for = _shared.get(key, (None, None))
         if con is None:
@@ -147,8 +148,7 @@ def open_catalog(data_root: str | os.PathLike, *, read_only: bool = False,
         return
     config = {"temp_directory": "", "autoinstall_known_extensions": False,
               "autoload_known_extensions": False} if read_only else {}
-    with duckdb.connect(":memory:", config=config) as con:
-        con.execute("SET enable_progress_bar = false")  # it would be drawn into `clawrl sql --format csv` output
+    with _connect(config) as con:
         refresh_views(con, data_root)
         if read_only:
             con.execute(f"SET allowed_directories = [{sql_str(str(Path(data_root) / 'tables') + os.sep)}]")
