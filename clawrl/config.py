@@ -187,6 +187,11 @@ class PRMSettings(_Section):
         "holding the frozen initial weights. 'sglang': an SGLang server at prm.url. 'provider': the external API in "
         "[provider].")
     url: Url = Field("", description="SGLang server of the judge model (backend = 'sglang').")
+    engine_url: Url = Field("", description="A `clawrl engine` holding the policy's initial weights, used over HTTP "
+                            "by the 'engine' judge and the 'frozen' OPD teacher instead of loading the model in the "
+                            "judging process ('': load it there). `clawrl up` points its flows at its judge engine.")
+    engine_port: int = Field(30021, ge=0, le=65535, description="Port of the judge engine `clawrl up` starts when the "
+                             "judge uses the initial weights (backend = 'engine', or the 'frozen' teacher).")
     temperature: float = Field(0.6, ge=0, description="Judge sampling temperature (votes must differ).")
     max_new_tokens: int = Field(512, ge=1, description="Judge completion budget (reasoning + boxed score).")
     budget_chars: int = Field(6000, ge=200, description="Characters of turn + context shown to the judge.")

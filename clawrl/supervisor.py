@@ -2,8 +2,11 @@
 
 Processes (all bound to 127.0.0.1): the Prefect server (UI + API), the MLflow server (UI, sqlite
 store under the data root), the trainer service (model + optimizer in memory between steps), the
-gateway (OpenAI API, in-process embedded engine, its SGLang control API under /engine), and the
-flow server (the judge / train / replay deployments). Each keeps its state under the data root, so
+gateway (OpenAI API, in-process embedded engine, its SGLang control API under /engine), the judge
+engine when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
+"frozen" OPD teacher: a `clawrl engine` on ``[prm] engine_port`` that keeps the frozen model loaded
+between judge runs, which reach it over HTTP), and the flow server (the judge / train / replay
+deployments). Each keeps its state under the data root, so
 after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its write-ahead log,
 the trainer and the engine load the newest checkpoint, and claimed batches are resumed, not re-taken.
 """
@@ -96,6 +99,8 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     gw = f"http://{settings.server.host}:{settings.server.api_port}"
     prefect_api = f"http://{host}:{prefect_port}/api"
     mlflow_db = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
+    judge_engine = _judge_engine(settings, config_path, host)
+    flows_env = {"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}
     return [
         Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
                 f"{prefect_api}/health", f"http://{host}:{prefect_port}"),
@@ -107,12 +112,26 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
         Service("trainer", [py, "-m", "clawrl.cli", "trainer", "-c", str(config_path), "--port", str(trainer_port)],
                 f"http://{host}:{trainer_port}/state", f"http://{host}:{trainer_port}"),
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
+        *([judge_engine] if judge_engine else []),
         Service("flows", [py, "-m", "clawrl.flows.serve", "--config", str(config_path), "--trainer-url",
                           f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine",
                           "--judge-every", str(judge_every_s), "--train-every", str(train_every_s)],
                 f"{prefect_api}/health", f"deployments: judge/on-interval (every {judge_every_s:g} s), "
-                "train/on-samples-ready, replay/on-demand"),
+                "train/on-samples-ready, replay/on-demand", env=flows_env),
     ]
+
+
+def _judge_engine(settings, config_path: Path, host: str) -> Service | None:
+    """The judge engine: `clawrl engine` on the policy's initial weights (it never takes a weight sync),
+    when the judge scores with them and ``[prm] engine_url`` names no engine of the user's own."""
+    from clawrl.judge.runner import uses_frozen_model
+
+    if not uses_frozen_model(settings) or settings.prm.engine_url:
+        return None
+    port = settings.prm.engine_port
+    url = f"http://{host}:{port}"
+    argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port)]
+    return Service("judge-engine", argv, f"{url}/health", url)
 
 
 def _mlflow_ui_url(settings, mlflow_port: int) -> str:

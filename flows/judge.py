@@ -11,16 +11,27 @@ way neither duplicates nor loses a judgment. When enough trainable samples wait,
 event ``clawrl.samples.ready`` that the train deployment listens to. Last, the live check
 (``check_live_score``) compares the judged live score of the champion with the previous champion's
 and rolls serving back on a significant drop.
+
+With ``exclusive`` (the ``judge/on-interval`` deployment sets it), a run first takes the slot of
+Prefect's global concurrency limit ``judge`` (1 slot) without waiting; a run that finds it taken
+judges nothing and ends Completed at once, returning ``skipped`` (which judge run is still going).
+The slot is leased: a run killed while holding it stops renewing the lease, and the slot frees
+itself ``JUDGE_LEASE_S`` seconds later.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import threading
 import time
 from collections import Counter
 from datetime import datetime, timezone
+from collections.abc import Iterator
 from typing import Any
 
+import httpx
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
@@ -32,6 +43,8 @@ from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
+JUDGE_LIMIT = "judge"
+JUDGE_LEASE_S = 60.0  # renewed while the run lives; how long a killed run's slot stays taken
 _CHUNK_PER_SLOT = 4  # turns per judging task = this x [prm] max_in_flight
 
 
@@ -171,13 +184,108 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     return found
 
 
+def ensure_judge_limit() -> None:
+    """The global concurrency limit `judge` (1 slot), created if this Prefect server lacks it."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):  # created concurrently
+        client.upsert_global_concurrency_limit_by_name(JUDGE_LIMIT, 1)
+
+
+def _this_run_id():
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
+
+
+def _renew_until(done: threading.Event, lease_id) -> None:
+    """Renew the lease every third of its duration until ``done``; a failed renewal is logged and
+    retried at the next turn (judging goes on: each turn is judged exactly once whoever overlaps)."""
+    from prefect.client.orchestration import get_client
+
+    while not done.wait(JUDGE_LEASE_S / 3):
+        try:
+            with get_client(sync_client=True) as client:
+                client.renew_concurrency_lease(lease_id, JUDGE_LEASE_S)
+        except Exception as e:  # noqa: BLE001
+            logging.getLogger(__name__).warning("renewing the `%s` lease failed: %s", JUDGE_LIMIT, e)
+
+
+@contextlib.contextmanager
+def judge_slot() -> Iterator[bool]:
+    """The `judge` slot, taken without waiting: True while this run holds it, False when another does."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+
+    ensure_judge_limit()
+    me = _this_run_id()
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=me) if me else None
+    with get_client(sync_client=True) as client:
+        try:
+            got = client.increment_concurrency_slots_with_lease(
+                names=[JUDGE_LIMIT], slots=1, mode="concurrency", lease_duration=JUDGE_LEASE_S, holder=holder)
+        except httpx.HTTPStatusError as e:
+            if e.response.status_code != 423:  # 423 Locked: every slot is held
+                raise
+            got = None
+    if got is None:
+        yield False
+        return
+    lease_id, done = got.json()["lease_id"], threading.Event()
+    renewer = threading.Thread(target=_renew_until, args=(done, lease_id), name="judge-lease", daemon=True)
+    renewer.start()
+    try:
+        yield True
+    finally:
+        done.set()
+        renewer.join()
+        try:
+            with get_client(sync_client=True) as client:
+                client.release_concurrency_slots_with_lease(lease_id)
+        except Exception as e:  # noqa: BLE001 - the run's work is done; the unrenewed lease lapses
+            logging.getLogger(__name__).warning("releasing the `%s` slot failed (it frees itself within %g s): %s",
+                                                JUDGE_LIMIT, JUDGE_LEASE_S, e)
+
+
+def running_judge_run() -> str | None:
+    """The name of another judge run in state Running, or None (the slot's holder was killed)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    me = _this_run_id()
+    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["judge"])),
+            flow_run_filter=FlowRunFilter(state=running, id=FlowRunFilterId(not_any_=[me]) if me else None), limit=1)
+    return runs[0].name if runs else None
+
+
 def _judge_run_name() -> str:
     return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
 
 
 @flow(name="judge", flow_run_name=_judge_run_name, log_prints=True)
-def judge_flow(config_path: str | None = None, limit: int | None = None) -> dict[str, Any]:
-    """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``)."""
+def judge_flow(config_path: str | None = None, limit: int | None = None, exclusive: bool = False) -> dict[str, Any]:
+    """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``). With
+    ``exclusive``, only while no other exclusive judge run is going; else it skips, Completed."""
+    if not exclusive:
+        return _judge_ready(config_path, limit)
+    with judge_slot() as held:
+        if held:
+            return _judge_ready(config_path, limit)
+    other = running_judge_run()
+    skipped = f"judge run {other} is still going" if other else \
+        f"another judge run holds the `{JUDGE_LIMIT}` slot (a killed run's lease lapses within {JUDGE_LEASE_S:g} s)"
+    get_run_logger().info("skipped: %s", skipped)
+    return {"judged": 0, "fates": {}, "skipped": skipped}
+
+
+def _judge_ready(config_path: str | None, limit: int | None) -> dict[str, Any]:
     log = get_run_logger()
     s = load_flow_settings(config_path)
     judge = judge_for(s)

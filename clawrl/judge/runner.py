@@ -23,7 +23,11 @@ from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateReco
 
 def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
-    model), never synced: the frozen judge, and the frozen or local OPD teacher."""
+    model), never synced: the frozen judge, and the frozen or local OPD teacher. With ``[prm]
+    engine_url`` the policy's model is not loaded here: the `clawrl engine` at that URL holds its
+    initial weights (`clawrl up`'s judge engine) and answers over HTTP."""
+    if settings.prm.engine_url and (name or settings.model.name) == settings.model.name:
+        return _http_engine(settings, settings.prm.engine_url)
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.models import resolve_model_dir
 
@@ -32,6 +36,13 @@ def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     return EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                           weight_version="frozen", served_model_name="clawrl-frozen",
                           **settings.engine.model_dump(include=LIMIT_KEYS))
+
+
+def uses_frozen_model(settings: Settings) -> bool:
+    """Whether the judge of these settings scores with the policy's initial weights: the 'engine'
+    backend, or the 'frozen' teacher of opd and combine (what `clawrl up` serves as its judge engine)."""
+    distills = Method(settings.ppo.advantage_estimator) in (Method.OPD, Method.COMBINE)
+    return settings.prm.backend == "engine" or (distills and settings.opd.teacher == "frozen")
 
 
 def _judge_model_id(settings: Settings) -> str:
@@ -86,7 +97,13 @@ def _teacher(settings: Settings, frozen: Callable[[str], Engine], policy: Engine
     if name.startswith(("http://", "https://")):
         return _http_engine(settings, name), _policy_tokenizer(settings)
     engine = frozen(settings.model.name if name == "frozen" else name)
-    return engine, engine.tokenizer
+    return engine, _tokenizer_of(settings, engine)
+
+
+def _tokenizer_of(settings: Settings, engine: Engine):
+    """An in-process engine's own tokenizer; the policy's for one over HTTP (it serves the policy's model)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    return tokenizer if tokenizer is not None else _policy_tokenizer(settings)
 
 
 def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBackend:
@@ -95,7 +112,7 @@ def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBacken
         return RuleJudge()
     if prm.backend == "engine":
         engine = frozen(settings.model.name)
-        return EngineJudge(engine, engine.tokenizer, seed=settings.model.seed)
+        return EngineJudge(engine, _tokenizer_of(settings, engine), seed=settings.model.seed)
     if prm.backend == "sglang":
         if not prm.url:
             raise ValueError("prm.backend = 'sglang' needs prm.url")

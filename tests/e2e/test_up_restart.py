@@ -29,7 +29,7 @@ def _ports(n):
 
 
 def _up(conf: Path, ports, log: Path) -> subprocess.Popen:
-    gw, pf, ml, tr = ports
+    gw, pf, ml, tr, _ = ports
     return subprocess.Popen(
         [sys.executable, "-m", "clawrl.cli", "up", "-c", str(conf), "--prefect-port", str(pf), "--mlflow-port",
          str(ml), "--trainer-port", str(tr), "--judge-every", "8", "--train-every", "15"],
@@ -91,7 +91,7 @@ class Traffic:
 @pytest.mark.slow
 def test_kill_9_and_up_again_resumes_exactly(tmp_path, model_cache):
     data = tmp_path / "data"
-    ports = _ports(4)
+    ports = _ports(5)
     conf = tmp_path / "up.toml"
     conf.write_text(f"""
 [model]
@@ -111,6 +111,8 @@ max_staleness = 100
 # short judge runs: the users below log tens of turns a second, and a judge run of the default 512
 # turns takes minutes on two cores before its samples-ready event starts a training step
 batch_limit = 64
+# the judge engine (the combine method's frozen teacher), on a free port
+engine_port = {ports[4]}
 [gate]
 # a small evaluation set: the gate is not what this test is about
 size = 4
@@ -126,6 +128,7 @@ max_tokens = 8
         with Traffic(base, "before") as before:
             _wait_for(lambda: ckpt(1), 240, "a first training step", up, log)
             pids = json.loads((data / "up.pids.json").read_text())
+            assert "judge-engine" in pids  # the frozen teacher stays loaded between judge runs
             os.kill(pids["gateway"], signal.SIGKILL)  # mid-traffic
             os.kill(pids["trainer"], signal.SIGKILL)
             up.wait(60)  # the supervisor notices and stops the rest

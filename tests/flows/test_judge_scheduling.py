@@ -1,0 +1,189 @@
+"""How judging is scheduled under `clawrl up`: the judge engine service keeps the frozen model loaded
+(the flows reach it over HTTP, so no judge run loads weights), and judge runs that overlap end
+Completed with ``skipped``, never Cancelled."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from clawrl import supervisor
+from clawrl.config import dump_toml
+from clawrl.gateway.routes import create_app
+from clawrl.judge.runner import build_judge_config_hash
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
+from tests.utils.gateway_server import free_socket, running_gateway
+
+
+def _plan(settings, conf: Path = Path("/conf/up.toml")):
+    return {s.name: s for s in supervisor.plan(settings, conf, prefect_port=4200, mlflow_port=5000, trainer_port=30020)}
+
+
+@pytest.mark.parametrize("overrides, starts", [
+    ({"prm.backend": "engine", "ppo.advantage_estimator": "grpo"}, True),
+    ({"prm.backend": "rule", "ppo.advantage_estimator": "combine", "opd.teacher": "frozen"}, True),
+    ({"prm.backend": "rule", "ppo.advantage_estimator": "on_policy_distillation", "opd.teacher": "policy"}, False),
+    ({"prm.backend": "rule", "ppo.advantage_estimator": "grpo"}, False),
+    ({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_url": "http://10.0.0.5:9000"}, False),
+])
+def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(make_settings, overrides, starts):
+    services = _plan(make_settings({**overrides, "prm.engine_port": 30555}))
+    names = list(services)
+    flows = services["flows"]
+    if not starts:
+        assert "judge-engine" not in names and flows.env == {}
+        return
+    eng = services["judge-engine"]
+    assert names == ["prefect", "mlflow", "trainer", "gateway", "judge-engine", "flows"]  # up before the flows
+    assert eng.argv[1:] == ["-m", "clawrl.cli", "engine", "-c", "/conf/up.toml", "--host", "127.0.0.1", "--port",
+                            "30555"]
+    assert "--resume" not in eng.argv  # the initial weights, never a synced version
+    assert eng.health_url == "http://127.0.0.1:30555/health" and eng.url == "http://127.0.0.1:30555"
+    assert flows.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555"}
+
+
+def test_the_judge_deployment_has_no_cancelling_limit_and_runs_exclusive():
+    from clawrl.flows.serve import build_deployments
+
+    judge, train, _ = build_deployments("/conf/up.toml", "http://t", "http://e", judge_every_s=7)
+    assert judge.concurrency_limit is None and judge.concurrency_options is None
+    assert judge.parameters == {"config_path": "/conf/up.toml", "exclusive": True}
+    assert [s.schedule.interval.total_seconds() for s in judge.schedules] == [7.0]
+    assert train.concurrency_limit == 1  # unchanged
+
+
+def _runs_by_name(names):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=list(names))))
+        limit = client.read_global_concurrency_limit_by_name("judge")
+    return {r.name: r.state.type.value for r in runs}, limit
+
+
+def test_overlapping_exclusive_judge_runs_skip_completed_not_cancelled(prefect_harness, make_settings, tmp_path,
+                                                                     monkeypatch):
+    from prefect.context import FlowRunContext
+
+    import clawrl.flows.judge as fj
+
+    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo"})
+    conf = tmp_path / "rule.toml"
+    conf.write_text(dump_toml(s))
+    holding, release, first = threading.Event(), threading.Event(), {}
+
+    def crash_point(name):  # the first run waits, slot held, until the others have come and gone
+        if name == "found" and not holding.is_set():
+            first["name"] = FlowRunContext.get().flow_run.name
+            holding.set()
+            assert release.wait(120)
+
+    monkeypatch.setattr(fj, "_crash_point", crash_point)
+    names = iter(f"judge-overlap-{i}" for i in range(10))
+    flow = fj.judge_flow.with_options(flow_run_name=lambda: next(names))
+    worker = threading.Thread(target=lambda: first.setdefault("out", flow(config_path=str(conf), exclusive=True)))
+    worker.start()
+    assert holding.wait(120)
+    states = [flow(config_path=str(conf), exclusive=True, return_state=True) for _ in range(2)]
+    unguarded = flow(config_path=str(conf))  # not exclusive (`clawrl judge`, the demo): judges regardless
+    release.set()
+    worker.join(120)
+    after = flow(config_path=str(conf), exclusive=True)  # the slot was given back
+
+    for st in states:
+        assert st.is_completed() and st.result() == {
+            "judged": 0, "fates": {}, "skipped": f"judge run {first['name']} is still going"}
+    assert first["name"] == "judge-overlap-0" and "skipped" not in first["out"] and first["out"]["judged"] == 0
+    assert "skipped" not in unguarded and "skipped" not in after
+    by_name, limit = _runs_by_name([f"judge-overlap-{i}" for i in range(5)])
+    assert by_name == {f"judge-overlap-{i}": "COMPLETED" for i in range(5)}  # none Cancelled
+    assert limit.limit == 1 and limit.active and limit.active_slots == 0  # no slot left held
+
+
+def _session(client, sid, first, reply_after):
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": first}]
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, extra_body={"session_id": sid})
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": reply_after}]
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=4,
+                                   extra_body={"session_id": sid, "session_done": True})
+
+
+@pytest.fixture
+def judge_engine(make_settings, tmp_path):
+    """`clawrl up`'s judge engine service (tiny model), started as `up` starts it: (settings, flows env)."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    s = make_settings({"prm.backend": "engine", "prm.engine_port": port, "engine.max_batch_size": 8,
+                       "engine.max_context_len": 2048, "model.dtype": "float32", "model.device": "cpu"})
+    conf = tmp_path / "up.toml"
+    conf.write_text(dump_toml(s))
+    services = _plan(s, conf)
+    svc = services["judge-engine"]
+    supervisor.start(svc, tmp_path / "logs", supervisor.child_env())
+    try:
+        supervisor.wait_healthy(svc, timeout_s=300)
+        yield s, services["flows"].env
+    finally:
+        supervisor.stop(svc)
+
+
+def test_judge_runs_use_the_judge_engine_over_http_without_loading_weights(
+        prefect_harness, judge_engine, make_settings, tiny_engine, tmp_path, monkeypatch):
+    from clawrl.engine import embedded
+    from clawrl.flows import common
+    from clawrl.flows.judge import judge_flow
+    from clawrl.judge.teacher import build_teacher_prompt_ids, compute_teacher_logprobs
+    from clawrl.runtime import run
+
+    base, env = judge_engine
+    store = DataStore(base.storage.data_root)
+    with running_gateway(create_app(make_settings({"server.open_mode": True}), engine=tiny_engine,
+                                    tokenizer=tiny_engine.tokenizer, store=store)) as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="x")
+        _session(client, "corrected", "What is the capital of France?", "no, that's wrong, answer in one word")
+        _session(client, "thanked", "Name a primary color.", "thanks, that's great!")
+    store.close()
+
+    def no_loading(*a, **k):
+        raise AssertionError("a judge run loaded model weights")
+
+    monkeypatch.setattr(embedded.EmbeddedEngine, "__init__", no_loading)
+    for k, v in env.items():  # what the flows service of `clawrl up` runs with
+        monkeypatch.setenv(k, v)
+    common.close_all()  # no frozen engine or judge made earlier in this process
+    outs = {}
+    configs = {"engine": {"prm.backend": "engine", "prm.judge_samples": 2, "prm.max_new_tokens": 8,
+                          "ppo.advantage_estimator": "grpo"},  # PRM votes from the judge engine
+               "teacher": {"prm.backend": "rule", "ppo.advantage_estimator": "combine"}}  # its teacher log-probs
+    for name, over in configs.items():
+        s = make_settings({"prm.engine_port": base.prm.engine_port, "engine.max_context_len": 2048, **over})
+        conf = tmp_path / f"{name}.toml"
+        conf.write_text(dump_toml(s))  # without engine_url: it comes from the environment, as under `up`
+        outs[name] = judge_flow(config_path=str(conf))
+        assert outs[name]["judge_config_hash"] == build_judge_config_hash(s)  # the same judge as in process
+        assert outs[name]["judged"] == 4
+
+    rows = run_query(base.storage.data_root, "select judge_config_hash as h, judge_backend, raw_outputs, error "
+                     "from judgments").to_pylist()
+    votes = [r for r in rows if r["h"] == outs["engine"]["judge_config_hash"]]
+    assert len(votes) == 2 and all(r["judge_backend"] == "engine" and r["error"] is None for r in votes)
+    assert all(len(json.loads(r["raw_outputs"])) == 2 and "[judge error]" not in r["raw_outputs"] for r in votes)
+    assert outs["engine"]["fates"].get("judge_error", 0) == 0
+
+    assert outs["teacher"]["fates"] == {"sample": 2, "no_next_state": 2}
+    [sample] = run_query(base.storage.data_root, "select s.*, t.request_messages from samples s join turns t "
+                         "using (turn_id) where s.has_teacher").to_pylist()
+    assert len(sample["teacher_logprobs"]) == len(sample["output_ids"]) > 0
+    # the judge engine holds the initial weights: the same log-probs as the in-process tiny engine's
+    prompt = build_teacher_prompt_ids(tiny_engine.tokenizer, json.loads(sample["request_messages"]), None,
+                                      "answer in one word")
+    local = run(compute_teacher_logprobs(tiny_engine, prompt, sample["output_ids"]))
+    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(sample["teacher_logprobs"], local))
