@@ -26,8 +26,16 @@ REGISTERED_MODEL = "clawrl-policy"
 def client(data_root: Path):
     from mlflow.tracking import MlflowClient
 
-    (Path(data_root) / "mlflow").mkdir(parents=True, exist_ok=True)
-    uri = f"sqlite:///{Path(data_root) / 'mlflow' / 'mlflow.db'}"
+    db = Path(data_root) / "mlflow" / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    uri = f"sqlite:///{db}"
+    if not db.exists():  # a new store: MLflow's "Default" experiment keeps its artifacts here, not in the cwd
+        from mlflow.entities import ExperimentTag
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        (db.parent / "artifacts").mkdir(exist_ok=True)
+        store = SqlAlchemyStore(uri, (db.parent / "artifacts").as_uri())
+        store.set_experiment_tag("0", ExperimentTag(*EXPERIMENT_KIND))
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -176,20 +184,21 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
 
 
 def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, serving_version: str | None,
-             seconds: float, target: str) -> None:
-    """One weight-sync attempt on the run of the step that made the version: tags ``sync_status``
+             seconds: float, target: str, weight_version: str) -> None:
+    """One weight-sync attempt on the run of the step that made ``weight_version``: tags ``sync_status``
     (ok | failed), ``sync_error`` (the reason; removed again by a later success),
     ``sync_serving_version`` and ``sync_target``, and the metrics ``sync_ok`` (1/0) and
-    ``sync_seconds`` with one point per attempt, so retries stay visible."""
+    ``sync_seconds`` at step = the weight version, like the step's other metrics: one point per
+    attempt, so retries stay visible."""
     from mlflow.entities import RunTag
 
     c = client(data_root)
-    attempt = len(c.get_metric_history(run_id, "sync_ok"))
+    step = int(weight_version) if str(weight_version).isdigit() else 0
     tags = [RunTag("sync_status", "ok" if ok else "failed"), RunTag("sync_target", target),
             RunTag("sync_serving_version", "unknown" if serving_version is None else str(serving_version))]
     if not ok:
         tags.append(RunTag("sync_error", (error or "unknown error")[:4000]))
-    c.log_batch(run_id, metrics=[_metric("sync_ok", ok, attempt), _metric("sync_seconds", seconds, attempt)], tags=tags)
+    c.log_batch(run_id, metrics=[_metric("sync_ok", ok, step), _metric("sync_seconds", seconds, step)], tags=tags)
     if ok and "sync_error" in c.get_run(run_id).data.tags:
         c.delete_tag(run_id, "sync_error")
 

@@ -1,13 +1,18 @@
-"""Run an ASGI app under uvicorn on a background thread (the gateway inside `clawrl demo`, tests)."""
+"""Run an ASGI app under uvicorn on a background thread (the gateway inside `clawrl demo`, tests), and
+``<data_root>/serve.json``: where the `clawrl serve` of a data root answers, for `clawrl train`,
+`clawrl sync` and `clawrl status` to find its engine without being told."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -80,3 +85,77 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_timeout
             raise RuntimeError(f"server at {handle.url} did not start within {startup_timeout_s} s")
         time.sleep(0.02)
     return handle
+
+
+SERVE_RECORD = "serve.json"
+
+
+def client_url(host: str, port: int) -> str:
+    """The URL a client on this machine uses for a server bound to ``host`` (a wildcard: loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def write_serve_record(data_root: Path, gateway_url: str, engine_url: str | None, engine_kind: str) -> Path:
+    """Record that this process serves the data root: its pid, the gateway's URL and the URL its
+    weights are synced through (``{gateway}/engine`` for the embedded engine, ``[engine] url`` for an
+    HTTP engine). Written atomically (a temporary file renamed), so a reader never sees half of it."""
+    target = Path(data_root) / SERVE_RECORD
+    tmp = target.with_name(f".{SERVE_RECORD}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "gateway_url": gateway_url, "engine_url": engine_url,
+                               "engine_kind": engine_kind, "started_at": time.time()}))
+    tmp.replace(target)
+    return target
+
+
+def record_where_it_serves(app, data_root: Path, gateway_url: str, engine_url: str | None, engine_kind: str) -> None:
+    """Write the data root's serve record when ``app`` starts serving and remove it when it shuts down
+    (its lifespan: also on SIGTERM and Ctrl-C, which end uvicorn by re-raising the signal)."""
+    import contextlib
+
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            write_serve_record(data_root, gateway_url, engine_url, engine_kind)
+            try:
+                yield state
+            finally:
+                remove_serve_record(data_root)
+
+    app.router.lifespan_context = lifespan
+
+
+def remove_serve_record(data_root: Path) -> None:
+    """Remove the data root's serve record when this process wrote it (a newer server's stays)."""
+    target = Path(data_root) / SERVE_RECORD
+    try:
+        if json.loads(target.read_text()).get("pid") == os.getpid():
+            target.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, under another user
+        return True
+    return True
+
+
+def serving_gateway(data_root: Path) -> dict[str, Any] | None:
+    """The serve record of the `clawrl serve` running on ``data_root`` (pid, gateway_url, engine_url,
+    engine_kind), or None: no record, an unreadable one, or one whose process is gone (killed
+    before it could remove its record)."""
+    try:
+        rec = json.loads((Path(data_root) / SERVE_RECORD).read_text())
+        pid = int(rec["pid"])
+        if not isinstance(rec.get("gateway_url"), str):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return rec if pid > 0 and _alive(pid) else None

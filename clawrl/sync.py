@@ -34,7 +34,8 @@ from clawrl.records import utcnow
 
 log = logging.getLogger("clawrl.sync")
 
-NO_ENGINE = "no serving engine to sync (in-process engine not running here and engine.kind is not 'http')"
+NO_ENGINE = ("no serving engine to sync (none in this process, engine.kind is not 'http' and no `clawrl serve` "
+             "is running on this data root)")
 
 
 @dataclass(frozen=True)

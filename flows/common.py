@@ -165,7 +165,7 @@ def record_sync(s: Settings, rep: SyncReport, weight_version: str, run_id: str |
     store.flush()
     if run_id:
         log_sync(s.storage.data_root, run_id, ok=rep.success, error=rep.message, serving_version=rep.weight_version,
-                 seconds=rep.seconds, target=rep.target)
+                 seconds=rep.seconds, target=rep.target, weight_version=str(weight_version))
 
 
 def serve_target(s: Settings, version: str) -> dict[str, Any]:
@@ -181,20 +181,34 @@ def serve_target(s: Settings, version: str) -> dict[str, Any]:
     return {"weight_version": v, "path": path, "sha256": sha or "", "mlflow_run_id": ck["mlflow_run_id"] if ck else None}
 
 
+def engine_url_for(s: Settings, engine_url: str | None = None) -> str | None:
+    """The HTTP engine a sync from this process targets: ``engine_url`` when given, else ``[engine] url``
+    when ``[engine] kind = "http"``, else the engine of the `clawrl serve` running on the data root
+    (``<data_root>/serve.json``: its embedded engine at ``{gateway}/engine``); None when there is none."""
+    if engine_url:
+        return engine_url
+    if s.engine.kind == "http":
+        return s.engine.url
+    from clawrl.serving import serving_gateway
+
+    found = serving_gateway(s.storage.data_root)
+    return found.get("engine_url") if found else None
+
+
 def push_weights(s: Settings, target: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
     """Serve ``target`` (``serve_target``'s keys) in this process's engine, else at ``engine_url`` or
-    ``[engine] url``, through ``clawrl.sync``; the attempt is recorded (``record_sync``)."""
+    the engine ``engine_url_for`` finds, through ``clawrl.sync``; the attempt is recorded (``record_sync``).
+    ``version`` in the answer is the one pushed; ``weight_version`` the one served afterwards."""
     from clawrl.config import read_admin_key
     from clawrl.sync import sync_checkpoint
 
     version = target["weight_version"]
+    engine = None if engine_url else policy_engine()  # an explicit engine URL wins
     rep = runtime.run(sync_checkpoint(
-        version, target["path"], target["sha256"],
-        engine=None if engine_url else policy_engine(),  # an explicit engine URL wins
-        trainer=trainer_in_process(s),
-        url=engine_url or (s.engine.url if s.engine.kind == "http" else None),
+        version, target["path"], target["sha256"], engine=engine, trainer=trainer_in_process(s),
+        url=engine_url_for(s, engine_url) if engine is None else None,
         admin_key=read_admin_key(s.server.admin_keys_env), timeout_s=s.engine.request_timeout_s))
     if rep.target is not None:
         record_sync(s, rep, version, target.get("mlflow_run_id"))
-    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message,
-            "weight_version": rep.weight_version, "seconds": rep.seconds}
+    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message, "version": str(version),
+            "weight_version": rep.weight_version, "seconds": rep.seconds, "target": rep.target}

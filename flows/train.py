@@ -175,7 +175,10 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
 def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
     """Serve ``step``'s checkpoint (weight_version, path, sha256, mlflow_run_id)."""
     synced = push_weights(load_flow_settings(config_path), step, engine_url)
-    if not synced["success"] and synced["message"] != NO_ENGINE:
+    if synced["message"] == NO_ENGINE:
+        get_run_logger().warning("checkpoint %s is waiting: %s; serve it with `clawrl sync %s --engine-url URL`",
+                                 step["weight_version"], NO_ENGINE, step["weight_version"])
+    elif not synced["success"]:
         get_run_logger().error("weight sync to version %s failed, still serving %s: %s",
                                step["weight_version"], synced["weight_version"], synced["message"])
     return synced

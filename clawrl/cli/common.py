@@ -33,6 +33,24 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def warn(message: str, style: str = "bold yellow") -> None:
+    """``message`` on stderr in ``style``, plain text and never wrapped (scripts grep it)."""
+    err.print(message, markup=False, highlight=False, style=style, soft_wrap=True)
+
+
+def sync_command(config: Path | None, version: str, engine_url: str | None = None) -> str:
+    """The `clawrl sync` command line that serves ``version``."""
+    return " ".join(["clawrl sync", str(version), *(["-c", str(config)] if config else []),
+                     *(["--engine-url", engine_url] if engine_url else [])])
+
+
+def gateway_engine_url(s: Settings) -> str:
+    """The embedded engine of the gateway `clawrl serve` starts with these settings."""
+    from clawrl.serving import client_url
+
+    return f"{client_url(s.server.host, s.server.api_port)}/engine"
+
+
 def settings_or_exit(config: Path | None, overrides: dict | None = None) -> Settings:
     """The settings of ``config`` and ``overrides`` (dotted keys; a None value: an option not given)."""
     try:

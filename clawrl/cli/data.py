@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit
+from clawrl.cli.common import ConfigOpt, app, console, fail, gateway_engine_url, settings_or_exit, sync_command
 
 
 @app.command("sql")
@@ -59,7 +59,7 @@ def sql(
 @app.command("status")
 def status(config: ConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons, the
-    latest checkpoint and the last weight sync."""
+    latest checkpoint, the version served, the last weight sync and the checkpoint waiting to be served."""
     s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
@@ -89,6 +89,8 @@ def status(config: ConfigOpt = None) -> None:
         rows.append(("next training step needs", f"{c['samples_needed']} more samples"))
     if latest:
         rows.append(("latest checkpoint", f"weight_version {latest['weight_version']} (step {latest['step']})"))
+    served = served_version(s, st)
+    rows.append(("served version", f"{served['version']} ({served['source']})"))
     rows += [(f"  excluded: {fate}", n) for fate, n in sorted(c["fates"].items()) if fate != "sample"]
     if versions:  # learning as users see it (clawrl doctor has the rest)
         rows.append(("live judged score by version", ", ".join(f"v{r['weight_version']} {r['mean_score']:+.2f} "
@@ -97,14 +99,62 @@ def status(config: ConfigOpt = None) -> None:
         t.add_row(k, str(v))
     console.print(t)
     console.print(promotion_line(log, consecutive), markup=False, highlight=False, soft_wrap=True)
-    # one line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>; serving
-    # version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it
+    console.print(sync_line(st), markup=False, highlight=False, soft_wrap=True)
+    waiting = waiting_line(s, config, st, served)
+    if waiting:
+        console.print(waiting, markup=False, highlight=False, soft_wrap=True, style="bold yellow")
+
+
+def served_version(s, st: dict) -> dict:
+    """The version served (``version``), where that is known from (``source``) and the engine a sync
+    goes to (``engine_url``; None: no `clawrl serve` runs on the data root): the running gateway's own
+    answer, else the newest version a sync saw served, else the initial weights."""
+    import httpx
+
+    from clawrl.serving import serving_gateway
+
+    found = serving_gateway(s.storage.data_root)
+    if found:
+        try:
+            version = httpx.get(f"{found['gateway_url']}/healthz", timeout=3.0).json()["weight_version"]
+            return {"version": str(version), "source": f"live, from {found['gateway_url']}",
+                    "engine_url": found.get("engine_url")}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass  # the gateway does not answer: what the records say
+    if st["last_seen_serving"] is not None:
+        return {"version": str(st["last_seen_serving"]), "engine_url": None,
+                "source": "as the last sync saw it; no `clawrl serve` answers"}
+    return {"version": "0", "engine_url": None,
+            "source": "the initial weights; no sync recorded, no `clawrl serve` answers"}
+
+
+def waiting_line(s, config, st: dict, served: dict) -> str | None:
+    """'checkpoint v4 is waiting: served version is v3 (run `clawrl sync 4 ...`)' when a checkpoint newer
+    than the version served waits for a sync (candidates the gate refused never do); else None."""
+    def newer(v: str) -> bool:
+        return not served["version"].isdigit() or int(v) > int(served["version"])
+
+    waiting = [v for v in st["waiting"] if newer(v)]
+    if not waiting:
+        return None
+    v = waiting[-1]
+    if served["engine_url"]:
+        how = f"run `{sync_command(config, v, served['engine_url'])}`"
+    elif s.engine.kind == "http":
+        how = f"run `{sync_command(config, v)}`"
+    else:
+        how = f"run `{sync_command(config, v, gateway_engine_url(s))}` with `clawrl serve` running"
+    return f"checkpoint v{v} is waiting: served version is v{served['version']} ({how})"
+
+
+def sync_line(st: dict) -> str:
+    """One line on weight sync, e.g. 'last sync: FAILED at <time> (version 4 -> URL): <reason>; serving
+    version 3; checkpoint 4 waiting'. Plain text, never wrapped: scripts grep it."""
     last = st["last"]
     if last is None:
         waiting = f"; checkpoints {', '.join(st['waiting'])} waiting: nothing serves them (`clawrl sync`)" \
             if st["waiting"] else ""
-        console.print(f"last sync: none recorded{waiting}", markup=False, highlight=False, soft_wrap=True)
-        return
+        return f"last sync: none recorded{waiting}"
     when = last["created_at"].strftime("%Y-%m-%d %H:%M:%S UTC")
     head = (f"last sync: ok at {when} (version {last['weight_version']} -> {last['target']})" if last["ok"] else
             f"last sync: FAILED at {when} (version {last['weight_version']} -> {last['target']}): {last['error']}")
@@ -114,7 +164,7 @@ def status(config: ConfigOpt = None) -> None:
     if st["waiting"]:
         parts.append(f"checkpoint{'s' if len(st['waiting']) > 1 else ''} {', '.join(st['waiting'])} waiting")
     parts.append(f"{st['attempts']} sync attempts, {st['failures']} failed")
-    console.print("; ".join(parts), markup=False, highlight=False, soft_wrap=True)
+    return "; ".join(parts)
 
 
 def promotion_line(log: list[dict], consecutive: int) -> str:

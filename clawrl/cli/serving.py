@@ -21,7 +21,7 @@ def serve(
     import uvicorn
 
     from clawrl.gateway.routes import create_app
-    from clawrl.serving import freeze_startup_heap
+    from clawrl.serving import client_url, freeze_startup_heap, record_where_it_serves
     from clawrl.storage.writer import DataRootError
 
     settings = settings_or_exit(config, {"server.host": host, "server.api_port": port})
@@ -35,6 +35,10 @@ def serve(
                   f"(engine: {settings.engine.kind}, model: {settings.model.name}, "
                   f"data: {settings.storage.data_root})", markup=False)
     freeze_startup_heap()  # the model and modules are loaded: keep them out of full GC passes
+    # where this gateway and its engine answer, for `clawrl train`, `sync` and `status` on this data root
+    gateway = client_url(settings.server.host, settings.server.api_port)
+    engine_url = settings.engine.url if settings.engine.kind == "http" else f"{gateway}/engine"
+    record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
 
 

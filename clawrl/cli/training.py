@@ -7,9 +7,15 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from clawrl.cli.common import ConfigOpt, app, console, fail, settings_or_exit, use_data_root_prefect
+from clawrl.cli.common import (ConfigOpt, app, console, fail, gateway_engine_url, settings_or_exit, sync_command,
+                               use_data_root_prefect, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
+
+EngineUrlOpt = Annotated[Optional[str], typer.Option(help="SGLang server, `clawrl engine` or the gateway's /engine URL "
+                                                          "(default: [engine] url when kind=http, else the `clawrl "
+                                                          "serve` running on the data root).")]
+ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promotions table).")]
 
 
 @app.command("judge")
@@ -31,10 +37,12 @@ def train(
     config: ConfigOpt = None,
     steps: Annotated[int, typer.Option(help="Most PPO steps to run (one per full batch).")] = 1,
     trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here).")] = None,
-    engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http).")] = None,
+    engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http, "
+                                                           "else the `clawrl serve` running on the data root).")] = None,
 ) -> None:
     """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
-    use_data_root_prefect(settings_or_exit(config))
+    s = settings_or_exit(config)
+    use_data_root_prefect(s)
     from clawrl.flows.train import train_flow
 
     out = train_flow(config_path=str(config) if config else None, max_steps=steps, trainer_url=trainer_url,
@@ -46,20 +54,35 @@ def train(
         console.print(f"step {st['step']}: weight_version {st['weight_version']}, loss {m.get('loss', float('nan')):.4f}, "
                       f"{int(m.get('num_seqs', 0))} samples, checkpoint {st['path']}, sync: {st['sync']['message'] or 'ok'}",
                       markup=False)
+        if not st["sync"]["success"]:
+            waiting_after_sync(s, config, st["sync"])
+
+
+def waiting_after_sync(s, config, sync: dict) -> None:
+    """Say loudly that the checkpoint a sync did not serve is waiting, and the command that serves it."""
+    from clawrl.sync import NO_ENGINE
+
+    v, url = sync["version"], sync.get("target")
+    url = url if url and url.startswith("http") else None  # None: in this process
+    if sync["message"] == NO_ENGINE:
+        warn(f"checkpoint v{v} is WAITING: nothing serves it (no `clawrl serve` is running on {s.storage.data_root} "
+             f"and [engine] kind is not 'http'). With the gateway running, serve it with: "
+             f"{sync_command(config, v, gateway_engine_url(s))}")
+    else:
+        warn(f"weight sync FAILED: {sync['message']}; the engine serves version {sync['weight_version']} and "
+             f"checkpoint v{v} is WAITING. Retry with: {sync_command(config, v, url)}", "bold red")
 
 
 @app.command("sync")
 def sync(
     version: Annotated[str, typer.Argument(help="Weight version to push (default: the latest checkpoint).")] = "latest",
     config: ConfigOpt = None,
-    engine_url: Annotated[Optional[str], typer.Option(help="SGLang server or `clawrl engine` URL.")] = None,
+    engine_url: EngineUrlOpt = None,
 ) -> None:
-    """Push a checkpoint to an HTTP engine: pause -> update_weights_from_disk -> continue."""
+    """Push a checkpoint to an HTTP engine (default: the `clawrl serve` running on the data root):
+    pause -> update_weights_from_disk -> continue."""
     s = settings_or_exit(config)
-    url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
-    if not url:
-        fail("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url")
-    from clawrl.flows.common import push_weights
+    from clawrl.flows.common import engine_url_for, push_weights
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint
 
@@ -67,6 +90,11 @@ def sync(
         ck = find_checkpoint(con, version)
     if ck is None:
         fail(f"no checkpoint for version {version!r} in {s.storage.data_root}")
+    url = engine_url_for(s, engine_url)
+    if not url:
+        fail(f"checkpoint v{ck['weight_version']} is WAITING: no engine to sync (no `clawrl serve` is running on "
+             f"{s.storage.data_root} and [engine] kind is not 'http'). Start `clawrl serve`, or name the engine: "
+             f"{sync_command(config, ck['weight_version'], gateway_engine_url(s))}")
     # the train flow's sync path, recorded like its attempts (flushed: `clawrl status` and MLflow show it at once)
     rep = push_weights(s, ck, url)
     console.print(f"{'synced' if rep['success'] else 'FAILED'}: engine serves version {rep['weight_version']} "
@@ -79,10 +107,12 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
     train flow, then record it as a ``promotions`` row and move the MLflow ``champion`` alias.
     Nothing is recorded when the engine did not take the weights."""
     s = settings_or_exit(config)
-    url = engine_url or (s.engine.url if s.engine.kind == "http" else None)
+    from clawrl.flows.common import data_store, engine_url_for, push_weights, serve_target
+
+    url = engine_url_for(s, engine_url)
     if not url:
-        fail("no engine URL: pass --engine-url or set engine.kind = 'http' and engine.url")
-    from clawrl.flows.common import data_store, push_weights, serve_target
+        fail(f"no engine to serve it: no `clawrl serve` is running on {s.storage.data_root} and [engine] kind is "
+             f"not 'http'; start `clawrl serve`, or pass --engine-url (e.g. {gateway_engine_url(s)})")
     from clawrl.lineage import set_policy_alias
     from clawrl.promotion import GateError, record_manual
     from clawrl.records import PromotionAction
@@ -112,11 +142,6 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
     verb = "promoted" if action == "promote" else f"rolled back from version {champion} to"
     console.print(f"{verb} version {v}: the engine serves version {rep['weight_version']} ({rep['seconds']:.2f} s)",
                   markup=False)
-
-
-EngineUrlOpt = Annotated[Optional[str], typer.Option(help="SGLang server, `clawrl engine` or the gateway's /engine URL "
-                                                          "(default: [engine] url when kind=http).")]
-ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promotions table).")]
 
 
 @app.command("promote")

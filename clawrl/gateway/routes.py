@@ -240,6 +240,9 @@ async def healthz(service: ServiceDep) -> JSONResponse:
             service.storage_error = None
         except DataRootError as e:
             log.error("health: %s", e)
+    if ok:  # the version served now: a sync through /engine may have happened since the last turn
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(service.live_weight_version(), timeout=5.0)
     status = "ok" if ok else "engine_unhealthy"
     if service.storage_error is not None:
         status = "storage_unwritable"

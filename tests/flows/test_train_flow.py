@@ -87,6 +87,10 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     assert run.data.params["method"] == "combine" and float(run.data.params["lr"]) == 1e-3
     assert {"loss", "kl", "entropy", "clip_frac"} <= set(run.data.metrics)
     # clawrl doctor's report after the step: one metric per finding, and the report itself
+    # the sync of version 1 at step 1, like the step's other metrics (step = weight version)
+    [synced] = mlflow_client(s.storage.data_root).get_metric_history(mv.run_id, "sync_ok")
+    assert (synced.step, synced.value) == (1, 1.0) and run.data.tags["sync_status"] == "ok"
+    assert [m.step for m in mlflow_client(s.storage.data_root).get_metric_history(mv.run_id, "loss")] == [1]
     assert run.data.metrics["doctor_ok_traffic"] == 1.0 and run.data.metrics["doctor_ok_serving"] == 1.0
     assert run.data.metrics["doctor_problems"] == sum(v == 0.0 for k, v in run.data.metrics.items()
                                                       if k.startswith("doctor_ok_"))
@@ -143,6 +147,43 @@ def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
 
 
 def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
+def test_sync_points_are_at_the_weight_version_and_retries_stay_visible(tmp_path):
+    from clawrl.lineage import client as mlflow_client, experiment_id, log_sync
+
+    ml = mlflow_client(tmp_path)
+    run_id = ml.create_run(experiment_id(ml, tmp_path), run_name="step-0003").info.run_id
+    log_sync(tmp_path, run_id, ok=False, error="engine refused", serving_version="2", seconds=0.5,
+             target="http://e", weight_version="3")
+    assert ml.get_run(run_id).data.tags["sync_error"] == "engine refused"
+    log_sync(tmp_path, run_id, ok=True, error=None, serving_version="3", seconds=0.25, target="http://e",
+             weight_version="3")
+    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "sync_ok")] == [(3, 0.0), (3, 1.0)]
+    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "sync_seconds")] == [(3, 0.5), (3, 0.25)]
+    tags = ml.get_run(run_id).data.tags
+    assert "sync_error" not in tags and (tags["sync_status"], tags["sync_serving_version"]) == ("ok", "3")
+
+
+def test_the_store_keeps_mlflow_default_experiment_under_the_data_root(tmp_path, monkeypatch):
+    """MLflow makes an experiment 0 "Default" in every new store; clawrl's keeps its artifacts under the
+    data root (not in the working directory) and, like clawrl's own, opens in the model-training view."""
+    from clawrl.lineage import client as mlflow_client, experiment_id
+
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    root = tmp_path / "data"
+    ml = mlflow_client(root)
+    default = ml.get_experiment("0")
+    assert default.name == "Default"
+    assert default.artifact_location == (root / "mlflow" / "artifacts" / "0").as_uri()
+    assert default.tags["mlflow.experimentKind"] == "custom_model_development"
+    exp = ml.get_experiment(experiment_id(ml, root))
+    assert exp.name == "clawrl" and exp.artifact_location == (root / "mlflow" / "artifacts").as_uri()
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert mlflow_client(root).get_experiment("0").artifact_location == default.artifact_location  # kept
+    assert list(cwd.iterdir()) == []  # nothing made in the working directory
+
+
     import re
 
     from prefect.client.orchestration import get_client
