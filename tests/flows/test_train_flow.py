@@ -86,11 +86,11 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     assert mlmodel.signature.inputs.input_names() == ["messages"]
     assert run.data.params["method"] == "combine" and float(run.data.params["lr"]) == 1e-3
     assert {"loss", "kl", "entropy", "clip_frac"} <= set(run.data.metrics)
-    # clawrl doctor's report after the step: one metric per finding, and the report itself
     # the sync of version 1 at step 1, like the step's other metrics (step = weight version)
     [synced] = mlflow_client(s.storage.data_root).get_metric_history(mv.run_id, "sync_ok")
     assert (synced.step, synced.value) == (1, 1.0) and run.data.tags["sync_status"] == "ok"
     assert [m.step for m in mlflow_client(s.storage.data_root).get_metric_history(mv.run_id, "loss")] == [1]
+    # clawrl doctor's report after the step: one metric per finding, and the report itself
     assert run.data.metrics["doctor_ok_traffic"] == 1.0 and run.data.metrics["doctor_ok_serving"] == 1.0
     assert run.data.metrics["doctor_problems"] == sum(v == 0.0 for k, v in run.data.metrics.items()
                                                       if k.startswith("doctor_ok_"))
@@ -146,7 +146,6 @@ def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
     assert ml.get_metric_history(run_id, "skipped") == []
 
 
-def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
 def test_sync_points_are_at_the_weight_version_and_retries_stay_visible(tmp_path):
     from clawrl.lineage import client as mlflow_client, experiment_id, log_sync
 
@@ -184,6 +183,7 @@ def test_the_store_keeps_mlflow_default_experiment_under_the_data_root(tmp_path,
     assert list(cwd.iterdir()) == []  # nothing made in the working directory
 
 
+def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
     import re
 
     from prefect.client.orchestration import get_client
