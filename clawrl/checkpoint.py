@@ -3,7 +3,7 @@
 Weight versions are step counts: version 0 is the initial model, version N the weights after N
 steps, in ``<checkpoints>/v{N:06d}/``: HF safetensors weights in the served dtype (what an engine
 loads), the optimizer state, and ``trainer.json`` (the :class:`StepResult` naming the batch it
-consumed and the weights' sha256). When the served dtype is not float32 (bfloat16 on a GPU), the
+consumed, its sessions and the weights' sha256). When the served dtype is not float32 (bfloat16 on a GPU), the
 float32 master weights a resumed trainer continues from are kept beside them in ``MASTER_FILE``.
 A version directory is built in a staging dir beside it (``.vNNNNNN.<pid>.<random>``) with the
 marker written last, then renamed into place, so it either holds a complete checkpoint or does not
@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -43,6 +43,7 @@ class StepResult:
     path: str
     sha256: str
     metrics: dict[str, float]
+    sessions: list[list[str]] = field(default_factory=list)  # the [namespace, session_id] pairs trained on
 
 
 class CheckpointError(RuntimeError):

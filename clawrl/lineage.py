@@ -267,14 +267,16 @@ REPLAY_MODEL = "clawrl-policy-replays"
 
 def log_replay(data_root: Path, report: dict[str, Any]) -> str:
     """A replay as one MLflow run linked to the run that trained the original version; its final
-    checkpoint as a version of the ``clawrl-policy-replays`` model, tagged with what was excluded."""
+    checkpoint as a version of the ``clawrl-policy-replays`` model, tagged with what was excluded
+    (``excluded_sessions``: comma-separated ``NAMESPACE:SESSION_ID`` pairs)."""
     c = client(data_root)
     steps = report["steps"]
     original = next((s["original_run_id"] for s in reversed(steps) if s.get("original_run_id")), None)
     kind = "exact" if report["exact"] else ("unlearning" if report["excluded_sessions"] else "counterfactual")
+    excluded = ",".join(":".join(pair) for pair in report["excluded_sessions"])
     tags = {"kind": kind, "replay_id": report["replay_id"], "replay_of_version": str(report["source_version"]),
-            "replay_of_run": original or "", "excluded_sessions": ",".join(report["excluded_sessions"]),
-            "exclusion_reason": report["reason"], "identical": str(report["identical"])}
+            "replay_of_run": original or "", "excluded_sessions": excluded, "exclusion_reason": report["reason"],
+            "identical": str(report["identical"]), "replay_version": str(report.get("final_version") or "")}
     metrics = [_metric("identical", bool(s["identical"]), s["step"]) for s in steps if s["identical"] is not None]
     metrics += [_metric("excluded_samples", s["excluded_samples"], s["step"]) for s in steps]
     run_id = _new_run(c, experiment_id(c, data_root, REPLAY_EXPERIMENT), f"replay-{kind}-v{report['source_version']}",

@@ -14,6 +14,9 @@ from datetime import datetime, timezone
 from enum import Enum
 
 
+OPEN_NAMESPACE = "open"  # the API-key namespace of every session when no keys are configured
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -120,6 +123,8 @@ class SampleRecord:
     has_teacher: bool
     teacher_logprobs: list[float] | None  # len == len(output_ids) when has_teacher
     weight_version: str  # policy version that sampled output_ids
+    # API-key namespace of the session (the turn's); None: read from the turn, "open" without one
+    namespace: str | None = None
     created_at: datetime = field(default_factory=utcnow)
 
 
@@ -140,10 +145,13 @@ class BatchRecord:
     batch_id: str
     step: int
     sample_ids: list[str]
-    session_ids: list[str]
+    session_ids: list[str]  # one per (namespace, session) pair, sorted by pair
     method: str
     config_hash: str
     parent_version: str  # weight version the step starts from
+    # the API-key namespace of each entry of session_ids (None: written before namespaces were recorded)
+    session_namespaces: list[str] | None = None
+    source_batch_id: str | None = None  # a replay's batch: the recorded batch it re-trains
     created_at: datetime = field(default_factory=utcnow)
 
 

@@ -4,8 +4,10 @@ Three uses, one mechanism:
 
 * **exact replay** - the same batches, the same config: every replayed checkpoint must have the
   same sha256 as the original (CPU, deterministic algorithms on).
-* **unlearning** - ``exclude_sessions``: the same batches minus every sample of those sessions, so
-  the result is a model that never saw them; the lineage records which sessions and why.
+* **unlearning** - ``exclude_sessions``: the same batches minus every sample of those sessions,
+  each a (namespace, session id) pair, so the result is a model that never saw them. The replay's
+  own batches, checkpoints and their ``trainer.json`` name only the sessions that trained them, so
+  its lineage never names an excluded one; the MLflow replay run records which were excluded and why.
 * **counterfactual** - ``overrides`` ("ppo.lr" -> 1e-5, any config key): the same data under
   another config, logged as a new MLflow run linked to the original.
 
@@ -19,6 +21,7 @@ reduction order - and so its last bits - depends on how many threads split it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -30,13 +33,15 @@ from typing import Any
 @dataclass
 class ReplayStep:
     step: int
-    batch_id: str
+    batch_id: str  # the recorded batch this step re-trains
     original_sha256: str
     replay_sha256: str | None
     samples: int
     excluded_samples: int
     identical: bool | None  # None when the replay changed data or config (no like-for-like comparison)
     original_run_id: str | None = None
+    replay_batch_id: str | None = None  # the replay's own batch (None: every sample was excluded)
+    replay_version: str | None = None  # the version it made in the replay's data root
 
 
 @dataclass
@@ -44,11 +49,12 @@ class ReplayReport:
     replay_id: str
     source_version: str
     exact: bool  # no exclusions and no overrides: hashes must match
-    excluded_sessions: list[str]
+    excluded_sessions: list[list[str]]  # [namespace, session_id] pairs
     reason: str
     overrides: dict[str, Any]
     steps: list[ReplayStep] = field(default_factory=list)
     final_path: str | None = None
+    final_version: str | None = None  # `clawrl lineage VERSION --replay REPLAY_ID` walks it back
     seconds: float = 0.0
 
     @property
@@ -61,15 +67,50 @@ class ReplayReport:
         return {**asdict(self), "identical": self.identical}
 
 
+SESSION_SEPARATOR = ":"  # NAMESPACE:SESSION_ID; namespaces ("open", "key-<hex>") never contain it
+
+
+def parse_exclusion(spec: str, holders: dict[str, list[str]]) -> tuple[str, str]:
+    """The (namespace, session_id) pair ``spec`` names: ``NAMESPACE:SESSION_ID`` when that namespace
+    holds that session (split at the first ':', so a session id may contain ':'), else a bare
+    session id that exactly one namespace holds. ``holders``: session id -> the namespaces holding it."""
+    namespace, sep, session_id = spec.partition(SESSION_SEPARATOR)
+    if sep and namespace in holders.get(session_id, ()):
+        return namespace, session_id
+    found = holders.get(spec, [])
+    if len(found) == 1:
+        return found[0], spec
+    if found:
+        raise ValueError(f"session id {spec!r} is used in {len(found)} namespaces ({', '.join(found)}); "
+                         f"name one as NAMESPACE:SESSION_ID, e.g. --exclude-session {found[0]}:{spec}")
+    if sep and session_id in holders:
+        raise ValueError(f"namespace {namespace!r} has no session {session_id!r}; it is in "
+                         f"{', '.join(holders[session_id])}")
+    raise ValueError(f"no session {spec!r} in any namespace of the data (write NAMESPACE:SESSION_ID or a "
+                     "session id)")
+
+
+def resolve_exclusions(con, specs: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The sorted, distinct (namespace, session_id) pairs of ``--exclude-session`` values ``specs``."""
+    from clawrl.storage.queries import session_namespaces
+
+    candidates = {x for spec in specs for x in (spec, spec.partition(SESSION_SEPARATOR)[2]) if x}
+    holders = session_namespaces(con, sorted(candidates)) if specs else {}
+    return sorted({parse_exclusion(spec, holders) for spec in specs})
+
+
 def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] = (), reason: str = "",
            overrides: dict[str, Any] | None = None, progress=None) -> ReplayReport:
     """Re-train versions 1..``weight_version`` (the newest for "latest"; an MLflow run id: the version
-    that run trained) of ``settings.storage.data_root`` into a new directory."""
+    that run trained) of ``settings.storage.data_root`` into a new data root, ``replays/<replay id>``:
+    its checkpoints, and the batches, samples and checkpoint rows that made them (its own batch ids).
+    ``exclude_sessions``: ``NAMESPACE:SESSION_ID`` or an unambiguous session id each."""
     import torch
 
     from clawrl.config import load_settings
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan, version_for_run
+    from clawrl.storage.writer import DataStore
     from clawrl.train.trainer import trainer_from_settings
     from clawrl.trainer_service import batch_records
 
@@ -81,14 +122,14 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
             run_id, weight_version = weight_version, version_for_run(con, weight_version)
             if weight_version is None:
                 raise ValueError(f"no checkpoint was trained by MLflow run {run_id!r}")
+        excluded = resolve_exclusions(con, tuple(exclude_sessions))
         plan = replay_plan(con, weight_version)
         batches = [batch_records(con, p["batch_id"]) for p in plan]
     overrides = dict(overrides or {})
-    excluded = set(exclude_sessions)
     exact = not excluded and not overrides
     replay_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     out = data_root / "replays" / replay_id
-    report = ReplayReport(replay_id, weight_version, exact, sorted(excluded), reason, overrides)
+    report = ReplayReport(replay_id, weight_version, exact, [list(p) for p in excluded], reason, overrides)
     t0 = time.perf_counter()
     config_hashes = {p["config_hash"] for p in plan}
     if len(config_hashes) != 1:
@@ -102,24 +143,50 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(snapshot.read_text())
     trainer = trainer_from_settings(replay_settings)
-    for p, samples in zip(plan, batches):
-        if threads := _recorded_threads(p):
-            torch.set_num_threads(threads)
-        kept = [r for r in samples if r.session_id not in excluded]
-        step = ReplayStep(p["step"], p["batch_id"], p["sha256"], None, len(kept), len(samples) - len(kept), None,
-                          p.get("mlflow_run_id"))
-        if kept:
-            result = trainer.run(p["batch_id"], kept)
-            step.replay_sha256 = result.sha256
-            report.final_path = result.path
-            if exact:
-                step.identical = result.sha256 == p["sha256"]
-        report.steps.append(step)
-        if progress:
-            progress(step)
+    with DataStore(out, background=False) as store:
+        for p, samples in zip(plan, batches):
+            if threads := _recorded_threads(p):
+                torch.set_num_threads(threads)
+            step = _replay_step(trainer, store, replay_id, p, samples, set(excluded), exact)
+            if step.replay_version is not None:
+                report.final_path, report.final_version = trainer.last.path, step.replay_version
+            report.steps.append(step)
+            if progress:
+                progress(step)
     report.seconds = time.perf_counter() - t0
     (out / "replay.json").write_text(json.dumps(report.to_dict(), indent=1))
     return report
+
+
+def _replay_step(trainer, store, replay_id: str, plan_row: dict[str, Any], samples: list,
+                 excluded: set[tuple[str, str]], exact: bool) -> ReplayStep:
+    """One recorded batch re-trained without the ``excluded`` (namespace, session_id) pairs: the
+    replay's batch row (with the samples it lists) before the step, its checkpoint row after."""
+    from clawrl.records import BatchRecord, CheckpointRecord
+
+    kept = [r for r in samples if (r.namespace, r.session_id) not in excluded]
+    step = ReplayStep(plan_row["step"], plan_row["batch_id"], plan_row["sha256"], None, len(kept),
+                      len(samples) - len(kept), None, plan_row.get("mlflow_run_id"))
+    if not kept:
+        return step
+    step.replay_batch_id = hashlib.sha256(f"{replay_id}\x00{plan_row['batch_id']}".encode()).hexdigest()[:16]
+    sessions = sorted({(r.namespace, r.session_id) for r in kept})
+    store.append(kept)
+    store.append(BatchRecord(
+        batch_id=step.replay_batch_id, step=trainer.version + 1, sample_ids=[r.sample_id for r in kept],
+        session_ids=[sid for _, sid in sessions], session_namespaces=[ns for ns, _ in sessions],
+        method=plan_row["method"], config_hash=plan_row["config_hash"], parent_version=trainer.weight_version,
+        source_batch_id=plan_row["batch_id"]))
+    store.flush()
+    result = trainer.run(step.replay_batch_id, kept)
+    store.append(CheckpointRecord(weight_version=result.weight_version, step=result.step, batch_id=result.batch_id,
+                                  parent_version=result.parent_version, path=result.path, sha256=result.sha256,
+                                  mlflow_run_id=None))
+    store.flush()
+    step.replay_sha256, step.replay_version = result.sha256, result.weight_version
+    if exact:
+        step.identical = result.sha256 == plan_row["sha256"]
+    return step
 
 
 def _recorded_threads(plan_row: dict[str, Any]) -> int:

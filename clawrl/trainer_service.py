@@ -24,7 +24,7 @@ from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
 
 from clawrl.checkpoint import StepResult
-from clawrl.records import BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
+from clawrl.records import OPEN_NAMESPACE, BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import (
     batch_samples,
@@ -66,12 +66,18 @@ def claim_batch(store, data_root: Path, *, judge_config_hash: str, batch_size: i
     if chosen is None:
         return None, note + f"{len(rows) - len(stale)} fresh samples wait; rollout_batch_size is {batch_size}"
     write_config_snapshot(data_root, config_hash, config_toml)  # replay re-reads it by hash
+    sessions = session_pairs(chosen)
     batch = BatchRecord(batch_id=uuid.uuid4().hex[:16], step=current + 1, sample_ids=[r["sample_id"] for r in chosen],
-                        session_ids=sorted({r["session_id"] for r in chosen}), method=method,
-                        config_hash=config_hash, parent_version=str(current))
+                        session_ids=[sid for _, sid in sessions], session_namespaces=[ns for ns, _ in sessions],
+                        method=method, config_hash=config_hash, parent_version=str(current))
     store.append(batch)
     store.flush()
     return batch.batch_id, note + f"claimed batch {batch.batch_id} ({len(chosen)} samples) for step {current + 1}"
+
+
+def session_pairs(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The sorted (namespace, session_id) pairs of sample ``rows`` ("open" where a row has no namespace)."""
+    return sorted({(r.get("namespace") or OPEN_NAMESPACE, r["session_id"]) for r in rows})
 
 
 def record_checkpoint(store, data_root: Path, step: dict[str, Any], run_id: str) -> bool:

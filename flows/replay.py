@@ -23,8 +23,8 @@ def run_replay(config_path: str | None, version: str, exclude_sessions: list[str
 
     def progress(step) -> None:
         verdict = {True: "identical", False: "DIFFERENT", None: "replayed"}[step.identical]
-        log.info("step %d (batch %s): %d samples (%d excluded) -> %s", step.step, step.batch_id, step.samples,
-                 step.excluded_samples, verdict)
+        log.info("step %d (batch %s -> %s): %d samples (%d excluded) -> %s", step.step, step.batch_id,
+                 step.replay_batch_id or "-", step.samples, step.excluded_samples, verdict)
 
     return replay(s, version, exclude_sessions=tuple(exclude_sessions), reason=reason, overrides=overrides,
                   progress=progress).to_dict()
@@ -39,7 +39,8 @@ def record_replay(config_path: str | None, report: dict[str, Any]) -> str:
 @flow(name="replay", flow_run_name="replay-v{version}", log_prints=True)
 def replay_flow(config_path: str | None = None, version: str = "latest", exclude_sessions: list[str] | None = None,
                 reason: str = "", set_overrides: list[str] | None = None) -> dict[str, Any]:
-    """``version``: a weight version or 'latest'; ``set_overrides``: ["ppo.lr=1e-5", ...]."""
+    """``version``: a weight version or 'latest'; ``exclude_sessions``: ["NAMESPACE:SESSION_ID", ...] (a bare
+    session id where only one API-key namespace uses it); ``set_overrides``: ["ppo.lr=1e-5", ...]."""
     overrides = dict(parse_override(x) for x in (set_overrides or []))
     report = run_replay(config_path, version, list(exclude_sessions or []), reason, overrides)
     report["mlflow_run_id"] = record_replay(config_path, report)

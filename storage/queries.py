@@ -15,7 +15,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from clawrl.records import Fate, TurnType
+from clawrl.records import OPEN_NAMESPACE, Fate, TurnType
 from clawrl.storage.catalog import sql_str
 from clawrl.storage.promotions import refused_versions
 from clawrl.storage.selection import parse_version
@@ -25,6 +25,26 @@ _MAIN, _SIDE, _SAMPLE = TurnType.MAIN.value, TurnType.SIDE.value, Fate.SAMPLE.va
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> list[dict[str, Any]]:
     return con.sql(sql, params=params).to_arrow_table().to_pylist()
+
+
+def _columns(con: duckdb.DuckDBPyConnection, view: str) -> set[str]:
+    """The columns of ``view`` (a table whose files all predate a column lacks it)."""
+    return {r[0] for r in con.execute(f"DESCRIBE {view}").fetchall()}
+
+
+def _namespaced(con: duckdb.DuckDBPyConnection, alias: str, exclude: Sequence[str] = ()) -> str:
+    """The columns of samples ``alias`` with ``namespace`` resolved: the sample's own, else its turn's
+    (``turn_namespace`` of a joined ``_TURN_NAMESPACE``), else "open" (a sample with no turn)."""
+    turn = f"coalesce(turn_namespace, '{OPEN_NAMESPACE}')"
+    if "namespace" in _columns(con, "samples"):
+        dropped = ", ".join([*exclude, "namespace"])
+        return f"{alias}.* EXCLUDE ({dropped}), coalesce({alias}.namespace, {turn}) AS namespace"
+    return f"{alias}.*{' EXCLUDE (' + ', '.join(exclude) + ')' if exclude else ''}, {turn} AS namespace"
+
+
+# one row per turn id with its API-key namespace, to join to samples
+_TURN_NAMESPACE = ("SELECT turn_id, any_value(namespace) AS turn_namespace, min(created_at) AS turn_at "
+                   "FROM turns GROUP BY turn_id")
 
 
 def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (date)",
@@ -142,9 +162,8 @@ def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) ->
     turns run concurrently, and a turn re-judged after a crash gets a later sample row), or a run
     with a crash would train other batches than one without."""
     sql = f"""
-        WITH u AS ({_USABLE_SAMPLES}),
-        t AS (SELECT turn_id, min(created_at) AS turn_at FROM turns GROUP BY turn_id)
-        SELECT u.* FROM u LEFT JOIN t USING (turn_id)
+        WITH u AS ({_USABLE_SAMPLES}), t AS ({_TURN_NAMESPACE})
+        SELECT {_namespaced(con, "u")} FROM u LEFT JOIN t USING (turn_id)
         WHERE u.sample_id NOT IN ({_CONSUMED})
         ORDER BY coalesce(t.turn_at, u.created_at), u.sample_id
     """
@@ -177,19 +196,22 @@ def open_batch(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
 
 
 def batch_samples(con: duckdb.DuckDBPyConnection, batch_id: str) -> pa.Table:
-    """The samples a batch lists, in the batch's order (each sample's newest write, as the view keeps it)."""
-    sql = """
+    """The samples a batch lists, in the batch's order (each sample's newest write, as the view keeps
+    it), each with its session's API-key namespace."""
+    sql = f"""
         WITH one AS (SELECT sample_ids FROM batches WHERE batch_id = $batch_id ORDER BY created_at LIMIT 1),
-        b AS (SELECT unnest(sample_ids) AS sample_id, generate_subscripts(sample_ids, 1) AS pos FROM one)
-        SELECT s.* EXCLUDE (date) FROM b JOIN samples s USING (sample_id) ORDER BY b.pos
+        b AS (SELECT unnest(sample_ids) AS sample_id, generate_subscripts(sample_ids, 1) AS pos FROM one),
+        t AS ({_TURN_NAMESPACE})
+        SELECT {_namespaced(con, "s", ["date"])} FROM b JOIN samples s USING (sample_id) LEFT JOIN t USING (turn_id)
+        ORDER BY b.pos
     """
     return con.sql(sql, params={"batch_id": batch_id}).to_arrow_table()
 
 
 def batch_manifest(con: duckdb.DuckDBPyConnection, batch_id: str) -> list[dict[str, Any]]:
-    """One row per sample of a batch (lineage): sample_id, session_id, turn_id, reward, has_teacher,
-    weight_version."""
-    cols = ["sample_id", "session_id", "turn_id", "reward", "has_teacher", "weight_version"]
+    """One row per sample of a batch (lineage): sample_id, namespace, session_id, turn_id, reward,
+    has_teacher, weight_version."""
+    cols = ["sample_id", "namespace", "session_id", "turn_id", "reward", "has_teacher", "weight_version"]
     return batch_samples(con, batch_id).select(cols).to_pylist()
 
 
@@ -218,29 +240,55 @@ def version_for_run(con: duckdb.DuckDBPyConnection, mlflow_run_id: str) -> str |
     return str(rows[0][0]) if rows else None
 
 
-# Every checkpoint with the batch that trained it (the first write of each).
-_CHAIN = f"""
-    WITH c AS ({_first("checkpoints", "weight_version")}), b AS ({_first("batches", "batch_id")})
-    SELECT c.step, c.weight_version, c.parent_version, c.batch_id, c.sha256, c.mlflow_run_id, c.path,
-           b.config_hash, b.sample_ids, b.session_ids, b.method
-    FROM c JOIN b USING (batch_id)
-"""
+def _chain(con: duckdb.DuckDBPyConnection) -> str:
+    """SQL: every checkpoint with the batch that trained it (the first write of each)."""
+    have = _columns(con, "batches")
+    newer = ", ".join(f"b.{c}" if c in have else f"NULL::{t} AS {c}"
+                      for c, t in (("session_namespaces", "VARCHAR[]"), ("source_batch_id", "VARCHAR")))
+    return f"""
+        WITH c AS ({_first("checkpoints", "weight_version")}), b AS ({_first("batches", "batch_id")})
+        SELECT c.step, c.weight_version, c.parent_version, c.batch_id, c.sha256, c.mlflow_run_id, c.path,
+               b.config_hash, b.sample_ids, b.session_ids, b.method, {newer}
+        FROM c JOIN b USING (batch_id)
+    """
 
 
 def lineage_chain(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
     """What trained ``weight_version``: that checkpoint and every ancestor back to version 1, each with
-    its batch, sessions and turns (newest first). Empty when the version is unknown."""
-    rows = _rows(con, _CHAIN + "WHERE c.step <= (SELECT max(step) FROM c WHERE weight_version = $v) "
+    its batch, sessions (``sessions``: sorted [namespace, session_id] pairs) and turns (newest first).
+    Empty when the version is unknown."""
+    rows = _rows(con, _chain(con) + "WHERE c.step <= (SELECT max(step) FROM c WHERE weight_version = $v) "
                  "ORDER BY c.step DESC", v=str(weight_version))
     for r in rows:
-        r["turn_ids"] = [t["turn_id"] for t in batch_manifest(con, r["batch_id"])]
+        manifest = batch_manifest(con, r["batch_id"])
+        r["turn_ids"] = [t["turn_id"] for t in manifest]
+        if r["session_namespaces"] is not None:
+            r["sessions"] = sorted(map(list, zip(r["session_namespaces"], r["session_ids"])))
+        else:  # a batch written before namespaces were recorded: its samples' namespaces
+            r["sessions"] = sorted(map(list, {(t["namespace"], t["session_id"]) for t in manifest}))
     return rows
+
+
+def session_namespaces(con: duckdb.DuckDBPyConnection, session_ids: Sequence[str]) -> dict[str, list[str]]:
+    """The API-key namespaces holding a session of each id in ``session_ids`` (its turns or its
+    samples), sorted; an id no namespace holds is left out."""
+    sql = f"""
+        WITH t AS ({_TURN_NAMESPACE}),
+        sm AS (SELECT {_namespaced(con, "s", ["date"])} FROM samples s LEFT JOIN t USING (turn_id)
+               WHERE list_contains($ids, s.session_id))
+        SELECT DISTINCT session_id, namespace FROM turns WHERE list_contains($ids, session_id)
+        UNION SELECT session_id, namespace FROM sm ORDER BY ALL
+    """
+    found: dict[str, list[str]] = {}
+    for sid, ns in con.execute(sql, {"ids": list(session_ids)}).fetchall():
+        found.setdefault(sid, []).append(ns)
+    return found
 
 
 def replay_plan(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dict[str, Any]]:
     """The batches that produced versions 1..``weight_version`` in training order, each with its
     original checkpoint hash and config hash. Raises when a version in the chain is missing."""
-    rows = _rows(con, _CHAIN + "WHERE c.step <= $v ORDER BY c.step", v=int(weight_version))
+    rows = _rows(con, _chain(con) + "WHERE c.step <= $v ORDER BY c.step", v=int(weight_version))
     steps = [r["step"] for r in rows]
     if steps != list(range(1, int(weight_version) + 1)):
         raise ValueError(f"cannot replay to version {weight_version}: recorded steps are {steps}")

@@ -234,24 +234,32 @@ def doctor(
 def lineage(
     version: Annotated[str, typer.Argument(help="A weight version, e.g. 3.")],
     config: ConfigOpt = None,
+    replay: Annotated[Optional[str], typer.Option(help="A version of this replay (its id, as `clawrl replay` "
+                                                       "printed it), not of the training run.")] = None,
 ) -> None:
-    """What trained a version: its batches -> sessions -> turns, with MLflow runs and checkpoint hashes."""
+    """What trained a version: its batches -> sessions (NAMESPACE:SESSION_ID) -> turns, with MLflow runs and
+    checkpoint hashes."""
     s = settings_or_exit(config)
     from rich.tree import Tree
 
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import lineage_chain
 
-    with open_catalog(s.storage.data_root) as con:
+    root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
+    if replay is not None and (replay in ("", ".", "..") or "/" in replay or not (root / "tables").is_dir()):
+        fail(f"no replay {replay!r} in {s.storage.data_root / 'replays'}")
+    with open_catalog(root) as con:
         chain = lineage_chain(con, version)
     if not chain:
-        fail(f"no checkpoint with weight_version {version!r} in {s.storage.data_root}")
-    tree = Tree(f"weight_version {version} (from version 0 = {s.model.name})")
+        fail(f"no checkpoint with weight_version {version!r} in {root}")
+    what = "" if replay is None else f" of replay {replay}"
+    tree = Tree(f"weight_version {version}{what} (from version 0 = {s.model.name})")
     for c in chain:
-        node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']} "
+        source = f" re-training batch {c['source_batch_id']}" if c["source_batch_id"] else ""
+        node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']}{source} "
                         f"({len(c['sample_ids'])} samples, {c['method']}), mlflow run {c['mlflow_run_id']}, "
                         f"sha256 {c['sha256'][:12]}")
-        for sid in c["session_ids"]:
-            node.add(f"session {sid}")
+        for namespace, sid in c["sessions"]:
+            node.add(f"session {namespace}:{sid}")
         node.add(f"turns: {', '.join(t[:8] for t in c['turn_ids'])}")
     console.print(tree, markup=False)

@@ -169,7 +169,10 @@ def rollback(
 def replay_cmd(
     version: Annotated[str, typer.Argument(help="Weight version to rebuild (1..N), 'latest', or an MLflow run id.")],
     config: ConfigOpt = None,
-    exclude_session: Annotated[Optional[list[str]], typer.Option("--exclude-session", help="Leave this session's samples out (repeatable).")] = None,
+    exclude_session: Annotated[Optional[list[str]], typer.Option(
+        "--exclude-session", metavar="NAMESPACE:SESSION_ID",
+        help="Leave this session's samples out (repeatable). NAMESPACE is the API-key namespace ('open' without "
+             "keys); a bare SESSION_ID is accepted when only one namespace uses it.")] = None,
     reason: Annotated[str, typer.Option(help="Why sessions are excluded (kept in the lineage).")] = "",
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Counterfactual SECTION.KEY=VALUE (repeatable).")] = None,
     fmt: Annotated[Literal["table", "json"], typer.Option("--format", "-f", help="json: the whole report, for "
@@ -192,14 +195,21 @@ def replay_cmd(
         typer.echo(json.dumps(report, default=str))
         raise typer.Exit(code)
     t = Table(title=f"replay {report['replay_id']} of version {report['source_version']}")
-    for col in ("step", "batch", "samples", "excluded", "original sha256", "replayed sha256", "identical"):
+    for col in ("step", "batch", "replay batch", "samples", "excluded", "original sha256", "replayed sha256",
+                "identical"):
         t.add_column(col)
     for st in report["steps"]:
-        t.add_row(str(st["step"]), st["batch_id"], str(st["samples"]), str(st["excluded_samples"]),
+        t.add_row(str(st["step"]), st["batch_id"], st["replay_batch_id"] or "-", str(st["samples"]),
+                  str(st["excluded_samples"]),
                   st["original_sha256"][:16], (st["replay_sha256"] or "-")[:16], str(st["identical"]))
     console.print(t)
     if report["identical"] is not None:
         console.print("checkpoints byte-identical: " + ("yes" if report["identical"] else "NO"), markup=False)
     console.print(f"replayed checkpoint: {report['final_path']} (MLflow run {report['mlflow_run_id']} in "
                   f"experiment clawrl-replays)", markup=False)
+    if report["excluded_sessions"]:
+        console.print("excluded: " + ", ".join(":".join(p) for p in report["excluded_sessions"]), markup=False)
+    if report["final_version"] is not None:
+        console.print(f"its lineage: clawrl lineage {report['final_version']} --replay {report['replay_id']}",
+                      markup=False)
     raise typer.Exit(code)

@@ -14,8 +14,7 @@ from starlette.datastructures import Headers
 from clawrl.gateway.errors import GatewayError
 from clawrl.gateway.service import ChatService, TurnContext
 from clawrl.gateway.sessions import SESSION_ID_RE
-
-OPEN_NAMESPACE = "open"
+from clawrl.records import OPEN_NAMESPACE
 
 
 def namespace_for_key(key: str) -> str:

@@ -142,6 +142,7 @@ class ReplayRequest(BaseModel):
 
     version: str | None = None
     run_id: str | None = None
-    exclude_sessions: list[str] = Field(default_factory=list)
+    exclude_sessions: list[str] = Field(default_factory=list, description="'NAMESPACE:SESSION_ID' each (a bare "
+                                        "session id where only one API-key namespace uses it).")
     reason: str = ""
     set: list[str] = Field(default_factory=list, description="Counterfactual overrides, 'SECTION.KEY=VALUE'.")

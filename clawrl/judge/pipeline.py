@@ -206,7 +206,7 @@ class Judge:
             judge_config_hash=self.config_hash, method=self.method.value, prompt_ids=list(turn.prompt_ids),
             output_ids=list(output_ids), rollout_logprobs=list(rollout_logprobs), reward=reward,
             has_teacher=teacher_logprobs is not None, teacher_logprobs=teacher_logprobs,
-            weight_version=turn.weight_version)
+            weight_version=turn.weight_version, namespace=turn.namespace)
 
     async def _demonstration(self, turn: TurnRecord, hint: str,
                              rendering: tuple) -> tuple[SampleRecord | None, str]:

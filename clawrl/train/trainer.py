@@ -30,7 +30,7 @@ from clawrl.checkpoint import (
     version_dir,
     write_step_result,
 )
-from clawrl.records import SampleRecord
+from clawrl.records import OPEN_NAMESPACE, SampleRecord
 from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss, lr_at
 from clawrl.train.batch import collate_samples
 
@@ -99,7 +99,8 @@ class Trainer:
         metrics["step_time_s"] = time.perf_counter() - t0
         metrics["torch_threads"] = torch.get_num_threads()  # replay restores it: CPU reductions depend on it
         parent, self.version = self.version, self.version + 1
-        self.last = self._save(batch_id, parent, metrics)
+        sessions = sorted({(s.namespace or OPEN_NAMESPACE, s.session_id) for s in samples})
+        self.last = self._save(batch_id, parent, metrics, [list(p) for p in sessions])
         self._prune()
         return self.last
 
@@ -108,7 +109,7 @@ class Trainer:
         backend can give them, so they are valid until the next train step (the sync copies them first)."""
         return self.backend.live_state_dict()
 
-    def _save(self, batch_id: str, parent: int, metrics: dict[str, float]) -> StepResult:
+    def _save(self, batch_id: str, parent: int, metrics: dict[str, float], sessions: list[list[str]]) -> StepResult:
         out = version_dir(self.checkpoints, self.version)
         with staged_dir(out) as staging:
             self.backend.write_weights(staging)
@@ -116,7 +117,7 @@ class Trainer:
             torch.save(self.backend.optimizer_state_dict(), staging / OPTIMIZER_FILE)
             result = StepResult(batch_id=batch_id, step=self.version, weight_version=str(self.version),
                                 parent_version=str(parent), path=str(out), sha256=file_sha256(staging / WEIGHTS_FILE),
-                                metrics={k: float(v) for k, v in metrics.items()})
+                                metrics={k: float(v) for k, v in metrics.items()}, sessions=sessions)
             write_step_result(staging, result)  # the marker, last
         return result
 

@@ -69,10 +69,11 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     [ck] = run_query(s.storage.data_root, "select * from checkpoints").to_pylist()
     assert ck["weight_version"] == "1" and ck["mlflow_run_id"] == step["mlflow_run_id"]
     turns = run_query(s.storage.data_root, f"""
-        select t.session_id, t.turn_index from batches b, unnest(b.sample_ids) as u(sid)
+        select s.namespace, t.session_id, t.turn_index from batches b, unnest(b.sample_ids) as u(sid)
         join samples s on s.sample_id = u.sid join turns t on t.turn_id = s.turn_id
         where b.batch_id = '{ck["batch_id"]}' order by 1""").to_pylist()
-    assert turns == [{"session_id": "alice", "turn_index": 0}, {"session_id": "bob", "turn_index": 0}]
+    assert turns == [{"namespace": "open", "session_id": "alice", "turn_index": 0},  # the judge records the namespace
+                     {"namespace": "open", "session_id": "bob", "turn_index": 0}]
     from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
 
     [mv] = mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'")
@@ -129,7 +130,7 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
 
     res = CliRunner().invoke(app, ["lineage", "1", "--config", str(conf)])
     assert res.exit_code == 0, res.output
-    assert "session alice" in res.output and "session bob" in res.output and ck["batch_id"] in res.output
+    assert "session open:alice" in res.output and "session open:bob" in res.output and ck["batch_id"] in res.output
 
 
 def test_policy_points_are_logged_once_per_version_and_key(tmp_path):

@@ -146,6 +146,7 @@ ON_DISK = {
         _required("has_teacher", pa.bool_()),
         _optional("teacher_logprobs", LOGPROBS),
         _required("weight_version", pa.string()),
+        _optional("namespace", pa.string()),
         _required("created_at", TIMESTAMP),
     ]),
     "turn_fate": pa.schema([
@@ -164,6 +165,8 @@ ON_DISK = {
         _required("method", pa.string()),
         _required("config_hash", pa.string()),
         _required("parent_version", pa.string()),
+        _optional("session_namespaces", STRINGS),
+        _optional("source_batch_id", pa.string()),
         _required("created_at", TIMESTAMP),
     ]),
     "checkpoints": pa.schema([
