@@ -132,6 +132,12 @@ class PPOSettings(_Section):
     clip_range: float = Field(0.2, gt=0, lt=1, description="PPO epsilon_low: ratio clipped below at 1-eps.")
     clip_range_high: float = Field(0.28, gt=0, description="PPO epsilon_high (clip-higher).")
     kl_coef: float = Field(0.01, ge=0, description="Coefficient of the KL to the frozen reference model.")
+    reference_logprobs: Literal["auto", "judge", "trainer"] = Field(
+        "auto", description="Who computes the KL reference's log-probs. 'judge': at judge time, by the engine "
+        "holding the initial weights (one prefill per sample, so the PPO step runs no reference forward). "
+        "'trainer': a forward of the trainer's frozen copy inside the step. 'auto': 'judge' when the judge "
+        "already holds the policy's initial weights (prm.backend = 'engine', or the 'frozen' OPD teacher), "
+        "else 'trainer'. Samples without them are always completed by the trainer.")
     rollout_batch_size: int = Field(32, ge=1, description="Trainable samples that trigger one PPO step.")
     max_new_tokens: int = Field(512, ge=1, description="Default completion budget per turn.")
     temperature: float = Field(0.7, ge=0, description="Default sampling temperature for served turns.")

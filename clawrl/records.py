@@ -125,6 +125,9 @@ class SampleRecord:
     weight_version: str  # policy version that sampled output_ids
     # API-key namespace of the session (the turn's); None: read from the turn, "open" without one
     namespace: str | None = None
+    # the frozen KL reference's log-probs of output_ids under prompt_ids, scored at judge time by the
+    # engine holding the initial weights (len == len(output_ids)); None: the trainer computes them
+    ref_logprobs: list[float] | None = None
     created_at: datetime = field(default_factory=utcnow)
 
 

@@ -95,8 +95,8 @@ def record_checkpoint(store, data_root: Path, step: dict[str, Any], run_id: str)
 
 def batch_records(con, batch_id: str) -> list[SampleRecord]:
     """The samples batch ``batch_id`` lists, in its order, as records."""
-    keys = [f.name for f in fields(SampleRecord)]
-    return [SampleRecord(**{k: r[k] for k in keys}) for r in batch_samples(con, batch_id).to_pylist()]
+    keys = [f.name for f in fields(SampleRecord)]  # a column newer than every stored file keeps its default
+    return [SampleRecord(**{k: r[k] for k in keys if k in r}) for r in batch_samples(con, batch_id).to_pylist()]
 
 
 def train_batch(trainer: Trainer, data_root: Path, batch_id: str) -> StepResult:

@@ -4,7 +4,8 @@ The bound is what any trainer pays for the batch: one forward + backward of the 
 cross-entropy loss on the output tokens, grad-norm clip, one AdamW step. A PPO step does that
 same work plus what the objective needs on top:
 
-  * a no-grad forward of the frozen reference when ``kl_coef > 0`` (the KL term);
+  * a no-grad forward of the frozen reference when ``kl_coef > 0`` (the KL term), unless the samples
+    brought the reference's log-probs from the judge (``ppo_step_judge_ref``: ``[ppo] reference_logprobs``);
   * entropy and the PPO metrics (one extra pass over the logits, no grad).
 
 The old log-probs cost nothing: they are read from the training forward itself (see
@@ -73,8 +74,8 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
                     progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Seconds (best and median of ``repeats``) and tokens/s (all B*L positions, best run) per step
     for: the plain HF step (the bound), the PPO step of ``backend`` with the KL reference
-    (``ppo_step``, the default config) and without it (``ppo_step_no_ref``), and the reference
-    forward alone. ``vs_bound`` = best bound time / best time (>= 0.8 is the target); ``mfu`` on
+    computed in the step (``ppo_step``), brought by the samples (``ppo_step_judge_ref``) and without
+    it (``ppo_step_no_ref``), and the reference forward alone. ``vs_bound`` = best bound time / best time (>= 0.8 is the target); ``mfu`` on
     CUDA (module docstring). Prompts are half of ``seq_len`` unless ``prompt_len`` says otherwise.
     ``progress(label)`` is called after each timed step."""
     from transformers import AutoConfig
@@ -96,9 +97,13 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
         with_ref = _backend(backend, model_dir, hp, device, dtype)
         no_ref = _backend(backend, model_dir, dataclasses.replace(hp, kl_coef=0.0), device, dtype)
         flops = batch_size * compute_flops_per_sequence(AutoConfig.from_pretrained(str(model_dir)), seq_len)
+        # what samples judged by an engine holding the initial weights bring ([ppo] reference_logprobs)
+        judged = dataclasses.replace(batch, ref_logprobs=with_ref.compute_logprobs(batch, reference=True),
+                                     has_ref=torch.ones(batch_size, dtype=torch.bool, device=device))
         results = interleaved_times({
             "hf_step": lambda: plain(batch),
             "ppo_step": lambda: with_ref.train_step(batch),
+            "ppo_step_judge_ref": lambda: with_ref.train_step(judged),
             "ppo_step_no_ref": lambda: no_ref.train_step(batch),
             "ref_forward": lambda: with_ref.compute_logprobs(batch, reference=True),
         }, repeats, warmup, device=device, progress=progress and (lambda label: progress(f"{name} {label}")))
@@ -131,7 +136,9 @@ def format_train_section(train_rows: list[dict[str, Any]], sync_rows: list[dict[
             f"(a) One PPO step (the trainer backend's `train_step`, {train_rows[0]['batch']} x "
             f"{train_rows[0]['seq_len']} tokens, one micro-batch) vs a plain HF",
             "forward + backward + AdamW step of the same batch (the bound). `ppo_step` includes the KL",
-            "reference forward (kl_coef > 0, the default); `ppo_step_no_ref` is the step without it.",
+            "reference forward (kl_coef > 0, the default, `reference_logprobs = \"trainer\"`); `ppo_step_judge_ref`",
+            "is the same step on samples that brought their reference log-probs from the judge's engine",
+            "(`reference_logprobs = \"judge\"`, or `\"auto\"` with the frozen teacher); `ppo_step_no_ref` has no KL term.",
             "`mfu` (GPU only): training FLOPs per second over the 790 TFLOP/s bf16 peak (`clawrl.bench.mfu`).",
             "Target: vs_bound >= 0.8.", "",
             markdown_table(train_rows, ["model", "what", "backend", "threads", "seconds", "seconds_median",

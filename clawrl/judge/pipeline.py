@@ -25,6 +25,10 @@ every vote failed (backend errors, after the caller's retries) or a failed teach
 ``judge_error``, with the error text and all raw outputs in the verdict. A stage where only some
 votes failed goes on with the votes that did not.
 
+With a ``reference`` engine (the frozen initial weights, the KL reference the trainer would
+otherwise run a forward of), each sample also carries ``ref_logprobs``: its output scored under its
+own prompt, prefill only, in flight with the teacher's request.
+
 The teacher is checked against the turn before it is trusted: rendering the turn's own messages
 with ``teacher_tokenizer`` must give back the turn's ``prompt_ids`` exactly, otherwise the teacher
 would score other tokens than the policy sampled (different tokenizer or template).
@@ -146,6 +150,7 @@ class Judge:
     reward_hook: Any = None  # [hooks] reward: async fn(turn=, next_state=) -> (score, hint | None)
     hint_demonstrations: bool = False  # [opd] hint_demonstrations: a hint holding tool calls -> a demonstration
     policy: Engine | None = None  # scores a demonstration's behaviour log-probs (the teacher when None)
+    reference: Engine | None = None  # the frozen initial weights: each sample's KL-reference log-probs
 
     def __post_init__(self) -> None:
         self.method = Method(self.method)
@@ -180,6 +185,7 @@ class Judge:
                 return outcome(Fate.NO_HINT, f"no usable hint among {self.hint_samples} votes", verdict)
             return outcome(Fate.SCORE_ZERO, f"score 0 ({verdict.score_reason}; votes {verdict.votes})", verdict)
         teacher_logprobs = rendering = None
+        ref_task = asyncio.ensure_future(self._reference_logprobs(turn.prompt_ids, turn.output_ids))
         if use_teacher:
             try:
                 rendering = _turn_rendering(turn, self.teacher_tokenizer, self.hint_placement)
@@ -188,10 +194,12 @@ class Judge:
                                                       self.hint_placement, tool_choice=tool_choice)
                 teacher_logprobs = await compute_teacher_logprobs(self.teacher, prompt_ids, turn.output_ids)
             except (TeacherAlignmentError, EngineError, BadRequestError) as e:
+                ref_task.cancel()
                 verdict.error = f"teacher: {type(e).__name__}: {e}"
                 return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
         reward = 0.0 if self.method == Method.OPD else float(score)
         sample = self._sample(turn, turn.turn_id, turn.output_ids, turn.rollout_logprobs, reward, teacher_logprobs)
+        sample.ref_logprobs = await ref_task
         detail = f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}"
         out = outcome(Fate.SAMPLE, detail, verdict, sample)
         if self.hint_demonstrations and use_teacher and score < 0:
@@ -228,7 +236,19 @@ class Judge:
         except (ValueError, TeacherAlignmentError, EngineError, BadRequestError) as e:
             return None, f"; no demonstration ({type(e).__name__}: {e})"
         demo = self._sample(turn, f"{turn.turn_id}#demonstration", ids, behaviour, 1.0, None)
+        demo.ref_logprobs = await self._reference_logprobs(turn.prompt_ids, ids)
         return demo, f"; demonstration of {len(ids)} tokens, reward +1"
+
+    async def _reference_logprobs(self, prompt_ids: list[int], output_ids: list[int]) -> list[float] | None:
+        """The frozen reference's log-probs of ``output_ids`` after ``prompt_ids`` (prefill only),
+        so the PPO step needs no reference forward of its own; None without a reference engine or
+        when it fails (the trainer then computes them: a sample is never lost for this)."""
+        if self.reference is None:
+            return None
+        try:
+            return await compute_teacher_logprobs(self.reference, prompt_ids, output_ids)
+        except (TeacherAlignmentError, EngineError, BadRequestError):
+            return None
 
     async def _verdict(self, turn: TurnRecord, next_state: NextStateRecord) -> JudgeVerdict:
         """The PRM votes (and hint votes, for opd and combine: both prompts in flight together) and

@@ -40,9 +40,11 @@ def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
 
 def uses_frozen_model(settings: Settings) -> bool:
     """Whether the judge of these settings scores with the policy's initial weights: the 'engine'
-    backend, or the 'frozen' teacher of opd and combine (what `clawrl up` serves as its judge engine)."""
+    backend, the 'frozen' teacher of opd and combine, or reference log-probs scored at judge time
+    (what `clawrl up` serves as its judge engine)."""
     distills = Method(settings.ppo.advantage_estimator) in (Method.OPD, Method.COMBINE)
-    return settings.prm.backend == "engine" or (distills and settings.opd.teacher == "frozen")
+    scores_reference = settings.ppo.reference_logprobs == "judge" and settings.ppo.kl_coef > 0
+    return settings.prm.backend == "engine" or (distills and settings.opd.teacher == "frozen") or scores_reference
 
 
 def _judge_model_id(settings: Settings) -> str:
@@ -123,6 +125,20 @@ def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBacken
                          settings.provider.model, timeout_s=settings.engine.request_timeout_s)
 
 
+def _reference(settings: Settings, frozen: Callable[[str], Engine], teacher: Engine | None) -> Engine | None:
+    """The engine that scores each sample's KL-reference log-probs at judge time
+    (``ppo.reference_logprobs``): the frozen OPD teacher or the frozen judge when this judge holds one
+    (both are the policy's initial weights), or None: the trainer computes them."""
+    choice = settings.ppo.reference_logprobs
+    if settings.ppo.kl_coef == 0 or choice == "trainer":
+        return None
+    if teacher is not None and settings.opd.teacher == "frozen":
+        return teacher
+    if choice == "judge" or settings.prm.backend == "engine":
+        return frozen(settings.model.name)
+    return None
+
+
 def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = None,
                 policy: Engine | None = None) -> Judge:
     """The judge these settings describe. ``frozen(name)`` gives the engine holding model ``name``'s
@@ -140,6 +156,7 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
                  budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
                  config_hash=build_judge_config_hash(settings),
                  reward_hook=load_hook("reward", settings.hooks.reward), hint_demonstrations=opd.hint_demonstrations,
+                 reference=_reference(settings, frozen, teacher),
                  policy=policy or (_http_engine(settings, settings.engine.url) if settings.engine.kind == "http"
                                    and opd.hint_demonstrations else None))
 

@@ -231,6 +231,22 @@ class TrainBackend:
                 out[s : s + len(mb), : lp.shape[1]] = lp * mb.attention_mask[:, 1:]
         return out
 
+    def reference_logprobs(self, batch: TokenBatch) -> Tensor:
+        """The frozen reference's log-probs of ``batch`` (on this device): the ones its samples
+        brought (scored at judge time by the engine holding the initial weights), and a forward of
+        the reference for the samples that brought none."""
+        batch = batch.to(self.device)
+        has = batch.has_ref
+        if bool(has.all()):
+            return batch.ref_logprobs * batch.response_mask
+        if not bool(has.any()):
+            return self.compute_logprobs(batch, reference=True)
+        out = batch.ref_logprobs * batch.response_mask
+        rows = (~has).nonzero().flatten().tolist()
+        missing = self.compute_logprobs(batch.select(rows), reference=True)
+        out[rows, : missing.shape[1]] = missing
+        return out
+
     def set_lr(self, lr: float) -> None:
         """The learning rate of the following optimizer steps (the trainer's schedule)."""
         if not lr >= 0:
@@ -254,7 +270,7 @@ class TrainBackend:
         num_tokens, num_seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
         if num_tokens == 0:
             raise ValueError(f"batch of {len(batch)} samples has no response tokens to train on")
-        ref_logprobs = self.compute_logprobs(batch, reference=True) if hp.kl_coef > 0 else None
+        ref_logprobs = self.reference_logprobs(batch) if hp.kl_coef > 0 else None
         reward = batch.reward
         if hp.group_norm and hp.advantage_estimator in (Method.GRPO, Method.COMBINE):
             groups = batch.group_ids if hp.group_by == "prompt" else torch.zeros_like(batch.group_ids)
@@ -294,7 +310,8 @@ class TrainBackend:
                  for k, v in merge_metrics(epoch_metrics).items()}
         return {**means, "num_tokens": num_tokens, "num_seqs": num_seqs,
                 "num_groups": float(torch.unique(batch.group_ids).numel()), "reward_mean": float(batch.reward.mean()),
-                "teacher_fraction": float(batch.has_teacher.float().mean()), "lr": self.lr}
+                "teacher_fraction": float(batch.has_teacher.float().mean()),
+                "reference_from_judge": float(batch.has_ref.float().mean()) if hp.kl_coef > 0 else 0.0, "lr": self.lr}
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """AdamW's moments by parameter name, on CPU:

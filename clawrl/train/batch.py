@@ -36,6 +36,8 @@ class TokenBatch:
     rollout_logprobs: Tensor  # (B, L-1) float32, the engine's logprobs at the output positions
     teacher_logprobs: Tensor  # (B, L-1) float32, the teacher's at the output positions (0 without one)
     has_teacher: Tensor  # (B,) bool
+    ref_logprobs: Tensor  # (B, L-1) float32, the frozen reference's at the output positions (0 without them)
+    has_ref: Tensor  # (B,) bool, the sample came with reference log-probs (scored at judge time)
     reward: Tensor  # (B,) float32, the judge's score
     group_ids: Tensor  # (B,) long, samples with identical prompt ids share a group (GRPO)
     sample_ids: list[str]
@@ -53,7 +55,16 @@ class TokenBatch:
                           response_mask=self.response_mask[rows, tcols],
                           rollout_logprobs=self.rollout_logprobs[rows, tcols],
                           teacher_logprobs=self.teacher_logprobs[rows, tcols], has_teacher=self.has_teacher[rows],
+                          ref_logprobs=self.ref_logprobs[rows, tcols], has_ref=self.has_ref[rows],
                           reward=self.reward[rows], group_ids=self.group_ids[rows], sample_ids=self.sample_ids[rows])
+
+    def select(self, rows: Sequence[int]) -> TokenBatch:
+        """These rows, in this order, at the batch's full length."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.input_ids.device)
+        picked = {f.name: getattr(self, f.name) for f in fields(self)}
+        picked = {k: v.index_select(0, index) if isinstance(v, Tensor) else v for k, v in picked.items()}
+        picked["sample_ids"] = [self.sample_ids[i] for i in rows]
+        return TokenBatch(**picked)
 
     def to(self, device: str | torch.device) -> TokenBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -74,6 +85,7 @@ def collate_samples(samples: Sequence[SampleRecord], pad_id: int) -> TokenBatch:
     response_mask = torch.zeros((B, L - 1), dtype=torch.float32)
     rollout = torch.zeros((B, L - 1), dtype=torch.float32)
     teacher = torch.zeros((B, L - 1), dtype=torch.float32)
+    ref = torch.zeros((B, L - 1), dtype=torch.float32)
     groups: dict[tuple[int, ...], int] = {}
     group_ids = []
     for i, s in enumerate(samples):
@@ -85,10 +97,13 @@ def collate_samples(samples: Sequence[SampleRecord], pad_id: int) -> TokenBatch:
         rollout[i, out] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         if s.has_teacher:
             teacher[i, out] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+        if s.ref_logprobs is not None:
+            ref[i, out] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
         group_ids.append(groups.setdefault(tuple(s.prompt_ids), len(groups)))
     return TokenBatch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                       rollout_logprobs=rollout, teacher_logprobs=teacher,
                       has_teacher=torch.tensor([s.has_teacher for s in samples], dtype=torch.bool),
+                      ref_logprobs=ref, has_ref=torch.tensor([s.ref_logprobs is not None for s in samples]),
                       reward=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
                       group_ids=torch.tensor(group_ids, dtype=torch.long), sample_ids=[s.sample_id for s in samples])
 
@@ -108,8 +123,11 @@ def _check_sample(s: SampleRecord) -> None:
             raise BatchAlignmentError(f"{where}: has_teacher but teacher_logprobs is None")
         if len(s.teacher_logprobs) != T:
             raise BatchAlignmentError(f"{where}: {len(s.teacher_logprobs)} teacher_logprobs for {T} output_ids")
+    if s.ref_logprobs is not None and len(s.ref_logprobs) != T:
+        raise BatchAlignmentError(f"{where}: {len(s.ref_logprobs)} ref_logprobs for {T} output_ids")
     # has_teacher is the authority: teacher log-probs on a sample without it are never read.
-    used = list(s.rollout_logprobs) + (list(s.teacher_logprobs) if s.has_teacher else [])
+    used = (list(s.rollout_logprobs) + (list(s.teacher_logprobs) if s.has_teacher else [])
+            + list(s.ref_logprobs or []))
     # a positive value means probabilities or logits were stored, not log-probs (1e-3 of slack
     # for engines whose float32 log-softmax rounds a near-certain token above 0)
     bad = [x for x in used if not (math.isfinite(x) and x <= 1e-3)]

@@ -30,6 +30,9 @@ def _plan(settings, conf: Path = Path("/conf/up.toml")):
     ({"prm.backend": "rule", "ppo.advantage_estimator": "combine", "opd.teacher": "frozen"}, True),
     ({"prm.backend": "rule", "ppo.advantage_estimator": "on_policy_distillation", "opd.teacher": "policy"}, False),
     ({"prm.backend": "rule", "ppo.advantage_estimator": "grpo"}, False),
+    ({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.reference_logprobs": "judge"}, True),
+    ({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.reference_logprobs": "judge",
+      "ppo.kl_coef": 0.0}, False),
     ({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_url": "http://10.0.0.5:9000"}, False),
 ])
 def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(make_settings, overrides, starts):

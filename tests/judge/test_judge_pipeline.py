@@ -339,3 +339,68 @@ def test_prm_and_hint_votes_of_one_turn_overlap(tiny_engine):
                     backend_name="sleepy")
     asyncio.run(combine.judge(turn, build_next_state(turn, [PRAISE])))
     assert judge.max_in_flight == 5  # 3 PRM votes + 2 hint votes in flight together
+
+
+def test_a_sample_brings_the_frozen_references_logprobs_of_its_own_prompt(session, tiny_engine, tiny_dir):
+    import dataclasses
+
+    import torch
+
+    from clawrl.config import PPOSettings
+    from clawrl.train.base import PPOHyperParams
+    from clawrl.train.batch import collate_samples
+    from clawrl.train.torch_backend import TorchBackend
+
+    turn, ns = session["corrected"]
+    out = _judge(turn, ns, Method.COMBINE, tiny_engine, reference=tiny_engine)
+    s = out.sample
+    assert s.has_teacher and len(s.ref_logprobs) == len(s.output_ids) == 8
+    # the un-hinted prompt: the reference scores what the policy saw, not what the teacher saw
+    assert max(abs(a - b) for a, b in zip(s.ref_logprobs, s.teacher_logprobs)) > 1e-6
+    # the engine holds the initial weights, as the trainer's reference does: the same log-probs
+    hp = PPOHyperParams.from_settings(PPOSettings(kl_coef=0.1), seed=0)
+    batch = collate_samples([dataclasses.replace(s, ref_logprobs=None)], pad_id=2)
+    trainer_ref = TorchBackend(tiny_dir, hp).compute_logprobs(batch, reference=True)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(torch.tensor(s.ref_logprobs), trainer_ref[mask], atol=1e-4, rtol=0)
+    # without a reference engine the sample brings none (the trainer computes them)
+    assert _judge(turn, ns, Method.COMBINE, tiny_engine).sample.ref_logprobs is None
+
+
+class _DownEngine:
+    async def generate(self, req):
+        from clawrl.engine.types import EngineError
+
+        raise EngineError("connection refused")
+
+
+def test_a_reference_engine_that_fails_costs_the_sample_nothing(session, tiny_engine):
+    turn, ns = session["praised"]
+    out = _judge(turn, ns, Method.GRPO, tiny_engine, reference=_DownEngine())
+    assert out.fate.fate == "sample" and out.sample.reward == 1.0 and out.sample.ref_logprobs is None
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({}, "teacher"),  # combine with the frozen teacher: it holds the initial weights
+    ({"ppo.reference_logprobs": "trainer"}, None),
+    ({"ppo.kl_coef": 0.0}, None),  # no KL term: nothing to score
+    ({"ppo.advantage_estimator": "grpo"}, None),  # the rule judge holds no model: auto leaves it to the trainer
+    ({"ppo.advantage_estimator": "grpo", "ppo.reference_logprobs": "judge"}, "frozen"),
+    ({"ppo.advantage_estimator": "grpo", "prm.backend": "engine"}, "frozen"),
+])
+def test_who_scores_the_reference_logprobs(make_settings, tiny_engine, overrides, expected):
+    from clawrl.judge.runner import build_judge
+
+    loaded = []
+
+    def frozen(name):
+        loaded.append(name)
+        return tiny_engine
+
+    judge = build_judge(make_settings(overrides), frozen=frozen)
+    if expected is None:
+        assert judge.reference is None
+    else:
+        assert judge.reference is tiny_engine and loaded and set(loaded) == {"tiny"}
+        if expected == "teacher":
+            assert judge.reference is judge.teacher

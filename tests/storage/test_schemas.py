@@ -147,6 +147,7 @@ ON_DISK = {
         _optional("teacher_logprobs", LOGPROBS),
         _required("weight_version", pa.string()),
         _optional("namespace", pa.string()),
+        _optional("ref_logprobs", LOGPROBS),
         _required("created_at", TIMESTAMP),
     ]),
     "turn_fate": pa.schema([

@@ -215,9 +215,9 @@ def test_train_bench_reports_ppo_and_bound_rows(model_cache, backend):
 
     rows = run_train_bench(("tiny-qwen3",), cache_dir=model_cache, batch_size=2, seq_len=16, warmup=0, repeats=1,
                            backend=backend)
-    assert [r["what"] for r in rows] == ["hf_step", "ppo_step", "ppo_step_no_ref", "ref_forward"]
-    assert [r["backend"] for r in rows] == ["hf", backend, backend, backend]
-    assert rows[0]["vs_bound"] == 1.0 and rows[3]["vs_bound"] is None
+    assert [r["what"] for r in rows] == ["hf_step", "ppo_step", "ppo_step_judge_ref", "ppo_step_no_ref", "ref_forward"]
+    assert [r["backend"] for r in rows] == ["hf", backend, backend, backend, backend]
+    assert rows[0]["vs_bound"] == 1.0 and rows[4]["vs_bound"] is None and rows[2]["vs_bound"] > 0
     assert {r["mfu"] for r in rows} == {None}  # MFU is a GPU figure
     for r in rows:  # 2 x 16 tokens per step, from the best run
         assert r["seconds"] <= r["seconds_median"]
@@ -294,3 +294,43 @@ def test_the_live_state_dict_is_the_weights_a_step_leaves_with_the_tie_kept_as_o
     copies = backend.hf_state_dict()
     assert all(torch.equal(live[k], copies[k]) for k in copies)
     assert live["model.embed_tokens.weight"].data_ptr() != copies["model.embed_tokens.weight"].data_ptr()
+
+
+def _with_reference(batch, values, rows):
+    """The batch as if its samples in ``rows`` had brought ``values`` as their judge-time reference log-probs."""
+    has = torch.zeros(len(batch), dtype=torch.bool)
+    has[list(rows)] = True
+    return dataclasses.replace(batch, ref_logprobs=values * has[:, None] * batch.response_mask, has_ref=has)
+
+
+def test_reference_logprobs_brought_by_the_samples_replace_the_reference_forward(tiny_dir):
+    hp = dataclasses.replace(HP, kl_coef=0.1)
+    backend = TorchBackend(tiny_dir, hp)
+    batch = make_batch()
+    computed = backend.compute_logprobs(batch, reference=True)
+    # all brought: the step uses them as they are (shifted by 0.5 nats, so a forward would show)
+    brought = _with_reference(batch, computed - 0.5, rows=range(4))
+    torch.testing.assert_close(backend.reference_logprobs(brought), (computed - 0.5) * batch.response_mask)
+    # rows 1 and 3 brought none: a reference forward fills exactly those rows
+    mixed = backend.reference_logprobs(_with_reference(batch, computed - 0.5, rows=(0, 2)))
+    torch.testing.assert_close(mixed[[0, 2]], (computed[[0, 2]] - 0.5) * batch.response_mask[[0, 2]])
+    mask = batch.response_mask[[1, 3]]  # only response positions are part of the contract
+    torch.testing.assert_close(mixed[[1, 3]] * mask, computed[[1, 3]] * mask, atol=1e-6, rtol=0)
+    # none brought: the forward, as before
+    torch.testing.assert_close(backend.reference_logprobs(batch), computed)
+    assert not bool(batch.has_ref.any())  # samples without ref_logprobs bring none
+
+
+def test_a_step_on_judge_time_reference_logprobs_equals_the_step_that_computes_them(tiny_dir):
+    hp = dataclasses.replace(HP, kl_coef=0.1, ppo_epochs=2)
+    batch = make_batch()
+    own, brought = TorchBackend(tiny_dir, hp), TorchBackend(tiny_dir, hp)
+    exact = _with_reference(batch, own.compute_logprobs(batch, reference=True), rows=range(4))
+    m_own, m_brought = own.train_step(batch), brought.train_step(exact)
+    assert m_own["reference_from_judge"] == 0.0 and m_brought["reference_from_judge"] == 1.0
+    for key in ("loss", "kl", "policy_loss", "grad_norm"):
+        assert m_brought[key] == pytest.approx(m_own[key], rel=1e-5, abs=1e-7), key
+    # a reference 1 nat lower everywhere makes the policy look further from it: larger KL
+    far = TorchBackend(tiny_dir, hp).train_step(
+        _with_reference(batch, own.compute_logprobs(batch, reference=True) - 1.0, rows=range(4)))
+    assert far["kl"] > m_own["kl"] + 0.1
