@@ -16,35 +16,30 @@ With ``exclusive`` (the ``judge/on-interval`` deployment sets it), a run first t
 Prefect's global concurrency limit ``judge`` (1 slot) without waiting; a run that finds it taken
 judges nothing and ends Completed at once, returning ``skipped`` (which judge run is still going).
 The slot is leased: a run killed while holding it stops renewing the lease, and the slot frees
-itself ``JUDGE_LEASE_S`` seconds later.
+itself a minute later (``clawrl.flows.slots``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import threading
 import time
 from collections import Counter
 from datetime import datetime, timezone
-from collections.abc import Iterator
 from typing import Any
 
-import httpx
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
 from clawrl import runtime
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
+from clawrl.flows.slots import ensure_limit, leased_slot, skipped_because
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
 JUDGE_LIMIT = "judge"
-JUDGE_LEASE_S = 60.0  # renewed while the run lives; how long a killed run's slot stays taken
 _CHUNK_PER_SLOT = 4  # turns per judging task = this x [prm] max_in_flight
 
 
@@ -186,83 +181,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
 
 def ensure_judge_limit() -> None:
     """The global concurrency limit `judge` (1 slot), created if this Prefect server lacks it."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectAlreadyExists
-
-    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):  # created concurrently
-        client.upsert_global_concurrency_limit_by_name(JUDGE_LIMIT, 1)
-
-
-def _this_run_id():
-    from prefect.context import FlowRunContext
-
-    ctx = FlowRunContext.get()
-    return ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
-
-
-def _renew_until(done: threading.Event, lease_id) -> None:
-    """Renew the lease every third of its duration until ``done``; a failed renewal is logged and
-    retried at the next turn (judging goes on: each turn is judged exactly once whoever overlaps)."""
-    from prefect.client.orchestration import get_client
-
-    while not done.wait(JUDGE_LEASE_S / 3):
-        try:
-            with get_client(sync_client=True) as client:
-                client.renew_concurrency_lease(lease_id, JUDGE_LEASE_S)
-        except Exception as e:  # noqa: BLE001
-            logging.getLogger(__name__).warning("renewing the `%s` lease failed: %s", JUDGE_LIMIT, e)
-
-
-@contextlib.contextmanager
-def judge_slot() -> Iterator[bool]:
-    """The `judge` slot, taken without waiting: True while this run holds it, False when another does."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-
-    ensure_judge_limit()
-    me = _this_run_id()
-    holder = ConcurrencyLeaseHolder(type="flow_run", id=me) if me else None
-    with get_client(sync_client=True) as client:
-        try:
-            got = client.increment_concurrency_slots_with_lease(
-                names=[JUDGE_LIMIT], slots=1, mode="concurrency", lease_duration=JUDGE_LEASE_S, holder=holder)
-        except httpx.HTTPStatusError as e:
-            if e.response.status_code != 423:  # 423 Locked: every slot is held
-                raise
-            got = None
-    if got is None:
-        yield False
-        return
-    lease_id, done = got.json()["lease_id"], threading.Event()
-    renewer = threading.Thread(target=_renew_until, args=(done, lease_id), name="judge-lease", daemon=True)
-    renewer.start()
-    try:
-        yield True
-    finally:
-        done.set()
-        renewer.join()
-        try:
-            with get_client(sync_client=True) as client:
-                client.release_concurrency_slots_with_lease(lease_id)
-        except Exception as e:  # noqa: BLE001 - the run's work is done; the unrenewed lease lapses
-            logging.getLogger(__name__).warning("releasing the `%s` slot failed (it frees itself within %g s): %s",
-                                                JUDGE_LIMIT, JUDGE_LEASE_S, e)
-
-
-def running_judge_run() -> str | None:
-    """The name of another judge run in state Running, or None (the slot's holder was killed)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId,
-                                                FlowRunFilterState, FlowRunFilterStateType)
-    from prefect.client.schemas.objects import StateType
-
-    me = _this_run_id()
-    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=["judge"])),
-            flow_run_filter=FlowRunFilter(state=running, id=FlowRunFilterId(not_any_=[me]) if me else None), limit=1)
-    return runs[0].name if runs else None
+    ensure_limit(JUDGE_LIMIT)
 
 
 def _judge_run_name() -> str:
@@ -275,12 +194,10 @@ def judge_flow(config_path: str | None = None, limit: int | None = None, exclusi
     ``exclusive``, only while no other exclusive judge run is going; else it skips, Completed."""
     if not exclusive:
         return _judge_ready(config_path, limit)
-    with judge_slot() as held:
+    with leased_slot(JUDGE_LIMIT) as held:
         if held:
             return _judge_ready(config_path, limit)
-    other = running_judge_run()
-    skipped = f"judge run {other} is still going" if other else \
-        f"another judge run holds the `{JUDGE_LIMIT}` slot (a killed run's lease lapses within {JUDGE_LEASE_S:g} s)"
+    skipped = skipped_because("judge", JUDGE_LIMIT)
     get_run_logger().info("skipped: %s", skipped)
     return {"judged": 0, "fates": {}, "skipped": skipped}
 

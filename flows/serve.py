@@ -5,8 +5,9 @@
   once with ``skipped`` (each run judges everything ready, so it has nothing to add), never
   Cancelled; the slot is Prefect's global concurrency limit ``judge``, leased, created here.
 * ``train/on-samples-ready``: runs when the judge flow emits ``clawrl.samples.ready`` (a full batch
-  waits), and on an interval as a safety net; deployment concurrency limit 1, and the flow itself
-  holds the global limit ``trainer``.
+  waits), and on an interval as a safety net. Its runs are ``exclusive`` too, on the global limit
+  ``trainer``: one triggered while another trains ends Completed with ``skipped`` (the next judge
+  run emits the event again while a full batch waits).
 * ``replay/on-demand``: no schedule; run it from the UI with a version, sessions to exclude, or
   ``--set`` style overrides.
 
@@ -23,7 +24,6 @@ import argparse
 from datetime import timedelta
 
 from prefect import serve
-from prefect.client.schemas.objects import ConcurrencyLimitConfig
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
@@ -34,9 +34,8 @@ from clawrl.flows.train import train_flow
 
 def build_deployments(config_path: str, trainer_url: str | None, engine_url: str | None,
                       judge_every_s: float = 20.0, train_every_s: float = 120.0):
-    # train: one run at a time; a scheduled run that finds one still going is dropped, not queued.
-    # judge: no deployment limit (its collisions would end Cancelled): the flow's own `judge` slot
-    single = ConcurrencyLimitConfig(limit=1, collision_strategy="CANCEL_NEW")
+    # no deployment limits (their collisions would end Cancelled): each flow takes its own slot
+    # (`judge`, `trainer`) without waiting, and a run that finds it taken skips, Completed
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "parameters": {"config_path": config_path}}
     judge = judge_flow.to_deployment(
         name="on-interval", interval=timedelta(seconds=judge_every_s),
@@ -44,12 +43,13 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
         description="Judge turns whose next state arrived (PRM votes, hints, teacher); a run that finds another "
                     "judge run going skips, Completed.")
     train = train_flow.to_deployment(
-        name="on-samples-ready", interval=timedelta(seconds=train_every_s), concurrency_limit=single,
+        name="on-samples-ready", interval=timedelta(seconds=train_every_s),
         **{**common, "parameters": {"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url,
-                                    "engine_url": engine_url}},
+                                    "engine_url": engine_url, "exclusive": True}},
         triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT},
                                          match={"prefect.resource.id": "clawrl.samples.*"})],
-        description="One PPO step per full batch of trainable samples, then checkpoint, lineage, sync.")
+        description="One PPO step per full batch of trainable samples, then checkpoint, lineage, gate, sync; a run "
+                    "that finds another training skips, Completed.")
     replay = replay_flow.to_deployment(name="on-demand", **common,
                                        description="Re-train from logged samples: exact, unlearning or counterfactual.")
     return [judge, train, replay]

@@ -45,6 +45,7 @@ from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml
 from clawrl.flows.common import (base_model_dir, data_store, eval_engine, gate_eval_set, load_flow_settings,
                                  local_trainer, push_weights, serve_target, trainer_in_process)
+from clawrl.flows.slots import ensure_limit, leased_slot, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import plot_learning_by_version, report
@@ -208,11 +209,7 @@ def log_doctor_report(config_path: str | None, step: dict[str, Any], run_id: str
 
 def ensure_trainer_limit() -> None:
     """The global concurrency limit `trainer` (1 slot), created if this Prefect server lacks it."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectAlreadyExists
-
-    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):  # created concurrently
-        client.upsert_global_concurrency_limit_by_name(TRAINER_LIMIT, 1)
+    ensure_limit(TRAINER_LIMIT)
 
 
 def _train_run_name() -> str:
@@ -222,14 +219,30 @@ def _train_run_name() -> str:
 
 @flow(name="train", flow_run_name=_train_run_name, log_prints=True)
 def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: str | None = None,
-               engine_url: str | None = None) -> dict[str, Any]:
-    """Train up to ``max_steps`` PPO steps, one per full batch of waiting samples."""
-    log = get_run_logger()
+               engine_url: str | None = None, exclusive: bool = False) -> dict[str, Any]:
+    """Train up to ``max_steps`` PPO steps, one per full batch of waiting samples. Each step holds the
+    `trainer` slot, waiting for it; with ``exclusive`` (the deployment's triggered and scheduled runs)
+    the run takes it for all its steps at once or not at all: a run that finds another training ends
+    Completed at once, returning ``skipped``."""
     ensure_trainer_limit()
+    if not exclusive:
+        # a killed run stops renewing its lease: its slot frees itself after lease_duration
+        return _train_steps(config_path, max_steps, trainer_url, engine_url,
+                            lambda: concurrency(TRAINER_LIMIT, occupy=1, strict=True, lease_duration=60))
+    with leased_slot(TRAINER_LIMIT) as held:
+        if held:
+            return _train_steps(config_path, max_steps, trainer_url, engine_url, contextlib.nullcontext)
+    skipped = skipped_because("train", TRAINER_LIMIT)
+    get_run_logger().info("skipped: %s", skipped)
+    return {"steps": [], "skipped": skipped}
+
+
+def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | None, engine_url: str | None,
+                 slot) -> dict[str, Any]:
+    log = get_run_logger()
     steps: list[dict[str, Any]] = []
     for _ in range(max_steps):
-        # a killed run stops renewing its lease: its slot frees itself after lease_duration
-        with concurrency(TRAINER_LIMIT, occupy=1, strict=True, lease_duration=60):
+        with slot():
             batch_id = claim_batch(config_path)
             if batch_id is None:
                 break

@@ -201,6 +201,7 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
         out = train_flow(config_path=conf, max_steps=1, engine_url=engine_url)
         run.steps += [{"weight_version": st["weight_version"], "batch_id": st["batch_id"],
                        "at_s": time.monotonic() - run.t0, "train_s": st["metrics"].get("step_time_s"),
+                       "checkpoint_s": st["metrics"].get("checkpoint_write_s"),
                        "eval_s": st["gate"].get("eval_seconds", 0.0),
                        "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
                        "sync_message": st["sync"]["message"]} for st in out["steps"]]
@@ -285,7 +286,7 @@ def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float
     """``loop_s``: the batch's last next state -> the first response on the step's version, split
     into ``judged_s`` (-> the batch's last fate), ``queued_s`` (-> the batch claimed: the trainer was
     busy, or the loop judging), the flow from the claim to the end of the sync (the PPO step, the
-    gate's evaluation, the sync, and ``orchestration_s``: the rest of the flow) and ``served_s``
+    checkpoint write, the gate's evaluation, the sync, and ``orchestration_s``: the rest of the flow) and ``served_s``
     (the sync's end -> the first response on the new version: requests must start and finish).
     None when no client got the version."""
     from clawrl.storage.catalog import run_query
@@ -305,7 +306,7 @@ def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float
         return dict.fromkeys(keys)
     first = run.t0_wall + step["first_served_s"]
     judged = max(row["judged"], row["completed"])
-    spent = (step["train_s"] or 0.0) + (step["eval_s"] or 0.0) + (step["sync_s"] or 0.0)
+    spent = sum(step.get(k) or 0.0 for k in ("train_s", "checkpoint_s", "eval_s", "sync_s"))
     flow = row["synced"] - row["claimed"] - spent
     return dict(zip(keys, (first - row["completed"], judged - row["completed"], max(0.0, row["claimed"] - judged),
                            first - row["synced"], flow)))
@@ -322,7 +323,8 @@ def format_load_section(r: dict[str, Any]) -> str:
     syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
                       f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
                       for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
-    loop_keys = ["loop_s", "judged_s", "queued_s", "train_s", "eval_s", "sync_s", "orchestration_s", "served_s"]
+    loop_keys = ["loop_s", "judged_s", "queued_s", "train_s", "checkpoint_s", "eval_s", "sync_s", "orchestration_s",
+                 "served_s"]
     loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}}
              for st in r["steps"] if st.get("loop_s") is not None]
     evals = [st["eval_s"] for st in r["steps"] if st["eval_s"]]
@@ -358,7 +360,8 @@ def format_load_section(r: dict[str, Any]) -> str:
         "first response a client got from the new version, in parts: `judged_s` to the batch's last fate (the",
         "judge's delay), `queued_s` to the batch's claim (the trainer busy with earlier batches: here samples",
         "arrive faster than one trainer takes them, and the judge and train flows take turns), then the train",
-        "flow up to the end of its sync: `train_s` (the PPO step), `eval_s` (the promotion gate's evaluation),",
+        "flow up to the end of its sync: `train_s` (the PPO step), `checkpoint_s` (writing its checkpoint: weights,",
+        "float32 master weights, optimizer state), `eval_s` (the promotion gate's evaluation),",
         "`sync_s`, and `orchestration_s`, the rest of that flow (Prefect, claim, lineage, records; target",
         "<= 1 s); last `served_s`, from the sync's end to the first response on the new version.",
         "",

@@ -112,9 +112,11 @@ class Trainer:
     def _save(self, batch_id: str, parent: int, metrics: dict[str, float], sessions: list[list[str]]) -> StepResult:
         out = version_dir(self.checkpoints, self.version)
         with staged_dir(out) as staging:
+            t0 = time.perf_counter()
             self.backend.write_weights(staging)
             self.backend.write_master_weights(staging)
             torch.save(self.backend.optimizer_state_dict(), staging / OPTIMIZER_FILE)
+            metrics = {**metrics, "checkpoint_write_s": time.perf_counter() - t0}  # weights, master, optimizer
             result = StepResult(batch_id=batch_id, step=self.version, weight_version=str(self.version),
                                 parent_version=str(parent), path=str(out), sha256=file_sha256(staging / WEIGHTS_FILE),
                                 metrics={k: float(v) for k, v in metrics.items()}, sessions=sessions)

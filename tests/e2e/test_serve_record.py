@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -15,26 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 from clawrl.config import dump_toml
-from clawrl.records import CheckpointRecord, SampleRecord
+from clawrl.records import CheckpointRecord
 from clawrl.serving import SERVE_RECORD, serving_gateway, write_serve_record
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_process import ServerProcess, free_port, serve_env
-
-
-def _write_samples(s, n: int) -> None:
-    from clawrl.judge.runner import build_judge_config_hash
-
-    rng, chash = random.Random(0), build_judge_config_hash(s)
-    recs = []
-    for i in range(n):
-        out = [rng.randrange(3, 40000) for _ in range(5)] + [2]
-        recs.append(SampleRecord(sample_id=f"smp{i:02d}", turn_id=f"turn{i:02d}", session_id=f"sess{i:02d}",
-                                 judge_config_hash=chash, method="grpo",
-                                 prompt_ids=[1] + [rng.randrange(3, 40000) for _ in range(6)], output_ids=out,
-                                 rollout_logprobs=[-rng.uniform(5, 11) for _ in out], reward=1.0 if i % 2 else -1.0,
-                                 has_teacher=False, teacher_logprobs=None, weight_version="0"))
-    with DataStore(s.storage.data_root) as store:
-        store.append(recs)
+from tests.utils.samples import write_samples
 
 
 def _status(conf) -> list[str]:
@@ -68,7 +52,7 @@ def test_train_syncs_the_running_gateway_and_status_shows_what_waits_once_it_is_
                        "ppo.lr": 1e-3, "engine.max_context_len": 512})
     conf = tmp_path / "clawrl.toml"
     conf.write_text(dump_toml(s))
-    _write_samples(s, 4)  # two batches of two
+    write_samples(s, 4)  # two batches of two
     root = s.storage.data_root
     gw = ServerProcess(["serve", "-c", str(conf)], port, serve_env(root, model_cache), tmp_path / "serve.log")
     gw.start()

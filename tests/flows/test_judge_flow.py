@@ -14,14 +14,7 @@ from clawrl.judge.runner import build_judge_config_hash
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
-
-
-def _session(client, sid, first, reply_after):
-    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": first}]
-    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, extra_body={"session_id": sid})
-    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": reply_after}]
-    client.chat.completions.create(model="m", messages=msgs, max_tokens=4,
-                                   extra_body={"session_id": sid, "session_done": True})
+from tests.utils.samples import two_turn_session
 
 
 @pytest.fixture
@@ -35,8 +28,8 @@ def judged(prefect_harness, make_settings, tiny_engine, tmp_path):
         app = create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
         with running_gateway(app) as gw:
             client = OpenAI(base_url=gw.base_url, api_key="x")
-            _session(client, "corrected", "What is the capital of France?", "no, that's wrong, answer in one word")
-            _session(client, "thanked", "Name a primary color.", "thanks, that's great!")
+            two_turn_session(client, "corrected", "What is the capital of France?", "no, that's wrong, answer in one word")
+            two_turn_session(client, "thanked", "Name a primary color.", "thanks, that's great!")
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}], max_tokens=2,
                                            extra_body={"session_id": "hb", "turn_type": "side"})
         store.close()
@@ -136,7 +129,7 @@ def test_a_failing_turn_is_retried_alone_and_ends_judge_error_when_it_keeps_fail
     with running_gateway(create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)) as gw:
         client = OpenAI(base_url=gw.base_url, api_key="x")
         for sid in ("a", "b", "bad", "c"):
-            _session(client, sid, "Name a primary color.", "thanks, that's great!")
+            two_turn_session(client, sid, "Name a primary color.", "thanks, that's great!")
     store.close()
     flaky = {}
     real_judge_for = fj.judge_for

@@ -19,6 +19,7 @@ from clawrl.judge.runner import build_judge_config_hash
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import free_socket, running_gateway
+from tests.utils.samples import two_turn_session
 
 
 def _plan(settings, conf: Path = Path("/conf/up.toml")):
@@ -51,14 +52,16 @@ def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(ma
     assert flows.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555"}
 
 
-def test_the_judge_deployment_has_no_cancelling_limit_and_runs_exclusive():
+def test_the_judge_and_train_deployments_have_no_cancelling_limit_and_run_exclusive():
     from clawrl.flows.serve import build_deployments
 
     judge, train, _ = build_deployments("/conf/up.toml", "http://t", "http://e", judge_every_s=7)
     assert judge.concurrency_limit is None and judge.concurrency_options is None
     assert judge.parameters == {"config_path": "/conf/up.toml", "exclusive": True}
     assert [s.schedule.interval.total_seconds() for s in judge.schedules] == [7.0]
-    assert train.concurrency_limit == 1  # unchanged
+    assert train.concurrency_limit is None and train.concurrency_options is None
+    assert train.parameters == {"config_path": "/conf/up.toml", "max_steps": 1, "trainer_url": "http://t",
+                                "engine_url": "http://e", "exclusive": True}
 
 
 def _runs_by_name(names):
@@ -110,12 +113,23 @@ def test_overlapping_exclusive_judge_runs_skip_completed_not_cancelled(prefect_h
     assert limit.limit == 1 and limit.active and limit.active_slots == 0  # no slot left held
 
 
-def _session(client, sid, first, reply_after):
-    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": first}]
-    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, extra_body={"session_id": sid})
-    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": reply_after}]
-    client.chat.completions.create(model="m", messages=msgs, max_tokens=4,
-                                   extra_body={"session_id": sid, "session_done": True})
+def test_a_train_run_that_finds_the_trainer_slot_taken_skips_completed(prefect_harness, make_settings, tmp_path):
+    from clawrl.flows.slots import leased_slot
+    from clawrl.flows.train import TRAINER_LIMIT, train_flow
+
+    conf = tmp_path / "train.toml"
+    conf.write_text(dump_toml(make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo"})))
+    with leased_slot(TRAINER_LIMIT) as held:  # another trainer holds the slot (no train run of that name)
+        assert held
+        busy = train_flow(config_path=str(conf), exclusive=True, return_state=True)
+    free = train_flow(config_path=str(conf), exclusive=True)  # given back: claims, finds no batch
+    assert busy.is_completed() and busy.result() == {
+        "steps": [], "skipped": "another train run holds the `trainer` slot (a killed run's lease lapses within 60 s)"}
+    assert free == {"steps": []}
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name("trainer").active_slots == 0
 
 
 @pytest.fixture
@@ -151,8 +165,8 @@ def test_judge_runs_use_the_judge_engine_over_http_without_loading_weights(
     with running_gateway(create_app(make_settings({"server.open_mode": True}), engine=tiny_engine,
                                     tokenizer=tiny_engine.tokenizer, store=store)) as gw:
         client = OpenAI(base_url=gw.base_url, api_key="x")
-        _session(client, "corrected", "What is the capital of France?", "no, that's wrong, answer in one word")
-        _session(client, "thanked", "Name a primary color.", "thanks, that's great!")
+        two_turn_session(client, "corrected", "What is the capital of France?", "no, that's wrong, answer in one word")
+        two_turn_session(client, "thanked", "Name a primary color.", "thanks, that's great!")
     store.close()
 
     def no_loading(*a, **k):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import threading
 import time
@@ -33,11 +32,10 @@ from typer.testing import CliRunner
 
 from clawrl.config import dump_toml, load_settings
 from clawrl.lineage import client as mlflow_client
-from clawrl.records import SampleRecord
 from clawrl.serving import bind_socket
 from clawrl.storage.catalog import run_query
-from clawrl.storage.writer import DataStore
 from tests.utils.fork_runner import shared_fork_runner
+from tests.utils.samples import write_samples
 
 pytestmark = [pytest.mark.reliability]
 
@@ -120,23 +118,6 @@ def _free_port() -> int:
     return port
 
 
-def _write_samples(s, n: int) -> None:
-    from clawrl.judge.runner import build_judge_config_hash
-
-    rng = random.Random(0)
-    chash = build_judge_config_hash(s)
-    recs = []
-    for i in range(n):
-        out = [rng.randrange(3, 40000) for _ in range(5)] + [2]
-        recs.append(SampleRecord(sample_id=f"smp{i:02d}", turn_id=f"turn{i:02d}", session_id=f"sess{i:02d}",
-                                 judge_config_hash=chash, method="grpo",
-                                 prompt_ids=[1] + [rng.randrange(3, 40000) for _ in range(6)], output_ids=out,
-                                 rollout_logprobs=[-rng.uniform(5, 11) for _ in out], reward=1.0 if i % 2 else -1.0,
-                                 has_teacher=False, teacher_logprobs=None, weight_version="0"))
-    with DataStore(s.storage.data_root) as store:
-        store.append(recs)
-
-
 def test_sync_without_any_engine_is_a_skipped_failure_that_says_why():
     import asyncio
 
@@ -161,7 +142,7 @@ def sync_env(prefect_harness, tmp_path_factory, model_cache):
         "ppo.kl_coef": 0.0, "ppo.lr": 1e-3})
     conf = base / "clawrl.toml"
     conf.write_text(dump_toml(s))
-    _write_samples(s, 12)  # 6 batches: more than every test together needs
+    write_samples(s, 12)  # 6 batches: more than every test together needs
     gate = base / "gate"
     gate.mkdir()
     runner = shared_fork_runner({**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}, base / "logs")

@@ -1,0 +1,109 @@
+"""One run at a time without Cancelled clutter: a Prefect global concurrency slot taken without waiting.
+
+A scheduled or triggered run that finds another run of its flow going should end quietly (Completed,
+saying which run holds the slot), not pile up waiting processes and not end Cancelled as a
+deployment's ``CANCEL_NEW`` limit makes it. :func:`leased_slot` takes the one slot of a global
+concurrency limit at once or not at all. The slot is leased and renewed while its run lives: a run
+killed while holding it stops renewing, and the slot frees itself ``LEASE_S`` seconds later
+(Prefect's shortest lease).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+import httpx
+
+LEASE_S = 60.0  # renewed while the run lives; how long a killed run's slot stays taken
+
+log = logging.getLogger(__name__)
+
+
+def ensure_limit(name: str) -> None:
+    """The global concurrency limit ``name`` (1 slot), created if this Prefect server lacks it."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):  # created concurrently
+        client.upsert_global_concurrency_limit_by_name(name, 1)
+
+
+def this_run_id():
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
+
+
+def _renew_until(done: threading.Event, name: str, lease_id) -> None:
+    """Renew the lease every third of its duration until ``done``; a failed renewal is logged and
+    retried at the next turn (the work goes on: what it does is exactly-once whoever overlaps)."""
+    from prefect.client.orchestration import get_client
+
+    while not done.wait(LEASE_S / 3):
+        try:
+            with get_client(sync_client=True) as client:
+                client.renew_concurrency_lease(lease_id, LEASE_S)
+        except Exception as e:  # noqa: BLE001
+            log.warning("renewing the `%s` lease failed: %s", name, e)
+
+
+@contextlib.contextmanager
+def leased_slot(name: str) -> Iterator[bool]:
+    """The slot of limit ``name``, taken without waiting: True while this run holds it, False when another does."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+
+    ensure_limit(name)
+    me = this_run_id()
+    holder = ConcurrencyLeaseHolder(type="flow_run", id=me) if me else None
+    with get_client(sync_client=True) as client:
+        try:
+            got = client.increment_concurrency_slots_with_lease(
+                names=[name], slots=1, mode="concurrency", lease_duration=LEASE_S, holder=holder)
+        except httpx.HTTPStatusError as e:
+            if e.response.status_code != 423:  # 423 Locked: every slot is held
+                raise
+            got = None
+    if got is None:
+        yield False
+        return
+    lease_id, done = got.json()["lease_id"], threading.Event()
+    renewer = threading.Thread(target=_renew_until, args=(done, name, lease_id), name=f"{name}-lease", daemon=True)
+    renewer.start()
+    try:
+        yield True
+    finally:
+        done.set()
+        renewer.join()
+        try:
+            with get_client(sync_client=True) as client:
+                client.release_concurrency_slots_with_lease(lease_id)
+        except Exception as e:  # noqa: BLE001 - the run's work is done; the unrenewed lease lapses
+            log.warning("releasing the `%s` slot failed (it frees itself within %g s): %s", name, LEASE_S, e)
+
+
+def running_run(flow_name: str) -> str | None:
+    """The name of another run of flow ``flow_name`` in state Running, or None (the slot's holder was killed)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    me = this_run_id()
+    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])),
+            flow_run_filter=FlowRunFilter(state=running, id=FlowRunFilterId(not_any_=[me]) if me else None), limit=1)
+    return runs[0].name if runs else None
+
+
+def skipped_because(flow_name: str, limit: str) -> str:
+    """What a run that found the slot taken says: which run of its flow is still going."""
+    other = running_run(flow_name)
+    return f"{flow_name} run {other} is still going" if other else \
+        f"another {flow_name} run holds the `{limit}` slot (a killed run's lease lapses within {LEASE_S:g} s)"
