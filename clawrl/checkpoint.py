@@ -135,6 +135,23 @@ def newest_intact_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:
     return None
 
 
+def intact_champion(checkpoints: Path, champions: list[str]) -> tuple[int, Path] | None:
+    """(version, dir) of the newest version on the promotion gate's line of ``champions`` (oldest
+    first, the current champion last) whose checkpoint is complete and intact: what a restarted
+    gateway serves while the gate is on (a refused or not yet evaluated candidate never serves).
+    None: the initial weights (version 0, or no champion checkpoint left intact)."""
+    for version in reversed(champions):
+        if not str(version).isdigit() or int(version) == 0:
+            return None
+        d = version_dir(checkpoints, int(version))
+        try:
+            verify_checkpoint(d, read_step_result(d).sha256)
+            return int(version), d
+        except (CheckpointError, ValueError, TypeError, OSError) as e:
+            log.error("not serving champion v%s: %s", version, e)
+    return None
+
+
 def remove_stale_staging(checkpoints: Path) -> list[Path]:
     """Delete half-written checkpoints (``.vNNNNNN.<pid>.*`` staging dirs) whose writer process is
     gone, e.g. a trainer killed while saving; return them. A live writer's staging dir is kept."""

@@ -291,8 +291,8 @@ async def _error(request: Request, exc: Exception) -> JSONResponse:
 
 def build_engine(settings: Settings) -> tuple[Engine, Any]:
     """(engine, tokenizer) for the engine named in [engine]. An embedded engine starts from the
-    newest checkpoint under the data root when training already ran (a restart resumes serving
-    the version it served), else from the base model at version 0."""
+    checkpoint :func:`_checkpoint_to_serve` names when training already ran (a restart serves the
+    gate's champion again), else from the base model at version 0."""
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
@@ -302,10 +302,9 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
         return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
     from clawrl.models import resolve_device, resolve_dtype
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
-    from clawrl.checkpoint import newest_intact_checkpoint
 
     version = "0"
-    intact = newest_intact_checkpoint(settings.storage.data_root / "checkpoints")
+    intact = _checkpoint_to_serve(settings)
     if intact is not None:
         model_dir, version = intact[1], str(intact[0])
     device, _ = resolve_device(settings.model.device)
@@ -313,6 +312,21 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
                             weight_version=version, served_model_name=settings.server.served_model_name,
                             **settings.engine.model_dump(include=LIMIT_KEYS))
     return engine, engine.tokenizer
+
+
+def _checkpoint_to_serve(settings: Settings):
+    """With the promotion gate on, the champion (the newest intact one on the gate's line); without
+    it, the newest intact checkpoint. None: the initial weights."""
+    from clawrl.checkpoint import intact_champion, newest_intact_checkpoint
+
+    checkpoints = settings.storage.data_root / "checkpoints"
+    if not settings.gate.enabled:
+        return newest_intact_checkpoint(checkpoints)
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import champion_stack
+
+    with open_catalog(settings.storage.data_root, private=True) as con:
+        return intact_champion(checkpoints, champion_stack(con))
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None) -> FastAPI:

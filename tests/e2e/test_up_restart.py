@@ -156,4 +156,9 @@ max_tokens = 8
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     after_restart = json.loads((data / "checkpoints" / f"v{last + 1:06d}" / "trainer.json").read_text())
     assert after_restart["parent_version"] == str(last)  # resumed from the last checkpoint, not from scratch
-    assert int(served) >= last + 1 or int(served) == last  # the gateway serves a resumed version
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import current_champion
+
+    with open_catalog(data, private=True) as con:
+        champion = current_champion(con)
+    assert served == champion  # the restarted gateway serves the gate's champion, never a refused candidate

@@ -45,3 +45,37 @@ def test_newest_intact_checkpoint_skips_corrupt_and_incomplete_ones(tmp_path, ca
     (root / "v000001" / "trainer.json").write_text("{not json")
     assert newest_intact_checkpoint(root) is None
     assert newest_intact_checkpoint(tmp_path / "missing") is None
+
+
+def _decision(action, version, champion):
+    from clawrl.records import PromotionRecord
+
+    return PromotionRecord(promotion_id=f"{action}-{version}", action=action, weight_version=str(version),
+                           champion_version=str(champion), source="gate", reason="test", eval_key=None, n=None,
+                           candidate_mean=None, champion_mean=None, mean_diff=None, ci_low=None, ci_high=None,
+                           p_value=None, tolerance=None, alpha=None, mlflow_run_id=None)
+
+
+@pytest.mark.timeout(60)
+def test_with_the_gate_on_a_restarted_gateway_serves_the_champion_not_a_refused_candidate(tmp_path, make_settings,
+                                                                                        caplog):
+    from clawrl.checkpoint import intact_champion
+    from clawrl.gateway.routes import _checkpoint_to_serve
+    from clawrl.storage.writer import DataStore
+
+    s = make_settings()
+    root = s.storage.data_root / "checkpoints"
+    v1 = _checkpoint(root, 1, b"one" * 100)
+    _checkpoint(root, 2, b"two" * 100)
+    _checkpoint(root, 3, b"three" * 100)
+    with DataStore(s.storage.data_root) as store:  # v1 promoted, v2 refused, v3 not evaluated yet (crash)
+        store.append([_decision("promote", 1, 0), _decision("refuse", 2, 1)])
+    assert _checkpoint_to_serve(s) == (1, v1)
+    assert _checkpoint_to_serve(make_settings({"gate.enabled": False}))[0] == 3  # no gate: the newest
+    # a champion whose weights are gone falls back along the line; the initial weights end it
+    assert intact_champion(root, ["0", "1", "3"]) == (3, root / "v000003")
+    (root / "v000003" / "model.safetensors").unlink()
+    with caplog.at_level(logging.ERROR, logger="clawrl.checkpoint"):
+        assert intact_champion(root, ["0", "1", "3"]) == (1, v1)
+    assert "not serving champion v3" in caplog.text
+    assert intact_champion(root, ["0"]) is None and intact_champion(root, ["0", "2"])[0] == 2
