@@ -118,6 +118,8 @@ class ServerSettings(_Section):
         "Empty: the key as sent. Other clients' keys ending in ':<digits>' lose that part too.")
     session_idle_timeout_s: float = Field(900.0, gt=0, description="A session idle this long is closed.")
     max_sessions: int = Field(10000, ge=1, description="Open sessions kept in memory (LRU beyond).")
+    max_n: int = Field(8, ge=1, le=64, description="Most choices (OpenAI's n) one chat completion may ask for; "
+                       "each is a sample of its own, logged as a turn of its own. Above it: a 400 naming n.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
     api_keys_env: str = Field("CLAWRL_API_KEYS", description="Name of the env var holding comma-separated API keys.")
     open_mode: bool = Field(False, description="Serve without API keys (says so loudly at start).")

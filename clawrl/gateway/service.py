@@ -10,6 +10,18 @@ non-streamed completion, or the final chunk of a stream. A response the client h
 is therefore always in the log. If the append fails (disk full, I/O error) the client gets a 507
 ``storage_error`` instead (an error event in a stream) and the session is left as if the request
 had not come: its turn index stays free and a pending turn stays pending.
+
+Choices (OpenAI's ``n``, at most ``[server] max_n``): each choice is a sample of its own - the
+engine gets ``n`` requests of one prompt (choice i seeded ``seed + i``, so choice 0 is what ``n =
+1`` would answer; the embedded engine prefills the prompt once for all of them) - with its own
+output ids, rollout log-probs, parsed tool calls and finish reason. All ``n`` turns are appended in
+one write before the response's end is sent (a stream sends every choice's last chunk only then):
+all are recorded or none is. Choice 0 is the request's turn (index k, the request's turn type: the
+one that waits for the session's next state); choice i is a ``side`` turn at index k + i, with
+``n`` and its own seed in ``request_params``. The judge therefore trains on choice 0 only, once
+its next state comes; the other choices are logged for analysis (or groups of samples of one
+prompt) and never trained. When the client goes on with another choice than choice 0, choice 0 is
+closed without a next state (sessions.py), so a reply to another answer is never judged as its own.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from clawrl.engine.types import (
     GenerateResult,
     SamplingParams,
 )
+from clawrl.gateway.choices import ChoiceStream, choice_logprobs, merged, usage
 from clawrl.gateway.errors import GatewayError, context_length_error, engine_context_error, sampling_error
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
@@ -112,9 +125,10 @@ class ChatService:
     def prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> Turn:
         """The request checked, its prompt rendered and its session opened: a GatewayError from here
         comes before any byte of the response."""
-        if req.n != 1:
-            raise GatewayError(400, "n > 1 is not supported: send n separate requests" if req.n > 1
-                               else f"n must be 1, got {req.n}", param="n")
+        max_n = self.settings.server.max_n
+        if not 1 <= req.n <= max_n:
+            raise GatewayError(400, f"Invalid 'n': expected an integer from 1 to {max_n} (this server's max_n), "
+                                    f"got {req.n}", param="n")
         if req.top_logprobs and not req.logprobs:
             raise GatewayError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -150,6 +164,7 @@ class ChatService:
             "max_new_tokens": asked or self.settings.ppo.max_new_tokens,  # the embedded engine cuts the default to fit
             "temperature": self.settings.ppo.temperature if req.temperature is None else req.temperature,
             "top_p": req.top_p, "stop": req.stop or None, "sampling_seed": req.seed, "min_new_tokens": req.min_tokens,
+            "n": req.n,
             **{k: v for k in ("frequency_penalty", "presence_penalty", "logit_bias") if (v := getattr(req, k))},
         }
         try:
@@ -178,65 +193,53 @@ class ChatService:
         main turn)."""
         async with self._serving(turn):
             self._link_next_state(turn)
-            result, engine_s = await self._generate(turn.gen)
+            results, engine_s = await self._generate(turn.gen.samples())
             if turn.client_gone:  # nobody receives it: not a turn (nginx's 499, logged as such)
                 raise GatewayError(499, "the client closed the request", "client_closed_request")
-            parsed, finish, index = self._record(turn, result)
-        message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls or None}
-        logprobs = self._logprobs(result, 0, turn.req.top_logprobs) if turn.req.logprobs else None
-        return {**self._head(turn, "chat.completion"),
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-                "usage": _usage(result), "turn_index": index, "weight_version": result.weight_version}, engine_s
+            outs, index = self._record(turn, results)
+        choices = [{"index": i, "message": {"role": "assistant", "content": parsed.content,
+                                            "tool_calls": parsed.tool_calls or None},
+                    "logprobs": self._logprobs(result, 0, turn.req.top_logprobs) if turn.req.logprobs else None,
+                    "finish_reason": finish} for i, ((parsed, finish), result) in enumerate(zip(outs, results))]
+        return {**self._head(turn, "chat.completion"), "choices": choices, "usage": usage(results),
+                "turn_index": index, "weight_version": results[0].weight_version}, engine_s
 
     async def stream(self, turn: Turn) -> AsyncIterator[str]:
-        """The completion as SSE lines; an error after the first is an error event, then [DONE]."""
-        req, head = turn.req, self._head(turn, "chat.completion.chunk")
-
-        def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **more) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return _event({**head, "choices": [choice], **more})
-
+        """The completion as SSE lines, each chunk carrying one choice (its ``index`` says which); an
+        error after the first is an error event, then [DONE]."""
+        req, head, samples = turn.req, self._head(turn, "chat.completion.chunk"), turn.gen.samples()
         holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
+        lp = (lambda result, start: self._logprobs(result, start, req.top_logprobs)) if req.logprobs else None
+        choices = [ChoiceStream(i, holdback, bool(req.tools), lp) for i in range(len(samples))]
+
+        def chunk(entry: dict[str, Any], **more) -> str:
+            return _event({**head, "choices": [entry], **more})
+
         async with self._serving(turn):
             try:
                 self._link_next_state(turn)
-                yield chunk({"role": "assistant", "content": ""})
-                sent_chars, sent_tokens, tool_mode = 0, 0, False
-                result: GenerateResult | None = None
-                stream = _with_deadline(self._engine_stream(turn.gen), self.settings.engine.request_timeout_s)
-                async for result in stream:
-                    if result.finished:
-                        break
-                    text = result.text
-                    tool_mode = tool_mode or bool(req.tools) and TOOL_CALL_OPEN in text  # then no content until the end
-                    safe = max(sent_chars, len(text) - holdback)
-                    while safe > sent_chars and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 char
-                        safe -= 1
-                    lp = None
-                    if req.logprobs and len(result.output_ids) > sent_tokens:
-                        lp = self._logprobs(result, sent_tokens, req.top_logprobs)
-                        sent_tokens = len(result.output_ids)
-                    if not tool_mode and safe > sent_chars:
-                        yield chunk({"content": text[sent_chars:safe]}, logprobs=lp)
-                        sent_chars = safe
-                    elif lp is not None:
-                        yield chunk({}, logprobs=lp)
-                if result is None or not result.finished:
+                for c in choices:
+                    yield chunk(c.entry({"role": "assistant", "content": ""}))
+                finals: list[GenerateResult | None] = [None] * len(samples)
+                timeout_s = self.settings.engine.request_timeout_s
+                streams = [_with_deadline(self._engine_stream(g), timeout_s) for g in samples]
+                async with contextlib.aclosing(merged(streams)) as results:
+                    async for i, result in results:
+                        if result.finished:
+                            finals[i] = result
+                            if all(f is not None for f in finals):
+                                break
+                        elif (entry := choices[i].partial(result)) is not None:
+                            yield chunk(entry)
+                if any(f is None for f in finals):
                     raise GatewayError(502, "engine stream ended without a final result", "engine_unavailable")
-                parsed, finish, _ = self._record(turn, result)  # durable before the client sees the end
-                lp = None
-                if req.logprobs and len(result.output_ids) > sent_tokens:
-                    lp = self._logprobs(result, sent_tokens, req.top_logprobs)
-                visible = (parsed.content or "") if parsed.tool_calls else result.text
-                delta: dict[str, Any] = {}
-                if len(visible) > sent_chars:
-                    delta["content"] = visible[sent_chars:]
-                if parsed.tool_calls:
-                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(parsed.tool_calls)]
-                yield chunk(delta, finish=finish, logprobs=lp, weight_version=result.weight_version)
+                done: list[GenerateResult] = finals  # type: ignore[assignment]
+                outs, _ = self._record(turn, done)  # durable before the client sees the end
+                for c, result, (parsed, finish) in zip(choices, done, outs):
+                    yield chunk(c.final(result, parsed, finish), weight_version=result.weight_version)
                 if req.stream_options and req.stream_options.include_usage:
-                    yield _event({**head, "choices": [], "usage": _usage(result),
-                                  "weight_version": result.weight_version})
+                    yield _event({**head, "choices": [], "usage": usage(done),
+                                  "weight_version": done[0].weight_version})
                 self.metrics.requests.labels("200", "true", turn.turn_type).inc()
             except (GatewayError, TimeoutError, BadRequestError, EngineError) as e:
                 err = self._engine_failure(e)
@@ -309,18 +312,33 @@ class ChatService:
                     raise
                 self.metrics.next_states.labels(rec.reason).inc()
 
-    async def _generate(self, gen: GenerateRequest) -> tuple[GenerateResult, float]:
-        """The engine's result and the seconds the call took."""
+    async def _generate(self, gens: list[GenerateRequest]) -> tuple[list[GenerateResult], float]:
+        """The engine's result for each request, all at once, and the seconds the calls took; when
+        one fails the others are cancelled (which aborts them in the engine)."""
+        hook = self.generate_hook
+
+        def call(gen: GenerateRequest) -> Any:
+            return hook(engine=self.engine, request=gen) if hook else self.engine.generate(gen)
+
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(self.settings.engine.request_timeout_s):  # no extra task, unlike wait_for
-                hook = self.generate_hook
-                result = await (hook(engine=self.engine, request=gen) if hook else self.engine.generate(gen))
+                if len(gens) == 1:
+                    results = [await call(gens[0])]
+                else:
+                    tasks = [asyncio.ensure_future(call(g)) for g in gens]
+                    try:
+                        results = list(await asyncio.gather(*tasks))
+                    except BaseException:
+                        for t in tasks:
+                            t.cancel()
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                        raise
         except (TimeoutError, BadRequestError, EngineError) as e:
             raise self._engine_failure(e) from None
         elapsed = time.perf_counter() - t0
         self.metrics.engine_latency.observe(elapsed)
-        return result, elapsed
+        return results, elapsed
 
     def _engine_stream(self, gen: GenerateRequest) -> AsyncIterator[GenerateResult]:
         if self.generate_hook is None:
@@ -346,29 +364,52 @@ class ChatService:
                                 headers={"Retry-After": "1"})
         return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
 
-    def _record(self, turn: Turn, result: GenerateResult) -> tuple[ParsedOutput, str, int]:
-        """Append the turn (the acknowledgement point) and update the session. Returns the parsed
-        output, the finish reason and the turn's index."""
-        self.weight_version = result.weight_version
-        if len(result.output_logprobs or []) != len(result.output_ids):
+    def _record(self, turn: Turn, results: list[GenerateResult]) -> tuple[list[tuple[ParsedOutput, str]], int]:
+        """Append the request's turns, one per choice, in one write (the acknowledgement point) and
+        update the session. Returns each choice's parsed output and finish reason, and the turn
+        index of choice 0 (choice i has index + i)."""
+        self.weight_version = results[0].weight_version
+        if any(len(r.output_logprobs or []) != len(r.output_ids) for r in results):
             # Never record a turn whose log-probs do not align with its tokens (the reference pads).
             raise GatewayError(502, "engine returned log-probs that do not align with its output ids",
                                "engine_protocol_error")
-        req, state = turn.req, turn.state
-        parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
-        finish = "tool_calls" if parsed.tool_calls else (result.finish_reason or {}).get("type", "stop")
-        index = state.next_index  # taken by finish_turn once the turn is in the log (nothing awaits between)
-        rec = TurnRecord(
+        req, state, n = turn.req, turn.state, len(results)
+        outs = []
+        for result in results:
+            parsed = self.adapter.parse(result.text, req.tools, req.tool_choice)
+            finish = "tool_calls" if parsed.tool_calls else (result.finish_reason or {}).get("type", "stop")
+            outs.append((parsed, finish))
+        index = state.next_index  # taken by finish_turn once the turns are in the log (nothing awaits between)
+        recs = [self._turn_record(turn, sample, result, parsed, finish, index + i,
+                                  turn.turn_type if i == 0 else TurnType.SIDE.value)
+                for i, (sample, result, (parsed, finish)) in enumerate(zip(turn.gen.samples(), results, outs))]
+        self._append(recs[0] if n == 1 else recs, "the turn" if n == 1 else f"the {n} turns of the request's choices")
+        for rec in recs:
+            self.metrics.turns_recorded.labels(rec.turn_type).inc()
+        self.metrics.prompt_tokens.inc(results[0].prompt_tokens)
+        self.metrics.completion_tokens.inc(sum(r.completion_tokens for r in results))
+        answers = [{"role": "assistant", "content": p.content, "tool_calls": p.tool_calls} for p, _ in outs]
+        closing = self.tracker.finish_turn(state, recs[0].turn_id, index, turn.messages, answers[0],
+                                           main=turn.turn_type == TurnType.MAIN.value, done=turn.done,
+                                           others=answers[1:])
+        self._write_next_states(closing)
+        return outs, index
+
+    def _turn_record(self, turn: Turn, sample: GenerateRequest, result: GenerateResult, parsed: ParsedOutput,
+                     finish: str, index: int, turn_type: str) -> TurnRecord:
+        """The log's record of one choice (``sample``) of the request."""
+        req = turn.req
+        return TurnRecord(
             turn_id=new_id(),
             session_id=turn.session_id,
             turn_index=index,
-            turn_type=turn.turn_type,
-            namespace=state.namespace,
+            turn_type=turn_type,
+            namespace=turn.state.namespace,
             model=self.settings.server.served_model_name,
             weight_version=result.weight_version,
             request_messages=_json(turn.messages),
             request_tools=json.dumps([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools else None,
-            request_params=_json(turn.gen.sampling_params.to_dict()),
+            request_params=_json({**sample.sampling_params.to_dict(), "n": req.n}),
             prompt_ids=list(turn.gen.input_ids),
             output_ids=list(result.output_ids),
             rollout_logprobs=list(result.output_logprobs or []),
@@ -380,15 +421,6 @@ class ChatService:
             latency_ms=(time.perf_counter() - turn.t0) * 1000.0,
             weight_versions=_json(result.weight_versions or []),
         )
-        self._append(rec, "the turn")
-        self.metrics.turns_recorded.labels(turn.turn_type).inc()
-        self.metrics.prompt_tokens.inc(result.prompt_tokens)
-        self.metrics.completion_tokens.inc(result.completion_tokens)
-        main = turn.turn_type == TurnType.MAIN.value
-        answer = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
-        closing = self.tracker.finish_turn(state, rec.turn_id, index, turn.messages, answer, main=main, done=turn.done)
-        self._write_next_states(closing)
-        return parsed, finish, index
 
     def _append(self, record: Any, what: str) -> None:
         """Append one record; a store that cannot write (disk full, I/O error, file size limit)
@@ -424,19 +456,7 @@ class ChatService:
             self.metrics.next_states.labels(r.reason).inc()
 
     def _logprobs(self, result: GenerateResult, start: int, n_top: int | None) -> dict[str, Any]:
-        """OpenAI's choice logprobs of the output tokens from ``start`` on, as a dict:
-        {"content": [{token, logprob, bytes, top_logprobs}]}."""
-        ids, lps, tops = result.output_ids, result.output_logprobs or [], result.output_top_logprobs
-        end = len(ids)
-        if (result.finish_reason or {}).get("type") == "stop" and isinstance(result.finish_reason.get("matched"), int):
-            end -= 1  # the EOS/stop token is recorded for training but not shown, as OpenAI does
-        out = []
-        for i in range(start, max(start, end)):
-            tok = self._decode(ids[i])
-            top = [{"token": (t_tok := self._decode(t)), "logprob": lp, "bytes": list(t_tok.encode())}
-                   for lp, t in (tops[i] if tops and i < len(tops) else [])][:n_top or 0]
-            out.append({"token": tok, "logprob": lps[i], "bytes": list(tok.encode()), "top_logprobs": top})
-        return {"content": out}
+        return choice_logprobs(self._decode, result, start, n_top)
 
     def _head(self, turn: Turn, object_: str) -> dict[str, Any]:
         """The fields a turn's chat.completion, and each of its chat.completion.chunks, start with."""
@@ -448,12 +468,6 @@ class ChatService:
 def _event(body: dict[str, Any]) -> str:
     """One server-sent event carrying ``body`` as JSON."""
     return f"data: {orjson.dumps(body).decode()}\n\n"
-
-
-def _usage(result: GenerateResult) -> dict[str, Any]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 def _json(value: Any) -> str:

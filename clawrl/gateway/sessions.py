@@ -19,6 +19,11 @@ session; else :func:`derive_session_id`, a hash of the namespace and the convers
 system and user messages with the parts agents change on every request (dates, times, numbers,
 weekday and month names) left out. Two conversations that open with identical messages share a
 derived id; clients that care send an id. Remembered answers live in memory only.
+
+A request with ``n`` > 1 choices takes n turn indices; its choice 0 is the pending turn and
+remembers the other choices' answers (in memory): when the next request continues one of those
+instead (its assistant message is that choice's, not choice 0's), choice 0 is closed without a next
+state (reason ``other_choice_continued``), so no reply to another answer is ever judged as its own.
 """
 
 from __future__ import annotations
@@ -107,11 +112,22 @@ def _last_exchange(messages: list[dict[str, Any]]) -> list[str]:
                               (asking[-1:] + asking[:1] or [None])))
 
 
+def answer_digest(message: dict[str, Any]) -> str:
+    """An assistant message's text and tool names, as a client sends an answer back (the text of
+    its parts joined; tool call ids and arguments left out, clients re-serialise them)."""
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return _digest(content, [(c.get("function") or {}).get("name") for c in message.get("tool_calls") or []])
+
+
 @dataclass
 class PendingTurn:
     turn_id: str
     turn_index: int
     message_count: int  # messages in the request that produced the turn
+    answer: str | None = None  # answer_digest of the turn's answer, when other choices were sampled with it
+    others: tuple[str, ...] = ()  # answer_digest of each other choice of the same request
 
     def next_state(self, session_id: str, reason: str, added: list[dict[str, Any]] | None = None) -> NextStateRecord:
         """The record that closes this turn: the messages ``added`` after it, or none (none will come)."""
@@ -183,6 +199,8 @@ class SessionTracker:
         state.pending = None
         n = pending.message_count
         if len(messages) > n and messages[n].get("role") == "assistant":
+            if pending.others and (d := answer_digest(messages[n])) != pending.answer and d in pending.others:
+                return pending.next_state(state.session_id, "other_choice_continued")
             added, reason = messages[n + 1 :], "next_request"
         else:
             # History was rewritten or truncated: take what follows the last assistant message.
@@ -191,16 +209,20 @@ class SessionTracker:
         return pending.next_state(state.session_id, reason if added else "no_new_messages", added)
 
     def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, messages: list[dict[str, Any]],
-                    answer: dict[str, Any] | None = None, *, main: bool, done: bool) -> list[NextStateRecord]:
+                    answer: dict[str, Any] | None = None, *, main: bool, done: bool,
+                    others: list[dict[str, Any]] = ()) -> list[NextStateRecord]:
         """Record a turn appended to the log under ``turn_index``, the session's next index, which
-        it takes only now (a turn that could not be recorded leaves it free); returns the records
-        to write if this closes the session. A main turn becomes the pending one, and its
-        ``answer`` is remembered (bounded) so that a request continuing it finds its session."""
-        state.next_index = turn_index + 1
+        it takes only now (a turn that could not be recorded leaves it free), with the ``others``
+        choices of its request under the indices after it; returns the records to write if this
+        closes the session. A main turn becomes the pending one, and its ``answer`` (and the
+        others') is remembered (bounded) so that a request continuing it finds its session."""
+        state.next_index = turn_index + 1 + len(others)
         state.last_active = self.clock()
         if main:
-            state.pending = PendingTurn(turn_id, turn_index, len(messages))
-            for exchange in _last_exchange([*messages, answer] if answer else []):
+            digests = (answer_digest(answer) if answer else None, tuple(answer_digest(o) for o in others))
+            state.pending = PendingTurn(turn_id, turn_index, len(messages), *(digests if others else (None, ())))
+            exchanges = [e for a in ([answer] if answer else []) + list(others) for e in _last_exchange([*messages, a])]
+            for exchange in exchanges:
                 key = (state.namespace, exchange)
                 self._answers[key] = state.session_id
                 self._answers.move_to_end(key)

@@ -38,6 +38,22 @@ def test_next_state_is_messages_added_after_the_assistant_turn():
     assert s.pending is None
 
 
+def test_choices_take_an_index_each_and_a_reply_to_another_choice_is_not_choice_0s():
+    tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    first = msgs(("system", "be brief"), ("user", "hi"))
+    answers = [{"role": "assistant", "content": t, "tool_calls": None} for t in ("hello", "hey", "hello")]
+    for sid, went_on, reason in (("a", "hello", "next_request"), ("b", "hey", "other_choice_continued"),
+                                 ("c", "howdy", "next_request")):  # "howdy": no choice's text, choice 0's as ever
+        s, _ = tr.open("ns", sid)
+        tr.finish_turn(s, "t0", s.next_index, first, answers[0], main=True, done=False, others=answers[1:])
+        assert s.next_index == 3 and s.pending.turn_index == 0
+        rec = tr.link_next_state(s, first + msgs(("assistant", went_on), ("user", "and?")))
+        assert (rec.turn_id, rec.reason, rec.has_next_state) == ("t0", reason, reason == "next_request")
+        assert (rec.messages is None) == (reason != "next_request")
+    # a request going on with another choice, without a session id, still finds its session
+    assert tr.find("ns", [{"role": "user", "content": "other"}, *first[1:], answers[1]]) == "c"
+
+
 def test_parallel_tool_results_all_belong_to_the_next_state():
     tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
     s, _ = tr.open("ns", "s1")
