@@ -214,9 +214,21 @@ class OPDSettings(_Section):
                          "initial model), 'policy' (the serving engine), a local HF model directory, or an http(s) "
                          "URL of an SGLang server. The teacher must share the policy's tokenizer.")
     hint_samples: int = Field(1, ge=1, description="Hint votes per turn.")
-    hint_policy: Literal["longest", "first", "shortest"] = Field("longest", description="Which accepted hint to use.")
+    hint_policy: Literal["longest", "first", "shortest", "overlap"] = Field(
+        "longest", description="Which accepted hint to use: the longest, the first, the shortest, or 'overlap': the "
+        "one sharing the most distinct words with the next state's text (what the user or tools said next; ties: "
+        "the earlier vote).")
+    hint_candidates: int = Field(0, ge=0, le=3, description="The hint policy chooses among the first this many "
+                                 "usable hints, in vote order; at least this many hint votes are asked for. "
+                                 "0: among every usable hint of the hint_samples votes.")
     hint_placement: Literal["append_last_user", "system"] = Field("append_last_user", description="Where the hint goes.")
     hint_demonstrations: bool = Field(False, description="A hint holding tool calls also makes a sample: those calls as the reply, reward +1.")
+    top_k: int = Field(0, ge=0, le=20, description="Top-k OPD: the teacher's log-probs at the policy's k most likely "
+                       "tokens of each output position (scored by the serving engine at judge time), and a per-token "
+                       "OPD advantage sum_j p(j) (teacher_lp(j) - policy_lp(j)) over them, p the policy's top-k "
+                       "probabilities renormalised. 0: the sampled token only, teacher_lp - old_lp.")
+    advantage_clip: float | None = Field(None, ge=0, description="The per-token OPD advantage (before w_opd) is "
+                                         "clipped to [-clip, clip]; 0 = off; unset: 1.0 with top_k > 0, else off.")
 
 
 class StorageSettings(_Section):

@@ -128,6 +128,11 @@ class SampleRecord:
     # the frozen KL reference's log-probs of output_ids under prompt_ids, scored at judge time by the
     # engine holding the initial weights (len == len(output_ids)); None: the trainer computes them
     ref_logprobs: list[float] | None = None
+    # top-k OPD ([opd] top_k = k), one row of k per output token: the policy's k most likely ids at judge
+    # time (best first), its log-probs of them, and the teacher's under the hinted prompt; None otherwise
+    topk_ids: list[list[int]] | None = None
+    student_topk_logprobs: list[list[float]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
     created_at: datetime = field(default_factory=utcnow)
 
 

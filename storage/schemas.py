@@ -12,6 +12,7 @@ annotation raises ``TypeError`` when this module is imported):
   ratio is ``exp(logprobs - rollout_logprobs)``, so storage must give back exactly what the engine
   returned, and float32's spacing is 2**-19 ~ 1.9e-6 for |x| in [16, 32) (sampled tokens at
   temperature 1 do reach -20). float64 holds any Python float exactly, for 4 more bytes a token.
+- ``list[list[X]]`` (top-k rows, one per output token) -> a list of the column ``list[X]`` gets.
 
 Hive partitioning adds a ``date`` column (``DATE``, the UTC date of ``created_at``) in the
 directory name, not in the files.

@@ -167,6 +167,8 @@ _FITS: dict[pa.DataType, Callable[[Any], bool]] = {arrow_field("", annotation).t
     list[float]: lambda v: _is_finite(_sum(v)),
     list[str]: lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
     list[int | None]: lambda v: isinstance(v, (list, tuple)) and all(x is None or _is_int(x) for x in v),
+    list[list[int]]: lambda v: isinstance(v, (list, tuple)) and all(_is_int(_sum(row)) for row in v),
+    list[list[float]]: lambda v: isinstance(v, (list, tuple)) and all(_is_finite(_sum(row)) for row in v),
 }.items()}
 
 

@@ -198,6 +198,11 @@ class EmbeddedEngine:
                                   f"({self.max_context_len} tokens).")  # SGLang's words
         if req.logprob_start_len > len(prompt):
             raise BadRequestError(f"logprob_start_len {req.logprob_start_len} exceeds the prompt length {len(prompt)}")
+        if req.token_ids_logprob and (sp.max_new_tokens is None or sp.max_new_tokens > 0):
+            raise BadRequestError("token_ids_logprob is scored at prompt positions only here: it needs "
+                                  "sampling_params.max_new_tokens = 0")
+        if req.token_ids_logprob and not all(0 <= t < self.vocab_size for t in req.token_ids_logprob):
+            raise BadRequestError(f"token_ids_logprob holds ids outside [0, {self.vocab_size})")
         room = self.max_context_len - len(prompt)  # prompt + output <= max_context_len
         generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
         seq = Sequence(

@@ -97,6 +97,14 @@ def compute_prompt_logprobs(logits: Tensor, targets: list[int], top_num: int = 0
     return values, tops
 
 
+def token_ids_logprobs(logits: Tensor, token_ids: list[int]) -> list[list[tuple[float, int]]]:
+    """SGLang's ``token_ids_logprob`` at each of n positions: the plain ``log_softmax`` (no
+    temperature) of every id in ``token_ids``, as (logprob, id) pairs in the order asked."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    values = lp[:, torch.tensor(token_ids, dtype=torch.long, device=lp.device)].tolist()  # (n, len(token_ids))
+    return [list(zip(row, token_ids)) for row in values]
+
+
 def _sample_rows(logprobs: Tensor, rows: list[RowSampling], shared: torch.Generator | None) -> Tensor:
     """Inverse-CDF sampling of one token per row from the truncated, renormalised distribution."""
     probs = logprobs.exp()  # softmax(logits / T)   (n, V)

@@ -32,7 +32,7 @@ from torch import Tensor
 from clawrl.engine.cuda_graphs import GraphedDecode
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.prefix_cache import PrefixCache
-from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, top_logprobs
+from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, token_ids_logprobs, top_logprobs
 from clawrl.engine.sequence import DecodeText, Sequence, abort_reason, plan_prefill_groups
 from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError, UpdateResult
 
@@ -304,7 +304,7 @@ class Scheduler:
         seqs = [s for s, _ in done]
         for s in seqs:
             if s.scores_prompt and s.input_logprobs is None:  # from the prompt's end: nothing to score
-                s.input_logprobs, s.input_top = [], []
+                s.begin_prompt_scores(nothing=True)
             s.prefilling, s.prefilled_once = False, True
         # one LM-head call for every completed prompt: each call streams the whole (vocab x hidden) matrix
         last_logits = self.runner.lm_head(torch.stack([h for _, h in done]))  # (N, vocab)
@@ -323,17 +323,14 @@ class Scheduler:
         """SGLang's input logprobs from start s: entry 0 is None, entry j >= 1 is
         log P(prompt[s+j] | prompt[:s+j]), read from the logits at position s+j-1. ``hidden`` holds
         positions ``first ..`` (all of the prompt's from s on, or the next chunk of them)."""
-        prompt, top_num = seq.prompt_ids, seq.sampling.top_logprobs_num
         if seq.input_logprobs is None:
-            seq.input_logprobs = [None] if seq.req.logprob_start_len < len(prompt) else []
-            seq.input_top = [None] if seq.req.logprob_start_len < len(prompt) else []
-        targets = prompt[first + 1:first + 1 + len(hidden)]
+            seq.begin_prompt_scores()
+        targets, ids = seq.prompt_ids[first + 1:first + 1 + len(hidden)], seq.req.token_ids_logprob
         for a in range(0, len(targets), PROMPT_LOGITS_CHUNK):
             logits = self.runner.lm_head(hidden[a:a + PROMPT_LOGITS_CHUNK])
-            v, t = compute_prompt_logprobs(logits, targets[a:a + PROMPT_LOGITS_CHUNK], top_num)
-            seq.input_logprobs.extend(v)
-            if t is not None:
-                seq.input_top.extend(t)
+            seq.add_prompt_scores(*compute_prompt_logprobs(logits, targets[a:a + PROMPT_LOGITS_CHUNK],
+                                                           seq.sampling.top_logprobs_num),
+                                  token_ids_logprobs(logits, ids) if ids else None)
 
     def _decode(self) -> None:
         """One step over every row; a row whose prompt is still being prefilled rides along on a
@@ -448,7 +445,7 @@ class Scheduler:
                 self._release_row(s)
                 s.cache_len, s.prefilling = 0, False
                 if not s.prefilled_once:  # scored again from the start when prefilled again
-                    s.input_logprobs = s.input_top = None
+                    s.input_logprobs = s.input_top = s.input_token_ids = None
             self.counters["retractions"] += len(retracted)
             with self.cv:  # back to the queue, in submission order, ahead of later arrivals
                 self.waiting = deque(sorted([*retracted, *self.waiting], key=lambda s: s.order))

@@ -51,6 +51,7 @@ class Sequence:
     versions: list[str] = field(default_factory=list)  # weight version per output token
     input_logprobs: list[float | None] | None = None
     input_top: list[list[tuple[float, int]] | None] | None = None
+    input_token_ids: list[list[tuple[float, int]] | None] | None = None  # token_ids_logprob per prompt position
     prefilled_once: bool = False  # prompt logprobs are computed on the first prefill only
     prefilling: bool = False  # holds a row, its tokens not all in the cache yet (chunked prefill)
     row: int | None = None  # KV cache row while running
@@ -82,6 +83,19 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """Prompt log-probs are still owed (they are computed on the first prefill only)."""
         return not self.prefilled_once and self.req.return_logprob and self.req.logprob_start_len >= 0
+
+    def begin_prompt_scores(self, nothing: bool = False) -> None:
+        """Empty prompt score lists; entry 0 (the start position itself) is None, as in SGLang,
+        unless the start is the prompt's end (``nothing`` to score)."""
+        first = [] if nothing or self.req.logprob_start_len >= len(self.prompt_ids) else [None]
+        self.input_logprobs, self.input_top, self.input_token_ids = list(first), list(first), list(first)
+
+    def add_prompt_scores(self, values: list[float], tops: list[list[tuple[float, int]]] | None,
+                          token_ids: list[list[tuple[float, int]]] | None) -> None:
+        """The scores of the next prompt positions: log-probs, top lists, ``token_ids_logprob`` pairs."""
+        self.input_logprobs.extend(values)
+        self.input_top.extend(tops or [])
+        self.input_token_ids.extend(token_ids or [])
 
     def check_finish(self, tid: int, decode_text: DecodeText) -> dict[str, Any] | None:
         """The finish reason after appending ``tid``, if any. SGLang's order: length first, then
@@ -125,6 +139,7 @@ class Sequence:
             input_logprobs=self.input_logprobs if with_lp and req.logprob_start_len >= 0 else None,
             output_top_logprobs=[list(t or []) for t in self.output_top] if with_top else None,
             input_top_logprobs=self.input_top if with_top else None,
+            input_token_ids_logprobs=self.input_token_ids if with_lp and req.token_ids_logprob else None,
             # finished without output (aborted while waiting, a prefill-only score): an empty span of the version
             weight_versions=(build_version_spans(self.versions) or [{"version": weight_version, "start": 0, "end": 0}])
             if reason is not None else [],

@@ -23,6 +23,8 @@ Where we knowingly differ from SGLang:
   * ``/abort_request`` and ``/update_weight_version`` exist only when the engine has methods of
     those names (EmbeddedEngine has both; with another engine they answer 404).
   * ``top_logprobs_num`` above 20 (``types.MAX_TOP_LOGPROBS``) is refused, in process too; SGLang has no cap.
+  * ``token_ids_logprob`` is scored at prompt positions only (``input_token_ids_logprobs``): a request
+    with it must be prefill-only (``max_new_tokens = 0``), else 400.
 
 As in SGLang, a client that disconnects gets its request aborted: streams are closed when the
 connection drops, and a non-streaming call notices within ``routes.DISCONNECT_POLL_S`` (0.5 s).

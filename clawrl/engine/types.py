@@ -145,6 +145,8 @@ class GenerateRequest(_Refusing):
     # first prompt position to score (and < the prompt length); -1 = no prompt logprobs
     logprob_start_len: int = Field(-1, ge=-1, description=">= -1")
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS, description=f"in [0, {MAX_TOP_LOGPROBS}]")
+    # ids whose log-probs are returned at every scored position (SGLang's token_ids_logprob)
+    token_ids_logprob: list[StrictInt] | None = Field(None, description="a list of token ids")
     return_text_in_logprobs: bool = Field(False, description=_BOOL)
     return_prompt_token_ids: bool = Field(False, description=_BOOL)
     rid: str = Field(default_factory=new_id, description="a string")
@@ -196,6 +198,8 @@ class GenerateResult:
     input_logprobs: list[float | None] | None = None  # entry j: logprob of input_ids[s+j]; entry 0 is None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # per scored prompt position, (logprob, id) of each id of the request's token_ids_logprob; entry 0 is None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     weight_versions: list[dict[str, Any]] = field(default_factory=list)  # spans over output tokens
     e2e_latency: float = 0.0
     cached_tokens: int = 0
@@ -231,6 +235,9 @@ class GenerateResult:
                 meta["output_top_logprobs"] = [triples(row) for row in self.output_top_logprobs]
             if self.input_top_logprobs is not None:
                 meta["input_top_logprobs"] = [None if row is None else triples(row) for row in self.input_top_logprobs]
+            if self.input_token_ids_logprobs is not None:
+                meta["input_token_ids_logprobs"] = [None if row is None else triples(row)
+                                                    for row in self.input_token_ids_logprobs]
         out = {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
         if req.return_prompt_token_ids:
             out["prompt_token_ids"] = list(prompt_ids)
@@ -243,6 +250,7 @@ class GenerateResult:
         in_lp = meta.get("input_token_logprobs")
         out_top = meta.get("output_top_logprobs")
         in_top = meta.get("input_top_logprobs")
+        in_ids = meta.get("input_token_ids_logprobs")
         return cls(
             rid=str(meta.get("id", "")),
             text=body.get("text", ""),
@@ -256,6 +264,8 @@ class GenerateResult:
             output_top_logprobs=[[(float(a[0]), int(a[1])) for a in row or []] for row in out_top] if out_top else None,
             input_top_logprobs=[None if row is None else [(float(a[0]), int(a[1])) for a in row] for row in in_top]
             if in_top else None,
+            input_token_ids_logprobs=[None if row is None else [(float(a[0]), int(a[1])) for a in row]
+                                      for row in in_ids] if in_ids else None,
             weight_versions=list(meta.get("weight_versions") or []),
             e2e_latency=float(meta.get("e2e_latency") or 0.0),
             cached_tokens=int(meta.get("cached_tokens") or 0),

@@ -29,6 +29,13 @@ With a ``reference`` engine (the frozen initial weights, the KL reference the tr
 otherwise run a forward of), each sample also carries ``ref_logprobs``: its output scored under its
 own prompt, prefill only, in flight with the teacher's request.
 
+With ``top_k`` = k (top-k OPD), a sample with a teacher also carries, per output token, the policy's
+k most likely ids and their log-probs (the serving engine, ``policy``, scoring the turn's own prompt
+prefill-only at judge time: the weights that sampled the turn unless a sync came in between) and the
+teacher's log-probs of those ids under the hinted prompt (the same single teacher request that
+gives ``teacher_logprobs``). With ``hint_candidates`` = N > 0, at least N hint votes are asked for
+and the hint policy chooses among the first N usable ones.
+
 The teacher is checked against the turn before it is trusted: rendering the turn's own messages
 with ``teacher_tokenizer`` must give back the turn's ``prompt_ids`` exactly, otherwise the teacher
 would score other tokens than the policy sampled (different tokenizer or template).
@@ -49,8 +56,8 @@ from clawrl.judge.backends import JudgeBackend, RewardHookBackend
 from clawrl.judge.context import build_judge_context
 from clawrl.judge.parse import parse_hint, parse_score
 from clawrl.judge.prompts import PROMPTS_VERSION, build_hint_messages, build_prm_messages
-from clawrl.judge.teacher import (TeacherAlignmentError, build_teacher_prompt_ids, compute_teacher_logprobs,
-                                  demonstration_ids)
+from clawrl.judge.teacher import (TeacherAlignmentError, build_teacher_prompt_ids, compute_student_topk,
+                                  compute_teacher_logprobs, compute_teacher_topk_logprobs, demonstration_ids)
 from clawrl.judge.voting import hint_problem, majority_vote, select_hint
 from clawrl.records import (Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, SampleRecord, TurnRecord,
                             TurnType)
@@ -74,7 +81,7 @@ class JudgeOutcome:
 def judge_config_hash(*, backend: str, model: str, method: Method | str, judge_samples: int, hint_samples: int,
                       temperature: float, max_tokens: int, budget_chars: int, hint_policy: str,
                       hint_placement: str, teacher: str = "", prompts_version: str = PROMPTS_VERSION,
-                      demonstrations: bool = False) -> str:
+                      demonstrations: bool = False, top_k: int = 0, hint_candidates: int = 0) -> str:
     """A short stable hash of everything that changes what the judge decides; samples and verdicts
     are keyed by it, so a new configuration judges turns afresh and a rerun of the same one
     overwrites."""
@@ -86,6 +93,10 @@ def judge_config_hash(*, backend: str, model: str, method: Method | str, judge_s
     }
     if demonstrations:  # a key only when on: hashes of configurations without it stay as they were
         values["demonstrations"] = True
+    if top_k:  # likewise
+        values["top_k"] = top_k
+    if hint_candidates:
+        values["hint_candidates"] = hint_candidates
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -151,6 +162,8 @@ class Judge:
     hint_demonstrations: bool = False  # [opd] hint_demonstrations: a hint holding tool calls -> a demonstration
     policy: Engine | None = None  # scores a demonstration's behaviour log-probs (the teacher when None)
     reference: Engine | None = None  # the frozen initial weights: each sample's KL-reference log-probs
+    top_k: int = 0  # [opd] top_k: > 0 scores the teacher at the policy's top-k ids too (needs ``policy``)
+    hint_candidates: int = 0  # [opd] hint_candidates: the hint policy chooses among the first N usable hints
 
     def __post_init__(self) -> None:
         self.method = Method(self.method)
@@ -160,6 +173,9 @@ class Judge:
             raise ValueError(f"{self.method.value} needs {wanted}, got {self.judge_samples} and {self.hint_samples}")
         if needs_hint and (self.teacher is None or self.teacher_tokenizer is None):
             raise ValueError(f"{self.method.value} needs a teacher engine and its tokenizer")
+        if needs_hint and self.top_k > 0 and self.policy is None:
+            raise ValueError("top-k OPD needs the serving engine (the policy's top-k at each output position): "
+                             "in this process, or engine.kind = 'http'")
 
     async def judge(self, turn: TurnRecord, next_state: NextStateRecord | None) -> JudgeOutcome:
         """Judge ``turn`` given its ``next_state`` (module docstring)."""
@@ -185,6 +201,7 @@ class Judge:
                 return outcome(Fate.NO_HINT, f"no usable hint among {self.hint_samples} votes", verdict)
             return outcome(Fate.SCORE_ZERO, f"score 0 ({verdict.score_reason}; votes {verdict.votes})", verdict)
         teacher_logprobs = rendering = None
+        topk: dict[str, Any] = {}
         ref_task = asyncio.ensure_future(self._reference_logprobs(turn.prompt_ids, turn.output_ids))
         if use_teacher:
             try:
@@ -192,13 +209,15 @@ class Judge:
                 messages, tools, tool_choice = rendering
                 prompt_ids = build_teacher_prompt_ids(self.teacher_tokenizer, messages, tools, verdict.hint,
                                                       self.hint_placement, tool_choice=tool_choice)
-                teacher_logprobs = await compute_teacher_logprobs(self.teacher, prompt_ids, turn.output_ids)
+                teacher_logprobs, topk = await self._teacher_scores(turn, prompt_ids)
             except (TeacherAlignmentError, EngineError, BadRequestError) as e:
                 ref_task.cancel()
                 verdict.error = f"teacher: {type(e).__name__}: {e}"
                 return outcome(Fate.JUDGE_ERROR, verdict.error, verdict)
         reward = 0.0 if self.method == Method.OPD else float(score)
         sample = self._sample(turn, turn.turn_id, turn.output_ids, turn.rollout_logprobs, reward, teacher_logprobs)
+        for name, value in topk.items():
+            setattr(sample, name, value)
         sample.ref_logprobs = await ref_task
         detail = f"reward {reward:+g}, teacher {'yes' if use_teacher else 'no'}"
         out = outcome(Fate.SAMPLE, detail, verdict, sample)
@@ -206,6 +225,15 @@ class Judge:
             out.demonstration, note = await self._demonstration(turn, verdict.hint, rendering)
             out.fate.detail += note
         return out
+
+    async def _teacher_scores(self, turn: TurnRecord, prompt_ids: list[int]) -> tuple[list[float], dict[str, Any]]:
+        """(the teacher's log-probs of the turn's output under ``prompt_ids``, the sample's top-k
+        fields: empty unless ``top_k`` > 0)."""
+        if self.top_k <= 0:
+            return await compute_teacher_logprobs(self.teacher, prompt_ids, turn.output_ids), {}
+        ids, student = await compute_student_topk(self.policy, turn.prompt_ids, turn.output_ids, self.top_k)
+        sampled, teacher = await compute_teacher_topk_logprobs(self.teacher, prompt_ids, turn.output_ids, ids)
+        return sampled, {"topk_ids": ids, "student_topk_logprobs": student, "teacher_topk_logprobs": teacher}
 
     def _sample(self, turn: TurnRecord, key: str, output_ids: list[int], rollout_logprobs: list[float],
                 reward: float, teacher_logprobs: list[float] | None) -> SampleRecord:
@@ -258,7 +286,7 @@ class Judge:
         ctx = build_judge_context(turn, next_state)
         stages = {"prm": (build_prm_messages, self.judge_samples)}
         if self.method in (Method.OPD, Method.COMBINE):
-            stages["hint"] = (build_hint_messages, self.hint_samples)
+            stages["hint"] = (build_hint_messages, max(self.hint_samples, self.hint_candidates))
         raws = dict(zip(stages, await asyncio.gather(*(
             _complete(backend, build(ctx, self.budget_chars), n, self.temperature, self.max_tokens)
             for build, n in stages.values()))))
@@ -270,8 +298,9 @@ class Judge:
         return JudgeVerdict(
             turn_id=turn.turn_id, judge_config_hash=self.config_hash, judge_backend=self.backend_name, score=score,
             score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in raws["prm"]]),
-            hint=select_hint([h for accepted, h in hints if accepted], self.hint_policy,
-                             problem=self._hint_problem(ctx)) if hint_raw else None,
+            hint=select_hint([h for accepted, h in hints if accepted], self.hint_policy, problem=self._hint_problem(ctx),
+                             limit=self.hint_candidates, evidence="\n".join(text for _, text in ctx.next_state))
+            if hint_raw else None,
             hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
             error="; ".join(errors) or None)
 

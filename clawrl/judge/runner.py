@@ -73,6 +73,8 @@ def build_judge_config_hash(settings: Settings) -> str:
         budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
         teacher=_teacher_id(settings) if method in (Method.OPD, Method.COMBINE) else "",
         demonstrations=opd.hint_demonstrations and method == Method.COMBINE,
+        top_k=opd.top_k if method in (Method.OPD, Method.COMBINE) else 0,
+        hint_candidates=opd.hint_candidates if method in (Method.OPD, Method.COMBINE) else 0,
     )
 
 
@@ -156,9 +158,9 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
                  budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
                  config_hash=build_judge_config_hash(settings),
                  reward_hook=load_hook("reward", settings.hooks.reward), hint_demonstrations=opd.hint_demonstrations,
-                 reference=_reference(settings, frozen, teacher),
+                 reference=_reference(settings, frozen, teacher), top_k=opd.top_k, hint_candidates=opd.hint_candidates,
                  policy=policy or (_http_engine(settings, settings.engine.url) if settings.engine.kind == "http"
-                                   and opd.hint_demonstrations else None))
+                                   and (opd.hint_demonstrations or opd.top_k > 0) else None))
 
 
 _TURN_FIELDS = [f.name for f in fields(TurnRecord)]

@@ -12,6 +12,10 @@ Two things OpenClaw-RL (the reference design) gets wrong and we do not:
   token 0 - null: that is the reference's off-by-one (it then pads a 0.0). We send ``s = P - 1``,
   get R + 1 entries, drop entry 0 (the last prompt token) and keep entries 1..R, which are
   log P(output_k | prompt, output_<k). Anything else raises :class:`TeacherAlignmentError`.
+
+Top-k OPD (``[opd] top_k = k``) slices the same way: the policy's ``input_top_logprobs`` (the
+student's k most likely ids at each output position), then the teacher's ``input_token_ids_logprobs``
+at those ids, both from prefill-only requests with ``logprob_start_len = P - 1``.
 """
 
 from __future__ import annotations
@@ -95,34 +99,87 @@ def demonstration_ids(tokenizer, messages: Sequence[ChatMessage | dict[str, Any]
     return adapter.render_reply(msgs, reply, tool_defs, tool_choice)
 
 
+def _output_rows(entries: list | None, name: str, start: int, n_input: int, n_output: int) -> list:
+    """Entries 1..R of a prompt-score list from ``logprob_start_len = P - 1`` (module docstring)."""
+    expected = n_output + 1
+    if entries is None or len(entries) != expected:
+        got = f"no {name}" if entries is None else f"{len(entries)} entries of {name}"
+        raise TeacherAlignmentError(
+            f"teacher returned {got} for logprob_start_len={start} over {n_input} input ids; "
+            f"expected {expected} (one null entry for the last prompt token, then one per output token)")
+    return entries[1:]
+
+
+def _finite(values: Sequence[float | None], what: str) -> list[float]:
+    bad = [k for k, v in enumerate(values) if v is None or not math.isfinite(v)]
+    if bad:
+        raise TeacherAlignmentError(f"{what} missing or not finite at output positions {bad[:10]} of {len(values)}")
+    return [float(v) for v in values]
+
+
+async def _score_output(engine: Engine, prompt_ids: Sequence[int], output_ids: Sequence[int], *,
+                        top_k: int = 0, token_ids: Sequence[int] | None = None):
+    """(result, start): one prefill-only request scoring ``output_ids`` after ``prompt_ids``."""
+    prompt, output = list(prompt_ids), list(output_ids)
+    if not prompt:
+        raise ValueError("the teacher prompt is empty")
+    start = len(prompt) - 1  # entry 0 (null) lands on the last prompt token, not on output token 0
+    req = GenerateRequest(input_ids=prompt + output, sampling_params=SamplingParams(max_new_tokens=0, temperature=1.0),
+                          return_logprob=True, logprob_start_len=start, top_logprobs_num=top_k,
+                          token_ids_logprob=list(token_ids) if token_ids else None)
+    return await engine.generate(req), start
+
+
 async def compute_teacher_logprobs(engine: Engine, teacher_prompt_ids: Sequence[int],
                                    output_ids: Sequence[int]) -> list[float]:
     """log P_teacher(output_ids[k] | teacher_prompt_ids, output_ids[:k]) for every k: one
     prefill-only request (``max_new_tokens = 0``), sliced as the module docstring explains.
     Raises TeacherAlignmentError unless exactly ``len(output_ids)`` finite values come back."""
-    prompt, output = list(teacher_prompt_ids), list(output_ids)
-    if not prompt:
+    if not teacher_prompt_ids:
         raise ValueError("the teacher prompt is empty")
-    if not output:
+    if not output_ids:
         return []
-    start = len(prompt) - 1  # entry 0 (null) lands on the last prompt token, not on output token 0
-    req = GenerateRequest(
-        input_ids=prompt + output,
-        sampling_params=SamplingParams(max_new_tokens=0, temperature=1.0),
-        return_logprob=True,
-        logprob_start_len=start,
-    )
-    result = await engine.generate(req)
-    entries = result.input_logprobs
-    expected = len(output) + 1
-    if entries is None or len(entries) != expected:
-        got = "no input log-probs" if entries is None else f"{len(entries)} entries"
-        raise TeacherAlignmentError(
-            f"teacher returned {got} for logprob_start_len={start} over {len(prompt) + len(output)} input ids; "
-            f"expected {expected} (one null entry for the last prompt token, then one per output token)")
-    values = entries[1:]
-    bad = [k for k, v in enumerate(values) if v is None or not math.isfinite(v)]
-    if bad:
-        raise TeacherAlignmentError(
-            f"teacher log-probs missing or not finite at output positions {bad[:10]} of {len(output)}")
-    return [float(v) for v in values]
+    result, start = await _score_output(engine, teacher_prompt_ids, output_ids)
+    n_input = len(teacher_prompt_ids) + len(output_ids)
+    return _finite(_output_rows(result.input_logprobs, "input log-probs", start, n_input, len(output_ids)),
+                   "teacher log-probs")
+
+
+async def compute_student_topk(engine: Engine, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                               k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """(ids, log-probs), one row of ``k`` per output token, best first: the policy's ``k`` most likely
+    tokens at each output position (``top_logprobs_num = k`` over the same prefill-only request and
+    slicing as :func:`compute_teacher_logprobs`), plain ``log_softmax`` as the trainer computes it."""
+    if not output_ids:
+        return [], []
+    result, start = await _score_output(engine, prompt_ids, output_ids, top_k=k)
+    n_input = len(prompt_ids) + len(output_ids)
+    rows = _output_rows(result.input_top_logprobs, "input top log-probs", start, n_input, len(output_ids))
+    if any(row is None or len(row) != k for row in rows):
+        raise TeacherAlignmentError(f"the policy's top-{k} lists do not hold {k} entries at every output position")
+    ids = [[int(t) for _, t in row] for row in rows]
+    return ids, [_finite([lp for lp, _ in row], "student top-k log-probs") for row in rows]
+
+
+async def compute_teacher_topk_logprobs(engine: Engine, teacher_prompt_ids: Sequence[int],
+                                        output_ids: Sequence[int], topk_ids: Sequence[Sequence[int]]
+                                        ) -> tuple[list[float], list[list[float]]]:
+    """(the teacher's log-probs of ``output_ids``, as :func:`compute_teacher_logprobs`, and its
+    log-probs of ``topk_ids[k][j]`` at output position k), from one prefill-only request: SGLang's
+    ``token_ids_logprob`` holds the union of the ids of every position and each position keeps its own."""
+    if len(topk_ids) != len(output_ids):
+        raise ValueError(f"{len(topk_ids)} top-k rows for {len(output_ids)} output ids")
+    if not output_ids:
+        return [], []
+    union = sorted({int(t) for row in topk_ids for t in row})
+    result, start = await _score_output(engine, teacher_prompt_ids, output_ids, token_ids=union)
+    n_input, n = len(teacher_prompt_ids) + len(output_ids), len(output_ids)
+    sampled = _finite(_output_rows(result.input_logprobs, "input log-probs", start, n_input, n), "teacher log-probs")
+    rows = _output_rows(result.input_token_ids_logprobs, "input token-ids log-probs", start, n_input, n)
+    topk = []
+    for pos, (row, want) in enumerate(zip(rows, topk_ids)):
+        by_id = {int(t): lp for lp, t in row or []}
+        if any(int(t) not in by_id for t in want):
+            raise TeacherAlignmentError(f"the teacher did not score every asked id at output position {pos}")
+        topk.append(_finite([by_id[int(t)] for t in want], "teacher top-k log-probs"))
+    return sampled, topk

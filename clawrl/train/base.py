@@ -41,7 +41,7 @@ from clawrl.records import Method
 from clawrl.train.batch import TokenBatch
 
 if TYPE_CHECKING:
-    from clawrl.config import PPOSettings
+    from clawrl.config import OPDSettings, PPOSettings
 
 # not copied from the source model into a checkpoint: written fresh, a cache marker, or the
 # trainer's own files of the checkpoint a resumed trainer started from
@@ -78,10 +78,15 @@ class PPOHyperParams:
     group_norm: bool
     group_by: str  # baseline group when group_norm: prompt | batch
     seed: int
+    opd_clip: float = 0.0  # [opd] advantage_clip resolved: the per-token OPD advantage clip, 0 = off
 
     @classmethod
-    def from_settings(cls, ppo: PPOSettings, seed: int) -> PPOHyperParams:
-        return cls(seed=seed, **{f.name: getattr(ppo, f.name) for f in fields(cls) if f.name != "seed"})
+    def from_settings(cls, ppo: PPOSettings, seed: int, opd: OPDSettings | None = None) -> PPOHyperParams:
+        """``opd``: where ``opd_clip`` comes from ([opd] advantage_clip; unset: 1.0 with top_k > 0)."""
+        clip = 0.0 if opd is None else opd.advantage_clip if opd.advantage_clip is not None else (
+            1.0 if opd.top_k > 0 else 0.0)
+        return cls(seed=seed, opd_clip=clip,
+                   **{f.name: getattr(ppo, f.name) for f in fields(cls) if f.name not in ("seed", "opd_clip")})
 
 
 def lr_at(hp: PPOHyperParams, step: int) -> float:
@@ -113,7 +118,8 @@ def default_loss(mb: TokenBatch, *, logprobs: Tensor, old_logprobs: Tensor, ref_
     replacement takes the same keyword arguments and returns ``(scalar loss, metrics)``."""
     advantages = compute_advantages(hp.advantage_estimator, reward=reward, teacher_logprobs=mb.teacher_logprobs,
                                     old_logprobs=old_logprobs, mask=mb.response_mask, has_teacher=mb.has_teacher,
-                                    w_rl=hp.w_rl, w_opd=hp.w_opd)
+                                    w_rl=hp.w_rl, w_opd=hp.w_opd, opd_clip=hp.opd_clip,
+                                    topk=(mb.student_topk_logprobs, mb.teacher_topk_logprobs, mb.has_topk))
     return compute_ppo_loss(logprobs, old_logprobs, advantages, mb.response_mask, rollout_logprobs=mb.rollout_logprobs,
                             ref_logprobs=ref_logprobs, entropy=entropy, clip_low=hp.clip_range,
                             clip_high=hp.clip_range_high, dual_clip=hp.dual_clip, tis_cap=hp.tis_cap,
@@ -311,6 +317,7 @@ class TrainBackend:
         return {**means, "num_tokens": num_tokens, "num_seqs": num_seqs,
                 "num_groups": float(torch.unique(batch.group_ids).numel()), "reward_mean": float(batch.reward.mean()),
                 "teacher_fraction": float(batch.has_teacher.float().mean()),
+                "topk_fraction": float(batch.has_topk.float().mean()),
                 "reference_from_judge": float(batch.has_ref.float().mean()) if hp.kl_coef > 0 else 0.0, "lr": self.lr}
 
     def optimizer_state_dict(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Layout for a sample with P prompt ids and T output ids, padded to length L:
     targets        input_ids[1:]                            (L-1,)
     response_mask  1.0 at positions P-1 .. P+T-2            (L-1,)  target is an output id
     *_logprobs     logprob of o_j at position P-1+j, else 0 (L-1,)
+    *_topk_logprobs the k top-k log-probs of o_j's position at P-1+j, else 0 (L-1, k)
 
 The ids are the exact ones the engine saw and sampled: nothing here re-tokenizes. Any length
 mismatch between ids and log-probs raises; nothing is padded or truncated to make it fit (the
@@ -38,6 +39,10 @@ class TokenBatch:
     has_teacher: Tensor  # (B,) bool
     ref_logprobs: Tensor  # (B, L-1) float32, the frozen reference's at the output positions (0 without them)
     has_ref: Tensor  # (B,) bool, the sample came with reference log-probs (scored at judge time)
+    # top-k OPD: the policy's / the teacher's log-probs of the policy's top-k ids at the output positions
+    student_topk_logprobs: Tensor  # (B, L-1, k) float32, 0 elsewhere; k = 0 when no sample has them
+    teacher_topk_logprobs: Tensor  # (B, L-1, k) float32
+    has_topk: Tensor  # (B,) bool
     reward: Tensor  # (B,) float32, the judge's score
     group_ids: Tensor  # (B,) long, samples with identical prompt ids share a group (GRPO)
     sample_ids: list[str]
@@ -56,6 +61,8 @@ class TokenBatch:
                           rollout_logprobs=self.rollout_logprobs[rows, tcols],
                           teacher_logprobs=self.teacher_logprobs[rows, tcols], has_teacher=self.has_teacher[rows],
                           ref_logprobs=self.ref_logprobs[rows, tcols], has_ref=self.has_ref[rows],
+                          student_topk_logprobs=self.student_topk_logprobs[rows, tcols],
+                          teacher_topk_logprobs=self.teacher_topk_logprobs[rows, tcols], has_topk=self.has_topk[rows],
                           reward=self.reward[rows], group_ids=self.group_ids[rows], sample_ids=self.sample_ids[rows])
 
     def select(self, rows: Sequence[int]) -> TokenBatch:
@@ -86,6 +93,9 @@ def collate_samples(samples: Sequence[SampleRecord], pad_id: int) -> TokenBatch:
     rollout = torch.zeros((B, L - 1), dtype=torch.float32)
     teacher = torch.zeros((B, L - 1), dtype=torch.float32)
     ref = torch.zeros((B, L - 1), dtype=torch.float32)
+    k = _topk_width(samples)
+    student_topk = torch.zeros((B, L - 1, k), dtype=torch.float32)
+    teacher_topk = torch.zeros((B, L - 1, k), dtype=torch.float32)
     groups: dict[tuple[int, ...], int] = {}
     group_ids = []
     for i, s in enumerate(samples):
@@ -99,13 +109,45 @@ def collate_samples(samples: Sequence[SampleRecord], pad_id: int) -> TokenBatch:
             teacher[i, out] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
         if s.ref_logprobs is not None:
             ref[i, out] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
+        if _has_topk(s):
+            student_topk[i, out] = torch.tensor(s.student_topk_logprobs, dtype=torch.float32)
+            teacher_topk[i, out] = torch.tensor(s.teacher_topk_logprobs, dtype=torch.float32)
         group_ids.append(groups.setdefault(tuple(s.prompt_ids), len(groups)))
     return TokenBatch(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                       rollout_logprobs=rollout, teacher_logprobs=teacher,
                       has_teacher=torch.tensor([s.has_teacher for s in samples], dtype=torch.bool),
                       ref_logprobs=ref, has_ref=torch.tensor([s.ref_logprobs is not None for s in samples]),
+                      student_topk_logprobs=student_topk, teacher_topk_logprobs=teacher_topk,
+                      has_topk=torch.tensor([_has_topk(s) for s in samples], dtype=torch.bool),
                       reward=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
                       group_ids=torch.tensor(group_ids, dtype=torch.long), sample_ids=[s.sample_id for s in samples])
+
+
+def _has_topk(s: SampleRecord) -> bool:
+    """Top-k OPD rows are read only for a sample with a teacher, as its teacher log-probs."""
+    return s.has_teacher and s.teacher_topk_logprobs is not None
+
+
+def _topk_width(samples: Sequence[SampleRecord]) -> int:
+    """The one k of the batch's top-k samples (0 without any); different k in one batch raise."""
+    widths = {len(row) for s in samples if _has_topk(s) for row in s.teacher_topk_logprobs}
+    if len(widths) > 1:
+        raise BatchAlignmentError(f"top-k rows of different widths {sorted(widths)} in one batch")
+    return widths.pop() if widths else 0
+
+
+def _check_topk(s: SampleRecord, where: str) -> list[float]:
+    """The sample's top-k log-probs (flattened) after checking one row of k per output id."""
+    T = len(s.output_ids)
+    rows = {"student_topk_logprobs": s.student_topk_logprobs, "teacher_topk_logprobs": s.teacher_topk_logprobs}
+    for name, value in rows.items():
+        if value is None or len(value) != T:
+            raise BatchAlignmentError(f"{where}: {name} holds {None if value is None else len(value)} rows "
+                                      f"for {T} output_ids")
+    k = len(s.teacher_topk_logprobs[0])
+    if k == 0 or any(len(row) != k for value in rows.values() for row in value):
+        raise BatchAlignmentError(f"{where}: top-k rows are not all of one width k >= 1")
+    return [x for value in rows.values() for row in value for x in row]
 
 
 def _check_sample(s: SampleRecord) -> None:
@@ -127,7 +169,7 @@ def _check_sample(s: SampleRecord) -> None:
         raise BatchAlignmentError(f"{where}: {len(s.ref_logprobs)} ref_logprobs for {T} output_ids")
     # has_teacher is the authority: teacher log-probs on a sample without it are never read.
     used = (list(s.rollout_logprobs) + (list(s.teacher_logprobs) if s.has_teacher else [])
-            + list(s.ref_logprobs or []))
+            + list(s.ref_logprobs or []) + (_check_topk(s, where) if _has_topk(s) else []))
     # a positive value means probabilities or logits were stored, not log-probs (1e-3 of slack
     # for engines whose float32 log-softmax rounds a near-certain token above 0)
     bad = [x for x in used if not (math.isfinite(x) and x <= 1e-3)]

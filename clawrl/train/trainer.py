@@ -147,7 +147,7 @@ def trainer_from_settings(settings) -> Trainer:
     tok = load_tokenizer(base)
     ppo, device = settings.ppo, resolve_device(settings.model.device)[0]
     return Trainer(base_model_dir=base, checkpoints=settings.storage.data_root / "checkpoints",
-                   hp=PPOHyperParams.from_settings(ppo, settings.model.seed),
+                   hp=PPOHyperParams.from_settings(ppo, settings.model.seed, settings.opd),
                    pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                    backend=ppo.backend, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                    tp_size=settings.model.tensor_parallel, lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha,

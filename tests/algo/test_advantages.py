@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from clawrl.algo.advantages import (
     compute_grpo_advantages,
     compute_opd_advantages,
     normalize_group_rewards,
+    topk_opd_gap,
 )
 from clawrl.records import Method
 
@@ -135,3 +138,45 @@ def test_unknown_method_lists_valid_ones():
                            has_teacher=torch.ones(1, dtype=torch.bool))
     assert "'ppo_gae'" in str(e.value)
     assert "grpo, on_policy_distillation, combine" in str(e.value)
+
+
+# top-k OPD, k = 2, one sample with 2 output positions (log-probs of exact probabilities):
+#   position 0: policy p = (0.6, 0.2) -> renormalised (0.75, 0.25); teacher (0.3, 0.4)
+#     G = 0.75 ln(0.3/0.6) + 0.25 ln(0.4/0.2) = -0.75 ln 2 + 0.25 ln 2 = -0.5 ln 2 = -0.346574
+#   position 1: policy (0.5, 0.5) -> (0.5, 0.5); teacher (0.05, 0.5)
+#     G = 0.5 ln(0.05/0.5) + 0.5 ln 1 = 0.5 ln 0.1 = -1.151293, clipped at 1.0 -> -1.0
+STUDENT_TOPK = torch.tensor([[[0.6, 0.2], [0.5, 0.5]]]).log()
+TEACHER_TOPK = torch.tensor([[[0.3, 0.4], [0.05, 0.5]]]).log()
+G_HAND = [-0.5 * math.log(2.0), 0.5 * math.log(0.1)]
+
+
+def test_topk_opd_gap_by_hand():
+    assert topk_opd_gap(STUDENT_TOPK, TEACHER_TOPK)[0].tolist() == pytest.approx(G_HAND, abs=1e-6)
+
+
+def test_topk_opd_advantage_is_clipped_per_token_and_weighted_in_combine():
+    mask, has = torch.ones(1, 2), torch.tensor([True])
+    topk = (STUDENT_TOPK, TEACHER_TOPK, torch.tensor([True]))
+    sampled = torch.full((1, 2), -20.0)  # the sampled-token gap, ignored for a top-k row
+    free = compute_opd_advantages(sampled, torch.zeros(1, 2), mask, has, topk=topk)
+    assert free[0].tolist() == pytest.approx(G_HAND, abs=1e-6)
+    clipped = compute_opd_advantages(sampled, torch.zeros(1, 2), mask, has, topk=topk, opd_clip=1.0)
+    assert clipped[0].tolist() == pytest.approx([G_HAND[0], -1.0], abs=1e-6)
+    # combine: w_rl*R + w_opd*clip(G), R = +1, w_opd = 0.5
+    combine = compute_advantages("combine", reward=torch.tensor([1.0]), teacher_logprobs=sampled,
+                                 old_logprobs=torch.zeros(1, 2), mask=mask, has_teacher=has, w_rl=1.0, w_opd=0.5,
+                                 topk=topk, opd_clip=1.0)
+    assert combine[0].tolist() == pytest.approx([1.0 + 0.5 * G_HAND[0], 0.5], abs=1e-6)
+    # no teacher -> no OPD term whatever the top-k rows hold
+    assert compute_opd_advantages(sampled, torch.zeros(1, 2), mask, torch.tensor([False]), topk=topk).abs().max() == 0
+
+
+def test_topk_rows_and_sampled_token_rows_mix_and_k1_is_the_sampled_gap():
+    # row 0: top-k (k = 1: the policy's top-1 with log-prob -0.2, the teacher's -0.7 -> G = -0.5);
+    # row 1: no top-k rows, today's teacher_lp - old_lp
+    student = torch.tensor([[[-0.2], [-0.2], [-0.2]], [[0.0], [0.0], [0.0]]])
+    teacher = torch.tensor([[[-0.7], [-0.7], [-0.7]], [[0.0], [0.0], [0.0]]])
+    adv = compute_opd_advantages(TEACHER, OLD, MASK, torch.tensor([True, True]),
+                                 topk=(student, teacher, torch.tensor([True, False])), opd_clip=1.0)
+    # clip 1.0 also bounds the sampled-token rows: row 1 pos 1 is -3 - (-1) = -2 -> -1
+    assert adv.flatten().tolist() == pytest.approx([0.0, -0.5, -0.5, 0.0, -1.0, 0.0])

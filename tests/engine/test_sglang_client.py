@@ -93,6 +93,33 @@ def test_generate_equals_the_in_process_engine(server, tiny_dir):
         assert r.weight_versions == [{"version": "0", "start": 0, "end": 10}]
 
 
+def test_topk_scoring_over_http_equals_the_in_process_engine(server, tiny_dir):
+    """Top-k OPD's two requests (the policy's top-k ids, then token_ids_logprob at them) over SGLang's
+    JSON: input_top_logprobs and input_token_ids_logprobs survive the wire as in process."""
+    from clawrl.judge.teacher import compute_student_topk, compute_teacher_topk_logprobs
+
+    output = [5, 17, 300, 2]
+
+    async def scores(engine):
+        ids, student = await compute_student_topk(engine, PROMPT, output, 3)
+        sampled, teacher = await compute_teacher_topk_logprobs(engine, [9, 8] + PROMPT, output, ids)
+        return ids, student, sampled, teacher
+
+    async def main():
+        async with SGLangClient(server.url) as client:
+            remote = await scores(client)
+        async with make_tiny_engine(tiny_dir) as engine:
+            local = await scores(engine)
+        return remote, local
+
+    remote, local = run(main())
+    assert remote[0] == local[0] and all(len(row) == 3 for row in remote[0])
+    (_, r_student, r_sampled, r_teacher), (_, l_student, l_sampled, l_teacher) = remote, local
+    assert r_sampled == pytest.approx(l_sampled, abs=1e-6)
+    assert sum(r_student, []) == pytest.approx(sum(l_student, []), abs=1e-6)
+    assert sum(r_teacher, []) == pytest.approx(sum(l_teacher, []), abs=1e-6)
+
+
 def test_prompt_scoring_equals_the_in_process_engine(server, tiny_dir):
     full = PROMPT + [11, 12, 13, 14]
 

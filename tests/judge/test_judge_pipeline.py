@@ -229,9 +229,42 @@ def test_judge_config_hash_covers_every_judge_setting():
     changed = {"backend": "provider", "model": "smollm2-135m", "method": Method.GRPO, "judge_samples": 5,
                "hint_samples": 3, "temperature": 0.7, "max_tokens": 256, "budget_chars": 4000,
                "hint_policy": "first", "hint_placement": "system", "teacher": "policy", "prompts_version": "v-other",
-               "demonstrations": True}
+               "demonstrations": True, "top_k": 4, "hint_candidates": 3}
     hashes = {judge_config_hash(**{**base, k: v}) for k, v in changed.items()}
     assert len(hashes) == len(changed) and h not in hashes
+
+    # top_k and hint_candidates at their defaults leave the hashes of existing configurations as they were
+    assert judge_config_hash(**base, top_k=0, hint_candidates=0) == h
+    assert judge_config_hash(**base, top_k=4) != judge_config_hash(**base, top_k=2)
+
+
+def test_topk_combine_sample_carries_the_policys_topk_and_the_teachers_logprobs_of_them(session, tiny_engine):
+    turn, ns = session["corrected"]
+    plain = _judge(turn, ns, Method.COMBINE, tiny_engine).sample
+    out = _judge(turn, ns, Method.COMBINE, tiny_engine, top_k=3, policy=tiny_engine)
+    s = out.sample
+    assert out.fate.fate == "sample" and s.has_teacher
+    assert s.teacher_logprobs == pytest.approx(plain.teacher_logprobs, abs=1e-6)  # sampled-token values unchanged
+    n = len(s.output_ids)
+    assert len(s.topk_ids) == len(s.student_topk_logprobs) == len(s.teacher_topk_logprobs) == n
+    assert all(len(row) == 3 for rows in (s.topk_ids, s.student_topk_logprobs, s.teacher_topk_logprobs) for row in rows)
+    # the policy's top-3 on the turn's own prompt: its log-probs at a sampled id in it are the rollout's
+    for pos, row in enumerate(s.topk_ids):
+        if s.output_ids[pos] in row:
+            j = row.index(s.output_ids[pos])
+            assert abs(s.student_topk_logprobs[pos][j] - turn.rollout_logprobs[pos]) < 1e-4
+            assert abs(s.teacher_topk_logprobs[pos][j] - s.teacher_logprobs[pos]) < 1e-6
+    assert plain.topk_ids is None and plain.teacher_topk_logprobs is None
+    with pytest.raises(ValueError, match="top-k OPD needs the serving engine"):
+        _judge(turn, ns, Method.COMBINE, tiny_engine, top_k=3)
+    grpo = _judge(turn, ns, Method.GRPO, tiny_engine, top_k=3)  # no teacher, no top-k
+    assert grpo.sample.topk_ids is None
+
+
+def test_hint_candidates_ask_for_enough_hint_votes(session, tiny_engine):
+    turn, ns = session["corrected"]
+    out = _judge(turn, ns, Method.OPD, tiny_engine, hint_samples=1, hint_candidates=3, hint_policy="overlap")
+    assert len(json.loads(out.verdict.hint_raw_outputs)) == 3 and out.verdict.hint == "answer in one word"
 
 
 # ------------------------------------------------------------------------------ demonstrations

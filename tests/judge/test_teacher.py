@@ -1,4 +1,5 @@
 import asyncio
+import math
 
 import pytest
 import torch
@@ -121,3 +122,60 @@ def test_hint_placements(tiny_engine):
     assert no_system.index(f"{HINT_LABEL} {hint}") < no_system.index("Name a colour.")  # a system message is added
     with pytest.raises(ValueError, match="append_last_user, system"):
         build_teacher_prompt_ids(tok, MESSAGES, None, hint, "prepend")
+
+
+def test_teacher_topk_logprobs_line_up_with_the_students_topk(tiny_engine, tiny_dir):
+    """Top-k OPD: the student's k ids per output position (the policy's prefill-only top-k), then the
+    teacher's log-probs at exactly those ids under the hinted prompt, one row per output token."""
+    from clawrl.judge.teacher import compute_student_topk, compute_teacher_topk_logprobs
+    from clawrl.models import load_causal_lm
+
+    from clawrl.engine.types import GenerateRequest, SamplingParams
+
+    k = 4
+    turn = generate_turn(tiny_engine, MESSAGES, max_new_tokens=10, seed=3)
+    # a greedy reply: every output id is the policy's top-1, so the sampled id is always among its top k
+    greedy = asyncio.run(tiny_engine.generate(GenerateRequest(input_ids=turn.prompt_ids, sampling_params=SamplingParams(
+        max_new_tokens=10, temperature=0.0, ignore_eos=True))))
+    turn.output_ids = list(greedy.output_ids)
+    ids, student = asyncio.run(compute_student_topk(tiny_engine, turn.prompt_ids, turn.output_ids, k))
+    assert len(ids) == len(student) == len(turn.output_ids) == 10
+    assert all(len(row) == k and len(set(row)) == k for row in ids)
+    assert all(a >= b for row in student for a, b in zip(row, row[1:]))  # best first
+    hinted = build_teacher_prompt_ids(tiny_engine.tokenizer, MESSAGES, None, hint="Answer with a warm colour.")
+    sampled, topk = asyncio.run(compute_teacher_topk_logprobs(tiny_engine, hinted, turn.output_ids, ids))
+    assert len(topk) == len(turn.output_ids) and all(len(row) == k for row in topk)
+    assert all(math.isfinite(v) and v <= 0 for row in topk for v in row)
+    # the sampled-token values are today's teacher log-probs, and equal the top-k value where the sampled id is in it
+    assert sampled == pytest.approx(asyncio.run(compute_teacher_logprobs(tiny_engine, hinted, turn.output_ids)),
+                                    abs=1e-6)
+    hits = [(pos, row.index(t)) for pos, (row, t) in enumerate(zip(ids, turn.output_ids)) if t in row]
+    assert len(hits) == len(turn.output_ids)
+    assert all(abs(topk[pos][j] - sampled[pos]) < 1e-6 for pos, j in hits)
+    # against an independent forward pass of each model's prompt
+    model = load_causal_lm(tiny_dir, dtype="float32", device="cpu")
+    for prompt, want_ids, got in ((turn.prompt_ids, ids, student), (hinted, ids, topk)):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([prompt + turn.output_ids])).logits[0].float(), dim=-1)
+        p = len(prompt)
+        expected = [[lp[p + pos - 1, t].item() for t in row] for pos, row in enumerate(want_ids)]
+        assert max(abs(a - b) for r1, r2 in zip(got, expected) for a, b in zip(r1, r2)) < 1e-4
+    # the student's ids are the forward pass's top k on the turn's own prompt
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([turn.prompt_ids + turn.output_ids])).logits[0].float(), dim=-1)
+    p = len(turn.prompt_ids)
+    assert [set(row) for row in ids] == [set(lp[p + pos - 1].topk(k).indices.tolist()) for pos in range(len(ids))]
+
+
+def test_teacher_topk_refuses_misaligned_rows_and_decoding_with_token_ids(tiny_engine):
+    from clawrl.engine.types import BadRequestError, GenerateRequest, SamplingParams
+    from clawrl.judge.teacher import compute_teacher_topk_logprobs
+
+    with pytest.raises(ValueError, match="2 top-k rows for 3 output ids"):
+        asyncio.run(compute_teacher_topk_logprobs(tiny_engine, [5, 6], [7, 8, 9], [[1], [2]]))
+    with pytest.raises(TeacherAlignmentError, match="no input token-ids log-probs"):
+        asyncio.run(compute_teacher_topk_logprobs(_ScriptedEngine(), [5, 6], [7, 8, 9], [[1], [2], [3]]))
+    with pytest.raises(BadRequestError, match="max_new_tokens = 0"):
+        asyncio.run(tiny_engine.generate(GenerateRequest(input_ids=[5, 6, 7], return_logprob=True, logprob_start_len=1,
+                                                         token_ids_logprob=[3], sampling_params=SamplingParams(
+                                                             max_new_tokens=2))))

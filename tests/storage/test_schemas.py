@@ -23,6 +23,11 @@ EXPECTED_TYPES = {
     "list[int | None]": pa.list_(pa.field("item", pa.int32(), nullable=True)),
     "list[float]": pa.list_(pa.field("item", pa.float64(), nullable=False)),  # float64: exact logprobs
     "list[str]": pa.list_(pa.field("item", pa.string(), nullable=False)),
+    # top-k rows, one per output token
+    "list[list[int]]": pa.list_(pa.field("item", pa.list_(pa.field("item", pa.int32(), nullable=False)),
+                                         nullable=False)),
+    "list[list[float]]": pa.list_(pa.field("item", pa.list_(pa.field("item", pa.float64(), nullable=False)),
+                                           nullable=False)),
 }
 
 RECORDS = {
@@ -148,6 +153,9 @@ ON_DISK = {
         _required("weight_version", pa.string()),
         _optional("namespace", pa.string()),
         _optional("ref_logprobs", LOGPROBS),
+        _optional("topk_ids", pa.list_(pa.field("item", TOKEN_IDS, nullable=False))),
+        _optional("student_topk_logprobs", pa.list_(pa.field("item", LOGPROBS, nullable=False))),
+        _optional("teacher_topk_logprobs", pa.list_(pa.field("item", LOGPROBS, nullable=False))),
         _required("created_at", TIMESTAMP),
     ]),
     "turn_fate": pa.schema([

@@ -89,6 +89,23 @@ def test_every_record_type_lands_in_its_table(data_root, make_turn, parser):
     assert parser.fallbacks == []
 
 
+def test_a_samples_topk_rows_round_trip_exactly(data_root, parser):
+    from clawrl.records import SampleRecord
+
+    rows = dict(topk_ids=[[5, 7], [9, 2]], student_topk_logprobs=[[-0.1, -2.5], [-1 / 3, -20.000001]],
+                teacher_topk_logprobs=[[-0.7, -1e-9], [-3.25, -0.2]])
+    samples = [SampleRecord("a", "t", "s", "h", "combine", [1, 2], [5, 9], [-0.5, -0.25], 1.0, True, [-0.7, -3.25],
+                            "0", **rows),
+               SampleRecord("b", "t", "s", "h2", "grpo", [1, 2], [5, 9], [-0.5, -0.25], 1.0, False, None, "0")]
+    with DataStore(data_root, background=False) as store:
+        store.append(samples)
+        store.flush()
+    got = run_query(data_root, "SELECT * FROM samples ORDER BY sample_id").to_pylist()
+    assert {k: got[0][k] for k in rows} == rows  # exact
+    assert all(got[1][k] is None for k in rows)
+    assert parser.fallbacks == []
+
+
 def test_rows_are_partitioned_by_the_utc_date_of_created_at(data_root, make_turn, parser):
     times = [
         datetime(2026, 11, 29, 23, 59, 59, tzinfo=timezone.utc),

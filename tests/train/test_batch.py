@@ -88,3 +88,29 @@ def test_slice_trims_to_own_length():
 def test_empty_batch_raises():
     with pytest.raises(ValueError, match="at least one sample"):
         collate_samples([], pad_id=PAD)
+
+
+def test_topk_rows_are_placed_at_the_output_positions_and_checked():
+    topk = dict(student_topk_logprobs=[[-0.1, -2.0], [-0.3, -0.4]], teacher_topk_logprobs=[[-1.0, -1.5], [-0.2, -3.0]])
+    a = sample("a", has_teacher=True, teacher=(-0.5, -0.6))
+    a.student_topk_logprobs, a.teacher_topk_logprobs = topk["student_topk_logprobs"], topk["teacher_topk_logprobs"]
+    b = collate_samples([a, sample("b", prompt=(10,))], pad_id=PAD)
+    assert b.student_topk_logprobs.shape == (2, 4, 2) and b.has_topk.tolist() == [True, False]
+    # row a: P = 3 -> output positions 2, 3
+    torch.testing.assert_close(b.teacher_topk_logprobs[0], torch.tensor([[0, 0], [0, 0], [-1.0, -1.5], [-0.2, -3.0]]))
+    assert b.slice(0, 1).student_topk_logprobs.shape == (1, 4, 2) and b.select([1]).has_topk.tolist() == [False]
+    assert collate_samples([sample("c")], pad_id=PAD).student_topk_logprobs.shape == (1, 4, 0)
+    bad = sample("bad", has_teacher=True, teacher=(-0.5, -0.6))
+    bad.student_topk_logprobs, bad.teacher_topk_logprobs = [[-0.1, -2.0]], topk["teacher_topk_logprobs"]
+    with pytest.raises(BatchAlignmentError, match="student_topk_logprobs holds 1 rows for 2 output_ids"):
+        collate_samples([bad], pad_id=PAD)
+    bad.student_topk_logprobs = [[-0.1], [-0.2]]
+    with pytest.raises(BatchAlignmentError, match="one width"):
+        collate_samples([bad], pad_id=PAD)
+    bad.student_topk_logprobs = [[0.5, -2.0], [-0.3, -0.4]]
+    with pytest.raises(BatchAlignmentError, match="finite and <= 0"):
+        collate_samples([bad], pad_id=PAD)
+    c = sample("c", has_teacher=True, teacher=(-0.5, -0.6))
+    c.student_topk_logprobs = c.teacher_topk_logprobs = [[-0.1], [-0.2]]
+    with pytest.raises(BatchAlignmentError, match=r"different widths \[1, 2\]"):
+        collate_samples([a, c], pad_id=PAD)

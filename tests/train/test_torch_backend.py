@@ -206,7 +206,15 @@ def test_hyperparams_from_settings_copy_plain_values_under_the_settings_names():
     assert (hp.clip_range, hp.clip_range_high, hp.adam_beta1, hp.adam_beta2, hp.advantage_estimator, hp.seed) == (
         0.1, 0.3, 0.9, 0.95, Method.GRPO, 7)
     values = dataclasses.asdict(hp)
-    assert values.pop("seed") == 7 and values == {k: getattr(ppo, k) for k in values}  # every other field: [ppo]
+    assert values.pop("seed") == 7 and values.pop("opd_clip") == 0.0
+    assert values == {k: getattr(ppo, k) for k in values}  # every other field: [ppo]
+    # the OPD advantage clip comes from [opd]: unset -> 1.0 with top-k OPD, off without
+    from clawrl.config import OPDSettings
+
+    assert PPOHyperParams.from_settings(ppo, 7, OPDSettings(top_k=4)).opd_clip == 1.0
+    assert PPOHyperParams.from_settings(ppo, 7, OPDSettings()).opd_clip == 0.0
+    assert PPOHyperParams.from_settings(ppo, 7, OPDSettings(top_k=4, advantage_clip=0.0)).opd_clip == 0.0
+    assert PPOHyperParams.from_settings(ppo, 7, OPDSettings(advantage_clip=2.5)).opd_clip == 2.5
 
 
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
@@ -334,3 +342,31 @@ def test_a_step_on_judge_time_reference_logprobs_equals_the_step_that_computes_t
     far = TorchBackend(tiny_dir, hp).train_step(
         _with_reference(batch, own.compute_logprobs(batch, reference=True) - 1.0, rows=range(4)))
     assert far["kl"] > m_own["kl"] + 0.1
+
+
+def test_a_topk_opd_step_follows_the_topk_gap_not_the_sampled_token_gap(tiny_dir):
+    """Top-k OPD: G_t = sum_j p~(j) (teacher(j) - policy(j)) over the policy's top-k, clipped to
+    [-1, 1]. Sample 0's teacher gives the top-k more mass (G = +0.5), sample 1's less (G = -2 -> -1);
+    their sampled-token teacher log-probs say the opposite and must not be read."""
+    g = torch.Generator().manual_seed(3)
+    recs = []
+    for i, (student, teacher, sampled) in enumerate([([-1.0, -2.0], [-0.5, -1.5], -20.0),
+                                                     ([-1.0, -2.0], [-3.0, -4.0], -0.01)]):
+        T = 5
+        recs.append(SampleRecord(
+            sample_id=f"s{i}", turn_id=f"t{i}", session_id="sess", judge_config_hash="h",
+            method="on_policy_distillation", prompt_ids=torch.randint(3, 5000, (4,), generator=g).tolist(),
+            output_ids=torch.randint(3, 5000, (T,), generator=g).tolist(), rollout_logprobs=[-10.8] * T, reward=0.0,
+            has_teacher=True, teacher_logprobs=[sampled] * T, weight_version="v0",
+            topk_ids=[[1, 2]] * T, student_topk_logprobs=[student] * T, teacher_topk_logprobs=[teacher] * T))
+    batch = collate_samples(recs, pad_id=PAD)
+    assert batch.student_topk_logprobs.shape == (2, 8, 2) and batch.has_topk.tolist() == [True, True]
+    hp = dataclasses.replace(HP, advantage_estimator=Method.OPD, opd_clip=1.0)
+    backend = TorchBackend(tiny_dir, hp)
+    before = seq_mean_logprob(backend.compute_logprobs(batch), batch)
+    metrics = backend.train_step(batch)
+    after = seq_mean_logprob(backend.compute_logprobs(batch), batch)
+    assert metrics["topk_fraction"] == 1.0
+    assert metrics["advantage_mean"] == pytest.approx((0.5 - 1.0) / 2)  # clipped: +0.5 and -1 on 5 tokens each
+    delta = (after - before).tolist()
+    assert delta[0] > 0 and delta[1] < 0
