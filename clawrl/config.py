@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from clawrl.config_sections import GateSettings
+from clawrl.config_sections import GateSettings, replay_scorer_problem
 from clawrl.config_sections import Section as _Section
 from clawrl.records import Method
 
@@ -416,9 +416,13 @@ def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
     for origin, layer in layers:
         _merge(merged, origins, layer, origin)
     try:
-        return Settings.model_validate(merged)
+        settings = Settings.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, merged, origins)) from None
+    if (problem := replay_scorer_problem(settings.gate, settings.prm.backend)) is not None:
+        raise ConfigError(f"invalid configuration:\n  {origins.get(('gate', 'eval_set'), 'defaults')}: "
+                          f"[gate] eval_set = 'replay' with [prm] backend = 'rule': {problem}")
+    return settings
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -5,24 +5,34 @@ samples + j``) and all requests are in flight at once, so the engine batches the
 is the mean of ``score(i, answer)`` over its answers. The same set, samples, seeds, budget and
 temperature give the same requests for every version: scores of two versions pair up prompt by
 prompt, and a decision made on them replays identically.
+
+Two kinds of set (``[gate] eval_set``): ``validation``, the fixed prompts and scorer of ``[gate]
+evaluator`` (:func:`load_eval_set`); ``replay`` (:func:`replay_eval_set`), the request messages and
+tools of recent judged main turns, each answer rated by the judge model (``clawrl.judge.rating``) or
+by ``[gate] replay_scorer``. A replay set is named by its turn ids (part of its key and of the
+promotion row), so the same turns give the same requests again; with fewer than
+:data:`MIN_REPLAY_PROMPTS` of them it has no prompts, and the gate refuses for want of evidence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.chat import ChatAdapter, ChatMessage
+from clawrl.chat import ChatAdapter, ChatMessage, ToolDef
 from clawrl.engine.types import Engine, GenerateRequest, SamplingParams
 from clawrl.hooks import HookError, import_path
 
 Prompts = Sequence[Sequence[dict[str, Any]]]  # chat message lists
-Scorer = Callable[[int, str], float]  # (prompt index, answer text) -> score in [0, 1]
+Scorer = Callable[[int, str], float | Awaitable[float]]  # (prompt index, answer text) -> score in [0, 1]
+Rater = Callable[[list[dict[str, Any]], str], float | Awaitable[float]]  # (request messages, answer) -> [0, 1]
+MIN_REPLAY_PROMPTS = 2  # a paired comparison on one prompt has no spread to speak of
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,10 @@ class EvalSet:
     max_tokens: int
     temperature: float
     key: str
+    name: str = "validation"  # [gate] eval_set
+    turn_ids: tuple[str, ...] | None = None  # replay: the turn each prompt is the request of
+    tools: Sequence[Sequence[dict[str, Any]] | None] | None = None  # per prompt: the tools its request declared
+    note: str = ""  # why the set has no prompts
 
 
 def load_eval_set(evaluator: str, *, size: int, samples: int, seed: int, max_tokens: int,
@@ -54,6 +68,26 @@ def load_eval_set(evaluator: str, *, size: int, samples: int, seed: int, max_tok
                    hashlib.sha256(blob.encode()).hexdigest()[:16])
 
 
+def replay_eval_set(turns: Sequence[dict[str, Any]], rate: Rater, *, scorer: str, samples: int, seed: int,
+                    max_tokens: int, temperature: float) -> EvalSet:
+    """The replay set of ``turns`` (rows with turn_id, request_messages, request_tools; see
+    ``clawrl.storage.promotions.replay_turns``), each answer scored by ``rate(messages, answer)``;
+    ``scorer`` names the rater in the key (the judge config and rating prompt, or the hook's path)."""
+    turn_ids = tuple(str(t["turn_id"]) for t in turns)
+    note = ""
+    if len(turns) < MIN_REPLAY_PROMPTS:
+        note = (f"eval_set 'replay' found {len(turns)} judged main turn(s) under this judge configuration before "
+                f"the candidate's batch; it needs {MIN_REPLAY_PROMPTS}")
+        turns = []
+    prompts = [json.loads(t["request_messages"]) for t in turns]
+    tools = [json.loads(t["request_tools"]) if t.get("request_tools") else None for t in turns]
+    blob = json.dumps({"eval_set": "replay", "scorer": scorer, "turn_ids": list(turn_ids), "samples": samples,
+                       "seed": seed, "max_tokens": max_tokens, "temperature": temperature}, sort_keys=True)
+    return EvalSet(prompts, lambda i, answer: rate(prompts[i], answer), samples, seed, max_tokens, temperature,
+                   hashlib.sha256(blob.encode()).hexdigest()[:16], name="replay", turn_ids=turn_ids, tools=tools,
+                   note=note)
+
+
 async def answer_prompts(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet) -> list[list[str]]:
     """The answers of ``engine`` to every prompt, ``samples`` per prompt, by prompt."""
     def request(i: int, j: int, ids: list[int]) -> GenerateRequest:
@@ -61,7 +95,10 @@ async def answer_prompts(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet
             max_new_tokens=eval_set.max_tokens, temperature=eval_set.temperature,
             sampling_seed=eval_set.seed + i * eval_set.samples + j))
 
-    rendered = [adapter.render([ChatMessage.model_validate(m) for m in p]) for p in eval_set.prompts]
+    tools = eval_set.tools or [None] * len(eval_set.prompts)
+    rendered = [adapter.render([ChatMessage.model_validate(m) for m in p],
+                               [ToolDef.model_validate(t) for t in tools[i]] if tools[i] else None)
+                for i, p in enumerate(eval_set.prompts)]
     results = await asyncio.gather(*(engine.generate(request(i, j, ids)) for i, ids in enumerate(rendered)
                                      for j in range(eval_set.samples)))
     texts = [r.text for r in results]
@@ -72,7 +109,14 @@ async def evaluate_version(engine: Engine, adapter: ChatAdapter, eval_set: EvalS
     """(per-prompt scores, seconds) of the version ``engine`` serves now."""
     t0 = time.perf_counter()
     answers = await answer_prompts(engine, adapter, eval_set)
-    scores = [sum(float(eval_set.score(i, a)) for a in texts) / len(texts) for i, texts in enumerate(answers)]
+
+    async def one(i: int, answer: str) -> float:
+        s = eval_set.score(i, answer)
+        return float(await s) if inspect.isawaitable(s) else float(s)
+
+    flat = await asyncio.gather(*(one(i, a) for i, texts in enumerate(answers) for a in texts))
+    n = eval_set.samples
+    scores = [sum(flat[i * n:(i + 1) * n]) / n for i in range(len(answers))]
     bad = [s for s in scores if not 0.0 <= s <= 1.0]
     if bad:
         raise ValueError(f"evaluation scores must lie in [0, 1], got {bad[:3]}")

@@ -3,11 +3,12 @@ the weight loading (``clawrl.sync``) and storage.
 
 Every new checkpoint is a candidate. :func:`gate_candidate` loads it into an evaluation engine (its
 own weights, never the serving engine's: users keep getting the champion meanwhile), scores it on
-the evaluation set, and compares it paired with the champion's scores on the same prompts and seeds:
-stored when the champion was evaluated, or measured now (the champion's checkpoint, or the initial
-weights for version "0", loaded into the same engine). The scores are an ``evaluations`` row per
-version, the decision a ``promotions`` row with its evidence; the caller then serves the champion
-after the decision (the candidate when promoted, else the same champion as before).
+the evaluation set (``[gate] eval_set``: validation or replay; the row names it, and for replay the
+turn ids whose requests were the prompts), and compares it paired with the champion's scores on
+the same prompts and seeds: stored when the champion was evaluated, or measured now (the champion's
+checkpoint, or the initial weights for version "0", loaded into the same engine). The scores are an
+``evaluations`` row per version, the decision a ``promotions`` row with its evidence; the caller then
+serves the champion after the decision (the candidate when promoted, else the same champion as before).
 
 By hand, :func:`record_manual` writes the row of a `clawrl promote` or `clawrl rollback`. The
 champion and the one before it keep their weights on disk (``clawrl.checkpoint.keep_weights_of``):
@@ -17,6 +18,7 @@ the trainer's pruning of old checkpoints must not take away what serves or what 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from clawrl.chat import ChatAdapter
 from clawrl.checkpoint import keep_weights_of
 from clawrl.engine.types import Engine
 from clawrl.evaluation import EvalSet, evaluate_version
-from clawrl.gate import decide_live_rollback, decide_promotion
+from clawrl.gate import GateDecision, decide_live_rollback, decide_promotion
 from clawrl.records import EvaluationRecord, PromotionAction, PromotionRecord
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.promotions import (
@@ -106,27 +108,39 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
     with open_catalog(data_root) as con:
         line = champion_stack(con)
         champion = line[-1]
-        champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
-        cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
-        floor = best_promoted_mean(con, eval_set.key)
-    if fresh_champ:  # measured just now, so not yet in the table the floor was read from
-        floor = champ.mean if floor is None else max(floor, champ.mean)
-    d = decide_promotion(cand.scores, champ.scores, tolerance=tolerance, alpha=alpha, floor=floor)
+        d, seconds = _decide(store, con, engine, adapter, eval_set, champion, str(candidate), base_dir, tolerance,
+                             alpha, state_dict)
     action = PromotionAction.PROMOTE if d.promoted else PromotionAction.REFUSE
     row = PromotionRecord(
         promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(candidate),
         champion_version=champion, source="gate", reason=d.reason, eval_key=eval_set.key, n=d.n,
         **{k: _finite(getattr(d, k)) for k in ("candidate_mean", "champion_mean", "mean_diff", "ci_low", "ci_high",
                                                "p_value", "tolerance", "alpha")},
-        mlflow_run_id=mlflow_run_id)
+        mlflow_run_id=mlflow_run_id, eval_set=eval_set.name,
+        eval_turn_ids=list(eval_set.turn_ids) if eval_set.turn_ids is not None else None)
     store.append(row)
     store.flush()
     serve = str(candidate) if d.promoted else champion
     # the champion, and what a rollback would serve
     keep_weights_of(Path(data_root) / "checkpoints", [serve, champion] if d.promoted else line[-2:])
-    seconds = (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
     return {**d.to_dict(), "champion_version": champion, "serve_version": serve, "eval_seconds": seconds,
-            "promotion_id": row.promotion_id}
+            "promotion_id": row.promotion_id, "eval_set": eval_set.name, "eval_turn_ids": row.eval_turn_ids}
+
+
+def _decide(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, champion: str, candidate: str,
+            base_dir: Path, tolerance: float, alpha: float, state_dict: Any) -> tuple[GateDecision, float]:
+    """(the decision on ``candidate`` against ``champion``, engine seconds spent measuring now). A set
+    with no prompts (a replay set short of judged turns) measures nothing: the rule refuses, saying why."""
+    if not eval_set.prompts:
+        d = decide_promotion([], [], tolerance=tolerance, alpha=alpha)
+        return (replace(d, reason=f"{d.reason} ({eval_set.note})") if eval_set.note else d), 0.0
+    champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
+    cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
+    floor = best_promoted_mean(con, eval_set.key)
+    if fresh_champ:  # measured just now, so not yet in the table the floor was read from
+        floor = champ.mean if floor is None else max(floor, champ.mean)
+    d = decide_promotion(cand.scores, champ.scores, tolerance=tolerance, alpha=alpha, floor=floor)
+    return d, (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
 
 
 def _finite(x: float | None) -> float | None:

@@ -239,3 +239,5 @@ class PromotionRecord:
     alpha: float | None
     mlflow_run_id: str | None  # the run of the step that made weight_version
     created_at: datetime = field(default_factory=utcnow)
+    eval_set: str | None = None  # [gate] eval_set of the evidence: validation | replay (None: no evaluation)
+    eval_turn_ids: list[str] | None = None  # replay: the turns whose request messages were the prompts, in order

@@ -97,14 +97,47 @@ def base_model_dir(settings: Settings):
     return resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
 
 
-def gate_eval_set(settings: Settings) -> EvalSet:
-    """The ``[gate]`` evaluation set, loaded once per configuration."""
+def gate_eval_set(settings: Settings, batch_id: str | None = None) -> EvalSet:
+    """The ``[gate]`` evaluation set of the candidate trained on ``batch_id``: the validation set, loaded
+    once per configuration; or the replay set of the turns judged before that batch was claimed (all
+    judged turns without a batch), scored by ``[gate] replay_scorer`` or the judge's rating."""
     from clawrl.evaluation import load_eval_set
 
     g = settings.gate
     temperature = settings.ppo.temperature if g.temperature is None else g.temperature
+    if g.eval_set == "replay":
+        return _replay_eval_set(settings, batch_id, temperature)
     return _once(("gate-set", config_hash(g), temperature), lambda: load_eval_set(
         g.evaluator, size=g.size, samples=g.samples, seed=g.seed, max_tokens=g.max_tokens, temperature=temperature))
+
+
+def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: float) -> EvalSet:
+    from clawrl.evaluation import replay_eval_set
+    from clawrl.hooks import HookError, import_path
+    from clawrl.judge.prompts import RATING_VERSION
+    from clawrl.judge.rating import rate_answer
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import batch_claimed_at, replay_turns
+
+    g, chash = settings.gate, build_judge_config_hash(settings)
+    data_store(settings).flush()
+    with open_catalog(settings.storage.data_root) as con:
+        cut = batch_claimed_at(con, batch_id) if batch_id else None
+        turns = replay_turns(con, chash, g.size, cut)
+    if g.replay_scorer:
+        rate, scorer = import_path(g.replay_scorer), f"hook:{g.replay_scorer}"
+        if not callable(rate):
+            raise HookError(f"[gate] replay_scorer = {g.replay_scorer!r} is not callable")
+    else:
+        judge = judge_for(settings)
+        scorer = f"judge:{chash}:{RATING_VERSION}"
+
+        def rate(messages: list[dict[str, Any]], answer: str):
+            return rate_answer(judge.backend, messages, answer, n=judge.judge_samples, temperature=judge.temperature,
+                               max_tokens=judge.max_tokens, budget_chars=judge.budget_chars)
+    return replay_eval_set(turns, rate, scorer=scorer, samples=g.samples, seed=g.seed, max_tokens=g.max_tokens,
+                           temperature=temperature)
 
 
 def judge_for(settings: Settings) -> Judge:

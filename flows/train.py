@@ -158,7 +158,7 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
         engine = eval_engine(s)
         tr = trainer_in_process(s)
         out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
-                             adapter=ChatAdapter(engine.tokenizer), eval_set=gate_eval_set(s),
+                             adapter=ChatAdapter(engine.tokenizer), eval_set=gate_eval_set(s, step["batch_id"]),
                              base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
                              state_dict=tr.state_dict() if tr is not None and tr.weight_version == version else None,
                              mlflow_run_id=run_id)

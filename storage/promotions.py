@@ -103,3 +103,32 @@ def live_scores(con: duckdb.DuckDBPyConnection, judge_config_hash: str, weight_v
                        "turn_type = 'main' AND score IS NOT NULL AND judge_error IS NULL",
                        [judge_config_hash, str(weight_version)]).fetchall()
     return [float(r[0]) for r in rows]
+
+
+def batch_claimed_at(con: duckdb.DuckDBPyConnection, batch_id: str) -> Any:
+    """When batch ``batch_id`` was claimed (its ``batches`` row was written), or None."""
+    return con.execute("SELECT min(created_at) FROM batches WHERE batch_id = ?", [batch_id]).fetchall()[0][0]
+
+
+def replay_turns(con: duckdb.DuckDBPyConnection, judge_config_hash: str, size: int,
+                 judged_by: Any = None) -> list[dict[str, Any]]:
+    """The prompts of the gate's replay evaluation: up to ``size`` main turns judged under
+    ``judge_config_hash`` without a judge error (a fate and a verdict stored, the first fate at or before
+    ``judged_by`` when given), newest session first: the newest turn of each (namespace, session), newest
+    first, then the sessions' second-newest turns, and so on; ties by turn id. Rows: turn_id, session_id,
+    request_messages, request_tools."""
+    cut = " AND f.judged_at <= $cut" if judged_by is not None else ""
+    params: dict[str, Any] = {"h": judge_config_hash, "n": int(size)} | ({"cut": judged_by} if cut else {})
+    return _rows(con, f"""
+        WITH f AS (SELECT turn_id, min(created_at) AS judged_at FROM turn_fate WHERE judge_config_hash = $h
+                   GROUP BY turn_id),
+        t AS (SELECT * EXCLUDE (date) FROM turns
+              QUALIFY row_number() OVER (PARTITION BY turn_id ORDER BY created_at) = 1),
+        ranked AS (
+            SELECT t.turn_id, t.session_id, t.request_messages, t.request_tools, t.created_at,
+                   row_number() OVER (PARTITION BY t.namespace, t.session_id
+                                      ORDER BY t.created_at DESC, t.turn_id DESC) AS k
+            FROM t JOIN f USING (turn_id) JOIN judgments j ON j.turn_id = t.turn_id AND j.judge_config_hash = $h
+            WHERE t.turn_type = 'main' AND j.error IS NULL{cut})
+        SELECT turn_id, session_id, request_messages, request_tools FROM ranked
+        ORDER BY k, created_at DESC, turn_id DESC LIMIT $n""", **params)

@@ -70,7 +70,22 @@ def build_judge_context(turn: TurnRecord, next_state: NextStateRecord, *, max_re
         raise ValueError(f"turn {turn.turn_id} has no next state ({next_state.reason}); it is not judged")
     if next_state.turn_id != turn.turn_id:
         raise ValueError(f"next state belongs to turn {next_state.turn_id}, not {turn.turn_id}")
-    messages: list[dict[str, Any]] = json.loads(turn.request_messages)
+    calls = json.loads(turn.tool_calls) if turn.tool_calls else []
+    text = turn.text
+    if calls:  # the calls are listed separately; do not show them twice
+        text = _TOOL_CALL_MARKUP.sub("", text).strip()
+    return _context(json.loads(turn.request_messages), text, [format_tool_call(c) for c in calls],
+                    [_labelled(m) for m in json.loads(next_state.messages)], max_recent)
+
+
+def answer_context(messages: list[dict[str, Any]], answer: str, *, max_recent: int = 4) -> JudgeContext:
+    """The judge's view of ``answer`` (raw model text, tool-call markup kept) to the request ``messages``,
+    with no next state: what the promotion gate's replay evaluation rates."""
+    return _context(messages, answer, [], [], max_recent)
+
+
+def _context(messages: list[dict[str, Any]], text: str, calls: list[str], next_state: list[tuple[str, str]],
+             max_recent: int) -> JudgeContext:
     system = "\n\n".join(message_text(m) for m in messages if m.get("role") in ("system", "developer"))
     rest = [m for m in messages if m.get("role") not in ("system", "developer")]
     last_user = max((i for i, m in enumerate(rest) if m.get("role") == "user"), default=None)
@@ -78,16 +93,12 @@ def build_judge_context(turn: TurnRecord, next_state: NextStateRecord, *, max_re
         request, before, since = "", [], rest
     else:
         request, before, since = message_text(rest[last_user]), rest[:last_user], rest[last_user + 1:]
-    calls = json.loads(turn.tool_calls) if turn.tool_calls else []
-    text = turn.text
-    if calls:  # the calls are listed separately; do not show them twice
-        text = _TOOL_CALL_MARKUP.sub("", text).strip()
     return JudgeContext(
         system_prompt=system,
         user_request=request,
         context_before=[_labelled(m) for m in before[-max_recent:]] if max_recent else [],
         since_request=[_labelled(m) for m in since[-max_recent:]] if max_recent else [],
         assistant_text=text,
-        tool_calls=[format_tool_call(c) for c in calls],
-        next_state=[_labelled(m) for m in json.loads(next_state.messages)],
+        tool_calls=calls,
+        next_state=next_state,
     )

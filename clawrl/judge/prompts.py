@@ -96,6 +96,27 @@ actionable; do not copy the whole next state.
 HINT_INSTRUCTION = f"""\
 Decide, then answer \\boxed{{1}} followed by {HINT_START}your hint{HINT_END}, or \\boxed{{-1}} alone."""
 
+RATING_VERSION = "r1"  # part of a replay evaluation's key: change it whenever the rating prompt's wording changes
+
+RATING_SYSTEM = """\
+You rate one answer of an AI assistant. You are shown the task context (the conversation's system \
+prompt, the user's request and what came just before it) and the assistant's answer. Nothing that \
+came after the answer is shown: judge it from the conversation alone.
+
+Score the answer:
++1: it does what the user asked for, correctly and in the form they asked for; a tool call is the \
+right call with the right arguments.
+-1: it is wrong, off topic, ignores an instruction of the user or of the system prompt, or calls a \
+tool wrongly: the user would have to correct it or ask again.
+0: you cannot tell, or it is only partly right.
+
+Judge the answer against what the user asked for, not against your own taste. Reason briefly, in a \
+few sentences, then give the final answer on the last line as \\boxed{1}, \\boxed{0} or \\boxed{-1}."""
+
+RATING_INSTRUCTION = """\
+First say whether the answer (a) does what was asked, (b) is wrong or unwanted, (c) is unclear. Then \
+end with \\boxed{1}, \\boxed{-1} or \\boxed{0}."""
+
 INTRO = "Here is the turn to review."
 CUT_MARKER = "\n[... {n} characters cut ...]\n"
 
@@ -173,14 +194,17 @@ def _section_texts(ctx: JudgeContext) -> list[str]:
     ]
 
 
-def _body(ctx: JudgeContext, budget_chars: int, instruction: str) -> str:
+def _body(ctx: JudgeContext, budget_chars: int, instruction: str, next_state: bool = True) -> str:
     if budget_chars < 1:
         raise ValueError(f"budget_chars must be >= 1, got {budget_chars}")
     texts = _section_texts(ctx)
+    if not next_state:  # the rating prompt: no next-state section at all
+        texts[-1] = ""
+    optional = _OPTIONAL if next_state else _OPTIONAL | {len(_SECTIONS) - 1}
     limits = allocate_budget([len(t) for t in texts], [s[1] for s in _SECTIONS], budget_chars)
     parts = [INTRO]
     for i, ((header, _, head_share), text, limit) in enumerate(zip(_SECTIONS, texts, limits)):
-        if i in _OPTIONAL and not text:
+        if i in optional and not text:
             continue
         parts.append(f"{header}\n{truncate_text(text, limit, head_share)}")
     parts.append(f"{ANSWER_HEADER}\n{instruction}")
@@ -197,6 +221,13 @@ def build_hint_messages(ctx: JudgeContext, budget_chars: int) -> list[dict[str, 
     """System + user messages asking for ``\\boxed{1}`` and a hint block, or ``\\boxed{-1}``."""
     return [{"role": "system", "content": HINT_SYSTEM},
             {"role": "user", "content": _body(ctx, budget_chars, HINT_INSTRUCTION)}]
+
+
+def build_rating_messages(ctx: JudgeContext, budget_chars: int) -> list[dict[str, str]]:
+    """System + user messages asking for a score in {-1, 0, 1} of an answer with no next state (the
+    promotion gate's replay evaluation): the PRM prompt's material without its next-state section."""
+    return [{"role": "system", "content": RATING_SYSTEM},
+            {"role": "user", "content": _body(ctx, budget_chars, RATING_INSTRUCTION, next_state=False)}]
 
 
 def prompt_kind(messages: list[dict[str, Any]]) -> Literal["prm", "hint"]:

@@ -241,3 +241,68 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_tokens = 8" in run_conf
     evals = run_query(run, "select weight_version, n from evaluations order by weight_version").to_pylist()
     assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
+
+
+class _RatingJudge:
+    """A scripted judge backend: every answer it is asked to rate gets +1; it keeps the prompts."""
+
+    def __init__(self):
+        self.prompts = []
+
+    async def complete(self, messages, *, n, temperature, max_tokens):
+        self.prompts.append(messages)
+        return ["scripted rating \\boxed{1}"] * n
+
+
+def test_the_gate_replays_recent_judged_turns_scored_by_the_judge(prefect_harness, make_settings, tmp_path,
+                                                                   monkeypatch):
+    """[gate] eval_set = "replay": the prompts are the requests of the newest judged main turns (one per
+    session first), the judge rates each answer, and the promotion row names the set and its turn ids."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import clawrl.flows.common as common
+    from clawrl.flows.train import train_flow
+    from clawrl.judge.prompts import RATING_SYSTEM
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.records import FateRecord, JudgeVerdict
+    from tests.utils.turns import T0, build_turn
+
+    s = make_settings({"prm.backend": "engine", "gate.eval_set": "replay", "gate.size": 3, "ppo.rollout_batch_size": 2,
+                       "ppo.advantage_estimator": "grpo", "ppo.lr": 1e-3})
+    conf = tmp_path / "replay.toml"
+    conf.write_text(dump_toml(s))
+    judge = _RatingJudge()
+    monkeypatch.setattr(common, "judge_for", lambda settings: SimpleNamespace(
+        backend=judge, judge_samples=2, temperature=0.0, max_tokens=32, budget_chars=4000))
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                "parameters": city}}]
+    asked = (("Name a primary color.", "s1", 0, "main"), ("What do bees make?", "s3", 0, "main"),
+             ("Weather in Paris?", "s2", 0, "main"), ("And in Rome?", "s1", 1, "main"), ("heartbeat", "s4", 0, "side"))
+    turns = [build_turn([{"role": "user", "content": q}], session_id=sid, turn_index=i, turn_type=kind,
+                        tools=tools if sid == "s2" else None) for q, sid, i, kind in asked]
+    for k, t in enumerate(turns):
+        t.created_at = t.completed_at = T0 + timedelta(minutes=k)
+    chash = build_judge_config_hash(s)
+    with DataStore(s.storage.data_root) as store:
+        store.append(turns)
+        store.append([r for t in turns for r in (JudgeVerdict(t.turn_id, chash, "engine", 1, "majority", [1, 1], "[]"),
+                                                 FateRecord(t.turn_id, t.session_id, chash, "sample"))])
+    _write_samples(s, 2)
+    [step] = train_flow(config_path=str(conf), max_steps=1)["steps"]
+    gate, expected = step["gate"], [turns[3].turn_id, turns[2].turn_id, turns[1].turn_id]
+    assert gate["decision"] == "promote" and gate["serve_version"] == "1", gate["reason"]
+    assert gate["eval_set"] == "replay" and gate["eval_turn_ids"] == expected and gate["n"] == 3
+    assert gate["candidate_mean"] == gate["champion_mean"] == 1.0
+    rows = run_query(s.storage.data_root, "select action, weight_version, source, eval_set, eval_turn_ids, eval_key, n "
+                     "from promotions").to_pylist()
+    evals = run_query(s.storage.data_root, "select weight_version, eval_key, n from evaluations "
+                      "order by weight_version").to_pylist()
+    assert [(r["action"], r["weight_version"], r["source"], r["eval_set"], r["eval_turn_ids"], r["n"])
+            for r in rows] == [("promote", "1", "gate", "replay", expected, 3)]
+    assert [(r["weight_version"], r["eval_key"], r["n"]) for r in evals] == [("0", rows[0]["eval_key"], 3),
+                                                                            ("1", rows[0]["eval_key"], 3)]
+    # 3 prompts x 1 answer x 2 versions, each rated from the conversation alone by the judge's rating prompt
+    assert len(judge.prompts) == 6 and {p[0]["content"] for p in judge.prompts} == {RATING_SYSTEM}
+    assert sum("Weather in Paris?" in p[1]["content"] for p in judge.prompts) == 2

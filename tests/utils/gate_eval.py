@@ -21,3 +21,8 @@ async def reward(*, turn, next_state):
 
 async def flipped_reward(*, turn, next_state):
     return -1, None
+
+
+def rate(messages, answer):
+    """A ``[gate] replay_scorer``: 1 for an answer with any text in it."""
+    return float(bool(answer.strip()))
