@@ -226,6 +226,8 @@ ON_DISK = {
                                                "p_value", "tolerance", "alpha")),
         _optional("mlflow_run_id", pa.string()),
         _required("created_at", TIMESTAMP),
+        _optional("eval_set", pa.string()),
+        _optional("eval_turn_ids", pa.list_(pa.field("item", pa.string(), nullable=False))),
     ]),
 }
 
