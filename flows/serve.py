@@ -1,9 +1,13 @@
 """The flows served as Prefect deployments (started by ``clawrl up``; also ``python -m clawrl.flows.serve``).
 
-* ``judge/on-interval``: judges ready turns on an interval schedule (editable in the Prefect UI).
-  Its runs are ``exclusive``: one that starts while another judge run is going ends Completed at
-  once with ``skipped`` (each run judges everything ready, so it has nothing to add), never
-  Cancelled; the slot is Prefect's global concurrency limit ``judge``, leased, created here.
+* ``judge/on-interval``: judges ready turns every ``--judge-every`` seconds. The interval is kept by
+  :func:`judge_ticker` in this process, not by a Prefect schedule: each tick creates a run of the
+  deployment only when none of its runs is scheduled, pending or running. A schedule would create a
+  run every interval whatever happens, and each run is a process of its own that imports torch:
+  runs that collide end Cancelled under a deployment limit, and without one they pile up as
+  processes when judging (or starting a process on a loaded machine) takes longer than the
+  interval. The runs are also ``exclusive`` (the global limit ``judge``), so one started from the UI
+  while another judges ends Completed with ``skipped``.
 * ``train/on-samples-ready``: runs when the judge flow emits ``clawrl.samples.ready`` (a full batch
   waits), and on an interval as a safety net. Its runs are ``exclusive`` too, on the global limit
   ``trainer``: one triggered while another trains ends Completed with ``skipped`` (the next judge
@@ -21,6 +25,8 @@ import wherever clawrl is installed, whatever their working directory.
 from __future__ import annotations
 
 import argparse
+import logging
+import threading
 from datetime import timedelta
 
 from prefect import serve
@@ -31,6 +37,9 @@ from clawrl.flows.judge import SAMPLES_READY_EVENT, ensure_judge_limit, judge_fl
 from clawrl.flows.replay import replay_flow
 from clawrl.flows.train import train_flow
 
+JUDGE_DEPLOYMENT = "judge/on-interval"
+log = logging.getLogger("clawrl.flows.serve")
+
 
 def build_deployments(config_path: str, trainer_url: str | None, engine_url: str | None,
                       judge_every_s: float = 20.0, train_every_s: float = 120.0):
@@ -38,10 +47,10 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     # (`judge`, `trainer`) without waiting, and a run that finds it taken skips, Completed
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "parameters": {"config_path": config_path}}
     judge = judge_flow.to_deployment(
-        name="on-interval", interval=timedelta(seconds=judge_every_s),
-        **{**common, "parameters": {"config_path": config_path, "exclusive": True}},
-        description="Judge turns whose next state arrived (PRM votes, hints, teacher); a run that finds another "
-                    "judge run going skips, Completed.")
+        name="on-interval", **{**common, "parameters": {"config_path": config_path, "exclusive": True}},
+        description=f"Judge turns whose next state arrived (PRM votes, hints, teacher): a run every "
+                    f"{judge_every_s:g} s while none is going (`clawrl up --judge-every`); one started while "
+                    "another judges skips, Completed.")
     train = train_flow.to_deployment(
         name="on-samples-ready", interval=timedelta(seconds=train_every_s),
         **{**common, "parameters": {"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url,
@@ -55,6 +64,33 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     return [judge, train, replay]
 
 
+def tick(deployment: str = JUDGE_DEPLOYMENT) -> str | None:
+    """Create a run of ``deployment`` unless one of its runs is scheduled, pending or running; the new
+    run's id, or None."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    active = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING,
+                                                                  StateType.RUNNING]))
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment)
+        if client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                 flow_run_filter=FlowRunFilter(state=active), limit=1):
+            return None
+        return str(client.create_flow_run_from_deployment(dep.id).id)
+
+
+def judge_ticker(every_s: float, stop: threading.Event) -> None:
+    """:func:`tick` every ``every_s`` seconds until ``stop`` (a failed tick is logged and tried again)."""
+    while not stop.wait(every_s):
+        try:
+            tick()
+        except Exception as e:  # noqa: BLE001 - the deployment not registered yet, the server restarting
+            log.warning("judge tick failed: %s", e)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
@@ -64,7 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-every", type=float, default=120.0)
     a = p.parse_args(argv)
     ensure_judge_limit()
-    serve(*build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every))
+    stop = threading.Event()
+    threading.Thread(target=judge_ticker, args=(a.judge_every, stop), name="judge-ticker", daemon=True).start()
+    try:
+        serve(*build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every))
+    finally:
+        stop.set()
 
 
 if __name__ == "__main__":

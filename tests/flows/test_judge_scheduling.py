@@ -58,10 +58,29 @@ def test_the_judge_and_train_deployments_have_no_cancelling_limit_and_run_exclus
     judge, train, _ = build_deployments("/conf/up.toml", "http://t", "http://e", judge_every_s=7)
     assert judge.concurrency_limit is None and judge.concurrency_options is None
     assert judge.parameters == {"config_path": "/conf/up.toml", "exclusive": True}
-    assert [s.schedule.interval.total_seconds() for s in judge.schedules] == [7.0]
+    assert judge.schedules == [] and "a run every 7 s while none is going" in judge.description  # the ticker's
     assert train.concurrency_limit is None and train.concurrency_options is None
     assert train.parameters == {"config_path": "/conf/up.toml", "max_steps": 1, "trainer_url": "http://t",
                                 "engine_url": "http://e", "exclusive": True}
+
+
+def test_the_judge_ticker_creates_a_run_only_while_none_is_scheduled_or_going(prefect_harness):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed
+
+    from clawrl.flows.serve import build_deployments, tick
+
+    judge, _, _ = build_deployments("/conf/up.toml", None, None)
+    judge.apply()  # registered as `serve` registers it; no runner picks its runs up here
+    first = tick()
+    assert first is not None and tick() is None  # the first run is still scheduled: no second one
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(first)
+        assert run.state.type.value == "SCHEDULED" and run.parameters == {"config_path": "/conf/up.toml",
+                                                                          "exclusive": True}
+        client.set_flow_run_state(first, Completed(), force=True)
+    second = tick()  # the first one is done: the next tick creates the next run
+    assert second not in (None, first) and tick() is None
 
 
 def _runs_by_name(names):
