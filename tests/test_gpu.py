@@ -179,9 +179,10 @@ def test_weights_synced_into_a_graph_captured_engine_are_what_the_next_replay_co
             await engine.pause_generation("retract")
             result = await engine.update_weights_from_disk(str(new), weight_version="1")
             await engine.continue_generation()
+            finished = await long  # before `fresh` captures its graphs: no decode of `engine` during it
             after = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=sp))
             expected = await fresh.generate(GenerateRequest(input_ids=prompt, sampling_params=sp))
-            return before, graphs, result, await long, after, expected, engine.stats
+            return before, graphs, result, finished, after, expected, engine.stats
         finally:
             await engine.close()
             await fresh.close()
