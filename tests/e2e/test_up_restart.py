@@ -125,8 +125,10 @@ max_tokens = 8
     up = _up(conf, ports, log)
     try:
         _wait_for(lambda: httpx.get(base + "/models", timeout=2).status_code == 200, 300, "the gateway", up, log)
+        # generous waits: on two cores a step's gate evaluation, MLflow lineage and doctor report share the
+        # CPU with the judge, both engines and the users (70 s for the gate alone under that load)
         with Traffic(base, "before") as before:
-            _wait_for(lambda: ckpt(1), 240, "a first training step", up, log)
+            _wait_for(lambda: ckpt(1), 480, "a first training step", up, log)
             pids = json.loads((data / "up.pids.json").read_text())
             assert "judge-engine" in pids  # the frozen teacher stays loaded between judge runs
             os.kill(pids["gateway"], signal.SIGKILL)  # mid-traffic
@@ -136,7 +138,7 @@ max_tokens = 8
         _wait_for(lambda: httpx.get(base + "/models", timeout=2).status_code == 200, 300, "the gateway again", up, log)
         with Traffic(base, "after") as after:
             last = max(int(p.name[1:]) for p in (data / "checkpoints").glob("v0*") if (p / "trainer.json").exists())
-            _wait_for(lambda: ckpt(last + 1), 240, "a training step after the restart", up, log)
+            _wait_for(lambda: ckpt(last + 1), 480, "a training step after the restart", up, log)
         served = httpx.get(base + "/models").json()["data"][0]["weight_version"]
     finally:
         up.send_signal(signal.SIGINT)

@@ -6,7 +6,6 @@ same id in the replay, and the replay's lineage never names the excluded one."""
 import dataclasses
 import json
 import random
-from datetime import datetime, timezone
 
 import pytest
 from typer.testing import CliRunner

@@ -9,3 +9,20 @@ def gateway_settings(make_settings):
         return make_settings(base)
 
     return make
+
+
+@pytest.fixture
+def gateway(gateway_settings, tiny_engine):
+    """``start(engine=None, **settings)`` -> (settings, store, running gateway over real HTTP): the app
+    on the tiny engine (or ``engine``) with a data store of its own."""
+    from clawrl.gateway.routes import create_app
+    from clawrl.storage.writer import DataStore
+    from tests.utils.gateway_server import running_gateway
+
+    def start(engine=None, **kw):
+        s = gateway_settings(**kw)
+        store = DataStore(s.storage.data_root)
+        app = create_app(s, engine=engine or tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
+        return s, store, running_gateway(app)
+
+    return start

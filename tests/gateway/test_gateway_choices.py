@@ -19,17 +19,6 @@ from tests.utils.scripted_engine import ScriptedEngine
 ASK = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name three colours"}]
 
 
-@pytest.fixture
-def gateway(gateway_settings, tiny_engine):
-    def start(engine=None, **kw):
-        s = gateway_settings(**kw)
-        store = DataStore(s.storage.data_root)
-        app = create_app(s, engine=engine or tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
-        return s, store, running_gateway(app)
-
-    return start
-
-
 def query(s, sql):
     return run_query(s.storage.data_root, sql).to_pylist()
 

@@ -13,24 +13,11 @@ from clawrl.bench.gateway import gateway_own_s
 from clawrl.gateway.routes import create_app
 from clawrl.models import load_tokenizer
 from clawrl.storage.catalog import run_query
-from clawrl.storage.writer import DataStore
-from tests.utils.gateway_server import running_gateway
 from tests.utils.scripted_engine import ScriptedEngine
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
-
-
-@pytest.fixture
-def gateway(gateway_settings, tiny_engine):
-    def start(engine=None, **kw):
-        s = gateway_settings(**kw)
-        store = DataStore(s.storage.data_root)
-        app = create_app(s, engine=engine or tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
-        return s, store, running_gateway(app)
-
-    return start
 
 
 def turns(s, where="true"):
