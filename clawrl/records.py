@@ -86,7 +86,7 @@ class NextStateRecord:
     turn_index: int
     has_next_state: bool
     messages: str | None  # JSON list of messages added after the turn (user reply / tool results)
-    reason: str  # next_request | session_done | idle_timeout | evicted | shutdown
+    reason: str  # next_request | session_done | idle_timeout | evicted | shutdown | other_choice_continued
     created_at: datetime = field(default_factory=utcnow)
 
 

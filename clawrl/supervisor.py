@@ -38,6 +38,7 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    ready_only_on_200: bool = False  # else any answer below 500 (a 401 of a keyed gateway) means up
 
 
 def wait_healthy(svc: Service, timeout_s: float) -> None:
@@ -47,7 +48,8 @@ def wait_healthy(svc: Service, timeout_s: float) -> None:
             tail = svc.log_path.read_text()[-2000:] if svc.log_path and svc.log_path.exists() else ""
             raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}:\n{tail}")
         with suppress(httpx.HTTPError):
-            if httpx.get(svc.health_url, timeout=2.0).status_code < 500:
+            status = httpx.get(svc.health_url, timeout=2.0).status_code
+            if status == 200 or (status < 500 and not svc.ready_only_on_200):
                 return
         time.sleep(0.5)
     raise RuntimeError(f"{svc.name} not healthy at {svc.health_url} after {timeout_s:.0f} s")
@@ -113,11 +115,13 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                 f"http://{host}:{trainer_port}/state", f"http://{host}:{trainer_port}"),
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
         *([judge_engine] if judge_engine else []),
+        # up once its deployments are registered (Prefect answers 404 for the name before)
         Service("flows", [py, "-m", "clawrl.flows.serve", "--config", str(config_path), "--trainer-url",
                           f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine",
                           "--judge-every", str(judge_every_s), "--train-every", str(train_every_s)],
-                f"{prefect_api}/health", f"deployments: judge/on-interval (every {judge_every_s:g} s), "
-                "train/on-samples-ready, replay/on-demand", env=flows_env),
+                f"{prefect_api}/deployments/name/replay/on-demand", f"deployments: judge/on-interval (every "
+                f"{judge_every_s:g} s), train/on-samples-ready, replay/on-demand", env=flows_env,
+                ready_only_on_200=True),
     ]
 
 

@@ -122,7 +122,8 @@ def up(
     prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI port.")] = 5000,
     trainer_port: Annotated[int, typer.Option(help="Trainer service port.")] = 30020,
-    judge_every: Annotated[float, typer.Option(help="Judge deployment interval, seconds (editable in the UI).")] = 20.0,
+    judge_every: Annotated[float, typer.Option(help="Seconds between judge runs (a run starts only while none "
+                                                    "is going).")] = 20.0,
     train_every: Annotated[float, typer.Option(help="Train deployment safety-net interval, seconds.")] = 120.0,
 ) -> None:
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""

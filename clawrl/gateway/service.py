@@ -127,7 +127,7 @@ class ChatService:
         comes before any byte of the response."""
         max_n = self.settings.server.max_n
         if not 1 <= req.n <= max_n:
-            raise GatewayError(400, f"Invalid 'n': expected an integer from 1 to {max_n} (this server's max_n), "
+            raise GatewayError(400, f"n: expected an integer from 1 to {max_n} (this server's max_n), "
                                     f"got {req.n}", param="n")
         if req.top_logprobs and not req.logprobs:
             raise GatewayError(400, "top_logprobs requires logprobs: true", param="top_logprobs")

@@ -1,8 +1,9 @@
 """The Prefect and MLflow UIs on a demo run, rendered in headless Chromium: the pages a user opens show
 the runs, the links between the two UIs and the curves over weight versions.
 
-A two-step `clawrl demo` on the tiny model writes its run directory; `prefect server start` (on the
-run's own Prefect home) and `mlflow server` (on the run's sqlite store) serve it; Chromium renders
+A two-step `clawrl demo` on the tiny model writes its run directory; `clawrl up -c <run>/config.toml`, the
+command the demo prints, serves it (its Prefect on the run's own Prefect home with the deployments, its
+MLflow on the run's sqlite store); Chromium renders
 each page (``--dump-dom`` after the page's scripts ran) and the test reads the rendered text. Skipped
 without a Chromium (Debian's package ``chromium``: `make ui-test` installs it). With
 ``CLAWRL_UI_SCREENSHOTS=<dir>`` each page is also saved there as a PNG (docs/ui holds the ones the
@@ -15,6 +16,7 @@ import html
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -54,25 +56,11 @@ def _render(url: str, name: str, budget_ms: int = 40_000, height: int = 1000) ->
     return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", text)).split())
 
 
-def _serve(args: list[str], env: dict[str, str], health: str, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(health, timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(1.0)
-    proc.kill()
-    raise AssertionError(f"{args[0]} did not come up:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def demo_ui(tmp_path_factory, model_cache):
-    """A two-step demo run and both UIs serving it: (run dir, Prefect URL, MLflow URL)."""
+    """A two-step demo run, then `clawrl up -c <run>/config.toml` (the command the demo prints) on its data:
+    (run dir, Prefect URL, MLflow URL). No further training while the pages are read: the batch size is
+    set out of reach, so the versions the test names stay what they are."""
     tmp = tmp_path_factory.mktemp("ui")
     conf = tiny_demo_config(tmp, model_cache)
     run = tmp / "run"
@@ -81,24 +69,26 @@ def demo_ui(tmp_path_factory, model_cache):
                           "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8", "--run-dir", str(run)],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    pf, ml = _port(), _port()
+    pf, ml, tr = _port(), _port(), _port()
     prefect_url, mlflow_url = f"http://127.0.0.1:{pf}", f"http://127.0.0.1:{ml}"
-    pf_env = {**env, "PREFECT_HOME": str(run / "prefect"), "PREFECT_UI_API_URL": f"{prefect_url}/api",
-              "PREFECT_API_URL": f"{prefect_url}/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    servers = [_serve(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(pf)], pf_env,
-                      f"{prefect_url}/api/health", tmp / "prefect.log")]
+    up_env = {**env, "CLAWRL__SERVER__API_PORT": str(_port()), "CLAWRL__PRM__ENGINE_PORT": str(_port()),
+              "CLAWRL__PPO__ROLLOUT_BATCH_SIZE": "1000000"}
+    log = tmp / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "clawrl.cli", "up", "-c", str(run / "config.toml"), "--prefect-port",
+                           str(pf), "--mlflow-port", str(ml), "--trainer-port", str(tr)],
+                          cwd=REPO, env=up_env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
-        servers.append(_serve(["mlflow", "server", "--host", "127.0.0.1", "--port", str(ml), "--workers", "1",
-                               "--backend-store-uri", f"sqlite:///{run / 'mlflow' / 'mlflow.db'}"], env,
-                              f"{mlflow_url}/health", tmp / "mlflow.log"))
+        deadline = time.monotonic() + 420
+        while "all up" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1.0)
         yield run, prefect_url, mlflow_url
     finally:
-        for p in servers:
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(90)
+        except subprocess.TimeoutExpired:
+            up.kill()
 
 
 def test_prefect_shows_the_runs_by_what_they_did_and_links_each_step_to_mlflow(demo_ui):
@@ -107,6 +97,9 @@ def test_prefect_shows_the_runs_by_what_they_did_and_links_each_step_to_mlflow(d
     for name in ("train-v1", "train-v2", "learning-loop-persona-2-steps"):
         assert name in runs, runs[:2000]
     assert re.search(r"judge-\d{8}-\d{6}", runs), runs[:2000]
+    deployments = _render(f"{prefect}/deployments", "prefect-deployments")  # the same UI: `clawrl up`'s too
+    for name in ("on-interval", "on-samples-ready", "on-demand"):
+        assert name in deployments, deployments[:2000]
     [artifact] = httpx.post(f"{prefect}/api/artifacts/filter",
                             json={"artifacts": {"key": {"any_": ["train-v1"]}}}).json()
     page = _render(f"{prefect}/artifacts/artifact/{artifact['id']}", "prefect-train-v1-artifact")
@@ -135,11 +128,17 @@ def test_mlflow_shows_training_runs_curves_over_versions_and_complete_version_pa
     policy = runs["policy"].info.run_id
     charts = _render(f"{ml}/#/experiments/{exp}/runs/{policy}/model-metrics", "mlflow-policy-curves",
                      budget_ms=60_000, height=3400)
-    for metric in ("loss", "kl", "heldout_score"):  # one chart each, over steps = weight versions
+    for metric in ("loss", "reward_mean", "kl", "heldout_score"):  # one chart each, over steps = weight versions
         assert f"policy ({metric})" in charts, charts[:3000]
 
     version = _render(f"{ml}/#/models/clawrl-policy/versions/2", "mlflow-model-version")
-    assert "Source Run : step-0002" in version and "@ champion" in version, version[:2000]
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import current_champion
+
+    with open_catalog(run, private=True) as con:
+        champion = current_champion(con)  # the gate decides on the tiny model's answers: either way
+    assert "Source Run : step-0002" in version and "@ candidate" in version, version[:2000]
+    assert ("@ champion" in version) == (champion == "2"), (champion, version[:2000])
     assert "checkpoint_sha256" in version and "Schema" in version, version[:2000]
     flow_run_id = runs["step-0002"].data.tags["prefect.flow_run_id"]  # and back to Prefect
     assert httpx.get(f"{prefect}/api/flow_runs/{flow_run_id}").json()["name"] == "train-v2"

@@ -50,7 +50,8 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
             _conversation(client, "alice", "What is the capital of France?", "no, answer in one word please")
             _conversation(client, "bob", "Name a primary color.", "thanks, perfect!")
             store.flush()
-            assert judge_flow(config_path=str(conf))["fates"]["sample"] == 2
+            judged = judge_flow(config_path=str(conf))
+            assert judged["fates"]["sample"] == 2, judged
 
             with steady_traffic(side_chat(gw.base_url), threads=4, key=WEIGHT_VERSION) as (served, failures):
                 out = train_flow(config_path=str(conf), max_steps=3)  # across the weight sync

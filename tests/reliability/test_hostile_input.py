@@ -245,7 +245,7 @@ def test_absurd_sampling_values_are_400s_naming_the_field(gw):
     cases = [  # (field, value): the field named in the error, through the real openai SDK
         ("temperature", -1), ("temperature", 1e9), ("top_p", 0), ("top_p", 2), ("max_tokens", 0), ("max_tokens", -5),
         ("max_completion_tokens", 0), ("seed", 2**80), ("seed", -(2**70)), ("top_logprobs", 10**6), ("n", 0),
-        ("n", 5), ("stop", [""]), ("presence_penalty", 3.5), ("logit_bias", {"5": 1e308}),
+        ("n", 9), ("stop", [""]), ("presence_penalty", 3.5), ("logit_bias", {"5": 1e308}),
         ("response_format", {"type": "json_schema"}),
     ]
     for field, value in cases:
