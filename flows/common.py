@@ -71,7 +71,8 @@ def frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     from clawrl.judge.runner import load_frozen_engine
 
     m = settings.model
-    return _once(("frozen", name or m.name, m.seed, m.dtype), lambda: load_frozen_engine(settings, name))
+    key = ("frozen", name or m.name, m.seed, m.dtype, settings.prm.engine_url)  # a judge engine's URL is its own
+    return _once(key, lambda: load_frozen_engine(settings, name))
 
 
 def eval_engine(settings: Settings) -> Engine:
