@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from clawrl.config_sections import GateSettings, replay_scorer_problem
+from clawrl.config_sections import EngineSettings, GateSettings, Url, replay_scorer_problem
 from clawrl.config_sections import Section as _Section
 from clawrl.records import Method
 
@@ -48,7 +48,6 @@ class ConfigError(ValueError):
     """A configuration problem, phrased for the person who has to fix it."""
 
 
-Url = Annotated[str, AfterValidator(lambda v: v.rstrip("/"))]  # no '//chat/completions' or '//generate'
 AbsPath = Annotated[Path, AfterValidator(lambda p: p.expanduser().resolve())]
 
 
@@ -70,33 +69,6 @@ class ModelSettings(_Section):
                         description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
     seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of the Megatron actor.")
-
-
-class EngineSettings(_Section):
-    kind: Literal["embedded", "http"] = Field("embedded", description="'embedded': the torch engine in-process. "
-                                              "'http': an SGLang server/router or `clawrl engine` at `url` (SGLang's "
-                                              "native HTTP contract).")
-    url: Url = Field("", description="Base URL of the HTTP engine (kind='http').")
-    port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
-    max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
-    max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
-    chunked_prefill_size: int = Field(0, ge=0, description="Prompt tokens prefilled per step, longer prompts in chunks "
-                                      "between the others' decode steps. 0: 2048 on CPU, 8192 on CUDA.")
-    max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until "
-                                  "they fit. 0: 1/4 of RAM (CPU) or 1/2 of free GPU memory, at most a full batch.")
-    prefix_cache_tokens: int = Field(-1, ge=-1, description="Prompt-prefix K/V kept for reuse (cached_tokens). -1: "
-                                     "max_total_tokens / 4, at least max_context_len; 0: off.")
-    max_queued_requests: int = Field(1024, ge=0, description="Queued requests beyond which the engine answers 503 "
-                                     "(the gateway too, with Retry-After). 0: no limit.")
-    request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
-    cuda_graphs: bool = Field(True, description="On CUDA, replay decode steps from CUDA graphs (one per batch and "
-                              "context bucket); false launches the same padded steps one kernel at a time.")
-
-    @model_validator(mode="after")
-    def _url_for_http(self) -> EngineSettings:
-        if self.kind == "http" and not self.url:
-            raise ValueError("engine.kind = 'http' needs engine.url")
-        return self
 
 
 class ServerSettings(_Section):

@@ -1,15 +1,63 @@
-"""Settings sections kept out of clawrl/config.py for its length: the base every section derives from, and
-``[gate]``. Loaded, merged and validated by clawrl/config.py like every other section."""
+"""Settings sections kept out of clawrl/config.py for its length: the base every section derives from,
+``[engine]`` and ``[gate]``. Loaded, merged and validated by clawrl/config.py like every other section."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+Url = Annotated[str, AfterValidator(lambda v: v.rstrip("/"))]  # no '//chat/completions' or '//generate'
 
 
 class Section(BaseModel):  # allow_inf_nan=False: TOML's inf and nan mean nothing to any setting
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+
+class EngineSettings(Section):
+    kind: Literal["embedded", "http"] = Field("embedded", description="'embedded': the torch engine in-process. "
+                                              "'http': an SGLang server/router or `clawrl engine` at `url` (SGLang's "
+                                              "native HTTP contract), or several at `urls`.")
+    url: Url = Field("", description="Base URL of the HTTP engine (kind='http').")
+    urls: list[Url] = Field([], description="kind='http': several policy engines (SGLang servers or `clawrl engine` "
+                            "processes) behind the gateway instead of `url`. A session stays on one engine (its "
+                            "prefix cache stays useful), new sessions go to the least loaded one, an engine that stops "
+                            "answering is taken out and its requests retried on another; weight syncs reach all "
+                            "of them through the gateway's /engine.")
+    sync_waves: int = Field(2, ge=1, description="With several `urls`: a weight sync updates the engines in this many "
+                            "waves (each wave pauses, loads and resumes while the others serve; new sessions go to "
+                            "those). 1: all at once under one pause.")
+    down_retry_s: float = Field(5.0, gt=0, description="With several `urls`: an engine taken out is tried again after "
+                                "this long (and brought to the served weight version first).")
+    port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
+    max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
+    max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
+    chunked_prefill_size: int = Field(0, ge=0, description="Prompt tokens prefilled per step, longer prompts in chunks "
+                                      "between the others' decode steps. 0: 2048 on CPU, 8192 on CUDA.")
+    max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until "
+                                  "they fit. 0: 1/4 of RAM (CPU) or 1/2 of free GPU memory, at most a full batch.")
+    prefix_cache_tokens: int = Field(-1, ge=-1, description="Prompt-prefix K/V kept for reuse (cached_tokens). -1: "
+                                     "max_total_tokens / 4, at least max_context_len; 0: off.")
+    max_queued_requests: int = Field(1024, ge=0, description="Queued requests beyond which the engine answers 503 "
+                                     "(the gateway too, with Retry-After). 0: no limit.")
+    request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
+    cuda_graphs: bool = Field(True, description="On CUDA, replay decode steps from CUDA graphs (one per batch and "
+                              "context bucket); false launches the same padded steps one kernel at a time.")
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> EngineSettings:
+        if self.kind == "http" and not (self.url or self.urls):
+            raise ValueError("engine.kind = 'http' needs engine.url (or engine.urls)")
+        if self.url and self.urls:
+            raise ValueError("engine.url and engine.urls are both set: name one engine in url or several in urls")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"engine.urls lists an engine twice: {self.urls}")
+        return self
+
+    @property
+    def http_urls(self) -> list[str]:
+        """The HTTP policy engines (kind='http'): ``urls``, else ``[url]``."""
+        return list(self.urls) or ([self.url] if self.url else [])
 
 
 class GateSettings(Section):

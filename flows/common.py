@@ -218,10 +218,11 @@ def serve_target(s: Settings, version: str) -> dict[str, Any]:
 def engine_url_for(s: Settings, engine_url: str | None = None) -> str | None:
     """The HTTP engine a sync from this process targets: ``engine_url`` when given, else ``[engine] url``
     when ``[engine] kind = "http"``, else the engine of the `clawrl serve` running on the data root
-    (``<data_root>/serve.json``: its embedded engine at ``{gateway}/engine``); None when there is none."""
+    (``<data_root>/serve.json``: its embedded engine, or its several HTTP engines (``[engine] urls``),
+    at ``{gateway}/engine``); None when there is none."""
     if engine_url:
         return engine_url
-    if s.engine.kind == "http":
+    if s.engine.kind == "http" and s.engine.url:
         return s.engine.url
     from clawrl.serving import serving_gateway
 

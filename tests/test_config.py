@@ -113,6 +113,18 @@ def test_http_engine_requires_url():
         load_settings(env={"CLAWRL__ENGINE__KIND": "http"})
 
 
+def test_several_http_engines_are_urls_each_once_and_never_beside_url():
+    s = load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URLS": '["http://a:1/", "http://b:2"]'})
+    assert s.engine.http_urls == ["http://a:1", "http://b:2"] and s.engine.sync_waves == 2
+    assert load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": "http://a:1"}).engine.http_urls \
+        == ["http://a:1"]
+    with pytest.raises(ConfigError, match="engine.url and engine.urls are both set"):
+        load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": "http://a:1",
+                           "CLAWRL__ENGINE__URLS": '["http://b:2"]'})
+    with pytest.raises(ConfigError, match="lists an engine twice"):
+        load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URLS": '["http://a:1", "http://a:1/"]'})
+
+
 def test_api_keys_from_named_env(monkeypatch):
     monkeypatch.setenv("MY_KEYS", " k1, k2 ,")
     assert read_api_keys("MY_KEYS") == ["k1", "k2"]
@@ -150,3 +162,10 @@ def test_env_names_any_case_and_values_validate_like_the_file():
         load_settings(env={"CLAWRL__PPO__A__B": "1"})
     with pytest.raises(ConfigError, match="env CLAWRL__PPO: expected CLAWRL__SECTION__KEY"):
         load_settings(env={"CLAWRL__PPO": '{"lr": 1}'})
+
+
+@pytest.mark.parametrize("name", ["layout-8gpu.toml", "layout-two-nodes.toml"])
+def test_the_scale_layouts_load_with_several_policy_engines_and_a_judge_engine(name):
+    s = load_settings(Path(__file__).parents[1] / "conf" / name, env={})
+    assert s.engine.kind == "http" and len(s.engine.http_urls) == 2 and s.engine.sync_waves == 2
+    assert s.prm.backend == "engine" and s.prm.engine_url and s.prm.engine_url not in s.engine.http_urls

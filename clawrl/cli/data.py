@@ -140,7 +140,7 @@ def waiting_line(s, config, st: dict, served: dict) -> str | None:
     v = waiting[-1]
     if served["engine_url"]:
         how = f"run `{sync_command(config, v, served['engine_url'])}`"
-    elif s.engine.kind == "http":
+    elif s.engine.kind == "http" and s.engine.url:
         how = f"run `{sync_command(config, v)}`"
     else:
         how = f"run `{sync_command(config, v, gateway_engine_url(s))}` with `clawrl serve` running"

@@ -32,14 +32,19 @@ def serve(
     except DataRootError as e:  # checked before any model loads or any port is bound
         fail(f"storage error: {e}")
     console.print(f"gateway on http://{settings.server.host}:{settings.server.api_port}/v1 "
-                  f"(engine: {settings.engine.kind}, model: {settings.model.name}, "
+                  f"(engine: {settings.engine.kind}{_engines(settings)}, model: {settings.model.name}, "
                   f"data: {settings.storage.data_root})", markup=False)
     freeze_startup_heap()  # the model and modules are loaded: keep them out of full GC passes
     # where this gateway and its engine answer, for `clawrl train`, `sync` and `status` on this data root
     gateway = client_url(settings.server.host, settings.server.api_port)
-    engine_url = settings.engine.url if settings.engine.kind == "http" else f"{gateway}/engine"
+    # one HTTP engine is synced directly; the embedded engine and several HTTP ones through the gateway's /engine
+    engine_url = settings.engine.url if settings.engine.kind == "http" and settings.engine.url else f"{gateway}/engine"
     record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
+
+
+def _engines(s) -> str:
+    return f" x {len(s.engine.urls)} ({', '.join(s.engine.urls)})" if s.engine.urls else ""
 
 
 @app.command("engine")
@@ -125,6 +130,10 @@ def up(
     judge_every: Annotated[float, typer.Option(help="Seconds between judge runs (a run starts only while none "
                                                     "is going).")] = 20.0,
     train_every: Annotated[float, typer.Option(help="Train deployment safety-net interval, seconds.")] = 120.0,
+    work_pool: Annotated[Optional[str], typer.Option(help="Register the flows on this Prefect process work pool "
+                                                          "(created if missing): `prefect worker start --pool NAME` "
+                                                          "processes, here or on other machines, run them.")] = None,
+    local_worker: Annotated[bool, typer.Option(help="With --work-pool, also start one worker here.")] = True,
 ) -> None:
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
     from clawrl.storage.writer import DataRootError, check_data_root
@@ -139,6 +148,7 @@ def up(
     conf.write_text(dump_toml(s))
     try:
         run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
-               judge_every_s=judge_every, train_every_s=train_every, echo=lambda m: console.print(m, markup=False))
+               judge_every_s=judge_every, train_every_s=train_every, work_pool=work_pool, local_worker=local_worker,
+               echo=lambda m: console.print(m, markup=False))
     except RuntimeError as e:
         fail(str(e), code=1)

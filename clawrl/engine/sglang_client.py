@@ -31,6 +31,7 @@ from clawrl.engine.types import (
     EngineError,
     EngineOverloadedError,
     EngineTimeoutError,
+    EngineUnreachableError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
@@ -103,12 +104,14 @@ class SGLangClient:
             return EngineTimeoutError(f"{where} timed out after {self.timeout_s:g} s on {method} {path}")
         if isinstance(e, aiohttp.ClientConnectorError):
             reason = "connection refused" if isinstance(e.os_error, ConnectionRefusedError) else str(e.os_error)
-            return EngineError(f"{where} unreachable: {reason}")
+            return EngineUnreachableError(f"{where} unreachable: {reason}")
+        if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)):
+            return EngineUnreachableError(f"{where} broke the connection on {method} {path}: {type(e).__name__}: {e}")
         return EngineError(f"{where} failed on {method} {path}: {type(e).__name__}: {e}")
 
     @asynccontextmanager
-    async def _open(self, method: str, path: str, body: Any = None, *,
-                    accept: tuple[int, ...] = ()) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _open(self, method: str, path: str, body: Any = None, *, accept: tuple[int, ...] = (),
+                    headers: dict[str, str] | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request: the response once its status is 2xx or in ``accept``, else the mapped error
         (400 -> BadRequestError, others -> EngineError naming the URL and status). Transport
         failures inside the block (reading the body too) become EngineError / EngineTimeoutError.
@@ -116,7 +119,7 @@ class SGLangClient:
         learns to stop generating."""
         data = None if body is None else orjson.dumps(body)
         try:
-            async with self._http().request(method, self.base_url + path, data=data) as resp:
+            async with self._http().request(method, self.base_url + path, data=data, headers=headers) as resp:
                 if resp.status >= 300 and resp.status not in accept:
                     msg = error_message(resp.status, await resp.read())
                     if resp.status == 400:
@@ -129,10 +132,10 @@ class SGLangClient:
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._transport_error(e, method, path) from e
 
-    async def _request(self, method: str, path: str, body: Any = None, *,
-                       accept: tuple[int, ...] = ()) -> tuple[int, bytes]:
+    async def _request(self, method: str, path: str, body: Any = None, *, accept: tuple[int, ...] = (),
+                       headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """(status, body) of one request; statuses other than 2xx and ``accept`` raise (see ``_open``)."""
-        async with self._open(method, path, body, accept=accept) as resp:
+        async with self._open(method, path, body, accept=accept, headers=headers) as resp:
             return resp.status, await resp.read()
 
     def _json(self, content: bytes, method: str, path: str) -> Any:
@@ -147,7 +150,8 @@ class SGLangClient:
         return {**req.to_sglang(), "stream": stream, "return_prompt_token_ids": req.text is not None}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        _, content = await self._request("POST", "/generate", self._generate_body(req, stream=False))
+        _, content = await self._request("POST", "/generate", self._generate_body(req, stream=False),
+                                         headers=_routing(req))
         data = self._json(content, "POST", "/generate")
         if not isinstance(data, Mapping):
             raise EngineError(f"engine at {self.base_url}: /generate answered a {type(data).__name__}, "
@@ -160,7 +164,7 @@ class SGLangClient:
         A mid-stream ``data: {"error": ...}`` event raises BadRequestError (code 400) or EngineError.
         """
         last: GenerateResult | None = None
-        async with self._open("POST", "/generate", self._generate_body(req, stream=True)) as resp:
+        async with self._open("POST", "/generate", self._generate_body(req, stream=True), headers=_routing(req)) as resp:
             async for line in _lines(resp):
                 if not line.startswith(b"data:"):
                     continue  # blank separators, comments, keep-alives
@@ -308,6 +312,12 @@ class SGLangClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _routing(req: GenerateRequest) -> dict[str, str] | None:
+    """The SGLang router's sticky-routing header for a request with a routing key (its
+    consistent_hashing and manual policies keep one key on one worker)."""
+    return {"X-SMG-Routing-Key": req.routing_key} if req.routing_key else None
 
 
 async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -34,6 +34,11 @@ class EngineTimeoutError(EngineError):
     """The engine did not answer within the configured timeout (the gateway maps this to 504)."""
 
 
+class EngineUnreachableError(EngineError):
+    """The engine never answered or its connection broke (refused, reset, closed mid-body): a request
+    that met this may be sent again to another engine without anyone having seen an answer."""
+
+
 class EngineOverloadedError(EngineError):
     """The engine's request queue is full (SGLang answers HTTP 503; the gateway too, with Retry-After)."""
 
@@ -151,6 +156,9 @@ class GenerateRequest(_Refusing):
     return_prompt_token_ids: bool = Field(False, description=_BOOL)
     rid: str = Field(default_factory=new_id, description="a string")
     stream: bool = Field(False, description=_BOOL)
+    # which engine of several serves it (the gateway: the session): not part of SGLang's body; sent to
+    # an SGLang router as its X-SMG-Routing-Key header
+    routing_key: str | None = Field(None, exclude=True, description="a string")
 
     @model_validator(mode="before")
     @classmethod

@@ -299,7 +299,14 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     if settings.engine.kind == "http":
         from clawrl.engine.sglang_client import SGLangClient
 
-        return SGLangClient(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
+        e = settings.engine
+        if e.url:
+            return SGLangClient(e.url, timeout_s=e.request_timeout_s), load_tokenizer(model_dir)
+        from clawrl.engine.pool import EnginePool
+
+        pool = EnginePool([(u, SGLangClient(u, timeout_s=e.request_timeout_s)) for u in e.urls],
+                          sync_waves=e.sync_waves, down_retry_s=e.down_retry_s, version_wait_s=e.request_timeout_s)
+        return pool, load_tokenizer(model_dir)
     from clawrl.models import resolve_device, resolve_dtype
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -109,6 +110,8 @@ class ChatService:
                                                 max_sessions=settings.server.max_sessions)
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
+        if hasattr(engine, "engine_states"):  # several engines behind this gateway
+            metrics.watch_engines(engine.engine_states)
         self.generate_hook = generate_hook  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
         self.weight_version = "unknown"
         self.storage_error: str | None = None  # the last append's OSError, None once one succeeds
@@ -171,8 +174,10 @@ class ChatService:
             sampling = SamplingParams.from_dict(sp)
         except BadRequestError as e:
             raise sampling_error(e) from None
+        routing_key = hashlib.blake2b(f"{ctx.namespace}:{session_id}".encode(), digest_size=8).hexdigest()
         gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
-                              top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0)
+                              top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+                              routing_key=routing_key)  # several engines: the session stays on one
         state, evicted = self.tracker.open(ctx.namespace, session_id)
         self._write_next_states(evicted)
         return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())

@@ -97,7 +97,8 @@ def _teacher(settings: Settings, frozen: Callable[[str], Engine], policy: Engine
         if policy is None and settings.engine.kind != "http":
             raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
                                "engine.kind = 'http'")
-        return policy or _http_engine(settings, settings.engine.url), _policy_tokenizer(settings)
+        # several engines serve the same version: any of them scores with the served weights
+        return policy or _http_engine(settings, settings.engine.http_urls[0]), _policy_tokenizer(settings)
     if name.startswith(("http://", "https://")):
         return _http_engine(settings, name), _policy_tokenizer(settings)
     engine = frozen(settings.model.name if name == "frozen" else name)
