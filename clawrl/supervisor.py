@@ -6,7 +6,8 @@ gateway (OpenAI API, in-process embedded engine, its SGLang control API under /e
 engine when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
 "frozen" OPD teacher: a `clawrl engine` on ``[prm] engine_port`` that keeps the frozen model loaded
 between judge runs, which reach it over HTTP), and the flow server (the judge / train / replay
-deployments). Each keeps its state under the data root, so
+deployments; with a work pool, registered on it and run by `prefect worker start --pool` processes, one of
+them started here unless told otherwise). Each keeps its state under the data root, so
 after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its write-ahead log,
 the trainer and the engine load the newest checkpoint, and claimed batches are resumed, not re-taken.
 """
@@ -94,7 +95,8 @@ def stop(svc: Service, timeout_s: float = 15.0) -> None:
 
 
 def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, trainer_port: int,
-         judge_every_s: float = 20.0, train_every_s: float = 120.0) -> list[Service]:
+         judge_every_s: float = 20.0, train_every_s: float = 120.0, work_pool: str | None = None,
+         local_worker: bool = True) -> list[Service]:
     py = sys.executable
     root = settings.storage.data_root
     host = "127.0.0.1"
@@ -118,10 +120,16 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
         # up once its deployments are registered (Prefect answers 404 for the name before)
         Service("flows", [py, "-m", "clawrl.flows.serve", "--config", str(config_path), "--trainer-url",
                           f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine",
-                          "--judge-every", str(judge_every_s), "--train-every", str(train_every_s)],
+                          "--judge-every", str(judge_every_s), "--train-every", str(train_every_s),
+                          *(["--work-pool", work_pool] if work_pool else [])],
                 f"{prefect_api}/deployments/name/replay/on-demand", f"deployments: judge/on-interval (every "
-                f"{judge_every_s:g} s), train/on-samples-ready, replay/on-demand", env=flows_env,
-                ready_only_on_200=True),
+                f"{judge_every_s:g} s), train/on-samples-ready, replay/on-demand"
+                + (f", on work pool {work_pool}" if work_pool else ""), env=flows_env, ready_only_on_200=True),
+        # the pool's runs go to any `prefect worker start --pool` process; one here unless told otherwise
+        *([Service("worker", [py, "-m", "prefect", "worker", "start", "--pool", work_pool, "--type", "process",
+                              "--name", f"clawrl-up-{os.uname().nodename}"],
+                   f"{prefect_api}/work_pools/{work_pool}", f"a process worker of work pool {work_pool}",
+                   env=flows_env, ready_only_on_200=True)] if work_pool and local_worker else []),
     ]
 
 
@@ -149,7 +157,8 @@ def _mlflow_ui_url(settings, mlflow_port: int) -> str:
 
 
 def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
-           trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0, echo=print) -> None:
+           trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0,
+           work_pool: str | None = None, local_worker: bool = True, echo=print) -> None:
     """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
     PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
@@ -159,7 +168,8 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
                          MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
                          CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port))
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
-                    trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s)
+                    trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s,
+                    work_pool=work_pool, local_worker=local_worker)
     stopping = False
 
     def on_signal(signum, frame):  # noqa: ARG001

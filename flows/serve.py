@@ -15,7 +15,12 @@
 * ``replay/on-demand``: no schedule; run it from the UI with a version, sessions to exclude, or
   ``--set`` style overrides.
 
-Flow runs execute in subprocesses of this server; the long-lived state lives elsewhere: the trainer
+Flow runs execute in subprocesses of this server, or, with ``--work-pool NAME``, wherever a Prefect
+worker polls that process work pool (``prefect worker start --pool NAME``, on this machine or
+others): the deployments are registered on the pool (created if missing) instead of being served
+here, and this process only keeps the judge ticker. A worker on another machine needs clawrl
+installed, the data root and config at the same paths (a shared file system), and the trainer,
+engine and Prefect URLs reachable from there. The long-lived state lives elsewhere: the trainer
 service (model + optimizer) at ``--trainer-url``, the serving engine behind ``--engine-url``, the
 judge engine (the frozen initial weights) at ``[prm] engine_url`` when `clawrl up` starts one. Each
 deployment names its flow by module path (``clawrl.flows.train.train_flow``), which those subprocesses
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 from datetime import timedelta
 
@@ -38,6 +44,7 @@ from clawrl.flows.replay import replay_flow
 from clawrl.flows.train import train_flow
 
 JUDGE_DEPLOYMENT = "judge/on-interval"
+RUN_ENV = ("CLAWRL__", "MLFLOW_")  # this process's settings that the flow runs on a work pool get too
 log = logging.getLogger("clawrl.flows.serve")
 
 
@@ -62,6 +69,30 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     replay = replay_flow.to_deployment(name="on-demand", **common,
                                        description="Re-train from logged samples: exact, unlearning or counterfactual.")
     return [judge, train, replay]
+
+
+def deploy_to_pool(deployments: list, pool: str, env: dict[str, str] | None = None) -> list[str]:
+    """Register ``deployments`` on the process work pool ``pool`` (created when missing), their runs
+    getting ``env`` on top of the worker's environment; the deployment ids. Their entrypoints are
+    module paths, so a worker needs clawrl installed, not this file."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments.runner import deploy
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(
+                name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
+                description="clawrl's judge, train and replay flows, run by `prefect worker start --pool` processes"))
+    for d in deployments:
+        d.job_variables = {**(d.job_variables or {}), "env": dict(env or {})}
+    ids = deploy(*deployments, work_pool_name=pool, build=False, push=False, print_next_steps_message=False,
+                 ignore_warnings=True)
+    return [str(i) for i in ids]
 
 
 def tick(deployment: str = JUDGE_DEPLOYMENT) -> str | None:
@@ -98,12 +129,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-url", default=None)
     p.add_argument("--judge-every", type=float, default=20.0)
     p.add_argument("--train-every", type=float, default=120.0)
+    p.add_argument("--work-pool", default=None, help="Register the deployments on this process work pool (its "
+                   "workers run the flows) instead of serving them from this process.")
     a = p.parse_args(argv)
     ensure_judge_limit()
     stop = threading.Event()
+    deployments = build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every)
+    if a.work_pool:  # before the ticker: it creates runs of the registered judge deployment
+        deploy_to_pool(deployments, a.work_pool, {k: v for k, v in os.environ.items() if k.startswith(RUN_ENV)})
+        log.warning("deployments registered on work pool %r: `prefect worker start --pool %s` runs them",
+                    a.work_pool, a.work_pool)
     threading.Thread(target=judge_ticker, args=(a.judge_every, stop), name="judge-ticker", daemon=True).start()
     try:
-        serve(*build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every))
+        if a.work_pool:
+            stop.wait()  # the ticker's process, until SIGTERM or Ctrl-C
+        else:
+            serve(*deployments)
     finally:
         stop.set()
 

@@ -1,0 +1,98 @@
+"""The flows on a Prefect work pool: `python -m clawrl.flows.serve --work-pool` registers the deployments on
+a process pool, and a separate `prefect worker start --pool` process (its own Python, as on another
+machine sharing the data root) runs the judge flow run created the way `clawrl up`'s ticker creates it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from openai import OpenAI
+
+from clawrl.config import dump_toml
+from clawrl.gateway.routes import create_app
+from clawrl.storage.catalog import run_query
+from clawrl.storage.writer import DataStore
+from tests.utils.gateway_server import running_gateway
+from tests.utils.samples import two_turn_session
+
+POOL = "clawrl-test-pool"
+
+
+@pytest.mark.timeout(600)
+def test_a_judge_run_is_executed_by_a_separate_worker_process(prefect_harness, make_settings, tiny_engine, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    from clawrl.flows.serve import JUDGE_DEPLOYMENT, build_deployments, deploy_to_pool, tick
+
+    s = make_settings({"server.open_mode": True, "ppo.advantage_estimator": "grpo", "prm.backend": "rule"})
+    conf = tmp_path / "pool.toml"
+    conf.write_text(dump_toml(s))
+    store = DataStore(s.storage.data_root)
+    with running_gateway(create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)) as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="x")
+        two_turn_session(client, "corrected", "What is the capital of France?", "no, that's wrong, answer in one word")
+        two_turn_session(client, "thanked", "Name a primary color.", "thanks, that's great!")
+    store.close()
+
+    ids = deploy_to_pool(build_deployments(str(conf), None, None), POOL, {"CLAWRL__PRM__JUDGE_SAMPLES": "1"})
+    with get_client(sync_client=True) as pc:
+        pool = pc.read_work_pool(POOL)
+        deps = [pc.read_deployment(i) for i in ids]
+    assert pool.type == "process"
+    assert sorted(d.name for d in deps) == ["on-demand", "on-interval", "on-samples-ready"]
+    assert all(d.work_pool_name == POOL and d.job_variables["env"] == {"CLAWRL__PRM__JUDGE_SAMPLES": "1"}
+               for d in deps)
+
+    run_id = tick(JUDGE_DEPLOYMENT)  # what the ticker of `clawrl up --work-pool` does
+    assert run_id is not None and tick(JUDGE_DEPLOYMENT) is None  # one at a time: the first is scheduled
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "1",
+           "PREFECT_HOME": str(tmp_path / "worker-home")}
+    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
+                               "--name", "elsewhere"], env=env, stdout=open(tmp_path / "worker.log", "wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        with get_client(sync_client=True) as pc:
+            while not (fr := pc.read_flow_run(run_id)).state.is_final():
+                assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+                assert time.monotonic() - t0 < 420, f"{fr.state} {(tmp_path / 'worker.log').read_text()[-3000:]}"
+                time.sleep(1)
+    finally:
+        worker.terminate()
+        worker.wait(60)
+    assert fr.state.is_completed(), (tmp_path / "worker.log").read_text()[-3000:]
+    assert fr.work_pool_name == POOL and fr.deployment_id is not None
+    pid = int(str(fr.infrastructure_pid).rsplit(":", 1)[-1])  # the subprocess the worker started
+    assert pid not in (os.getpid(), worker.pid)
+    assert "elsewhere" in (tmp_path / "worker.log").read_text()
+    fates = {r["fate"]: r["n"] for r in run_query(
+        s.storage.data_root, "select fate, count(*) as n from turn_fate group by fate").to_pylist()}
+    assert fates == {"sample": 2, "no_next_state": 2}  # judged by the worker's run, into the shared data root
+
+
+@pytest.mark.parametrize("local_worker", [True, False])
+def test_up_with_a_work_pool_registers_the_flows_there_and_starts_a_worker_unless_told_not_to(make_settings,
+                                                                                             local_worker):
+    from pathlib import Path
+
+    from clawrl import supervisor
+
+    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_port": 30555})
+    services = {sv.name: sv for sv in supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000,
+                                                      trainer_port=30020, work_pool="gpu-pool",
+                                                      local_worker=local_worker)}
+    flows = services["flows"]
+    assert flows.argv[-2:] == ["--work-pool", "gpu-pool"] and flows.url.endswith("on work pool gpu-pool")
+    if not local_worker:
+        assert "worker" not in services
+        return
+    worker = services["worker"]
+    assert list(services)[-1] == "worker"  # after the flows service created the pool
+    assert worker.argv[1:8] == ["-m", "prefect", "worker", "start", "--pool", "gpu-pool", "--type"]
+    assert worker.health_url == "http://127.0.0.1:4200/api/work_pools/gpu-pool" and worker.ready_only_on_200
+    assert worker.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555"}  # the runs reach the judge engine
