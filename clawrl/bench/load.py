@@ -155,10 +155,11 @@ async def _users(base_url: str, n_users: int, run: Run, **user_options) -> None:
 
 
 def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int,
-                  device: str, dtype: str, model: str = "tiny") -> str:
+                  device: str, dtype: str, model: str = "tiny", engine_urls: list[str] | None = None) -> str:
     from clawrl.config import dump_toml, load_settings
 
-    s = load_settings(env={}, overrides={
+    engines = {"engine.kind": "http", "engine.urls": engine_urls} if engine_urls else {}
+    s = load_settings(env={}, overrides={**engines,
         "model.name": model, "model.device": device, "model.dtype": dtype,
         "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),
         "server.open_mode": True, "server.api_port": port, "ppo.rollout_batch_size": rollout_batch_size,
@@ -212,10 +213,11 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
 
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
                    max_tokens: int = 16, turns_per_session: int = 3, data_root: Path | None = None,
-                   min_syncs: int = 0, device: str = "cpu", model: str = "tiny",
+                   min_syncs: int = 0, device: str = "cpu", model: str = "tiny", engines: int = 0,
                    progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the load benchmark, the gateway's engine and the trainer on ``device``; returns
-    the figures (module docstring). ``min_syncs``: hold the window open past ``duration_s`` until that
+    the figures (module docstring). ``engines`` > 0: that many `clawrl engine` processes behind the
+    gateway (``[engine] urls``) instead of its embedded engine. ``min_syncs``: hold the window open past ``duration_s`` until that
     many syncs were served (:class:`Run`). ``progress`` gets a dict of live counters after every
     request. Needs a Prefect API (a test harness, ``clawrl up``'s server, or the ephemeral one Prefect
     starts)."""
@@ -225,10 +227,17 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     port, dtype = free_port(), bench_dtype(device)
     # turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon
     judge_limit = max(16, 2 * rollout_batch_size)
-    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens, device, dtype, model)
+    engine_ports = [free_port() for _ in range(engines)]
+    engine_urls = [f"http://127.0.0.1:{p}" for p in engine_ports]
+    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens, device, dtype, model, engine_urls)
     s = load_flow_settings(conf)
     gw = f"http://127.0.0.1:{port}"
+    procs = [start_clawrl(["engine", "-c", conf, "--port", str(p)], root / f"engine{i}.log")
+             for i, p in enumerate(engine_ports)]
+    for p, url in zip(procs, engine_urls):  # up before the gateway asks them their versions
+        wait_healthy(p, f"{url}/health")
     proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
+    procs.append(proc)
     logging.disable(logging.INFO)  # flow-run INFO lines would scroll through the progress line
     try:
         _warm_up(s, conf)  # while the gateway starts
@@ -245,8 +254,9 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
         wall, load_after = time.monotonic() - run.t0, load_average()
     finally:
         logging.disable(logging.NOTSET)
-        stop_clawrl(proc)
-    return {"sessions": sessions, "duration_s": duration_s, "turns_per_session": turns_per_session,
+        for p in reversed(procs):  # the gateway first
+            stop_clawrl(p)
+    return {"sessions": sessions, "engines": engines, "duration_s": duration_s, "turns_per_session": turns_per_session,
             "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "judge_limit": judge_limit,
             "turns_judged": judged, "load_1m_before": load_before, "load_1m_after": load_after, "device": device,
             "model": model,
@@ -368,4 +378,26 @@ def format_load_section(r: dict[str, Any]) -> str:
         markdown_table(loops, ["version", *loop_keys]) if loops
         else "No step's version reached a client inside the window.",
         "", eval_line,
+    ])
+
+
+def format_engines_section(results: list[dict[str, Any]]) -> str:
+    """The same load with 1, 2, ... `clawrl engine` processes behind the gateway, one row each."""
+    r0 = results[0]
+    cols = ["engines", "sessions", "window_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
+            "p50_ms", "p99_ms", "requests_per_s", "completion_tokens_per_s", "syncs_during_run", "sync_s"]
+    rows = [{**{k: r.get(k) for k in cols}, "sync_s": ", ".join(f"{st['sync_s']:.2f}" for st in r["steps"]
+                                                                 if st["synced"] and st["sync_s"] is not None)}
+            for r in results]
+    return "\n".join([
+        "## Load with several engines behind the gateway",
+        "",
+        machine_line(r0["device"], r0["dtype"]),
+        f"`clawrl bench load --engines {','.join(str(r['engines']) for r in results)}`: the load above "
+        f"({r0['sessions']} users, {r0['turns_per_session']} main turns per session, {r0['max_tokens']} new tokens, "
+        f"model `{r0['model']}`) against `clawrl serve` with `[engine] urls` naming N `clawrl engine` processes on "
+        "this machine; sessions stay on their engine, new ones go to the least loaded; each train step's sync "
+        "goes through the gateway's /engine to every engine in two waves (`sync_s`, per step).",
+        "",
+        markdown_table(rows, cols),
     ])

@@ -142,12 +142,14 @@ def bench_load(
     model: Annotated[str, typer.Option(help="The served and trained model (e.g. qwen3-0.6b-random on a GPU).")] = "tiny",
     min_syncs: Annotated[int, typer.Option(help="Keep the load on past --duration until this many weight syncs "
                                                  "were served (at most 4x --duration + 240 s).")] = 1,
+    engines: Annotated[str, typer.Option(help="Comma-separated counts of `clawrl engine` processes behind the "
+                                               "gateway, one run each (e.g. 1,2); default: its embedded engine.")] = "",
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
 ) -> None:
     """Concurrent sessions against `clawrl serve` while the judge and train flows run and sync weights."""
-    from clawrl.bench.load import format_load_section, run_load_bench
+    from clawrl.bench.load import format_engines_section, format_load_section, run_load_bench
     from clawrl.config import use_prefect_home
 
     s = settings_or_exit(config)
@@ -157,16 +159,32 @@ def bench_load(
             label(f"{p['elapsed_s']:.0f}/{p['duration_s']:g} s, {p['requests']} requests, {p['errors']} errors, "
                   f"syncs {p['syncs']}, versions served {','.join(p['versions']) or '-'}")
 
-        result = run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
-                                rollout_batch_size=rollout_batch_size, max_tokens=max_tokens, turns_per_session=turns,
-                                min_syncs=min_syncs, device=_device(device), model=model, progress=progress)
-    _write("load", format_load_section(result), out)
-    console.print(f"run data: {result['data_root']}", markup=False)
-    if not (result["errors"] == 0 and result["sent_not_logged"] == 0
-            and result["main_turns_sent"] == result["main_turns_logged"] and result["syncs_during_run"] >= 1):
-        fail(f"load bench FAILED its checks: errors {result['errors']} {result['error_samples']}, sent "
-             f"{result['main_turns_sent']} vs logged {result['main_turns_logged']}, syncs in the window "
-             f"{result['syncs_during_run']} {result['failed_syncs']}", code=1)
+        results = [run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
+                                  rollout_batch_size=rollout_batch_size, max_tokens=max_tokens,
+                                  turns_per_session=turns, min_syncs=min_syncs, device=_device(device), model=model,
+                                  engines=n, progress=progress) for n in _counts(engines)]
+    if engines:
+        _write("load-engines", format_engines_section(results), out)
+    else:
+        _write("load", format_load_section(results[0]), out)
+    for result in results:
+        console.print(f"run data: {result['data_root']}", markup=False)
+        if not (result["errors"] == 0 and result["sent_not_logged"] == 0
+                and result["main_turns_sent"] == result["main_turns_logged"] and result["syncs_during_run"] >= 1):
+            fail(f"load bench FAILED its checks: errors {result['errors']} {result['error_samples']}, sent "
+                 f"{result['main_turns_sent']} vs logged {result['main_turns_logged']}, syncs in the window "
+                 f"{result['syncs_during_run']} {result['failed_syncs']}", code=1)
+
+
+def _counts(engines: str) -> list[int]:
+    """--engines "1,2" -> [1, 2]; "" -> [0] (the gateway's embedded engine)."""
+    try:
+        counts = [int(x) for x in engines.split(",") if x.strip()] or [0]
+    except ValueError:
+        fail(f"--engines: expected comma-separated engine counts such as 1,2, got {engines!r}")
+    if any(n < 0 for n in counts):
+        fail(f"--engines: counts must be >= 0 (0: the gateway's embedded engine), got {engines!r}")
+    return counts
 
 
 @bench_app.command("train")
