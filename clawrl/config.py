@@ -69,6 +69,9 @@ class ModelSettings(_Section):
                         description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
     seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of the Megatron actor.")
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas of the Megatron actor. With "
+                               "tensor_parallel x data_parallel > 1, `clawrl up` runs the trainer under torchrun with "
+                               "that many processes (one per GPU; gloo processes on CPU); ppo.backend must be 'megatron'.")
 
 
 class ServerSettings(_Section):

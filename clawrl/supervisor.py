@@ -113,7 +113,8 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                            str(root / "mlflow" / "artifacts"), "--workers", "1"],
                 f"http://{host}:{mlflow_port}/health", f"http://{host}:{mlflow_port}",
                 env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
-        Service("trainer", [py, "-m", "clawrl.cli", "trainer", "-c", str(config_path), "--port", str(trainer_port)],
+        Service("trainer", [*_trainer_launcher(settings), "-m", "clawrl.cli", "trainer", "-c", str(config_path),
+                            "--port", str(trainer_port)],
                 f"http://{host}:{trainer_port}/state", f"http://{host}:{trainer_port}"),
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
         *([judge_engine] if judge_engine else []),
@@ -131,6 +132,15 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                    f"{prefect_api}/work_pools/{work_pool}", f"a process worker of work pool {work_pool}",
                    env=flows_env, ready_only_on_200=True)] if work_pool and local_worker else []),
     ]
+
+
+def _trainer_launcher(settings) -> list[str]:
+    """How the trainer starts: this Python, or torchrun with one process per rank when ``[model]
+    tensor_parallel x data_parallel`` > 1 (rank 0 serves the trainer API)."""
+    n = settings.model.tensor_parallel * settings.model.data_parallel
+    if n == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
 
 
 def _judge_engine(settings, config_path: Path, host: str) -> Service | None:

@@ -13,6 +13,7 @@ thread so ``/state`` keeps answering.
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -106,7 +107,9 @@ def train_batch(trainer: Trainer, data_root: Path, batch_id: str) -> StepResult:
     return trainer.run(batch_id, samples)
 
 
-def create_trainer_app(trainer: Trainer, data_root: Path) -> FastAPI:
+def create_trainer_app(trainer: Trainer, data_root: Path, announce: Callable[[str], None] | None = None) -> FastAPI:
+    """The trainer's HTTP API; ``announce(batch_id)`` runs before each step (under torchrun: the other
+    ranks are told to take part, :func:`follow_rank0`)."""
     app = FastAPI(title="clawrl trainer")
     lock = asyncio.Lock()  # the HTTP server's own guard; cross-process exclusivity is Prefect's `trainer` limit
 
@@ -117,14 +120,73 @@ def create_trainer_app(trainer: Trainer, data_root: Path) -> FastAPI:
 
     @app.post("/step")
     async def step(batch_id: str = Body(embed=True)):
+        def run() -> StepResult:
+            if announce is not None:
+                announce(batch_id)
+            return train_batch(trainer, data_root, batch_id)
+
         async with lock:
             try:
-                result = await asyncio.to_thread(train_batch, trainer, data_root, batch_id)
+                result = await asyncio.to_thread(run)
             except ValueError as e:
                 return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, status_code=400)
         return asdict(result)
 
     return app
+
+
+def serve_trainer(settings, host: str, port: int, echo: Callable[[str], None] = print) -> None:
+    """``clawrl trainer``: the trainer of ``settings`` behind its HTTP API until interrupted. Under
+    torchrun (``[model] tensor_parallel x data_parallel`` processes) every rank builds the trainer,
+    rank 0 serves the API and announces each step, and the other ranks follow (:func:`follow_rank0`)."""
+    import torch
+    import torch.distributed as dist
+    import uvicorn
+
+    from clawrl.train.trainer import trainer_from_settings
+
+    control = None
+    if dist.is_torchelastic_launched():
+        m, world = settings.model, int(os.environ["WORLD_SIZE"])
+        if world != m.tensor_parallel * m.data_parallel or settings.ppo.backend != "megatron":
+            raise ValueError(f"torchrun world of {world} processes: the trainer needs "
+                             f"ppo.backend = 'megatron' and model.tensor_parallel x data_parallel = that many "
+                             f"(now {settings.ppo.backend!r}, {m.tensor_parallel} x {m.data_parallel})")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        control = dist.new_group(backend="gloo")  # batch ids travel as Python objects, off the GPU
+    trainer = trainer_from_settings(settings)
+    if control is not None and dist.get_rank() != 0:
+        follow_rank0(trainer, settings.storage.data_root, control)
+        return
+
+    def announce(batch_id: str) -> None:
+        dist.broadcast_object_list([("step", batch_id)], src=0, group=control)
+
+    echo(f"trainer at http://{host}:{port} (weight_version {trainer.weight_version}, backend {settings.ppo.backend}, "
+         f"{trainer.world_size} process{'es' if trainer.world_size > 1 else ''})")
+    try:
+        uvicorn.run(create_trainer_app(trainer, settings.storage.data_root, announce if control else None),
+                    host=host, port=port, log_level="warning")
+    finally:
+        if control is not None:
+            dist.broadcast_object_list([("stop", None)], src=0, group=control)
+
+
+def follow_rank0(trainer: Trainer, data_root: Path, group) -> None:
+    """Ranks other than 0 of a torchrun trainer: take part in each step rank 0 announces (reading the
+    batch's samples from the shared data root), until it says stop."""
+    import torch.distributed as dist
+
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=group)
+        kind, batch_id = message[0]
+        if kind == "stop":
+            return
+        try:
+            train_batch(trainer, data_root, batch_id)
+        except ValueError:
+            pass  # the same refusal rank 0 sends its caller
 
 
 def request_step(trainer_url: str, batch_id: str, timeout_s: float = 3600.0) -> dict[str, Any]:

@@ -108,17 +108,15 @@ def trainer_service(
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 30020,
 ) -> None:
-    """Run the long-lived trainer service (model + optimizer stay in memory between flow runs)."""
+    """Run the long-lived trainer service (model + optimizer stay in memory between flow runs); under
+    torchrun, one process per rank of [model] tensor_parallel x data_parallel."""
     s = settings_or_exit(config)
-    import uvicorn
+    from clawrl.trainer_service import serve_trainer
 
-    from clawrl.trainer_service import create_trainer_app
-    from clawrl.train.trainer import trainer_from_settings
-
-    tr = trainer_from_settings(s)
-    console.print(f"trainer at http://{host}:{port} (weight_version {tr.weight_version}, backend {s.ppo.backend})",
-                  markup=False)
-    uvicorn.run(create_trainer_app(tr, s.storage.data_root), host=host, port=port, log_level="warning")
+    try:
+        serve_trainer(s, host, port, echo=lambda m: console.print(m, markup=False))
+    except ValueError as e:
+        fail(f"config error: {e}")
 
 
 @app.command("up")

@@ -136,11 +136,12 @@ class TrainBackend:
     A subclass loads ``model`` (and ``reference`` or None) from ``model_dir``, sets ``hf_config``
     and ``device``, calls :meth:`_init_optimizer`, and implements :meth:`_logprobs`,
     :meth:`_clip_gradients`, :meth:`hf_state_dict` and the two moment conversions. Under tensor
-    parallelism every rank calls every method (they are collective); global rank 0 writes files.
+    parallelism every rank calls every method (they are collective); global rank 0 writes files. Under
+    data parallelism each rank backpropagates its block of the batch's rows, and the gradients are summed.
     """
 
     OPTIMIZER_STATE_FORMAT = ""  # tags optimizer_state_dict output; a foreign tag is refused on load
-    rank = 0
+    rank, dp_rank, dp_size = 0, 0, 1  # global rank, and the data-parallel rank and size; a distributed backend sets them
     model: torch.nn.Module
     reference: torch.nn.Module | None
     model_dir: Path
@@ -276,11 +277,13 @@ class TrainBackend:
         num_tokens, num_seqs = float(mask.sum()), float((mask.sum(-1) > 0).sum())
         if num_tokens == 0:
             raise ValueError(f"batch of {len(batch)} samples has no response tokens to train on")
-        ref_logprobs = self.reference_logprobs(batch) if hp.kl_coef > 0 else None
         reward = batch.reward
         if hp.group_norm and hp.advantage_estimator in (Method.GRPO, Method.COMBINE):
             groups = batch.group_ids if hp.group_by == "prompt" else torch.zeros_like(batch.group_ids)
             reward = normalize_group_rewards(batch.reward, groups)  # R - mean of its group, over the whole batch
+        full, (lo, hi) = batch, self._data_parallel_rows(len(batch))
+        batch, reward = batch.slice(lo, hi), reward[lo:hi]  # this data-parallel rank's rows (all of them at DP 1)
+        ref_logprobs = self.reference_logprobs(batch) if hp.kl_coef > 0 else None
         spans = [(s, min(s + hp.micro_batch_size, len(batch))) for s in range(0, len(batch), hp.micro_batch_size)]
         old_logprobs: list[Tensor] = []
         epoch_metrics: list[dict[str, float]] = []
@@ -302,6 +305,7 @@ class TrainBackend:
                     drift = ((old - mb.rollout_logprobs).abs() * mb.response_mask).sum() / num_tokens
                     metrics["rollout_logprob_abs_diff"] = float(drift)
                 parts.append(metrics)
+            self._reduce_gradients()  # data parallel: the sum over ranks is the whole batch's gradient
             norm = self._clip_gradients()
             if not math.isfinite(norm):
                 self.optimizer.zero_grad(set_to_none=True)  # weights stay as they were
@@ -309,16 +313,34 @@ class TrainBackend:
                                          "update skipped")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            epoch_metrics.append({**merge_metrics(parts), "grad_norm": norm})
+            epoch_metrics.append({**self._reduce_metrics(merge_metrics(parts)), "grad_norm": norm})
         self.steps_done += 1
         counts = Counter(key for m in epoch_metrics for key in m)  # *_min / *_max: over all epochs
         means = {k: v if k.endswith(("_min", "_max")) else v / counts[k]
                  for k, v in merge_metrics(epoch_metrics).items()}
         return {**means, "num_tokens": num_tokens, "num_seqs": num_seqs,
-                "num_groups": float(torch.unique(batch.group_ids).numel()), "reward_mean": float(batch.reward.mean()),
-                "teacher_fraction": float(batch.has_teacher.float().mean()),
-                "topk_fraction": float(batch.has_topk.float().mean()),
-                "reference_from_judge": float(batch.has_ref.float().mean()) if hp.kl_coef > 0 else 0.0, "lr": self.lr}
+                "num_groups": float(torch.unique(full.group_ids).numel()), "reward_mean": float(full.reward.mean()),
+                "teacher_fraction": float(full.has_teacher.float().mean()),
+                "topk_fraction": float(full.has_topk.float().mean()),
+                "reference_from_judge": float(full.has_ref.float().mean()) if hp.kl_coef > 0 else 0.0, "lr": self.lr}
+
+    def _data_parallel_rows(self, n: int) -> tuple[int, int]:
+        """The rows [lo, hi) of an n-row batch this data-parallel rank trains on: contiguous blocks,
+        the first ``n % dp_size`` ranks one row more. Every rank holds the whole batch (counts,
+        group baselines); each backpropagates its own rows."""
+        if n < self.dp_size:
+            raise ValueError(f"a batch of {n} samples cannot be split over {self.dp_size} data-parallel ranks")
+        size, extra = divmod(n, self.dp_size)
+        lo = self.dp_rank * size + min(self.dp_rank, extra)
+        return lo, lo + size + (self.dp_rank < extra)
+
+    def _reduce_gradients(self) -> None:
+        """Sum the gradients over data-parallel ranks (each rank's loss is already normalised by the
+        whole batch's counts); nothing at data parallel 1."""
+
+    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The whole batch's metrics from each data-parallel rank's: sums, and min/max for ``*_min``/``*_max``."""
+        return metrics
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """AdamW's moments by parameter name, on CPU:

@@ -12,8 +12,10 @@ and every loss term comes from ``clawrl/algo``. What is Megatron-specific:
     gradients are summed over TP ranks (as Megatron's ``finalize_model_grads`` does); the
     clipping norm counts each TP shard once per rank and each replicated weight once in total.
 
-Precision is the torch backend's (see :mod:`clawrl.train.base`), so the two agree. Data parallelism
-is not implemented: every rank of the world is one tensor-parallel rank (``world_size == tp_size``).
+Precision is the torch backend's (see :mod:`clawrl.train.base`), so the two agree. Data parallelism:
+a world of ``tp_size x dp`` ranks holds ``dp`` replicas; each backpropagates its block of the batch's
+rows (losses normalised by the whole batch's counts) and the gradients are summed over replicas, so a
+step equals the one at world size 1 up to the order of float sums.
 
 Multi-GPU, PPO steps on a synthetic batch (the entry point at the bottom of this file)::
 
@@ -83,10 +85,10 @@ class MegatronBackend(TrainBackend):
         super().__init__(hp, dtype=dtype, deterministic=deterministic, loss_fn=loss_fn)
         self.model_dir = Path(model_dir)
         self.runtime = init_megatron(tp_size, hp.seed)
-        if parallel_state.get_data_parallel_world_size() != 1:
-            raise ValueError(f"world size {self.runtime.world_size} != tp_size {tp_size}: data parallelism "
-                             "is not implemented in MegatronBackend")
         self.device, self.rank = self.runtime.device, self.runtime.rank
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()  # world size / tp_size
+        self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size, self.tp_rank = tp_size, self.runtime.tp_rank
 
@@ -154,6 +156,36 @@ class MegatronBackend(TrainBackend):
             coef = min(self.hp.grad_clip / (norm + 1e-6), 1.0)
             torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         return norm
+
+    @torch.no_grad()
+    def _reduce_gradients(self) -> None:
+        """Data parallel: every rank's gradient summed (one flat all-reduce); a rank whose rows left a
+        parameter without a gradient adds zeros."""
+        if self.dp_size == 1:
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.flatten() for p in self.params])
+        dist.all_reduce(flat, group=self.dp_group)
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.dp_size == 1:
+            return metrics
+        keys = sorted(metrics)  # the same keys on every rank: the same loss on the same kind of rows
+        out = {}
+        for op, chosen in ((dist.ReduceOp.SUM, [k for k in keys if not k.endswith(("_min", "_max"))]),
+                           (dist.ReduceOp.MIN, [k for k in keys if k.endswith("_min")]),
+                           (dist.ReduceOp.MAX, [k for k in keys if k.endswith("_max")])):
+            if chosen:
+                t = torch.tensor([metrics[k] for k in chosen], dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, op=op, group=self.dp_group)
+                out.update(zip(chosen, t.tolist()))
+        return out
 
     @torch.no_grad()
     def _gather_over_tp(self, local: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:

@@ -10,7 +10,9 @@ the staging dir it left (named with its pid) is removed when the next trainer st
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -45,7 +47,8 @@ class Trainer:
         self.base_model_dir = Path(base_model_dir)
         self.checkpoints = Path(checkpoints)
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(self.checkpoints)  # a trainer killed mid-save left its staging dir
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, the rank that writes checkpoints
+            remove_stale_staging(self.checkpoints)  # a trainer killed mid-save left its staging dir
         self.hp = hp
         self.pad_id = pad_id
         self.keep_weights = keep_weights
@@ -98,11 +101,19 @@ class Trainer:
         metrics = self.backend.train_step(batch)
         metrics["step_time_s"] = time.perf_counter() - t0
         metrics["torch_threads"] = torch.get_num_threads()  # replay restores it: CPU reductions depend on it
+        metrics["trainer_ranks"] = self.world_size
         parent, self.version = self.version, self.version + 1
         sessions = sorted({(s.namespace or OPEN_NAMESPACE, s.session_id) for s in samples})
         self.last = self._save(batch_id, parent, metrics, [list(p) for p in sessions])
-        self._prune()
+        if self.backend.rank == 0:
+            self._prune()
         return self.last
+
+    @property
+    def world_size(self) -> int:
+        """Processes training together (torchrun's world; 1 outside it)."""
+        runtime = getattr(self.backend, "runtime", None)
+        return runtime.world_size if runtime is not None else 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Current weights under HF names for the in-process sync path: the live tensors where the
@@ -110,17 +121,25 @@ class Trainer:
         return self.backend.live_state_dict()
 
     def _save(self, batch_id: str, parent: int, metrics: dict[str, float], sessions: list[list[str]]) -> StepResult:
-        out = version_dir(self.checkpoints, self.version)
-        with staged_dir(out) as staging:
+        """Write checkpoint ``v{version}``: every rank takes part in gathering weights and optimizer
+        state (collective under torchrun), global rank 0 writes and renames it into place, and every
+        rank returns once it is there."""
+        out, writer = version_dir(self.checkpoints, self.version), self.backend.rank == 0
+        with staged_dir(out) if writer else nullcontext() as staging:
             t0 = time.perf_counter()
             self.backend.write_weights(staging)
             self.backend.write_master_weights(staging)
-            torch.save(self.backend.optimizer_state_dict(), staging / OPTIMIZER_FILE)
+            optimizer = self.backend.optimizer_state_dict()
+            if writer:
+                torch.save(optimizer, staging / OPTIMIZER_FILE)
             metrics = {**metrics, "checkpoint_write_s": time.perf_counter() - t0}  # weights, master, optimizer
             result = StepResult(batch_id=batch_id, step=self.version, weight_version=str(self.version),
-                                parent_version=str(parent), path=str(out), sha256=file_sha256(staging / WEIGHTS_FILE),
+                                parent_version=str(parent), path=str(out),
+                                sha256=file_sha256(staging / WEIGHTS_FILE) if writer else "",
                                 metrics={k: float(v) for k, v in metrics.items()}, sessions=sessions)
-            write_step_result(staging, result)  # the marker, last
+            if writer:
+                write_step_result(staging, result)  # the marker, last
+        self.backend._barrier()
         return result
 
     def _prune(self) -> None:
