@@ -68,8 +68,8 @@ class Member:
     failures: int = 0
     last_error: str = ""
 
-    def stats(self, now: float) -> dict[str, Any]:
-        return {"url": self.url, "up": self.down_until <= now, "weight_version": self.version,
+    def stats(self) -> dict[str, Any]:
+        return {"url": self.url, "up": self.down_until == 0.0, "weight_version": self.version,
                 "in_flight": self.in_flight, "sessions": self.sessions, "requests": self.requests, "failures": self.failures,
                 "updating": self.updating, "last_error": self.last_error}
 
@@ -127,8 +127,7 @@ class EnginePool:
 
     def engine_states(self) -> list[dict[str, Any]]:
         """Each engine's URL, whether it is in rotation, its version, load and failures (metrics, /engine/model_info)."""
-        now = time.monotonic()
-        return [m.stats(now) for m in self.members]
+        return [m.stats() for m in self.members]
 
     # ---- routing ------------------------------------------------------------------------------
 
@@ -138,8 +137,10 @@ class EnginePool:
         m.down_until = (now or time.monotonic()) + self.down_retry_s
         log.warning("engine %s taken out for %.0f s: %s", m.url, self.down_retry_s, e)
 
-    def _eligible(self, m: Member, need: int, now: float) -> bool:
-        return m.down_until <= now and m.version in self._serving and version_rank(m.version) >= need
+    def _eligible(self, m: Member, need: int) -> bool:
+        """In rotation (never taken out, or revived: a time out that is over is not enough, the engine
+        may have come back with other weights), serving an allowed version the key may get."""
+        return m.down_until == 0.0 and m.version in self._serving and version_rank(m.version) >= need
 
     async def _pick(self, key: str | None, tried: list[Member]) -> Member:
         """The engine for ``key``: its pinned one while that one serves, else the least loaded one
@@ -155,10 +156,10 @@ class EnginePool:
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
                 pin, need = self._keys.get(key, (None, -1)) if key else (None, -1)
-                if pin is not None and pin not in tried and self._eligible(pin, need, now):
+                if pin is not None and pin not in tried and self._eligible(pin, need):
                     chosen = pin
                 else:
-                    ok = [m for m in self.members if m not in tried and self._eligible(m, need, now)]
+                    ok = [m for m in self.members if m not in tried and self._eligible(m, need)]
                     chosen = min(ok, key=lambda m: (m.updating, m.in_flight, m.sessions)) if ok else None
                 if chosen is not None:
                     if key:
