@@ -339,8 +339,8 @@ def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str,
     Columns: namespace, session_id, next_index (1 + the highest turn index stored, so a returning
     session never reuses an index), age_s (seconds since its last turn completed), and, when its
     last main turn has no next-state row yet (the session waits for the user's reply),
-    pending_turn_id, pending_turn_index and pending_message_count (messages in that turn's
-    request); else those three are NULL.
+    pending_turn_id, pending_turn_index, pending_message_count (messages in that turn's
+    request) and pending_n (the choices its request asked for); else those are NULL.
     """
     turns = _first("turns", "turn_id", columns="namespace, session_id, turn_id, turn_index, turn_type, completed_at")
     rows = _rows(con, f"""
@@ -362,14 +362,28 @@ def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str,
     # Message counts in a second pass, for the pending turns only: request_messages holds whole
     # conversations, and a constant IN list lets the scan skip the rows it does not need.
     pending = [r["pending_turn_id"] for r in rows if r["pending_turn_id"] is not None]
-    counts: dict[str, int] = {}
+    counts: dict[str, tuple[int, int]] = {}
     for i in range(0, len(pending), 1000):
         ids = ", ".join(sql_str(t) for t in pending[i : i + 1000])
-        counts.update(con.sql(f"SELECT turn_id, json_array_length(request_messages) FROM turns "
-                              f"WHERE turn_id IN ({ids})").fetchall())
+        counts.update((t, (m, n)) for t, m, n in con.sql(
+            f"SELECT turn_id, json_array_length(request_messages), "
+            f"coalesce(try_cast(json_extract(request_params, '$.n') AS INTEGER), 1) FROM turns "
+            f"WHERE turn_id IN ({ids})").fetchall())
     for r in rows:
-        r["pending_message_count"] = counts.get(r["pending_turn_id"]) if r["pending_turn_id"] else None
+        r["pending_message_count"], r["pending_n"] = counts.get(r["pending_turn_id"], (None, None))
     return rows
+
+
+def choice_turns(con: duckdb.DuckDBPyConnection, namespace: str, session_id: str, first_index: int,
+                 n: int) -> list[dict[str, Any]]:
+    """The n turns one request with ``n`` choices made (choice i at turn index ``first_index + i``):
+    turn_index, text and request_tools, in index order (a restarted gateway tells its choices apart)."""
+    turns = _first("turns", "turn_id", columns="namespace, session_id, turn_index, text, request_tools, created_at")
+    return _rows(con, f"""
+        SELECT turn_index, text, request_tools FROM ({turns})
+        WHERE namespace = {sql_str(namespace)} AND session_id = {sql_str(session_id)}
+          AND turn_index BETWEEN {int(first_index)} AND {int(first_index) + int(n) - 1}
+        ORDER BY turn_index""")
 
 
 def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:

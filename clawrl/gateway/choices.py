@@ -1,6 +1,19 @@
 """The choices of one chat completion: their log-probs, usage and stream chunks, and the merge of
 their engine streams. A request with ``n`` choices runs ``n`` samples (GenerateRequest.samples:
-sample i is seeded ``seed + i``); choice i is sample i."""
+sample i is seeded ``seed + i``); choice i is sample i.
+
+Choices (OpenAI's ``n``, at most ``[server] max_n``): each choice is a sample of its own - the
+engine gets ``n`` requests of one prompt (choice i seeded ``seed + i``, so choice 0 is what ``n =
+1`` would answer; the embedded engine prefills the prompt once for all of them) - with its own
+output ids, rollout log-probs, parsed tool calls and finish reason. All ``n`` turns are appended in
+one write before the response's end is sent (a stream sends every choice's last chunk only then):
+all are recorded or none is. Choice 0 is the request's turn (index k, the request's turn type: the
+one that waits for the session's next state); choice i is a ``side`` turn at index k + i, with
+``n`` and its own seed in ``request_params``. The judge therefore trains on choice 0 only, once
+its next state comes; the other choices are logged for analysis (or groups of samples of one
+prompt) and never trained. When the client goes on with another choice than choice 0, choice 0 is
+closed without a next state (sessions.py), so a reply to another answer is never judged as its own.
+A restarted gateway tells the choices apart again from the log (sessions.choice_digests)."""
 
 from __future__ import annotations
 

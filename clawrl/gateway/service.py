@@ -11,17 +11,7 @@ is therefore always in the log. If the append fails (disk full, I/O error) the c
 ``storage_error`` instead (an error event in a stream) and the session is left as if the request
 had not come: its turn index stays free and a pending turn stays pending.
 
-Choices (OpenAI's ``n``, at most ``[server] max_n``): each choice is a sample of its own - the
-engine gets ``n`` requests of one prompt (choice i seeded ``seed + i``, so choice 0 is what ``n =
-1`` would answer; the embedded engine prefills the prompt once for all of them) - with its own
-output ids, rollout log-probs, parsed tool calls and finish reason. All ``n`` turns are appended in
-one write before the response's end is sent (a stream sends every choice's last chunk only then):
-all are recorded or none is. Choice 0 is the request's turn (index k, the request's turn type: the
-one that waits for the session's next state); choice i is a ``side`` turn at index k + i, with
-``n`` and its own seed in ``request_params``. The judge therefore trains on choice 0 only, once
-its next state comes; the other choices are logged for analysis (or groups of samples of one
-prompt) and never trained. When the client goes on with another choice than choice 0, choice 0 is
-closed without a next state (sessions.py), so a reply to another answer is never judged as its own.
+Choices (OpenAI's ``n``): how they are served and logged is in choices.py.
 """
 
 from __future__ import annotations
@@ -60,6 +50,7 @@ from clawrl.gateway.sessions import (
     PendingTurn,
     SessionState,
     SessionTracker,
+    choice_digests,
     explicit_session_id,
     validate_session_id,
 )
@@ -285,9 +276,19 @@ class ChatService:
         rows = self.read(session_states, 10 * self.settings.server.max_sessions)  # as many as the tracker remembers
         for row in reversed(rows):  # oldest first: the tracker's order is its recency order
             pending = None if row["pending_turn_id"] is None else PendingTurn(
-                row["pending_turn_id"], row["pending_turn_index"], row["pending_message_count"])
+                row["pending_turn_id"], row["pending_turn_index"], row["pending_message_count"],
+                *self._choice_digests(row))
             self.tracker.restore(row["namespace"], row["session_id"], row["next_index"], pending, row["age_s"])
         return len(self.tracker)
+
+    def _choice_digests(self, row: dict[str, Any]) -> tuple[str | None, tuple[str, ...]]:
+        """A pending turn of a request with n > 1 choices: its answer's digest and the other choices'."""
+        from clawrl.storage.queries import choice_turns
+
+        if (row.get("pending_n") or 1) <= 1:
+            return None, ()
+        return choice_digests(self.read(choice_turns, row["namespace"], row["session_id"],
+                                        row["pending_turn_index"], row["pending_n"]), self.adapter)
 
     async def live_weight_version(self) -> str:
         """The engine's weight version now (a sync may have happened since the last turn), else the

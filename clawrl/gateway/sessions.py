@@ -121,6 +121,19 @@ def answer_digest(message: dict[str, Any]) -> str:
     return _digest(content, [(c.get("function") or {}).get("name") for c in message.get("tool_calls") or []])
 
 
+def choice_digests(turns: list[dict[str, Any]], adapter: Any) -> tuple[str | None, tuple[str, ...]]:
+    """The answer digests of a request's choices from their logged turns (``text``, ``request_tools``,
+    in choice order), parsed by ``adapter`` as they were when served: (choice 0's, the others')."""
+    from clawrl.chat import ToolDef
+
+    digests = []
+    for t in turns:
+        tools = [ToolDef.model_validate(d) for d in json.loads(t["request_tools"])] if t["request_tools"] else None
+        parsed = adapter.parse(t["text"], tools)
+        digests.append(answer_digest({"content": parsed.content, "tool_calls": parsed.tool_calls}))
+    return (digests[0], tuple(digests[1:])) if digests else (None, ())
+
+
 @dataclass
 class PendingTurn:
     turn_id: str

@@ -191,3 +191,31 @@ def test_the_choices_are_recorded_all_or_none_before_the_answer(gateway_settings
         rows = session_turns(s, "full")
     assert r.model_extra["turn_index"] == 0  # the refused requests took no index
     assert [(x["turn_index"], x["text"]) for x in rows] == [(i, c.message.content) for i, c in enumerate(r.choices)]
+
+
+def test_a_restarted_gateway_still_tells_which_choice_the_reply_continues(gateway_settings, tiny_engine):
+    """Served by one gateway, continued through the next one on the same data root: the choices'
+    answers come back from the log, so a reply to choice 1 still closes choice 0 without a next state."""
+    s = gateway_settings()
+    answers = {}
+    for run in ("before", "after"):  # two gateway lifetimes, one data root
+        store = DataStore(s.storage.data_root)
+        with running_gateway(create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)) as gw:
+            client = OpenAI(base_url=gw.base_url, api_key="x")
+            if run == "before":
+                for sid in ("restart-0", "restart-1"):
+                    answers[sid] = [c.message.content for c in ask(client, sid, 3).choices]
+                assert answers["restart-1"][1] != answers["restart-1"][0]
+            else:
+                for sid, go_on in (("restart-0", 0), ("restart-1", 1)):
+                    more = [*ASK, {"role": "assistant", "content": answers[sid][go_on]},
+                            {"role": "user", "content": "and three more"}]
+                    nxt = client.chat.completions.create(model="m", messages=more, max_tokens=4,
+                                                         extra_body={"session_id": sid, "session_done": True})
+                    assert nxt.model_extra["turn_index"] == 3
+        store.close()
+    links = {sid: [(n["turn_index"], n["has_next_state"], n["reason"]) for n in query(
+        s, f"select * from next_states where session_id = '{sid}' order by turn_index")]
+        for sid in ("restart-0", "restart-1")}
+    assert links == {"restart-0": [(0, True, "next_request"), (3, False, "session_done")],
+                     "restart-1": [(0, False, "other_choice_continued"), (3, False, "session_done")]}
