@@ -223,7 +223,8 @@ def log_gate(data_root: Path, run_id: str, *, step: int, evidence: dict[str, Any
     """The promotion gate's decision on the run of the step that made the candidate: metrics
     ``gate_promoted`` (1/0), ``gate_candidate_mean``, ``gate_champion_mean``, ``gate_mean_diff``,
     ``gate_ci_low``, ``gate_ci_high``, ``gate_p_value``, ``gate_eval_seconds`` at ``step`` (those known),
-    and the tags ``gate_decision``, ``gate_reason``, ``gate_champion_version``."""
+    and the tags ``gate_decision``, ``gate_reason``, ``gate_champion_version``, ``gate_eval_set``
+    (validation or replay)."""
     from mlflow.entities import RunTag
 
     keys = ("candidate_mean", "champion_mean", "mean_diff", "ci_low", "ci_high", "p_value", "eval_seconds")
@@ -232,6 +233,8 @@ def log_gate(data_root: Path, run_id: str, *, step: int, evidence: dict[str, Any
                 if isinstance(evidence.get(k), (int, float)) and evidence[k] == evidence[k]]  # not None, not NaN
     tags = [RunTag("gate_decision", decision), RunTag("gate_reason", reason[:4000]),
             RunTag("gate_champion_version", str(champion_version))]
+    if evidence.get("eval_set"):
+        tags.append(RunTag("gate_eval_set", str(evidence["eval_set"])))
     client(data_root).log_batch(run_id, metrics=metrics, tags=tags)
 
 

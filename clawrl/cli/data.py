@@ -176,11 +176,12 @@ def promotion_line(log: list[dict], consecutive: int) -> str:
     if not log:
         return head + "; no candidate decided yet"
     last = log[-1]
+    on = f" on the {last['eval_set']} set" if last.get("eval_set") else ""  # [gate] eval_set of the evidence
     if last["action"] == "refuse":
-        return (f"{head}; candidate {last['weight_version']} refused ({last['reason']}); "
+        return (f"{head}; candidate {last['weight_version']} refused{on} ({last['reason']}); "
                 f"{consecutive} refused in a row")
     verb = "promoted" if last["action"] == "promote" else f"rolled back to from version {last['champion_version']}"
-    return f"{head}, {verb} by {last['source']} ({last['reason']})"
+    return f"{head}, {verb} by {last['source']}{on} ({last['reason']})"
 
 
 @app.command("doctor")

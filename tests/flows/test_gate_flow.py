@@ -130,6 +130,7 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
     assert c.get_model_version_by_alias(REGISTERED_MODEL, "candidate").tags["weight_version"] == "2"
     run = c.get_run(bad["mlflow_run_id"])
     assert run.data.metrics["gate_promoted"] == 0.0 and run.data.tags["gate_decision"] == "refuse"
+    assert run.data.tags["gate_eval_set"] == "validation"
     assert run.data.metrics["gate_mean_diff"] == pytest.approx(gate["mean_diff"])
     assert c.get_run(good["mlflow_run_id"]).data.metrics["gate_promoted"] == 1.0
     # clawrl status: the champion and the refused candidate, never "waiting"
@@ -237,6 +238,7 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
         if r["gate"] == "promote":
             assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["score"]
     assert "promotion: champion version" in out.stdout and "gate" in out.stdout
+    assert "by gate on the validation set (" in out.stdout or "refused on the validation set (" in out.stdout
     run_conf = (run / "config.toml").read_text()
     assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_tokens = 8" in run_conf
     evals = run_query(run, "select weight_version, n from evaluations order by weight_version").to_pylist()
