@@ -221,14 +221,15 @@ class EnginePool:
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         tried: list[Member] = []
+        busy: list[EngineOverloadedError] = []
         while True:
-            m = await self._pick(req.routing_key, tried)
+            m = await self._next(req.routing_key, tried, busy)
             m.in_flight += 1
             m.requests += 1
             try:
                 res = await m.engine.generate(req)
             except (EngineUnreachableError, EngineOverloadedError) as e:
-                self._failed(m, e, tried)
+                self._failed(m, e, tried, busy)
                 continue
             finally:
                 m.in_flight -= 1
@@ -237,8 +238,9 @@ class EnginePool:
 
     async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
         tried: list[Member] = []
+        busy: list[EngineOverloadedError] = []
         while True:
-            m = await self._pick(req.routing_key, tried)
+            m = await self._next(req.routing_key, tried, busy)
             m.in_flight += 1
             m.requests += 1
             last: GenerateResult | None = None
@@ -246,10 +248,9 @@ class EnginePool:
                 async for last in m.engine.generate_stream(req):
                     yield last
             except (EngineUnreachableError, EngineOverloadedError) as e:
+                self._failed(m, e, tried, busy)
                 if last is not None:  # tokens already went out: a clean error, not a second answer
-                    self._failed(m, e, [])
                     raise
-                self._failed(m, e, tried)
                 continue
             finally:
                 m.in_flight -= 1
@@ -257,9 +258,20 @@ class EnginePool:
                 self._served(req.routing_key, m, last.weight_version)
             return
 
-    def _failed(self, m: Member, e: EngineError, tried: list[Member]) -> None:
+    async def _next(self, key: str | None, tried: list[Member], busy: list[EngineOverloadedError]) -> Member:
+        """The next engine to try; when none is left and the last ones were at capacity, their 503."""
+        try:
+            return await self._pick(key, tried)
+        except EngineUnreachableError:
+            if busy:
+                raise busy[-1] from None  # every engine that answers is full: retry later, not "unreachable"
+            raise
+
+    def _failed(self, m: Member, e: EngineError, tried: list[Member], busy: list[EngineOverloadedError]) -> None:
         tried.append(m)
-        if isinstance(e, EngineUnreachableError):
+        if isinstance(e, EngineOverloadedError):
+            busy.append(e)
+        else:
             self._take_out(m, e)
 
     # ---- SGLang's control API, for the whole pool ---------------------------------------------

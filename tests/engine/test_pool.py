@@ -205,3 +205,27 @@ def test_all_engines_dead_is_a_clear_unreachable_error():
             await pool.generate(_req("s"))
 
     asyncio.run(run())
+
+
+def test_engines_at_capacity_pass_the_request_on_and_all_full_is_a_503_not_unreachable():
+    from clawrl.engine.types import EngineOverloadedError
+
+    class Full(Switchable):
+        async def generate_stream(self, req):
+            self.served += 1
+            raise EngineOverloadedError(f"engine {self.name}: queue full")
+            yield  # an async generator
+
+    a, b = Full("a"), Switchable("b")
+
+    async def run():
+        pool = _pool(a, b)
+        await pool.start()
+        res = await pool.generate(_req(None))  # a is full: b answers, and a stays in rotation
+        assert res.finished and (a.served, b.served) == (1, 1)
+        assert [s["up"] for s in pool.engine_states()] == [True, True]
+        pool.members[1].engine = Full("b2")
+        with pytest.raises(EngineOverloadedError, match="queue full"):
+            await pool.generate(_req(None))
+
+    asyncio.run(run())
