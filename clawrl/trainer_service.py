@@ -36,7 +36,8 @@ from clawrl.storage.queries import (
     trainable_samples,
     write_config_snapshot,
 )
-from clawrl.storage.selection import select_batch
+from clawrl.storage.promotions import current_champion
+from clawrl.storage.selection import parse_version, select_batch
 from clawrl.train.trainer import Trainer
 
 
@@ -52,13 +53,14 @@ def claim_batch(store, data_root: Path, *, judge_config_hash: str, batch_size: i
         pending = open_batch(con)
         if pending is not None:
             return pending["batch_id"], f"resuming batch {pending['batch_id']} (claimed, not yet checkpointed)"
-        current = latest_version(con)
+        current, serving = latest_version(con), parse_version(current_champion(con))
         if sample_source is None:
             rows = trainable_samples(con, judge_config_hash).to_pylist()
         else:  # custom samples are stored first, so batches and lineage reach them like any other
             rows = custom_samples(con, sample_source(data_root=data_root, judge_config_hash=judge_config_hash,
                                                      limit=batch_size), store)
-    chosen, stale = select_batch(rows, current_version=current, batch_size=batch_size, max_staleness=max_staleness)
+    chosen, stale = select_batch(rows, current_version=current, batch_size=batch_size, max_staleness=max_staleness,
+                                 serving_version=serving)
     note = f"{len(stale)} samples too stale for version {current}; " if stale else ""
     if stale:
         store.append([FateRecord(r["turn_id"], r["session_id"], judge_config_hash, Fate.TOO_STALE.value,

@@ -3,7 +3,10 @@
 Staleness of a sample = (current policy version) - (version that sampled it). Samples older than
 ``max_staleness`` versions are excluded with fate ``too_stale`` rather than trained on with an
 importance ratio that truncated IS would have to clip away almost entirely (the reference has no
-cap at all: a turn can wait forever and its ratio is still treated as 1).
+cap at all: a turn can wait forever and its ratio is still treated as 1). A sample of the version
+serving now is never too stale: when the promotion gate refuses candidates, the policy moves on
+while users are still served the champion, and nothing fresher than its samples can come (without
+this, two refusals in a row with ``max_staleness = 1`` stop training for good).
 """
 
 from __future__ import annotations
@@ -23,12 +26,17 @@ def staleness(sample_version: str | int, current_version: int) -> int:
     return current_version - parse_version(sample_version)
 
 
-def select_batch(samples: list[dict[str, Any]], *, current_version: int, batch_size: int,
-                 max_staleness: int) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+def select_batch(samples: list[dict[str, Any]], *, current_version: int, batch_size: int, max_staleness: int,
+                 serving_version: int | None = None) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
     """(the batch or None when fewer than ``batch_size`` fresh samples wait, the too-stale samples).
 
-    ``samples`` must be oldest first; the batch is the oldest ``batch_size`` fresh ones.
+    ``samples`` must be oldest first; the batch is the oldest ``batch_size`` fresh ones. Samples of
+    ``serving_version`` (the champion serving now) are fresh whatever their staleness.
     """
-    fresh = [s for s in samples if staleness(s["weight_version"], current_version) <= max_staleness]
-    stale = [s for s in samples if staleness(s["weight_version"], current_version) > max_staleness]
-    return (fresh[:batch_size] if len(fresh) >= batch_size else None), stale
+    def fresh(s: dict[str, Any]) -> bool:
+        return (staleness(s["weight_version"], current_version) <= max_staleness
+                or (serving_version is not None and parse_version(s["weight_version"]) == serving_version))
+
+    ok = [s for s in samples if fresh(s)]
+    stale = [s for s in samples if not fresh(s)]
+    return (ok[:batch_size] if len(ok) >= batch_size else None), stale

@@ -24,3 +24,12 @@ def test_select_takes_oldest_fresh_and_reports_stale():
 def test_select_waits_for_a_full_batch():
     batch, stale = select_batch([s(0, "3")], current_version=3, batch_size=2, max_staleness=0)
     assert batch is None and stale == []
+
+
+def test_samples_of_the_serving_champion_are_never_too_stale():
+    # the gate refused versions 4 and 5: the trainer is at 5, users are still served version 3
+    samples = [s(0, "2"), s(1, "3"), s(2, "3")]
+    batch, stale = select_batch(samples, current_version=5, batch_size=2, max_staleness=1, serving_version=3)
+    assert [x["sample_id"] for x in batch] == ["s1", "s2"] and [x["sample_id"] for x in stale] == ["s0"]
+    batch, stale = select_batch(samples, current_version=5, batch_size=2, max_staleness=1)  # without it: all stale
+    assert batch is None and len(stale) == 3
