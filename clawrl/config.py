@@ -142,7 +142,8 @@ class PPOSettings(_Section):
     dual_clip: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 = off.")
     tis_cap: float = Field(2.0, ge=0, description="Truncated importance sampling cap vs rollout logprobs; 0 = off.")
     max_staleness: int = Field(4, ge=0, description="Samples from policies more than this many versions old are "
-                                                     "excluded (too_stale).")
+                                                     "excluded (too_stale), except those of the champion serving now "
+                                                     "(the gate may have refused the versions after it).")
     w_rl: float = Field(1.0, description="Combine: weight of the judge reward term.")
     w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term.")
     group_norm: bool = Field(False, description="Subtract a baseline from the judge reward: the mean over group_by.")
