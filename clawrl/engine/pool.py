@@ -224,8 +224,6 @@ class EnginePool:
         busy: list[EngineOverloadedError] = []
         while True:
             m = await self._next(req.routing_key, tried, busy)
-            m.in_flight += 1
-            m.requests += 1
             try:
                 res = await m.engine.generate(req)
             except (EngineUnreachableError, EngineOverloadedError) as e:
@@ -241,8 +239,6 @@ class EnginePool:
         busy: list[EngineOverloadedError] = []
         while True:
             m = await self._next(req.routing_key, tried, busy)
-            m.in_flight += 1
-            m.requests += 1
             last: GenerateResult | None = None
             try:
                 async for last in m.engine.generate_stream(req):
@@ -259,13 +255,17 @@ class EnginePool:
             return
 
     async def _next(self, key: str | None, tried: list[Member], busy: list[EngineOverloadedError]) -> Member:
-        """The next engine to try; when none is left and the last ones were at capacity, their 503."""
+        """The next engine to try, counted in flight (the caller's ``finally`` uncounts it); when none
+        is left and the last ones were at capacity, their 503."""
         try:
-            return await self._pick(key, tried)
+            m = await self._pick(key, tried)
         except EngineUnreachableError:
             if busy:
                 raise busy[-1] from None  # every engine that answers is full: retry later, not "unreachable"
             raise
+        m.in_flight += 1
+        m.requests += 1
+        return m
 
     def _failed(self, m: Member, e: EngineError, tried: list[Member], busy: list[EngineOverloadedError]) -> None:
         tried.append(m)
