@@ -25,6 +25,7 @@ POOL = "clawrl-test-pool"
 @pytest.mark.timeout(600)
 def test_a_judge_run_is_executed_by_a_separate_worker_process(prefect_harness, make_settings, tiny_engine, tmp_path):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL
 
     from clawrl.flows.serve import JUDGE_DEPLOYMENT, build_deployments, deploy_to_pool, tick
@@ -48,6 +49,10 @@ def test_a_judge_run_is_executed_by_a_separate_worker_process(prefect_harness, m
     assert all(d.work_pool_name == POOL and d.job_variables["env"] == {"CLAWRL__PRM__JUDGE_SAMPLES": "1"}
                for d in deps)
 
+    with get_client(sync_client=True) as pc:  # runs another test on this session's server left waiting
+        for fr in pc.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=ids))):
+            if not fr.state.is_final():
+                pc.delete_flow_run(fr.id)
     run_id = tick(JUDGE_DEPLOYMENT)  # what the ticker of `clawrl up --work-pool` does
     assert run_id is not None and tick(JUDGE_DEPLOYMENT) is None  # one at a time: the first is scheduled
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_WORKER_QUERY_SECONDS": "1",
