@@ -282,6 +282,7 @@ def log_replay(data_root: Path, report: dict[str, Any]) -> str:
             "identical": str(report["identical"]), "replay_version": str(report.get("final_version") or "")}
     metrics = [_metric("identical", bool(s["identical"]), s["step"]) for s in steps if s["identical"] is not None]
     metrics += [_metric("excluded_samples", s["excluded_samples"], s["step"]) for s in steps]
+    metrics += [_metric("max_abs_diff", s["max_abs_diff"], s["step"]) for s in steps if s.get("max_abs_diff") is not None]
     run_id = _new_run(c, experiment_id(c, data_root, REPLAY_EXPERIMENT), f"replay-{kind}-v{report['source_version']}",
                       tags=tags, metrics=metrics, params={f"set.{k}": v for k, v in report["overrides"].items()},
                       record=report, record_file="replay.json")

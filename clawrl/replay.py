@@ -17,6 +17,12 @@ eval mode (no dropout); old log-probs come from the epoch-0 forward, not a separ
 are read back from Parquet with float64 log-probs (bit-exact); a batch is trained in its recorded
 sample order; and the torch thread count of the original step is restored, because a CPU matmul's
 reduction order - and so its last bits - depends on how many threads split it.
+
+A replay runs in one process. A version trained by several ranks (``[model] tensor_parallel x
+data_parallel`` > 1 under torchrun) is replayed on one: where its sums were taken in another order
+(tensor-parallel shards) the checkpoints differ in their last bits, so such a step is not held to
+byte equality: the report's ``identical`` is None unless every checkpoint still came out identical,
+and each differing step carries the largest weight difference (``max_abs_diff``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class ReplayStep:
     original_run_id: str | None = None
     replay_batch_id: str | None = None  # the replay's own batch (None: every sample was excluded)
     replay_version: str | None = None  # the version it made in the replay's data root
+    trained_ranks: int = 1  # processes that trained the original (the replay trains on one)
+    max_abs_diff: float | None = None  # the largest weight difference, where the checkpoints differ
 
 
 @dataclass
@@ -59,9 +67,14 @@ class ReplayReport:
 
     @property
     def identical(self) -> bool | None:
+        """Whether every checkpoint came out byte for byte; None when that is not to be expected (data,
+        config or, for a step trained by several ranks, the number of ranks changed)."""
         if not self.exact:
             return None
-        return all(s.identical for s in self.steps)
+        differ = [s for s in self.steps if not s.identical]
+        if differ and all(s.trained_ranks != 1 for s in differ):
+            return None
+        return not differ
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "identical": self.identical}
@@ -139,13 +152,14 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     if not snapshot.is_file():
         raise FileNotFoundError(f"the recorded config {snapshot} is missing; cannot replay")
     replay_settings = load_settings(snapshot, env={}, overrides={
-        **overrides, "storage.data_root": str(out), "storage.model_cache": str(settings.storage.models_dir)})
+        **overrides, "storage.data_root": str(out), "storage.model_cache": str(settings.storage.models_dir),
+        "model.tensor_parallel": 1, "model.data_parallel": 1})  # one process, whatever trained the original
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(snapshot.read_text())
     trainer = trainer_from_settings(replay_settings)
     with DataStore(out, background=False) as store:
         for p, samples in zip(plan, batches):
-            if threads := _recorded_threads(p):
+            if threads := int(_recorded_metrics(p).get("torch_threads") or 0):
                 torch.set_num_threads(threads)
             step = _replay_step(trainer, store, replay_id, p, samples, set(excluded), exact)
             if step.replay_version is not None:
@@ -166,7 +180,8 @@ def _replay_step(trainer, store, replay_id: str, plan_row: dict[str, Any], sampl
 
     kept = [r for r in samples if (r.namespace, r.session_id) not in excluded]
     step = ReplayStep(plan_row["step"], plan_row["batch_id"], plan_row["sha256"], None, len(kept),
-                      len(samples) - len(kept), None, plan_row.get("mlflow_run_id"))
+                      len(samples) - len(kept), None, plan_row.get("mlflow_run_id"),
+                      trained_ranks=int(_recorded_metrics(plan_row).get("trainer_ranks") or 1))
     if not kept:
         return step
     step.replay_batch_id = hashlib.sha256(f"{replay_id}\x00{plan_row['batch_id']}".encode()).hexdigest()[:16]
@@ -184,16 +199,38 @@ def _replay_step(trainer, store, replay_id: str, plan_row: dict[str, Any], sampl
                                   mlflow_run_id=None))
     store.flush()
     step.replay_sha256, step.replay_version = result.sha256, result.weight_version
+    if result.sha256 != plan_row["sha256"] and plan_row.get("path"):
+        step.max_abs_diff = max_weight_difference(Path(plan_row["path"]), Path(result.path))
     if exact:
         step.identical = result.sha256 == plan_row["sha256"]
     return step
 
 
-def _recorded_threads(plan_row: dict[str, Any]) -> int:
-    """The torch thread count the original step ran with (from its checkpoint's trainer.json)."""
+def max_weight_difference(a: Path, b: Path) -> float | None:
+    """The largest absolute difference between two checkpoints' weights (None: a file is missing or
+    they do not hold the same tensors)."""
+    from safetensors import safe_open
+
+    fa, fb = a / "model.safetensors", b / "model.safetensors"
+    if not (fa.is_file() and fb.is_file()):
+        return None
+    with safe_open(str(fa), "pt") as x, safe_open(str(fb), "pt") as y:
+        if set(x.keys()) != set(y.keys()):
+            return None
+        worst = 0.0
+        for k in x.keys():
+            ta, tb = x.get_tensor(k).float(), y.get_tensor(k).float()
+            if ta.shape != tb.shape:
+                return None
+            worst = max(worst, float((ta - tb).abs().max()) if ta.numel() else 0.0)
+    return worst
+
+
+def _recorded_metrics(plan_row: dict[str, Any]) -> dict[str, Any]:
+    """The original step's metrics (thread count, ranks) from its checkpoint's trainer.json."""
     from clawrl.checkpoint import TRAINER_FILE, read_step_result
 
     path = plan_row.get("path")
     if path and (Path(path) / TRAINER_FILE).is_file():
-        return int(read_step_result(path).metrics.get("torch_threads") or 0)
-    return 0
+        return read_step_result(path).metrics
+    return {}

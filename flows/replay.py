@@ -23,6 +23,8 @@ def run_replay(config_path: str | None, version: str, exclude_sessions: list[str
 
     def progress(step) -> None:
         verdict = {True: "identical", False: "DIFFERENT", None: "replayed"}[step.identical]
+        if step.trained_ranks > 1 and step.max_abs_diff is not None:
+            verdict += f" on 1 rank (trained on {step.trained_ranks}): max |dw| {step.max_abs_diff:.3g}"
         log.info("step %d (batch %s -> %s): %d samples (%d excluded) -> %s", step.step, step.batch_id,
                  step.replay_batch_id or "-", step.samples, step.excluded_samples, verdict)
 
@@ -45,7 +47,9 @@ def replay_flow(config_path: str | None = None, version: str = "latest", exclude
     report = run_replay(config_path, version, list(exclude_sessions or []), reason, overrides)
     report["mlflow_run_id"] = record_replay(config_path, report)
     verdict = report["identical"]
+    diffs = [st["max_abs_diff"] for st in report["steps"] if st["max_abs_diff"] is not None]
     print(f"replay {report['replay_id']} of version {report['source_version']}: "
           + ("checkpoints byte-identical" if verdict else "CHECKPOINTS DIFFER" if verdict is False
-             else f"{len(report['excluded_sessions'])} sessions excluded, overrides {report['overrides']}"))
+             else f"{len(report['excluded_sessions'])} sessions excluded, overrides {report['overrides']}"
+             if not report["exact"] else f"replayed on 1 rank, largest weight difference {max(diffs, default=0):.3g}"))
     return report

@@ -196,15 +196,20 @@ def replay_cmd(
         raise typer.Exit(code)
     t = Table(title=f"replay {report['replay_id']} of version {report['source_version']}")
     for col in ("step", "batch", "replay batch", "samples", "excluded", "original sha256", "replayed sha256",
-                "identical"):
+                "identical", "max |Δw|"):
         t.add_column(col)
     for st in report["steps"]:
+        diff = st.get("max_abs_diff")
         t.add_row(str(st["step"]), st["batch_id"], st["replay_batch_id"] or "-", str(st["samples"]),
-                  str(st["excluded_samples"]),
-                  st["original_sha256"][:16], (st["replay_sha256"] or "-")[:16], str(st["identical"]))
+                  str(st["excluded_samples"]), st["original_sha256"][:16], (st["replay_sha256"] or "-")[:16],
+                  str(st["identical"]), "-" if diff is None else f"{diff:.3g}")
     console.print(t)
     if report["identical"] is not None:
         console.print("checkpoints byte-identical: " + ("yes" if report["identical"] else "NO"), markup=False)
+    if (ranks := max((st.get("trained_ranks", 1) for st in report["steps"]), default=1)) > 1:
+        diffs = [st["max_abs_diff"] for st in report["steps"] if st.get("max_abs_diff") is not None]
+        console.print(f"trained on {ranks} ranks, replayed on 1: sums in another order, so not byte-comparable; "
+                      f"largest weight difference {max(diffs, default=0.0):.3g}", markup=False)
     console.print(f"replayed checkpoint: {report['final_path']} (MLflow run {report['mlflow_run_id']} in "
                   f"experiment clawrl-replays)", markup=False)
     if report["excluded_sessions"]:

@@ -5,87 +5,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from clawrl.storage.catalog import run_query
-from tests.utils.gateway_server import free_socket
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _ports(n):
-    socks = [free_socket() for _ in range(n)]
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _up(conf: Path, ports, log: Path) -> subprocess.Popen:
-    gw, pf, ml, tr, _ = ports
-    return subprocess.Popen(
-        [sys.executable, "-m", "clawrl.cli", "up", "-c", str(conf), "--prefect-port", str(pf), "--mlflow-port",
-         str(ml), "--trainer-port", str(tr), "--judge-every", "8", "--train-every", "15"],
-        cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def _wait_for(pred, timeout_s, what, proc=None, log=None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"clawrl up exited while waiting for {what}:\n{log.read_text()[-3000:]}")
-        try:
-            if pred():
-                return
-        except Exception:
-            pass
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:] if log else ''}")
-
-
-class Traffic:
-    """Simulated users: ask, then react; every turn the gateway acknowledged is remembered."""
-
-    def __init__(self, base_url: str, tag: str):
-        self.base_url, self.tag = base_url, tag
-        self.acked: list[tuple[str, int]] = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self.user, args=(i,), daemon=True) for i in range(3)]
-
-    def user(self, i: int) -> None:
-        client = OpenAI(base_url=self.base_url, api_key="x", max_retries=0, timeout=60)
-        n = 0
-        while not self.stop.is_set():
-            sid = f"{self.tag}-{i}-{n}"
-            msgs = [{"role": "user", "content": f"question {n}"}]
-            try:
-                r = client.chat.completions.create(model="m", messages=msgs, extra_body={"session_id": sid})
-                self.acked.append((sid, r.model_extra["turn_index"]))
-                msgs += [{"role": "assistant", "content": r.choices[0].message.content},
-                         {"role": "user", "content": "thanks!" if n % 2 else "no, shorter please"}]
-                r = client.chat.completions.create(model="m", messages=msgs,
-                                                   extra_body={"session_id": sid, "session_done": True})
-                self.acked.append((sid, r.model_extra["turn_index"]))
-            except Exception:
-                time.sleep(0.5)  # the gateway is down: nothing acknowledged
-            n += 1
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(60)
+from tests.utils.up_process import Traffic
+from tests.utils.up_process import ports as _ports
+from tests.utils.up_process import up as _up
+from tests.utils.up_process import wait_for as _wait_for
 
 
 @pytest.mark.slow
