@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from clawrl.config_sections import EngineSettings, GateSettings, Url, replay_scorer_problem
+from clawrl.config_sections import EngineSettings, GateSettings, PRMSettings, Url, replay_scorer_problem
 from clawrl.config_sections import Section as _Section
 from clawrl.records import Method
 
@@ -162,27 +162,6 @@ class PPOSettings(_Section):
         if self.lr_min > self.lr:
             raise ValueError(f"ppo.lr_min ({self.lr_min:g}) must not exceed ppo.lr ({self.lr:g})")
         return self
-
-
-class PRMSettings(_Section):
-    judge_samples: int = Field(3, ge=1, description="Independent judge votes per turn (majority wins).")
-    backend: Literal["rule", "engine", "sglang", "provider"] = Field(
-        "rule", description="'rule': deterministic rule-based judge (tests, CPU demo). 'engine': embedded engine "
-        "holding the frozen initial weights. 'sglang': an SGLang server at prm.url. 'provider': the external API in "
-        "[provider].")
-    url: Url = Field("", description="SGLang server of the judge model (backend = 'sglang').")
-    engine_url: Url = Field("", description="A `clawrl engine` holding the policy's initial weights, used over HTTP "
-                            "by the 'engine' judge and the 'frozen' OPD teacher instead of loading the model in the "
-                            "judging process ('': load it there). `clawrl up` points its flows at its judge engine.")
-    engine_port: int = Field(30021, ge=0, le=65535, description="Port of the judge engine `clawrl up` starts when the "
-                             "judge uses the initial weights (backend = 'engine', or the 'frozen' teacher).")
-    temperature: float = Field(0.6, ge=0, description="Judge sampling temperature (votes must differ).")
-    max_new_tokens: int = Field(512, ge=1, description="Judge completion budget (reasoning + boxed score).")
-    budget_chars: int = Field(6000, ge=200, description="Characters of turn + context shown to the judge.")
-    max_in_flight: int = Field(16, ge=1, description="Turns judged concurrently (no global lock).")
-    retries: int = Field(2, ge=0, description="Retries of a failed turn before its fate is judge_error.")
-    retry_delay_s: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
-    batch_limit: int = Field(512, ge=1, description="Most turns one judge flow run takes.")
 
 
 class OPDSettings(_Section):

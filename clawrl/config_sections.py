@@ -1,5 +1,5 @@
 """Settings sections kept out of clawrl/config.py for its length: the base every section derives from,
-``[engine]`` and ``[gate]``. Loaded, merged and validated by clawrl/config.py like every other section."""
+``[engine]``, ``[prm]`` and ``[gate]``. Loaded, merged and validated by clawrl/config.py like every other section."""
 
 from __future__ import annotations
 
@@ -59,6 +59,45 @@ class EngineSettings(Section):
         """The HTTP policy engines (kind='http'): ``urls``, else ``[url]``."""
         return list(self.urls) or ([self.url] if self.url else [])
 
+
+
+class PRMSettings(Section):
+    judge_samples: int = Field(3, ge=1, description="Independent judge votes per turn (majority wins).")
+    backend: Literal["rule", "engine", "sglang", "provider"] = Field(
+        "rule", description="'rule': deterministic rule-based judge (tests, CPU demo). 'engine': embedded engine "
+        "holding the frozen initial weights. 'sglang': an SGLang server at prm.url. 'provider': the external API in "
+        "[provider].")
+    url: Url = Field("", description="SGLang server of the judge model (backend = 'sglang').")
+    engine_url: Url = Field("", description="A `clawrl engine` holding the policy's initial weights, used over HTTP "
+                            "by the 'engine' judge and the 'frozen' OPD teacher instead of loading the model in the "
+                            "judging process ('': load it there). `clawrl up` points its flows at its judge engine.")
+    engine_urls: list[Url] = Field([], description="Several such engines (a judge pool, separate from the policy "
+                                   "engines): each request goes to the one with the fewest in flight; one that "
+                                   "stops answering is left out for [engine] down_retry_s and its requests retried "
+                                   "on the others.")
+    engine_port: int = Field(30021, ge=0, le=65535, description="Port of the judge engine `clawrl up` starts when the "
+                             "judge uses the initial weights (backend = 'engine', or the 'frozen' teacher).")
+    temperature: float = Field(0.6, ge=0, description="Judge sampling temperature (votes must differ).")
+    max_new_tokens: int = Field(512, ge=1, description="Judge completion budget (reasoning + boxed score).")
+    budget_chars: int = Field(6000, ge=200, description="Characters of turn + context shown to the judge.")
+    max_in_flight: int = Field(16, ge=1, description="Turns judged concurrently (no global lock).")
+    retries: int = Field(2, ge=0, description="Retries of a failed turn before its fate is judge_error.")
+    retry_delay_s: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
+    batch_limit: int = Field(512, ge=1, description="Most turns one judge flow run takes.")
+
+
+    @model_validator(mode="after")
+    def _one_judge_engine_list(self) -> PRMSettings:
+        if self.engine_url and self.engine_urls:
+            raise ValueError("prm.engine_url and prm.engine_urls are both set: name one engine in engine_url or "
+                             "several in engine_urls")
+        if len(set(self.engine_urls)) != len(self.engine_urls):
+            raise ValueError(f"prm.engine_urls lists an engine twice: {self.engine_urls}")
+        return self
+
+    def judge_engine_urls(self) -> list[str]:
+        """The `clawrl engine`s holding the initial weights: ``engine_urls``, else ``[engine_url]``."""
+        return list(self.engine_urls) or ([self.engine_url] if self.engine_url else [])
 
 class GateSettings(Section):
     """The promotion gate: every new checkpoint is a candidate, scored paired with the serving champion (same

@@ -71,7 +71,7 @@ def frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     from clawrl.judge.runner import load_frozen_engine
 
     m = settings.model
-    key = ("frozen", name or m.name, m.seed, m.dtype, settings.prm.engine_url)  # a judge engine's URL is its own
+    key = ("frozen", name or m.name, m.seed, m.dtype, *settings.prm.judge_engine_urls())  # URLs: engines of their own
     return _once(key, lambda: load_frozen_engine(settings, name))
 
 

@@ -165,7 +165,18 @@ def test_env_names_any_case_and_values_validate_like_the_file():
 
 
 @pytest.mark.parametrize("name", ["layout-8gpu.toml", "layout-two-nodes.toml"])
-def test_the_scale_layouts_load_with_several_policy_engines_and_a_judge_engine(name):
+def test_the_scale_layouts_load_with_several_policy_engines_and_a_judge_pool(name):
     s = load_settings(Path(__file__).parents[1] / "conf" / name, env={})
     assert s.engine.kind == "http" and len(s.engine.http_urls) == 2 and s.engine.sync_waves == 2
-    assert s.prm.backend == "engine" and s.prm.engine_url and s.prm.engine_url not in s.engine.http_urls
+    judges = s.prm.judge_engine_urls()
+    assert s.prm.backend == "engine" and len(judges) == 2 and not set(judges) & set(s.engine.http_urls)
+
+
+def test_judge_engine_urls_name_one_list():
+    s = load_settings(env={}, overrides={"prm.engine_urls": ["http://a:1/", "http://b:2"]})
+    assert s.prm.judge_engine_urls() == ["http://a:1", "http://b:2"]
+    assert load_settings(env={}, overrides={"prm.engine_url": "http://c:3"}).prm.judge_engine_urls() == ["http://c:3"]
+    with pytest.raises(ConfigError, match="prm.engine_url and prm.engine_urls are both set"):
+        load_settings(env={}, overrides={"prm.engine_url": "http://c:3", "prm.engine_urls": ["http://a:1"]})
+    with pytest.raises(ConfigError, match="prm.engine_urls lists an engine twice"):
+        load_settings(env={}, overrides={"prm.engine_urls": ["http://a:1", "http://a:1/"]})

@@ -1,8 +1,11 @@
-"""Several policy engines behind one :class:`~clawrl.engine.types.Engine` (``[engine] urls``).
+"""Several engines behind one :class:`~clawrl.engine.types.Engine`: the policy engines (``[engine] urls``)
+and the judge engines holding the initial weights (``[prm] engine_urls``; never synced, started on
+the first request).
 
 * **Routing.** A request's ``routing_key`` (the gateway sends one per session) stays on the engine
   that served it first, so that engine's prefix cache keeps the conversation; a new key goes to the
-  engine with the fewest requests in flight. Requests without a key go to the least loaded engine.
+  engine with the fewest requests in flight. Requests without a key go to the least loaded engine
+  (ties: the one that served fewer requests, so an idle pool takes turns).
 * **Failures.** An engine whose connection fails (refused, reset, closed mid-body:
   :class:`EngineUnreachableError`) is taken out for ``down_retry_s`` and the request goes to another
   engine. Nobody saw an answer from the first one, and the gateway logs a turn only once it has an
@@ -88,6 +91,7 @@ class EnginePool:
         self._checkpoint: str | None = None  # what `version` was loaded from (to catch a returning engine up)
         self._pause_mode: PauseMode = "retract"
         self._changed = asyncio.Condition()
+        self._starting = asyncio.Lock()
         self.max_context_len: int | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -160,7 +164,7 @@ class EnginePool:
                     chosen = pin
                 else:
                     ok = [m for m in self.members if m not in tried and self._eligible(m, need)]
-                    chosen = min(ok, key=lambda m: (m.updating, m.in_flight, m.sessions)) if ok else None
+                    chosen = min(ok, key=lambda m: (m.updating, m.in_flight, m.sessions, m.requests)) if ok else None
                 if chosen is not None:
                     if key:
                         self._pin(key, chosen, need)
@@ -257,6 +261,10 @@ class EnginePool:
     async def _next(self, key: str | None, tried: list[Member], busy: list[EngineOverloadedError]) -> Member:
         """The next engine to try, counted in flight (the caller's ``finally`` uncounts it); when none
         is left and the last ones were at capacity, their 503."""
+        if self.version is None:  # a pool its owner never started (the judge's): ask the engines first
+            async with self._starting:
+                if self.version is None:
+                    await self.start()
         try:
             m = await self._pick(key, tried)
         except EngineUnreachableError:

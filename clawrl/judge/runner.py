@@ -25,9 +25,11 @@ def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
     model), never synced: the frozen judge, and the frozen or local OPD teacher. With ``[prm]
     engine_url`` the policy's model is not loaded here: the `clawrl engine` at that URL holds its
-    initial weights (`clawrl up`'s judge engine) and answers over HTTP."""
-    if settings.prm.engine_url and (name or settings.model.name) == settings.model.name:
-        return _http_engine(settings, settings.prm.engine_url)
+    initial weights (`clawrl up`'s judge engine) and answers over HTTP; with ``engine_urls``, a pool
+    of them (:class:`clawrl.engine.pool.EnginePool`: the least loaded one answers, a dead one is left out)."""
+    urls = settings.prm.judge_engine_urls()
+    if urls and (name or settings.model.name) == settings.model.name:
+        return _http_engine(settings, urls)
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.models import resolve_model_dir
 
@@ -78,10 +80,16 @@ def build_judge_config_hash(settings: Settings) -> str:
     )
 
 
-def _http_engine(settings: Settings, url: str) -> Engine:
+def _http_engine(settings: Settings, urls: list[str]) -> Engine:
     from clawrl.engine.sglang_client import SGLangClient
 
-    return SGLangClient(url, timeout_s=settings.engine.request_timeout_s)
+    timeout_s = settings.engine.request_timeout_s
+    if len(urls) == 1:
+        return SGLangClient(urls[0], timeout_s=timeout_s)
+    from clawrl.engine.pool import EnginePool
+
+    return EnginePool([(u, SGLangClient(u, timeout_s=timeout_s)) for u in urls],
+                      down_retry_s=settings.engine.down_retry_s, version_wait_s=timeout_s)
 
 
 def _policy_tokenizer(settings: Settings):
@@ -98,9 +106,9 @@ def _teacher(settings: Settings, frozen: Callable[[str], Engine], policy: Engine
             raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
                                "engine.kind = 'http'")
         # several engines serve the same version: any of them scores with the served weights
-        return policy or _http_engine(settings, settings.engine.http_urls[0]), _policy_tokenizer(settings)
+        return policy or _http_engine(settings, settings.engine.http_urls[:1]), _policy_tokenizer(settings)
     if name.startswith(("http://", "https://")):
-        return _http_engine(settings, name), _policy_tokenizer(settings)
+        return _http_engine(settings, [name]), _policy_tokenizer(settings)
     engine = frozen(settings.model.name if name == "frozen" else name)
     return engine, _tokenizer_of(settings, engine)
 
@@ -121,7 +129,7 @@ def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBacken
     if prm.backend == "sglang":
         if not prm.url:
             raise ValueError("prm.backend = 'sglang' needs prm.url")
-        return EngineJudge(_http_engine(settings, prm.url), _policy_tokenizer(settings), seed=settings.model.seed)
+        return EngineJudge(_http_engine(settings, [prm.url]), _policy_tokenizer(settings), seed=settings.model.seed)
     if not settings.provider.base_url:
         raise ValueError("prm.backend = 'provider' needs provider.base_url")
     return ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
@@ -160,8 +168,9 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
                  config_hash=build_judge_config_hash(settings),
                  reward_hook=load_hook("reward", settings.hooks.reward), hint_demonstrations=opd.hint_demonstrations,
                  reference=_reference(settings, frozen, teacher), top_k=opd.top_k, hint_candidates=opd.hint_candidates,
-                 policy=policy or (_http_engine(settings, settings.engine.url) if settings.engine.kind == "http"
-                                   and (opd.hint_demonstrations or opd.top_k > 0) else None))
+                 policy=policy or (_http_engine(settings, settings.engine.http_urls[:1])
+                                   if settings.engine.kind == "http" and (opd.hint_demonstrations or opd.top_k > 0)
+                                   else None))
 
 
 _TURN_FIELDS = [f.name for f in fields(TurnRecord)]
