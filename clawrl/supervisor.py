@@ -1,15 +1,18 @@
 """`clawrl up`: start every part as its own process, print the URLs, stop them all on Ctrl-C.
 
-Processes (all bound to 127.0.0.1): the Prefect server (UI + API), the MLflow server (UI, sqlite
-store under the data root), the trainer service (model + optimizer in memory between steps), the
-gateway (OpenAI API, in-process embedded engine, its SGLang control API under /engine), the judge
-engine when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
+Processes (bound to 127.0.0.1, or to ``--host``: an address of this machine that Prefect workers
+on other machines reach; the gateway binds ``[server] host``): the Prefect server (UI + API), the
+MLflow server (UI, sqlite store under the data root), the trainer service (model + optimizer in
+memory between steps; under torchrun when the model is split over several ranks), the gateway
+(OpenAI API, in-process embedded engine, its SGLang control API under /engine), the judge engine
+when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
 "frozen" OPD teacher: a `clawrl engine` on ``[prm] engine_port`` that keeps the frozen model loaded
 between judge runs, which reach it over HTTP), and the flow server (the judge / train / replay
-deployments; with a work pool, registered on it and run by `prefect worker start --pool` processes, one of
-them started here unless told otherwise). Each keeps its state under the data root, so
-after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its write-ahead log,
-the trainer and the engine load the newest checkpoint, and claimed batches are resumed, not re-taken.
+deployments; with a work pool, registered on it and run by `prefect worker start --pool`
+processes, one of them started here unless told otherwise). Each keeps its state under the data
+root, so after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its
+write-ahead log, the trainer and the engine load the newest checkpoint, and claimed batches are
+resumed, not re-taken.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from clawrl.config import child_env
+from clawrl.serving import client_url
 
 
 @dataclass
@@ -96,31 +100,30 @@ def stop(svc: Service, timeout_s: float = 15.0) -> None:
 
 def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, trainer_port: int,
          judge_every_s: float = 20.0, train_every_s: float = 120.0, work_pool: str | None = None,
-         local_worker: bool = True) -> list[Service]:
+         local_worker: bool = True, host: str = "127.0.0.1") -> list[Service]:
     py = sys.executable
     root = settings.storage.data_root
-    host = "127.0.0.1"
-    gw = f"http://{settings.server.host}:{settings.server.api_port}"
-    prefect_api = f"http://{host}:{prefect_port}/api"
+    gw = gateway_url(settings, host)
+    prefect_api = f"{client_url(host, prefect_port)}/api"
     mlflow_db = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
     judge_engine = _judge_engine(settings, config_path, host)
     flows_env = {"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}
     return [
         Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
-                f"{prefect_api}/health", f"http://{host}:{prefect_port}"),
+                f"{prefect_api}/health", client_url(host, prefect_port)),
         Service("mlflow", [py, "-m", "mlflow", "server", "--host", host, "--port", str(mlflow_port),
                            "--backend-store-uri", mlflow_db, "--artifacts-destination",
                            str(root / "mlflow" / "artifacts"), "--workers", "1"],
-                f"http://{host}:{mlflow_port}/health", f"http://{host}:{mlflow_port}",
+                f"{client_url(host, mlflow_port)}/health", client_url(host, mlflow_port),
                 env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
         Service("trainer", [*_trainer_launcher(settings), "-m", "clawrl.cli", "trainer", "-c", str(config_path),
-                            "--port", str(trainer_port)],
-                f"http://{host}:{trainer_port}/state", f"http://{host}:{trainer_port}"),
+                            "--host", host, "--port", str(trainer_port)],
+                f"{client_url(host, trainer_port)}/state", client_url(host, trainer_port)),
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
         *([judge_engine] if judge_engine else []),
         # up once its deployments are registered (Prefect answers 404 for the name before)
         Service("flows", [py, "-m", "clawrl.flows.serve", "--config", str(config_path), "--trainer-url",
-                          f"http://{host}:{trainer_port}", "--engine-url", f"{gw}/engine",
+                          client_url(host, trainer_port), "--engine-url", f"{gw}/engine",
                           "--judge-every", str(judge_every_s), "--train-every", str(train_every_s),
                           *(["--work-pool", work_pool] if work_pool else [])],
                 f"{prefect_api}/deployments/name/replay/on-demand", f"deployments: judge/on-interval (every "
@@ -134,6 +137,25 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     ]
 
 
+def gateway_url(settings, host: str) -> str:
+    """The gateway's URL for the flows: ``[server] host``, or ``host`` when the gateway binds every address."""
+    bound = settings.server.host
+    return client_url(host if bound in ("0.0.0.0", "::", "") else bound, settings.server.api_port)
+
+
+def host_problem(settings, host: str) -> str | None:
+    """Why ``clawrl up --host host`` cannot work with these settings (None: it can)."""
+    if host in ("0.0.0.0", "::", ""):
+        return (f"--host {host!r} binds every address but names none: give the address other machines reach this "
+                "one at (e.g. its LAN address 10.0.0.5); the URLs handed to the flows use it")
+    loopback = host.startswith("127.") or host in ("localhost", "::1")
+    if not loopback and settings.server.host.startswith("127."):
+        return (f"--host {host} lets workers on other machines reach the trainer and Prefect, but the gateway binds "
+                f"[server] host = {settings.server.host}, so their train runs could not sync it: set [server] host "
+                f"to {host} or 0.0.0.0")
+    return None
+
+
 def _trainer_launcher(settings) -> list[str]:
     """How the trainer starts: this Python, or torchrun with one process per rank when ``[model]
     tensor_parallel x data_parallel`` > 1 (rank 0 serves the trainer API)."""
@@ -145,41 +167,41 @@ def _trainer_launcher(settings) -> list[str]:
 
 def _judge_engine(settings, config_path: Path, host: str) -> Service | None:
     """The judge engine: `clawrl engine` on the policy's initial weights (it never takes a weight sync),
-    when the judge scores with them and ``[prm] engine_url`` names no engine of the user's own."""
+    when the judge scores with them and ``[prm] engine_url(s)`` name no engines of the user's own."""
     from clawrl.judge.runner import uses_frozen_model
 
-    if not uses_frozen_model(settings) or settings.prm.engine_url:
+    if not uses_frozen_model(settings) or settings.prm.judge_engine_urls():
         return None
     port = settings.prm.engine_port
-    url = f"http://{host}:{port}"
+    url = client_url(host, port)
     argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port)]
     return Service("judge-engine", argv, f"{url}/health", url)
 
 
-def _mlflow_ui_url(settings, mlflow_port: int) -> str:
+def _mlflow_ui_url(settings, mlflow_port: int, host: str) -> str:
     """Where the flows' Prefect pages link MLflow runs: the UI this command starts, unless the config
     names another (a proxy in front of it)."""
     from clawrl.config import StorageSettings
 
     configured = settings.storage.mlflow_ui_url
     return configured if configured != StorageSettings.model_fields["mlflow_ui_url"].default else \
-        f"http://127.0.0.1:{mlflow_port}"
+        client_url(host, mlflow_port)
 
 
 def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
            trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0,
-           work_pool: str | None = None, local_worker: bool = True, echo=print) -> None:
+           work_pool: str | None = None, local_worker: bool = True, host: str = "127.0.0.1", echo=print) -> None:
     """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
     PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
     (root / "mlflow").mkdir(parents=True, exist_ok=True)
-    prefect_api = f"http://127.0.0.1:{prefect_port}/api"
+    prefect_api = f"{client_url(host, prefect_port)}/api"
     base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=prefect_api,
                          MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
-                         CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port))
+                         CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port, host))
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
                     trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s,
-                    work_pool=work_pool, local_worker=local_worker)
+                    work_pool=work_pool, local_worker=local_worker, host=host)
     stopping = False
 
     def on_signal(signum, frame):  # noqa: ARG001

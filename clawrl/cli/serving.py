@@ -132,12 +132,20 @@ def up(
                                                           "(created if missing): `prefect worker start --pool NAME` "
                                                           "processes, here or on other machines, run them.")] = None,
     local_worker: Annotated[bool, typer.Option(help="With --work-pool, also start one worker here.")] = True,
+    host: Annotated[str, typer.Option(help="Address Prefect, MLflow, the trainer and the judge engine bind and "
+                                           "the flows reach them at: this machine's address on a private network "
+                                           "when Prefect workers on other machines run the flows.")] = "127.0.0.1",
 ) -> None:
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
     from clawrl.storage.writer import DataRootError, check_data_root
-    from clawrl.supervisor import run_up
+    from clawrl.supervisor import host_problem, run_up
 
     s = settings_or_exit(config)
+    if problem := host_problem(s, host):
+        fail(problem)
+    if not (host.startswith("127.") or host in ("localhost", "::1")):
+        console.print(f"[bold yellow]the trainer API, Prefect and MLflow answer anyone who reaches {host}, without "
+                      "authentication: keep that address on a private network[/]")
     try:  # before any service starts: a clear line, not a traceback from a child process
         check_data_root(s.storage.data_root)
     except DataRootError as e:
@@ -147,6 +155,6 @@ def up(
     try:
         run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
                judge_every_s=judge_every, train_every_s=train_every, work_pool=work_pool, local_worker=local_worker,
-               echo=lambda m: console.print(m, markup=False))
+               host=host, echo=lambda m: console.print(m, markup=False))
     except RuntimeError as e:
         fail(str(e), code=1)

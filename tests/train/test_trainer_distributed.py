@@ -58,7 +58,7 @@ def test_up_starts_the_trainer_under_torchrun_with_one_process_per_rank(make_set
     [trainer] = [sv for sv in supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000,
                                                trainer_port=30020) if sv.name == "trainer"]
     assert trainer.argv == [sys.executable, *launcher, "-m", "clawrl.cli", "trainer", "-c", "/conf/up.toml",
-                            "--port", "30020"]
+                            "--host", "127.0.0.1", "--port", "30020"]
     assert trainer.health_url == "http://127.0.0.1:30020/state"  # rank 0 serves the API
 
 
