@@ -3,7 +3,11 @@ the two ranks train version 1 (tensor parallel, or data parallel with the batch'
 gateway serves it, and replaying that version in one process (`clawrl replay`) gives the same weights
 within float32 rounding (the tolerance of tests/train/test_megatron_backend.py: every weight within
 lr / 20, at most 1 element in 100,000 more than 1e-6 apart; data parallel over two micro-batches comes
-out byte for byte)."""
+out byte for byte).
+
+The data-parallel run also has its flows on a Prefect work pool with no worker of `clawrl up`'s own:
+`clawrl up --host 127.0.0.2` binds Prefect, MLflow and the trainer to that address (not 127.0.0.1), and a
+separate `prefect worker` process that knows only that address runs the judge and train runs."""
 
 import json
 import os
@@ -19,6 +23,25 @@ from tests.train.test_megatron_backend import _assert_same_updated_weights
 from tests.utils.up_process import REPO, Traffic, ports, up, wait_for
 
 LR = 1e-3
+POOL = "clawrl-elsewhere"
+HOST = "127.0.0.2"  # a loopback address other than 127.0.0.1: a service bound to the default is not reached
+
+
+def _worker(prefect_port: int, tmp_path: Path) -> subprocess.Popen:
+    """A process worker of POOL that knows nothing but the Prefect API at HOST (as on another machine)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLAWRL__", "MLFLOW_", "PREFECT_"))}
+    env.update(PREFECT_API_URL=f"http://{HOST}:{prefect_port}/api", PREFECT_HOME=str(tmp_path / "worker-home"),
+               PREFECT_WORKER_QUERY_SECONDS="2", PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
+                             "--name", "elsewhere"], env=env, stdout=open(tmp_path / "worker.log", "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _flow_runs(prefect_port: int, name: str) -> list[dict]:
+    r = httpx.post(f"http://{HOST}:{prefect_port}/api/flow_runs/filter", timeout=30,
+                   json={"flow_runs": {"name": {"any_": [name]}}})
+    r.raise_for_status()
+    return r.json()
 
 
 @pytest.mark.slow
@@ -28,6 +51,7 @@ def test_up_trains_on_two_ranks_like_one(tmp_path, model_cache, layout):
     from safetensors.torch import load_file
 
     data = tmp_path / "data"
+    remote = layout == "data_parallel"
     p = ports(5)
     conf = tmp_path / "up.toml"
     conf.write_text(f"""
@@ -38,6 +62,7 @@ dtype = "float32"
 [server]
 open_mode = true
 api_port = {p[0]}
+host = "{'0.0.0.0' if remote else '127.0.0.1'}"
 [storage]
 data_root = "{data}"
 model_cache = "{model_cache}"
@@ -60,9 +85,15 @@ max_tokens = 8
     log = tmp_path / "up.log"
     base = f"http://127.0.0.1:{p[0]}/v1"
     ckpt = data / "checkpoints" / "v000001"
-    proc = up(conf, p, log)
+    proc = up(conf, p, log, *(["--host", HOST, "--work-pool", POOL, "--no-local-worker"] if remote else []))
+    worker = None
     try:
         wait_for(lambda: httpx.get(base + "/models", timeout=2).status_code == 200, 300, "the gateway", proc, log)
+        if remote:
+            wait_for(lambda: (data / "up.pids.json").is_file() and "flows" in json.loads((data / "up.pids.json")
+                                                                                         .read_text()), 300,
+                     "the flows registered", proc, log)
+            worker = _worker(p[1], tmp_path)
         with Traffic(base, layout):
             wait_for(lambda: (ckpt / "trainer.json").is_file(), 600, "a first training step", proc, log)
         pids = json.loads((data / "up.pids.json").read_text())
@@ -74,12 +105,22 @@ max_tokens = 8
         out = subprocess.run([sys.executable, "-m", "clawrl.cli", "replay", "1", "-c", str(conf), "--format", "json"],
                              cwd=REPO, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        if remote:
+            [train_run] = _flow_runs(p[1], "train-v1")
+            pids = json.loads((data / "up.pids.json").read_text())
     finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(60)
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(90)
         except subprocess.TimeoutExpired:
             proc.kill()
+    if remote:  # trained in a subprocess of the worker, through the trainer at HOST
+        assert train_run["work_pool_name"] == POOL and train_run["state_type"] == "COMPLETED"
+        assert "elsewhere" in (tmp_path / "worker.log").read_text()
+        assert pids["prefect_api_url"] == f"http://{HOST}:{p[1]}/api" and "worker" not in pids
     trained = json.loads((ckpt / "trainer.json").read_text())
     assert trained["metrics"]["trainer_ranks"] == 2
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -22,11 +22,11 @@ def ports(n):
     return ports
 
 
-def up(conf: Path, ports, log: Path) -> subprocess.Popen:
+def up(conf: Path, ports, log: Path, *extra: str) -> subprocess.Popen:
     gw, pf, ml, tr, _ = ports
     return subprocess.Popen(
         [sys.executable, "-m", "clawrl.cli", "up", "-c", str(conf), "--prefect-port", str(pf), "--mlflow-port",
-         str(ml), "--trainer-port", str(tr), "--judge-every", "8", "--train-every", "15"],
+         str(ml), "--trainer-port", str(tr), "--judge-every", "8", "--train-every", "15", *extra],
         cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
