@@ -1,11 +1,12 @@
 """Judge throughput: turns judged per second with a model judge (the embedded engine) at turn
 concurrency 1 vs 16, beside the engine's own batching gain measured in the same run.
 
-Each turn gets ``judge_samples`` PRM votes of ``max_tokens`` tokens from an ``EngineJudge`` over
-the embedded engine (the judge path of ``[prm] backend = "engine"``); ``ignore_eos`` is not
-available through the judge, so vote lengths vary. The engine's gain is the same engine generating
-``max_tokens`` tokens on the judge's own rendered PRM prompt (a long prompt is prefill-bound and
-batches less) at request concurrency 1 vs 16. With one vote per turn the two gains compare like with like.
+Each turn gets ``judge_samples`` PRM votes of at most ``max_tokens`` tokens from an ``EngineJudge``
+over the embedded engine (the judge path of ``[prm] backend = "engine"``). The engine's gain is the
+same engine given exactly the requests that judge pass sent it - each turn's own rendered PRM prompt
+with the vote's sampling parameters and seed, so it generates the same tokens - at request
+concurrency 1 vs 16: the same work without the judge around it. The prefix cache is emptied before every pass, so neither
+finds the other's prompts cached.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from typing import Any
 
 from clawrl.bench.common import bench_dtype, gather_bounded, load_average, machine_line, markdown_table
 from clawrl.config import load_settings
-from clawrl.engine.types import GenerateRequest, SamplingParams
-from clawrl.judge.context import build_judge_context
-from clawrl.judge.prompts import build_prm_messages
+from clawrl.engine.types import GenerateRequest
 from clawrl.judge.runner import build_judge
 from clawrl.records import NextStateRecord, TurnRecord, utcnow
 
@@ -54,24 +53,42 @@ async def _rate(concurrency: int, aws) -> float:
     return len(aws) / (time.perf_counter() - t0)
 
 
-async def _measure(engine, pairs, concurrencies, judge_samples: int, max_tokens: int) -> dict[int, tuple[float, float]]:
-    """{concurrency: (turns judged per second, engine requests per second)}."""
+class _Recorder:
+    """The engine, keeping each request the judge sends it with the number of tokens it produced."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def generate(self, req: GenerateRequest):
+        res = await self.engine.generate(req)
+        self.calls.append((req, len(res.output_ids)))
+        return res
+
+
+async def _measure(engine, pairs, concurrencies, judge_samples: int,
+                   max_tokens: int) -> dict[int, tuple[float, float, float]]:
+    """{concurrency: (turns judged per second, engine requests per second on the same requests, their mean
+    output tokens)}."""
     s = load_settings(env={}, overrides={"prm.backend": "engine", "ppo.advantage_estimator": "grpo",
                                          "prm.judge_samples": judge_samples, "prm.max_new_tokens": max_tokens})
-    timed = build_judge(s, frozen=lambda _: engine)  # what `[prm] backend = "engine"` builds, over this engine
+    recorder = _Recorder(engine)
+    timed = build_judge(s, frozen=lambda _: recorder)  # what `[prm] backend = "engine"` builds, over this engine
     warm = dataclasses.replace(timed, max_tokens=4)
-    msgs = build_prm_messages(build_judge_context(*pairs[0]), s.prm.budget_chars)
-    prompt = list(engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
-
-    def generate(i: int):
-        return engine.generate(GenerateRequest(input_ids=prompt, sampling_params=SamplingParams(
-            max_new_tokens=max_tokens, temperature=s.prm.temperature, ignore_eos=True, sampling_seed=i)))
 
     await _rate(4, (warm.judge(*p) for p in pairs[:4]))
-    return {c: (await _rate(c, (timed.judge(*p) for p in pairs)),
-                await _rate(c * judge_samples, map(generate, range(len(pairs) * judge_samples))))
-            for c in concurrencies}
+    out = {}
+    for c in concurrencies:
+        await engine.flush_cache()
+        recorder.calls.clear()
+        turns_s = await _rate(c, (timed.judge(*p) for p in pairs))
+        await engine.flush_cache()
+        calls = list(recorder.calls)
+        gen_s = await _rate(c * judge_samples, (engine.generate(req) for req, _ in calls))
+        out[c] = (turns_s, gen_s, sum(n for _, n in calls) / len(calls))
+    return out
 
 
 def run_judge_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, n_turns: int = 32,
@@ -92,22 +109,23 @@ def run_judge_bench(model_names=("tiny", "smollm2-135m"), *, cache_dir: Path, n_
                                       judge_samples, max_tokens)
 
         res = asyncio.run(measure())
-        base_turns, base_gen = res[concurrencies[0]]
+        base_turns, base_gen, _ = res[concurrencies[0]]
         rows += [{"model": name, "concurrency": c, "judge_samples": judge_samples, "turns": n_turns,
                   "turns_per_s": turns_s, "judge_gain": turns_s / base_turns, "engine_requests_per_s": gen_s,
-                  "engine_gain": gen_s / base_gen, "max_tokens": max_tokens, "device": device, "dtype": dtype,
-                  "load_1m": load_average()} for c, (turns_s, gen_s) in res.items()]
+                  "engine_gain": gen_s / base_gen, "vote_tokens": tokens, "max_tokens": max_tokens, "device": device,
+                  "dtype": dtype, "load_1m": load_average()} for c, (turns_s, gen_s, tokens) in res.items()]
     return rows
 
 
 def format_judge_section(rows: list[dict[str, Any]]) -> str:
-    cols = ["model", "concurrency", "judge_samples", "turns", "turns_per_s", "judge_gain", "engine_requests_per_s",
-            "engine_gain", "load_1m"]
+    cols = ["model", "concurrency", "judge_samples", "turns", "vote_tokens", "turns_per_s", "judge_gain",
+            "engine_requests_per_s", "engine_gain", "load_1m"]
     lines = ["## Judge throughput", "", machine_line(rows[0]["device"], rows[0]["dtype"]),
              f"`EngineJudge` over the embedded engine, {rows[0]['max_tokens']}-token votes, turns in flight = "
              "`concurrency`;",
-             "`engine_gain` is the same engine's requests/s at the same request concurrency vs 1, on the judge's",
-             "own rendered PRM prompt (ignore_eos, same token budget). Target: the judge's gain at 16 at least",
+             "`engine_gain` is the same engine's requests/s at the same request concurrency vs 1, given the",
+             "requests that judge pass sent (each turn's PRM prompt and the vote's seed: the same tokens; the prefix",
+             "cache emptied before each pass). Target: the judge's gain at 16 at least",
              "matches the engine's batching gain.", "",
              markdown_table(rows, cols)]
     return "\n".join(lines)

@@ -21,6 +21,35 @@ def test_judge_bench_rows_and_gains(model_cache):
         assert r["turns_per_s"] > 0 and r["engine_requests_per_s"] > 0
         assert r["judge_gain"] == pytest.approx(r["turns_per_s"] / rows[0]["turns_per_s"])
         assert (r["device"], r["dtype"], r["max_tokens"]) == ("cpu", "float32", 4)
+        assert 1 <= r["vote_tokens"] <= 4  # the engine rows generate what the votes did: at most the budget
+
+
+def test_the_engine_rows_replay_exactly_the_requests_the_judge_sent(tiny_dir):
+    """Each PRM request the judge sends is kept with its own prompt and output length, for the engine rows."""
+    import asyncio
+
+    from clawrl.bench.judge import _Recorder, build_judge_turns
+    from clawrl.config import load_settings
+    from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.judge.runner import build_judge
+
+    engine = EmbeddedEngine(tiny_dir, max_batch_size=4, max_context_len=2048)
+    recorder = _Recorder(engine)
+    s = load_settings(env={}, overrides={"prm.backend": "engine", "ppo.advantage_estimator": "grpo",
+                                         "prm.judge_samples": 1, "prm.max_new_tokens": 5})
+    judge = build_judge(s, frozen=lambda _: recorder)
+    pairs = build_judge_turns(engine.tokenizer, 3)
+
+    async def go():
+        async with engine:
+            return [await judge.judge(*p) for p in pairs]
+
+    outcomes = asyncio.run(go())
+    assert len(recorder.calls) == 3 and all(o.verdict is not None for o in outcomes)
+    prompts = [list(req.input_ids) for req, _ in recorder.calls]
+    assert len({tuple(p) for p in prompts}) == 3  # each turn's own PRM prompt, not one repeated
+    assert all(f"Question {i}" in engine.tokenizer.decode(p) for i, p in enumerate(prompts))
+    assert all(1 <= n <= 5 for _, n in recorder.calls)
 
 
 def test_sync_bench_times_both_paths_against_their_bounds(model_cache, tiny_dir):
