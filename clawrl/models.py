@@ -87,6 +87,9 @@ def resolve_model_dir(name: str, cache_dir: Path, seed: int = 0) -> Path:
 
 
 def _cached(target: Path, build) -> Path:
+    """``target``, built by ``build`` into a temporary folder and renamed into place when missing.
+    Processes that build it at once (torchrun's ranks on a fresh cache) each build their own copy;
+    the first rename wins and the others use it: a complete copy is never removed under a reader."""
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -94,6 +97,9 @@ def _cached(target: Path, build) -> Path:
     try:
         build(tmp)
         (tmp / ".complete").write_text("ok\n")  # marker written last
+        if (target / ".complete").is_file():  # another process finished first: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            return target
         if target.exists():  # an incomplete leftover from a crashed build
             shutil.rmtree(target)
         os.replace(tmp, target)

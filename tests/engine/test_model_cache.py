@@ -1,0 +1,56 @@
+"""The model cache under concurrent builders: torchrun's ranks (or several services) resolving the same
+model on a fresh cache each build a copy; the first one renamed into place is kept and the others use it,
+so no process ever reads a copy that another one is removing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from clawrl.models import _cached
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_build_that_finishes_second_keeps_the_first_copy(tmp_path):
+    target = tmp_path / "model"
+
+    def build(out: Path) -> None:
+        other = tmp_path / "other"  # meanwhile another process renames its complete copy into place
+        other.mkdir()
+        for name, text in (("config.json", "{}"), (".complete", "ok\n"), ("first", "1")):
+            (other / name).write_text(text)
+        os.replace(other, target)
+        (out / "config.json").write_text("{}")
+
+    assert _cached(target, build) == target
+    assert (target / "first").read_text() == "1"  # the first copy stays in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # this process's own copy is gone
+
+
+def test_a_leftover_without_its_completion_marker_is_replaced(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "config.json").write_text("partial")
+    assert _cached(target, lambda out: (out / "config.json").write_text("{}")) == target
+    assert (target / "config.json").read_text() == "{}" and (target / ".complete").is_file()
+
+
+def test_two_processes_resolving_a_model_on_a_fresh_cache_both_load_it(tmp_path, model_cache):
+    tok = next(model_cache.glob("smollm2-tokenizer-*"), None)  # the tokenizer the tiny models share, if built
+    if tok is not None:
+        shutil.copytree(tok, tmp_path / tok.name)  # so only the model itself is built here, twice at once
+    code = ("import sys; from pathlib import Path; from transformers import AutoConfig; "
+            "from clawrl.models import resolve_model_dir; "
+            "d = resolve_model_dir('tiny-qwen3', Path(sys.argv[1])); "
+            "print(AutoConfig.from_pretrained(str(d)).model_type)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["qwen3", "qwen3"]
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("smollm2")] == ["tiny-qwen3-seed0-v1"]
