@@ -71,10 +71,15 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     return [judge, train, replay]
 
 
+POOL_CONCURRENCY = 3  # runs of a pool clawrl creates at once: the judge, a train run and a replay
+
+
 def deploy_to_pool(deployments: list, pool: str, env: dict[str, str] | None = None) -> list[str]:
-    """Register ``deployments`` on the process work pool ``pool`` (created when missing), their runs
-    getting ``env`` on top of the worker's environment; the deployment ids. Their entrypoints are
-    module paths, so a worker needs clawrl installed, not this file."""
+    """Register ``deployments`` on the process work pool ``pool`` (created when missing, with a
+    concurrency limit of ``POOL_CONCURRENCY``: each run is a process importing torch, and runs the
+    interval or the samples-ready event create while others go wait Scheduled instead of piling up
+    as processes), their runs getting ``env`` on top of the worker's environment; the deployment ids.
+    Their entrypoints are module paths, so a worker needs clawrl installed, not this file."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.deployments.runner import deploy
@@ -87,6 +92,7 @@ def deploy_to_pool(deployments: list, pool: str, env: dict[str, str] | None = No
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(
                 name=pool, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
+                concurrency_limit=POOL_CONCURRENCY,
                 description="clawrl's judge, train and replay flows, run by `prefect worker start --pool` processes"))
     for d in deployments:
         d.job_variables = {**(d.job_variables or {}), "env": dict(env or {})}

@@ -109,9 +109,13 @@ max_tokens = 8
             [train_run] = _flow_runs(p[1], "train-v1")
             pids = json.loads((data / "up.pids.json").read_text())
     finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(60)
+        if worker is not None:  # with the runs it started (its process group)
+            os.killpg(worker.pid, signal.SIGTERM)
+            try:
+                worker.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(10)
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(90)

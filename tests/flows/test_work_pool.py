@@ -44,7 +44,7 @@ def test_a_judge_run_is_executed_by_a_separate_worker_process(prefect_harness, m
     with get_client(sync_client=True) as pc:
         pool = pc.read_work_pool(POOL)
         deps = [pc.read_deployment(i) for i in ids]
-    assert pool.type == "process"
+    assert pool.type == "process" and pool.concurrency_limit == 3  # runs beyond it wait, not pile up as processes
     assert sorted(d.name for d in deps) == ["on-demand", "on-interval", "on-samples-ready"]
     assert all(d.work_pool_name == POOL and d.job_variables["env"] == {"CLAWRL__PRM__JUDGE_SAMPLES": "1"}
                for d in deps)
