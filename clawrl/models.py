@@ -148,6 +148,9 @@ def _save(model, tok, out: Path) -> None:
     model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out))
+    if not (out / "config.json").is_file():  # transformers skipped it: torch.distributed is up, not rank 0
+        raise RuntimeError(f"building {out.name}: transformers writes models on rank 0 only once torch.distributed "
+                           "is initialized; resolve the model before init_process_group")
     tok.save_pretrained(str(out))
 
 

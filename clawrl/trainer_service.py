@@ -154,6 +154,10 @@ def serve_trainer(settings, host: str, port: int, echo: Callable[[str], None] = 
             raise ValueError(f"torchrun world of {world} processes: the trainer needs "
                              f"ppo.backend = 'megatron' and model.tensor_parallel x data_parallel = that many "
                              f"(now {settings.ppo.backend!r}, {m.tensor_parallel} x {m.data_parallel})")
+        from clawrl.models import resolve_model_dir
+
+        # the model cache first: once torch.distributed is up, transformers writes a model on rank 0 only
+        resolve_model_dir(m.name, settings.storage.models_dir, m.seed)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         control = dist.new_group(backend="gloo")  # batch ids travel as Python objects, off the GPU
     trainer = trainer_from_settings(settings)

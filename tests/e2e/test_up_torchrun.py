@@ -11,6 +11,7 @@ separate `prefect worker` process that knows only that address runs the judge an
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,10 @@ def test_up_trains_on_two_ranks_like_one(tmp_path, model_cache, layout):
     data = tmp_path / "data"
     remote = layout == "data_parallel"
     p = ports(5)
+    fresh = tmp_path / "models"  # the two ranks find the model missing and build it at once
+    fresh.mkdir()
+    for tok in model_cache.glob("smollm2-tokenizer-*"):  # the tokenizer the tiny models share, when built
+        shutil.copytree(tok, fresh / tok.name)
     conf = tmp_path / "up.toml"
     conf.write_text(f"""
 [model]
@@ -65,7 +70,7 @@ api_port = {p[0]}
 host = "{'0.0.0.0' if remote else '127.0.0.1'}"
 [storage]
 data_root = "{data}"
-model_cache = "{model_cache}"
+model_cache = "{fresh}"
 [ppo]
 backend = "megatron"
 advantage_estimator = "grpo"
@@ -140,5 +145,5 @@ max_tokens = 8
     _assert_same_updated_weights(replayed, original, lr=LR)
     from clawrl.models import resolve_model_dir
 
-    initial = load_file(str(resolve_model_dir("tiny-qwen3", model_cache) / "model.safetensors"))
+    initial = load_file(str(resolve_model_dir("tiny-qwen3", fresh) / "model.safetensors"))
     assert max(float((original[k] - v).abs().max()) for k, v in initial.items()) > 1e-4  # the step moved them

@@ -54,3 +54,21 @@ def test_two_processes_resolving_a_model_on_a_fresh_cache_both_load_it(tmp_path,
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     assert [out.strip() for out, _ in outs] == ["qwen3", "qwen3"]
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("smollm2")] == ["tiny-qwen3-seed0-v1"]
+
+
+def test_a_rank_that_transformers_would_not_let_write_the_model_fails_clearly(tmp_path, model_cache, monkeypatch):
+    """Once torch.distributed is up, transformers' save_pretrained writes on rank 0 only: another rank's
+    build must fail loudly, not cache a folder with a tokenizer and no model (`clawrl trainer` resolves the
+    model before it starts the process group)."""
+    import pytest
+    from transformers import PreTrainedModel
+
+    from clawrl.models import resolve_model_dir
+
+    tok = next(model_cache.glob("smollm2-tokenizer-*"), None)
+    if tok is not None:
+        shutil.copytree(tok, tmp_path / tok.name)
+    monkeypatch.setattr(PreTrainedModel, "should_save_on_this_rank", lambda self, is_main_process: False)
+    with pytest.raises(RuntimeError, match="rank 0 only"):
+        resolve_model_dir("tiny", tmp_path)
+    assert not (tmp_path / "tiny-seed0-v1").exists() and not list(tmp_path.glob(".tiny-*"))
