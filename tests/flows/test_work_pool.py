@@ -5,6 +5,7 @@ machine sharing the data root) runs the judge flow run created the way `clawrl u
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -67,9 +68,13 @@ def test_a_judge_run_is_executed_by_a_separate_worker_process(prefect_harness, m
                 assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
                 assert time.monotonic() - t0 < 420, f"{fr.state} {(tmp_path / 'worker.log').read_text()[-3000:]}"
                 time.sleep(1)
-    finally:
-        worker.terminate()
-        worker.wait(60)
+    finally:  # the worker with the runs it started (its process group)
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(10)
     assert fr.state.is_completed(), (tmp_path / "worker.log").read_text()[-3000:]
     assert fr.work_pool_name == POOL and fr.deployment_id is not None
     pid = int(str(fr.infrastructure_pid).rsplit(":", 1)[-1])  # the subprocess the worker started
