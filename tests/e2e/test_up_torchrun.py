@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clawrl.bench.common import stop_clawrl
 from tests.train.test_megatron_backend import _assert_same_updated_weights
 from tests.utils.up_process import REPO, Traffic, ports, up, wait_for
 
@@ -114,13 +115,7 @@ max_tokens = 8
             [train_run] = _flow_runs(p[1], "train-v1")
             pids = json.loads((data / "up.pids.json").read_text())
     finally:
-        if worker is not None:  # with the runs it started (its process group)
-            os.killpg(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait(10)
+        stop_clawrl(worker)  # with the runs it started (its process group)
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(90)

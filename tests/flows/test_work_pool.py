@@ -5,7 +5,6 @@ machine sharing the data root) runs the judge flow run created the way `clawrl u
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import time
 import pytest
 from openai import OpenAI
 
+from clawrl.bench.common import stop_clawrl
 from clawrl.config import dump_toml
 from clawrl.gateway.routes import create_app
 from clawrl.storage.catalog import run_query
@@ -29,7 +29,12 @@ def test_a_judge_run_is_executed_by_a_separate_worker_process(prefect_harness, m
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL
 
-    from clawrl.flows.serve import JUDGE_DEPLOYMENT, build_deployments, deploy_to_pool, tick
+    from clawrl.flows.serve import (
+        JUDGE_DEPLOYMENT,
+        build_deployments,
+        deploy_to_pool,
+        tick,
+    )
 
     s = make_settings({"server.open_mode": True, "ppo.advantage_estimator": "grpo", "prm.backend": "rule"})
     conf = tmp_path / "pool.toml"
@@ -68,13 +73,8 @@ def test_a_judge_run_is_executed_by_a_separate_worker_process(prefect_harness, m
                 assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
                 assert time.monotonic() - t0 < 420, f"{fr.state} {(tmp_path / 'worker.log').read_text()[-3000:]}"
                 time.sleep(1)
-    finally:  # the worker with the runs it started (its process group)
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(10)
+    finally:
+        stop_clawrl(worker)  # the worker with the runs it started (its process group)
     assert fr.state.is_completed(), (tmp_path / "worker.log").read_text()[-3000:]
     assert fr.work_pool_name == POOL and fr.deployment_id is not None
     pid = int(str(fr.infrastructure_pid).rsplit(":", 1)[-1])  # the subprocess the worker started
