@@ -2,12 +2,17 @@
 
 Weight versions are step counts: version 0 is the initial model, version N the weights after N
 steps, in ``<checkpoints>/v{N:06d}/``: HF safetensors weights in the served dtype (what an engine
-loads), the optimizer state, and ``trainer.json`` (the :class:`StepResult` naming the batch it
-consumed, its sessions and the weights' sha256). When the served dtype is not float32 (bfloat16 on a GPU), the
-float32 master weights a resumed trainer continues from are kept beside them in ``MASTER_FILE``.
-A version directory is built in a staging dir beside it (``.vNNNNNN.<pid>.<random>``) with the
-marker written last, then renamed into place, so it either holds a complete checkpoint or does not
-exist; the staging dir of a writer that died is removed by :func:`remove_stale_staging`.
+loads) and ``trainer.json`` (the :class:`StepResult` naming the batch it consumed, its sessions and
+the weights' sha256). A version directory is built in a staging dir beside it
+(``.vNNNNNN.<pid>.<random>``) with the marker written last, then renamed into place, so it either
+holds a complete checkpoint or does not exist; the staging dir of a writer that died is removed by
+:func:`remove_stale_staging`. A complete checkpoint is what the gate evaluates and the engines load.
+
+The trainer's own state, which only a resumed trainer needs, is added to the complete directory
+afterwards (:func:`write_trainer_state`, off the path to serving): when the served dtype is not
+float32 (bfloat16 on a GPU) the float32 master weights in ``MASTER_FILE``, then the optimizer state in
+``OPTIMIZER_FILE``, each written to a temporary name and renamed; the optimizer file, renamed last,
+says the state is complete (:func:`has_trainer_state`).
 """
 
 from __future__ import annotations
@@ -92,6 +97,28 @@ def complete_checkpoints(checkpoints: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def has_trainer_state(ckpt_dir: Path) -> bool:
+    """Whether a trainer can resume from ``ckpt_dir`` as it is (its optimizer state, renamed last, is there)."""
+    return (Path(ckpt_dir) / OPTIMIZER_FILE).is_file()
+
+
+def write_trainer_state(ckpt_dir: Path, master: dict | None, optimizer: dict) -> None:
+    """Add the trainer's state to the complete checkpoint ``ckpt_dir``: the float32 master weights
+    (when the served weights are in another dtype), then the optimizer state, each through a
+    temporary name, so a reader never sees half a file and the optimizer file means both are whole."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt_dir = Path(ckpt_dir)
+    if master is not None:
+        tmp = ckpt_dir / f".{MASTER_FILE}.{os.getpid()}.tmp"
+        save_file(master, str(tmp))
+        os.replace(tmp, ckpt_dir / MASTER_FILE)
+    tmp = ckpt_dir / f".{OPTIMIZER_FILE}.{os.getpid()}.tmp"
+    torch.save(optimizer, tmp)
+    os.replace(tmp, ckpt_dir / OPTIMIZER_FILE)
+
+
 KEEP_FILE = "keep.json"  # in the checkpoints directory: versions whose weights pruning must leave
 
 
@@ -153,14 +180,18 @@ def intact_champion(checkpoints: Path, champions: list[str]) -> tuple[int, Path]
 
 
 def remove_stale_staging(checkpoints: Path) -> list[Path]:
-    """Delete half-written checkpoints (``.vNNNNNN.<pid>.*`` staging dirs) whose writer process is
-    gone, e.g. a trainer killed while saving; return them. A live writer's staging dir is kept."""
+    """Delete half-written checkpoints (``.vNNNNNN.<pid>.*`` staging dirs) and half-written trainer
+    state (``vNNNNNN/.<file>.<pid>.tmp``) whose writer process is gone, e.g. a trainer killed while
+    saving; return them. A live writer's files are kept."""
     removed = []
-    for d in Path(checkpoints).glob(".v[0-9]*.*"):
-        parts = d.name.split(".")  # ["", "v000003", "<pid>", "<random>"]
-        if len(parts) > 3 and parts[2].isdigit() and psutil.pid_exists(int(parts[2])):
+    for d in [*Path(checkpoints).glob(".v[0-9]*.*"), *Path(checkpoints).glob("v[0-9]*/.*.tmp")]:
+        pid = d.name.split(".")[2 if d.name.startswith(".v") else -2]
+        if pid.isdigit() and psutil.pid_exists(int(pid)):
             continue
-        shutil.rmtree(d, ignore_errors=True)
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            d.unlink(missing_ok=True)
         removed.append(d)
     return removed
 

@@ -125,7 +125,7 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan, version_for_run
     from clawrl.storage.writer import DataStore
     from clawrl.train.trainer import trainer_from_settings
-    from clawrl.trainer_service import batch_records
+    from clawrl.trainer_service import batch_records, samples_reader
 
     data_root = Path(settings.storage.data_root)
     with open_catalog(data_root) as con:
@@ -156,7 +156,7 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
         "model.tensor_parallel": 1, "model.data_parallel": 1})  # one process, whatever trained the original
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(snapshot.read_text())
-    trainer = trainer_from_settings(replay_settings)
+    trainer = trainer_from_settings(replay_settings, samples_reader(out))
     with DataStore(out, background=False) as store:
         for p, samples in zip(plan, batches):
             if threads := int(_recorded_metrics(p).get("torch_threads") or 0):

@@ -102,6 +102,15 @@ def batch_records(con, batch_id: str) -> list[SampleRecord]:
     return [SampleRecord(**{k: r[k] for k in keys if k in r}) for r in batch_samples(con, batch_id).to_pylist()]
 
 
+def samples_reader(data_root: Path) -> Callable[[str], list[SampleRecord]]:
+    """``batch_id -> its samples`` over the catalog of ``data_root`` (a trainer recomputing a step)."""
+    def samples_of(batch_id: str) -> list[SampleRecord]:
+        with open_catalog(data_root) as con:
+            return batch_records(con, batch_id)
+
+    return samples_of
+
+
 def train_batch(trainer: Trainer, data_root: Path, batch_id: str) -> StepResult:
     """One step of ``trainer`` on the batch's samples (the stored result if it already trained on it)."""
     with open_catalog(data_root) as con:
@@ -160,7 +169,7 @@ def serve_trainer(settings, host: str, port: int, echo: Callable[[str], None] = 
         resolve_model_dir(m.name, settings.storage.models_dir, m.seed)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         control = dist.new_group(backend="gloo")  # batch ids travel as Python objects, off the GPU
-    trainer = trainer_from_settings(settings)
+    trainer = trainer_from_settings(settings, samples_reader(settings.storage.data_root))
     if control is not None and dist.get_rank() != 0:
         follow_rank0(trainer, settings.storage.data_root, control)
         return

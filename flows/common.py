@@ -153,8 +153,10 @@ def judge_for(settings: Settings) -> Judge:
 def local_trainer(settings: Settings) -> Trainer:
     """The trainer of this data root in this process (``clawrl train``, ``clawrl demo``), made on first use."""
     from clawrl.train.trainer import trainer_from_settings
+    from clawrl.trainer_service import samples_reader
 
-    return _once(("trainer", str(settings.storage.data_root)), lambda: trainer_from_settings(settings))
+    root = settings.storage.data_root
+    return _once(("trainer", str(root)), lambda: trainer_from_settings(settings, samples_reader(root)))
 
 
 def trainer_in_process(settings: Settings) -> Trainer | None:

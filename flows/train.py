@@ -6,10 +6,11 @@ Exactly once, with a crash allowed between any two tasks:
 1. ``claim_batch`` writes a ``batches`` row (the samples it consumes) before training. A re-run
    first resumes a claimed batch that has no checkpoint yet, so no sample is lost or taken twice.
 2. ``run_step`` asks the long-lived trainer to train on the batch; the trainer is idempotent per
-   batch id (it returns the stored result for a batch it already applied).
+   batch id (it returns the stored result for a batch it already applied). It returns once the
+   checkpoint's served weights are written; the trainer writes its own state (optimizer, master
+   weights) meanwhile in the background (``clawrl.train.trainer``).
 3. ``log_lineage`` creates the MLflow run and model version, idempotent by batch id, tagged with
-   this flow run's id and URL; ``link_step`` links them back from this flow run (a markdown
-   artifact) and names the flow run for the version it made (``train-v16``).
+   this flow run's id and URL.
 4. ``record_checkpoint`` appends the ``checkpoints`` row once per weight version.
 5. ``gate_checkpoint``: the new version is a candidate; the promotion gate (``clawrl.promotion``)
    scores it on the ``[gate]`` evaluation set in an evaluation engine, paired with the champion,
@@ -20,7 +21,10 @@ Exactly once, with a crash allowed between any two tasks:
    promoted, else the champion that served before (nothing to load when it already serves). Every
    attempt is a ``syncs`` row and a point on the MLflow run of the version pushed; after a failed
    one the next step's sync, or ``clawrl sync``, pushes again.
-7. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
+7. ``link_step`` links the MLflow run and model version back from this flow run (a markdown
+   artifact) and names the flow run for the version it made (``train-v16``); after the sync, since
+   nothing on the way to serving the new version needs it.
+8. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
    problem it finds as a warning (a report: it never fails the step).
 
 "One training step at a time" is Prefect's global concurrency limit ``trainer`` (limit 1), not a
@@ -251,13 +255,13 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             _crash_point("trained")
             run_id = log_lineage(config_path, step)
             _crash_point("logged")
-            link_step(config_path, step, run_id)
             record_checkpoint(config_path, step, run_id)
             _crash_point("recorded")
             gate = gate_checkpoint(config_path, step, run_id)
             _crash_point("gated")
             synced = sync_weights(config_path, gate["serve"], engine_url)
             _crash_point("synced")
+            link_step(config_path, step, run_id)  # after the sync: nothing on the path to serving waits for it
             log_doctor_report(config_path, step, run_id)
         m = step["metrics"]
         log.info("step %d (batch %s): loss %.4f, reward %.3f, kl %.5f -> version %s, %s; serving %s (sync: %s)",

@@ -393,18 +393,25 @@ class TrainBackend:
             if src.is_file() and src.name not in _NOT_COPIED and not src.name.startswith("model"):
                 shutil.copy2(src, directory / src.name)
 
+    def master_weights(self) -> dict[str, Tensor] | None:
+        """When the served weights are not float32, the float32 weights training continues from (HF
+        names, on CPU, a tied head left out) on rank 0; None otherwise (collective like
+        :meth:`write_weights`)."""
+        if self.compute_dtype == torch.float32:
+            return None
+        state = self._weights_to_save()
+        if self.rank != 0:
+            return None
+        tied = getattr(self.hf_config, "tie_word_embeddings", False)
+        return {k: v.contiguous().cpu() for k, v in state.items() if not (tied and k == "lm_head.weight")}
+
     def write_master_weights(self, directory: Path | None) -> None:
-        """When the served weights are not float32, the float32 weights training continues from, in
-        ``directory / MASTER_FILE`` (collective like :meth:`write_weights`; rank 0 writes)."""
+        """:meth:`master_weights` into ``directory / MASTER_FILE`` (rank 0 writes)."""
         from safetensors.torch import save_file
 
-        if self.compute_dtype == torch.float32:
-            return
-        state = self._weights_to_save()
-        if self.rank == 0:
-            tied = getattr(self.hf_config, "tie_word_embeddings", False)
-            save_file({k: v.contiguous().cpu() for k, v in state.items() if not (tied and k == "lm_head.weight")},
-                      str(directory / MASTER_FILE))
+        master = self.master_weights()
+        if master is not None:
+            save_file(master, str(directory / MASTER_FILE))
 
     def save_checkpoint(self, out_dir: Path) -> Path:
         """:meth:`write_weights` into a staging dir beside ``out_dir``, renamed into place; an

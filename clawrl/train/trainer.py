@@ -6,12 +6,24 @@ stored result instead of stepping again, whether the trainer kept running (the c
 the step) or restarted from that checkpoint. A trainer that dies after a step but before its
 checkpoint is written restarts from the previous checkpoint, so re-running the batch applies it once;
 the staging dir it left (named with its pid) is removed when the next trainer starts.
+
+A step returns once its checkpoint is complete (the served weights and ``trainer.json``): that is
+all the gate and the sync need. The trainer's own state (float32 master weights, AdamW's moments:
+~6x the bytes of bf16 weights) is written after that by a background thread, while the new version
+is gated and synced; the next step waits for it. A trainer that stopped before that state was
+written resumes from the newest checkpoint that has it and trains the later batches again from
+their recorded samples (``samples_of``), which gives the same weights (checked against the recorded
+sha256) and writes their state.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -24,6 +36,7 @@ from clawrl.checkpoint import (
     StepResult,
     complete_checkpoints,
     file_sha256,
+    has_trainer_state,
     kept_versions,
     read_step_result,
     remove_stale_staging,
@@ -31,10 +44,17 @@ from clawrl.checkpoint import (
     verify_checkpoint,
     version_dir,
     write_step_result,
+    write_trainer_state,
 )
 from clawrl.records import OPEN_NAMESPACE, SampleRecord
 from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss, lr_at
 from clawrl.train.batch import collate_samples
+
+log = logging.getLogger("clawrl.trainer")
+SamplesOf = Callable[[str], list[SampleRecord]]
+# checkpoints dir -> the thread writing a trainer's state there: a trainer built on the same dir in
+# this process (a restart in tests, a replay) waits for it instead of finding the state missing
+_STATE_WRITERS: dict[Path, threading.Thread] = {}
 
 
 class Trainer:
@@ -43,7 +63,7 @@ class Trainer:
     def __init__(self, *, base_model_dir: Path, checkpoints: Path, hp: PPOHyperParams, pad_id: int,
                  backend: str = "torch", dtype: str = "float32", device: str = "cpu", tp_size: int = 1,
                  lora_rank: int = 0, lora_alpha: float = 32.0, deterministic: bool = True, keep_weights: int = 3,
-                 loss_fn: LossFn = default_loss):
+                 loss_fn: LossFn = default_loss, samples_of: SamplesOf | None = None):
         self.base_model_dir = Path(base_model_dir)
         self.checkpoints = Path(checkpoints)
         self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -52,11 +72,16 @@ class Trainer:
         self.hp = hp
         self.pad_id = pad_id
         self.keep_weights = keep_weights
-        self.version, start_dir, self.last = 0, self.base_model_dir, None
+        self.samples_of = samples_of
+        self._state_thread: threading.Thread | None = None
+        self._state_error: BaseException | None = None
+        if (pending := _STATE_WRITERS.pop(self.checkpoints.resolve(), None)) is not None:
+            pending.join()
         found = complete_checkpoints(self.checkpoints)
-        if found:
-            self.version, start_dir = found[0]
-            self.last = read_step_result(start_dir)
+        stateful = [(v, d) for v, d in found if has_trainer_state(d)]
+        self.version, start_dir = stateful[0] if stateful else (0, self.base_model_dir)
+        self.last = read_step_result(start_dir) if self.version else None
+        if self.last is not None:
             verify_checkpoint(start_dir, self.last.sha256)  # never resume from bytes this trainer did not write
         common = dict(dtype=dtype, device=device, deterministic=deterministic, reference_dir=self.base_model_dir,
                       loss_fn=loss_fn)
@@ -73,6 +98,39 @@ class Trainer:
             raise ValueError(f"unknown training backend {backend!r}; valid: torch, megatron")
         if (start_dir / OPTIMIZER_FILE).is_file():
             self.backend.load_optimizer_state_dict(torch.load(start_dir / OPTIMIZER_FILE, weights_only=True))
+        for v, d in sorted(found):
+            if v > self.version:
+                self._recompute_state(v, d)
+
+    def _recompute_state(self, version: int, ckpt_dir: Path) -> None:
+        """Checkpoint ``version`` is complete but its trainer state was never written: train its batch
+        again from the state before it, check the weights against the recorded sha256, write the state."""
+        recorded = read_step_result(ckpt_dir)
+        if self.samples_of is None:
+            raise RuntimeError(f"checkpoint {ckpt_dir} has no trainer state (the trainer stopped before writing "
+                               f"it) and this trainer was given no way to read batch {recorded.batch_id}'s samples "
+                               "to recompute it; build it with trainer_from_settings")
+        samples = self.samples_of(recorded.batch_id)
+        self.backend.set_lr(lr_at(self.hp, self.version))
+        self.backend.train_step(collate_samples(samples, self.pad_id))
+        self.version, self.last = version, recorded
+        sha = recorded.sha256
+        if self.backend.rank == 0:  # the weights as the checkpoint would hold them, for their hash only
+            with tempfile.TemporaryDirectory(prefix=f".{ckpt_dir.name}.{os.getpid()}.", dir=self.checkpoints) as tmp:
+                self.backend.write_weights(Path(tmp))
+                sha = file_sha256(Path(tmp) / WEIGHTS_FILE)
+        else:
+            self.backend.write_weights(None)
+        if sha != recorded.sha256:
+            log.error("checkpoint v%d trained again from v%d gives other weights (sha256 %s..., recorded %s...); "
+                      "training continues from the recomputed state", version, version - 1, sha[:12],
+                      recorded.sha256[:12])
+        state = self._gather_state()
+        if self.backend.rank == 0:
+            self._write_state(ckpt_dir, state)
+        self.backend._barrier()
+        log.warning("checkpoint v%d had no trainer state: trained batch %s again from v%d and wrote it%s",
+                    version, recorded.batch_id, version - 1, "" if sha == recorded.sha256 else " (weights differ)")
 
     @property
     def weight_version(self) -> str:
@@ -90,6 +148,7 @@ class Trainer:
 
     def run(self, batch_id: str, samples: list[SampleRecord]) -> StepResult:
         """Train one PPO step on ``samples`` (exactly once per ``batch_id``) and checkpoint it."""
+        self.wait_state()  # the optimizer state of the previous step is on disk before this step changes it
         done = self.applied(batch_id)
         if done is not None:
             return done
@@ -105,9 +164,48 @@ class Trainer:
         parent, self.version = self.version, self.version + 1
         sessions = sorted({(s.namespace or OPEN_NAMESPACE, s.session_id) for s in samples})
         self.last = self._save(batch_id, parent, metrics, [list(p) for p in sessions])
-        if self.backend.rank == 0:
-            self._prune()
+        self._write_state_later(Path(self.last.path))
         return self.last
+
+    def _gather_state(self) -> tuple[dict | None, dict]:
+        """(float32 master weights or None, optimizer state) on CPU; collective under torchrun."""
+        return self.backend.master_weights(), self.backend.optimizer_state_dict()
+
+    def _write_state(self, ckpt_dir: Path, state: tuple[dict | None, dict]) -> None:
+        t0 = time.perf_counter()
+        write_trainer_state(ckpt_dir, *state)
+        self._prune()
+        log.info("trainer state of %s written in %.2f s", ckpt_dir.name, time.perf_counter() - t0)
+
+    def _write_state_later(self, ckpt_dir: Path) -> None:
+        """The trainer state of the checkpoint just written, in a background thread (rank 0). With
+        one process the thread also copies it off the GPU; under torchrun every rank gathers it here,
+        together, and rank 0 writes it in the background."""
+        gathered = self._gather_state() if self.world_size > 1 else None
+        if self.backend.rank != 0:
+            return
+
+        def write() -> None:
+            try:
+                self._write_state(ckpt_dir, gathered if gathered is not None else self._gather_state())
+            except BaseException as e:  # raised by the next step (wait_state), never lost
+                self._state_error = e
+
+        # not a daemon: an exiting process finishes the write first
+        self._state_thread = threading.Thread(target=write, name=f"clawrl-state-{ckpt_dir.name}")
+        _STATE_WRITERS[self.checkpoints.resolve()] = self._state_thread
+        self._state_thread.start()
+
+    def wait_state(self) -> None:
+        """Return once the last step's trainer state is on disk; raise what writing it raised."""
+        if self._state_thread is not None:
+            self._state_thread.join()
+            if _STATE_WRITERS.get(self.checkpoints.resolve()) is self._state_thread:
+                del _STATE_WRITERS[self.checkpoints.resolve()]
+            self._state_thread = None
+        if (error := self._state_error) is not None:
+            self._state_error = None
+            raise RuntimeError(f"writing the trainer state of version {self.version} failed: {error!r}") from error
 
     @property
     def world_size(self) -> int:
@@ -128,11 +226,7 @@ class Trainer:
         with staged_dir(out) if writer else nullcontext() as staging:
             t0 = time.perf_counter()
             self.backend.write_weights(staging)
-            self.backend.write_master_weights(staging)
-            optimizer = self.backend.optimizer_state_dict()
-            if writer:
-                torch.save(optimizer, staging / OPTIMIZER_FILE)
-            metrics = {**metrics, "checkpoint_write_s": time.perf_counter() - t0}  # weights, master, optimizer
+            metrics = {**metrics, "checkpoint_write_s": time.perf_counter() - t0}  # the served weights
             result = StepResult(batch_id=batch_id, step=self.version, weight_version=str(self.version),
                                 parent_version=str(parent), path=str(out),
                                 sha256=file_sha256(staging / WEIGHTS_FILE) if writer else "",
@@ -143,21 +237,24 @@ class Trainer:
         return result
 
     def _prune(self) -> None:
-        """Keep weights of the newest ``keep_weights`` versions and the optimizer state (and float32
-        master weights) of the newest only; trainer.json markers stay forever (lineage and replay
-        read them; replay needs no weights). Weights the promotion gate serves or may roll back to
-        (``kept_versions``) stay too."""
-        keep = kept_versions(self.checkpoints)
+        """Keep weights of the newest ``keep_weights`` versions and the trainer state (optimizer,
+        float32 master weights) of the newest version that has it only; trainer.json markers stay
+        forever (lineage and replay read them; replay needs no weights). Weights the promotion gate
+        serves or may roll back to (``kept_versions``) stay too."""
+        keep, newer_state = kept_versions(self.checkpoints), False
         for i, (v, d) in enumerate(complete_checkpoints(self.checkpoints)):
-            if i >= 1:
+            if newer_state:
                 (d / OPTIMIZER_FILE).unlink(missing_ok=True)
                 (d / MASTER_FILE).unlink(missing_ok=True)
+            newer_state = newer_state or has_trainer_state(d)
             if i >= self.keep_weights and str(v) not in keep:
                 (d / WEIGHTS_FILE).unlink(missing_ok=True)
 
 
-def trainer_from_settings(settings) -> Trainer:
-    """The entry-point factory: a Trainer for ``[model]`` / ``[ppo]`` under ``<data_root>/checkpoints``."""
+def trainer_from_settings(settings, samples_of: SamplesOf | None = None) -> Trainer:
+    """The entry-point factory: a Trainer for ``[model]`` / ``[ppo]`` under ``<data_root>/checkpoints``;
+    ``samples_of(batch_id)`` reads a batch's samples (a resume whose newest checkpoint has no trainer
+    state trains it again)."""
     from clawrl.models import resolve_device, resolve_dtype
     from clawrl.hooks import load_hook
     from clawrl.models import load_tokenizer, resolve_model_dir
@@ -170,4 +267,5 @@ def trainer_from_settings(settings) -> Trainer:
                    pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                    backend=ppo.backend, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                    tp_size=settings.model.tensor_parallel, lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha,
-                   deterministic=ppo.deterministic, loss_fn=load_hook("loss", settings.hooks.loss) or default_loss)
+                   deterministic=ppo.deterministic, loss_fn=load_hook("loss", settings.hooks.loss) or default_loss,
+                   samples_of=samples_of)
