@@ -139,48 +139,75 @@ def write_mlmodel(ckpt_dir: Path, step: dict[str, Any]) -> None:
     tmp.replace(target)
 
 
-def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, Any],
-                   manifest: list[dict[str, Any]], tags: dict[str, str]) -> str:
-    """Log one PPO step: a run, and the checkpoint as a version of the registered model, both tagged
-    with their lineage. Returns the run id (the existing one when this batch was logged before).
+def _lineage_tags(step: dict[str, Any]) -> dict[str, str]:
+    return {"batch_id": step["batch_id"], "weight_version": step["weight_version"],
+            "parent_version": step["parent_version"], "checkpoint_sha256": step["sha256"]}
 
-    ``step``: the trainer's StepResult as a dict; ``manifest``: one row per sample (sample_id,
-    session_id, turn_id, reward, has_teacher, weight_version); ``params``: hyper-parameters and
-    config hash; ``tags``: judge-config hash, method and anything else worth filtering on.
+
+def start_step_run(data_root: Path, *, step: dict[str, Any], tags: dict[str, str]) -> str:
+    """The MLflow run of one PPO step (``step``: the trainer's StepResult as a dict), made with its
+    lineage tags and ``tags`` before anything else is logged on it, since the checkpoint record, the
+    gate and the sync name it; the existing run when this batch has one. :func:`log_train_step`
+    completes it."""
+    c = client(data_root)
+    exp_id = experiment_id(c, data_root)
+    runs = c.search_runs([exp_id], filter_string=f"tags.batch_id = '{step['batch_id']}'", max_results=1)
+    if runs:
+        return runs[0].info.run_id
+    parent = {"mlflow.parentRunId": policy_run(c, exp_id)}  # nested under the policy run in the UI
+    return c.create_run(exp_id, run_name=f"step-{step['step']:04d}",
+                        tags={**_lineage_tags(step), **tags, **parent}).info.run_id
+
+
+def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, Any],
+                   manifest: list[dict[str, Any]], tags: dict[str, str], run_id: str | None = None) -> str:
+    """Log one PPO step: its run (``run_id``, else :func:`start_step_run`'s) with the step's metrics,
+    ``params``, the batch manifest (a JSON record and a dataset input), finished; and the checkpoint
+    as a version of the registered model, tagged with its lineage. Returns the run id. Idempotent:
+    a finished run and a registered version are left as they are (a re-run after a crash).
+
+    ``manifest``: one row per sample (sample_id, session_id, turn_id, reward, has_teacher,
+    weight_version); ``params``: hyper-parameters and config hash; ``tags``: judge-config hash,
+    method and anything else worth filtering on.
     """
     import mlflow.data
     import pandas as pd
-    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.entities import DatasetInput, InputTag, Param, RunStatus
 
     c = client(data_root)
-    exp_id = experiment_id(c, data_root)
-    lineage = {"batch_id": step["batch_id"], "weight_version": step["weight_version"],
-               "parent_version": step["parent_version"], "checkpoint_sha256": step["sha256"],
-               "sample_count": str(len(manifest))}
-    runs = c.search_runs([exp_id], filter_string=f"tags.batch_id = '{step['batch_id']}'", max_results=1)
-    if runs:
-        run_id = runs[0].info.run_id
-    else:
-        parent = {"mlflow.parentRunId": policy_run(c, exp_id)}  # nested under the policy run in the UI
-        run_id = _new_run(c, exp_id, f"step-{step['step']:04d}", tags={**lineage, **tags, **parent},
-                          metrics=[_metric(k, v, step["step"]) for k, v in step["metrics"].items()],
-                          params=params, record={"batch_id": step["batch_id"], "samples": manifest},
-                          record_file="batch_manifest.json")
+    run_id = run_id or start_step_run(data_root, step=step, tags=tags)
+    if c.get_run(run_id).info.status != RunStatus.to_string(RunStatus.FINISHED):
+        c.log_batch(run_id, metrics=[_metric(k, v, step["step"]) for k, v in step["metrics"].items()],
+                    params=[Param(k, str(getattr(v, "value", v))) for k, v in sorted(params.items())])
+        c.log_dict(run_id, {"batch_id": step["batch_id"], "samples": manifest}, "batch_manifest.json")
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:16]
         ds = mlflow.data.from_pandas(pd.DataFrame(manifest), source=str(Path(data_root) / "tables" / "batches"),
                                      name=f"batch-{step['batch_id']}", digest=digest)
         c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                     tags=[InputTag("mlflow.data.context", "training")])])
+        c.set_tag(run_id, "sample_count", str(len(manifest)))
         c.set_terminated(run_id)
     _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
     if not c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):  # once per run
         write_mlmodel(Path(step["path"]), step)
-        mv_tags = {**lineage, **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
+        mv_tags = {**_lineage_tags(step), "sample_count": str(len(manifest)),
+                   **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
         mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
         c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
     if str(step["weight_version"]).isdigit():
         log_policy_point(data_root, int(step["weight_version"]), step["metrics"])
     return run_id
+
+
+def runs_without_model_version(data_root: Path, run_ids: Sequence[str]) -> list[str]:
+    """Those of ``run_ids`` that no version of the registered model names (a step whose lineage a
+    stopped train run left unfinished)."""
+    c = client(data_root)
+    try:
+        registered = {mv.run_id for mv in c.search_model_versions(f"name = '{REGISTERED_MODEL}'")}
+    except Exception:  # no registered model yet
+        registered = set()
+    return [r for r in run_ids if r not in registered]
 
 
 def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, serving_version: str | None,

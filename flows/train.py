@@ -1,4 +1,4 @@
-"""Prefect flow `train`: a full batch of judged samples -> one PPO step -> checkpoint -> lineage -> sync.
+"""Prefect flow `train`: a full batch of judged samples -> one PPO step -> checkpoint -> gate -> sync -> lineage.
 
 Thin orchestration over clawrl.trainer_service, clawrl.lineage and clawrl.sync.
 Exactly once, with a crash allowed between any two tasks:
@@ -9,22 +9,28 @@ Exactly once, with a crash allowed between any two tasks:
    batch id (it returns the stored result for a batch it already applied). It returns once the
    checkpoint's served weights are written; the trainer writes its own state (optimizer, master
    weights) meanwhile in the background (``clawrl.train.trainer``).
-3. ``log_lineage`` creates the MLflow run and model version, idempotent by batch id, tagged with
-   this flow run's id and URL.
+3. ``start_lineage`` creates the step's MLflow run, idempotent by batch id, tagged with its lineage
+   and this flow run's id and URL (the records below name it).
 4. ``record_checkpoint`` appends the ``checkpoints`` row once per weight version.
 5. ``gate_checkpoint``: the new version is a candidate; the promotion gate (``clawrl.promotion``)
    scores it on the ``[gate]`` evaluation set in an evaluation engine, paired with the champion,
    and promotes it only when it is not worse beyond the tolerance. The decision is a ``promotions``
-   row, points on the step's MLflow run and the ``champion`` / ``candidate`` aliases of
-   ``clawrl-policy``. With ``[gate] enabled = false`` every candidate is promoted unevaluated.
+   row and points on the step's MLflow run. With ``[gate] enabled = false`` every candidate is
+   promoted unevaluated.
 6. ``sync_weights`` pushes the champion to the serving engine (``clawrl.sync``): the candidate when
    promoted, else the champion that served before (nothing to load when it already serves). Every
    attempt is a ``syncs`` row and a point on the MLflow run of the version pushed; after a failed
    one the next step's sync, or ``clawrl sync``, pushes again.
-7. ``link_step`` links the MLflow run and model version back from this flow run (a markdown
-   artifact) and names the flow run for the version it made (``train-v16``); after the sync, since
-   nothing on the way to serving the new version needs it.
-8. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
+
+After the sync, since nothing on the way to serving the new version needs them:
+
+7. ``log_lineage`` completes the MLflow run (metrics, params, the batch manifest), registers the
+   checkpoint as a version of ``clawrl-policy`` and points its ``candidate`` / ``champion`` aliases
+   as the gate decided. A run stopped after its checkpoint row (which the re-run does not redo)
+   leaves that lineage unfinished; the next run's ``log_lineage`` completes it.
+8. ``link_step`` links the MLflow run and model version back from this flow run (a markdown
+   artifact) and names the flow run for the version it made (``train-v16``).
+9. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
    problem it finds as a warning (a report: it never fails the step).
 
 "One training step at a time" is Prefect's global concurrency limit ``trainer`` (limit 1), not a
@@ -53,7 +59,7 @@ from clawrl.flows.slots import ensure_limit, leased_slot, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import plot_learning_by_version, report
-from clawrl.lineage import log_doctor, log_train_step, ui_links
+from clawrl.lineage import log_doctor, log_train_step, start_step_run, ui_links
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
 from clawrl.sync import NO_ENGINE
@@ -89,18 +95,47 @@ def run_step(config_path: str | None, batch_id: str, trainer_url: str | None) ->
 
 
 @task(cache_policy=NO_CACHE)
-def log_lineage(config_path: str | None, step: dict[str, Any]) -> str:
+def start_lineage(config_path: str | None, step: dict[str, Any]) -> str:
+    """The step's MLflow run, tagged with its lineage and this flow run (idempotent by batch id)."""
     s = load_flow_settings(config_path)
+    tags = {"judge_config_hash": build_judge_config_hash(s), "method": s.ppo.advantage_estimator.value,
+            **prefect_tags()}
+    return start_step_run(s.storage.data_root, step=step, tags=tags)
+
+
+@task(cache_policy=NO_CACHE)
+def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate: dict[str, Any]) -> list[str]:
+    """After the sync: the step's run completed (metrics, params, batch manifest) and its checkpoint
+    registered as a model version, the ``candidate`` / ``champion`` aliases as the gate decided, and the
+    same completion for any earlier recorded version whose train run stopped before it. Returns the
+    weight versions whose lineage it completed."""
+    from clawrl.checkpoint import read_step_result
+    from clawrl.lineage import runs_without_model_version, set_policy_alias
+    from clawrl.storage.queries import recorded_checkpoints
+
+    s = load_flow_settings(config_path)
+    root = s.storage.data_root
     data_store(s).flush()
-    with open_catalog(s.storage.data_root) as con:
-        manifest = batch_manifest(con, step["batch_id"])
+    with open_catalog(root) as con:
+        rows = [r for r in recorded_checkpoints(con) if r["mlflow_run_id"] and r["mlflow_run_id"] != run_id]
+        unfinished = set(runs_without_model_version(root, [r["mlflow_run_id"] for r in rows]))
+        todo = [({**asdict(read_step_result(Path(r["path"]))), "path": r["path"]}, r["mlflow_run_id"])
+                for r in rows if r["mlflow_run_id"] in unfinished and Path(r["path"], "trainer.json").is_file()]
+        todo.append((step, run_id))
+        manifests = [batch_manifest(con, st["batch_id"]) for st, _ in todo]
     hp = PPOHyperParams.from_settings(s.ppo, s.model.seed)
     params = {**asdict(hp), "method": hp.advantage_estimator.value, "config_hash": config_hash(s),
               "batch_size": s.ppo.rollout_batch_size, "max_staleness": s.ppo.max_staleness, "backend": s.ppo.backend,
               "model": s.model.name, **hook_params(s.hooks)}
-    tags = {"judge_config_hash": build_judge_config_hash(s), "method": hp.advantage_estimator.value,
-            **prefect_tags()}
-    return log_train_step(s.storage.data_root, step=step, params=params, manifest=manifest, tags=tags)
+    tags = {"judge_config_hash": build_judge_config_hash(s), "method": hp.advantage_estimator.value}
+    for (st, rid), manifest in zip(todo, manifests):
+        log_train_step(root, step=st, params=params, manifest=manifest, tags=tags, run_id=rid)
+    set_policy_alias(root, "candidate", step["weight_version"])
+    set_policy_alias(root, "champion", gate["serve_version"])
+    if len(todo) > 1:
+        get_run_logger().info("completed the lineage of versions %s, left unfinished by a stopped train run",
+                              ", ".join(st["weight_version"] for st, _ in todo[:-1]))
+    return [st["weight_version"] for st, _ in todo]
 
 
 def prefect_tags() -> dict[str, str]:
@@ -147,7 +182,7 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
     """The promotion gate on the step's checkpoint: the decision, its evidence, and ``serve`` (the
     checkpoint to serve now: weight_version, path, sha256, mlflow_run_id)."""
     from clawrl.chat import ChatAdapter
-    from clawrl.lineage import log_gate, set_policy_alias
+    from clawrl.lineage import log_gate
     from clawrl.promotion import gate_candidate, record_manual
     from clawrl.records import PromotionAction
 
@@ -168,8 +203,6 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
                              mlflow_run_id=run_id)
         log_gate(root, run_id, step=int(step["step"]), evidence=out, decision=out["decision"], reason=out["reason"],
                  champion_version=out["champion_version"])
-    set_policy_alias(root, "candidate", version)
-    set_policy_alias(root, "champion", out["serve_version"])
     get_run_logger().info("gate: version %s %s (champion %s): %s", version,
                           "promoted" if out["decision"] == "promote" else "refused", out["champion_version"],
                           out["reason"])
@@ -253,7 +286,7 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             _crash_point("claimed")
             step = run_step(config_path, batch_id, trainer_url)
             _crash_point("trained")
-            run_id = log_lineage(config_path, step)
+            run_id = start_lineage(config_path, step)
             _crash_point("logged")
             record_checkpoint(config_path, step, run_id)
             _crash_point("recorded")
@@ -261,7 +294,9 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             _crash_point("gated")
             synced = sync_weights(config_path, gate["serve"], engine_url)
             _crash_point("synced")
-            link_step(config_path, step, run_id)  # after the sync: nothing on the path to serving waits for it
+            # after the sync: nothing on the path to serving the new version waits for these
+            log_lineage(config_path, step, run_id, gate)
+            link_step(config_path, step, run_id)
             log_doctor_report(config_path, step, run_id)
         m = step["metrics"]
         log.info("step %d (batch %s): loss %.4f, reward %.3f, kl %.5f -> version %s, %s; serving %s (sync: %s)",

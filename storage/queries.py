@@ -233,6 +233,11 @@ def find_checkpoint(con: duckdb.DuckDBPyConnection, weight_version: str = "lates
     return rows[0] if rows else None
 
 
+def recorded_checkpoints(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """Every ``checkpoints`` row (the first of each weight version), oldest step first."""
+    return _rows(con, f"SELECT * FROM ({_first('checkpoints', 'weight_version')}) ORDER BY step")
+
+
 def version_for_run(con: duckdb.DuckDBPyConnection, mlflow_run_id: str) -> str | None:
     """The weight version the MLflow run ``mlflow_run_id`` trained, or None."""
     rows = con.execute("SELECT weight_version FROM checkpoints WHERE mlflow_run_id = $r ORDER BY created_at LIMIT 1",
