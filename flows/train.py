@@ -27,7 +27,9 @@ After the sync, since nothing on the way to serving the new version needs them:
 7. ``log_lineage`` completes the MLflow run (metrics, params, the batch manifest), registers the
    checkpoint as a version of ``clawrl-policy`` and points its ``candidate`` / ``champion`` aliases
    as the gate decided. A run stopped after its checkpoint row (which the re-run does not redo)
-   leaves that lineage unfinished; the next run's ``log_lineage`` completes it.
+   leaves that lineage unfinished, and so does a ``log_lineage`` that fails (the checkpoint directory
+   unreachable, say: the step is served, so the run goes on); the next run's ``log_lineage``
+   completes it.
 8. ``link_step`` links the MLflow run and model version back from this flow run (a markdown
    artifact) and names the flow run for the version it made (``train-v16``).
 9. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
@@ -295,7 +297,9 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             synced = sync_weights(config_path, gate["serve"], engine_url)
             _crash_point("synced")
             # after the sync: nothing on the path to serving the new version waits for these
-            log_lineage(config_path, step, run_id, gate)
+            if log_lineage(config_path, step, run_id, gate, return_state=True).is_failed():
+                log.warning("the MLflow lineage of version %s is not complete; the next train run completes it",
+                            step["weight_version"])
             link_step(config_path, step, run_id)
             log_doctor_report(config_path, step, run_id)
         m = step["metrics"]

@@ -334,6 +334,10 @@ def test_engine_refusing_the_load_keeps_serving_and_a_retry_succeeds(sync_env, s
     assert _sync_errors(sync_log, bad), [r.getMessage() for r in sync_log]
     tags, oks = _mlflow(s, step["mlflow_run_id"])
     assert tags["sync_status"] == "failed" and "not a directory" in tags["sync_error"] and oks == [0.0]
+    # the lineage logged after the sync could not reach the checkpoint either: left for the next train run
+    from clawrl.lineage import runs_without_model_version
+
+    assert runs_without_model_version(s.storage.data_root, [step["mlflow_run_id"]]) == [step["mlflow_run_id"]]
     # the storage is back: retrying the same checkpoint succeeds
     moved[0].with_name(moved[0].name + ".offline").rename(moved[0])
     code, out = _cli_sync(conf)
