@@ -159,9 +159,11 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     trainer = trainer_from_settings(replay_settings, samples_reader(out))
     with DataStore(out, background=False) as store:
         for p, samples in zip(plan, batches):
-            if threads := int(_recorded_metrics(p).get("torch_threads") or 0):
+            recorded = _recorded_metrics(p)
+            if threads := int(recorded.get("torch_threads") or 0):
                 torch.set_num_threads(threads)
-            step = _replay_step(trainer, store, replay_id, p, samples, set(excluded), exact)
+            step = _replay_step(trainer, store, replay_id, p, samples, set(excluded), exact,
+                                trained_ranks=int(recorded.get("trainer_ranks") or 1))
             if step.replay_version is not None:
                 report.final_path, report.final_version = trainer.last.path, step.replay_version
             report.steps.append(step)
@@ -173,15 +175,16 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
 
 
 def _replay_step(trainer, store, replay_id: str, plan_row: dict[str, Any], samples: list,
-                 excluded: set[tuple[str, str]], exact: bool) -> ReplayStep:
+                 excluded: set[tuple[str, str]], exact: bool, trained_ranks: int = 1) -> ReplayStep:
     """One recorded batch re-trained without the ``excluded`` (namespace, session_id) pairs: the
-    replay's batch row (with the samples it lists) before the step, its checkpoint row after."""
+    replay's batch row (with the samples it lists) before the step, its checkpoint row after.
+    ``trained_ranks``: the processes that trained the original step."""
     from clawrl.records import BatchRecord, CheckpointRecord
 
     kept = [r for r in samples if (r.namespace, r.session_id) not in excluded]
     step = ReplayStep(plan_row["step"], plan_row["batch_id"], plan_row["sha256"], None, len(kept),
                       len(samples) - len(kept), None, plan_row.get("mlflow_run_id"),
-                      trained_ranks=int(_recorded_metrics(plan_row).get("trainer_ranks") or 1))
+                      trained_ranks=trained_ranks)
     if not kept:
         return step
     step.replay_batch_id = hashlib.sha256(f"{replay_id}\x00{plan_row['batch_id']}".encode()).hexdigest()[:16]

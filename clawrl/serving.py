@@ -90,9 +90,13 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_timeout
 SERVE_RECORD = "serve.json"
 
 
+# bind addresses that mean every address of the machine, and the loopback address a client here uses for each
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
 def client_url(host: str, port: int) -> str:
     """The URL a client on this machine uses for a server bound to ``host`` (a wildcard: loopback)."""
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    host = WILDCARD_HOSTS.get(host, host)
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from clawrl.config import child_env
-from clawrl.serving import client_url
+from clawrl.serving import WILDCARD_HOSTS, client_url
 
 
 @dataclass
@@ -140,12 +140,12 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
 def gateway_url(settings, host: str) -> str:
     """The gateway's URL for the flows: ``[server] host``, or ``host`` when the gateway binds every address."""
     bound = settings.server.host
-    return client_url(host if bound in ("0.0.0.0", "::", "") else bound, settings.server.api_port)
+    return client_url(host if bound in WILDCARD_HOSTS else bound, settings.server.api_port)
 
 
 def host_problem(settings, host: str) -> str | None:
     """Why ``clawrl up --host host`` cannot work with these settings (None: it can)."""
-    if host in ("0.0.0.0", "::", ""):
+    if host in WILDCARD_HOSTS:
         return (f"--host {host!r} binds every address but names none: give the address other machines reach this "
                 "one at (e.g. its LAN address 10.0.0.5); the URLs handed to the flows use it")
     loopback = host.startswith("127.") or host in ("localhost", "::1")
