@@ -199,8 +199,9 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
     users.join(1.0)  # let the first turns arrive: a judge run at t=0 would find nothing
     while users.is_alive():
         judged += judge_flow(config_path=conf, limit=judge_limit)["judged"]
-        out = train_flow(config_path=conf, max_steps=1, engine_url=engine_url)
-        run.steps += [{"weight_version": st["weight_version"], "batch_id": st["batch_id"],
+        state = train_flow(config_path=conf, max_steps=1, engine_url=engine_url, return_state=True)
+        out, tasks = state.result(), _task_seconds(state.state_details.flow_run_id)
+        run.steps += [{"weight_version": st["weight_version"], "batch_id": st["batch_id"], "tasks_s": tasks,
                        "at_s": time.monotonic() - run.t0, "train_s": st["metrics"].get("step_time_s"),
                        "checkpoint_s": st["metrics"].get("checkpoint_write_s"),
                        "eval_s": st["gate"].get("eval_seconds", 0.0),
@@ -209,6 +210,17 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
         if not out["steps"]:
             users.join(0.5)
     return judged
+
+
+def _task_seconds(flow_run_id) -> dict[str, float]:
+    """Seconds each task of a flow run took (Prefect's own start and end times), in the order they ran."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {t.name.rsplit("-", 1)[0]: t.total_run_time.total_seconds()
+            for t in sorted(runs, key=lambda t: t.start_time or t.expected_start_time)}
 
 
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
@@ -337,6 +349,8 @@ def format_load_section(r: dict[str, Any]) -> str:
                  "served_s"]
     loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}}
              for st in r["steps"] if st.get("loop_s") is not None]
+    tasks = [{"version": st["weight_version"], **st["tasks_s"]} for st in r["steps"] if st.get("tasks_s")]
+    task_names = list(dict.fromkeys(k for t in tasks for k in t if k != "version"))
     evals = [st["eval_s"] for st in r["steps"] if st["eval_s"]]
     eval_line = (f"The promotion gate's evaluation (an evaluation engine on the same device) took {median(evals):.2f} s "
                  f"a step (median of {len(evals)}), {100 * sum(evals) / r['window_s']:.1f}% of the window."
@@ -370,14 +384,17 @@ def format_load_section(r: dict[str, Any]) -> str:
         "first response a client got from the new version, in parts: `judged_s` to the batch's last fate (the",
         "judge's delay), `queued_s` to the batch's claim (the trainer busy with earlier batches: here samples",
         "arrive faster than one trainer takes them, and the judge and train flows take turns), then the train",
-        "flow up to the end of its sync: `train_s` (the PPO step), `checkpoint_s` (writing its checkpoint: weights,",
-        "float32 master weights, optimizer state), `eval_s` (the promotion gate's evaluation),",
+        "flow up to the end of its sync: `train_s` (the PPO step), `checkpoint_s` (writing its checkpoint's served",
+        "weights; the trainer's own state follows off this path), `eval_s` (the promotion gate's evaluation),",
         "`sync_s`, and `orchestration_s`, the rest of that flow (Prefect, claim, lineage, records; target",
         "<= 1 s); last `served_s`, from the sync's end to the first response on the new version.",
         "",
         markdown_table(loops, ["version", *loop_keys]) if loops
         else "No step's version reached a client inside the window.",
         "", eval_line,
+        "", "Seconds each task of the train flow took, per step (Prefect's task run times; the path to the sync",
+        "ends with `sync_weights`):", "",
+        markdown_table(tasks, ["version", *task_names]) if tasks else "No train step.",
     ])
 
 

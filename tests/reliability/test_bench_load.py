@@ -39,3 +39,8 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
     assert ("| version | loop_s | judged_s | queued_s | train_s | checkpoint_s | eval_s | sync_s | orchestration_s "
             "| served_s |") in text
     assert "The promotion gate's evaluation (an evaluation engine on the same device) took" in text
+    # each step's tasks, in the order they ran, the path to the sync first
+    order = ["claim_batch", "run_step", "start_lineage", "record_checkpoint", "gate_checkpoint", "sync_weights",
+             "log_lineage", "link_step", "log_doctor_report"]
+    assert all(list(st["tasks_s"]) == order and all(v > 0 for v in st["tasks_s"].values()) for st in r["steps"])
+    assert "| version | " + " | ".join(order) + " |" in text
