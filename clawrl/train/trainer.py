@@ -148,7 +148,9 @@ class Trainer:
 
     def run(self, batch_id: str, samples: list[SampleRecord]) -> StepResult:
         """Train one PPO step on ``samples`` (exactly once per ``batch_id``) and checkpoint it."""
+        t_wait = time.perf_counter()
         self.wait_state()  # the optimizer state of the previous step is on disk before this step changes it
+        waited = time.perf_counter() - t_wait
         done = self.applied(batch_id)
         if done is not None:
             return done
@@ -159,6 +161,7 @@ class Trainer:
         self.backend.set_lr(lr_at(self.hp, self.version))  # step v makes version v+1: resume/replay agree
         metrics = self.backend.train_step(batch)
         metrics["step_time_s"] = time.perf_counter() - t0
+        metrics["state_wait_s"] = waited  # for the previous step's trainer state to reach the disk
         metrics["torch_threads"] = torch.get_num_threads()  # replay restores it: CPU reductions depend on it
         metrics["trainer_ranks"] = self.world_size
         parent, self.version = self.version, self.version + 1
