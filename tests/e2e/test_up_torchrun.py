@@ -102,6 +102,8 @@ max_tokens = 8
             worker = _worker(p[1], tmp_path)
         with Traffic(base, layout):
             wait_for(lambda: (ckpt / "trainer.json").is_file(), 600, "a first training step", proc, log)
+        # read now: the users' turns keep the trainer going, and three versions later pruning removes v1's weights
+        original = {k: v.clone() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
         pids = json.loads((data / "up.pids.json").read_text())
         ranks = subprocess.run(["pgrep", "-P", str(pids["trainer"])], capture_output=True, text=True).stdout.split()
         assert len(ranks) == 2  # torchrun's two rank processes
@@ -136,7 +138,6 @@ max_tokens = 8
     else:  # sums over the shards in another order: the last bits differ
         assert step["identical"] is False and report["identical"] is None and 0 < step["max_abs_diff"] < LR / 20
     replayed = load_file(str(Path(report["final_path"]) / "model.safetensors"))
-    original = load_file(str(ckpt / "model.safetensors"))
     _assert_same_updated_weights(replayed, original, lr=LR)
     from clawrl.models import resolve_model_dir
 
