@@ -378,7 +378,7 @@ class TrainBackend:
         """config.json, model.safetensors (in the served dtype: the compute dtype) and the source's
         tokenizer/generation files into the existing ``directory`` (rank 0; other ranks pass None and
         take part in the gather): what an engine loads. The trainer's own state goes beside it
-        (:meth:`write_master_weights`, the optimizer state)."""
+        (:meth:`master_weights`, the optimizer state: ``clawrl.checkpoint.write_trainer_state``)."""
         from safetensors.torch import save_file
 
         state = self._weights_to_save()
@@ -404,14 +404,6 @@ class TrainBackend:
             return None
         tied = getattr(self.hf_config, "tie_word_embeddings", False)
         return {k: v.contiguous().cpu() for k, v in state.items() if not (tied and k == "lm_head.weight")}
-
-    def write_master_weights(self, directory: Path | None) -> None:
-        """:meth:`master_weights` into ``directory / MASTER_FILE`` (rank 0 writes)."""
-        from safetensors.torch import save_file
-
-        master = self.master_weights()
-        if master is not None:
-            save_file(master, str(directory / MASTER_FILE))
 
     def save_checkpoint(self, out_dir: Path) -> Path:
         """:meth:`write_weights` into a staging dir beside ``out_dir``, renamed into place; an

@@ -258,7 +258,7 @@ def test_a_bf16_trainer_writes_served_bf16_weights_and_resumes_from_its_float32_
     weights beside it, under a name no model loader reads, are what a resumed trainer continues from."""
     from safetensors.torch import load_file
 
-    from clawrl.checkpoint import MASTER_FILE, WEIGHTS_FILE
+    from clawrl.checkpoint import MASTER_FILE, WEIGHTS_FILE, write_trainer_state
     from clawrl.engine.weights import load_checkpoint_tensors
     from clawrl.models import load_causal_lm
 
@@ -268,8 +268,8 @@ def test_a_bf16_trainer_writes_served_bf16_weights_and_resumes_from_its_float32_
     running.train_step(first)
     ckpt = running.save_checkpoint(tmp_path / "v1")
     assert not (ckpt / MASTER_FILE).exists()  # what the engine loads, alone
-    running.write_master_weights(ckpt)  # the trainer's state, as the trainer stores it
     state = running.optimizer_state_dict()
+    write_trainer_state(ckpt, running.master_weights(), state)  # the trainer's state, as the trainer stores it
     served, master = load_file(str(ckpt / WEIGHTS_FILE)), load_file(str(ckpt / MASTER_FILE))
     weights = running.hf_state_dict()
     assert set(served) == set(master) == set(weights) - {"lm_head.weight"}  # tied: the embedding
