@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -113,9 +114,10 @@ def samples_reader(data_root: Path) -> Callable[[str], list[SampleRecord]]:
 
 def train_batch(trainer: Trainer, data_root: Path, batch_id: str) -> StepResult:
     """One step of ``trainer`` on the batch's samples (the stored result if it already trained on it)."""
+    t0 = time.perf_counter()
     with open_catalog(data_root) as con:
         samples = batch_records(con, batch_id)
-    return trainer.run(batch_id, samples)
+    return trainer.run(batch_id, samples, {"batch_read_s": time.perf_counter() - t0})
 
 
 def create_trainer_app(trainer: Trainer, data_root: Path, announce: Callable[[str], None] | None = None) -> FastAPI:

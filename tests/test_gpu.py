@@ -241,3 +241,33 @@ def _greedy_steps(runner, steps: int = 6):
         tok, pos = step.argmax(-1), pos + 1
         chosen.append(tok.tolist())
     return torch.stack(out), chosen
+
+
+@pytest.mark.parametrize("backend,model", [("torch", "tiny"), ("megatron", "tiny-qwen3")])
+def test_the_trainer_state_is_copied_on_the_gpu_and_written_while_the_next_step_trains(make_settings, backend,
+                                                                                       model):
+    from safetensors.torch import load_file
+
+    from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, file_sha256, read_step_result
+    from clawrl.train.trainer import trainer_from_settings
+    from tests.train.test_lr_schedule import _samples
+
+    settings = make_settings({**TRAIN, "ppo.backend": backend, "model.name": model, "model.device": "cuda"})
+    trainer = trainer_from_settings(settings)
+    trainer._prune = lambda: None  # keep every version's state to compare it
+    assert trainer._fits_on_device(4)  # a tiny model's state is copied on the GPU
+    trainer.run("b1", _samples(1))
+    b = trainer.backend
+    master, optimizer = b.master_weights(), b.optimizer_state_dict()  # on the host, right after step 1
+    trainer.run("b2", _samples(2))  # step 2 changes the live state while v1's copy is written
+    trainer.wait_state()
+    v1 = settings.storage.data_root / "checkpoints" / "v000001"
+    assert read_step_result(v1).sha256 == file_sha256(v1 / WEIGHTS_FILE)  # cast to bf16 on the GPU
+    assert load_file(v1 / WEIGHTS_FILE)["model.norm.weight"].dtype == torch.bfloat16
+    stored, stored_master = torch.load(v1 / OPTIMIZER_FILE, weights_only=True), load_file(v1 / MASTER_FILE)
+    assert stored["step"] == 1 and set(stored_master) == set(master)
+    assert all(torch.equal(stored_master[k], master[k]) and stored_master[k].dtype == torch.float32 for k in master)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert all(t.device.type == "cpu" and torch.equal(t, optimizer[key][n]) for n, t in stored[key].items())
+    now = b.optimizer_state_dict()["exp_avg"]
+    assert any(not torch.equal(now[n], optimizer["exp_avg"][n]) for n in now)  # step 2 did move them

@@ -204,12 +204,18 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
         run.steps += [{"weight_version": st["weight_version"], "batch_id": st["batch_id"], "tasks_s": tasks,
                        "at_s": time.monotonic() - run.t0, "train_s": st["metrics"].get("step_time_s"),
                        "checkpoint_s": st["metrics"].get("checkpoint_write_s"),
+                       "read_s": _seconds(st, "batch_read_s"), "state_s": _seconds(st, "state_wait_s", "state_copy_s"),
                        "eval_s": st["gate"].get("eval_seconds", 0.0),
                        "synced": bool(st["sync"]["success"]), "sync_s": st["sync"].get("seconds"),
                        "sync_message": st["sync"]["message"]} for st in out["steps"]]
         if not out["steps"]:
             users.join(0.5)
     return judged
+
+
+def _seconds(step: dict[str, Any], *keys: str) -> float:
+    """The sum of a train step's timing metrics ``keys`` (a trainer that predates one counts 0)."""
+    return sum(step["metrics"].get(k) or 0.0 for k in keys)
 
 
 def _task_seconds(flow_run_id) -> dict[str, float]:
@@ -328,7 +334,7 @@ def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float
         return dict.fromkeys(keys)
     first = run.t0_wall + step["first_served_s"]
     judged = max(row["judged"], row["completed"])
-    spent = sum(step.get(k) or 0.0 for k in ("train_s", "checkpoint_s", "eval_s", "sync_s"))
+    spent = sum(step.get(k) or 0.0 for k in ("read_s", "train_s", "state_s", "checkpoint_s", "eval_s", "sync_s"))
     flow = row["synced"] - row["claimed"] - spent
     return dict(zip(keys, (first - row["completed"], judged - row["completed"], max(0.0, row["claimed"] - judged),
                            first - row["synced"], flow)))
@@ -345,8 +351,8 @@ def format_load_section(r: dict[str, Any]) -> str:
     syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
                       f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
                       for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
-    loop_keys = ["loop_s", "judged_s", "queued_s", "train_s", "checkpoint_s", "eval_s", "sync_s", "orchestration_s",
-                 "served_s"]
+    loop_keys = ["loop_s", "judged_s", "queued_s", "read_s", "train_s", "state_s", "checkpoint_s", "eval_s",
+                 "sync_s", "orchestration_s", "served_s"]
     loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}}
              for st in r["steps"] if st.get("loop_s") is not None]
     tasks = [{"version": st["weight_version"], **st["tasks_s"]} for st in r["steps"] if st.get("tasks_s")]
@@ -384,8 +390,10 @@ def format_load_section(r: dict[str, Any]) -> str:
         "first response a client got from the new version, in parts: `judged_s` to the batch's last fate (the",
         "judge's delay), `queued_s` to the batch's claim (the trainer busy with earlier batches: here samples",
         "arrive faster than one trainer takes them, and the judge and train flows take turns), then the train",
-        "flow up to the end of its sync: `train_s` (the PPO step), `checkpoint_s` (writing its checkpoint's served",
-        "weights; the trainer's own state follows off this path), `eval_s` (the promotion gate's evaluation),",
+        "flow up to the end of its sync: `read_s` (the trainer reading the batch's samples from the catalog),",
+        "`train_s` (the PPO step), `state_s` (waiting for the previous step's optimizer state to reach the disk,",
+        "then copying this step's, on the GPU where it fits; the copy is written off this path), `checkpoint_s`",
+        "(writing and hashing its checkpoint's served weights), `eval_s` (the promotion gate's evaluation),",
         "`sync_s`, and `orchestration_s`, the rest of that flow (Prefect, claim, lineage, records; target",
         "<= 1 s); last `served_s`, from the sync's end to the first response on the new version.",
         "",

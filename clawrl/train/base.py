@@ -35,7 +35,7 @@ from torch import Tensor
 
 from clawrl.algo.advantages import compute_advantages, normalize_group_rewards
 from clawrl.algo.losses import compute_ppo_loss, merge_metrics
-from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, staged_dir
+from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, file_sha256, staged_dir
 from clawrl.models import torch_dtype
 from clawrl.records import Method
 from clawrl.train.batch import TokenBatch
@@ -190,15 +190,17 @@ class TrainBackend:
         else :meth:`hf_state_dict`'s copies."""
         return self.hf_state_dict()
 
-    def _export_moments(self, moments: dict[str, Tensor]) -> dict[str, Tensor]:
-        """One AdamW moment per parameter name -> the stored form (CPU, the backend's naming)."""
+    def _export_moments(self, moments: dict[str, Tensor], keep_device: bool = False) -> dict[str, Tensor]:
+        """One AdamW moment per parameter name -> the stored form (the backend's naming): copies on
+        CPU, or with ``keep_device`` (and one process) on the training device."""
         raise NotImplementedError
 
     def _import_moments(self, state: Mapping[str, Any]) -> dict[str, dict[str, Tensor]] | None:
         """Stored moments -> {"exp_avg": {param name: tensor}, "exp_avg_sq": ...}; None: keep them fresh."""
         raise NotImplementedError
 
-    def _weights_to_save(self) -> dict[str, Tensor]:
+    def _weights_to_save(self, keep_device: bool = False) -> dict[str, Tensor]:
+        """The weights under HF names (live tensors or copies, on the device or on CPU)."""
         return self.hf_state_dict()
 
     def _barrier(self) -> None:
@@ -342,8 +344,9 @@ class TrainBackend:
         """The whole batch's metrics from each data-parallel rank's: sums, and min/max for ``*_min``/``*_max``."""
         return metrics
 
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """AdamW's moments by parameter name, on CPU:
+    def optimizer_state_dict(self, keep_device: bool = False) -> dict[str, Any]:
+        """AdamW's moments by parameter name, copies on CPU (with ``keep_device`` and one process, on
+        the training device: a snapshot the next step may run beside):
         {"format", "step", "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}."""
         state = self.optimizer.state_dict()["state"]  # param index -> {"step", "exp_avg", "exp_avg_sq"}
         out: dict[str, Any] = {"format": self.OPTIMIZER_STATE_FORMAT, "step": 0, "exp_avg": {}, "exp_avg_sq": {}}
@@ -355,7 +358,7 @@ class TrainBackend:
                                f"at steps {sorted(steps)}")
         out["step"] = int(steps.pop())
         for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = self._export_moments({n: state[i][key] for i, n in enumerate(self.param_names)})
+            out[key] = self._export_moments({n: state[i][key] for i, n in enumerate(self.param_names)}, keep_device)
         return out
 
     def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -374,16 +377,19 @@ class TrainBackend:
         self.optimizer.load_state_dict({"state": per_param,
                                         "param_groups": self.optimizer.state_dict()["param_groups"]})
 
-    def write_weights(self, directory: Path | None) -> None:
+    def write_weights(self, directory: Path | None, keep_device: bool = False) -> str | None:
         """config.json, model.safetensors (in the served dtype: the compute dtype) and the source's
         tokenizer/generation files into the existing ``directory`` (rank 0; other ranks pass None and
-        take part in the gather): what an engine loads. The trainer's own state goes beside it
-        (:meth:`master_weights`, the optimizer state: ``clawrl.checkpoint.write_trainer_state``)."""
+        take part in the gather): what an engine loads. Returns the weights file's sha256 (rank 0).
+        ``keep_device``: cast to the served dtype on
+        the training device, so half the bytes cross to the host (the caller checks the room for a
+        copy). The trainer's own state goes beside it (:meth:`master_weights`, the optimizer state:
+        ``clawrl.checkpoint.write_trainer_state``)."""
         from safetensors.torch import save_file
 
-        state = self._weights_to_save()
+        state = self._weights_to_save(keep_device)
         if self.rank != 0:
-            return
+            return None
         if getattr(self.hf_config, "tie_word_embeddings", False):
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # shared tensor; HF re-ties it
         served = {k: v.to(self.compute_dtype).contiguous().cpu() for k, v in state.items()}
@@ -392,18 +398,21 @@ class TrainBackend:
         for src in sorted(self.model_dir.iterdir()):
             if src.is_file() and src.name not in _NOT_COPIED and not src.name.startswith("model"):
                 shutil.copy2(src, directory / src.name)
+        return file_sha256(directory / WEIGHTS_FILE)
 
-    def master_weights(self) -> dict[str, Tensor] | None:
-        """When the served weights are not float32, the float32 weights training continues from (HF
-        names, on CPU, a tied head left out) on rank 0; None otherwise (collective like
-        :meth:`write_weights`)."""
+    def master_weights(self, keep_device: bool = False) -> dict[str, Tensor] | None:
+        """When the served weights are not float32, copies of the float32 weights training continues
+        from (HF names, a tied head left out; on CPU, or with ``keep_device`` and one process on the
+        training device) on rank 0; None otherwise (collective like :meth:`write_weights`)."""
         if self.compute_dtype == torch.float32:
             return None
-        state = self._weights_to_save()
+        state = self._weights_to_save(keep_device)
         if self.rank != 0:
             return None
         tied = getattr(self.hf_config, "tie_word_embeddings", False)
-        return {k: v.contiguous().cpu() for k, v in state.items() if not (tied and k == "lm_head.weight")}
+        copy = (lambda v: v.detach().clone(memory_format=torch.contiguous_format)) if keep_device else \
+            (lambda v: v.detach().to("cpu", copy=True).contiguous())
+        return {k: copy(v) for k, v in state.items() if not (tied and k == "lm_head.weight")}
 
     def save_checkpoint(self, out_dir: Path) -> Path:
         """:meth:`write_weights` into a staging dir beside ``out_dir``, renamed into place; an

@@ -188,10 +188,11 @@ class MegatronBackend(TrainBackend):
         return out
 
     @torch.no_grad()
-    def _gather_over_tp(self, local: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
-        """Every TP rank's version of ``local`` (CPU copies, rank order), on every rank."""
+    def _gather_over_tp(self, local: Mapping[str, Tensor], keep_device: bool = False) -> list[dict[str, Tensor]]:
+        """Every TP rank's version of ``local`` (rank order), on every rank: on CPU, or with one TP rank
+        and ``keep_device`` the tensors themselves where they are (the callers copy them)."""
         if self.tp_size == 1:
-            return [{n: t.detach().cpu() for n, t in local.items()}]
+            return [{n: t.detach() if keep_device else t.detach().cpu() for n, t in local.items()}]
         shards: list[dict[str, Tensor]] = [{} for _ in range(self.tp_size)]
         for name, t in local.items():
             parts = [torch.empty_like(t) for _ in range(self.tp_size)]
@@ -200,18 +201,22 @@ class MegatronBackend(TrainBackend):
                 shards[rank][name] = part.cpu()
         return shards
 
-    def hf_state_dict(self) -> dict[str, Tensor]:
-        """Float32 CPU copies, gathered over TP (collective: every rank must call it)."""
-        state = megatron_to_hf(self._gather_over_tp(dict(self.model.named_parameters())), self.hf_config,
-                               self.tp_size)
+    def hf_state_dict(self, keep_device: bool = False) -> dict[str, Tensor]:
+        """Float32 copies, gathered over TP (collective: every rank must call it); on CPU, or with one
+        TP rank and ``keep_device`` on the training device."""
+        state = megatron_to_hf(self._gather_over_tp(dict(self.model.named_parameters()), keep_device),
+                               self.hf_config, self.tp_size)
         if getattr(self.hf_config, "tie_word_embeddings", False):
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
 
-    def _export_moments(self, moments: dict[str, Tensor]) -> dict[str, Tensor]:
+    def _export_moments(self, moments: dict[str, Tensor], keep_device: bool = False) -> dict[str, Tensor]:
         """Under HF parameter names, gathered over TP, so a resume may use another TP size;
         moments are elementwise, so they convert exactly like the weights."""
-        return megatron_to_hf(self._gather_over_tp(moments), self.hf_config, self.tp_size)
+        return megatron_to_hf(self._gather_over_tp(moments, keep_device), self.hf_config, self.tp_size)
+
+    def _weights_to_save(self, keep_device: bool = False) -> dict[str, Tensor]:
+        return self.hf_state_dict(keep_device)
 
     def _import_moments(self, state: Mapping[str, Any]) -> dict[str, dict[str, Tensor]]:
         return {key: self._to_megatron(state[key]) for key in ("exp_avg", "exp_avg_sq")}

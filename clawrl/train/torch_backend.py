@@ -104,8 +104,10 @@ class TorchBackend(TrainBackend):
         max_norm = self.hp.grad_clip if self.hp.grad_clip > 0 else math.inf
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
-    def _export_moments(self, moments: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {n: t.detach().cpu().clone() for n, t in moments.items()}
+    def _export_moments(self, moments: dict[str, Tensor], keep_device: bool = False) -> dict[str, Tensor]:
+        if keep_device:
+            return {n: t.detach().clone() for n, t in moments.items()}
+        return {n: t.detach().to("cpu", copy=True) for n, t in moments.items()}
 
     def _import_moments(self, state: Mapping[str, Any]) -> dict[str, dict[str, Tensor]] | None:
         """With LoRA the adapters restart at zero on the merged weights, so old moments would
@@ -149,7 +151,7 @@ class TorchBackend(TrainBackend):
                           for k, v in self.model.state_dict(keep_vars=True).items()}
         return self._live
 
-    def _weights_to_save(self) -> dict[str, Tensor]:
+    def _weights_to_save(self, keep_device: bool = False) -> dict[str, Tensor]:  # on the device already
         # without LoRA the live tensors are saved as they are: cloning 0.5 GB first costs more than
         # the write (save_file only reads them)
         if self.lora_rank == 0:

@@ -9,8 +9,10 @@ the staging dir it left (named with its pid) is removed when the next trainer st
 
 A step returns once its checkpoint is complete (the served weights and ``trainer.json``): that is
 all the gate and the sync need. The trainer's own state (float32 master weights, AdamW's moments:
-~6x the bytes of bf16 weights) is written after that by a background thread, while the new version
-is gated and synced; the next step waits for it. A trainer that stopped before that state was
+~6x the bytes of bf16 weights) is copied at the end of the step - on the GPU itself when it has the
+room, a device-to-device copy of milliseconds - and written from that copy by a background thread
+while the new version is gated and synced and the next step trains; the next step waits for it only
+before taking its own copy (one copy at a time). A trainer that stopped before that state was
 written resumes from the newest checkpoint that has it and trains the later batches again from
 their recorded samples (``samples_of``), which gives the same weights (checked against the recorded
 sha256) and writes their state.
@@ -35,7 +37,6 @@ from clawrl.checkpoint import (
     WEIGHTS_FILE,
     StepResult,
     complete_checkpoints,
-    file_sha256,
     has_trainer_state,
     kept_versions,
     read_step_result,
@@ -52,6 +53,13 @@ from clawrl.train.batch import collate_samples
 
 log = logging.getLogger("clawrl.trainer")
 SamplesOf = Callable[[str], list[SampleRecord]]
+def _to_host(state: tuple[dict | None, dict]) -> tuple[dict | None, dict]:
+    """The trainer state's tensors on CPU (a copy where they are on a GPU)."""
+    master, optimizer = state
+    moments = {k: {n: t.cpu() for n, t in optimizer[k].items()} for k in ("exp_avg", "exp_avg_sq")}
+    return (None if master is None else {n: t.cpu() for n, t in master.items()}), {**optimizer, **moments}
+
+
 # checkpoints dir -> the thread writing a trainer's state there: a trainer built on the same dir in
 # this process (a restart in tests, a replay) waits for it instead of finding the state missing
 _STATE_WRITERS: dict[Path, threading.Thread] = {}
@@ -117,8 +125,7 @@ class Trainer:
         sha = recorded.sha256
         if self.backend.rank == 0:  # the weights as the checkpoint would hold them, for their hash only
             with tempfile.TemporaryDirectory(prefix=f".{ckpt_dir.name}.{os.getpid()}.", dir=self.checkpoints) as tmp:
-                self.backend.write_weights(Path(tmp))
-                sha = file_sha256(Path(tmp) / WEIGHTS_FILE)
+                sha = self.backend.write_weights(Path(tmp))
         else:
             self.backend.write_weights(None)
         if sha != recorded.sha256:
@@ -146,11 +153,11 @@ class Trainer:
                 return result
         return None
 
-    def run(self, batch_id: str, samples: list[SampleRecord]) -> StepResult:
-        """Train one PPO step on ``samples`` (exactly once per ``batch_id``) and checkpoint it."""
-        t_wait = time.perf_counter()
-        self.wait_state()  # the optimizer state of the previous step is on disk before this step changes it
-        waited = time.perf_counter() - t_wait
+    def run(self, batch_id: str, samples: list[SampleRecord], metrics: dict[str, float] | None = None) -> StepResult:
+        """Train one PPO step on ``samples`` (exactly once per ``batch_id``) and checkpoint it;
+        ``metrics`` (the caller's own, e.g. how long reading the batch took) are recorded with it."""
+        if self._state_thread is not None and not self._state_thread.is_alive():
+            self.wait_state()  # a write that already failed fails this step before it trains
         done = self.applied(batch_id)
         if done is not None:
             return done
@@ -159,20 +166,56 @@ class Trainer:
         t0 = time.perf_counter()
         batch = collate_samples(samples, self.pad_id)
         self.backend.set_lr(lr_at(self.hp, self.version))  # step v makes version v+1: resume/replay agree
-        metrics = self.backend.train_step(batch)
+        metrics = {**(metrics or {}), **self.backend.train_step(batch)}
         metrics["step_time_s"] = time.perf_counter() - t0
-        metrics["state_wait_s"] = waited  # for the previous step's trainer state to reach the disk
+        t_wait, previous_error = time.perf_counter(), None
+        try:  # the previous step's state is written (it ran beside this step) before this one is copied
+            self.wait_state()
+        except RuntimeError as e:  # raised once this version is saved and its own write started
+            previous_error = e
+        metrics["state_wait_s"] = time.perf_counter() - t_wait
         metrics["torch_threads"] = torch.get_num_threads()  # replay restores it: CPU reductions depend on it
         metrics["trainer_ranks"] = self.world_size
+        t_copy = time.perf_counter()
+        state, side = self._copy_state()
+        metrics["state_copy_s"] = time.perf_counter() - t_copy
         parent, self.version = self.version, self.version + 1
         sessions = sorted({(s.namespace or OPEN_NAMESPACE, s.session_id) for s in samples})
         self.last = self._save(batch_id, parent, metrics, [list(p) for p in sessions])
-        self._write_state_later(Path(self.last.path))
+        if self.backend.rank == 0:
+            self._start_writer(Path(self.last.path), state, side)
+        if previous_error is not None:
+            raise previous_error
         return self.last
 
-    def _gather_state(self) -> tuple[dict | None, dict]:
-        """(float32 master weights or None, optimizer state) on CPU; collective under torchrun."""
-        return self.backend.master_weights(), self.backend.optimizer_state_dict()
+    def _gather_state(self, keep_device: bool = False) -> tuple[dict | None, dict]:
+        """Copies of (float32 master weights or None, optimizer state): on CPU, or with
+        ``keep_device`` on the training device; collective under torchrun."""
+        return self.backend.master_weights(keep_device), self.backend.optimizer_state_dict(keep_device)
+
+    def _fits_on_device(self, copies: float) -> bool:
+        """Whether ``copies`` float32 copies of the weights fit in the GPU's free memory (the
+        allocator's cached blocks included) with a quarter to spare; False off a GPU and under torchrun."""
+        device = self.backend.device
+        if self.world_size > 1 or device.type != "cuda":
+            return False
+        need = 4 * sum(p.numel() for p in self.backend.params) * copies * 1.25
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) > need
+
+    def _copy_state(self) -> tuple[tuple[dict | None, dict], torch.cuda.Stream | None]:
+        """A copy of the trainer state the next step does not change (collective under torchrun): on
+        the GPU when it fits (a device-to-device copy of milliseconds; moments, master weights and a
+        transient copy), else on the host. With a GPU copy comes the side stream that takes it to the
+        host, beside the next step's kernels."""
+        master = 0 if self.backend.compute_dtype == torch.float32 else 2
+        on_device = self._fits_on_device(2 + master)
+        state = self._gather_state(keep_device=on_device)
+        if not on_device:
+            return state, None
+        side = torch.cuda.Stream(self.backend.device)
+        side.wait_stream(torch.cuda.current_stream(self.backend.device))
+        return state, side
 
     def _write_state(self, ckpt_dir: Path, state: tuple[dict | None, dict]) -> None:
         t0 = time.perf_counter()
@@ -180,17 +223,14 @@ class Trainer:
         self._prune()
         log.info("trainer state of %s written in %.2f s", ckpt_dir.name, time.perf_counter() - t0)
 
-    def _write_state_later(self, ckpt_dir: Path) -> None:
-        """The trainer state of the checkpoint just written, in a background thread (rank 0). With
-        one process the thread also copies it off the GPU; under torchrun every rank gathers it here,
-        together, and rank 0 writes it in the background."""
-        gathered = self._gather_state() if self.world_size > 1 else None
-        if self.backend.rank != 0:
-            return
-
+    def _start_writer(self, ckpt_dir: Path, state: tuple[dict | None, dict], side) -> None:
+        """Write ``state`` (from :meth:`_copy_state`) into the complete checkpoint ``ckpt_dir`` from a
+        background thread (rank 0)."""
         def write() -> None:
             try:
-                self._write_state(ckpt_dir, gathered if gathered is not None else self._gather_state())
+                with torch.cuda.stream(side) if side is not None else nullcontext():
+                    host = _to_host(state)
+                self._write_state(ckpt_dir, host)
             except BaseException as e:  # raised by the next step (wait_state), never lost
                 self._state_error = e
 
@@ -228,11 +268,10 @@ class Trainer:
         out, writer = version_dir(self.checkpoints, self.version), self.backend.rank == 0
         with staged_dir(out) if writer else nullcontext() as staging:
             t0 = time.perf_counter()
-            self.backend.write_weights(staging)
-            metrics = {**metrics, "checkpoint_write_s": time.perf_counter() - t0}  # the served weights
+            sha256 = self.backend.write_weights(staging, keep_device=self._fits_on_device(1.5))  # + its bf16 cast
+            metrics = {**metrics, "checkpoint_write_s": time.perf_counter() - t0}  # the served weights, hashed
             result = StepResult(batch_id=batch_id, step=self.version, weight_version=str(self.version),
-                                parent_version=str(parent), path=str(out),
-                                sha256=file_sha256(staging / WEIGHTS_FILE) if writer else "",
+                                parent_version=str(parent), path=str(out), sha256=sha256 or "",
                                 metrics={k: float(v) for k, v in metrics.items()}, sessions=sessions)
             if writer:
                 write_step_result(staging, result)  # the marker, last

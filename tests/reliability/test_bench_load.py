@@ -31,13 +31,14 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
     # at least the step's own training and sync time later
     served = [st for st in r["steps"] if st["loop_s"] is not None]
     assert served and all(st["loop_s"] >= st["train_s"] + st["sync_s"] > 0 for st in served), r["steps"]
-    parts = ("judged_s", "queued_s", "train_s", "checkpoint_s", "eval_s", "sync_s", "orchestration_s", "served_s")
+    parts = ("judged_s", "queued_s", "read_s", "train_s", "state_s", "checkpoint_s", "eval_s", "sync_s",
+             "orchestration_s", "served_s")
     assert all(st["loop_s"] == pytest.approx(sum(st[k] for k in parts)) for st in served), served  # the parts add up
     assert all(min(st[k] for k in parts) >= 0 and st["eval_s"] > 0 for st in served), served  # the gate is on
-    assert all(st["checkpoint_s"] > 0 for st in served), served  # the trainer timed its checkpoint write
+    assert all(st["checkpoint_s"] > 0 and st["read_s"] > 0 for st in served), served  # timed by the trainer
     text = format_load_section(r)
-    assert ("| version | loop_s | judged_s | queued_s | train_s | checkpoint_s | eval_s | sync_s | orchestration_s "
-            "| served_s |") in text
+    assert ("| version | loop_s | judged_s | queued_s | read_s | train_s | state_s | checkpoint_s | eval_s "
+            "| sync_s | orchestration_s | served_s |") in text
     assert "The promotion gate's evaluation (an evaluation engine on the same device) took" in text
     # each step's tasks, in the order they ran, the path to the sync first
     order = ["claim_batch", "run_step", "start_lineage", "record_checkpoint", "gate_checkpoint", "sync_weights",

@@ -33,7 +33,7 @@ def test_a_trainer_stopped_before_writing_its_state_resumes_exactly(tiny_dir, tm
     t = _trainer(tiny_dir, ckpts, dtype)
     t.run("b1", BATCHES["b1"])
     t.wait_state()
-    t._write_state_later = lambda ckpt_dir: None  # stopped right after step 2's checkpoint was complete
+    t._start_writer = lambda *a: None  # stopped right after step 2's checkpoint was complete
     t.run("b2", BATCHES["b2"])
     v1, v2 = ckpts / "v000001", ckpts / "v000002"
     assert (has_trainer_state(v1), has_trainer_state(v2)) == (True, False)
@@ -58,40 +58,83 @@ def test_a_trainer_stopped_before_writing_its_state_resumes_exactly(tiny_dir, tm
     assert all(torch.equal(mine["exp_avg_sq"][k], theirs["exp_avg_sq"][k]) for k in theirs["exp_avg_sq"])
 
 
-def test_the_step_returns_before_the_state_is_written_and_the_next_step_waits_for_it(tiny_dir, tmp_path):
+def test_the_next_step_trains_while_the_state_is_written_and_waits_only_before_its_own(tiny_dir, tmp_path,
+                                                                                     monkeypatch):
     import threading
 
-    release = threading.Event()
-    t = _trainer(tiny_dir, tmp_path / "ckpt", "float32")
-    gather = t._gather_state
+    import clawrl.train.trainer as trainer_mod
 
-    def slow_gather():
+    release, seen, written = threading.Event(), [], {}
+    write = trainer_mod.write_trainer_state
+
+    def slow_write(ckpt_dir, master, optimizer):
         assert release.wait(60)
-        return gather()
+        written[ckpt_dir.name] = optimizer
+        write(ckpt_dir, master, optimizer)
 
-    t._gather_state = slow_gather
+    monkeypatch.setattr(trainer_mod, "write_trainer_state", slow_write)
+    t = _trainer(tiny_dir, tmp_path / "ckpt", "float32")
     result = t.run("b1", BATCHES["b1"])
     v1 = tmp_path / "ckpt" / "v000001"
     assert (v1 / "model.safetensors").is_file() and read_step_result(v1).batch_id == "b1"
     assert not has_trainer_state(v1)  # complete and servable; its state still on the way
     assert result.metrics["checkpoint_write_s"] > 0
-    threading.Timer(0.5, release.set).start()
-    second = t.run("b2", BATCHES["b2"])  # waits for v1's state before changing the optimizer
+    moments_after_b1 = {k: v.clone() for k, v in t.backend.optimizer_state_dict()["exp_avg"].items()}
+
+    step = t.backend.train_step
+
+    def train_step_then_release(batch):
+        out = step(batch)  # step 2 changed the optimizer's moments while v1's state was still unwritten
+        seen.append(has_trainer_state(v1))
+        threading.Timer(0.5, release.set).start()
+        return out
+
+    t.backend.train_step = train_step_then_release
+    second = t.run("b2", BATCHES["b2"])
+    assert seen == [False] and has_trainer_state(v1)  # the step waited for v1's state before its own copy
     assert second.metrics["state_wait_s"] >= 0.4 > result.metrics["state_wait_s"]
     t.wait_state()
+    stored = written["v000001"]  # the copy taken after step 1, untouched by step 2
+    assert stored["step"] == 1 and all(torch.equal(stored["exp_avg"][k], m) for k, m in moments_after_b1.items())
+    assert not all(torch.equal(written["v000002"]["exp_avg"][k], m) for k, m in moments_after_b1.items())
     state = torch.load(tmp_path / "ckpt" / "v000002" / OPTIMIZER_FILE, weights_only=True)
-    assert state["step"] == 2 and not has_trainer_state(v1)
+    assert state["step"] == 2 and not has_trainer_state(v1)  # pruning keeps the newest state only
 
 
-def test_a_failed_state_write_fails_the_next_step(tiny_dir, tmp_path, monkeypatch):
+def test_a_failed_state_write_fails_a_step(tiny_dir, tmp_path, monkeypatch):
+    import threading
+
     import clawrl.train.trainer as trainer_mod
 
+    write, trained = trainer_mod.write_trainer_state, threading.Event()
+
+    def full(*a):
+        raise OSError(28, "full")
+
     t = _trainer(tiny_dir, tmp_path / "ckpt", "float32")
-    monkeypatch.setattr(trainer_mod, "write_trainer_state", lambda *a: (_ for _ in ()).throw(OSError(28, "full")))
+    monkeypatch.setattr(trainer_mod, "write_trainer_state", full)
     t.run("b1", BATCHES["b1"])
+    t._state_thread.join()  # the write already failed: the next step fails before it trains
     with pytest.raises(RuntimeError, match=r"writing the trainer state of version 1 failed: .*full"):
         t.run("b2", BATCHES["b2"])
-    assert not (tmp_path / "ckpt" / "v000002").exists()
+    assert not (tmp_path / "ckpt" / "v000002").exists() and t.version == 1
+
+    def v2_fails_once_step_3_trained(ckpt_dir, *a):
+        if ckpt_dir.name != "v000002":
+            return write(ckpt_dir, *a)  # v3's own write works
+        assert trained.wait(60)
+        full()
+
+    monkeypatch.setattr(trainer_mod, "write_trainer_state", v2_fails_once_step_3_trained)
+    t.run("b2", BATCHES["b2"])  # v1's error was raised once; v2's write fails while step 3 trains
+    step = t.backend.train_step
+    t.backend.train_step = lambda batch: (step(batch), trained.set())[0]
+    with pytest.raises(RuntimeError, match=r"writing the trainer state of version 2 failed: .*full"):
+        t.run("b3", BATCHES["b3"])
+    v3 = tmp_path / "ckpt" / "v000003"  # step 3 was saved and its state written before the error was raised
+    assert t.run("b3", BATCHES["b3"]).step == 3 and read_step_result(v3).batch_id == "b3"
+    t.wait_state()
+    assert has_trainer_state(v3) and t.version == 3
 
 
 def test_half_written_state_of_a_dead_writer_is_removed(tmp_path):
