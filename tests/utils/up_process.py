@@ -47,8 +47,10 @@ def wait_for(pred, timeout_s, what, proc=None, log=None):
 class Traffic:
     """Simulated users: ask, then react; every turn the gateway acknowledged is remembered."""
 
-    def __init__(self, base_url: str, tag: str):
-        self.base_url, self.tag = base_url, tag
+    def __init__(self, base_url: str, tag: str, pause_s: float = 1.0):
+        # a pause between each user's sessions: three users that never wait keep both cores of a small
+        # machine busy with serving, and the judge, the trainer and the gate under test crawl
+        self.base_url, self.tag, self.pause_s = base_url, tag, pause_s
         self.acked: list[tuple[str, int]] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self.user, args=(i,), daemon=True) for i in range(3)]
@@ -70,6 +72,7 @@ class Traffic:
             except Exception:
                 time.sleep(0.5)  # the gateway is down: nothing acknowledged
             n += 1
+            self.stop.wait(self.pause_s)
 
     def __enter__(self):
         for t in self.threads:
