@@ -53,6 +53,8 @@ from clawrl.train.batch import collate_samples
 
 log = logging.getLogger("clawrl.trainer")
 SamplesOf = Callable[[str], list[SampleRecord]]
+
+
 def _to_host(state: tuple[dict | None, dict]) -> tuple[dict | None, dict]:
     """The trainer state's tensors on CPU (a copy where they are on a GPU)."""
     master, optimizer = state
