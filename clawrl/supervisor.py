@@ -44,6 +44,7 @@ class Service:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     ready_only_on_200: bool = False  # else any answer below 500 (a 401 of a keyed gateway) means up
+    after_others: bool = False  # started once every service before it answers (else all start side by side)
 
 
 def wait_healthy(svc: Service, timeout_s: float) -> None:
@@ -128,12 +129,13 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                           *(["--work-pool", work_pool] if work_pool else [])],
                 f"{prefect_api}/deployments/name/replay/on-demand", f"deployments: judge/on-interval (every "
                 f"{judge_every_s:g} s), train/on-samples-ready, replay/on-demand"
-                + (f", on work pool {work_pool}" if work_pool else ""), env=flows_env, ready_only_on_200=True),
+                + (f", on work pool {work_pool}" if work_pool else ""), env=flows_env, ready_only_on_200=True,
+                after_others=True),  # registers with Prefect; its first runs use the trainer and the engines
         # the pool's runs go to any `prefect worker start --pool` process; one here unless told otherwise
         *([Service("worker", [py, "-m", "prefect", "worker", "start", "--pool", work_pool, "--type", "process",
                               "--name", f"clawrl-up-{os.uname().nodename}"],
                    f"{prefect_api}/work_pools/{work_pool}", f"a process worker of work pool {work_pool}",
-                   env=flows_env, ready_only_on_200=True)] if work_pool and local_worker else []),
+                   env=flows_env, ready_only_on_200=True, after_others=True)] if work_pool and local_worker else []),
     ]
 
 
@@ -210,9 +212,14 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for svc in services:
-            echo(f"starting {svc.name} ...")
+        first = [svc for svc in services if not svc.after_others]
+        echo(f"starting {', '.join(svc.name for svc in first)} ...")
+        for svc in first:  # side by side: none of them needs another to start
             start(svc, root / "logs", base_env)
+        for svc in services:
+            if svc.after_others:
+                echo(f"starting {svc.name} ...")
+                start(svc, root / "logs", base_env)
             wait_healthy(svc, timeout_s=300)
             write_pids(root / "up.pids.json", services, prefect_api)
             echo(f"  {svc.name:8s} {svc.url}")
