@@ -381,10 +381,9 @@ class TrainBackend:
         """config.json, model.safetensors (in the served dtype: the compute dtype) and the source's
         tokenizer/generation files into the existing ``directory`` (rank 0; other ranks pass None and
         take part in the gather): what an engine loads. Returns the weights file's sha256 (rank 0).
-        ``keep_device``: cast to the served dtype on
-        the training device, so half the bytes cross to the host (the caller checks the room for a
-        copy). The trainer's own state goes beside it (:meth:`master_weights`, the optimizer state:
-        ``clawrl.checkpoint.write_trainer_state``)."""
+        ``keep_device``: cast to the served dtype on the training device, so half the bytes cross to
+        the host (the caller checks the room for a copy). The trainer's own state goes beside it
+        (:meth:`master_weights`, the optimizer state: ``clawrl.checkpoint.write_trainer_state``)."""
         from safetensors.torch import save_file
 
         state = self._weights_to_save(keep_device)
