@@ -33,6 +33,12 @@ import httpx
 from clawrl.config import child_env
 from clawrl.serving import WILDCARD_HOSTS, client_url
 
+# Prefect keeps concurrency-slot leases in memory by default: a Prefect server killed while a flow run
+# held the trainer or judge slot comes back with the slot counted as taken and no lease to expire it,
+# so no run trains again. Leases kept on disk (under PREFECT_HOME) survive the restart, and the
+# server's repossessor frees an unrenewed one within a minute.
+PREFECT_SERVER_ENV = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+
 
 @dataclass
 class Service:
@@ -111,7 +117,7 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     flows_env = {"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}
     return [
         Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
-                f"{prefect_api}/health", client_url(host, prefect_port)),
+                f"{prefect_api}/health", client_url(host, prefect_port), env=PREFECT_SERVER_ENV),
         Service("mlflow", [py, "-m", "mlflow", "server", "--host", host, "--port", str(mlflow_port),
                            "--backend-store-uri", mlflow_db, "--artifacts-destination",
                            str(root / "mlflow" / "artifacts"), "--workers", "1"],
