@@ -56,6 +56,14 @@ _NEW_SUFFIX = ".wal.new"  # a segment being created: locked first, then renamed 
 ORPHAN_NEW_AGE_S = 60.0
 _MIB = 1 << 20
 _JSON_OPTS = orjson.OPT_APPEND_NEWLINE
+_open_logs: set[TableLog] = set()  # this process's logs not yet closed (each also closes at exit)
+_open_lock = threading.Lock()
+
+
+def open_logs() -> set[TableLog]:
+    """The table logs this process opened and has not closed yet."""
+    with _open_lock:
+        return set(_open_logs)
 
 
 @dataclass
@@ -110,6 +118,8 @@ class TableLog:
             self._thread = threading.Thread(target=self._run, name=f"tablelog-{table}", daemon=True)
             self._thread.start()
         atexit.register(self.close)
+        with _open_lock:
+            _open_logs.add(self)
 
     def append(self, rows: Sequence[Any]) -> int:
         """Write rows (dataclass instances or dicts matching the schema) to the WAL; return the count.
@@ -161,6 +171,8 @@ class TableLog:
                 return
             self._closed = True
         atexit.unregister(self.close)
+        with _open_lock:
+            _open_logs.discard(self)
         self._stop.set()
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -215,6 +227,7 @@ class TableLog:
         self._active = _Segment(segment_id, path, fd)
         if self.fsync:
             fsync_path(self.wal_dir)
+        self._wake.set()  # the background thread sleeps while no segment is open: its flush clock starts now
         return self._active
 
     def _retire_failed(self, seg: _Segment) -> None:
@@ -292,8 +305,14 @@ class TableLog:
     def _run(self) -> None:
         next_recover = time.monotonic() + self.recover_interval_s
         while not self._stop.is_set():
+            # asleep until the active segment is due, a failed conversion is retried, or (an idle table)
+            # the next recovery: idle logs must not wake twice a second, each wake takes the GIL from
+            # the serving threads
             seg = self._active  # a glance without the lock: _rotate checks again under it
-            self._wake.wait(self.flush_interval_s + (0 if seg is None else seg.opened_at - time.monotonic()))
+            due = next_recover if seg is None else min(next_recover, seg.opened_at + self.flush_interval_s)
+            if self._pending:
+                due = min(due, time.monotonic() + self.flush_interval_s)
+            self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return

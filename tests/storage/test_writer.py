@@ -176,6 +176,29 @@ def test_background_thread_publishes_without_flush(data_root, make_turn):
         assert wal_segments(data_root) == []
 
 
+def test_an_idle_log_sleeps_until_its_next_recovery_and_an_append_wakes_it(data_root, make_turn):
+    class CountingEvent(threading.Event):
+        waits = 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            return super().wait(timeout)
+
+    log_ = TableLog(data_root, "turns", TURNS, flush_interval_s=0.05, recover_interval_s=60, background=False)
+    log_._wake = wake = CountingEvent()
+    log_._thread = threading.Thread(target=log_._run, daemon=True)  # the background thread, on the counting event
+    log_._thread.start()
+    time.sleep(1.0)
+    assert wake.waits == 1  # asleep until the recovery due in 60 s (it woke 20 times a second before)
+    log_.append([make_turn(0)])
+    deadline = time.monotonic() + 10
+    while not list((data_root / "turns").glob("date=*/*.parquet")):
+        assert time.monotonic() < deadline, "the append did not wake the background thread"
+        time.sleep(0.02)
+    assert 2 <= wake.waits <= 4  # woken by the new segment, slept until it was due, published it
+    log_.close()
+
+
 def test_a_segment_closes_at_flush_rows(data_root, make_turn):
     log_ = TableLog(data_root, "turns", TURNS, flush_rows=10, background=False)
     for i in range(25):
