@@ -38,6 +38,10 @@ from clawrl.serving import WILDCARD_HOSTS, client_url
 # so no run trains again. Leases kept on disk (under PREFECT_HOME) survive the restart, and the
 # server's repossessor frees an unrenewed one within a minute.
 PREFECT_SERVER_ENV = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+# The services share the machine's cores. OpenMP threads that spin while they wait for a peer the OS
+# has descheduled make every torch op of a busy process crawl (288 requests to a tiny-model engine: 16 s
+# beside one other busy process on 2 cores, 8 s with passive waiting). A user's own setting wins.
+SHARED_CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 @dataclass
@@ -207,6 +211,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=prefect_api,
                          MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
                          CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port, host))
+    base_env = {**SHARED_CPU_ENV, **base_env}
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
                     trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s,
                     work_pool=work_pool, local_worker=local_worker, host=host)

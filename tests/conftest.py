@@ -5,14 +5,21 @@ Prefect's test harness is a session fixture that only flow tests request (it cos
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
 from clawrl.config import apply_offline_env, load_settings
+from clawrl.supervisor import SHARED_CPU_ENV
 
 apply_offline_env()  # before transformers/prefect/mlflow are imported by any test module
+# before torch is imported: tests run engines in threads and services in subprocesses beside each
+# other on 2 cores, where spinning OpenMP threads slow a busy process many times over (the servers
+# `clawrl up` starts get the same setting)
+for _k, _v in SHARED_CPU_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 REPO = Path(__file__).resolve().parent.parent
 # Built/converted models are reused across test runs on one machine (CI starts empty).
@@ -31,6 +38,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _close_table_logs_left_open():
+    """Close the data stores a test left open, as the end of its process would: each keeps a thread per
+    table, and the session would otherwise carry hundreds of them (550 by the end of the suite)."""
+    from clawrl.storage.wal import open_logs
+
+    before = open_logs()
+    yield
+    for log in open_logs() - before:
+        with contextlib.suppress(Exception):  # e.g. a disk-fault test's log: its rows stay in its WAL
+            log.close()
 
 
 @pytest.fixture(scope="session")
