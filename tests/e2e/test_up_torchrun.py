@@ -1,13 +1,15 @@
-"""`clawrl up` with the trainer as a torchrun job (two gloo processes on CPU): users' turns are judged,
-the two ranks train version 1 (tensor parallel, or data parallel with the batch's rows split), the
-gateway serves it, and replaying that version in one process (`clawrl replay`) gives the same weights
-within float32 rounding (the tolerance of tests/train/test_megatron_backend.py: every weight within
-lr / 20, at most 1 element in 100,000 more than 1e-6 apart; data parallel over two micro-batches comes
-out byte for byte).
+"""`clawrl up` with the trainer as a torchrun job (two gloo processes on CPU, data parallel with the batch's
+rows split): users' turns are judged, the two ranks train version 1, the gateway serves it, and replaying
+that version in one process (`clawrl replay`) gives the same weights byte for byte (each replica's
+micro-batch gradient, summed as one process sums them).
 
-The data-parallel run also has its flows on a Prefect work pool with no worker of `clawrl up`'s own:
-`clawrl up --host 127.0.0.2` binds Prefect, MLflow and the trainer to that address (not 127.0.0.1), and a
-separate `prefect worker` process that knows only that address runs the judge and train runs."""
+The flows run on a Prefect work pool with no worker of `clawrl up`'s own: `clawrl up --host 127.0.0.2`
+binds Prefect, MLflow and the trainer to that address (not 127.0.0.1), and a separate `prefect worker`
+process that knows only that address runs the judge and train runs.
+
+Tensor parallel under torchrun is held to one process by tests/train/test_trainer_distributed.py (the
+trainer service `clawrl up` starts, TP2 and DP2 against world size 1, and the torchrun command `clawrl up`
+builds for each layout) and by tests/train/test_megatron_backend.py."""
 
 import json
 import os
@@ -48,12 +50,10 @@ def _flow_runs(prefect_port: int, name: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("layout", ["tensor_parallel", "data_parallel"])
-def test_up_trains_on_two_ranks_like_one(tmp_path, model_cache, layout):
+def test_up_trains_on_two_ranks_like_one(tmp_path, model_cache):
     from safetensors.torch import load_file
 
     data = tmp_path / "data"
-    remote = layout == "data_parallel"
     p = ports(5)
     fresh = tmp_path / "models"  # the two ranks find the model missing and build it at once
     fresh.mkdir()
@@ -64,11 +64,11 @@ def test_up_trains_on_two_ranks_like_one(tmp_path, model_cache, layout):
 [model]
 name = "tiny-qwen3"
 dtype = "float32"
-{layout} = 2
+data_parallel = 2
 [server]
 open_mode = true
 api_port = {p[0]}
-host = "{'0.0.0.0' if remote else '127.0.0.1'}"
+host = "0.0.0.0"
 [storage]
 data_root = "{data}"
 model_cache = "{fresh}"
@@ -91,16 +91,15 @@ max_tokens = 8
     log = tmp_path / "up.log"
     base = f"http://127.0.0.1:{p[0]}/v1"
     ckpt = data / "checkpoints" / "v000001"
-    proc = up(conf, p, log, *(["--host", HOST, "--work-pool", POOL, "--no-local-worker"] if remote else []))
+    proc = up(conf, p, log, "--host", HOST, "--work-pool", POOL, "--no-local-worker")
     worker = None
     try:
         wait_for(lambda: httpx.get(base + "/models", timeout=2).status_code == 200, 300, "the gateway", proc, log)
-        if remote:
-            wait_for(lambda: (data / "up.pids.json").is_file() and "flows" in json.loads((data / "up.pids.json")
-                                                                                         .read_text()), 300,
-                     "the flows registered", proc, log)
-            worker = _worker(p[1], tmp_path)
-        with Traffic(base, layout):
+        wait_for(lambda: (data / "up.pids.json").is_file() and "flows" in json.loads((data / "up.pids.json")
+                                                                                     .read_text()), 300,
+                 "the flows registered", proc, log)
+        worker = _worker(p[1], tmp_path)
+        with Traffic(base, "dp"):
             wait_for(lambda: (ckpt / "trainer.json").is_file(), 600, "a first training step", proc, log)
         # read now: the users' turns keep the trainer going, and three versions later pruning removes v1's weights
         original = {k: v.clone() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
@@ -113,9 +112,8 @@ max_tokens = 8
         out = subprocess.run([sys.executable, "-m", "clawrl.cli", "replay", "1", "-c", str(conf), "--format", "json"],
                              cwd=REPO, capture_output=True, text=True, timeout=600,
                              env={**os.environ, "PYTHONPATH": str(REPO)})
-        if remote:
-            [train_run] = _flow_runs(p[1], "train-v1")
-            pids = json.loads((data / "up.pids.json").read_text())
+        [train_run] = _flow_runs(p[1], "train-v1")
+        pids = json.loads((data / "up.pids.json").read_text())
     finally:
         stop_clawrl(worker)  # with the runs it started (its process group)
         proc.send_signal(signal.SIGINT)
@@ -123,20 +121,18 @@ max_tokens = 8
             proc.wait(90)
         except subprocess.TimeoutExpired:
             proc.kill()
-    if remote:  # trained in a subprocess of the worker, through the trainer at HOST
-        assert train_run["work_pool_name"] == POOL and train_run["state_type"] == "COMPLETED"
-        assert "elsewhere" in (tmp_path / "worker.log").read_text()
-        assert pids["prefect_api_url"] == f"http://{HOST}:{p[1]}/api" and "worker" not in pids
+    # trained in a subprocess of the worker, through the trainer at HOST
+    assert train_run["work_pool_name"] == POOL and train_run["state_type"] == "COMPLETED"
+    assert "elsewhere" in (tmp_path / "worker.log").read_text()
+    assert pids["prefect_api_url"] == f"http://{HOST}:{p[1]}/api" and "worker" not in pids
     trained = json.loads((ckpt / "trainer.json").read_text())
     assert trained["metrics"]["trainer_ranks"] == 2
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     [step] = report["steps"]
     assert step["trained_ranks"] == 2 and step["samples"] == 4
-    if layout == "data_parallel":  # each replica's micro-batch gradient, summed as one process sums them
-        assert step["identical"] is True and report["identical"] is True and step["max_abs_diff"] is None
-    else:  # sums over the shards in another order: the last bits differ
-        assert step["identical"] is False and report["identical"] is None and 0 < step["max_abs_diff"] < LR / 20
+    # each replica's micro-batch gradient, summed as one process sums them
+    assert step["identical"] is True and report["identical"] is True and step["max_abs_diff"] is None
     replayed = load_file(str(Path(report["final_path"]) / "model.safetensors"))
     _assert_same_updated_weights(replayed, original, lr=LR)
     from clawrl.models import resolve_model_dir
