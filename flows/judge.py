@@ -8,7 +8,8 @@ retries`` times; one that still fails is recorded with fate ``judge_error`` (raw
 the other turns go on. Exactly once per (turn, judge-config hash): a turn is judged when its fate
 row exists, the fates are written last, and sample ids are deterministic, so a rerun or a crash half
 way neither duplicates nor loses a judgment. When enough trainable samples wait, the flow emits the
-event ``clawrl.samples.ready`` that the train deployment listens to. Last, the live check
+event ``clawrl.samples.ready`` and, run exclusive (as ``clawrl up`` runs it), creates a run of the train
+deployment unless one is scheduled or going. Last, the live check
 (``check_live_score``) compares the judged live score of the champion with the previous champion's
 and rolls serving back on a significant drop.
 
@@ -33,13 +34,12 @@ from prefect.events import emit_event
 
 from clawrl import runtime
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
-from clawrl.flows.slots import ensure_limit, leased_slot, skipped_because
+from clawrl.flows.slots import JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, skipped_because, tick
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
-JUDGE_LIMIT = "judge"
 _CHUNK_PER_SLOT = 4  # turns per judging task = this x [prm] max_in_flight
 
 
@@ -188,6 +188,21 @@ def _judge_run_name() -> str:
     return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
 
 
+def _start_training() -> None:
+    """A run of the train deployment, unless one is scheduled or going (it takes the batch in turn)."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        started = tick(TRAIN_DEPLOYMENT)
+    except ObjectNotFound:  # judging outside `clawrl up`: nothing to start
+        return
+    except Exception as e:  # noqa: BLE001 - the train ticker starts one later
+        get_run_logger().warning("could not start a train run: %s", e)
+        return
+    get_run_logger().info("a full batch waits: %s", f"train run {started} created" if started else
+                          "a train run is already scheduled or going")
+
+
 @flow(name="judge", flow_run_name=_judge_run_name, log_prints=True)
 def judge_flow(config_path: str | None = None, limit: int | None = None, exclusive: bool = False) -> dict[str, Any]:
     """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``). With
@@ -196,13 +211,13 @@ def judge_flow(config_path: str | None = None, limit: int | None = None, exclusi
         return _judge_ready(config_path, limit)
     with leased_slot(JUDGE_LIMIT) as held:
         if held:
-            return _judge_ready(config_path, limit)
+            return _judge_ready(config_path, limit, start_training=True)
     skipped = skipped_because("judge", JUDGE_LIMIT)
     get_run_logger().info("skipped: %s", skipped)
     return {"judged": 0, "fates": {}, "skipped": skipped}
 
 
-def _judge_ready(config_path: str | None, limit: int | None) -> dict[str, Any]:
+def _judge_ready(config_path: str | None, limit: int | None, start_training: bool = False) -> dict[str, Any]:
     log = get_run_logger()
     s = load_flow_settings(config_path)
     judge = judge_for(s)
@@ -229,5 +244,7 @@ def _judge_ready(config_path: str | None, limit: int | None) -> dict[str, Any]:
         emit_event(event=SAMPLES_READY_EVENT, resource={"prefect.resource.id": f"clawrl.samples.{judge.config_hash}"},
                    payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
         _crash_point("emitted")
+        if start_training:
+            _start_training()
     return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts,
             "live": live}

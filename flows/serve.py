@@ -1,24 +1,25 @@
 """The flows served as Prefect deployments (started by ``clawrl up``; also ``python -m clawrl.flows.serve``).
 
-* ``judge/on-interval``: judges ready turns every ``--judge-every`` seconds. The interval is kept by
-  :func:`judge_ticker` in this process, not by a Prefect schedule: each tick creates a run of the
-  deployment only when none of its runs is scheduled, pending or running. A schedule would create a
-  run every interval whatever happens, and each run is a process of its own that imports torch:
-  runs that collide end Cancelled under a deployment limit, and without one they pile up as
-  processes when judging (or starting a process on a loaded machine) takes longer than the
-  interval. The runs are also ``exclusive`` (the global limit ``judge``), so one started from the UI
-  while another judges ends Completed with ``skipped``.
-* ``train/on-samples-ready``: runs when the judge flow emits ``clawrl.samples.ready`` (a full batch
-  waits), and on an interval as a safety net. Its runs are ``exclusive`` too, on the global limit
-  ``trainer``: one triggered while another trains ends Completed with ``skipped`` (the next judge
-  run emits the event again while a full batch waits).
-* ``replay/on-demand``: no schedule; run it from the UI with a version, sessions to exclude, or
-  ``--set`` style overrides.
+Every run is a process of its own that imports torch, so runs are created only when they have work
+and none of their deployment's runs is scheduled, pending or running (``clawrl.flows.slots.tick``),
+never by a Prefect schedule or event trigger: those create a run whatever happens, and on a busy
+machine the runs that find another one going still cost a process start each (about 10 s of CPU),
+pile up as processes, or end Cancelled under a deployment limit.
+
+* ``judge/on-interval``: judges ready turns; :func:`ticker` in this process ticks it every
+  ``--judge-every`` seconds. The runs are also ``exclusive`` (the global limit ``judge``), so one
+  started from the UI while another judges ends Completed with ``skipped``.
+* ``train/on-samples-ready``: one PPO step; ticked by a judge run that leaves a full batch waiting
+  (it also emits the event ``clawrl.samples.ready``), and by :func:`ticker` every ``--train-every``
+  seconds as a safety net. Exclusive too, on the global limit ``trainer``: one started from the UI
+  while another trains ends Completed with ``skipped``.
+* ``replay/on-demand``: run it from the UI with a version, sessions to exclude, or ``--set`` style
+  overrides.
 
 Flow runs execute in subprocesses of this server, or, with ``--work-pool NAME``, wherever a Prefect
 worker polls that process work pool (``prefect worker start --pool NAME``, on this machine or
 others): the deployments are registered on the pool (created if missing) instead of being served
-here, and this process only keeps the judge ticker. A worker on another machine needs clawrl
+here, and this process only keeps the ticker. A worker on another machine needs clawrl
 installed, the data root and config at the same paths (a shared file system), and the trainer,
 engine and Prefect URLs reachable from there. The long-lived state lives elsewhere: the trainer
 service (model + optimizer) at ``--trainer-url``, the serving engine behind ``--engine-url``, the
@@ -33,17 +34,16 @@ import argparse
 import logging
 import os
 import threading
-from datetime import timedelta
+import time
 
 from prefect import serve
-from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
-from clawrl.flows.judge import SAMPLES_READY_EVENT, ensure_judge_limit, judge_flow
+from clawrl.flows.judge import ensure_judge_limit, judge_flow
 from clawrl.flows.replay import replay_flow
+from clawrl.flows.slots import JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT, tick
 from clawrl.flows.train import train_flow
 
-JUDGE_DEPLOYMENT = "judge/on-interval"
 RUN_ENV = ("CLAWRL__", "MLFLOW_")  # this process's settings that the flow runs on a work pool get too
 log = logging.getLogger("clawrl.flows.serve")
 
@@ -59,13 +59,12 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
                     f"{judge_every_s:g} s while none is going (`clawrl up --judge-every`); one started while "
                     "another judges skips, Completed.")
     train = train_flow.to_deployment(
-        name="on-samples-ready", interval=timedelta(seconds=train_every_s),
+        name="on-samples-ready",
         **{**common, "parameters": {"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url,
                                     "engine_url": engine_url, "exclusive": True}},
-        triggers=[DeploymentEventTrigger(expect={SAMPLES_READY_EVENT},
-                                         match={"prefect.resource.id": "clawrl.samples.*"})],
-        description="One PPO step per full batch of trainable samples, then checkpoint, lineage, gate, sync; a run "
-                    "that finds another training skips, Completed.")
+        description=f"One PPO step per full batch of trainable samples, then checkpoint, lineage, gate, sync: a run "
+                    f"when a judge run leaves a full batch and every {train_every_s:g} s (`clawrl up --train-every`), "
+                    "while none is going; one started while another trains skips, Completed.")
     replay = replay_flow.to_deployment(name="on-demand", **common,
                                        description="Re-train from logged samples: exact, unlearning or counterfactual.")
     return [judge, train, replay]
@@ -76,9 +75,8 @@ POOL_CONCURRENCY = 3  # runs of a pool clawrl creates at once: the judge, a trai
 
 def deploy_to_pool(deployments: list, pool: str, env: dict[str, str] | None = None) -> list[str]:
     """Register ``deployments`` on the process work pool ``pool`` (created when missing, with a
-    concurrency limit of ``POOL_CONCURRENCY``: each run is a process importing torch, and runs the
-    interval or the samples-ready event create while others go wait Scheduled instead of piling up
-    as processes), their runs getting ``env`` on top of the worker's environment; the deployment ids.
+    concurrency limit of ``POOL_CONCURRENCY``: each run is a process importing torch, and runs
+    started from the UI while others go wait Scheduled instead of piling up as processes), their runs getting ``env`` on top of the worker's environment; the deployment ids.
     Their entrypoints are module paths, so a worker needs clawrl installed, not this file."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -101,31 +99,17 @@ def deploy_to_pool(deployments: list, pool: str, env: dict[str, str] | None = No
     return [str(i) for i in ids]
 
 
-def tick(deployment: str = JUDGE_DEPLOYMENT) -> str | None:
-    """Create a run of ``deployment`` unless one of its runs is scheduled, pending or running; the new
-    run's id, or None."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
-                                                FlowRunFilterState, FlowRunFilterStateType)
-    from prefect.client.schemas.objects import StateType
-
-    active = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING,
-                                                                  StateType.RUNNING]))
-    with get_client(sync_client=True) as client:
-        dep = client.read_deployment_by_name(deployment)
-        if client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
-                                 flow_run_filter=FlowRunFilter(state=active), limit=1):
-            return None
-        return str(client.create_flow_run_from_deployment(dep.id).id)
-
-
-def judge_ticker(every_s: float, stop: threading.Event) -> None:
-    """:func:`tick` every ``every_s`` seconds until ``stop`` (a failed tick is logged and tried again)."""
-    while not stop.wait(every_s):
-        try:
-            tick()
-        except Exception as e:  # noqa: BLE001 - the deployment not registered yet, the server restarting
-            log.warning("judge tick failed: %s", e)
+def ticker(every_s: dict[str, float], stop: threading.Event) -> None:
+    """:func:`tick` each deployment of ``every_s`` (name -> seconds) at its interval until ``stop`` (a
+    failed tick is logged and tried again at the next)."""
+    due = {name: time.monotonic() + s for name, s in every_s.items()}
+    while not stop.wait(max(0.0, min(due.values()) - time.monotonic())):
+        for name in [n for n, t in due.items() if t <= time.monotonic()]:
+            due[name] = time.monotonic() + every_s[name]
+            try:
+                tick(name)
+            except Exception as e:  # noqa: BLE001 - the deployment not registered yet, the server restarting
+                log.warning("%s tick failed: %s", name, e)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,11 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     ensure_judge_limit()
     stop = threading.Event()
     deployments = build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every)
-    if a.work_pool:  # before the ticker: it creates runs of the registered judge deployment
+    if a.work_pool:  # before the ticker: it creates runs of the registered deployments
         deploy_to_pool(deployments, a.work_pool, {k: v for k, v in os.environ.items() if k.startswith(RUN_ENV)})
         log.warning("deployments registered on work pool %r: `prefect worker start --pool %s` runs them",
                     a.work_pool, a.work_pool)
-    threading.Thread(target=judge_ticker, args=(a.judge_every, stop), name="judge-ticker", daemon=True).start()
+    every = {JUDGE_DEPLOYMENT: a.judge_every, TRAIN_DEPLOYMENT: a.train_every}
+    threading.Thread(target=ticker, args=(every, stop), name="ticker", daemon=True).start()
     try:
         if a.work_pool:
             stop.wait()  # the ticker's process, until SIGTERM or Ctrl-C

@@ -18,6 +18,10 @@ from collections.abc import Iterator
 import httpx
 
 LEASE_S = 60.0  # renewed while the run lives; how long a killed run's slot stays taken
+JUDGE_LIMIT, TRAINER_LIMIT = "judge", "trainer"  # the global limits the exclusive runs take a slot of
+JUDGE_DEPLOYMENT = "judge/on-interval"  # the deployments `clawrl up` serves (clawrl.flows.serve)
+TRAIN_DEPLOYMENT = "train/on-samples-ready"
+_LIMIT_OF = {JUDGE_DEPLOYMENT: JUDGE_LIMIT, TRAIN_DEPLOYMENT: TRAINER_LIMIT}
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +111,36 @@ def skipped_because(flow_name: str, limit: str) -> str:
     other = running_run(flow_name)
     return f"{flow_name} run {other} is still going" if other else \
         f"another {flow_name} run holds the `{limit}` slot (a killed run's lease lapses within {LEASE_S:g} s)"
+
+
+def tick(deployment: str) -> str | None:
+    """Create a run of ``deployment`` unless one of its runs is scheduled, pending or running; the new
+    run's id, or None. Each run is a process of its own that imports torch: a run created while
+    another is going would only start, find the slot taken and skip. A run still marked Running while
+    its deployment's slot is free died without being marked (its process was killed with the flow
+    server's): it does not count, or nothing would run again."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    active = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING,
+                                                                  StateType.RUNNING]))
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment)
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                     flow_run_filter=FlowRunFilter(state=active))
+        if runs and not (all(r.state.is_running() for r in runs) and _slot_free(client, _LIMIT_OF.get(deployment))):
+            return None
+        return str(client.create_flow_run_from_deployment(dep.id).id)
+
+
+def _slot_free(client, limit: str | None) -> bool:
+    if limit is None:
+        return False
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return client.read_global_concurrency_limit_by_name(limit).active_slots == 0
+    except ObjectNotFound:
+        return True  # no run has taken a slot of it yet

@@ -57,7 +57,7 @@ from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml
 from clawrl.flows.common import (base_model_dir, data_store, eval_engine, gate_eval_set, load_flow_settings,
                                  local_trainer, push_weights, serve_target, trainer_in_process)
-from clawrl.flows.slots import ensure_limit, leased_slot, skipped_because
+from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import plot_learning_by_version, report
@@ -66,8 +66,6 @@ from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
 from clawrl.sync import NO_ENGINE
 from clawrl.train.base import PPOHyperParams
-
-TRAINER_LIMIT = "trainer"
 
 
 def _crash_point(name: str) -> None:

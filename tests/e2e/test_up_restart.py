@@ -37,7 +37,7 @@ lr = 1e-4
 max_staleness = 100
 [prm]
 # short judge runs: the users below log tens of turns a second, and a judge run of the default 512
-# turns takes minutes on two cores before its samples-ready event starts a training step
+# turns takes minutes on two cores before it leaves a full batch and starts a training step
 batch_limit = 64
 # the judge engine (the combine method's frozen teacher), on a free port
 engine_port = {ports[4]}

@@ -62,27 +62,71 @@ def test_the_judge_and_train_deployments_have_no_cancelling_limit_and_run_exclus
     assert train.concurrency_limit is None and train.concurrency_options is None
     assert train.parameters == {"config_path": "/conf/up.toml", "max_steps": 1, "trainer_url": "http://t",
                                 "engine_url": "http://e", "exclusive": True}
+    # runs come from the ticker and from judge runs, only while none is going: no schedule, no trigger
+    assert train.schedules == [] and train.triggers == [] and "every 120 s" in train.description
 
 
-def test_the_judge_ticker_creates_a_run_only_while_none_is_scheduled_or_going(prefect_harness):
+def test_a_judge_run_that_leaves_a_full_batch_starts_one_train_run(prefect_harness, make_settings, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.states import Completed
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
-    from clawrl.flows.serve import build_deployments, tick
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.serve import build_deployments
+    from tests.utils.samples import write_samples
+
+    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 2})
+    conf = tmp_path / "rule.toml"
+    conf.write_text(dump_toml(s))
+    write_samples(s, 2)  # a full batch waits
+    _, train, _ = build_deployments(str(conf), None, None)
+    dep_id = train.apply()  # registered as `serve` registers it; no runner picks its runs up here
+
+    def waiting():
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
+        return [r for r in runs if not r.state.is_final()]
+
+    with get_client(sync_client=True) as client:  # the session's Prefect server is shared
+        for r in waiting():
+            client.delete_flow_run(r.id)
+    out = judge_flow(config_path=str(conf), exclusive=True)
+    assert out["judged"] == 0 and out["status"]["full_batches"] == 1
+    [run] = waiting()
+    assert run.state.is_scheduled() and run.parameters["config_path"] == str(conf)
+    judge_flow(config_path=str(conf), exclusive=True)  # the batch still waits, and so does that run
+    judge_flow(config_path=str(conf))  # not exclusive (`clawrl judge`, the demo): starts nothing
+    assert [r.id for r in waiting()] == [run.id]
+    with get_client(sync_client=True) as client:
+        client.delete_flow_run(run.id)
+
+
+def test_the_ticker_creates_a_run_only_while_none_is_scheduled_or_going(prefect_harness):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Running
+
+    from clawrl.flows.serve import JUDGE_DEPLOYMENT, build_deployments, tick
+    from clawrl.flows.slots import JUDGE_LIMIT, leased_slot
 
     judge, _, _ = build_deployments("/conf/up.toml", None, None)
     judge.apply()  # registered as `serve` registers it; no runner picks its runs up here
-    first = tick()
-    assert first is not None and tick() is None  # the first run is still scheduled: no second one
+    first = tick(JUDGE_DEPLOYMENT)
+    assert first is not None and tick(JUDGE_DEPLOYMENT) is None  # the first run is still scheduled: no second one
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(first)
         assert run.state.type.value == "SCHEDULED" and run.parameters == {"config_path": "/conf/up.toml",
                                                                           "exclusive": True}
         client.set_flow_run_state(first, Completed(), force=True)
-    second = tick()  # the first one is done: the next tick creates the next run
-    assert second not in (None, first) and tick() is None
+    second = tick(JUDGE_DEPLOYMENT)  # the first one is done: the next tick creates the next run
+    assert second not in (None, first) and tick(JUDGE_DEPLOYMENT) is None
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(second, Running(), force=True)
+    with leased_slot(JUDGE_LIMIT) as held:  # running and holding the judge slot: going, no new run
+        assert held and tick(JUDGE_DEPLOYMENT) is None
+    third = tick(JUDGE_DEPLOYMENT)  # marked Running with the slot free: it died unmarked and does not count
+    assert third not in (None, first, second) and tick(JUDGE_DEPLOYMENT) is None
     with get_client(sync_client=True) as client:  # the session's Prefect server is shared: leave no run waiting
-        client.delete_flow_run(second)
+        for run_id in (second, third):
+            client.delete_flow_run(run_id)
 
 
 def _runs_by_name(names):
