@@ -127,7 +127,9 @@ def up(
     trainer_port: Annotated[int, typer.Option(help="Trainer service port.")] = 30020,
     judge_every: Annotated[float, typer.Option(help="Seconds between judge runs (a run starts only while none "
                                                     "is going).")] = 20.0,
-    train_every: Annotated[float, typer.Option(help="Train deployment safety-net interval, seconds.")] = 120.0,
+    train_every: Annotated[float, typer.Option(help="Seconds between train ticks, a safety net: a judge run that "
+                                                    "leaves a full batch starts a train run at once (either only "
+                                                    "while none is going).")] = 120.0,
     work_pool: Annotated[Optional[str], typer.Option(help="Register the flows on this Prefect process work pool "
                                                           "(created if missing): `prefect worker start --pool NAME` "
                                                           "processes, here or on other machines, run them.")] = None,
