@@ -5,7 +5,6 @@ Prefect's test harness is a session fixture that only flow tests request (it cos
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -38,19 +37,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _close_table_logs_left_open():
-    """Close the data stores a test left open, as the end of its process would: each keeps a thread per
-    table, and the session would otherwise carry hundreds of them (550 by the end of the suite)."""
-    from clawrl.storage.wal import open_logs
-
-    before = open_logs()
-    yield
-    for log in open_logs() - before:
-        with contextlib.suppress(Exception):  # e.g. a disk-fault test's log: its rows stay in its WAL
-            log.close()
 
 
 @pytest.fixture(scope="session")
