@@ -56,14 +56,6 @@ _NEW_SUFFIX = ".wal.new"  # a segment being created: locked first, then renamed 
 ORPHAN_NEW_AGE_S = 60.0
 _MIB = 1 << 20
 _JSON_OPTS = orjson.OPT_APPEND_NEWLINE
-_open_logs: set[TableLog] = set()  # this process's logs not yet closed (each also closes at exit)
-_open_lock = threading.Lock()
-
-
-def open_logs() -> set[TableLog]:
-    """The table logs this process opened and has not closed yet."""
-    with _open_lock:
-        return set(_open_logs)
 
 
 @dataclass
@@ -118,8 +110,6 @@ class TableLog:
             self._thread = threading.Thread(target=self._run, name=f"tablelog-{table}", daemon=True)
             self._thread.start()
         atexit.register(self.close)
-        with _open_lock:
-            _open_logs.add(self)
 
     def append(self, rows: Sequence[Any]) -> int:
         """Write rows (dataclass instances or dicts matching the schema) to the WAL; return the count.
@@ -171,8 +161,6 @@ class TableLog:
                 return
             self._closed = True
         atexit.unregister(self.close)
-        with _open_lock:
-            _open_logs.discard(self)
         self._stop.set()
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
