@@ -96,9 +96,10 @@ async def _sync(engine: Engine, weight_version: str, update: Callable[[], Awaita
 
 async def sync_state_dict(engine: Engine, state_dict: dict[str, Any], weight_version: str,
                           pause_mode: PauseMode = "retract") -> SyncReport:
-    """Copy ``state_dict`` into an in-process engine's served parameters as ``weight_version``."""
-    return await _sync(engine, weight_version, lambda: _paused(
-        engine, pause_mode, lambda: engine.update_weights_from_state_dict(state_dict, weight_version)))
+    """Copy ``state_dict`` into an in-process engine's served parameters as ``weight_version``: its worker
+    pauses in ``pause_mode``, copies and continues in one call."""
+    return await _sync(engine, weight_version, lambda: engine.update_weights_from_state_dict(
+        state_dict, weight_version, pause_mode=pause_mode))
 
 
 async def sync_from_disk(engine: Engine, checkpoint_dir: str, weight_version: str,

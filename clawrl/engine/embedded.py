@@ -270,17 +270,20 @@ class EmbeddedEngine:
             return UpdateResult(False, f"weights not updated: {e}", self._sched.weight_version)
         return await self._swap(new, weight_version, model_path)
 
-    async def update_weights_from_state_dict(self, state_dict: Mapping[str, Tensor],
-                                             weight_version: str) -> UpdateResult:
+    async def update_weights_from_state_dict(self, state_dict: Mapping[str, Tensor], weight_version: str,
+                                             pause_mode: PauseMode | None = None) -> UpdateResult:
         """The in-process sync path: check keys and shapes, then copy the tensors into the served
-        parameters between two steps (draining first unless paused). The caller must not modify
-        the tensors until this returns."""
+        parameters between two steps (draining first unless paused). With ``pause_mode`` the worker
+        pauses in that mode, copies and continues in one call (a pause it finds stays). The caller
+        must not modify the tensors until this returns."""
+        if pause_mode is not None and pause_mode not in PAUSE_MODES:
+            raise BadRequestError(f"pause mode {pause_mode!r} is not one of {', '.join(PAUSE_MODES)}")
         canonical, aliases = self._served()
         try:
             check_weights(state_dict, canonical, aliases)
         except WeightLoadError as e:
             return UpdateResult(False, f"weights not updated: {e}", self._sched.weight_version)
-        return await self._swap(state_dict, weight_version, None)
+        return await self._swap(state_dict, weight_version, None, pause_mode)
 
     def _served(self) -> tuple[dict[str, Tensor], dict[str, str]]:
         """:func:`served_tensors` of the model, found once: updates copy into these tensors, never
@@ -289,7 +292,8 @@ class EmbeddedEngine:
             self._served_cache = served_tensors(self.model)
         return self._served_cache
 
-    async def _swap(self, new: Mapping[str, Tensor], version: str | None, model_path: str | None) -> UpdateResult:
+    async def _swap(self, new: Mapping[str, Tensor], version: str | None, model_path: str | None,
+                    pause_mode: PauseMode | None = None) -> UpdateResult:
         """Copy checked tensors into the served ones on the worker, between two steps. Copying
         (validated, so no copy fails half way) rather than rebinding ``.data``: tensors loaded from
         disk are views of the checkpoint's mmap, and serving from them would tie the weights to that
@@ -305,4 +309,4 @@ class EmbeddedEngine:
             if model_path is not None:
                 self._model_path = model_path
 
-        return await self._sched.call(self._sched.do_update, apply, version, self._sched.barrier())
+        return await self._sched.call(self._sched.do_update, apply, version, self._sched.barrier(), pause_mode)

@@ -470,10 +470,14 @@ class Scheduler:
         self.weight_version = version
         done.set_result(None)
 
-    def do_update(self, apply: Callable[[], None], version: str | None, barrier: int,
+    def do_update(self, apply: Callable[[], None], version: str | None, barrier: int, pause_mode: str | None,
                   done: concurrent.futures.Future) -> None:
         update = _PendingUpdate(apply, version, barrier, done)
-        if self.paused:
+        if pause_mode is not None and not self.paused:  # pause, swap and continue in one call, not three
+            self.do_pause(pause_mode, barrier, concurrent.futures.Future())
+            self._apply_update(update)
+            self.paused, self.pause_mode = False, None
+        elif self.paused:
             self._apply_update(update)  # the pause already stopped the stepping: swap now
         else:
             self._updates.append(update)  # drain first (see _step)

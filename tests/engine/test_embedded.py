@@ -527,6 +527,36 @@ def test_update_while_paused_runs_at_once(engine, tiny_hf):
                                    {"version": "v2", "start": done_at, "end": 50}]
 
 
+def test_a_paused_update_retracts_swaps_and_continues_in_one_call(engine, tiny_hf, tiny_dir):
+    new_sd = perturbed_state_dict(tiny_hf, seed=5)
+    new_hf = load_causal_lm(tiny_dir)
+    new_hf.load_state_dict(new_sd)
+    prompt = [9, 10, 11]
+
+    async def scenario():
+        task = asyncio.create_task(engine.generate(GenerateRequest(input_ids=prompt, sampling_params=greedy(50),
+                                                                   return_logprob=True)))
+        await wait_until(lambda: engine.stats["tokens_generated"] >= 10)
+        calls = engine.stats["retractions"]
+        upd = await asyncio.wait_for(engine.update_weights_from_state_dict(new_sd, "v3", pause_mode="retract"), 10)
+        swapped_at = engine.stats
+        return upd, calls, swapped_at, await task
+
+    upd, retractions_before, swapped_at, res = run(scenario())
+    assert upd.success and upd.weight_version == "v3"
+    # the running request was retracted (not drained), and the engine was left serving, not paused
+    assert swapped_at["retractions"] == retractions_before + 1 and not swapped_at["paused"]
+    [old, new] = res.weight_versions
+    assert old["version"] == "0" and new == {"version": "v3", "start": old["end"], "end": 50} and 10 <= old["end"] < 50
+    # after the swap the retracted request was prefilled again and decoded by the new weights
+    tail = res.output_ids[old["end"]:]
+    assert_lp_close(res.output_logprobs[old["end"]:],
+                    teacher_forced(new_hf, prompt + res.output_ids[:old["end"]], tail, 0.0))
+    with pytest.raises(BadRequestError, match="pause mode 'halt'"):
+        run(engine.update_weights_from_state_dict(new_sd, "v4", pause_mode="halt"))
+    assert engine.weight_version == "v3"
+
+
 def _save_checkpoint(model, state_dict, out: Path) -> Path:
     model.load_state_dict(state_dict)
     model.save_pretrained(str(out))
