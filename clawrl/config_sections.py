@@ -128,6 +128,13 @@ class GateSettings(Section):
                              "and still be promoted, against the champion and against the best promoted score.")
     alpha: float = Field(0.05, gt=0, lt=1, description="Level of the one-sided paired t-test: a candidate "
                          "significantly worse than the champion is refused even within the tolerance.")
+    engine_url: str = Field("", description="A `clawrl engine` of the policy's model that the gate loads each "
+                            "candidate (and champion) into over HTTP: its own engine, never one that serves users. "
+                            "'': the train flow loads an evaluation engine in its own process (a fresh process per "
+                            "run under `clawrl up`'s deployments pays the model load each time). `clawrl up` points "
+                            "its flows at the one it starts on engine_port.")
+    engine_port: int = Field(30022, ge=0, le=65535, description="Port of the evaluation engine `clawrl up` starts "
+                             "when the gate is on and engine_url is ''.")
     live_rollback: bool = Field(True, description="After each judge run, compare the judged score of live turns "
                                 "the champion served with the previous champion's: a drop by more than "
                                 "live_tolerance that is significant at alpha serves the previous champion again.")

@@ -7,7 +7,8 @@ memory between steps; under torchrun when the model is split over several ranks)
 (OpenAI API, in-process embedded engine, its SGLang control API under /engine), the judge engine
 when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
 "frozen" OPD teacher: a `clawrl engine` on ``[prm] engine_port`` that keeps the frozen model loaded
-between judge runs, which reach it over HTTP), and the flow server (the judge / train / replay
+between judge runs, which reach it over HTTP), the promotion gate's evaluation engine when the gate
+is on (a `clawrl engine` on ``[gate] engine_port`` the train runs load each candidate into), and the flow server (the judge / train / replay
 deployments; with a work pool, registered on it and run by `prefect worker start --pool`
 processes, one of them started here unless told otherwise). Each keeps its state under the data
 root, so after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its
@@ -117,8 +118,9 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     gw = gateway_url(settings, host)
     prefect_api = f"{client_url(host, prefect_port)}/api"
     mlflow_db = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
-    judge_engine = _judge_engine(settings, config_path, host)
-    flows_env = {"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}
+    judge_engine, gate_engine = _judge_engine(settings, config_path, host), _gate_engine(settings, config_path, host)
+    flows_env = {**({"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}),
+                 **({"CLAWRL__GATE__ENGINE_URL": gate_engine.url} if gate_engine else {})}
     return [
         Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
                 f"{prefect_api}/health", client_url(host, prefect_port), env=PREFECT_SERVER_ENV),
@@ -132,6 +134,7 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                 f"{client_url(host, trainer_port)}/state", client_url(host, trainer_port)),
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
         *([judge_engine] if judge_engine else []),
+        *([gate_engine] if gate_engine else []),
         # up once its deployments are registered (Prefect answers 404 for the name before)
         Service("flows", [py, "-m", "clawrl.flows.serve", "--config", str(config_path), "--trainer-url",
                           client_url(host, trainer_port), "--engine-url", f"{gw}/engine",
@@ -188,6 +191,18 @@ def _judge_engine(settings, config_path: Path, host: str) -> Service | None:
     url = client_url(host, port)
     argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port)]
     return Service("judge-engine", argv, f"{url}/health", url)
+
+
+def _gate_engine(settings, config_path: Path, host: str) -> Service | None:
+    """The promotion gate's evaluation engine: `clawrl engine` on the policy's initial weights that the
+    train runs load each candidate into, when the gate is on and ``[gate] engine_url`` names none of the
+    user's own. Kept between runs, it spares each run (a process of its own) loading the model."""
+    if not settings.gate.enabled or settings.gate.engine_url:
+        return None
+    url = client_url(host, settings.gate.engine_port)
+    argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port",
+            str(settings.gate.engine_port)]
+    return Service("eval-engine", argv, f"{url}/health", url)
 
 
 def _mlflow_ui_url(settings, mlflow_port: int, host: str) -> str:

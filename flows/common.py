@@ -21,6 +21,7 @@ from clawrl import runtime
 from clawrl.config import Settings, config_hash, load_settings
 
 if TYPE_CHECKING:
+    from clawrl.chat import ChatAdapter
     from clawrl.engine.types import Engine
     from clawrl.evaluation import EvalSet
     from clawrl.judge.pipeline import Judge
@@ -77,9 +78,15 @@ def frozen_engine(settings: Settings, name: str | None = None) -> Engine:
 
 def eval_engine(settings: Settings) -> Engine:
     """The promotion gate's evaluation engine: the initial weights at first, then whichever version the
-    gate loaded last; never the serving engine, so users keep getting the champion while it measures."""
+    gate loaded last; never the serving engine, so users keep getting the champion while it measures.
+    With ``[gate] engine_url`` the `clawrl engine` there (over HTTP), else one loaded in this process."""
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.models import resolve_device, resolve_dtype
+
+    if url := settings.gate.engine_url:
+        from clawrl.engine.sglang_client import SGLangClient
+
+        return _once(("eval-http", url), lambda: SGLangClient(url, timeout_s=settings.engine.request_timeout_s))
 
     def make() -> Engine:
         device, _ = resolve_device(settings.model.device)
@@ -89,6 +96,16 @@ def eval_engine(settings: Settings) -> Engine:
 
     m = settings.model
     return _once(("eval", str(settings.storage.data_root), m.name, m.seed, m.dtype), make)
+
+
+def eval_adapter(settings: Settings, engine: Engine) -> ChatAdapter:
+    """The chat template the gate renders its prompts with: the evaluation engine's tokenizer, or the
+    initial weights' one for an engine over HTTP."""
+    from clawrl.chat import ChatAdapter
+    from clawrl.models import load_tokenizer
+
+    tokenizer = getattr(engine, "tokenizer", None)
+    return _once(("eval-adapter", id(engine)), lambda: ChatAdapter(tokenizer or load_tokenizer(base_model_dir(settings))))
 
 
 def base_model_dir(settings: Settings):

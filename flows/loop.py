@@ -31,8 +31,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from clawrl import runtime
-from clawrl.flows.common import (base_model_dir, data_store, eval_engine, frozen_engine, load_flow_settings,
-                                 policy_engine)
+from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, frozen_engine,
+                                 load_flow_settings, policy_engine)
 from clawrl.flows.judge import judge_flow
 from clawrl.flows.train import train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
@@ -150,7 +150,6 @@ def evaluate_candidate(config_path: str | None, version: str, persona_name: str,
                        heldout: int, samples: int) -> float:
     """The held-out score of a candidate that does not serve: the questions, seeds, temperature and
     budget of ``evaluate_policy``, answered by the gate's evaluation engine."""
-    from clawrl.chat import ChatAdapter
     from clawrl.evaluation import EvalSet
     from clawrl.promotion import score_version
     from clawrl.sim.validation import question_set
@@ -161,7 +160,7 @@ def evaluate_candidate(config_path: str | None, version: str, persona_name: str,
     # user i of the evaluation asks with seed seed * 7919 + i (user_round); here prompt i, sample 0
     eval_set = EvalSet(prompts, score_fn, 1, seed * 7919, max_tokens, s.ppo.temperature, key="heldout")
     engine = eval_engine(s)
-    scores = score_version(s.storage.data_root, engine, ChatAdapter(engine.tokenizer), eval_set, version,
+    scores = score_version(s.storage.data_root, engine, eval_adapter(s, engine), eval_set, version,
                            base_model_dir(s))
     return sum(scores) / len(scores)
 

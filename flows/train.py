@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import threading
 from datetime import datetime, timezone
 from dataclasses import asdict
 from pathlib import Path
@@ -55,13 +56,13 @@ from prefect.concurrency.sync import concurrency
 
 from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml
-from clawrl.flows.common import (base_model_dir, data_store, eval_engine, gate_eval_set, load_flow_settings,
-                                 local_trainer, push_weights, serve_target, trainer_in_process)
+from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
+                                 load_flow_settings, local_trainer, push_weights, serve_target, trainer_in_process)
 from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import plot_learning_by_version, report
-from clawrl.lineage import log_doctor, log_train_step, start_step_run, ui_links
+from clawrl.lineage import client as mlflow_client, experiment_id, log_doctor, log_train_step, start_step_run, ui_links
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
 from clawrl.sync import NO_ENGINE
@@ -70,6 +71,32 @@ from clawrl.train.base import PPOHyperParams
 
 def _crash_point(name: str) -> None:
     """No-op; the crash tests replace it to kill the process between two tasks."""
+
+
+_warming: dict[str | None, threading.Thread] = {}
+
+
+def _warm_up(config_path: str | None) -> None:
+    """Open, while the trainer trains, what the way from the checkpoint to serving needs: MLflow's store
+    and the gate's evaluation engine and chat template. Under `clawrl up` each train run is a process of
+    its own, where opening them on that way cost ~2.6 s (MLflow) of the loop on the GPU host. Errors are
+    left to the tasks, which open the same things again and say what failed."""
+    def work() -> None:
+        s = load_flow_settings(config_path)
+        with contextlib.suppress(Exception):
+            experiment_id(mlflow_client(s.storage.data_root), s.storage.data_root)
+            if s.gate.enabled:
+                eval_adapter(s, eval_engine(s))
+
+    if config_path not in _warming:
+        _warming[config_path] = thread = threading.Thread(target=work, name="train-warm-up", daemon=True)
+        thread.start()
+
+
+def _warmed(config_path: str | None) -> None:
+    """Wait for :func:`_warm_up` (a second opening beside it would load the same things twice)."""
+    if (thread := _warming.get(config_path)) is not None:
+        thread.join()
 
 
 @task(cache_policy=NO_CACHE)
@@ -97,6 +124,7 @@ def run_step(config_path: str | None, batch_id: str, trainer_url: str | None) ->
 @task(cache_policy=NO_CACHE)
 def start_lineage(config_path: str | None, step: dict[str, Any]) -> str:
     """The step's MLflow run, tagged with its lineage and this flow run (idempotent by batch id)."""
+    _warmed(config_path)
     s = load_flow_settings(config_path)
     tags = {"judge_config_hash": build_judge_config_hash(s), "method": s.ppo.advantage_estimator.value,
             **prefect_tags()}
@@ -181,11 +209,11 @@ def record_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str
 def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) -> dict[str, Any]:
     """The promotion gate on the step's checkpoint: the decision, its evidence, and ``serve`` (the
     checkpoint to serve now: weight_version, path, sha256, mlflow_run_id)."""
-    from clawrl.chat import ChatAdapter
     from clawrl.lineage import log_gate
     from clawrl.promotion import gate_candidate, record_manual
     from clawrl.records import PromotionAction
 
+    _warmed(config_path)
     s = load_flow_settings(config_path)
     root, version = s.storage.data_root, step["weight_version"]
     if not s.gate.enabled:
@@ -197,9 +225,10 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
         engine = eval_engine(s)
         tr = trainer_in_process(s)
         out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
-                             adapter=ChatAdapter(engine.tokenizer), eval_set=gate_eval_set(s, step["batch_id"]),
+                             adapter=eval_adapter(s, engine), eval_set=gate_eval_set(s, step["batch_id"]),
                              base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
-                             state_dict=tr.state_dict() if tr is not None and tr.weight_version == version else None,
+                             state_dict=tr.state_dict() if tr is not None and tr.weight_version == version
+                             and not s.gate.engine_url else None,  # in memory only into an engine in this process
                              mlflow_run_id=run_id)
         log_gate(root, run_id, step=int(step["step"]), evidence=out, decision=out["decision"], reason=out["reason"],
                  champion_version=out["champion_version"])
@@ -284,6 +313,7 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             if batch_id is None:
                 break
             _crash_point("claimed")
+            _warm_up(config_path)
             step = run_step(config_path, batch_id, trainer_url)
             _crash_point("trained")
             run_id = start_lineage(config_path, step)

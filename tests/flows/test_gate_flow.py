@@ -308,3 +308,59 @@ def test_the_gate_replays_recent_judged_turns_scored_by_the_judge(prefect_harnes
     # 3 prompts x 1 answer x 2 versions, each rated from the conversation alone by the judge's rating prompt
     assert len(judge.prompts) == 6 and {p[0]["content"] for p in judge.prompts} == {RATING_SYSTEM}
     assert sum("Weather in Paris?" in p[1]["content"] for p in judge.prompts) == 2
+
+
+def test_the_gate_scores_candidates_in_the_evaluation_engine_up_starts(prefect_harness, make_settings, tmp_path,
+                                                                        monkeypatch, tiny_dir):
+    """Under `clawrl up` each train run is a process of its own: the gate loads the candidate into up's
+    evaluation engine (`clawrl engine`, over HTTP) instead of loading the model in the run; its scores are
+    what an engine loaded in process measures, and the engine keeps the version it measured last."""
+    from clawrl import supervisor
+    from clawrl.engine import embedded
+    from clawrl.engine.sglang_client import SGLangClient
+    from clawrl.flows.train import train_flow
+    from clawrl.promotion import score_version
+    from tests.utils.gateway_server import free_socket
+
+    _fill_reference(tiny_dir)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    s = make_settings({"gate.engine_port": port, "gate.evaluator": EVALUATOR, "gate.size": 4, "gate.samples": 1,
+                       "gate.max_tokens": 8, "ppo.temperature": 0.0, "ppo.rollout_batch_size": 2, "ppo.lr": 1e-2,
+                       "ppo.advantage_estimator": "grpo", "prm.backend": "rule", "engine.max_batch_size": 8,
+                       "engine.max_context_len": 1024, "model.dtype": "float32", "model.device": "cpu"})
+    conf = tmp_path / "up.toml"
+    conf.write_text(dump_toml(s))
+    services = {sv.name: sv for sv in supervisor.plan(s, conf, prefect_port=4200, mlflow_port=5000,
+                                                      trainer_port=30020)}
+    svc = services["eval-engine"]
+    supervisor.start(svc, tmp_path / "logs", supervisor.child_env())
+    try:
+        supervisor.wait_healthy(svc, timeout_s=300)
+        for key, value in services["flows"].env.items():  # what `clawrl up` hands its flow runs
+            monkeypatch.setenv(key, value)
+        _write_samples(s, 2)
+
+        def no_loading(*a, **k):
+            raise AssertionError("the train run loaded an evaluation engine")
+
+        monkeypatch.setattr(embedded.EmbeddedEngine, "__init__", no_loading)
+        [step] = train_flow(config_path=str(conf), max_steps=1)["steps"]
+        monkeypatch.undo()
+        served = runtime.run(SGLangClient(svc.url).model_info())["weight_version"]
+    finally:
+        supervisor.stop(svc)
+    gate = step["gate"]
+    assert step["weight_version"] == "1" and gate["n"] == 4 and gate["decision"] in ("promote", "refuse")
+    assert served == "1"  # the candidate it loaded last, from its checkpoint on disk
+    evals = run_query(s.storage.data_root, "select weight_version, scores from evaluations "
+                      "order by weight_version").to_pylist()
+    assert [r["weight_version"] for r in evals] == ["0", "1"]
+    fresh = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
+    eval_set = load_eval_set(EVALUATOR, size=4, samples=1, seed=0, max_tokens=8, temperature=0.0)
+    again = {v: score_version(s.storage.data_root, fresh, ChatAdapter(fresh.tokenizer), eval_set, v, tiny_dir)
+             for v in ("0", "1")}
+    runtime.run(fresh.close())
+    assert again == {r["weight_version"]: r["scores"] for r in evals}
+    assert gate["candidate_mean"] == sum(again["1"]) / 4 and gate["champion_mean"] == sum(again["0"]) / 4

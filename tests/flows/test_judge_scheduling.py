@@ -37,7 +37,7 @@ def _plan(settings, conf: Path = Path("/conf/up.toml")):
     ({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_url": "http://10.0.0.5:9000"}, False),
 ])
 def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(make_settings, overrides, starts):
-    services = _plan(make_settings({**overrides, "prm.engine_port": 30555}))
+    services = _plan(make_settings({**overrides, "prm.engine_port": 30555, "gate.enabled": False}))
     names = list(services)
     flows = services["flows"]
     if not starts:
@@ -50,6 +50,26 @@ def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(ma
     assert "--resume" not in eng.argv  # the initial weights, never a synced version
     assert eng.health_url == "http://127.0.0.1:30555/health" and eng.url == "http://127.0.0.1:30555"
     assert flows.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555"}
+
+
+@pytest.mark.parametrize("overrides, starts", [
+    ({}, True),
+    ({"gate.enabled": False}, False),
+    ({"gate.engine_url": "http://10.0.0.7:9100"}, False),
+])
+def test_up_plans_an_evaluation_engine_for_the_gate_unless_it_is_off_or_named(make_settings, overrides, starts):
+    services = _plan(make_settings({**overrides, "gate.engine_port": 30666, "prm.backend": "rule",
+                                    "ppo.advantage_estimator": "grpo"}))
+    names, flows = list(services), services["flows"]
+    if not starts:
+        assert "eval-engine" not in names and flows.env == {}
+        return
+    eng = services["eval-engine"]
+    assert names == ["prefect", "mlflow", "trainer", "gateway", "eval-engine", "flows"]  # up before the flows
+    assert eng.argv[1:] == ["-m", "clawrl.cli", "engine", "-c", "/conf/up.toml", "--host", "127.0.0.1", "--port",
+                            "30666"]
+    assert eng.health_url == "http://127.0.0.1:30666/health" and eng.url == "http://127.0.0.1:30666"
+    assert flows.env == {"CLAWRL__GATE__ENGINE_URL": "http://127.0.0.1:30666"}
 
 
 def test_the_judge_and_train_deployments_have_no_cancelling_limit_and_run_exclusive():

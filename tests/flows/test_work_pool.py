@@ -73,7 +73,9 @@ def test_up_with_a_work_pool_registers_the_flows_there_and_starts_a_worker_unles
     assert list(services)[-1] == "worker"  # after the flows service created the pool
     assert worker.argv[1:8] == ["-m", "prefect", "worker", "start", "--pool", "gpu-pool", "--type"]
     assert worker.health_url == "http://127.0.0.1:4200/api/work_pools/gpu-pool" and worker.ready_only_on_200
-    assert worker.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555"}  # the runs reach the judge engine
+    # the runs reach the judge engine and the gate's evaluation engine
+    assert worker.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555",
+                          "CLAWRL__GATE__ENGINE_URL": "http://127.0.0.1:30022"}
 
 
 def test_up_with_a_host_binds_and_hands_the_flows_that_address(make_settings):
@@ -84,17 +86,18 @@ def test_up_with_a_host_binds_and_hands_the_flows_that_address(make_settings):
     from clawrl import supervisor
 
     s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_port": 30555,
-                       "server.host": "0.0.0.0", "server.api_port": 8111})
+                       "gate.engine_port": 30556, "server.host": "0.0.0.0", "server.api_port": 8111})
     services = {sv.name: sv for sv in supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000,
                                                       trainer_port=30020, work_pool="gpu-pool", host="10.1.2.3")}
-    for name in ("prefect", "mlflow", "trainer", "judge-engine"):
+    for name in ("prefect", "mlflow", "trainer", "judge-engine", "eval-engine"):
         argv = services[name].argv
         assert argv[argv.index("--host") + 1] == "10.1.2.3", name
         assert services[name].health_url.startswith("http://10.1.2.3:"), name
     flows = services["flows"].argv
     assert flows[flows.index("--trainer-url") + 1] == "http://10.1.2.3:30020"
     assert flows[flows.index("--engine-url") + 1] == "http://10.1.2.3:8111/engine"  # the gateway binds every address
-    assert services["worker"].env == services["flows"].env == {"CLAWRL__PRM__ENGINE_URL": "http://10.1.2.3:30555"}
+    assert services["worker"].env == services["flows"].env == {"CLAWRL__PRM__ENGINE_URL": "http://10.1.2.3:30555",
+                                                               "CLAWRL__GATE__ENGINE_URL": "http://10.1.2.3:30556"}
     assert services["worker"].health_url == "http://10.1.2.3:4200/api/work_pools/gpu-pool"
 
     assert supervisor.host_problem(s, "10.1.2.3") is None
