@@ -80,13 +80,12 @@ def eval_engine(settings: Settings) -> Engine:
     """The promotion gate's evaluation engine: the initial weights at first, then whichever version the
     gate loaded last; never the serving engine, so users keep getting the champion while it measures.
     With ``[gate] engine_url`` the `clawrl engine` there (over HTTP), else one loaded in this process."""
-    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
-    from clawrl.models import resolve_device, resolve_dtype
-
     if url := settings.gate.engine_url:
         from clawrl.engine.sglang_client import SGLangClient
 
         return _once(("eval-http", url), lambda: SGLangClient(url, timeout_s=settings.engine.request_timeout_s))
+    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine  # imports the model code: seconds
+    from clawrl.models import resolve_device, resolve_dtype
 
     def make() -> Engine:
         device, _ = resolve_device(settings.model.device)

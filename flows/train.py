@@ -77,15 +77,17 @@ _warming: dict[str | None, threading.Thread] = {}
 
 
 def _warm_up(config_path: str | None) -> None:
-    """Open, while the trainer trains, what the way from the checkpoint to serving needs: MLflow's store
-    and the gate's evaluation engine and chat template. Under `clawrl up` each train run is a process of
-    its own, where opening them on that way cost ~2.6 s (MLflow) of the loop on the GPU host. Errors are
-    left to the tasks, which open the same things again and say what failed."""
+    """Open, while the batch is trained on, what the way from the checkpoint to serving needs:
+    MLflow's store and the chat template of the gate's evaluation engine over HTTP (one in this process
+    is loaded by the gate, never for a run without a batch). Under `clawrl up` each train run is a
+    process of its own, where opening them on that way cost 2.6 s (MLflow alone) of the loop on the GPU
+    host. Errors are left to the tasks, which open the same things again and say what failed."""
+
     def work() -> None:
         s = load_flow_settings(config_path)
         with contextlib.suppress(Exception):
             experiment_id(mlflow_client(s.storage.data_root), s.storage.data_root)
-            if s.gate.enabled:
+            if s.gate.enabled and s.gate.engine_url:
                 eval_adapter(s, eval_engine(s))
 
     if config_path not in _warming:
@@ -94,7 +96,8 @@ def _warm_up(config_path: str | None) -> None:
 
 
 def _warmed(config_path: str | None) -> None:
-    """Wait for :func:`_warm_up` (a second opening beside it would load the same things twice)."""
+    """Wait for :func:`_warm_up`: MLflow imported from two threads at once fails on its circular imports
+    ("partially initialized module 'mlflow'"), and a second opening would load the same things twice."""
     if (thread := _warming.get(config_path)) is not None:
         thread.join()
 
