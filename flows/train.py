@@ -13,7 +13,8 @@ Exactly once, with a crash allowed between any two tasks:
    and this flow run's id and URL (the records below name it).
 4. ``record_checkpoint`` appends the ``checkpoints`` row once per weight version.
 5. ``gate_checkpoint``: the new version is a candidate; the promotion gate (``clawrl.promotion``)
-   scores it on the ``[gate]`` evaluation set in an evaluation engine, paired with the champion,
+   scores it on the ``[gate]`` evaluation set in an evaluation engine (``[gate] engine_url``: the one
+   `clawrl up` keeps, over HTTP; else one loaded in this process), paired with the champion,
    and promotes it only when it is not worse beyond the tolerance. The decision is a ``promotions``
    row and points on the step's MLflow run. With ``[gate] enabled = false`` every candidate is
    promoted unevaluated.

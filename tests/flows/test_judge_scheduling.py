@@ -38,18 +38,7 @@ def _plan(settings, conf: Path = Path("/conf/up.toml")):
 ])
 def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(make_settings, overrides, starts):
     services = _plan(make_settings({**overrides, "prm.engine_port": 30555, "gate.enabled": False}))
-    names = list(services)
-    flows = services["flows"]
-    if not starts:
-        assert "judge-engine" not in names and flows.env == {}
-        return
-    eng = services["judge-engine"]
-    assert names == ["prefect", "mlflow", "trainer", "gateway", "judge-engine", "flows"]  # up before the flows
-    assert eng.argv[1:] == ["-m", "clawrl.cli", "engine", "-c", "/conf/up.toml", "--host", "127.0.0.1", "--port",
-                            "30555"]
-    assert "--resume" not in eng.argv  # the initial weights, never a synced version
-    assert eng.health_url == "http://127.0.0.1:30555/health" and eng.url == "http://127.0.0.1:30555"
-    assert flows.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555"}
+    _check_engine_service(services, "judge-engine", 30555, "CLAWRL__PRM__ENGINE_URL", starts)
 
 
 @pytest.mark.parametrize("overrides, starts", [
@@ -60,16 +49,22 @@ def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(ma
 def test_up_plans_an_evaluation_engine_for_the_gate_unless_it_is_off_or_named(make_settings, overrides, starts):
     services = _plan(make_settings({**overrides, "gate.engine_port": 30666, "prm.backend": "rule",
                                     "ppo.advantage_estimator": "grpo"}))
+    _check_engine_service(services, "eval-engine", 30666, "CLAWRL__GATE__ENGINE_URL", starts)
+
+
+def _check_engine_service(services, name: str, port: int, env_key: str, starts: bool) -> None:
+    """A `clawrl engine` of the initial weights planned before the flows, which get its URL; or none."""
     names, flows = list(services), services["flows"]
     if not starts:
-        assert "eval-engine" not in names and flows.env == {}
+        assert name not in names and flows.env == {}
         return
-    eng = services["eval-engine"]
-    assert names == ["prefect", "mlflow", "trainer", "gateway", "eval-engine", "flows"]  # up before the flows
+    eng = services[name]
+    assert names == ["prefect", "mlflow", "trainer", "gateway", name, "flows"]  # up before the flows
     assert eng.argv[1:] == ["-m", "clawrl.cli", "engine", "-c", "/conf/up.toml", "--host", "127.0.0.1", "--port",
-                            "30666"]
-    assert eng.health_url == "http://127.0.0.1:30666/health" and eng.url == "http://127.0.0.1:30666"
-    assert flows.env == {"CLAWRL__GATE__ENGINE_URL": "http://127.0.0.1:30666"}
+                            str(port)]
+    assert "--resume" not in eng.argv  # the initial weights, never a synced version
+    assert eng.health_url == f"http://127.0.0.1:{port}/health" and eng.url == f"http://127.0.0.1:{port}"
+    assert flows.env == {env_key: f"http://127.0.0.1:{port}"}
 
 
 def test_the_judge_and_train_deployments_have_no_cancelling_limit_and_run_exclusive():
