@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 
 
@@ -19,10 +21,16 @@ def gateway(gateway_settings, tiny_engine):
     from clawrl.storage.writer import DataStore
     from tests.utils.gateway_server import running_gateway
 
+    stores = []
+
     def start(engine=None, **kw):
         s = gateway_settings(**kw)
         store = DataStore(s.storage.data_root)
+        stores.append(store)
         app = create_app(s, engine=engine or tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
         return s, store, running_gateway(app)
 
-    return start
+    yield start
+    for store in stores:  # their table logs' threads end with the test (close is idempotent)
+        with contextlib.suppress(Exception):  # a test that broke its disk on purpose has asserted what it must
+            store.close()
