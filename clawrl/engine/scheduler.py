@@ -475,8 +475,8 @@ class Scheduler:
         update = _PendingUpdate(apply, version, barrier, done)
         if pause_mode is not None and not self.paused:  # pause, swap and continue in one call, not three
             self.do_pause(pause_mode, barrier, concurrent.futures.Future())
+            self.paused, self.pause_mode = False, None  # before the result: no step runs until this returns
             self._apply_update(update)
-            self.paused, self.pause_mode = False, None
         elif self.paused:
             self._apply_update(update)  # the pause already stopped the stepping: swap now
         else:
