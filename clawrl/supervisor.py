@@ -8,8 +8,8 @@ memory between steps; under torchrun when the model is split over several ranks)
 when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
 "frozen" OPD teacher: a `clawrl engine` on ``[prm] engine_port`` that keeps the frozen model loaded
 between judge runs, which reach it over HTTP), the promotion gate's evaluation engine when the gate
-is on (a `clawrl engine` on ``[gate] engine_port`` the train runs load each candidate into), and the flow server (the judge / train / replay
-deployments; with a work pool, registered on it and run by `prefect worker start --pool`
+is on (a `clawrl engine` on ``[gate] engine_port`` the train runs load each candidate into), and the
+flow server (the judge / train / replay deployments; with a work pool, registered on it and run by `prefect worker start --pool`
 processes, one of them started here unless told otherwise). Each keeps its state under the data
 root, so after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its
 write-ahead log, the trainer and the engine load the newest checkpoint, and claimed batches are
@@ -187,10 +187,7 @@ def _judge_engine(settings, config_path: Path, host: str) -> Service | None:
 
     if not uses_frozen_model(settings) or settings.prm.judge_engine_urls():
         return None
-    port = settings.prm.engine_port
-    url = client_url(host, port)
-    argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port)]
-    return Service("judge-engine", argv, f"{url}/health", url)
+    return _engine_service("judge-engine", config_path, host, settings.prm.engine_port)
 
 
 def _gate_engine(settings, config_path: Path, host: str) -> Service | None:
@@ -199,10 +196,14 @@ def _gate_engine(settings, config_path: Path, host: str) -> Service | None:
     user's own. Kept between runs, it spares each run (a process of its own) loading the model."""
     if not settings.gate.enabled or settings.gate.engine_url:
         return None
-    url = client_url(host, settings.gate.engine_port)
-    argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port",
-            str(settings.gate.engine_port)]
-    return Service("eval-engine", argv, f"{url}/health", url)
+    return _engine_service("eval-engine", config_path, host, settings.gate.engine_port)
+
+
+def _engine_service(name: str, config_path: Path, host: str, port: int) -> Service:
+    """`clawrl engine` on the policy's initial weights at ``host:port`` (never ``--resume``d)."""
+    url = client_url(host, port)
+    argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port)]
+    return Service(name, argv, f"{url}/health", url)
 
 
 def _mlflow_ui_url(settings, mlflow_port: int, host: str) -> str:

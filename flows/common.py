@@ -103,8 +103,10 @@ def eval_adapter(settings: Settings, engine: Engine) -> ChatAdapter:
     from clawrl.chat import ChatAdapter
     from clawrl.models import load_tokenizer
 
-    tokenizer = getattr(engine, "tokenizer", None)
-    return _once(("eval-adapter", id(engine)), lambda: ChatAdapter(tokenizer or load_tokenizer(base_model_dir(settings))))
+    def make() -> ChatAdapter:
+        return ChatAdapter(getattr(engine, "tokenizer", None) or load_tokenizer(base_model_dir(settings)))
+
+    return _once(("eval-adapter", id(engine)), make)
 
 
 def base_model_dir(settings: Settings):
