@@ -1,10 +1,9 @@
 """The flows served as Prefect deployments (started by ``clawrl up``; also ``python -m clawrl.flows.serve``).
 
-Every run is a process of its own that imports torch, so runs are created only when they have work
-and none of their deployment's runs is scheduled, pending or running (``clawrl.flows.slots.tick``),
-never by a Prefect schedule or event trigger: those create a run whatever happens, and on a busy
-machine the runs that find another one going still cost a process start each (about 10 s of CPU),
-pile up as processes, or end Cancelled under a deployment limit.
+Runs are created only when they have work and none of their deployment's runs is scheduled, pending
+or running (``clawrl.flows.slots.tick``), never by a Prefect schedule or event trigger: those create a
+run whatever happens, and runs that find another one going would only start, find the slot taken and
+skip (on a busy machine, or pile up).
 
 * ``judge/on-interval``: judges ready turns; :func:`ticker` in this process ticks it every
   ``--judge-every`` seconds. The runs are also ``exclusive`` (the global limit ``judge``), so one
@@ -16,16 +15,19 @@ pile up as processes, or end Cancelled under a deployment limit.
 * ``replay/on-demand``: run it from the UI with a version, sessions to exclude, or ``--set`` style
   overrides.
 
-Flow runs execute in subprocesses of this server, or, with ``--work-pool NAME``, wherever a Prefect
-worker polls that process work pool (``prefect worker start --pool NAME``, on this machine or
-others): the deployments are registered on the pool (created if missing) instead of being served
-here, and this process only keeps the ticker. A worker on another machine needs clawrl
-installed, the data root and config at the same paths (a shared file system), and the trainer,
-engine and Prefect URLs reachable from there. The long-lived state lives elsewhere: the trainer
-service (model + optimizer) at ``--trainer-url``, the serving engine behind ``--engine-url``, the
-judge engine (the frozen initial weights) at ``[prm] engine_url`` when `clawrl up` starts one. Each
-deployment names its flow by module path (``clawrl.flows.train.train_flow``), which those subprocesses
-import wherever clawrl is installed, whatever their working directory.
+The judge and train runs execute in this process, each in a thread (``clawrl.flows.inprocess``: what
+a run opens - MLflow's store, the gate's chat template, the data store - is opened once, not per
+run); replay runs in a subprocess of Prefect's runner here. With ``--work-pool NAME`` every run
+executes wherever a Prefect worker polls that process work pool (``prefect worker start --pool
+NAME``, on this machine or others), each as a process of its own: the deployments are registered on
+the pool (created if missing) instead of being served here, and this process only keeps the ticker.
+A worker on another machine needs clawrl installed, the data root and config at the same paths (a
+shared file system), and the trainer, engine and Prefect URLs reachable from there. The long-lived
+state lives elsewhere: the trainer service (model + optimizer) at ``--trainer-url``, the serving
+engine behind ``--engine-url``, the judge engine (the frozen initial weights) at ``[prm] engine_url``
+when `clawrl up` starts one. Each deployment names its flow by module path
+(``clawrl.flows.train.train_flow``), which a worker's subprocesses import wherever clawrl is
+installed, whatever their working directory.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 from prefect import serve
 from prefect.types.entrypoint import EntrypointType
 
+from clawrl.flows.inprocess import InProcessRunner, preload
 from clawrl.flows.judge import ensure_judge_limit, judge_flow
 from clawrl.flows.replay import replay_flow
 from clawrl.flows.slots import JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT, tick
@@ -124,21 +127,32 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     ensure_judge_limit()
     stop = threading.Event()
-    deployments = build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every)
+    judge, train, replay = build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every)
+    runner = None
     if a.work_pool:  # before the ticker: it creates runs of the registered deployments
-        deploy_to_pool(deployments, a.work_pool, {k: v for k, v in os.environ.items() if k.startswith(RUN_ENV)})
+        deploy_to_pool([judge, train, replay], a.work_pool,
+                       {k: v for k, v in os.environ.items() if k.startswith(RUN_ENV)})
         log.warning("deployments registered on work pool %r: `prefect worker start --pool %s` runs them",
                     a.work_pool, a.work_pool)
+    else:
+        preload()  # before any run's thread imports them: MLflow imported by two threads at once fails
+        runner = InProcessRunner([(judge, judge_flow), (train, train_flow)])
+        runner.register()
+        threading.Thread(target=runner.serve, args=(stop,), name="in-process-runs", daemon=True).start()
     every = {JUDGE_DEPLOYMENT: a.judge_every, TRAIN_DEPLOYMENT: a.train_every}
     threading.Thread(target=ticker, args=(every, stop), name="ticker", daemon=True).start()
     try:
-        if a.work_pool:
+        if runner is None:
             stop.wait()  # the ticker's process, until SIGTERM or Ctrl-C
         else:
-            serve(*deployments)
+            serve(replay)
     finally:
         stop.set()
-
+        if runner is not None and runner.stop():
+            # runs still going in their threads: end now, as their processes would be killed, rather
+            # than have them log into a shutting-down interpreter
+            logging.shutdown()
+            os._exit(1)
 
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ JUDGE_LIMIT, TRAINER_LIMIT = "judge", "trainer"  # the global limits the exclusi
 JUDGE_DEPLOYMENT = "judge/on-interval"  # the deployments `clawrl up` serves (clawrl.flows.serve)
 TRAIN_DEPLOYMENT = "train/on-samples-ready"
 _LIMIT_OF = {JUDGE_DEPLOYMENT: JUDGE_LIMIT, TRAIN_DEPLOYMENT: TRAINER_LIMIT}
+RUN_CREATED = threading.Event()  # set by tick: the flow server's in-process runner takes the new run at once
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ def skipped_because(flow_name: str, limit: str) -> str:
 
 def tick(deployment: str) -> str | None:
     """Create a run of ``deployment`` unless one of its runs is scheduled, pending or running; the new
-    run's id, or None. Each run is a process of its own that imports torch: a run created while
-    another is going would only start, find the slot taken and skip. A run still marked Running while
+    run's id, or None. A run created while another is going would only start, find the slot taken and
+    skip (on a work pool, as a process of its own that imports torch). A run still marked Running while
     its deployment's slot is free died without being marked (its process was killed with the flow
     server's): it does not count, or nothing would run again."""
     from prefect.client.orchestration import get_client
@@ -132,7 +133,9 @@ def tick(deployment: str) -> str | None:
                                      flow_run_filter=FlowRunFilter(state=active))
         if runs and not (all(r.state.is_running() for r in runs) and _slot_free(client, _LIMIT_OF.get(deployment))):
             return None
-        return str(client.create_flow_run_from_deployment(dep.id).id)
+        run_id = str(client.create_flow_run_from_deployment(dep.id).id)
+    RUN_CREATED.set()
+    return run_id
 
 
 def _slot_free(client, limit: str | None) -> bool:
