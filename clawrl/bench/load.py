@@ -20,11 +20,15 @@ client got from the new version, split into the judge's delay (that next state -
 fate), the PPO step, the promotion gate's evaluation, the sync, and what is left: the loop's
 orchestration overhead (Prefect, claiming, lineage, recording, waiting for the next request). The
 gate's evaluation is also reported as a share of the window.
+
+With ``up`` the whole system runs as a user runs it, `clawrl up`, and this process only drives the
+users; the train steps are read back from the data root and up's Prefect API (clawrl/bench/load_up.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import random
@@ -51,6 +55,7 @@ from clawrl.bench.common import (
     stop_clawrl,
     wait_healthy,
 )
+from clawrl.bench.load_up import drive_up, task_seconds
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
 
@@ -76,6 +81,8 @@ class Run:
     versions: Counter = field(default_factory=Counter)
     first_seen: dict[str, float] = field(default_factory=dict)  # version -> when a client first got it
     steps: list[dict[str, Any]] = field(default_factory=list)  # train steps, each with its sync
+    synced_versions: frozenset[str] = frozenset()  # versions synced by flows not run here (up mode)
+    stopped: bool = False  # closed now, whatever the clock (what serves the users is gone)
     completion_tokens: int = 0
     sessions_started: int = 0
     sessions_done: int = 0
@@ -85,10 +92,12 @@ class Run:
         return len(self.acked) + len(self.errors)
 
     def syncs(self) -> int:
-        return sum(1 for st in self.steps if st["synced"])
+        return len({st["weight_version"] for st in self.steps if st["synced"]} | self.synced_versions)
 
     def closed(self) -> bool:
         elapsed = time.monotonic() - self.t0
+        if self.stopped:
+            return True
         if elapsed < self.duration_s:
             return False
         served_a_sync = self.syncs() >= self.min_syncs and len(self.versions) > 1
@@ -155,11 +164,13 @@ async def _users(base_url: str, n_users: int, run: Run, **user_options) -> None:
 
 
 def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int,
-                  device: str, dtype: str, model: str = "tiny", engine_urls: list[str] | None = None) -> str:
+                  device: str, dtype: str, model: str = "tiny", engine_urls: list[str] | None = None,
+                  extra: dict[str, Any] | None = None) -> str:
+    """The bench's config file under ``data_root``; ``extra``: more 'section.key' overrides."""
     from clawrl.config import dump_toml, load_settings
 
     engines = {"engine.kind": "http", "engine.urls": engine_urls} if engine_urls else {}
-    s = load_settings(env={}, overrides={**engines,
+    s = load_settings(env={}, overrides={**engines, **(extra or {}),
         "model.name": model, "model.device": device, "model.dtype": dtype,
         "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),
         "server.open_mode": True, "server.api_port": port, "ppo.rollout_batch_size": rollout_batch_size,
@@ -200,7 +211,7 @@ def _judge_and_train(users: threading.Thread, conf: str, engine_url: str, run: R
     while users.is_alive():
         judged += judge_flow(config_path=conf, limit=judge_limit)["judged"]
         state = train_flow(config_path=conf, max_steps=1, engine_url=engine_url, return_state=True)
-        out, tasks = state.result(), _task_seconds(state.state_details.flow_run_id)
+        out, tasks = state.result(), task_seconds(state.state_details.flow_run_id)
         run.steps += [{"weight_version": st["weight_version"], "batch_id": st["batch_id"], "tasks_s": tasks,
                        "at_s": time.monotonic() - run.t0, "train_s": st["metrics"].get("step_time_s"),
                        "checkpoint_s": st["metrics"].get("checkpoint_write_s"),
@@ -218,67 +229,90 @@ def _seconds(step: dict[str, Any], *keys: str) -> float:
     return sum(step["metrics"].get(k) or 0.0 for k in keys)
 
 
-def _task_seconds(flow_run_id) -> dict[str, float]:
-    """Seconds each task of a flow run took (Prefect's own start and end times), in the order they ran."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as c:
-        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {t.name.rsplit("-", 1)[0]: t.total_run_time.total_seconds()
-            for t in sorted(runs, key=lambda t: t.start_time or t.expected_start_time)}
-
-
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
                    max_tokens: int = 16, turns_per_session: int = 3, data_root: Path | None = None,
-                   min_syncs: int = 0, device: str = "cpu", model: str = "tiny", engines: int = 0,
+                   min_syncs: int = 0, device: str = "cpu", model: str = "tiny", engines: int = 0, up: bool = False,
+                   judge_every_s: float = 5.0, train_every_s: float = 30.0,
                    progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the load benchmark, the gateway's engine and the trainer on ``device``; returns
-    the figures (module docstring). ``engines`` > 0: that many `clawrl engine` processes behind the
-    gateway (``[engine] urls``) instead of its embedded engine. ``min_syncs``: hold the window open past ``duration_s`` until that
-    many syncs were served (:class:`Run`). ``progress`` gets a dict of live counters after every
-    request. Needs a Prefect API (a test harness, ``clawrl up``'s server, or the ephemeral one Prefect
-    starts)."""
-    from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
-
+    """Run the load benchmark, the gateway's engine and the trainer on ``device``; returns the figures
+    (module docstring). ``engines`` > 0: that many `clawrl engine` processes behind the gateway
+    (``[engine] urls``) instead of its embedded engine. ``min_syncs``: hold the window open past
+    ``duration_s`` until that many syncs were served (:class:`Run`). ``progress`` gets a dict of live
+    counters after every request. ``up``: the system runs as `clawrl up` (its flow server judging every
+    ``judge_every_s`` and training at least every ``train_every_s``) and this process only drives the
+    users; else this process runs the flows, and needs a Prefect API (a test harness, ``clawrl up``'s
+    server, or the ephemeral one Prefect starts)."""
+    if up and engines:
+        raise ValueError("the up mode serves from the gateway's embedded engine: engines must be 0")
     root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
     port, dtype = free_port(), bench_dtype(device)
     # turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon
     judge_limit = max(16, 2 * rollout_batch_size)
-    engine_ports = [free_port() for _ in range(engines)]
-    engine_urls = [f"http://127.0.0.1:{p}" for p in engine_ports]
-    conf = _write_config(root, model_cache, port, rollout_batch_size, max_tokens, device, dtype, model, engine_urls)
-    s = load_flow_settings(conf)
-    gw = f"http://127.0.0.1:{port}"
-    procs = [start_clawrl(["engine", "-c", conf, "--port", str(p)], root / f"engine{i}.log")
-             for i, p in enumerate(engine_ports)]
-    for p, url in zip(procs, engine_urls):  # up before the gateway asks them their versions
-        wait_healthy(p, f"{url}/health")
-    proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
-    procs.append(proc)
+    write = functools.partial(_write_config, root, model_cache, port, rollout_batch_size, max_tokens, device, dtype,
+                              model)
+    new_run, gw = functools.partial(Run, duration_s, min_syncs, progress), f"http://127.0.0.1:{port}"
+    users = {"n_users": sessions, "turns_per_session": turns_per_session, "max_tokens": max_tokens}
     logging.disable(logging.INFO)  # flow-run INFO lines would scroll through the progress line
     try:
+        if up:
+            judged, run, loads = drive_up(write, root, gw, new_run, lambda r: _start_users(gw, r, users),
+                                          max_tokens=max_tokens, judge_limit=judge_limit, judge_every_s=judge_every_s,
+                                          train_every_s=train_every_s, session_prefix=SESSION_PREFIX)
+        else:
+            judged, run, loads = _drive_flows(write, root, gw, new_run, users, engines=engines,
+                                              judge_limit=judge_limit)
+    finally:
+        logging.disable(logging.NOTSET)
+    wall, load_before, load_after = loads
+    return {"mode": "up" if up else "flows", "sessions": sessions, "engines": engines, "duration_s": duration_s,
+            "turns_per_session": turns_per_session, "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size,
+            "judge_limit": judge_limit, "turns_judged": judged, "load_1m_before": load_before,
+            "load_1m_after": load_after, "device": device, "model": model, "dtype": dtype, "window_s": run.ended_s,
+            **({"judge_every_s": judge_every_s, "train_every_s": train_every_s} if up else {}),
+            "data_root": str(root), **_figures(root, run, wall)}
+
+
+def _start_users(gw: str, run: Run, users: dict[str, int]) -> threading.Thread:
+    """The users (:func:`_users`) on a background thread, started."""
+    n_users, options = users["n_users"], {k: v for k, v in users.items() if k != "n_users"}
+    thread = threading.Thread(name="load-users", daemon=True, target=lambda: asyncio.run(_users(
+        gw, n_users, run, **options)))
+    thread.start()
+    return thread
+
+
+def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, engines: int,
+                 judge_limit: int) -> tuple[int, Run, tuple[float, float, float]]:
+    """`clawrl serve` (behind it ``engines`` `clawrl engine` processes, or its embedded engine) in its
+    own process, the users on a thread and the judge and train flows in a loop here: the turns judged,
+    the run, and (wall seconds, load average before, after)."""
+    from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
+
+    engine_ports = [free_port() for _ in range(engines)]
+    engine_urls = [f"http://127.0.0.1:{p}" for p in engine_ports]
+    conf = write(engine_urls=engine_urls)
+    s = load_flow_settings(conf)
+    procs = [start_clawrl(["engine", "-c", conf, "--port", str(p)], root / f"engine{i}.log")
+             for i, p in enumerate(engine_ports)]
+    try:
+        for p, url in zip(procs, engine_urls):  # up before the gateway asks them their versions
+            wait_healthy(p, f"{url}/health")
+        proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
+        procs.append(proc)
         _warm_up(s, conf)  # while the gateway starts
         wait_healthy(proc, f"{gw}/healthz")
-        load_before, run = load_average(), Run(duration_s, min_syncs, progress)
-        users = threading.Thread(name="load-users", daemon=True, target=lambda: asyncio.run(_users(
-            gw, sessions, run, turns_per_session=turns_per_session, max_tokens=max_tokens)))
-        users.start()
+        load_before, run = load_average(), new_run()
+        thread = _start_users(gw, run, users)
         try:
-            judged = _judge_and_train(users, conf, f"{gw}/engine", run, judge_limit)
+            judged = _judge_and_train(thread, conf, f"{gw}/engine", run, judge_limit)
         finally:
-            users.join()
+            thread.join()
             run.report()
         wall, load_after = time.monotonic() - run.t0, load_average()
     finally:
-        logging.disable(logging.NOTSET)
         for p in reversed(procs):  # the gateway first
             stop_clawrl(p)
-    return {"sessions": sessions, "engines": engines, "duration_s": duration_s, "turns_per_session": turns_per_session,
-            "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size, "judge_limit": judge_limit,
-            "turns_judged": judged, "load_1m_before": load_before, "load_1m_after": load_after, "device": device,
-            "model": model,
-            "dtype": dtype, "window_s": run.ended_s, "data_root": str(root), **_figures(root, run, wall)}
+    return judged, run, (wall, load_before, load_after)
 
 
 def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
@@ -324,8 +358,8 @@ def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float
                    where batch_id = '{step['batch_id']}')
         select epoch(max(n.created_at)) as completed, epoch(max(f.created_at)) as judged,
                epoch(min(b.claimed)) as claimed,
-               (select epoch(max(y.created_at)) from syncs y
-                where y.weight_version = '{step['weight_version']}' and y.ok) as synced
+               (select epoch(min(y.created_at)) from syncs y
+                where y.weight_version = '{step['weight_version']}' and y.ok and not y.skipped) as synced
         from b join samples s on s.sample_id = b.sid join next_states n on n.turn_id = s.turn_id
         join turn_fate f on f.turn_id = s.turn_id and f.judge_config_hash = s.judge_config_hash
         where n.has_next_state""").to_pylist()
@@ -348,13 +382,16 @@ def format_load_section(r: dict[str, Any]) -> str:
     row["load_1m"] = f"{r['load_1m_before']} -> {r['load_1m_after']}"
     served = {st["weight_version"]: "-" if st["first_served_s"] is None else f"{st['first_served_s']:.1f} s"
               for st in r["steps"]}
+    done = "sync ended" if r.get("mode") == "up" else "flow run done"
     syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
-                      f"{served[st['weight_version']]}, flow run done at {st['at_s']:.1f} s"
+                      f"{served[st['weight_version']]}, {done} at {st['at_s']:.1f} s"
                       for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
     loop_keys = ["loop_s", "judged_s", "queued_s", "read_s", "train_s", "state_s", "checkpoint_s", "eval_s",
                  "sync_s", "orchestration_s", "served_s"]
-    loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}}
+    loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}, "claim_task_s": st["tasks_s"].get(
+        "claim_batch"), "gate_task_s": st["tasks_s"].get("gate_checkpoint")}
              for st in r["steps"] if st.get("loop_s") is not None]
+    loop_keys += [k for k in ("claim_task_s", "gate_task_s") if any(row[k] is not None for row in loops)]
     tasks = [{"version": st["weight_version"], **st["tasks_s"]} for st in r["steps"] if st.get("tasks_s")]
     task_names = list(dict.fromkeys(k for t in tasks for k in t if k != "version"))
     evals = [st["eval_s"] for st in r["steps"] if st["eval_s"]]
@@ -362,17 +399,11 @@ def format_load_section(r: dict[str, Any]) -> str:
                  f"a step (median of {len(evals)}), {100 * sum(evals) / r['window_s']:.1f}% of the window."
                  if evals else "The promotion gate evaluated nothing (off, or no step).")
     return "\n".join([
-        "## Load: concurrent sessions while judging, training and syncing",
+        f"## Load{' under `clawrl up`' if r.get('mode') == 'up' else ''}: concurrent sessions while judging, training "
+        "and syncing",
         "",
         machine_line(r["device"], r["dtype"]),
-        f"`clawrl bench load`: {r['sessions']} simulated users (clawrl/sim personas, openai SDK AsyncOpenAI, "
-        "no retries)",
-        f"in multi-turn sessions ({r['turns_per_session']} main turns each, the last with `session_done`) against",
-        f"`clawrl serve` (a separate process: uvicorn, the embedded engine, model `{r.get('model', 'tiny')}`) for the "
-        "window below, while this",
-        "process runs the judge flow (rule judge) and the train flow (GRPO, rollout_batch_size "
-        f"{r['rollout_batch_size']}) in a loop; each",
-        "train step syncs its checkpoint into the serving engine through the gateway's /engine, as `clawrl up` does.",
+        *_setup_lines(r),
         f"{r['max_tokens']} new tokens per turn, temperature 1. Latency is client-side, per request, across the syncs.",
         "`main_turns_logged`: acknowledged (session, turn index) pairs found in the `turns` table after the gateway",
         "stopped; the two must be equal and `errors` 0.",
@@ -389,13 +420,15 @@ def format_load_section(r: dict[str, Any]) -> str:
         "Loop latency per train step: `loop_s` from the logged next state that completed the step's batch to the",
         "first response a client got from the new version, in parts: `judged_s` to the batch's last fate (the",
         "judge's delay), `queued_s` to the batch's claim (the trainer busy with earlier batches: here samples",
-        "arrive faster than one trainer takes them, and the judge and train flows take turns), then the train",
+        "arrive faster than one trainer takes them" + (")," if r.get("mode") == "up" else
+                                                       ", and the judge and train flows take turns),") + " then the train",
         "flow up to the end of its sync: `read_s` (the trainer reading the batch's samples from the catalog),",
         "`train_s` (the PPO step), `state_s` (waiting for the previous step's optimizer state to reach the disk,",
         "then copying this step's, on the GPU where it fits; the copy is written off this path), `checkpoint_s`",
         "(writing and hashing its checkpoint's served weights), `eval_s` (the promotion gate's evaluation),",
         "`sync_s`, and `orchestration_s`, the rest of that flow (Prefect, claim, lineage, records; target",
-        "<= 1 s); last `served_s`, from the sync's end to the first response on the new version.",
+        "<= 1 s); last `served_s`, from the sync's end to the first response on the new version. Beside them,",
+        "when Prefect has them, the seconds of the step's `claim_batch` and `gate_checkpoint` tasks.",
         "",
         markdown_table(loops, ["version", *loop_keys]) if loops
         else "No step's version reached a client inside the window.",
@@ -404,6 +437,24 @@ def format_load_section(r: dict[str, Any]) -> str:
         "ends with `sync_weights`):", "",
         markdown_table(tasks, ["version", *task_names]) if tasks else "No train step.",
     ])
+
+
+def _setup_lines(r: dict[str, Any]) -> list[str]:
+    """Which mode ran, and who served, judged and trained in it."""
+    users = (f"{r['sessions']} simulated users (clawrl/sim personas, openai SDK AsyncOpenAI, no retries) in "
+             f"multi-turn sessions ({r['turns_per_session']} main turns each, the last with `session_done`)")
+    train = f"the train flow (GRPO, rollout_batch_size {r['rollout_batch_size']})"
+    if r.get("mode") == "up":
+        return [f"Mode `up` (`clawrl bench load --up`): {users} against `clawrl up` (Prefect server, MLflow, trainer "
+                f"service, gateway with the embedded engine running model `{r['model']}`, evaluation engine and flow "
+                f"server, each a process of its own) for the window below. Up's flow server runs the judge flow (rule "
+                f"judge) every {r['judge_every_s']:g} s and {train} when a judge run leaves a full batch (every "
+                f"{r['train_every_s']:g} s at the latest); each train step syncs its checkpoint into the serving "
+                "engine through the gateway's /engine. The bench process only drives the users."]
+    return [f"Mode `flows` (`clawrl bench load`): {users} against `clawrl serve` (a separate process: uvicorn, the "
+            f"embedded engine, model `{r.get('model', 'tiny')}`) for the window below, while the bench process runs "
+            f"the judge flow (rule judge) and {train} in a loop; each train step syncs its checkpoint into the "
+            "serving engine through the gateway's /engine, as `clawrl up` does."]
 
 
 def format_engines_section(results: list[dict[str, Any]]) -> str:

@@ -144,14 +144,20 @@ def bench_load(
                                                  "were served (at most 4x --duration + 240 s).")] = 1,
     engines: Annotated[str, typer.Option(help="Comma-separated counts of `clawrl engine` processes behind the "
                                                "gateway, one run each (e.g. 1,2); default: its embedded engine.")] = "",
+    up: Annotated[bool, typer.Option("--up", help="Run the whole system as `clawrl up` (Prefect server, MLflow, "
+                                                  "trainer service, gateway, judge and evaluation engines, flow "
+                                                  "server) and only drive the users.")] = False,
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
 ) -> None:
-    """Concurrent sessions against `clawrl serve` while the judge and train flows run and sync weights."""
+    """Concurrent sessions against `clawrl serve` while the judge and train flows run and sync weights
+    (with --up: against `clawrl up`, whose flow server runs them)."""
     from clawrl.bench.load import format_engines_section, format_load_section, run_load_bench
     from clawrl.config import use_prefect_home
 
+    if up and engines:
+        fail("--up runs `clawrl up`, whose gateway serves from its embedded engine: --engines cannot go with it")
     s = settings_or_exit(config)
     use_prefect_home(s.storage.data_root / "prefect")  # flow runs of the bench show in that Prefect UI
     with _status("load bench") as label:
@@ -162,11 +168,11 @@ def bench_load(
         results = [run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
                                   rollout_batch_size=rollout_batch_size, max_tokens=max_tokens,
                                   turns_per_session=turns, min_syncs=min_syncs, device=_device(device), model=model,
-                                  engines=n, progress=progress) for n in _counts(engines)]
+                                  engines=n, up=up, progress=progress) for n in _counts(engines)]
     if engines:
         _write("load-engines", format_engines_section(results), out)
     else:
-        _write("load", format_load_section(results[0]), out)
+        _write("load-up" if up else "load", format_load_section(results[0]), out)
     for result in results:
         console.print(f"run data: {result['data_root']}", markup=False)
         if not (result["errors"] == 0 and result["sent_not_logged"] == 0

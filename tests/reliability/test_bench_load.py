@@ -1,7 +1,9 @@
 """`clawrl bench load`, short: 16 concurrent simulated users for 15 s against `clawrl serve` (its own
 process, the tiny engine) while the judge and train flows run and sync weights through /engine.
 Zero errors, every acknowledged main turn in the log (turn by turn), at least one weight sync inside
-the window (held open until one happened: ``min_syncs``), and clients served the new version after it."""
+the window (held open until one happened: ``min_syncs``), and clients served the new version after it.
+The same load against the whole `clawrl up` (``up=True``): the steps its flow server made read back from
+the data root and its Prefect API."""
 
 from __future__ import annotations
 
@@ -45,3 +47,18 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
              "log_lineage", "link_step", "log_doctor_report"]
     assert all(list(st["tasks_s"]) == order and all(v > 0 for v in st["tasks_s"].values()) for st in r["steps"])
     assert "| version | " + " | ".join(order) + " |" in text
+
+
+@pytest.mark.timeout(900)
+def test_load_under_clawrl_up_has_no_errors_and_reads_back_its_steps(model_cache, tmp_path):
+    r = run_load_bench(model_cache=model_cache, sessions=8, duration_s=20, rollout_batch_size=4, max_tokens=8,
+                       data_root=tmp_path / "load-up", min_syncs=1, up=True)
+    text = format_load_section(r)
+    print(text)
+    assert r["mode"] == "up" and "Mode `up`" in text
+    assert r["errors"] == 0, r["error_samples"]
+    assert r["main_turns_sent"] == r["main_turns_logged"] > 0 and r["sent_not_logged"] == 0
+    # a step up's flow server made, synced and served, with its loop latency and its train run's tasks
+    served = [st for st in r["steps"] if st["synced"] and isinstance(st["orchestration_s"], float)
+              and {"claim_batch", "gate_checkpoint", "sync_weights"} <= set(st["tasks_s"])]
+    assert served, r["steps"]
