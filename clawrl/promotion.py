@@ -62,7 +62,7 @@ async def _score(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, versio
     if state_dict is not None:
         rep = await sync_state_dict(engine, state_dict, version)
     else:
-        rep = await sync_from_disk(engine, path, version, expected_sha256=sha256)
+        rep = await sync_from_disk(engine, path, version, expected_sha256=sha256, check_beside=True)  # serves nobody
     if not rep.success:
         raise GateError(f"could not load weight version {version} into the evaluation engine: {rep.message}")
     return await evaluate_version(engine, adapter, eval_set)

@@ -582,6 +582,25 @@ def test_update_from_disk_swaps_weights_and_label(engine, tiny_hf, tiny_dir, tmp
     assert_lp_close(res.output_logprobs, teacher_forced(new_hf, prompt, res.output_ids, 0.0))
 
 
+def test_a_load_checked_beside_that_fails_its_hash_is_relabelled_and_loaded_again(engine, tiny_hf, tiny_dir,
+                                                                                  tmp_path):
+    """The gate's engine checks the hash while it loads: a mismatch fails the sync, the weights are
+    labelled unverified (never taken for the version), and the next sync of that version loads it."""
+    from clawrl.checkpoint import file_sha256
+    from clawrl.sync import sync_from_disk
+
+    new_hf = load_causal_lm(tiny_dir)
+    ckpt = _save_checkpoint(new_hf, perturbed_state_dict(tiny_hf, seed=5), tmp_path / "weight_v000007")
+    good = file_sha256(ckpt / "model.safetensors")
+    bad = run(sync_from_disk(engine, str(ckpt), "7", expected_sha256="0" * 64, check_beside=True))
+    assert not bad.success and "corrupt" in bad.message and bad.weight_version == "7-unverified"
+    assert engine.weight_version == "7-unverified"
+    ok = run(sync_from_disk(engine, str(ckpt), "7", expected_sha256=good, check_beside=True))
+    assert ok.success and not ok.skipped and ok.weight_version == "7" and engine.weight_version == "7"
+    again = run(sync_from_disk(engine, str(ckpt), "7", expected_sha256=good, check_beside=True))
+    assert again.success and again.skipped  # verified and serving it: left alone
+
+
 def _broken_checkpoints(tiny_hf, tmp_path) -> dict[str, tuple[Path, str]]:
     """name -> (checkpoint directory, text the failure message must contain)"""
     from safetensors.torch import save_file
