@@ -45,7 +45,7 @@ from clawrl.flows.inprocess import InProcessRunner, preload
 from clawrl.flows.judge import ensure_judge_limit, judge_flow
 from clawrl.flows.replay import replay_flow
 from clawrl.flows.slots import JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT, tick
-from clawrl.flows.train import train_flow
+from clawrl.flows.train import train_flow, warm_up
 
 RUN_ENV = ("CLAWRL__", "MLFLOW_")  # this process's settings that the flow runs on a work pool get too
 log = logging.getLogger("clawrl.flows.serve")
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                     a.work_pool, a.work_pool)
     else:
         preload()  # before any run's thread imports them: MLflow imported by two threads at once fails
+        warm_up(a.config)  # MLflow's store and the gate's chat template, opened for the first train run
         runner = InProcessRunner([(judge, judge_flow), (train, train_flow)])
         runner.register()
         threading.Thread(target=runner.serve, args=(stop,), name="in-process-runs", daemon=True).start()
