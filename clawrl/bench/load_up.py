@@ -164,19 +164,24 @@ STEPS_SQL = """
     y as (select weight_version, min(epoch(created_at)) as synced,
                  arg_min(seconds, created_at) as seconds from syncs where ok and not skipped group by all),
     f as (select weight_version, arg_max(error, created_at) as error from syncs where not ok group by all),
-    e as (select weight_version, arg_min(seconds, created_at) as seconds from evaluations group by all),
-    p as (select weight_version, arg_max(action, created_at) as action, arg_max(reason, created_at) as reason
-          from promotions where source = 'gate' group by all)
+    own as (select weight_version, arg_min(seconds, created_at) as seconds from evaluations group by all),
+    p as (select weight_version, arg_max(action, created_at) as action, arg_max(reason, created_at) as reason,
+                 min(epoch(created_at)) as decided from promotions where source = 'gate' group by all),
+    -- every evaluation the step's gate made (the candidate's, and the champion's when first measured)
+    e as (select c.weight_version, sum(ev.seconds) as seconds from c join p using (weight_version)
+          join evaluations ev on epoch(ev.created_at) between c.made and p.decided group by all)
     select c.weight_version, c.batch_id, c.path, c.made, y.synced, y.seconds as sync_s, f.error,
-           coalesce(e.seconds, 0.0) as eval_s, p.action, p.reason
+           coalesce(e.seconds, own.seconds, 0.0) as eval_s, p.action, p.reason
     from c left join y using (weight_version) left join f using (weight_version) left join e using (weight_version)
-    left join p using (weight_version) order by c.v"""
+    left join own using (weight_version) left join p using (weight_version) order by c.v"""
 
 
 def read_steps(root: Path, t0_wall: float, tasks: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     """One dict per checkpoint version >= 1, with the keys the in-process mode fills from its flow runs:
     ``at_s`` is when its sync ended (else when the checkpoint was recorded) from ``t0_wall``; the
-    timings come from the trainer (``trainer.json``), the evaluation and sync rows and ``tasks``."""
+    timings come from the trainer (``trainer.json``), the evaluation and sync rows and ``tasks``;
+    ``eval_s`` is every evaluation its gate made (the champion's too, when measured for the first time),
+    as the in-process mode's ``eval_seconds``."""
     from clawrl.checkpoint import read_step_result
     from clawrl.storage.catalog import run_query
 
