@@ -3,7 +3,7 @@
 Weight versions are step counts: version 0 is the initial model, version N the weights after N
 steps, in ``<checkpoints>/v{N:06d}/``: HF safetensors weights in the served dtype (what an engine
 loads) and ``trainer.json`` (the :class:`StepResult` naming the batch it consumed, its sessions and
-the weights' sha256). A version directory is built in a staging dir beside it
+the weights' digest, :func:`weights_digest`). A version directory is built in a staging dir beside it
 (``.vNNNNNN.<pid>.<random>``) with the marker written last, then renamed into place, so it either
 holds a complete checkpoint or does not exist; the staging dir of a writer that died is removed by
 :func:`remove_stale_staging`. A complete checkpoint is what the gate evaluates and the engines load.
@@ -21,9 +21,11 @@ import hashlib
 import json
 import logging
 import os
+import mmap
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +48,7 @@ class StepResult:
     weight_version: str
     parent_version: str
     path: str
-    sha256: str
+    sha256: str  # the weights file's digest (weights_digest)
     metrics: dict[str, float]
     sessions: list[list[str]] = field(default_factory=list)  # the [namespace, session_id] pairs trained on
 
@@ -59,9 +61,39 @@ def version_dir(checkpoints: Path, version: int) -> Path:
     return Path(checkpoints) / f"v{version:06d}"
 
 
+PIECE_BYTES = 64 << 20  # a weights file above this is hashed piece by piece, on all cores
+TREE_PREFIX = "sha256-tree:"
+
+
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def weights_digest(path: Path) -> str:
+    """The digest a checkpoint records of its weights file: the file's sha256 when it is at most
+    ``PIECE_BYTES``; above, ``sha256-tree:`` + the sha256 of the concatenated sha256 digests of its
+    64 MiB pieces in order, the pieces hashed in parallel. One sha256 stream runs at ~1.2 GB/s on
+    the GPU host: 1 s for Qwen3-0.6B's 1.2 GB of bf16 weights, 6.5 s for Qwen3-4B's 7.8 GB, paid
+    when the trainer writes a checkpoint, when the gate loads it and when it is synced."""
+    size = Path(path).stat().st_size
+    if size <= PIECE_BYTES:
+        return file_sha256(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        try:
+            with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16)) as pool:  # hashlib releases the GIL
+                pieces = list(pool.map(lambda at: hashlib.sha256(view[at:at + PIECE_BYTES]).digest(),
+                                       range(0, size, PIECE_BYTES)))
+        finally:
+            view.release()
+    return TREE_PREFIX + hashlib.sha256(b"".join(pieces)).hexdigest()
+
+
+def digest_as_recorded(path: Path, recorded: str) -> str:
+    """``path``'s digest in the form ``recorded`` has: checkpoints recorded before the piecewise
+    digest hold the whole file's sha256."""
+    return weights_digest(path) if recorded.startswith(TREE_PREFIX) else file_sha256(path)
 
 
 def read_step_result(ckpt_dir: Path) -> StepResult:
@@ -138,15 +170,17 @@ def kept_versions(checkpoints: Path) -> set[str]:
 
 
 def verify_checkpoint(checkpoint_dir: str | Path, expected_sha256: str) -> None:
-    """Raise CheckpointError unless ``<checkpoint_dir>/model.safetensors`` has ``expected_sha256``
-    (the sync before offering it to an engine, the trainer before resuming from it)."""
+    """Raise CheckpointError unless ``<checkpoint_dir>/model.safetensors`` has the digest
+    ``expected_sha256`` (:func:`weights_digest`; the sync before offering it to an engine, the trainer
+    before resuming from it)."""
     path = Path(checkpoint_dir) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is missing")
-    actual = file_sha256(path)
+    actual = digest_as_recorded(path, expected_sha256)
     if actual != expected_sha256:
-        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is corrupt (sha256 {actual[:12]}..., "
-                              f"{path.stat().st_size} bytes; the trainer recorded {expected_sha256[:12]}...)")
+        short = lambda d: d[:len(TREE_PREFIX) + 12] if d.startswith(TREE_PREFIX) else d[:12]  # noqa: E731
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is corrupt (sha256 {short(actual)}..., "
+                              f"{path.stat().st_size} bytes; the trainer recorded {short(expected_sha256)}...)")
 
 
 def newest_intact_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:

@@ -172,7 +172,7 @@ class CheckpointRecord:
     batch_id: str
     parent_version: str
     path: str
-    sha256: str  # of the checkpoint's safetensors bytes
+    sha256: str  # digest of the checkpoint's safetensors file (clawrl.checkpoint.weights_digest)
     mlflow_run_id: str | None
     created_at: datetime = field(default_factory=utcnow)
 

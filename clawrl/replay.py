@@ -201,11 +201,16 @@ def _replay_step(trainer, store, replay_id: str, plan_row: dict[str, Any], sampl
                                   parent_version=result.parent_version, path=result.path, sha256=result.sha256,
                                   mlflow_run_id=None))
     store.flush()
+    from clawrl.checkpoint import TREE_PREFIX, WEIGHTS_FILE, digest_as_recorded
+
     step.replay_sha256, step.replay_version = result.sha256, result.weight_version
-    if result.sha256 != plan_row["sha256"] and plan_row.get("path"):
+    same = result.sha256 == plan_row["sha256"]
+    if not same and not plan_row["sha256"].startswith(TREE_PREFIX):  # recorded as the whole file's sha256
+        same = digest_as_recorded(Path(result.path) / WEIGHTS_FILE, plan_row["sha256"]) == plan_row["sha256"]
+    if not same and plan_row.get("path"):
         step.max_abs_diff = max_weight_difference(Path(plan_row["path"]), Path(result.path))
     if exact:
-        step.identical = result.sha256 == plan_row["sha256"]
+        step.identical = same
     return step
 
 

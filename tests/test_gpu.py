@@ -248,7 +248,7 @@ def test_the_trainer_state_is_copied_on_the_gpu_and_written_while_the_next_step_
                                                                                        model):
     from safetensors.torch import load_file
 
-    from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, file_sha256, read_step_result
+    from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, read_step_result, weights_digest
     from clawrl.train.trainer import trainer_from_settings
     from tests.train.test_lr_schedule import _samples
 
@@ -262,7 +262,7 @@ def test_the_trainer_state_is_copied_on_the_gpu_and_written_while_the_next_step_
     trainer.run("b2", _samples(2))  # step 2 changes the live state while v1's copy is written
     trainer.wait_state()
     v1 = settings.storage.data_root / "checkpoints" / "v000001"
-    assert read_step_result(v1).sha256 == file_sha256(v1 / WEIGHTS_FILE)  # cast to bf16 on the GPU
+    assert read_step_result(v1).sha256 == weights_digest(v1 / WEIGHTS_FILE)  # cast to bf16 on the GPU
     assert load_file(v1 / WEIGHTS_FILE)["model.norm.weight"].dtype == torch.bfloat16
     stored, stored_master = torch.load(v1 / OPTIMIZER_FILE, weights_only=True), load_file(v1 / MASTER_FILE)
     assert stored["step"] == 1 and set(stored_master) == set(master)

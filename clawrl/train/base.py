@@ -35,7 +35,7 @@ from torch import Tensor
 
 from clawrl.algo.advantages import compute_advantages, normalize_group_rewards
 from clawrl.algo.losses import compute_ppo_loss, merge_metrics
-from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, file_sha256, staged_dir
+from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, staged_dir, weights_digest
 from clawrl.models import torch_dtype
 from clawrl.records import Method
 from clawrl.train.batch import TokenBatch
@@ -380,7 +380,7 @@ class TrainBackend:
     def write_weights(self, directory: Path | None, keep_device: bool = False) -> str | None:
         """config.json, model.safetensors (in the served dtype: the compute dtype) and the source's
         tokenizer/generation files into the existing ``directory`` (rank 0; other ranks pass None and
-        take part in the gather): what an engine loads. Returns the weights file's sha256 (rank 0).
+        take part in the gather): what an engine loads. Returns the weights file's digest (rank 0).
         ``keep_device``: cast to the served dtype on the training device, so half the bytes cross to
         the host (the caller checks the room for a copy). The trainer's own state goes beside it
         (:meth:`master_weights`, the optimizer state: ``clawrl.checkpoint.write_trainer_state``)."""
@@ -397,7 +397,7 @@ class TrainBackend:
         for src in sorted(self.model_dir.iterdir()):
             if src.is_file() and src.name not in _NOT_COPIED and not src.name.startswith("model"):
                 shutil.copy2(src, directory / src.name)
-        return file_sha256(directory / WEIGHTS_FILE)
+        return weights_digest(directory / WEIGHTS_FILE)
 
     def master_weights(self, keep_device: bool = False) -> dict[str, Tensor] | None:
         """When the served weights are not float32, copies of the float32 weights training continues

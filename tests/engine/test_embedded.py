@@ -586,12 +586,12 @@ def test_a_load_checked_beside_that_fails_its_hash_is_relabelled_and_loaded_agai
                                                                                   tmp_path):
     """The gate's engine checks the hash while it loads: a mismatch fails the sync, the weights are
     labelled unverified (never taken for the version), and the next sync of that version loads it."""
-    from clawrl.checkpoint import file_sha256
+    from clawrl.checkpoint import weights_digest
     from clawrl.sync import sync_from_disk
 
     new_hf = load_causal_lm(tiny_dir)
     ckpt = _save_checkpoint(new_hf, perturbed_state_dict(tiny_hf, seed=5), tmp_path / "weight_v000007")
-    good = file_sha256(ckpt / "model.safetensors")
+    good = weights_digest(ckpt / "model.safetensors")
     bad = run(sync_from_disk(engine, str(ckpt), "7", expected_sha256="0" * 64, check_beside=True))
     assert not bad.success and "corrupt" in bad.message and bad.weight_version == "7-unverified"
     assert engine.weight_version == "7-unverified"
