@@ -13,6 +13,9 @@ grants to one taker only, so a run started from the UI is executed once whoever 
 engine then runs it as it would in a subprocess (states, task runs, logs and results in Prefect), and
 the ``judge`` / ``trainer`` slots keep one run of each going. Config edits reach the runs after a
 restart of the flow server (the settings are read once per process, as the trainer service does).
+A thread cannot be killed: a run cancelled from the UI ends when its work does (a judge or train run
+takes seconds), and a server stopped under a run gives it :data:`STOP_GRACE_S` before marking it
+Crashed.
 """
 
 from __future__ import annotations
