@@ -67,7 +67,13 @@ max_tokens = 8
         with Traffic(base, "after") as after:
             last = max(int(p.name[1:]) for p in (data / "checkpoints").glob("v0*") if (p / "trainer.json").exists())
             _wait_for(lambda: ckpt(last + 1), 480, "a training step after the restart", up, log)
-        served = httpx.get(base + "/models").json()["data"][0]["weight_version"]
+            # the gateway's version and the champion read together, once the new step's gate and sync are
+            # through: read apart, a train run finishing in between (runs are threads of the flow server
+            # and take seconds) would make them disagree without anything being wrong
+            pair = {}
+            _wait_for(lambda: pair.update(served=_served(base), champion=_champion(data))
+                      or pair["served"] == pair["champion"], 120, "the champion served", up, log)
+            served, champion = pair["served"], pair["champion"]
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -86,9 +92,16 @@ max_tokens = 8
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     after_restart = json.loads((data / "checkpoints" / f"v{last + 1:06d}" / "trainer.json").read_text())
     assert after_restart["parent_version"] == str(last)  # resumed from the last checkpoint, not from scratch
+    assert served == champion  # the restarted gateway serves the gate's champion, never a refused candidate
+
+
+def _served(base: str) -> str:
+    return httpx.get(base + "/models", timeout=5).json()["data"][0]["weight_version"]
+
+
+def _champion(data) -> str:
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import current_champion
 
     with open_catalog(data, private=True) as con:
-        champion = current_champion(con)
-    assert served == champion  # the restarted gateway serves the gate's champion, never a refused candidate
+        return current_champion(con)
