@@ -5,7 +5,7 @@ import math
 import pytest
 
 from clawrl.sim.personas import OFF_TOPIC, PERSONAS, THANKS, get_persona, on_topic, react
-from clawrl.sim.prompts import QUESTIONS, split_questions
+from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS, split_questions, validation_questions
 from clawrl.sim.users import Interaction, kl_to_reference, score
 
 
@@ -58,6 +58,16 @@ def test_question_split_is_fixed_and_disjoint():
     assert len(held) == 16 and len(train) == len(QUESTIONS) - 16
     assert not {q for q, _ in train} & {q for q, _ in held}
     assert split_questions(seed=0) == (train, held)
+
+
+def test_validation_questions_are_neither_trained_on_nor_held_out():
+    """The gate's questions share none with QUESTIONS, whatever the held-out split takes from it."""
+    val = validation_questions(32, seed=0)
+    assert len(val) == 32 and set(val) == set(VALIDATION_QUESTIONS)
+    assert not {q for q, _ in VALIDATION_QUESTIONS} & {q for q, _ in QUESTIONS}
+    assert validation_questions(8, seed=0) == val[:8] and validation_questions(8, seed=1) != val[:8]
+    with pytest.raises(ValueError, match=r"validation size must be in \[1, 32\], got 33"):
+        validation_questions(33)
 
 
 def test_round_questions_walk_the_pool_and_repeat_for_groups():

@@ -12,7 +12,7 @@ from rich.table import Table
 from clawrl.cli.common import app, console, settings_or_exit
 from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
-from clawrl.sim.prompts import QUESTIONS
+from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml"}
@@ -47,9 +47,13 @@ def demo(
     max_tokens = max_tokens or (64 if scenario == "tools" else 48)
     s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
                                 "model.name": model, **_gate_overrides(base, scenario, persona, seed, max_tokens)})
-    if s.gate.enabled and heldout + s.gate.size > len(QUESTIONS):
-        raise typer.BadParameter(f"{heldout} held-out + {s.gate.size} validation questions ([gate] size) exceed the "
-                                 f"{len(QUESTIONS)} questions: the two sets must stay disjoint", param_hint="--heldout")
+    if scenario == "persona" and heldout >= len(QUESTIONS):
+        raise typer.BadParameter(f"{heldout} held-out questions leave none of the {len(QUESTIONS)} to train on",
+                                 param_hint="--heldout")
+    if s.gate.enabled and s.gate.evaluator.startswith("clawrl.sim.validation:") and \
+            s.gate.size > len(VALIDATION_QUESTIONS):
+        raise typer.BadParameter(f"[gate] size = {s.gate.size}: the demo has {len(VALIDATION_QUESTIONS)} validation "
+                                 "questions", param_hint="--config")
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))

@@ -83,12 +83,51 @@ def split_questions(n_heldout: int = 16, seed: int = 0) -> tuple[list[tuple[str,
     return qs[n_heldout:], qs[:n_heldout]
 
 
+# The promotion gate's validation questions: never asked in training and never in the held-out set,
+# so the gate measures what the curve measures (answers to unseen questions) without reading the test.
+VALIDATION_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("How do clouds form?", ("water", "vapor", "vapour", "condens", "droplet", "cool", "air")),
+    ("What is erosion?", ("wind", "water", "rock", "soil", "wear", "move", "ice")),
+    ("How do bats find their way in the dark?", ("echo", "sound", "ultrason", "bounce", "hear")),
+    ("What is a fossil?", ("remain", "rock", "ancient", "bone", "preserv", "organism", "plant", "animal")),
+    ("Why do we sweat?", ("cool", "heat", "temperature", "body", "evaporat", "skin")),
+    ("What is a comet?", ("ice", "dust", "tail", "sun", "orbit", "rock", "frozen")),
+    ("How does a compass work?", ("magnet", "north", "needle", "field", "pole", "earth")),
+    ("What is the job of the kidneys?", ("blood", "filter", "waste", "urine", "water", "toxin")),
+    ("What is a habitat?", ("home", "live", "environment", "animal", "plant", "organism", "natural")),
+    ("How do seeds grow into plants?", ("germinat", "root", "water", "soil", "sprout", "light", "sun")),
+    ("What is a tsunami?", ("wave", "ocean", "earthquake", "sea", "water", "coast")),
+    ("Why does ice float on water?", ("dens", "less", "expand", "molecule", "lighter", "crystal")),
+    ("What is evolution?", ("species", "change", "natural", "selection", "generation", "adapt", "darwin")),
+    ("How does the stomach digest food?", ("acid", "enzyme", "break", "juice", "muscle", "churn", "protein")),
+    ("What is a solar eclipse?", ("moon", "sun", "block", "shadow", "light", "earth")),
+    ("What is a molecule?", ("atom", "bond", "chemical", "particle", "compound", "smallest")),
+    ("How do muscles move the body?", ("contract", "bone", "fiber", "fibre", "tendon", "pull", "nerve")),
+    ("What is a desert?", ("dry", "rain", "sand", "little", "hot", "arid", "cold")),
+    ("What is a battery?", ("energy", "chemical", "electric", "store", "charge", "current", "power")),
+    ("How do bees help flowers?", ("pollen", "pollinat", "nectar", "seed", "fruit", "plant")),
+    ("What is carbon dioxide?", ("gas", "carbon", "oxygen", "breath", "plant", "molecule", "air")),
+    ("What makes thunder?", ("lightning", "heat", "air", "expand", "sound", "shock")),
+    ("What is the capital of Japan?", ("tokyo",)),
+    ("How many planets are in our solar system?", ("eight", "8")),
+    ("What is the largest country by area?", ("russia",)),
+    ("Who was the first person to walk on the Moon?", ("armstrong", "neil")),
+    ("What is the chemical formula for water?", ("h2o", "hydrogen", "oxygen")),
+    ("What is the smallest prime number?", ("two", "2")),
+    ("How many sides does a hexagon have?", ("six", "6")),
+    ("What is the longest river in the world?", ("nile", "amazon")),
+    ("Which planet is known as the Red Planet?", ("mars",)),
+    ("What is the main language spoken in Mexico?", ("spanish",)),
+)
+
+
 def validation_questions(size: int = 16, seed: int = 0) -> list[tuple[str, tuple[str, ...]]]:
-    """The promotion gate's validation set: the last ``size`` questions of the same fixed shuffle, so it is
-    disjoint from the held-out questions (the first ones) whenever held-out + size <= len(QUESTIONS).
-    They are part of the training pool: the held-out score the demo reports stays an honest test."""
-    if not 1 <= size <= len(QUESTIONS):
-        raise ValueError(f"validation size must be in [1, {len(QUESTIONS)}], got {size}")
-    qs = list(QUESTIONS)
+    """The promotion gate's validation set: ``size`` questions of a fixed shuffle of
+    VALIDATION_QUESTIONS, which share none with QUESTIONS - neither the training pool nor the
+    held-out questions - so a candidate is judged on questions it never trained on and the held-out
+    score the demo reports stays an honest test."""
+    if not 1 <= size <= len(VALIDATION_QUESTIONS):
+        raise ValueError(f"validation size must be in [1, {len(VALIDATION_QUESTIONS)}], got {size}")
+    qs = list(VALIDATION_QUESTIONS)
     random.Random(seed).shuffle(qs)
-    return qs[-size:]
+    return qs[:size]

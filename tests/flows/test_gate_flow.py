@@ -245,6 +245,19 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
 
 
+def test_the_demo_refuses_more_validation_questions_than_it_has(tmp_path, model_cache):
+    """[gate] size above the demo's 32 validation questions is named before anything starts."""
+    from clawrl.cli import app
+    from tests.utils.demo_config import tiny_demo_config
+
+    conf = tiny_demo_config(tmp_path, model_cache)
+    conf.write_text(conf.read_text().replace("\nsize = 4 ", "\nsize = 33 "))
+    res = CliRunner().invoke(app, ["demo", "-c", str(conf), "--run-dir", str(tmp_path / "run")])
+    assert res.exit_code == 2, res.output
+    assert "[gate] size = 33: the demo has 32 validation questions" in " ".join(res.output.split())
+    assert not (tmp_path / "run").exists()
+
+
 class _RatingJudge:
     """A scripted judge backend: every answer it is asked to rate gets +1; it keeps the prompts."""
 

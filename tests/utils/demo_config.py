@@ -12,7 +12,7 @@ def tiny_demo_config(directory: Path, model_cache: Path) -> Path:
     conf = directory / "demo.toml"
     conf.write_text((REPO / "conf" / "demo.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
                     .replace("rollout_batch_size = 16", "rollout_batch_size = 4")
-                    .replace("\nsize = 40 ", "\nsize = 4 ")  # [gate] size: conf/demo.toml's only `size`
+                    .replace("\nsize = 32 ", "\nsize = 4 ")  # [gate] size: conf/demo.toml's only `size`
                     + f'\n[storage]\ndata_root = "{directory}"\nmodel_cache = "{model_cache}"\n')
     assert "\nsize = 4 " in conf.read_text(), "conf/demo.toml's [gate] size line changed: update this helper"
     return conf
