@@ -122,17 +122,18 @@ def _direct_url(topology: str, engine_url: str, gateway_url: str) -> str:
 
 
 def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000, max_tokens: int = 8,
-                      append_turns: int = 200_000, device: str = "cpu", progress=None) -> dict[str, Any]:
+                      append_turns: int = 200_000, device: str = "cpu", model: str = "tiny",
+                      progress=None) -> dict[str, Any]:
     """Both topologies at each concurrency (``_measure``), the engine on ``device``, then the
     session-log append rate. ``progress(description)`` is called as each cell starts."""
     from clawrl.bench.storage import run_append_bench
     from clawrl.models import load_tokenizer, resolve_model_dir
 
-    tok = load_tokenizer(resolve_model_dir("tiny", model_cache))
+    tok = load_tokenizer(resolve_model_dir(model, model_cache))
     prompts = [(m, list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)))
                for m in _prompts(4 * requests_at(n, max(concurrencies)))]
     root, dtype = Path(tempfile.mkdtemp(prefix="clawrl-gwbench-")), bench_dtype(device)
-    env = {"CLAWRL__MODEL__NAME": "tiny", "CLAWRL__MODEL__DEVICE": device, "CLAWRL__MODEL__DTYPE": dtype,
+    env = {"CLAWRL__MODEL__NAME": model, "CLAWRL__MODEL__DEVICE": device, "CLAWRL__MODEL__DTYPE": dtype,
            "CLAWRL__STORAGE__MODEL_CACHE": str(model_cache), "CLAWRL__STORAGE__DATA_ROOT": str(root / "data"),
            "CLAWRL__SERVER__OPEN_MODE": "true", "OMP_NUM_THREADS": "1"}
     rows = []
@@ -160,7 +161,7 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
         progress("session-log append rate")
     append = run_append_bench(append_turns)
     return {"latency": rows, "append": append, "max_tokens": max_tokens, "device": device, "dtype": dtype,
-            "data_root": str(root / "data")}
+            "data_root": str(root / "data"), "model": model}
 
 
 def format_gateway_section(result: dict[str, Any]) -> str:
@@ -171,10 +172,10 @@ def format_gateway_section(result: dict[str, Any]) -> str:
         "## Gateway overhead and session-log append rate",
         "",
         machine_line(result["device"], result["dtype"]),
-        f"Tiny model, greedy, {result['max_tokens']} new tokens, a distinct user message per request (so the",
-        "gateway's cache of conversation pieces does not hide the encoding cost). Every client of a closed loop",
-        "alternates a direct call - the engine's `/generate` with the prompt ids the gateway renders - and a",
-        "gateway call - `/v1/chat/completions` with the messages, recorded in the session log - against one",
+        f"Model {result.get('model', 'tiny')}, greedy, {result['max_tokens']} new tokens, a distinct user message per",
+        "request (so the gateway's cache of conversation pieces does not hide the encoding cost). Every client of a",
+        "closed loop alternates a direct call - the engine's `/generate` with the prompt ids the gateway renders -",
+        "and a gateway call - `/v1/chat/completions` with the messages, recorded in the session log - against one",
         "engine, so both meet the same decode batches and machine load. `engine` = embedded: `clawrl serve` with",
         "its in-process engine (direct calls to its `/engine` mount); http: `clawrl serve` in front of `clawrl",
         "engine`, as in front of SGLang. `added_*` = gateway percentile - direct percentile; `added_p50_pct` =",

@@ -75,6 +75,8 @@ def bench_gateway(
                                                 "worst); concurrency c > 4 takes c/4 times as many.")] = 2000,
     concurrency: Annotated[str, typer.Option(help="Comma-separated concurrencies.")] = "1,16",
     append_turns: Annotated[int, typer.Option(help="Turns for the session-log append rate.")] = 200_000,
+    model: Annotated[str, typer.Option(help="Model the engine serves (tiny: the shortest engine call, so the "
+                                            "largest share for the gateway).")] = "tiny",
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
@@ -85,7 +87,8 @@ def bench_gateway(
     s = settings_or_exit(config)
     with _status("gateway bench") as progress:
         result = run_gateway_bench(model_cache=s.storage.models_dir, concurrencies=_split(concurrency, int),
-                                   n=requests, append_turns=append_turns, device=_device(device), progress=progress)
+                                   n=requests, append_turns=append_turns, device=_device(device), model=model,
+                                   progress=progress)
     _write("gateway", format_gateway_section(result), out)
 
 

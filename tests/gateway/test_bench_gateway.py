@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from clawrl.bench.gateway import _direct_url, _paired_loop, _prompts, run_gateway_bench
+from clawrl.bench.gateway import _direct_url, _paired_loop, _prompts, format_gateway_section, run_gateway_bench
 from clawrl.storage.catalog import open_catalog
 
 pytestmark = [pytest.mark.bench]
@@ -38,6 +38,7 @@ def test_gateway_bench_measures_both_topologies_and_logs_every_request(model_cac
     assert n == 2 * ((2 * 1 + 8) + (2 * 4 + 8)) and types == 1
     assert distinct >= 16  # distinct user messages, not one repeated prompt
     assert result["append"]["rows_in_duckdb"] == 2000
+    assert result["model"] == "tiny" and "Model tiny, greedy, 4 new tokens" in format_gateway_section(result)
 
 
 def test_paired_loop_alternates_paths_per_client():
