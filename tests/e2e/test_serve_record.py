@@ -34,8 +34,19 @@ def _line(lines: list[str], start: str) -> str | None:
 
 
 def _row(lines: list[str], label: str) -> str:
-    [row] = [x for x in lines if x.startswith(f"│ {label} ")]
-    return " ".join(row.replace("│", " ").split())
+    """The status table's row of ``label`` as one line of words, the lines its cells wrap onto joined
+    (the console may be narrower than the row: pytest-xdist's workers fix it at 80 columns)."""
+    [start] = [i for i, x in enumerate(lines) if x.startswith(f"│ {label} ")]
+    row = [lines[start]]
+    for x in lines[start + 1:]:
+        cells = x.split("│")
+        if len(cells) < 3 or cells[1].strip():  # a border, or the next row's label
+            break
+        row.append(x)
+    label_cells = [r.split("│")[1] for r in row]
+    value_cells = ["│".join(r.split("│")[2:]) for r in row]
+    return " ".join(" ".join(c.replace("│", " ") for c in label_cells).split()
+                    + " ".join(c.replace("│", " ") for c in value_cells).split())
 
 
 @pytest.mark.timeout(600)
