@@ -66,18 +66,26 @@ def test_rule_judge_flow_scores_correction_and_thanks(judged, tiny_engine):
     assert out["status"]["trainable"] == 2 and out["status"]["full_batches"] == 1
 
 
+def _judge_runs() -> dict[str, str]:
+    """{flow run id: name} of the session's Prefect server's runs of the judge flow."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as pc:
+        runs = pc.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["judge"])))
+    return {str(r.id): r.name for r in runs}
+
+
 def test_rerun_is_exactly_once_and_status_reports(judged):
+    before = _judge_runs()  # other tests' runs in the session's server (some name theirs themselves)
     s, conf, out = judged("grpo")
     from clawrl.flows.judge import judge_flow
 
     again = judge_flow(config_path=str(conf))
     assert again["judged"] == 0
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-
-    with get_client(sync_client=True) as pc:  # named for what they do, not "sandy-oyster"
-        names = [r.name for r in pc.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["judge"])))]
-    assert len(names) >= 2 and all(re.fullmatch(r"judge-\d{8}-\d{6}", n) for n in names), names
+    names = [name for run_id, name in _judge_runs().items() if run_id not in before]
+    # named for what they do, not "sandy-oyster"
+    assert len(names) == 2 and all(re.fullmatch(r"judge-\d{8}-\d{6}", n) for n in names), names
     assert q(s, "select count(*) as n from turn_fate")[0]["n"] == 5
     assert q(s, "select count(distinct sample_id) as n, count(*) as rows from samples")[0] == {"n": 2, "rows": 2}
     from clawrl.cli import app
