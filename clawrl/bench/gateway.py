@@ -172,7 +172,7 @@ def format_gateway_section(result: dict[str, Any]) -> str:
         "## Gateway overhead and session-log append rate",
         "",
         machine_line(result["device"], result["dtype"]),
-        f"Model {result.get('model', 'tiny')}, greedy, {result['max_tokens']} new tokens, a distinct user message per",
+        f"Model {result['model']}, greedy, {result['max_tokens']} new tokens, a distinct user message per",
         "request (so the gateway's cache of conversation pieces does not hide the encoding cost). Every client of a",
         "closed loop alternates a direct call - the engine's `/generate` with the prompt ids the gateway renders -",
         "and a gateway call - `/v1/chat/completions` with the messages, recorded in the session log - against one",

@@ -28,8 +28,9 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "How man
 
 @pytest.fixture
 def broken_run(prefect_harness, make_settings, tiny_engine, tmp_path):
-    """run(talk, **settings) -> (the doctor's text report, its findings by name): ``talk(client)`` plays
-    the clients against a gateway on the run's data root, then one judge flow run judges what they left."""
+    """run(talk, **settings) -> (the run's settings, the doctor's text report, its findings by name):
+    ``talk(client)`` plays the clients against a gateway on the run's data root, then one judge flow run
+    judges what they left."""
 
     def run(talk, **overrides):
         s = make_settings({"server.open_mode": True, "ppo.rollout_batch_size": 64, **overrides})
@@ -39,7 +40,8 @@ def broken_run(prefect_harness, make_settings, tiny_engine, tmp_path):
         app = create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
         with running_gateway(app) as gw:
             talk(OpenAI(base_url=gw.base_url, api_key="x", max_retries=0))
-            time.sleep(3 * s.server.session_idle_timeout_s if s.server.session_idle_timeout_s < 1 else 0)
+            if s.server.session_idle_timeout_s < 1:  # a short idle timeout: let the sweeper close the sessions
+                time.sleep(3 * s.server.session_idle_timeout_s)
         store.close()
         from clawrl.flows.judge import judge_flow
 
