@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,14 +31,45 @@ def client(data_root: Path):
     db = Path(data_root) / "mlflow" / "mlflow.db"
     db.parent.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{db}"
-    if not db.exists():  # a new store: MLflow's "Default" experiment keeps its artifacts here, not in the cwd
-        from mlflow.entities import ExperimentTag
-        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-        (db.parent / "artifacts").mkdir(exist_ok=True)
-        store = SqlAlchemyStore(uri, (db.parent / "artifacts").as_uri())
-        store.set_experiment_tag("0", ExperimentTag(*EXPERIMENT_KIND))
+    if not db.exists():
+        _create_store(db)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _create_store(db: Path) -> None:
+    """Make a new store under a temporary name and link it into place whole. MLflow creates its tables
+    and runs its migrations for seconds; a process killed meanwhile (a train run's warm-up opens the
+    store while the step trains) would otherwise leave a half-migrated ``mlflow.db`` that every later
+    open fails on ("table ... already exists"). When two processes race, the first link wins and the
+    other's copy is dropped. MLflow's "Default" experiment keeps its artifacts here, not in the cwd."""
+    from mlflow.entities import ExperimentTag
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    artifacts = db.parent / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    for stale in db.parent.glob(f".{db.name}.*.tmp*"):  # left by a killed process (and its journal)
+        with contextlib.suppress(ValueError, OSError):
+            if not _alive(int(stale.name.split(".")[-2].split("-")[0])):
+                stale.unlink()
+    tmp = db.with_name(f".{db.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", artifacts.as_uri())
+        store.set_experiment_tag("0", ExperimentTag(*EXPERIMENT_KIND))
+        store.engine.dispose()
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, db)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
 
 
 # the MLflow UI opens an experiment of this kind in its model-training view (runs, metrics, models),

@@ -222,7 +222,11 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
     PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
-    (root / "mlflow").mkdir(parents=True, exist_ok=True)
+    if not (root / "mlflow" / "mlflow.db").exists():  # made whole before MLflow's server and the flows open it
+        from clawrl.lineage import client as mlflow_client
+
+        echo(f"making MLflow's store in {root / 'mlflow'} ...")
+        mlflow_client(root)
     prefect_api = f"{client_url(host, prefect_port)}/api"
     base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=prefect_api,
                          MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",

@@ -185,6 +185,39 @@ def test_the_store_keeps_mlflow_default_experiment_under_the_data_root(tmp_path,
     assert list(cwd.iterdir()) == []  # nothing made in the working directory
 
 
+def test_a_process_killed_while_making_the_store_leaves_no_half_made_store(tmp_path):
+    """MLflow makes its tables, then runs its migrations, each committed on its own, for seconds: a
+    process killed in between (a train run's warm-up makes the store while its step trains) must not
+    leave an ``mlflow.db`` that every later open fails on ("table guardrails already exists")."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from clawrl.lineage import client as mlflow_client, experiment_id
+
+    root = tmp_path / "data"
+    script = textwrap.dedent(f"""
+        import os, sqlalchemy
+        import mlflow.store.db.utils as u
+        def killed_mid_migration(engine):  # the first tables, one table of a later migration, then SIGKILL
+            with engine.begin() as c:
+                c.execute(sqlalchemy.text("create table guardrails (guardrail_id varchar(36))"))
+            os._exit(137)
+        u._upgrade_db = killed_mid_migration
+        from clawrl.lineage import client
+        client({str(root)!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    mdir = root / "mlflow"
+    assert not (mdir / "mlflow.db").exists()
+    assert [p.name for p in mdir.iterdir() if p.name.endswith(".tmp")] != []  # the killed process's copy
+    ml = mlflow_client(root)  # a whole store, the killed process's copy swept away
+    assert ml.get_experiment(experiment_id(ml, root)).name == "clawrl"
+    assert ml.get_experiment("0").tags["mlflow.experimentKind"] == "custom_model_development"
+    assert sorted(p.name for p in mdir.iterdir()) == ["artifacts", "mlflow.db"]
+
+
 def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
     import re
 

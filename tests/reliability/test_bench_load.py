@@ -61,4 +61,6 @@ def test_load_under_clawrl_up_has_no_errors_and_reads_back_its_steps(model_cache
     # a step up's flow server made, synced and served, with its loop latency and its train run's tasks
     served = [st for st in r["steps"] if st["synced"] and isinstance(st["orchestration_s"], float)
               and {"claim_batch", "gate_checkpoint", "sync_weights"} <= set(st["tasks_s"])]
-    assert served, r["steps"]
+    assert served, [{k: st.get(k) for k in ("weight_version", "synced", "sync_message", "at_s", "first_served_s",
+                                             "orchestration_s")} | {"tasks": sorted(st["tasks_s"])}
+                    for st in r["steps"]]
