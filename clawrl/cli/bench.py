@@ -121,6 +121,7 @@ def bench_judge(
     turns: Annotated[int, typer.Option(help="Turns judged per concurrency.")] = 32,
     judge_samples: Annotated[int, typer.Option(help="PRM votes per turn.")] = 1,
     max_tokens: Annotated[int, typer.Option(help="Tokens per vote.")] = 32,
+    repeats: Annotated[int, typer.Option(min=1, help="Passes of the judge and of the engine each (best kept).")] = 2,
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
@@ -131,7 +132,8 @@ def bench_judge(
     s = settings_or_exit(config)
     with _status("judge bench"):
         rows = run_judge_bench(_split(models), cache_dir=s.storage.models_dir, n_turns=turns,
-                               judge_samples=judge_samples, max_tokens=max_tokens, device=_device(device))
+                               judge_samples=judge_samples, max_tokens=max_tokens, device=_device(device),
+                               repeats=repeats)
     _write("judge", format_judge_section(rows), out)
 
 

@@ -13,9 +13,10 @@ pytestmark = [pytest.mark.bench]
 
 
 def test_judge_bench_rows_and_gains(model_cache):
-    rows = run_judge_bench(("tiny",), cache_dir=model_cache, n_turns=4, max_tokens=4, concurrencies=(1, 2))
-    assert [(r["model"], r["concurrency"], r["turns"], r["judge_samples"]) for r in rows] == [
-        ("tiny", 1, 4, 1), ("tiny", 2, 4, 1)]
+    rows = run_judge_bench(("tiny",), cache_dir=model_cache, n_turns=4, max_tokens=4, concurrencies=(1, 2),
+                           repeats=1)
+    assert [(r["model"], r["concurrency"], r["turns"], r["judge_samples"], r["repeats"]) for r in rows] == [
+        ("tiny", 1, 4, 1, 1), ("tiny", 2, 4, 1, 1)]
     assert rows[0]["judge_gain"] == rows[0]["engine_gain"] == 1.0
     for r in rows:
         assert r["turns_per_s"] > 0 and r["engine_requests_per_s"] > 0
@@ -72,12 +73,13 @@ def test_cli_writes_the_judge_section_naming_the_device(model_cache, tmp_path):
 
     out = tmp_path / "benchmarks.md"
     res = CliRunner().invoke(app, ["bench", "judge", "--models", "tiny", "--turns", "2", "--max-tokens", "2",
-                                   "--device", "cpu", "--out", str(out)],
+                                   "--repeats", "2", "--device", "cpu", "--out", str(out)],
                              env={"CLAWRL__STORAGE__MODEL_CACHE": str(model_cache)})
     assert res.exit_code == 0, res.output
     text = out.read_text()
     assert text.count("<!-- judge-bench:start -->") == 1 and "## Judge throughput" in text
     assert f"; device cpu ({cpu_model()}), float32; " in text and "2-token votes" in text
+    assert "the best of 2 passes" in text
 
 
 def test_train_bench_times_only_the_parts_asked_for(model_cache, tmp_path):
