@@ -34,7 +34,7 @@ from tests.utils.turns import T0, build_next_state, build_turn, generate_turn
 pytestmark = [pytest.mark.reliability]
 
 JUDGE_POINTS = ["found", "verdict_written", "fate_written", "judged", "counted", "emitted"]
-TRAIN_POINTS = ["claimed", "trained", "logged", "recorded", "synced", "mid_checkpoint"]
+TRAIN_POINTS = ["claimed", "trained", "logged", "recorded", "gated", "synced", "mid_checkpoint"]
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "How many legs has a spider?",
              "What is 2 + 2?", "Spell 'cat' backwards.", "Which planet is red?", "Say hello in Spanish.",
@@ -231,26 +231,28 @@ def test_train_flow_killed_at_every_step_trains_the_uninterrupted_checkpoints(fl
         st = _ck_state(root)
         seen[point] = {"batches": len(st["batches"]), "rows": len(st["rows"]), "dirs": st["dirs"],
                        "runs": len(st["run_batches"])}
-    # where each kill landed: batch 1 claimed -> trained -> logged -> recorded, batch 2 done, batch 3 mid-save
+    # where each kill landed: batch 1 claimed -> trained -> logged -> recorded (once its checkpoint row exists,
+    # a restart goes on to the next batch), batch 2 gated, batch 3 synced, batch 4 mid-save
     assert seen["claimed"] == {"batches": 1, "rows": 0, "dirs": [], "runs": 0}
     assert seen["trained"] == {"batches": 1, "rows": 0, "dirs": ["v000001"], "runs": 0}
     assert seen["logged"] == {"batches": 1, "rows": 0, "dirs": ["v000001"], "runs": 1}
     assert seen["recorded"] == {"batches": 1, "rows": 1, "dirs": ["v000001"], "runs": 1}
-    assert seen["synced"] == {"batches": 2, "rows": 2, "dirs": ["v000001", "v000002"], "runs": 2}
-    staged = [d for d in seen["mid_checkpoint"]["dirs"] if d.startswith(".v000003.")]
-    assert seen["mid_checkpoint"]["batches"] == 3 and seen["mid_checkpoint"]["rows"] == 2 and len(staged) == 1
-    assert (ckdir / staged[0] / "model.safetensors").is_file() and not (ckdir / "v000003").exists()
+    assert seen["gated"] == {"batches": 2, "rows": 2, "dirs": ["v000001", "v000002"], "runs": 2}
+    assert seen["synced"] == {"batches": 3, "rows": 3, "dirs": ["v000001", "v000002", "v000003"], "runs": 3}
+    staged = [d for d in seen["mid_checkpoint"]["dirs"] if d.startswith(".v000004.")]
+    assert seen["mid_checkpoint"]["batches"] == 4 and seen["mid_checkpoint"]["rows"] == 3 and len(staged) == 1
+    assert (ckdir / staged[0] / "model.safetensors").is_file() and not (ckdir / "v000004").exists()
 
     _reset_trainer_limit()
-    out = train_flow(config_path=str(conf), max_steps=10)  # the restart: resumes batch 3, then batch 4
-    assert [st["weight_version"] for st in out["steps"]] == ["3", "4"]
+    out = train_flow(config_path=str(conf), max_steps=10)  # the restart: resumes batch 4, the last
+    assert [st["weight_version"] for st in out["steps"]] == ["4"]
 
     got, ref = _ck_state(root), flows_env["reference"]["ck"]
     used = [sid for b in got["batches"] for sid in b["sample_ids"]]
     assert len(used) == len(set(used)) == 8  # every sample consumed exactly once
     assert [b["sample_ids"] for b in got["batches"]] == [b["sample_ids"] for b in ref["batches"]]  # same batches
     assert [r["weight_version"] for r in got["rows"]] == ["1", "2", "3", "4"]
-    assert got["dirs"] == ["v000001", "v000002", "v000003", "v000004"]  # the half-written v3 was cleaned up
+    assert got["dirs"] == ["v000001", "v000002", "v000003", "v000004"]  # the half-written v4 was cleaned up
     assert got["run_batches"] == sorted(r["batch_id"] for r in got["rows"]) and got["model_versions"] == 4
     # byte-identical weights, step by step, to the run that was never killed
     assert [r["sha256"] for r in got["rows"]] == [r["sha256"] for r in ref["rows"]]
