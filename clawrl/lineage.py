@@ -56,8 +56,13 @@ def _create_store(db: Path) -> None:
         store = SqlAlchemyStore(f"sqlite:///{tmp}", artifacts.as_uri())
         store.set_experiment_tag("0", ExperimentTag(*EXPERIMENT_KIND))
         store.engine.dispose()
-        with contextlib.suppress(FileExistsError):
+        try:
             os.link(tmp, db)
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: a rename, which a racing process may overwrite
+            if not db.exists():
+                os.replace(tmp, db)
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -218,6 +218,19 @@ def test_a_process_killed_while_making_the_store_leaves_no_half_made_store(tmp_p
     assert sorted(p.name for p in mdir.iterdir()) == ["artifacts", "mlflow.db"]
 
 
+def test_a_store_is_made_where_hard_links_are_not_allowed(tmp_path, monkeypatch):
+    from clawrl.lineage import client as mlflow_client, experiment_id
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(dst))
+
+    monkeypatch.setattr("os.link", no_links)
+    root = tmp_path / "data"
+    ml = mlflow_client(root)
+    assert ml.get_experiment(experiment_id(ml, root)).name == "clawrl"
+    assert sorted(p.name for p in (root / "mlflow").iterdir()) == ["artifacts", "mlflow.db"]
+
+
 def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
     import re
 
