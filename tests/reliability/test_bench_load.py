@@ -42,6 +42,7 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
     assert ("| version | loop_s | judged_s | queued_s | read_s | train_s | state_s | checkpoint_s | eval_s "
             "| sync_s | orchestration_s | served_s |") in text
     assert "The promotion gate's evaluation (an evaluation engine on the same device) took" in text
+    assert _gate_actions(tmp_path / "load") == {"promote"}  # evaluated, then served whatever its score
     # each step's tasks, in the order they ran, the path to the sync first
     order = ["claim_batch", "run_step", "start_lineage", "record_checkpoint", "gate_checkpoint", "sync_weights",
              "log_lineage", "link_step", "log_doctor_report"]
@@ -61,6 +62,13 @@ def test_load_under_clawrl_up_has_no_errors_and_reads_back_its_steps(model_cache
     # a step up's flow server made, synced and served, with its loop latency and its train run's tasks
     served = [st for st in r["steps"] if st["synced"] and isinstance(st["orchestration_s"], float)
               and {"claim_batch", "gate_checkpoint", "sync_weights"} <= set(st["tasks_s"])]
+    assert _gate_actions(tmp_path / "load-up") == {"promote"}
     assert served, [{k: st.get(k) for k in ("weight_version", "synced", "sync_message", "at_s", "first_served_s",
                                              "orchestration_s")} | {"tasks": sorted(st["tasks_s"])}
                     for st in r["steps"]]
+
+
+def _gate_actions(root) -> set[str]:
+    from clawrl.storage.catalog import run_query
+
+    return {r["action"] for r in run_query(root, "select action from promotions where source = 'gate'").to_pylist()}
