@@ -25,14 +25,23 @@ EXPERIMENT = "clawrl"
 REGISTERED_MODEL = "clawrl-policy"
 
 
+def store_path(data_root: Path) -> Path:
+    """The sqlite file of the data root's MLflow store (tracking and registry)."""
+    return Path(data_root) / "mlflow" / "mlflow.db"
+
+
+def store_uri(data_root: Path) -> str:
+    return f"sqlite:///{store_path(data_root)}"
+
+
 def client(data_root: Path):
     from mlflow.tracking import MlflowClient
 
-    db = Path(data_root) / "mlflow" / "mlflow.db"
+    db = store_path(data_root)
     db.parent.mkdir(parents=True, exist_ok=True)
-    uri = f"sqlite:///{db}"
     if not db.exists():
         _create_store(db)
+    uri = store_uri(data_root)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from clawrl.config import child_env
+from clawrl.lineage import client as mlflow_client, store_path, store_uri
 from clawrl.serving import WILDCARD_HOSTS, client_url
 
 # Prefect keeps concurrency-slot leases in memory by default: a Prefect server killed while a flow run
@@ -117,7 +118,7 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     root = settings.storage.data_root
     gw = gateway_url(settings, host)
     prefect_api = f"{client_url(host, prefect_port)}/api"
-    mlflow_db = f"sqlite:///{root / 'mlflow' / 'mlflow.db'}"
+    mlflow_db = store_uri(root)
     judge_engine, gate_engine = _judge_engine(settings, config_path, host), _gate_engine(settings, config_path, host)
     flows_env = {**({"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}),
                  **({"CLAWRL__GATE__ENGINE_URL": gate_engine.url} if gate_engine else {})}
@@ -222,14 +223,12 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
     PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
-    if not (root / "mlflow" / "mlflow.db").exists():  # made whole before MLflow's server and the flows open it
-        from clawrl.lineage import client as mlflow_client
-
+    if not store_path(root).exists():  # made whole before MLflow's server and the flows open it
         echo(f"making MLflow's store in {root / 'mlflow'} ...")
         mlflow_client(root)
     prefect_api = f"{client_url(host, prefect_port)}/api"
     base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=prefect_api,
-                         MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow' / 'mlflow.db'}",
+                         MLFLOW_TRACKING_URI=store_uri(root),
                          CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port, host))
     base_env = {**SHARED_CPU_ENV, **base_env}
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
