@@ -374,11 +374,14 @@ def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float
     if step["first_served_s"] is None or None in (row["completed"], row["claimed"], row["synced"]):
         return dict.fromkeys(keys)
     first = run.t0_wall + step["first_served_s"]
+    # the engine serves the version before the sync call that swapped it returns and is recorded: a client
+    # may get it milliseconds before the sync's row, which then bounds nothing
+    synced = min(row["synced"], first)
     judged = max(row["judged"], row["completed"])
     spent = sum(step.get(k) or 0.0 for k in ("read_s", "train_s", "state_s", "checkpoint_s", "eval_s", "sync_s"))
-    flow = row["synced"] - row["claimed"] - spent
+    flow = synced - row["claimed"] - spent
     return dict(zip(keys, (first - row["completed"], judged - row["completed"], max(0.0, row["claimed"] - judged),
-                           first - row["synced"], flow)))
+                           first - synced, flow)))
 
 
 def format_load_section(r: dict[str, Any]) -> str:

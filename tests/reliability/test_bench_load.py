@@ -36,7 +36,8 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
     parts = ("judged_s", "queued_s", "read_s", "train_s", "state_s", "checkpoint_s", "eval_s", "sync_s",
              "orchestration_s", "served_s")
     assert all(st["loop_s"] == pytest.approx(sum(st[k] for k in parts)) for st in served), served  # the parts add up
-    assert all(min(st[k] for k in parts) >= 0 and st["eval_s"] > 0 for st in served), served  # the gate is on
+    assert all(min(st[k] for k in parts) >= 0 and st["eval_s"] > 0 for st in served), [  # the gate is on
+        {k: st[k] for k in parts} for st in served]
     assert all(st["checkpoint_s"] > 0 and st["read_s"] > 0 for st in served), served  # timed by the trainer
     text = format_load_section(r)
     assert ("| version | loop_s | judged_s | queued_s | read_s | train_s | state_s | checkpoint_s | eval_s "
