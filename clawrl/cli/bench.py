@@ -90,6 +90,7 @@ def bench_gateway(
                                    n=requests, append_turns=append_turns, device=_device(device), model=model,
                                    progress=progress)
     _write("gateway", format_gateway_section(result), out)
+    console.print(f"servers' logs and session log: {Path(result['data_root']).parent}", markup=False)
 
 
 @bench_app.command("long-prompt")

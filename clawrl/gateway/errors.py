@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 from clawrl.engine.types import BadRequestError
 
 
@@ -23,6 +25,9 @@ class GatewayError(Exception):
         """The OpenAI-style error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.status if self.code is None else self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def context_length_error(limit: int, prompt_tokens: int, completion_tokens: int | None = None) -> GatewayError:

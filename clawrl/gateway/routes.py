@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawrl.config import ConfigError, Settings, read_api_keys
 from clawrl.engine.types import Engine
 from clawrl.gateway import admin
-from clawrl.gateway.deps import AdminGuard, NamespaceDep, ServiceDep, TurnContextDep
+from clawrl.gateway.deps import SESSION_HEADERS, AdminGuard, ApiKeyGuard, NamespaceDep, ServiceDep, turn_context
 from clawrl.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -38,10 +38,6 @@ from clawrl.hooks import load_hook
 log = logging.getLogger("clawrl.gateway")
 
 
-def error_response(e: GatewayError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
 class BodyLimitMiddleware:
     """413 for bodies over the limit: on Content-Length before a byte is read, and on the bytes
     actually received (an HTTPException from ``receive``, which FastAPI's body reading passes on to
@@ -56,7 +52,7 @@ class BodyLimitMiddleware:
         too_large = f"request body exceeds {self.max_bytes} bytes"
         for k, v in scope.get("headers", []):
             if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                return await error_response(GatewayError(413, too_large))(scope, receive, send)
+                return await GatewayError(413, too_large).response()(scope, receive, send)
         received = 0
 
         async def guarded_receive():
@@ -164,14 +160,14 @@ v1 = APIRouter(prefix="/v1", route_class=JSONBodyRoute, strict_content_type=Fals
 ops = APIRouter()
 
 
-@v1.post("/chat/completions", response_model=ChatCompletion, responses={
+@v1.post("/chat/completions", response_model=ChatCompletion, openapi_extra={"parameters": SESSION_HEADERS}, responses={
     **ERROR_RESPONSES, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                              "description": "The completion; an SSE stream when stream = true."}})
-async def chat_completions(body: ChatCompletionRequest, ctx: TurnContextDep,
-                           request: JSONBodyRequest) -> Response:
+async def chat_completions(body: ChatCompletionRequest, request: JSONBodyRequest) -> Response:
     """A completion, recorded in the session log before the client gets the end of it (the JSON
     body, or a stream's last chunk)."""
     service: ChatService = request.app.state.service
+    ctx = turn_context(request)  # not a FastAPI dependency: solving one costs ~15% of the gateway's CPU a request
     metrics = service.metrics
     if service.paused:
         metrics.requests.labels("503", "unknown", "unknown").inc()
@@ -270,12 +266,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = errs[0] if errs else {}
     loc = ".".join(str(p) for p in first.get("loc", ())[1:])  # after "body" (or "header", "path"...)
     if first.get("type") == "json_invalid":
-        return error_response(GatewayError(400, f"request body is not valid JSON: {first['ctx']['error']}"))
+        return GatewayError(400, f"request body is not valid JSON: {first['ctx']['error']}").response()
     if first.get("type") == "missing" and not loc:  # FastAPI reads an empty body as none
-        return error_response(GatewayError(400, "request body is not valid JSON: it is empty"))
+        return GatewayError(400, "request body is not valid JSON: it is empty").response()
     msg = _JSON_TYPE_MESSAGES.get(first.get("type"), first.get("msg", "invalid request"))
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return error_response(GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None))
+    return GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None).response()
 
 
 async def _error(request: Request, exc: Exception) -> JSONResponse:
@@ -286,7 +282,7 @@ async def _error(request: Request, exc: Exception) -> JSONResponse:
     elif not isinstance(exc, GatewayError):
         log.exception("unhandled error")
         exc = GatewayError(500, f"internal error: {type(exc).__name__}", "server_error")
-    return error_response(exc)
+    return exc.response()
 
 
 def build_engine(settings: Settings) -> tuple[Engine, Any]:
@@ -366,6 +362,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             max_context_len=settings.engine.max_context_len), admin_keys=state.admin_keys, api_keys=api_keys))
     for router in (v1, ops, admin.router):
         app.include_router(router)
+    app.add_middleware(ApiKeyGuard, api_keys=api_keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
     return app
 
