@@ -128,6 +128,10 @@ class GateSettings(Section):
                              "and still be promoted, against the champion and against the best promoted score.")
     alpha: float = Field(0.05, gt=0, lt=1, description="Level of the one-sided paired t-test: a candidate "
                          "significantly worse than the champion is refused even within the tolerance.")
+    min_gain: float | None = Field(None, ge=0, le=1, description="Unset: a candidate not worse beyond the tolerance "
+                                   "is promoted. Set: it must also beat the champion's mean score by more than "
+                                   "this (0: any gain; a tie keeps the champion), so serving changes only for a "
+                                   "measured gain.")
     engine_url: str = Field("", description="A `clawrl engine` of the policy's model that the gate loads each "
                             "candidate (and champion) into over HTTP: its own engine, never one that serves users. "
                             "'': the train flow loads an evaluation engine in its own process (a fresh process per "

@@ -16,7 +16,11 @@ The rule (conservative: every clause can only refuse):
 4. with ``floor`` (the best mean any promoted version scored on these prompts and seeds):
    candidate mean < floor - tolerance -> refuse, so that promotions cannot drift down by one
    tolerance after another;
-5. else promote.
+5. with ``min_gain`` set: d̄ <= min_gain -> refuse: not better than the champion by more than
+   ``min_gain`` (0: any gain; a tie keeps the champion). Off (None), the gate promotes whatever is not
+   worse; on, serving changes only for a measured gain, so versions that merely hold the champion's
+   score cannot each move it a little lower on prompts the gate does not see;
+6. else promote.
 
 With every difference equal (s = 0) the test is exact: p = 0 when d̄ < 0, else 1.
 """
@@ -73,7 +77,7 @@ def paired_t(diffs: Sequence[float], alpha: float) -> tuple[float, float, float,
 
 
 def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, tolerance: float, alpha: float,
-                     floor: float | None = None) -> GateDecision:
+                     floor: float | None = None, min_gain: float | None = None) -> GateDecision:
     """The gate's decision on per-prompt scores (same prompts, same order, same seeds); the rule is
     in the module docstring. Raises ValueError on lists of different lengths or a bad setting."""
     if len(candidate) != len(champion):
@@ -94,6 +98,10 @@ def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, t
         decision, why = REFUSE, f"significantly worse (p < alpha {alpha:g})"
     elif floor is not None and cand < floor - tolerance:
         decision, why = REFUSE, f"below the best promoted score {floor:.3f} by more than the tolerance {tolerance:g}"
+    elif min_gain is not None and mean <= min_gain:
+        decision, why = REFUSE, f"not better than the champion by more than min_gain {min_gain:g}"
+    elif min_gain is not None:
+        decision, why = PROMOTE, f"better than the champion by more than min_gain {min_gain:g}"
     else:
         decision, why = PROMOTE, f"not worse beyond the tolerance {tolerance:g}"
     return GateDecision(decision, f"{why}: {evidence}", n, cand, champ, mean, low, high, p, tolerance, alpha, floor)

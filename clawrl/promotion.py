@@ -98,8 +98,8 @@ def measure(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet,
 
 
 def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, adapter: ChatAdapter,
-                   eval_set: EvalSet, base_dir: Path, tolerance: float, alpha: float, state_dict: Any = None,
-                   mlflow_run_id: str | None = None) -> dict[str, Any]:
+                   eval_set: EvalSet, base_dir: Path, tolerance: float, alpha: float, min_gain: float | None = None,
+                   state_dict: Any = None, mlflow_run_id: str | None = None) -> dict[str, Any]:
     """Decide on weight version ``candidate`` (``state_dict``: its weights in memory, else its
     checkpoint is loaded). Returns the decision with its evidence (``clawrl.gate.GateDecision``'s
     fields), ``champion_version`` (before), ``serve_version`` (after), ``eval_seconds`` (engine time
@@ -108,8 +108,8 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
     with open_catalog(data_root) as con:
         line = champion_stack(con)
         champion = line[-1]
-        d, seconds = _decide(store, con, engine, adapter, eval_set, champion, str(candidate), base_dir, tolerance,
-                             alpha, state_dict)
+        d, seconds = _decide(store, con, engine, adapter, eval_set, champion, str(candidate), base_dir,
+                             dict(tolerance=tolerance, alpha=alpha, min_gain=min_gain), state_dict)
     action = PromotionAction.PROMOTE if d.promoted else PromotionAction.REFUSE
     row = PromotionRecord(
         promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(candidate),
@@ -128,18 +128,19 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
 
 
 def _decide(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, champion: str, candidate: str,
-            base_dir: Path, tolerance: float, alpha: float, state_dict: Any) -> tuple[GateDecision, float]:
+            base_dir: Path, rule: dict[str, Any], state_dict: Any) -> tuple[GateDecision, float]:
     """(the decision on ``candidate`` against ``champion``, engine seconds spent measuring now). A set
-    with no prompts (a replay set short of judged turns) measures nothing: the rule refuses, saying why."""
+    with no prompts (a replay set short of judged turns) measures nothing: the rule refuses, saying why.
+    ``rule``: ``decide_promotion``'s settings (tolerance, alpha, min_gain)."""
     if not eval_set.prompts:
-        d = decide_promotion([], [], tolerance=tolerance, alpha=alpha)
+        d = decide_promotion([], [], **rule)
         return (replace(d, reason=f"{d.reason} ({eval_set.note})") if eval_set.note else d), 0.0
     champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
     cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
     floor = best_promoted_mean(con, eval_set.key)
     if fresh_champ:  # measured just now, so not yet in the table the floor was read from
         floor = champ.mean if floor is None else max(floor, champ.mean)
-    d = decide_promotion(cand.scores, champ.scores, tolerance=tolerance, alpha=alpha, floor=floor)
+    d = decide_promotion(cand.scores, champ.scores, floor=floor, **rule)
     return d, (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
 
 

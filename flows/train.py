@@ -15,7 +15,8 @@ Exactly once, with a crash allowed between any two tasks:
 5. ``gate_checkpoint``: the new version is a candidate; the promotion gate (``clawrl.promotion``)
    scores it on the ``[gate]`` evaluation set in an evaluation engine (``[gate] engine_url``: the one
    `clawrl up` keeps, over HTTP; else one loaded in this process), paired with the champion,
-   and promotes it only when it is not worse beyond the tolerance. The decision is a ``promotions``
+   and promotes it only when it is not worse beyond the tolerance (and, with ``min_gain``, better by
+   more than that). The decision is a ``promotions``
    row and points on the step's MLflow run. With ``[gate] enabled = false`` every candidate is
    promoted unevaluated.
 6. ``sync_weights`` pushes the champion to the serving engine (``clawrl.sync``): the candidate when
@@ -233,6 +234,7 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
         out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
                              adapter=eval_adapter(s, engine), eval_set=gate_eval_set(s, step["batch_id"]),
                              base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
+                             min_gain=s.gate.min_gain,
                              state_dict=tr.state_dict() if tr is not None and tr.weight_version == version
                              and not s.gate.engine_url else None,  # in memory only into an engine in this process
                              mlflow_run_id=run_id)

@@ -43,6 +43,23 @@ def test_promotions_cannot_drift_below_the_best_promoted_score():
     assert decide_promotion([0.7] * 5, [0.6] * 5, tolerance=0.1, alpha=0.05, floor=0.75).promoted  # 0.7 >= 0.65
 
 
+def test_with_min_gain_only_a_gain_beyond_it_is_promoted():
+    # the first test's pair: d̄ = 0, not worse (promoted without min_gain) but no gain: the champion stays
+    tie = decide_promotion([1, 1, 0.5, 0], [0.5, 1, 1, 0], tolerance=0.05, alpha=0.05, min_gain=0.0)
+    assert tie.decision == REFUSE and tie.mean_diff == 0 and tie.p_value == pytest.approx(0.5)
+    assert tie.reason.startswith("not better than the champion by more than min_gain 0: candidate 0.625")
+    # d = [0.5, 0, 0, 0]: d̄ = 0.125 > 0 -> promoted; > 0.1 too; not > 0.125 (d̄ itself)
+    cand, champ = [1, 1, 1, 0], [0.5, 1, 1, 0]
+    gain = decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.0)
+    assert gain.promoted and gain.mean_diff == 0.125
+    assert gain.reason.startswith("better than the champion by more than min_gain 0: candidate 0.750 vs champion 0.625")
+    assert decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.1).promoted
+    assert not decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.125).promoted
+    # the refusing clauses come first: a gain over a champion that slipped below the floor is still refused
+    low = decide_promotion([0.7] * 5, [0.6] * 5, tolerance=0.05, alpha=0.05, floor=0.8, min_gain=0.0)
+    assert low.decision == REFUSE and low.reason.startswith("below the best promoted score 0.800")
+
+
 def test_equal_differences_decide_by_their_sign():
     assert paired_t([-0.1, -0.1], 0.05) == (pytest.approx(-0.1), 0.0, pytest.approx(-0.1), pytest.approx(-0.1))
     assert paired_t([0.0, 0.0, 0.0], 0.05) == (0.0, 1.0, 0.0, 0.0)

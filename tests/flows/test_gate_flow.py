@@ -237,6 +237,8 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
         assert 0.0 <= r["val_candidate"] <= 1.0 and 0.0 <= r["val_champion"] <= 1.0
         if r["gate"] == "promote":
             assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["score"]
+        # conf/demo.toml's min_gain = 0: a tie or a loss on validation keeps the champion
+        assert (r["gate"] == "promote") == (r["val_candidate"] > r["val_champion"]), r
     assert "promotion: champion version" in out.stdout and "gate" in out.stdout
     assert "by gate on the validation set (" in out.stdout or "refused on the validation set (" in out.stdout
     run_conf = (run / "config.toml").read_text()
