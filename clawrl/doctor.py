@@ -241,6 +241,7 @@ GATE_STALL = 3  # refused candidates in a row that make the gate a finding
 
 
 def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
+    from clawrl.gate import NO_GAIN
     from clawrl.storage.promotions import consecutive_refusals, current_champion, promotion_log
 
     log = promotion_log(con)
@@ -248,6 +249,9 @@ def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
     summary = f"champion v{champion}; {sum(r['action'] == 'refuse' for r in log)} of " \
               f"{sum(r['source'] == 'gate' for r in log)} gated candidates refused, {refused} in a row"
     sql = "SELECT action, weight_version, champion_version, reason, created_at FROM promotions ORDER BY created_at DESC"
+    if refused >= GATE_STALL and all(r["reason"].startswith(NO_GAIN) for r in log[-refused:]):
+        return Finding("promotion", True, summary + f"; none of the last {refused} beat the champion by more than "
+                       "[gate] min_gain: a plateau, not a fault")
     if refused >= GATE_STALL:
         return Finding("promotion", False, summary + f"; last: {log[-1]['reason']}",
                        f"training goes on but the last {refused} checkpoints scored worse than the champion "

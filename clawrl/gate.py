@@ -34,6 +34,7 @@ from typing import Any
 
 PROMOTE = "promote"
 REFUSE = "refuse"
+NO_GAIN = "not better than the champion by more than min_gain"  # how a refusal for want of a gain begins
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, t
     elif floor is not None and cand < floor - tolerance:
         decision, why = REFUSE, f"below the best promoted score {floor:.3f} by more than the tolerance {tolerance:g}"
     elif min_gain is not None and mean <= min_gain:
-        decision, why = REFUSE, f"not better than the champion by more than min_gain {min_gain:g}"
+        decision, why = REFUSE, f"{NO_GAIN} {min_gain:g}"
     elif min_gain is not None:
         decision, why = PROMOTE, f"better than the champion by more than min_gain {min_gain:g}"
     else:

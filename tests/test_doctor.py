@@ -244,3 +244,10 @@ def test_a_gate_that_keeps_refusing_is_a_finding_with_the_last_reason(tmp_path):
     assert not f.ok and "the last 3 checkpoints scored worse than the champion v1" in f.cause
     assert f.summary.endswith("; last: worse by more than the tolerance 0.05: candidate 0.500 vs ...")
     assert "a reward with the wrong sign" in f.fix and "FROM promotions" in f.sql
+    # candidates refused only for want of a gain ([gate] min_gain) are a plateau: not a finding
+    write(tmp_path, [row(i, "promote" if i == 4 else "refuse", str(i + 1), "ok" if i == 4 else
+                         "not better than the champion by more than min_gain 0: candidate 0.703 vs ...")
+                     for i in range(4, 8)])
+    f = findings(tmp_path)["promotion"]
+    assert f.ok and f.summary == ("champion v5; 6 of 8 gated candidates refused, 3 in a row; none of the last 3 "
+                                  "beat the champion by more than [gate] min_gain: a plateau, not a fault")
