@@ -107,6 +107,26 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
+def document_api_key(app) -> None:
+    """Name ApiKeyGuard's bearer key in the app's OpenAPI (FastAPI's way of extending its schema): a
+    security scheme that every /v1 operation requires, so /docs offers to authorize with a key."""
+    make = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = make()  # FastAPI's own, cached as app.openapi_schema
+            schema.setdefault("components", {}).setdefault("securitySchemes", {})["apiKey"] = {
+                "type": "http", "scheme": "bearer",
+                "description": "An API key from the env var named by server.api_keys_env."}
+            for path, operations in schema["paths"].items():
+                if path.startswith("/v1/"):
+                    for op in operations.values():
+                        op["security"] = [{"apiKey": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 async def get_service(request: Request) -> ChatService:
     return request.app.state.service
 

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clawrl.config import ConfigError, Settings, read_api_keys
 from clawrl.engine.types import Engine
 from clawrl.gateway import admin
-from clawrl.gateway.deps import SESSION_HEADERS, AdminGuard, ApiKeyGuard, NamespaceDep, ServiceDep, turn_context
+from clawrl.gateway.deps import SESSION_HEADERS, AdminGuard, ApiKeyGuard, NamespaceDep, ServiceDep, document_api_key, turn_context
 from clawrl.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -363,6 +363,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
     for router in (v1, ops, admin.router):
         app.include_router(router)
     app.add_middleware(ApiKeyGuard, api_keys=api_keys)
+    if api_keys:
+        document_api_key(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
     return app
 

@@ -297,6 +297,14 @@ def test_api_keys_and_namespaces(gateway, monkeypatch):
             anon.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         assert e.value.status_code == 401 and e.value.body["type"] == "authentication_error"
         assert httpx.post(gw.base_url + "/chat/completions", json={"messages": []}).status_code == 401
+        spec = httpx.get(gw.url + "/openapi.json").json()  # /docs offers to authorize with a bearer key
+        assert spec["components"]["securitySchemes"]["apiKey"] == {
+            "type": "http", "scheme": "bearer", "description": "An API key from the env var named by server.api_keys_env."}
+        assert {p: [op.get("security") for op in ops.values()] for p, ops in spec["paths"].items()
+                if p.startswith("/v1/")} == {"/v1/chat/completions": [[{"apiKey": []}]],
+                                             "/v1/models": [[{"apiKey": []}]],
+                                             "/v1/sessions/{session_id}": [[{"apiKey": []}]]}
+        assert "security" not in spec["paths"]["/healthz"]["get"]
         for key in ("key-alpha", "key-beta"):
             OpenAI(base_url=gw.base_url, api_key=key).chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2, extra_body={"session_id": "same"})
