@@ -98,7 +98,8 @@ class ApiKeyGuard:
         self.app, self.api_keys = app, api_keys
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))  # as the router matches it
+        if scope["type"] == "http" and path.startswith("/v1/") and scope["method"] != "OPTIONS":
             try:
                 namespace = check_api_key(bearer_token(Headers(scope=scope).get("authorization")), self.api_keys)
             except GatewayError as e:
