@@ -18,7 +18,9 @@ the trainer's pruning of old checkpoints must not take away what serves or what 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +111,8 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
         line = champion_stack(con)
         champion = line[-1]
         d, seconds = _decide(store, con, engine, adapter, eval_set, champion, str(candidate), base_dir,
-                             dict(tolerance=tolerance, alpha=alpha, min_gain=min_gain), state_dict)
+                             partial(decide_promotion, tolerance=tolerance, alpha=alpha, min_gain=min_gain),
+                             state_dict)
     action = PromotionAction.PROMOTE if d.promoted else PromotionAction.REFUSE
     row = PromotionRecord(
         promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(candidate),
@@ -128,19 +131,19 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
 
 
 def _decide(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, champion: str, candidate: str,
-            base_dir: Path, rule: dict[str, Any], state_dict: Any) -> tuple[GateDecision, float]:
+            base_dir: Path, decide: Callable[..., GateDecision], state_dict: Any) -> tuple[GateDecision, float]:
     """(the decision on ``candidate`` against ``champion``, engine seconds spent measuring now). A set
     with no prompts (a replay set short of judged turns) measures nothing: the rule refuses, saying why.
-    ``rule``: ``decide_promotion``'s settings (tolerance, alpha, min_gain)."""
+    ``decide``: ``decide_promotion`` with the gate's tolerance, alpha and min_gain."""
     if not eval_set.prompts:
-        d = decide_promotion([], [], **rule)
+        d = decide([], [])
         return (replace(d, reason=f"{d.reason} ({eval_set.note})") if eval_set.note else d), 0.0
     champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
     cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
     floor = best_promoted_mean(con, eval_set.key)
     if fresh_champ:  # measured just now, so not yet in the table the floor was read from
         floor = champ.mean if floor is None else max(floor, champ.mean)
-    d = decide_promotion(cand.scores, champ.scores, floor=floor, **rule)
+    d = decide(cand.scores, champ.scores, floor=floor)
     return d, (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
 
 

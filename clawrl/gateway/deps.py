@@ -140,13 +140,16 @@ async def require_admin(request: Request, authorization: Annotated[str | None, H
     check_admin_key(bearer_token(authorization), request.app.state.admin_keys, request.app.state.api_keys)
 
 
+FLAG_TRUE, FLAG_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")  # X-Session-Done's words
+
+
 def _flag(v: str | None) -> bool | None:
     if v is None:
         return None
     low = v.strip().lower()
-    if low in ("1", "true", "yes", "on"):
+    if low in FLAG_TRUE:
         return True
-    if low in ("0", "false", "no", "off", ""):
+    if low in FLAG_FALSE or not low:
         return False
     raise GatewayError(400, f"X-Session-Done must be true or false, got {v!r}", param="X-Session-Done")
 
@@ -162,7 +165,7 @@ SESSION_HEADERS = [
      "schema": {"type": "string", "enum": ["main", "side"]}},
     {"name": "X-Session-Done", "in": "header", "required": False,
      "description": "true: this turn ends its session (its next state is then not waited for).",
-     "schema": {"type": "string", "enum": ["true", "false", "1", "0", "yes", "no", "on", "off"]}},
+     "schema": {"type": "string", "enum": [*FLAG_TRUE, *FLAG_FALSE]}},
 ]
 
 
