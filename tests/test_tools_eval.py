@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from clawrl.bench.tools_eval import answer_rows, compare, format_section, paired, per_task
+from clawrl.sim.prompts import QUESTIONS
+from clawrl.sim.tools import unseen_plain_tasks
 
 
 def _row(q: str, tool: bool, **kw) -> dict:
@@ -32,12 +34,29 @@ def test_per_task_rates_and_the_paired_statistics_by_hand():
     text = format_section(list(rows.values()), ("base", "v000016"), samples=2, machine="Machine: m.")
     assert "| tool_use | 0.250 | 0.750 | 2 | +0.500 | n/a | 2 | 0 |" in text
     assert "| plain_quality | 1.000 | 0.500 | 1 | -0.500 | n/a | 0 | 1 |" in text
+    assert "plain_quality_unseen" not in rows  # neither version was asked unseen questions
+
+
+def test_unseen_plain_questions_are_kept_apart_and_compared_on_their_own():
+    unseen = unseen_plain_tasks()
+    assert len(unseen) == 28 and not {t.question for t in unseen} & {q for q, _ in QUESTIONS}
+    assert all(not t.needs_tool and t.keywords for t in unseen)
+    assert not any("capital" in t.question.lower() or "how many" in t.question.lower() for t in unseen)
+    first = [_row("p", False, solved=True), _row("u", False, unseen=True), _row("u", False, unseen=True, solved=True)]
+    second = [_row("p", False), _row("u", False, unseen=True, solved=True), _row("u", False, unseen=True, solved=True)]
+    rows = {r["rate"]: r for r in compare(first, second)}
+    assert (rows["plain_quality"]["first"], rows["plain_quality"]["second"]) == (1.0, 0.0)  # "p" alone
+    assert (rows["plain_quality_unseen"]["first"], rows["plain_quality_unseen"]["second"]) == (0.5, 1.0)
+    assert rows["plain_quality_unseen"]["tasks"] == 1 and rows["plain_quality_unseen"]["up"] == 1
 
 
 def test_answer_rows_ask_every_held_out_task_through_the_gateway(make_settings, tiny_dir):
     s = make_settings({"server.open_mode": True, "ppo.temperature": 0.3, "engine.max_batch_size": 8})
-    rows = answer_rows(s, tiny_dir, samples=2, heldout=4, seed=0, max_tokens=4)
-    assert len(rows) == 8  # (2 tool tasks + 2 plain questions) x 2 answers
-    assert sum(r["needs_tool"] for r in rows) == 4 and len({r["question"] for r in rows}) == 4
+    rows = answer_rows(s, tiny_dir, samples=2, heldout=4, seed=0, max_tokens=4, unseen=3)
+    assert len(rows) == 14  # (2 tool tasks + 2 plain questions + 3 unseen plain questions) x 2 answers
+    assert sum(r["needs_tool"] for r in rows) == 4 and len({r["question"] for r in rows}) == 7
+    assert sum(r["unseen"] for r in rows) == 6 and not any(r["needs_tool"] for r in rows if r["unseen"])
+    held = {r["question"] for r in rows if not r["unseen"]}
+    assert held.isdisjoint(t.question for t in unseen_plain_tasks())
     assert all(isinstance(r[k], bool) for r in rows for k in ("correct_call", "calls", "solved"))
     assert not (s.storage.data_root / "tables").exists()  # the comparison's turns never enter the run's data

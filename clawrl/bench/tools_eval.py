@@ -4,7 +4,9 @@
 in steps of 1/12); this compares two versions - by default the base model and a checkpoint of the
 run - on the same held-out tool tasks and plain questions with ``samples`` answers each, the same
 seeds for both, through the gateway with the openai SDK as the demo's users. Per task the answers'
-rate is one paired observation: the comparison is a paired t statistic over the tasks.
+rate is one paired observation: the comparison is a paired t statistic over the tasks. Plain-question
+quality is also measured on ``unseen`` plain questions the scenario never asks
+(:func:`clawrl.sim.tools.unseen_plain_tasks`), since a dozen held-out ones resolve little.
 """
 
 from __future__ import annotations
@@ -15,20 +17,25 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.sim.tool_users import tool_round
-from clawrl.sim.tools import split_tasks
+from clawrl.sim.tools import split_tasks, unseen_plain_tasks
 
-RATES = {"tool_use": ("correct_call", True), "solved": ("solved", True), "plain_quality": ("solved", False),
-         "false_call_rate": ("calls", False)}
+# rate -> (row key, tool tasks (True) or plain questions (False), unseen plain questions)
+RATES = {"tool_use": ("correct_call", True, False), "solved": ("solved", True, False),
+         "plain_quality": ("solved", False, False), "plain_quality_unseen": ("solved", False, True),
+         "false_call_rate": ("calls", False, False)}
 
 
-def answer_rows(settings, model_dir: Path, *, samples: int, heldout: int, seed: int, max_tokens: int) -> list[dict]:
-    """Each held-out task asked ``samples`` times of ``model_dir`` behind a gateway: one row per answer."""
+def answer_rows(settings, model_dir: Path, *, samples: int, heldout: int, seed: int, max_tokens: int,
+                unseen: int = 0) -> list[dict]:
+    """Each held-out task, and the first ``unseen`` unseen plain questions, asked ``samples`` times of
+    ``model_dir`` behind a gateway: one row per answer."""
     from clawrl.flows.loop import talk
     from clawrl.gateway.routes import build_engine, create_app
     from clawrl.serving import serve_in_thread
     from clawrl.storage.writer import DataStore
 
     _, held, _, plain = split_tasks(seed, n_heldout=heldout // 2, plain_heldout=heldout // 2)
+    new = unseen_plain_tasks()[:unseen]
     with tempfile.TemporaryDirectory() as tmp:  # the answers are logged like any turns, then dropped
         s = settings.model_copy(update={
             "model": settings.model.model_copy(update={"name": str(model_dir)}),
@@ -38,21 +45,25 @@ def answer_rows(settings, model_dir: Path, *, samples: int, heldout: int, seed: 
         store = DataStore(tmp)
         gw = serve_in_thread(create_app(s, engine=engine, tokenizer=tokenizer, store=store))
         try:
-            xs = talk(gw.url, tool_round, (held + plain) * samples, round_id="compare", train=False,
+            xs = talk(gw.url, tool_round, (held + plain + new) * samples, round_id="compare", train=False,
                       max_tokens=max_tokens, temperature=settings.ppo.temperature, seed=seed * 7919 + 1)
         finally:
             gw.stop()
             store.close()
-    return [{"question": x.task.question, "needs_tool": x.task.needs_tool, "correct_call": bool(x.correct_call),
-             "calls": bool(x.calls), "solved": bool(x.solved)} for x in xs]
+    unseen_q = {t.question for t in new}
+    return [{"question": x.task.question, "needs_tool": x.task.needs_tool, "unseen": x.task.question in unseen_q,
+             "correct_call": bool(x.correct_call), "calls": bool(x.calls), "solved": bool(x.solved)} for x in xs]
 
 
-def per_task(rows: list[dict], key: str, needs_tool: bool) -> dict[str, float]:
+def _of(rows: list[dict], needs_tool: bool, unseen: bool) -> list[dict]:
+    return [r for r in rows if r["needs_tool"] == needs_tool and r.get("unseen", False) == unseen]
+
+
+def per_task(rows: list[dict], key: str, needs_tool: bool, unseen: bool = False) -> dict[str, float]:
     """Each task's rate of ``key`` over its answers."""
     hits: dict[str, list[bool]] = {}
-    for r in rows:
-        if r["needs_tool"] == needs_tool:
-            hits.setdefault(r["question"], []).append(r[key])
+    for r in _of(rows, needs_tool, unseen):
+        hits.setdefault(r["question"], []).append(r[key])
     return {q: sum(v) / len(v) for q, v in hits.items()}
 
 
@@ -68,11 +79,14 @@ def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
 
 
 def compare(first: list[dict], second: list[dict]) -> list[dict[str, Any]]:
-    """One row per rate: both versions' rate over all answers and the paired statistics per task."""
+    """One row per rate both versions were asked: their rate over all answers and the paired
+    statistics per task."""
     out = []
-    for name, (key, tool) in RATES.items():
-        a, b = per_task(first, key, tool), per_task(second, key, tool)
-        answers = [[r[key] for r in rows if r["needs_tool"] == tool] for rows in (first, second)]
+    for name, (key, tool, unseen) in RATES.items():
+        answers = [[r[key] for r in _of(rows, tool, unseen)] for rows in (first, second)]
+        if not all(answers):
+            continue
+        a, b = per_task(first, key, tool, unseen), per_task(second, key, tool, unseen)
         first_rate, second_rate = (sum(x) / len(x) for x in answers)
         out.append({"rate": name, "first": first_rate, "second": second_rate, **paired(a, b)})
     return out
@@ -81,7 +95,8 @@ def compare(first: list[dict], second: list[dict]) -> list[dict[str, Any]]:
 def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, samples: int, machine: str) -> str:
     head = ["## Tools scenario: two versions on the held-out split", "", machine,
             f"`{labels[0]}` vs `{labels[1]}`: the held-out tool tasks and plain questions, {samples} answers to each "
-            "with the same seeds for both; paired over the tasks.", "",
+            "with the same seeds for both; paired over the tasks. `plain_quality_unseen`: the same on plain "
+            "questions the scenario never asks (`clawrl.sim.tools.unseen_plain_tasks`).", "",
             "| rate | " + f"{labels[0]} | {labels[1]} | tasks | diff | paired t | up | down |", "|---" * 8 + "|"]
     for r in rows:
         t = "n/a" if r["t"] is None else f"{r['t']:+.2f}"

@@ -236,6 +236,8 @@ def bench_tools(
                                               "compared with the config's model.")],
     samples: Annotated[int, typer.Option(min=1, help="Answers to each held-out task, per version.")] = 8,
     heldout: Annotated[int, typer.Option(min=2, help="Held-out tasks: half tool tasks, half plain questions.")] = 24,
+    unseen: Annotated[int, typer.Option(min=0, help="Plain questions the scenario never asks (28 in all), also "
+                                                    "answered: plain_quality_unseen; 0: none.")] = 28,
     seed: Annotated[int, typer.Option(help="The demo's seed: which tasks are held out.")] = 0,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.")] = 64,
     out: OutOpt = REPORT,
@@ -255,7 +257,7 @@ def bench_tools(
     with _status("tools comparison") as progress:
         for label, model_dir in (("base", base), ("versus", versus)):
             answers.append(answer_rows(s, model_dir, samples=samples, heldout=heldout, seed=seed,
-                                       max_tokens=max_tokens))
+                                       max_tokens=max_tokens, unseen=unseen))
             progress(f"{label}: {len(answers[-1])} answers")
     device, _ = resolve_device(s.model.device)
     section = format_section(compare(*answers), (s.model.name, versus.name), samples=samples,

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.sim.prompts import QUESTIONS
+from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
@@ -247,9 +247,18 @@ def tool_tasks(n: int, seed: int) -> list[ToolTask]:
     return out
 
 
+_TOOLISH = ("capital", "how many", "boiling", "freezing", "speed of", "language")  # what a tool could answer
+
+
 def plain_tasks() -> list[ToolTask]:
-    return [ToolTask(q, "", "{}", "", kw) for q, kw in QUESTIONS if not any(
-        w in q.lower() for w in ("capital", "how many", "boiling", "freezing", "speed of", "language"))]
+    return [ToolTask(q, "", "{}", "", kw) for q, kw in QUESTIONS if not any(w in q.lower() for w in _TOOLISH)]
+
+
+def unseen_plain_tasks() -> list[ToolTask]:
+    """Plain questions the tools scenario never asks, neither in training nor held out (the persona
+    demo's validation questions): more evidence on plain-question quality than the held-out dozen."""
+    return [ToolTask(q, "", "{}", "", kw) for q, kw in VALIDATION_QUESTIONS
+            if not any(w in q.lower() for w in _TOOLISH)]
 
 
 def split_tasks(seed: int = 0, n_train: int = 96, n_heldout: int = 12,
