@@ -292,6 +292,12 @@ class ChatAdapter:
         return ParsedOutput(content=rest or None, tool_calls=calls) if calls else ParsedOutput(content=text)
 
 
+def tool_calls_in(text: str, names: set[str]) -> list[tuple[str, str]]:
+    """(name, JSON arguments) of each well-formed call of a tool in ``names`` in raw model text, as
+    :meth:`ChatAdapter.parse` would find them."""
+    return [c for m in _TOOL_CALL_RE.finditer(text) if (c := _parse_call(m.group(1), names)) is not None]
+
+
 def _parse_call(body: str, names: set[str]) -> tuple[str, str] | None:
     try:
         obj = json.loads(body)

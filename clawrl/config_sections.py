@@ -112,7 +112,8 @@ class GateSettings(Section):
         "conversation alone (there is no user reaction to it yet) by the [prm] model judge, or by `replay_scorer`. "
         "The promotion row names the set and its turn ids.")
     evaluator: str = Field("clawrl.sim.validation:concise", description="Import path of fn(size, seed) -> (prompts, "
-                           "score): chat message lists, and score(index, answer) in [0, 1]. Default: the demo's "
+                           "score): chat message lists (or dicts of 'messages' with the request's 'tools' and the prompt's 'group'), "
+                           "and score(index, answer) in [0, 1]. Default: the demo's "
                            "validation questions (none trained on, none held out), scored as its 'concise' user "
                            "would (satisfied AND on topic); point it at your own prompts and scorer.")
     replay_scorer: str = Field("", description="eval_set = 'replay': import path of fn(messages, answer) -> score "
@@ -132,6 +133,12 @@ class GateSettings(Section):
                                    "is promoted. Set: it must also beat the champion's mean score by more than "
                                    "this (0: any gain; a tie keeps the champion), so serving changes only for a "
                                    "measured gain.")
+    guard: list[str] = Field([], description="Groups of the evaluation prompts that must not get worse (an "
+                             "evaluator tags each prompt with a group; e.g. 'plain' in clawrl.sim.validation:tools): "
+                             "on each, a candidate scoring below the champion's or the best promoted version's mean "
+                             "by more than guard_tolerance is refused, whatever it gained elsewhere.")
+    guard_tolerance: float = Field(0.0, ge=0, le=1, description="The largest drop of a guarded group's mean "
+                                   "score a candidate may show (0: none).")
     engine_url: str = Field("", description="A `clawrl engine` of the policy's model that the gate loads each "
                             "candidate (and champion) into over HTTP: its own engine, never one that serves users. "
                             "'': the train flow loads an evaluation engine in its own process (a fresh process per "
@@ -146,6 +153,13 @@ class GateSettings(Section):
                                 "the live check compares them.")
     live_tolerance: float = Field(0.1, ge=0, le=2, description="The largest drop of the mean live judged score "
                                   "(-1..1) the champion may show against the previous champion.")
+
+    @model_validator(mode="after")
+    def _guard_needs_groups(self) -> "GateSettings":
+        if self.guard and self.eval_set == "replay":
+            raise ValueError("guard: the prompts of eval_set 'replay' have no groups; guard needs eval_set = "
+                             "'validation' with an evaluator that tags its prompts")
+        return self
 
 
 def replay_scorer_problem(gate: GateSettings, judge_backend: str) -> str | None:

@@ -51,21 +51,51 @@ class EvalSet:
     turn_ids: tuple[str, ...] | None = None  # replay: the turn each prompt is the request of
     tools: Sequence[Sequence[dict[str, Any]] | None] | None = None  # per prompt: the tools its request declared
     note: str = ""  # why the set has no prompts
+    groups: tuple[str | None, ...] | None = None  # per prompt: the group an evaluator tagged it with
+
+    def group_indices(self, group: str) -> list[int]:
+        """The prompts of ``group``; ValueError naming the groups there are when it has none."""
+        idx = [i for i, g in enumerate(self.groups or ()) if g == group]
+        if not idx:
+            known = sorted({g for g in self.groups or () if g})
+            raise ValueError(f"[gate] guard: the evaluation set has no prompts in group {group!r} "
+                             f"(its groups: {', '.join(known) or 'none'})")
+        return idx
+
+
+def _entries(prompts: Sequence[Any], evaluator: str) -> tuple[list[list[dict[str, Any]]], list[Any], list[Any]]:
+    """(messages, tools, group) of each evaluator prompt: a message list, or a dict with "messages" and
+    optionally "tools" (OpenAI tool definitions) and "group" (a name, for ``[gate] guard``)."""
+    out: tuple[list, list, list] = ([], [], [])
+    for i, p in enumerate(prompts):
+        entry = p if isinstance(p, dict) else {"messages": p}
+        if not isinstance(entry.get("messages"), (list, tuple)) or set(entry) - {"messages", "tools", "group"}:
+            raise HookError(f"[gate] evaluator = {evaluator!r}: prompt {i} must be a message list or a dict with "
+                            "'messages' and optionally 'tools' and 'group'")
+        out[0].append(list(entry["messages"]))
+        out[1].append(entry.get("tools") or None)
+        out[2].append(entry.get("group"))
+    return out
 
 
 def load_eval_set(evaluator: str, *, size: int, samples: int, seed: int, max_tokens: int,
                   temperature: float) -> EvalSet:
-    """The evaluation set of ``evaluator`` (import path of ``fn(size, seed) -> (prompts, score)``)."""
+    """The evaluation set of ``evaluator`` (import path of ``fn(size, seed) -> (prompts, score)``; a prompt
+    is a message list, or a dict that also names its tools and group). Untagged prompts keep the key
+    they always had."""
     fn = import_path(evaluator)
     if not callable(fn):
         raise HookError(f"[gate] evaluator = {evaluator!r} is not callable")
-    prompts, score = fn(size=size, seed=seed)
-    if not prompts or not callable(score):
+    raw, score = fn(size=size, seed=seed)
+    if not raw or not callable(score):
         raise HookError(f"[gate] evaluator = {evaluator!r} must return (a non-empty list of prompts, a scorer)")
-    blob = json.dumps({"evaluator": evaluator, "prompts": [list(p) for p in prompts], "samples": samples, "seed": seed,
-                       "max_tokens": max_tokens, "temperature": temperature}, sort_keys=True)
+    prompts, tools, groups = _entries(raw, evaluator)
+    tagged = any(tools) or any(groups)
+    spec = {"evaluator": evaluator, "prompts": prompts, "samples": samples, "seed": seed, "max_tokens": max_tokens,
+            "temperature": temperature, **({"tools": tools, "groups": groups} if tagged else {})}
     return EvalSet(prompts, score, samples, seed, max_tokens, temperature,
-                   hashlib.sha256(blob.encode()).hexdigest()[:16])
+                   hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16],
+                   tools=tools if any(tools) else None, groups=tuple(groups) if any(groups) else None)
 
 
 def replay_eval_set(turns: Sequence[dict[str, Any]], rate: Rater, *, scorer: str, samples: int, seed: int,

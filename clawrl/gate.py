@@ -16,6 +16,9 @@ The rule (conservative: every clause can only refuse):
 4. with ``floor`` (the best mean any promoted version scored on these prompts and seeds):
    candidate mean < floor - tolerance -> refuse, so that promotions cannot drift down by one
    tolerance after another;
+   with ``guards`` (groups of the prompts that must not get worse, ``[gate] guard``): on each, the
+   candidate's group mean below the champion's, or below the best promoted group mean, by more than
+   ``guard_tolerance`` -> refuse, whatever the other groups gained;
 5. with ``min_gain`` set: d̄ <= min_gain -> refuse: not better than the champion by more than
    ``min_gain`` (0: any gain; a tie keeps the champion). Off (None), the gate promotes whatever is not
    worse; on, serving changes only for a measured gain, so versions that merely hold the champion's
@@ -35,6 +38,29 @@ from typing import Any
 PROMOTE = "promote"
 REFUSE = "refuse"
 NO_GAIN = "not better than the champion by more than min_gain"  # how a refusal for want of a gain begins
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One guarded group of evaluation prompts: the candidate's and the champion's mean over it, and the
+    best mean a promoted version scored over it (None: none known)."""
+
+    group: str
+    candidate: float
+    champion: float
+    floor: float | None = None
+
+
+def guard_refusal(guards: Sequence[Guard], tolerance: float) -> str | None:
+    """Why the first guard a candidate fails refuses it, or None when it passes them all."""
+    for g in guards:
+        if g.candidate < g.champion - tolerance:
+            return (f"worse than the champion on guarded group {g.group!r}: {g.candidate:.3f} vs {g.champion:.3f} "
+                    f"(guard_tolerance {tolerance:g})")
+        if g.floor is not None and g.candidate < g.floor - tolerance:
+            return (f"below the best promoted score {g.floor:.3f} on guarded group {g.group!r}: {g.candidate:.3f} "
+                    f"(guard_tolerance {tolerance:g})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -78,13 +104,15 @@ def paired_t(diffs: Sequence[float], alpha: float) -> tuple[float, float, float,
 
 
 def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, tolerance: float, alpha: float,
-                     floor: float | None = None, min_gain: float | None = None) -> GateDecision:
+                     floor: float | None = None, min_gain: float | None = None, guards: Sequence[Guard] = (),
+                     guard_tolerance: float = 0.0) -> GateDecision:
     """The gate's decision on per-prompt scores (same prompts, same order, same seeds); the rule is
     in the module docstring. Raises ValueError on lists of different lengths or a bad setting."""
     if len(candidate) != len(champion):
         raise ValueError(f"candidate and champion scores must pair up: {len(candidate)} vs {len(champion)} prompts")
-    if tolerance < 0 or not 0 < alpha < 1:
-        raise ValueError(f"tolerance must be >= 0 and alpha in (0, 1), got {tolerance} and {alpha}")
+    if tolerance < 0 or guard_tolerance < 0 or not 0 < alpha < 1:
+        raise ValueError(f"tolerance and guard_tolerance must be >= 0 and alpha in (0, 1), got {tolerance}, "
+                         f"{guard_tolerance} and {alpha}")
     n = len(candidate)
     if n == 0:
         return GateDecision(REFUSE, "no evaluation prompts: nothing shows the candidate is not worse", 0,
@@ -99,6 +127,8 @@ def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, t
         decision, why = REFUSE, f"significantly worse (p < alpha {alpha:g})"
     elif floor is not None and cand < floor - tolerance:
         decision, why = REFUSE, f"below the best promoted score {floor:.3f} by more than the tolerance {tolerance:g}"
+    elif (guarded := guard_refusal(guards, guard_tolerance)) is not None:
+        decision, why = REFUSE, guarded
     elif min_gain is not None and mean <= min_gain:
         decision, why = REFUSE, f"{NO_GAIN} {min_gain:g}"
     elif min_gain is not None:

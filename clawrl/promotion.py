@@ -18,7 +18,7 @@ the trainer's pruning of old checkpoints must not take away what serves or what 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -29,7 +29,7 @@ from clawrl.chat import ChatAdapter
 from clawrl.checkpoint import keep_weights_of
 from clawrl.engine.types import Engine
 from clawrl.evaluation import EvalSet, evaluate_version
-from clawrl.gate import GateDecision, decide_live_rollback, decide_promotion
+from clawrl.gate import GateDecision, Guard, decide_live_rollback, decide_promotion
 from clawrl.records import EvaluationRecord, PromotionAction, PromotionRecord
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.promotions import (
@@ -38,6 +38,7 @@ from clawrl.storage.promotions import (
     champion_stack,
     current_champion,
     live_scores,
+    promoted_scores,
     stored_evaluation,
 )
 from clawrl.storage.queries import find_checkpoint
@@ -101,18 +102,22 @@ def measure(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet,
 
 def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, adapter: ChatAdapter,
                    eval_set: EvalSet, base_dir: Path, tolerance: float, alpha: float, min_gain: float | None = None,
-                   state_dict: Any = None, mlflow_run_id: str | None = None) -> dict[str, Any]:
+                   guard: Sequence[str] = (), guard_tolerance: float = 0.0, state_dict: Any = None,
+                   mlflow_run_id: str | None = None) -> dict[str, Any]:
     """Decide on weight version ``candidate`` (``state_dict``: its weights in memory, else its
     checkpoint is loaded). Returns the decision with its evidence (``clawrl.gate.GateDecision``'s
     fields), ``champion_version`` (before), ``serve_version`` (after), ``eval_seconds`` (engine time
-    spent measuring now) and ``promotion_id``."""
+    spent measuring now) and ``promotion_id``. ``guard``: groups of the set's prompts that must not get
+    worse (``clawrl.gate``); a group the set lacks raises ValueError before anything is measured."""
+    for group in guard:
+        eval_set.group_indices(group)
     store.flush()
     with open_catalog(data_root) as con:
         line = champion_stack(con)
         champion = line[-1]
         d, seconds = _decide(store, con, engine, adapter, eval_set, champion, str(candidate), base_dir,
-                             partial(decide_promotion, tolerance=tolerance, alpha=alpha, min_gain=min_gain),
-                             state_dict)
+                             partial(decide_promotion, tolerance=tolerance, alpha=alpha, min_gain=min_gain,
+                                     guard_tolerance=guard_tolerance), state_dict, guard)
     action = PromotionAction.PROMOTE if d.promoted else PromotionAction.REFUSE
     row = PromotionRecord(
         promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(candidate),
@@ -131,20 +136,39 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
 
 
 def _decide(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, champion: str, candidate: str,
-            base_dir: Path, decide: Callable[..., GateDecision], state_dict: Any) -> tuple[GateDecision, float]:
+            base_dir: Path, decide: Callable[..., GateDecision], state_dict: Any,
+            guard: Sequence[str] = ()) -> tuple[GateDecision, float]:
     """(the decision on ``candidate`` against ``champion``, engine seconds spent measuring now). A set
     with no prompts (a replay set short of judged turns) measures nothing: the rule refuses, saying why.
-    ``decide``: ``decide_promotion`` with the gate's tolerance, alpha and min_gain."""
+    ``decide``: ``decide_promotion`` with the gate's tolerance, alpha, min_gain and guard tolerance."""
     if not eval_set.prompts:
         d = decide([], [])
         return (replace(d, reason=f"{d.reason} ({eval_set.note})") if eval_set.note else d), 0.0
     champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
     cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
     floor = best_promoted_mean(con, eval_set.key)
+    promoted = promoted_scores(con, eval_set.key)
     if fresh_champ:  # measured just now, so not yet in the table the floor was read from
         floor = champ.mean if floor is None else max(floor, champ.mean)
-    d = decide(cand.scores, champ.scores, floor=floor)
+        promoted.append(champ.scores)
+    d = decide(cand.scores, champ.scores, floor=floor,
+               guards=guards(eval_set, guard, cand.scores, champ.scores, promoted))
     return d, (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
+
+
+def guards(eval_set: EvalSet, groups: Sequence[str], candidate: Sequence[float], champion: Sequence[float],
+           promoted: Sequence[Sequence[float]]) -> list[Guard]:
+    """The guarded groups' means: candidate, champion, and the best of the promoted versions' scores."""
+    out = []
+    for group in groups:
+        idx = eval_set.group_indices(group)
+
+        def mean(scores: Sequence[float], idx: list[int] = idx) -> float:
+            return sum(scores[i] for i in idx) / len(idx)
+
+        out.append(Guard(group, mean(candidate), mean(champion),
+                         max((mean(p) for p in promoted if len(p) == len(candidate)), default=None)))
+    return out
 
 
 def _finite(x: float | None) -> float | None:

@@ -219,8 +219,7 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
     log = get_run_logger()
     s = load_flow_settings(config_path)
     rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout, eval_samples, scenario)]
-    if scenario == "persona":
-        rows[0]["candidate_score"] = rows[0]["score"]
+    rows[0]["candidate_score"] = rows[0]["score"]
     log.info("base model: %s", _row_line(rows[0], scenario))
     for step in range(1, steps + 1):
         rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size,
@@ -232,10 +231,9 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
         gate = {**trained["steps"][0]["gate"], "candidate_version": trained["steps"][0]["weight_version"]} \
             if trained["steps"] else None
         refused = gate is not None and gate["decision"] != "promote"
-        if scenario == "persona":
-            cand = evaluate_candidate(config_path, gate["candidate_version"], persona, max_tokens, seed, heldout,
-                                      eval_samples) if refused else None
-            row.update(_gate_row(gate, row, cand))
+        cand = evaluate_candidate(config_path, gate["candidate_version"], persona, max_tokens, seed, heldout,
+                                  eval_samples) if refused and scenario == "persona" else None
+        row.update(_gate_row(gate, row, cand))  # tools: a refused candidate's held-out rates are not measured
         row["train_reactions"] = rounds["reactions"]
         row["samples"] = judged["fates"].get("sample", 0)
         if trained["steps"]:

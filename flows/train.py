@@ -234,7 +234,7 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
         out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
                              adapter=eval_adapter(s, engine), eval_set=gate_eval_set(s, step["batch_id"]),
                              base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
-                             min_gain=s.gate.min_gain,
+                             min_gain=s.gate.min_gain, guard=s.gate.guard, guard_tolerance=s.gate.guard_tolerance,
                              state_dict=tr.state_dict() if tr is not None and tr.weight_version == version
                              and not s.gate.engine_url else None,  # in memory only into an engine in this process
                              mlflow_run_id=run_id)

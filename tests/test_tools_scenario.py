@@ -176,3 +176,37 @@ def test_one_step_of_the_tools_demo_end_to_end(tmp_path, model_cache):
     hints = sorted(h + tok.eos_token for (tool, stage), vs in by_kind.items() for s, h in vs
                    if stage == "first" and tool != "plain" and s == -1)
     assert texts == hints and all(t.startswith("<tool_call>\n{") for t in texts)
+
+
+def test_the_tools_demo_gates_with_the_tools_evaluator_when_the_config_names_it(tmp_path, model_cache):
+    """With `[gate] evaluator = "clawrl.sim.validation:tools"` (and a guard on its plain questions) the
+    tools demo gates each candidate on the tools evaluator's prompts, with the demo's seed and answer
+    budget; without it the demo serves every checkpoint, as a persona evaluator cannot judge tool calls."""
+    from clawrl.cli.demo import _gate_overrides
+    from clawrl.config import load_settings
+    from clawrl.evaluation import load_eval_set
+
+    gated = tmp_path / "gated.toml"
+    gated.write_text((ROOT / "conf" / "demo-tools.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
+                     .replace("rollout_batch_size = 24", "rollout_batch_size = 3")  # one step from 3 users
+                     + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n\n[gate]\n'
+                     'evaluator = "clawrl.sim.validation:tools"\nsize = 6\nsamples = 1\nguard = ["plain"]\n')
+    assert _gate_overrides(load_settings(ROOT / "conf" / "demo-tools.toml"), "tools", "concise", 3, 64) == \
+        {"gate.enabled": False}
+    assert _gate_overrides(load_settings(gated), "tools", "concise", 3, 64) == {"gate.seed": 3, "gate.max_tokens": 64}
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(gated),
+                          "--steps", "1", "--users", "3", "--heldout", "2", "--eval-samples", "1",
+                          "--run-dir", str(run)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((run / "reports" / "learning_curve.json").read_text())
+    assert rows[1]["gate"] in ("promote", "refuse") and rows[1]["val_candidate"] is not None
+    from clawrl.storage.catalog import run_query
+
+    [promo] = run_query(run, "select eval_key, n, source, reason from promotions").to_pylist()
+    want = load_eval_set("clawrl.sim.validation:tools", size=6, samples=1, seed=0, max_tokens=64, temperature=0.3)
+    assert promo["eval_key"] == want.key and promo["n"] == 6 and promo["source"] == "gate"
+    assert want.groups == ("tools",) * 3 + ("plain",) * 3
+    evals = run_query(run, "select weight_version, scores from evaluations order by weight_version").to_pylist()
+    assert [e["weight_version"] for e in evals] == ["0", "1"] and all(len(e["scores"]) == 6 for e in evals)

@@ -15,6 +15,7 @@ from clawrl.config import Settings, dump_toml
 from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+TOOLS_EVALUATOR = "clawrl.sim.validation:tools"
 DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml"}
 
 
@@ -68,12 +69,15 @@ def demo(
 
 
 def _gate_overrides(base: Settings, scenario: str, persona: str, seed: int, max_tokens: int) -> dict:
-    """The gate of the persona demo scores the validation questions as the demo's user would, with the
-    demo's seed and answer budget; the tools demo has no gate evaluator yet: it serves every checkpoint."""
-    if scenario == "tools":
-        return {"gate.enabled": False}
+    """The demos' gates score their own validation prompts with the demo's seed and answer budget: the
+    persona demo's as its user would, the tools demo's with ``clawrl.sim.validation:tools`` when the
+    config names it (a persona evaluator cannot judge tool calls: the tools demo is then ungated)."""
     if not base.gate.enabled or not base.gate.evaluator.startswith("clawrl.sim.validation:"):
         return {}  # an evaluator of the user's own is left as it is
+    if scenario == "tools":
+        if base.gate.evaluator != TOOLS_EVALUATOR:
+            return {"gate.enabled": False}
+        return {"gate.seed": seed, "gate.max_tokens": max_tokens}
     return {"gate.evaluator": f"clawrl.sim.validation:{persona}", "gate.seed": seed, "gate.max_tokens": max_tokens}
 
 

@@ -261,6 +261,43 @@ def unseen_plain_tasks() -> list[ToolTask]:
             if not any(w in q.lower() for w in _TOOLISH)]
 
 
+# Plain questions for the tools scenario's promotion gate (clawrl.sim.validation:tools): in neither
+# QUESTIONS nor VALIDATION_QUESTIONS, so neither trained on, held out, nor among the unseen ones.
+GATE_PLAIN_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("What is a glacier?", ("ice", "snow", "slow", "mov", "frozen", "mass")),
+    ("How do spiders make webs?", ("silk", "spin", "thread", "gland", "sticky")),
+    ("What is pollution?", ("harm", "air", "water", "chemical", "waste", "environment")),
+    ("Why do stars twinkle?", ("atmospher", "air", "light", "bend", "refract", "turbulen")),
+    ("What is a coral reef?", ("coral", "ocean", "sea", "animal", "polyp", "fish", "underwater")),
+    ("How does the brain send signals?", ("neuron", "nerve", "electric", "chemical", "synap", "signal")),
+    ("What is a rainforest?", ("tree", "rain", "tropical", "forest", "wet", "species", "dense")),
+    ("How do caterpillars become butterflies?", ("cocoon", "chrysalis", "metamorph", "pupa", "transform")),
+    ("What is wind?", ("air", "move", "pressure", "flow", "heat")),
+    ("What are clouds made of?", ("water", "droplet", "ice", "vapor", "vapour", "crystal")),
+    ("How do plants make seeds?", ("flower", "pollen", "pollinat", "fertiliz", "ovule", "fruit")),
+    ("What is a microscope used for?", ("small", "magnif", "see", "cell", "tiny", "lens")),
+    ("Why do birds migrate?", ("food", "warm", "winter", "season", "breed", "weather")),
+    ("What is the job of red blood cells?", ("oxygen", "carry", "hemoglobin", "haemoglobin", "body")),
+    ("How do solar panels make electricity?", ("sun", "light", "photovolta", "cell", "electron", "energy")),
+    ("What is an island?", ("land", "water", "surround", "sea", "ocean")),
+)
+
+
+def gate_tasks(n_tools: int, n_plain: int, seed: int = 0) -> tuple[list[ToolTask], list[ToolTask]]:
+    """(tool tasks, plain questions) of the tools scenario's promotion gate: tool tasks from another
+    seed than training's and the held-out split's, sharing no question with either, a third of each
+    kind; plain questions from GATE_PLAIN_QUESTIONS."""
+    if not 0 <= n_plain <= len(GATE_PLAIN_QUESTIONS):
+        raise ValueError(f"gate plain questions must be in [0, {len(GATE_PLAIN_QUESTIONS)}], got {n_plain}")
+    train, held, _, _ = split_tasks(seed)
+    asked = {t.question for t in train + held}
+    tools: list[ToolTask] = []
+    for t in tool_tasks(max(n_tools, 1) * 6, seed + 20_011):
+        if t.question not in asked and sum(x.tool == t.tool for x in tools) < -(-n_tools // 3):
+            tools.append(t)
+    return tools[:n_tools], [ToolTask(q, "", "{}", "", kw) for q, kw in GATE_PLAIN_QUESTIONS[:n_plain]]
+
+
 def split_tasks(seed: int = 0, n_train: int = 96, n_heldout: int = 12,
                 plain_heldout: int = 12) -> tuple[list[ToolTask], list[ToolTask], list[ToolTask], list[ToolTask]]:
     """(training tool tasks, held-out tool tasks, training plain questions, held-out plain questions).

@@ -1,16 +1,24 @@
-"""The demo's ``[gate] evaluator``s: the validation questions, scored as a persona's simulated user would.
+"""The demos' ``[gate] evaluator``s.
 
 ``clawrl.sim.validation:<persona>`` (concise, signoff, lowercase, bullets, french) returns the
 questions of :func:`clawrl.sim.prompts.validation_questions` as chat prompts and a scorer that gives
 an answer 1 when it satisfies the persona AND is on topic (the held-out score's rule), else 0.
+
+``clawrl.sim.validation:tools`` is the tools scenario's: tool tasks and plain questions of
+:func:`clawrl.sim.tools.gate_tasks`, asked as its users ask them (system prompt, the tools offered),
+in two groups for ``[gate] guard``: ``tools`` (1 when the reply calls a tool whose result is the
+task's answer and no call fails: the held-out ``tool_use`` rule) and ``plain`` (1 when the reply is
+on topic and calls no tool: ``plain_quality``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from clawrl.chat import tool_calls_in
 from clawrl.sim.personas import get_persona, on_topic
 from clawrl.sim.prompts import validation_questions
+from clawrl.sim.tools import SYSTEM_PROMPT, TOOLS, ToolTask, gate_tasks, run_tool
 
 Evaluator = Callable[..., tuple[list[list[dict[str, str]]], Callable[[int, str], float]]]
 
@@ -40,3 +48,22 @@ signoff = persona_evaluator("signoff")
 lowercase = persona_evaluator("lowercase")
 bullets = persona_evaluator("bullets")
 french = persona_evaluator("french")
+
+
+def tool_task_score(task: ToolTask, answer: str) -> float:
+    """1 when the raw reply does what the tools scenario's held-out rates count right (module docstring)."""
+    calls = tool_calls_in(answer, {t["function"]["name"] for t in TOOLS})
+    if not task.needs_tool:
+        return float(not calls and "<tool_call>" not in answer and on_topic(answer, task.keywords, task.question))
+    results = [run_tool(name, args) for name, args in calls]
+    return float(task.answer in results and not any(r.startswith("error:") for r in results))
+
+
+def tools(*, size: int, seed: int):
+    """The tools scenario's gate set: ``size`` prompts, the tool tasks first, then as many plain questions
+    (``size // 2``), tagged ``tools`` and ``plain``."""
+    tasks, plain = gate_tasks(size - size // 2, size // 2, seed)
+    every = tasks + plain
+    prompts = [{"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": t.question}],
+                "tools": TOOLS, "group": "tools" if t.needs_tool else "plain"} for t in every]
+    return prompts, lambda i, answer: tool_task_score(every[i], answer)
