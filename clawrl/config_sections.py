@@ -135,8 +135,8 @@ class GateSettings(Section):
                                    "measured gain.")
     guard: list[str] = Field([], description="Groups of the evaluation prompts that must not get worse (an "
                              "evaluator tags each prompt with a group; e.g. 'plain' in clawrl.sim.validation:tools): "
-                             "on each, a candidate scoring below the champion's or the best promoted version's mean "
-                             "by more than guard_tolerance is refused, whatever it gained elsewhere.")
+                             "on each, a candidate scoring below the initial model's mean by more than guard_tolerance "
+                             "is refused, whatever it gained elsewhere.")
     guard_tolerance: float = Field(0.0, ge=0, le=1, description="The largest drop of a guarded group's mean "
                                    "score a candidate may show (0: none).")
     engine_url: str = Field("", description="A `clawrl engine` of the policy's model that the gate loads each "

@@ -17,8 +17,9 @@ The rule (conservative: every clause can only refuse):
    candidate mean < floor - tolerance -> refuse, so that promotions cannot drift down by one
    tolerance after another;
    with ``guards`` (groups of the prompts that must not get worse, ``[gate] guard``): on each, the
-   candidate's group mean below the champion's, or below the best promoted group mean, by more than
-   ``guard_tolerance`` -> refuse, whatever the other groups gained;
+   candidate's group mean below the initial weights' by more than ``guard_tolerance`` -> refuse,
+   whatever the other groups gained. The initial model is the fixed reference: a lucky champion does
+   not raise the bar that later candidates must clear on a small group;
 5. with ``min_gain`` set: d̄ <= min_gain -> refuse: not better than the champion by more than
    ``min_gain`` (0: any gain; a tie keeps the champion). Off (None), the gate promotes whatever is not
    worse; on, serving changes only for a measured gain, so versions that merely hold the champion's
@@ -42,23 +43,18 @@ NO_GAIN = "not better than the champion by more than min_gain"  # how a refusal 
 
 @dataclass(frozen=True)
 class Guard:
-    """One guarded group of evaluation prompts: the candidate's and the champion's mean over it, and the
-    best mean a promoted version scored over it (None: none known)."""
+    """One guarded group of evaluation prompts: the candidate's and the initial weights' mean over it."""
 
     group: str
     candidate: float
-    champion: float
-    floor: float | None = None
+    base: float
 
 
 def guard_refusal(guards: Sequence[Guard], tolerance: float) -> str | None:
     """Why the first guard a candidate fails refuses it, or None when it passes them all."""
     for g in guards:
-        if g.candidate < g.champion - tolerance:
-            return (f"worse than the champion on guarded group {g.group!r}: {g.candidate:.3f} vs {g.champion:.3f} "
-                    f"(guard_tolerance {tolerance:g})")
-        if g.floor is not None and g.candidate < g.floor - tolerance:
-            return (f"below the best promoted score {g.floor:.3f} on guarded group {g.group!r}: {g.candidate:.3f} "
+        if g.candidate < g.base - tolerance:
+            return (f"below the initial model on guarded group {g.group!r}: {g.candidate:.3f} vs {g.base:.3f} "
                     f"(guard_tolerance {tolerance:g})")
     return None
 

@@ -38,7 +38,6 @@ from clawrl.storage.promotions import (
     champion_stack,
     current_champion,
     live_scores,
-    promoted_scores,
     stored_evaluation,
 )
 from clawrl.storage.queries import find_checkpoint
@@ -145,29 +144,22 @@ def _decide(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet,
         d = decide([], [])
         return (replace(d, reason=f"{d.reason} ({eval_set.note})") if eval_set.note else d), 0.0
     champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
+    base, fresh_base = (champ, False) if champion == BASE_VERSION or not guard else \
+        measure(store, con, engine, adapter, eval_set, BASE_VERSION, base_dir)  # stored since the first gate
     cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
     floor = best_promoted_mean(con, eval_set.key)
-    promoted = promoted_scores(con, eval_set.key)
     if fresh_champ:  # measured just now, so not yet in the table the floor was read from
         floor = champ.mean if floor is None else max(floor, champ.mean)
-        promoted.append(champ.scores)
-    d = decide(cand.scores, champ.scores, floor=floor,
-               guards=guards(eval_set, guard, cand.scores, champ.scores, promoted))
-    return d, (champ.seconds if fresh_champ else 0.0) + (cand.seconds if fresh_cand else 0.0)
+    d = decide(cand.scores, champ.scores, floor=floor, guards=guards(eval_set, guard, cand.scores, base.scores))
+    return d, sum(r.seconds for r, fresh in ((champ, fresh_champ), (base, fresh_base), (cand, fresh_cand)) if fresh)
 
 
-def guards(eval_set: EvalSet, groups: Sequence[str], candidate: Sequence[float], champion: Sequence[float],
-           promoted: Sequence[Sequence[float]]) -> list[Guard]:
-    """The guarded groups' means: candidate, champion, and the best of the promoted versions' scores."""
+def guards(eval_set: EvalSet, groups: Sequence[str], candidate: Sequence[float], base: Sequence[float]) -> list[Guard]:
+    """The guarded groups' means of the candidate and of the initial weights."""
     out = []
     for group in groups:
         idx = eval_set.group_indices(group)
-
-        def mean(scores: Sequence[float], idx: list[int] = idx) -> float:
-            return sum(scores[i] for i in idx) / len(idx)
-
-        out.append(Guard(group, mean(candidate), mean(champion),
-                         max((mean(p) for p in promoted if len(p) == len(candidate)), default=None)))
+        out.append(Guard(group, sum(candidate[i] for i in idx) / len(idx), sum(base[i] for i in idx) / len(idx)))
     return out
 
 

@@ -86,14 +86,6 @@ def best_promoted_mean(con: duckdb.DuckDBPyConnection, eval_key: str) -> float |
     return None if value is None else float(value)
 
 
-def promoted_scores(con: duckdb.DuckDBPyConnection, eval_key: str) -> list[list[float]]:
-    """The per-prompt scores under ``eval_key`` of every champion on the line (as ``best_promoted_mean``
-    counts them): what a guarded group's floor is the best mean of."""
-    rows = con.execute("SELECT scores FROM evaluations WHERE eval_key = ? AND list_contains(?, weight_version)",
-                       [eval_key, champion_stack(con)]).fetchall()
-    return [[float(x) for x in r[0]] for r in rows]
-
-
 def refused_versions(con: duckdb.DuckDBPyConnection) -> set[str]:
     """Versions the gate refused and nobody promoted since: unserved on purpose, not waiting."""
     out: set[str] = set()

@@ -18,18 +18,19 @@ GROUPS = ("tools", "tools", "plain", "plain")
 def test_a_guarded_group_refuses_a_candidate_that_gained_overall():
     # overall: candidate (1 + 1 + 1 + 0.5) / 4 = 0.875 vs champion 0.5: a gain of 0.375
     cand, champ = [1.0, 1.0, 1.0, 0.5], [0.0, 0.0, 1.0, 1.0]
-    plain = Guard("plain", candidate=0.75, champion=1.0, floor=1.0)
+    plain = Guard("plain", candidate=0.75, base=1.0)
     d = decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.0, guards=[plain])
     assert not d.promoted and d.mean_diff == pytest.approx(0.375)
-    assert d.reason.startswith("worse than the champion on guarded group 'plain': 0.750 vs 1.000 (guard_tolerance 0)")
+    assert d.reason.startswith("below the initial model on guarded group 'plain': 0.750 vs 1.000 (guard_tolerance 0)")
     # within the guard's tolerance the gain decides
     ok = decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.0, guards=[plain], guard_tolerance=0.25)
     assert ok.promoted and ok.reason.startswith("better than the champion by more than min_gain 0")
-    # level with the champion but below the best promoted version by more than the guard tolerance
-    low = Guard("plain", candidate=0.6, champion=0.6, floor=0.9)
-    d = decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, guards=[low], guard_tolerance=0.25)
-    assert d.reason.startswith("below the best promoted score 0.900 on guarded group 'plain': 0.600 (guard_tolerance "
-                               "0.25)")
+    # level with the initial model passes; the first failing guard is the one named
+    level = [Guard("tools", 0.5, 0.5), Guard("plain", 0.7, 0.8), Guard("chat", 0.0, 0.9)]
+    assert decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, guards=level[:1]).promoted
+    d = decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, guards=level, guard_tolerance=0.05)
+    assert d.reason.startswith("below the initial model on guarded group 'plain': 0.700 vs 0.800 (guard_tolerance "
+                               "0.05)")
     # the whole set's clauses come first: worse overall is refused as worse overall
     d = decide_promotion(champ, cand, tolerance=0.05, alpha=0.05, guards=[plain])
     assert d.reason.startswith("worse by more than the tolerance 0.05")
@@ -47,28 +48,33 @@ def _scores(store, version: str, scores: list[float]) -> None:
                                   scores=scores, mean=sum(scores) / len(scores), n=len(scores), samples=1, seconds=0.0))
 
 
-def test_the_gate_reads_group_means_and_floors_from_stored_evaluations(tmp_path):
+def test_the_gate_guards_against_the_initial_models_stored_group_means(tmp_path):
     from clawrl.promotion import gate_candidate
 
     kw = dict(engine=None, adapter=None, eval_set=_eval_set(), base_dir=tmp_path, tolerance=0.05, alpha=0.05,
               min_gain=0.0, guard=["plain"], guard_tolerance=0.25)
     with DataStore(tmp_path) as store:
-        _scores(store, "0", [0.0, 0.0, 1.0, 1.0])  # the initial weights: mean 0.5, plain 1.0
-        _scores(store, "1", [0.5, 0.5, 1.0, 0.5])  # mean 0.625; plain 0.75: within 0.25 of 1.0
-        _scores(store, "2", [1.0, 1.0, 1.0, 0.0])  # 0.75; plain 0.5: within 0.25 of v1's 0.75, not of the floor 1.0
-        _scores(store, "3", [1.0, 1.0, 0.5, 0.5])  # 0.75; plain 0.5 as well
-        first = gate_candidate(store, tmp_path, candidate="1", **kw)
-        second = gate_candidate(store, tmp_path, candidate="2", **kw)
-        unguarded = gate_candidate(store, tmp_path, candidate="3", **{**kw, "guard": []})
+        _scores(store, "0", [0.0, 0.0, 0.5, 0.5])  # the initial weights: mean 0.25, plain 0.5
+        _scores(store, "1", [0.5, 0.5, 1.0, 1.0])  # mean 0.75, plain 1.0
+        _scores(store, "2", [1.0, 1.0, 0.5, 0.25])  # mean 0.6875 < 0.75 - 0.05: worse overall
+        _scores(store, "3", [1.0, 1.0, 0.75, 0.5])  # mean 0.8125; plain 0.625: below v1's, above the base's
+        _scores(store, "4", [1.0, 1.0, 1.0, 0.5])  # mean 0.875; plain 0.75
+        _scores(store, "5", [1.0, 1.0, 0.0, 0.0])  # plain 0.0 < 0.5 - 0.25
+        out = {v: gate_candidate(store, tmp_path, candidate=v, **kw) for v in ("1", "2", "3", "4")}
+        # with the other clauses opened wide, the guard alone decides
+        low = gate_candidate(store, tmp_path, candidate="5", **{**kw, "tolerance": 1.0, "min_gain": None})
         with pytest.raises(ValueError, match=r"no prompts in group 'chat' \(its groups: plain, tools\)"):
-            gate_candidate(store, tmp_path, candidate="3", **{**kw, "guard": ["chat"]})
-    assert first["decision"] == "promote" and first["serve_version"] == "1"
-    assert second["decision"] == "refuse" and second["serve_version"] == "1"
-    assert second["reason"].startswith("below the best promoted score 1.000 on guarded group 'plain': 0.500")
-    # without the guard the same drop is promoted: the overall gain is all the rest of the rule sees
-    assert unguarded["decision"] == "promote" and unguarded["mean_diff"] == pytest.approx(0.125)
+            gate_candidate(store, tmp_path, candidate="5", **{**kw, "guard": ["chat"]})
+    assert [out[v]["decision"] for v in ("1", "2", "3", "4")] == ["promote", "refuse", "promote", "promote"]
+    assert out["2"]["reason"].startswith("worse by more than the tolerance 0.05")
+    # v3's plain 0.625 is below v1's 1.0 but within the guard of the initial model's 0.5: promoted
+    assert out["3"]["mean_diff"] == pytest.approx(0.0625)
+    assert low["decision"] == "refuse"
+    assert low["reason"].startswith("below the initial model on guarded group 'plain': 0.000 vs 0.500 (guard_tolerance "
+                                    "0.25)")
     rows = run_query(tmp_path, "select weight_version, action from promotions order by weight_version").to_pylist()
-    assert [(r["weight_version"], r["action"]) for r in rows] == [("1", "promote"), ("2", "refuse"), ("3", "promote")]
+    assert [(r["weight_version"], r["action"]) for r in rows] == [
+        ("1", "promote"), ("2", "refuse"), ("3", "promote"), ("4", "promote"), ("5", "refuse")]
 
 
 def test_an_evaluator_may_tag_its_prompts_and_untagged_sets_keep_their_key(monkeypatch):
