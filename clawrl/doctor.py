@@ -252,6 +252,17 @@ def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
     if refused >= GATE_STALL and all(r["reason"].startswith(NO_GAIN) for r in log[-refused:]):
         return Finding("promotion", True, summary + f"; none of the last {refused} beat the champion by more than "
                        "[gate] min_gain: a plateau, not a fault")
+    means = [r["candidate_mean"] for r in log[-refused:]]
+    if refused >= GATE_STALL and None not in means and all(b < a for a, b in zip(means, means[1:])):
+        return Finding("promotion", False, summary + "; candidates falling: " + " -> ".join(f"{m:.3f}" for m in means),
+                       f"the last {refused} checkpoints scored lower each time while users kept getting "
+                       f"v{champion}: the policy trains on v{champion}'s answers, not its own, so its own mistakes "
+                       "are never served and never get a reward to unlearn them (e.g. a policy taught a tool call "
+                       "by demonstrations learns to call everywhere)",
+                       "let the policy's own answers be scored: serve it for a while (`clawrl promote VERSION`, or "
+                       "[gate] enabled = false) and gate again once it recovers; check that hints and "
+                       "demonstrations teach when not to act as well as when to; a reward with the wrong sign "
+                       "shows the same way", sql)
     if refused >= GATE_STALL:
         return Finding("promotion", False, summary + f"; last: {log[-1]['reason']}",
                        f"training goes on but the last {refused} checkpoints scored worse than the champion "

@@ -251,3 +251,23 @@ def test_a_gate_that_keeps_refusing_is_a_finding_with_the_last_reason(tmp_path):
     f = findings(tmp_path)["promotion"]
     assert f.ok and f.summary == ("champion v5; 6 of 8 gated candidates refused, 3 in a row; none of the last 3 "
                                   "beat the champion by more than [gate] min_gain: a plateau, not a fault")
+
+
+def test_candidates_that_get_worse_while_refused_point_at_a_starved_learner(tmp_path):
+    from clawrl.records import PromotionRecord
+
+    def row(i: int, mean: float | None) -> PromotionRecord:
+        return PromotionRecord(f"p{i}", "refuse", str(i + 1), "0", "gate", "worse by more than the tolerance 0.05",
+                               "k", 32, mean, 0.438, None, None, None, None, 0.05, 0.05, None,
+                               created_at=T0 + timedelta(seconds=i))
+
+    # the tools demo gated with a guard: 0.406, 0.375, 0.297, 0.156 on the evaluation set
+    write(tmp_path, [row(i, m) for i, m in enumerate((0.406, 0.375, 0.297, 0.156))])
+    f = findings(tmp_path)["promotion"]
+    assert not f.ok and f.summary.endswith("4 in a row; candidates falling: 0.406 -> 0.375 -> 0.297 -> 0.156")
+    assert "trains on v0's answers, not its own" in f.cause and "`clawrl promote VERSION`" in f.fix
+    # not falling every time: the general finding, with the last reason
+    write(tmp_path, [row(4, 0.2)])
+    f = findings(tmp_path)["promotion"]
+    assert not f.ok and f.summary.endswith("; last: worse by more than the tolerance 0.05")
+    assert "scored worse than the champion v0" in f.cause
