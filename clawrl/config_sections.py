@@ -112,9 +112,9 @@ class GateSettings(Section):
         "conversation alone (there is no user reaction to it yet) by the [prm] model judge, or by `replay_scorer`. "
         "The promotion row names the set and its turn ids.")
     evaluator: str = Field("clawrl.sim.validation:concise", description="Import path of fn(size, seed) -> (prompts, "
-                           "score): chat message lists (or dicts of 'messages' with the request's 'tools' and the prompt's 'group'), "
-                           "and score(index, answer) in [0, 1]. Default: the demo's "
-                           "validation questions (none trained on, none held out), scored as its 'concise' user "
+                           "score): chat message lists (or dicts of 'messages' with the request's 'tools' and the "
+                           "prompt's 'group'), and score(index, answer) in [0, 1]. Default: the demo's validation "
+                           "questions (none trained on, none held out), scored as its 'concise' user "
                            "would (satisfied AND on topic); point it at your own prompts and scorer.")
     replay_scorer: str = Field("", description="eval_set = 'replay': import path of fn(messages, answer) -> score "
                                "in [0, 1], used instead of the judge; needed with the rule judge, which only reads "

@@ -108,15 +108,14 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
     fields), ``champion_version`` (before), ``serve_version`` (after), ``eval_seconds`` (engine time
     spent measuring now) and ``promotion_id``. ``guard``: groups of the set's prompts that must not get
     worse (``clawrl.gate``); a group the set lacks raises ValueError before anything is measured."""
-    for group in guard:
-        eval_set.group_indices(group)
+    guarded = {group: eval_set.group_indices(group) for group in guard}
     store.flush()
     with open_catalog(data_root) as con:
         line = champion_stack(con)
         champion = line[-1]
         d, seconds = _decide(store, con, engine, adapter, eval_set, champion, str(candidate), base_dir,
                              partial(decide_promotion, tolerance=tolerance, alpha=alpha, min_gain=min_gain,
-                                     guard_tolerance=guard_tolerance), state_dict, guard)
+                                     guard_tolerance=guard_tolerance), state_dict, guarded)
     action = PromotionAction.PROMOTE if d.promoted else PromotionAction.REFUSE
     row = PromotionRecord(
         promotion_id=uuid.uuid4().hex[:16], action=action.value, weight_version=str(candidate),
@@ -136,31 +135,29 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
 
 def _decide(store, con, engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, champion: str, candidate: str,
             base_dir: Path, decide: Callable[..., GateDecision], state_dict: Any,
-            guard: Sequence[str] = ()) -> tuple[GateDecision, float]:
+            guarded: dict[str, list[int]] | None = None) -> tuple[GateDecision, float]:
     """(the decision on ``candidate`` against ``champion``, engine seconds spent measuring now). A set
     with no prompts (a replay set short of judged turns) measures nothing: the rule refuses, saying why.
-    ``decide``: ``decide_promotion`` with the gate's tolerance, alpha, min_gain and guard tolerance."""
+    ``decide``: ``decide_promotion`` with the gate's tolerance, alpha, min_gain and guard tolerance;
+    ``guarded``: each guarded group's prompt indices."""
     if not eval_set.prompts:
         d = decide([], [])
         return (replace(d, reason=f"{d.reason} ({eval_set.note})") if eval_set.note else d), 0.0
     champ, fresh_champ = measure(store, con, engine, adapter, eval_set, champion, base_dir)
-    base, fresh_base = (champ, False) if champion == BASE_VERSION or not guard else \
+    base, fresh_base = (champ, False) if champion == BASE_VERSION or not guarded else \
         measure(store, con, engine, adapter, eval_set, BASE_VERSION, base_dir)  # stored since the first gate
     cand, fresh_cand = measure(store, con, engine, adapter, eval_set, candidate, base_dir, state_dict)
     floor = best_promoted_mean(con, eval_set.key)
     if fresh_champ:  # measured just now, so not yet in the table the floor was read from
         floor = champ.mean if floor is None else max(floor, champ.mean)
-    d = decide(cand.scores, champ.scores, floor=floor, guards=guards(eval_set, guard, cand.scores, base.scores))
+    d = decide(cand.scores, champ.scores, floor=floor, guards=guards(guarded or {}, cand.scores, base.scores))
     return d, sum(r.seconds for r, fresh in ((champ, fresh_champ), (base, fresh_base), (cand, fresh_cand)) if fresh)
 
 
-def guards(eval_set: EvalSet, groups: Sequence[str], candidate: Sequence[float], base: Sequence[float]) -> list[Guard]:
-    """The guarded groups' means of the candidate and of the initial weights."""
-    out = []
-    for group in groups:
-        idx = eval_set.group_indices(group)
-        out.append(Guard(group, sum(candidate[i] for i in idx) / len(idx), sum(base[i] for i in idx) / len(idx)))
-    return out
+def guards(guarded: dict[str, list[int]], candidate: Sequence[float], base: Sequence[float]) -> list[Guard]:
+    """The guarded groups' (name -> prompt indices) means of the candidate and of the initial weights."""
+    return [Guard(group, sum(candidate[i] for i in idx) / len(idx), sum(base[i] for i in idx) / len(idx))
+            for group, idx in guarded.items()]
 
 
 def _finite(x: float | None) -> float | None:

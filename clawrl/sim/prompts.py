@@ -121,6 +121,28 @@ VALIDATION_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# Plain questions for the tools scenario's promotion gate (clawrl.sim.validation:tools): in neither
+# QUESTIONS nor VALIDATION_QUESTIONS, so neither trained on, held out, nor among the tools bench's unseen ones.
+GATE_PLAIN_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("What is a glacier?", ("ice", "snow", "slow", "mov", "frozen", "mass")),
+    ("How do spiders make webs?", ("silk", "spin", "thread", "gland", "sticky")),
+    ("What is pollution?", ("harm", "air", "water", "chemical", "waste", "environment")),
+    ("Why do stars twinkle?", ("atmospher", "air", "light", "bend", "refract", "turbulen")),
+    ("What is a coral reef?", ("coral", "ocean", "sea", "animal", "polyp", "fish", "underwater")),
+    ("How does the brain send signals?", ("neuron", "nerve", "electric", "chemical", "synap", "signal")),
+    ("What is a rainforest?", ("tree", "rain", "tropical", "forest", "wet", "species", "dense")),
+    ("How do caterpillars become butterflies?", ("cocoon", "chrysalis", "metamorph", "pupa", "transform")),
+    ("What is wind?", ("air", "move", "pressure", "flow", "heat")),
+    ("What are clouds made of?", ("water", "droplet", "ice", "vapor", "vapour", "crystal")),
+    ("How do plants make seeds?", ("flower", "pollen", "pollinat", "fertiliz", "ovule", "fruit")),
+    ("What is a microscope used for?", ("small", "magnif", "see", "cell", "tiny", "lens")),
+    ("Why do birds migrate?", ("food", "warm", "winter", "season", "breed", "weather")),
+    ("What is the job of red blood cells?", ("oxygen", "carry", "hemoglobin", "haemoglobin", "body")),
+    ("How do solar panels make electricity?", ("sun", "light", "photovolta", "cell", "electron", "energy")),
+    ("What is an island?", ("land", "water", "surround", "sea", "ocean")),
+)
+
+
 def validation_questions(size: int = 16, seed: int = 0) -> list[tuple[str, tuple[str, ...]]]:
     """The promotion gate's validation set: ``size`` questions of a fixed shuffle of
     VALIDATION_QUESTIONS, which share none with QUESTIONS - neither the training pool nor the

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
+from clawrl.sim.prompts import GATE_PLAIN_QUESTIONS, QUESTIONS, VALIDATION_QUESTIONS
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
@@ -250,37 +250,28 @@ def tool_tasks(n: int, seed: int) -> list[ToolTask]:
 _TOOLISH = ("capital", "how many", "boiling", "freezing", "speed of", "language")  # what a tool could answer
 
 
+def _plain(questions) -> list[ToolTask]:
+    """The (question, keywords) pairs no tool could answer, as plain tasks."""
+    return [ToolTask(q, "", "{}", "", kw) for q, kw in questions if not any(w in q.lower() for w in _TOOLISH)]
+
+
 def plain_tasks() -> list[ToolTask]:
-    return [ToolTask(q, "", "{}", "", kw) for q, kw in QUESTIONS if not any(w in q.lower() for w in _TOOLISH)]
+    return _plain(QUESTIONS)
 
 
 def unseen_plain_tasks() -> list[ToolTask]:
     """Plain questions the tools scenario never asks, neither in training nor held out (the persona
     demo's validation questions): more evidence on plain-question quality than the held-out dozen."""
-    return [ToolTask(q, "", "{}", "", kw) for q, kw in VALIDATION_QUESTIONS
-            if not any(w in q.lower() for w in _TOOLISH)]
+    return _plain(VALIDATION_QUESTIONS)
 
 
-# Plain questions for the tools scenario's promotion gate (clawrl.sim.validation:tools): in neither
-# QUESTIONS nor VALIDATION_QUESTIONS, so neither trained on, held out, nor among the unseen ones.
-GATE_PLAIN_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("What is a glacier?", ("ice", "snow", "slow", "mov", "frozen", "mass")),
-    ("How do spiders make webs?", ("silk", "spin", "thread", "gland", "sticky")),
-    ("What is pollution?", ("harm", "air", "water", "chemical", "waste", "environment")),
-    ("Why do stars twinkle?", ("atmospher", "air", "light", "bend", "refract", "turbulen")),
-    ("What is a coral reef?", ("coral", "ocean", "sea", "animal", "polyp", "fish", "underwater")),
-    ("How does the brain send signals?", ("neuron", "nerve", "electric", "chemical", "synap", "signal")),
-    ("What is a rainforest?", ("tree", "rain", "tropical", "forest", "wet", "species", "dense")),
-    ("How do caterpillars become butterflies?", ("cocoon", "chrysalis", "metamorph", "pupa", "transform")),
-    ("What is wind?", ("air", "move", "pressure", "flow", "heat")),
-    ("What are clouds made of?", ("water", "droplet", "ice", "vapor", "vapour", "crystal")),
-    ("How do plants make seeds?", ("flower", "pollen", "pollinat", "fertiliz", "ovule", "fruit")),
-    ("What is a microscope used for?", ("small", "magnif", "see", "cell", "tiny", "lens")),
-    ("Why do birds migrate?", ("food", "warm", "winter", "season", "breed", "weather")),
-    ("What is the job of red blood cells?", ("oxygen", "carry", "hemoglobin", "haemoglobin", "body")),
-    ("How do solar panels make electricity?", ("sun", "light", "photovolta", "cell", "electron", "energy")),
-    ("What is an island?", ("land", "water", "surround", "sea", "ocean")),
-)
+def _balanced(n: int, seed: int, asked: set[str]) -> list[ToolTask]:
+    """``n`` tool tasks from ``seed``, none of them in ``asked``, a third of each kind."""
+    out: list[ToolTask] = []
+    for t in tool_tasks(n * 6, seed):  # in turn: arithmetic, conversion, lookup
+        if t.question not in asked and sum(x.tool == t.tool for x in out) < -(-n // 3):
+            out.append(t)
+    return out[:n]
 
 
 def gate_tasks(n_tools: int, n_plain: int, seed: int = 0) -> tuple[list[ToolTask], list[ToolTask]]:
@@ -290,12 +281,8 @@ def gate_tasks(n_tools: int, n_plain: int, seed: int = 0) -> tuple[list[ToolTask
     if not 0 <= n_plain <= len(GATE_PLAIN_QUESTIONS):
         raise ValueError(f"gate plain questions must be in [0, {len(GATE_PLAIN_QUESTIONS)}], got {n_plain}")
     train, held, _, _ = split_tasks(seed)
-    asked = {t.question for t in train + held}
-    tools: list[ToolTask] = []
-    for t in tool_tasks(max(n_tools, 1) * 6, seed + 20_011):
-        if t.question not in asked and sum(x.tool == t.tool for x in tools) < -(-n_tools // 3):
-            tools.append(t)
-    return tools[:n_tools], [ToolTask(q, "", "{}", "", kw) for q, kw in GATE_PLAIN_QUESTIONS[:n_plain]]
+    return _balanced(n_tools, seed + 20_011, {t.question for t in train + held}), \
+        _plain(GATE_PLAIN_QUESTIONS[:n_plain])
 
 
 def split_tasks(seed: int = 0, n_train: int = 96, n_heldout: int = 12,
@@ -304,12 +291,7 @@ def split_tasks(seed: int = 0, n_train: int = 96, n_heldout: int = 12,
     The held-out tool tasks come from another seed, a third of each kind, and share no question with
     the training ones."""
     train = tool_tasks(n_train, seed)
-    asked = {t.question for t in train}
-    held: list[ToolTask] = []
-    for t in tool_tasks(n_heldout * 6, seed + 10_007):  # in turn: arithmetic, conversion, lookup
-        if t.question not in asked and sum(h.tool == t.tool for h in held) < -(-n_heldout // 3):
-            held.append(t)
-    held = held[:n_heldout]
+    held = _balanced(n_heldout, seed + 10_007, {t.question for t in train})
     plain = plain_tasks()
     random.Random(seed).shuffle(plain)
     return train, held, plain[plain_heldout:], plain[:plain_heldout]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from clawrl.chat import tool_calls_in
+from clawrl.chat import TOOL_CALL_OPEN, tool_calls_in
 from clawrl.sim.personas import get_persona, on_topic
 from clawrl.sim.prompts import validation_questions
 from clawrl.sim.tools import SYSTEM_PROMPT, TOOLS, ToolTask, gate_tasks, run_tool
@@ -50,11 +50,14 @@ bullets = persona_evaluator("bullets")
 french = persona_evaluator("french")
 
 
+_TOOL_NAMES = {t["function"]["name"] for t in TOOLS}
+
+
 def tool_task_score(task: ToolTask, answer: str) -> float:
     """1 when the raw reply does what the tools scenario's held-out rates count right (module docstring)."""
-    calls = tool_calls_in(answer, {t["function"]["name"] for t in TOOLS})
-    if not task.needs_tool:
-        return float(not calls and "<tool_call>" not in answer and on_topic(answer, task.keywords, task.question))
+    if not task.needs_tool:  # a call of any shape is not a plain answer
+        return float(TOOL_CALL_OPEN not in answer and on_topic(answer, task.keywords, task.question))
+    calls = tool_calls_in(answer, _TOOL_NAMES)
     results = [run_tool(name, args) for name, args in calls]
     return float(task.answer in results and not any(r.startswith("error:") for r in results))
 
