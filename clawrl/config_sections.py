@@ -146,6 +146,16 @@ class GateSettings(Section):
                             "its flows at the one it starts on engine_port.")
     engine_port: int = Field(30022, ge=0, le=65535, description="Port of the evaluation engine `clawrl up` starts "
                              "when the gate is on and engine_url is ''.")
+    canary_share: float = Field(0.0, ge=0, lt=1, description="Share of sessions (picked by a hash of the session, "
+                                "so each stays on its side) served by the newest trained version while the gate "
+                                "keeps a champion for the others: the learner then also trains on its own answers "
+                                "(their mistakes get a reward to unlearn them) while most users get the champion. "
+                                "0: everyone gets the champion.")
+    canary_url: str = Field("", description="canary_share > 0: the `clawrl engine` (or SGLang) the train flow loads "
+                            "each new version into and the gateway sends canary sessions to. '': one in the "
+                            "process (`clawrl demo`), or the one `clawrl up` starts on canary_port.")
+    canary_port: int = Field(30023, ge=0, le=65535, description="Port of the canary engine `clawrl up` starts when "
+                             "canary_share > 0 and canary_url is ''.")
     live_rollback: bool = Field(True, description="After each judge run, compare the judged score of live turns "
                                 "the champion served with the previous champion's: a drop by more than "
                                 "live_tolerance that is significant at alpha serves the previous champion again.")
@@ -155,10 +165,13 @@ class GateSettings(Section):
                                   "(-1..1) the champion may show against the previous champion.")
 
     @model_validator(mode="after")
-    def _guard_needs_groups(self) -> "GateSettings":
+    def _consistent(self) -> "GateSettings":
         if self.guard and self.eval_set == "replay":
             raise ValueError("guard: the prompts of eval_set 'replay' have no groups; guard needs eval_set = "
                              "'validation' with an evaluator that tags its prompts")
+        if self.canary_share and not self.enabled:
+            raise ValueError(f"canary_share = {self.canary_share}: a canary needs the gate (enabled = true); "
+                             "without it every user already gets the newest version")
         return self
 
 

@@ -259,7 +259,8 @@ def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
                        f"v{champion}: the policy trains on v{champion}'s answers, not its own, so its own mistakes "
                        "are never served and never get a reward to unlearn them (e.g. a policy taught a tool call "
                        "by demonstrations learns to call everywhere)",
-                       "let the policy's own answers be scored: serve it for a while (`clawrl promote VERSION`, or "
+                       "let the policy's own answers be scored: serve it to a share of sessions ([gate] "
+                       "canary_share, e.g. 0.25) or to everyone for a while (`clawrl promote VERSION`, or "
                        "[gate] enabled = false) and gate again once it recovers; check that hints and "
                        "demonstrations teach when not to act as well as when to; a reward with the wrong sign "
                        "shows the same way", sql)

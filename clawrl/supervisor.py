@@ -8,7 +8,9 @@ memory between steps; under torchrun when the model is split over several ranks)
 when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
 "frozen" OPD teacher: a `clawrl engine` on ``[prm] engine_port`` that keeps the frozen model loaded
 between judge runs, which reach it over HTTP), the promotion gate's evaluation engine when the gate
-is on (a `clawrl engine` on ``[gate] engine_port`` the train runs load each candidate into), and the
+is on (a `clawrl engine` on ``[gate] engine_port`` the train runs load each candidate into), the
+canary engine with ``[gate] canary_share`` (a `clawrl engine` on ``[gate] canary_port`` that serves
+that share of sessions the newest trained version), and the
 flow server (the judge / train / replay deployments; with a work pool, registered on it and run by `prefect worker start --pool`
 processes, one of them started here unless told otherwise). Each keeps its state under the data
 root, so after a kill -9 of any of them, ``clawrl up`` again resumes: the gateway replays its
@@ -120,8 +122,10 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     prefect_api = f"{client_url(host, prefect_port)}/api"
     mlflow_db = store_uri(root)
     judge_engine, gate_engine = _judge_engine(settings, config_path, host), _gate_engine(settings, config_path, host)
+    canary = _canary_engine(settings, config_path, host)
+    canary_env = {"CLAWRL__GATE__CANARY_URL": canary.url} if canary else {}  # the gateway's and the flows'
     flows_env = {**({"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}),
-                 **({"CLAWRL__GATE__ENGINE_URL": gate_engine.url} if gate_engine else {})}
+                 **({"CLAWRL__GATE__ENGINE_URL": gate_engine.url} if gate_engine else {}), **canary_env}
     return [
         Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
                 f"{prefect_api}/health", client_url(host, prefect_port), env=PREFECT_SERVER_ENV),
@@ -133,9 +137,11 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
         Service("trainer", [*_trainer_launcher(settings), "-m", "clawrl.cli", "trainer", "-c", str(config_path),
                             "--host", host, "--port", str(trainer_port)],
                 f"{client_url(host, trainer_port)}/state", client_url(host, trainer_port)),
-        Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1"),
+        Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1",
+                env=canary_env),
         *([judge_engine] if judge_engine else []),
         *([gate_engine] if gate_engine else []),
+        *([canary] if canary else []),
         # up once its deployments are registered (Prefect answers 404 for the name before)
         Service("flows", [py, "-m", "clawrl.flows.serve", "--config", str(config_path), "--trainer-url",
                           client_url(host, trainer_port), "--engine-url", f"{gw}/engine",
@@ -198,6 +204,15 @@ def _gate_engine(settings, config_path: Path, host: str) -> Service | None:
     if not settings.gate.enabled or settings.gate.engine_url:
         return None
     return _engine_service("eval-engine", config_path, host, settings.gate.engine_port)
+
+
+def _canary_engine(settings, config_path: Path, host: str) -> Service | None:
+    """The canary engine: `clawrl engine` the train runs load every new version into and the gateway sends
+    ``[gate] canary_share`` of the sessions to, when ``[gate] canary_url`` names none of the user's own."""
+    g = settings.gate
+    if not (g.enabled and g.canary_share) or g.canary_url:
+        return None
+    return _engine_service("canary-engine", config_path, host, g.canary_port)
 
 
 def _engine_service(name: str, config_path: Path, host: str, port: int) -> Service:

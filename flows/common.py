@@ -34,6 +34,7 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _made: dict[tuple, Any] = {}
 _policy_engine: Engine | None = None
+_canary_engine: Engine | None = None
 
 
 def _once(key: tuple, make: Callable[[], T]) -> T:
@@ -54,6 +55,13 @@ def attach_policy_engine(engine: Engine | None) -> None:
 
 def policy_engine() -> Engine | None:
     return _policy_engine
+
+
+def attach_canary_engine(engine: Engine | None) -> None:
+    """Make ``engine`` (the canary engine of this process's gateway) the one the train flow loads every new
+    version into, instead of the one at ``[gate] canary_url``; ``None`` detaches it."""
+    global _canary_engine
+    _canary_engine = engine
 
 
 def load_flow_settings(config_path: str | None) -> Settings:
@@ -267,3 +275,17 @@ def push_weights(s: Settings, target: dict[str, Any], engine_url: str | None) ->
         record_sync(s, rep, version, target.get("mlflow_run_id"))
     return {"success": rep.success, "skipped": rep.skipped, "message": rep.message, "version": str(version),
             "weight_version": rep.weight_version, "seconds": rep.seconds, "target": rep.target}
+
+
+def push_canary(s: Settings, target: dict[str, Any]) -> dict[str, Any]:
+    """Load ``target`` (``serve_target``'s keys) into the canary engine: this process's, else the one at
+    ``[gate] canary_url``. Not a ``syncs`` row: those say what every user is served, and a restarted
+    engine serves the newest one of them again. ``weight_version``: what the canary serves afterwards."""
+    from clawrl.sync import sync_checkpoint
+
+    engine = _canary_engine
+    rep = runtime.run(sync_checkpoint(
+        target["weight_version"], target["path"], target["sha256"], engine=engine, trainer=trainer_in_process(s),
+        url=s.gate.canary_url or None if engine is None else None, timeout_s=s.engine.request_timeout_s))
+    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message,
+            "version": str(target["weight_version"]), "weight_version": rep.weight_version, "target": rep.target}

@@ -23,6 +23,8 @@ Exactly once, with a crash allowed between any two tasks:
    promoted, else the champion that served before (nothing to load when it already serves). Every
    attempt is a ``syncs`` row and a point on the MLflow run of the version pushed; after a failed
    one the next step's sync, or ``clawrl sync``, pushes again.
+   With ``[gate] canary_share``, ``sync_canary`` then loads the new version, promoted or not, into the
+   canary engine that serves that share of sessions (``clawrl.engine.canary``; not a ``syncs`` row).
 
 After the sync, since nothing on the way to serving the new version needs them:
 
@@ -59,7 +61,8 @@ from prefect.concurrency.sync import concurrency
 from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
-                                 load_flow_settings, local_trainer, push_weights, serve_target, trainer_in_process)
+                                 load_flow_settings, local_trainer, push_canary, push_weights, serve_target,
+                                 trainer_in_process)
 from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
@@ -260,6 +263,23 @@ def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str 
 
 
 @task(cache_policy=NO_CACHE)
+def sync_canary(config_path: str | None, step: dict[str, Any]) -> dict[str, Any] | None:
+    """With ``[gate] canary_share``, load the step's version into the canary engine whatever the gate
+    decided, so canary sessions get the newest trained version; None without a canary."""
+    s = load_flow_settings(config_path)
+    if not (s.gate.enabled and s.gate.canary_share):
+        return None
+    out = push_canary(s, serve_target(s, step["weight_version"]))
+    if out["success"]:
+        get_run_logger().info("canary engine serves version %s to %.0f%% of sessions", out["weight_version"],
+                              100 * s.gate.canary_share)
+    else:  # its sessions get the champion meanwhile (clawrl.engine.canary)
+        get_run_logger().error("canary engine: loading version %s failed (%s); its sessions get the champion",
+                               out["version"], out["message"])
+    return out
+
+
+@task(cache_policy=NO_CACHE)
 def log_doctor_report(config_path: str | None, step: dict[str, Any], run_id: str) -> int:
     """``clawrl doctor`` after the step, on the step's MLflow run (the problems found; never fails the step)."""
     s = load_flow_settings(config_path)
@@ -332,6 +352,7 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             _crash_point("gated")
             synced = sync_weights(config_path, gate["serve"], engine_url)
             _crash_point("synced")
+            canary = sync_canary(config_path, step)
             # after the sync: nothing on the path to serving the new version waits for these
             if log_lineage(config_path, step, run_id, gate, return_state=True).is_failed():
                 log.warning("the MLflow lineage of version %s is not complete; the next train run completes it",
@@ -343,5 +364,5 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
                  step["step"], batch_id, m.get("loss", float("nan")), m.get("reward_mean", float("nan")),
                  m.get("kl", 0.0), step["weight_version"], "promoted" if gate["decision"] == "promote" else "refused",
                  gate["serve_version"], "ok" if synced["success"] else synced["message"])
-        steps.append({**step, "mlflow_run_id": run_id, "gate": gate, "sync": synced})
+        steps.append({**step, "mlflow_run_id": run_id, "gate": gate, "sync": synced, "canary": canary})
     return {"steps": steps}

@@ -76,7 +76,7 @@ def _gate_overrides(base: Settings, scenario: str, persona: str, seed: int, max_
         return {}  # an evaluator of the user's own is left as it is
     if scenario == "tools":
         if base.gate.evaluator != TOOLS_EVALUATOR:
-            return {"gate.enabled": False}
+            return {"gate.enabled": False, "gate.canary_share": 0.0}
         return {"gate.seed": seed, "gate.max_tokens": max_tokens}
     return {"gate.evaluator": f"clawrl.sim.validation:{persona}", "gate.seed": seed, "gate.max_tokens": max_tokens}
 
@@ -102,22 +102,29 @@ def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
 
 def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
     """Serve the policy engine behind the gateway on a thread and run the learning loop against it."""
-    from clawrl.flows.common import attach_policy_engine, data_store, load_flow_settings
+    from clawrl.engine.canary import CanaryRouter
+    from clawrl.flows.common import attach_canary_engine, attach_policy_engine, data_store, load_flow_settings
     from clawrl.flows.loop import learning_loop
-    from clawrl.gateway.routes import build_engine, create_app
+    from clawrl.gateway.routes import build_engine, canary_engine, create_app
     from clawrl.serving import serve_in_thread
 
     with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
         engine, tokenizer = build_engine(s)  # the gateway's own: the newest checkpoint of a run continued
     attach_policy_engine(engine)  # the train flow syncs this engine in-process
+    served = engine
+    if s.gate.enabled and s.gate.canary_share:  # a canary engine in this process unless the config names one
+        canary = canary_engine(s) if s.gate.canary_url else build_engine(s)[0]
+        attach_canary_engine(None if s.gate.canary_url else canary)
+        served = CanaryRouter(engine, canary, s.gate.canary_share)
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     store = data_store(load_flow_settings(str(run_conf)))
-    gw = serve_in_thread(create_app(s, engine=engine, tokenizer=tokenizer, store=store))
+    gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store))
     console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {s.storage.data_root}", markup=False)
     try:
         return learning_loop(config_path=str(run_conf), gateway_url=gw.url, **loop_args)
     finally:
         gw.stop()
+        attach_canary_engine(None)
         attach_policy_engine(None)
         store.flush()
 

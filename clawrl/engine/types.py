@@ -159,6 +159,8 @@ class GenerateRequest(_Refusing):
     # which engine of several serves it (the gateway: the session): not part of SGLang's body; sent to
     # an SGLang router as its X-SMG-Routing-Key header
     routing_key: str | None = Field(None, exclude=True, description="a string")
+    # a main turn of a session, whose answer may train the policy: a canary may serve it (clawrl.engine.canary)
+    main_turn: bool = Field(False, exclude=True, description=_BOOL)
 
     @model_validator(mode="before")
     @classmethod

@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawrl.config import ConfigError, Settings, read_api_keys
+from clawrl.engine.canary import CanaryRouter
 from clawrl.engine.types import Engine
 from clawrl.gateway import admin
 from clawrl.gateway.deps import (SESSION_HEADERS, AdminGuard, ApiKeyGuard, NamespaceDep, ServiceDep, document_api_key,
@@ -318,6 +319,21 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     return engine, engine.tokenizer
 
 
+def canary_engine(settings: Settings) -> Engine | None:
+    """The engine at ``[gate] canary_url`` when ``[gate] canary_share`` sends sessions to one; ConfigError
+    when it names none (`clawrl up` starts one; `clawrl demo` passes its own in-process engine)."""
+    g = settings.gate
+    if not (g.enabled and g.canary_share):
+        return None
+    if not g.canary_url:
+        raise ConfigError(f"[gate] canary_share = {g.canary_share} needs [gate] canary_url: the engine the train "
+                          "flow loads each new version into (`clawrl engine`; `clawrl up` starts one on "
+                          "canary_port)")
+    from clawrl.engine.sglang_client import SGLangClient
+
+    return SGLangClient(g.canary_url, timeout_s=settings.engine.request_timeout_s)
+
+
 def _checkpoint_to_serve(settings: Settings):
     """With the promotion gate on, the champion (the newest intact one on the gate's line); without
     it, the newest intact checkpoint. None: the initial weights."""
@@ -350,8 +366,14 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
 
         check_data_root(settings.storage.data_root)
     state.store, state.owned_engine = store, engine is None
-    state.engine, state.tokenizer = build_engine(settings) if engine is None else (engine, tokenizer)
-    if hasattr(state.engine, "update_weights_from_disk") and not hasattr(state.engine, "sync_weights_from_disk"):
+    if engine is None:
+        canary = canary_engine(settings)  # a config error before any model loads
+        engine, tokenizer = build_engine(settings)
+        if canary is not None:
+            engine = CanaryRouter(engine, canary, settings.gate.canary_share)
+    state.engine, state.tokenizer = engine, tokenizer
+    served = engine.main if isinstance(engine, CanaryRouter) else engine  # what a weight sync updates
+    if hasattr(served, "update_weights_from_disk") and not hasattr(served, "sync_weights_from_disk"):
         # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
         # under /engine, so a trainer in another process can sync it exactly as it would sync SGLang.
         # Admin only (deps.check_admin_key): its /generate bypasses the session log and its control
@@ -359,7 +381,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         from clawrl.engine.server import create_engine_app
 
         app.mount("/engine", AdminGuard(create_engine_app(
-            state.engine, model_path=settings.model.name, served_model_name=settings.server.served_model_name,
+            served, model_path=settings.model.name, served_model_name=settings.server.served_model_name,
             max_context_len=settings.engine.max_context_len), admin_keys=state.admin_keys, api_keys=api_keys))
     for router in (v1, ops, admin.router):
         app.include_router(router)

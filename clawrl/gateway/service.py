@@ -168,7 +168,8 @@ class ChatService:
         routing_key = hashlib.blake2b(f"{ctx.namespace}:{session_id}".encode(), digest_size=8).hexdigest()
         gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
                               top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
-                              routing_key=routing_key)  # several engines: the session stays on one
+                              routing_key=routing_key,  # several engines: the session stays on one
+                              main_turn=turn_type == TurnType.MAIN.value)
         state, evicted = self.tracker.open(ctx.namespace, session_id)
         self._write_next_states(evicted)
         return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())

@@ -20,7 +20,7 @@ from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils import gate_eval
 from tests.utils.gateway_server import running_gateway
-from tests.utils.traffic import WEIGHT_VERSION, generate, side_chat, steady_traffic
+from tests.utils.traffic import WEIGHT_VERSION, canary_sessions, generate, side_chat, steady_traffic
 
 EVALUATOR = "tests.utils.gate_eval:evaluator"
 
@@ -142,6 +142,70 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
     assert "champion version 1" in line and "candidate 2 refused" in line, line
     sync_line = next(x for x in res.output.splitlines() if x.startswith("last sync:"))
     assert "serving version 1" in sync_line and "waiting" not in sync_line, sync_line
+
+
+def test_a_canary_share_of_sessions_gets_the_refused_candidate(prefect_harness, gate_confs, tiny_dir, tmp_path):
+    """[gate] canary_share 0.5: after the harmful step is refused, main turns of canary sessions are
+    answered by the candidate (v2) from the canary engine, everything else by the champion (v1); the
+    turns record it, nobody is refused, and `syncs` (what every user is served) never names v2."""
+    from clawrl.engine.canary import CanaryRouter
+    from clawrl.flows.common import attach_canary_engine
+    from clawrl.flows.judge import judge_flow
+    from clawrl.flows.train import train_flow
+
+    s, confs = gate_confs
+    for name in confs:  # the same two configs with a canary
+        text = confs[name].read_text()
+        assert "canary_share = 0.0\n" in text
+        confs[name].write_text(text.replace("canary_share = 0.0\n", "canary_share = 0.5\n"))
+    _fill_reference(tiny_dir)
+    engine = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
+    canary = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
+    attach_policy_engine(engine)
+    attach_canary_engine(canary)
+    store = DataStore(s.storage.data_root)
+    app = create_app(s, engine=CanaryRouter(engine, canary, 0.5), tokenizer=engine.tokenizer, store=store)
+    on_canary, on_champion = canary_sessions(0.5)
+
+    def served(client, sid, turn_type="main"):
+        r = client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            extra_body={"session_id": sid, "turn_type": turn_type})
+        return r.headers["x-weight-version"]
+
+    try:
+        with running_gateway(app) as gw:
+            client = OpenAI(base_url=gw.base_url, api_key="x")
+
+            def step(conf, tag):
+                for i, q in enumerate(gate_eval.QUESTIONS[:2]):
+                    _conversation(client, f"{tag}-{i}", q)
+                store.flush()
+                assert judge_flow(config_path=str(conf))["fates"]["sample"] >= 2
+                [out] = train_flow(config_path=str(conf), max_steps=1)["steps"]
+                return out
+
+            good = step(confs["helpful"], "helpful")
+            assert good["gate"]["decision"] == "promote" and good["canary"]["weight_version"] == "1"
+            assert served(client, on_canary[0]) == "1"  # both engines hold v1: nothing newer to try
+            with steady_traffic(side_chat(gw.base_url), threads=2, key=WEIGHT_VERSION) as (side, failures):
+                bad = step(confs["harmful"], "harmful")
+            versions = {sid: served(client, sid) for sid in on_canary[:3] + on_champion[:3]}
+            side_of_canary = served(client, on_canary[0], "side")
+    finally:
+        attach_policy_engine(None)
+        attach_canary_engine(None)
+        store.close()
+    assert bad["gate"]["decision"] == "refuse" and bad["gate"]["serve_version"] == "1"
+    assert bad["canary"]["success"] and bad["canary"]["weight_version"] == "2" and bad["canary"]["target"] == "in-process"
+    assert versions == {**{sid: "2" for sid in on_canary[:3]}, **{sid: "1" for sid in on_champion[:3]}}
+    assert side_of_canary == "1"  # a side turn of a canary session: the champion
+    assert failures == [] and set(side) == {"1"}
+    recorded = run_query(s.storage.data_root, "select session_id, weight_version from turns where session_id like "
+                         "'user-%' and turn_type = 'main'").to_pylist()
+    assert {(r["session_id"], r["weight_version"]) for r in recorded} == {(on_canary[0], "1"), *versions.items()}
+    synced = run_query(s.storage.data_root, "select weight_version, serving_version from syncs").to_pylist()
+    assert "2" not in {r["weight_version"] for r in synced} | {r["serving_version"] for r in synced}
 
 
 def _write_samples(s, n: int) -> None:

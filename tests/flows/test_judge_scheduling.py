@@ -52,6 +52,34 @@ def test_up_plans_an_evaluation_engine_for_the_gate_unless_it_is_off_or_named(ma
     _check_engine_service(services, "eval-engine", 30666, "CLAWRL__GATE__ENGINE_URL", starts)
 
 
+@pytest.mark.parametrize("overrides, starts", [
+    ({"gate.canary_share": 0.25}, True),
+    ({}, False),
+    ({"gate.canary_share": 0.25, "gate.canary_url": "http://10.0.0.8:9200"}, False),
+])
+def test_up_plans_a_canary_engine_for_a_canary_share_unless_one_is_named(make_settings, overrides, starts):
+    services = _plan(make_settings({**overrides, "gate.canary_port": 30777, "gate.engine_url": "http://10.0.0.7:9100",
+                                    "prm.backend": "rule", "ppo.advantage_estimator": "grpo"}))
+    _check_engine_service(services, "canary-engine", 30777, "CLAWRL__GATE__CANARY_URL", starts)
+    # the gateway sends canary sessions to it, the train runs load each new version into it
+    assert services["gateway"].env == ({"CLAWRL__GATE__CANARY_URL": "http://127.0.0.1:30777"} if starts else {})
+
+
+def test_a_canary_share_without_the_gate_is_a_config_error(make_settings):
+    from clawrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"canary_share = 0.5: a canary needs the gate \(enabled = true\)"):
+        make_settings({"gate.enabled": False, "gate.canary_share": 0.5})
+
+
+def test_a_gateway_with_a_canary_share_but_no_canary_engine_is_a_config_error(make_settings):
+    from clawrl.config import ConfigError
+
+    s = make_settings({"gate.canary_share": 0.25, "server.open_mode": True})
+    with pytest.raises(ConfigError, match=r"\[gate\] canary_share = 0.25 needs \[gate\] canary_url"):
+        create_app(s)
+
+
 def _check_engine_service(services, name: str, port: int, env_key: str, starts: bool) -> None:
     """A `clawrl engine` of the initial weights planned before the flows, which get its URL; or none."""
     names, flows = list(services), services["flows"]

@@ -55,3 +55,15 @@ def generate(base_url: str, input_ids: list[int]) -> Callable[[httpx.Client], ht
 
 def WEIGHT_VERSION(r: httpx.Response) -> str | None:  # noqa: N802 - used as a key function's name
     return r.headers.get("x-weight-version")
+
+
+def canary_sessions(share: float, n: int = 40) -> tuple[list[str], list[str]]:
+    """Session ids ``user-<i>`` of the open namespace whose routing key falls below ``share`` (a canary's
+    sessions: clawrl.engine.canary) and the others."""
+    import hashlib
+
+    from clawrl.engine.canary import bucket
+
+    ids = [f"user-{i}" for i in range(n)]
+    key = lambda sid: hashlib.blake2b(f"open:{sid}".encode(), digest_size=8).hexdigest()  # noqa: E731
+    return [i for i in ids if bucket(key(i)) < share], [i for i in ids if bucket(key(i)) >= share]
