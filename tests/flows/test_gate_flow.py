@@ -206,6 +206,13 @@ def test_a_canary_share_of_sessions_gets_the_refused_candidate(prefect_harness, 
     assert {(r["session_id"], r["weight_version"]) for r in recorded} == {(on_canary[0], "1"), *versions.items()}
     synced = run_query(s.storage.data_root, "select weight_version, serving_version from syncs").to_pylist()
     assert "2" not in {r["weight_version"] for r in synced} | {r["serving_version"] for r in synced}
+    from clawrl.cli import app
+
+    res = CliRunner().invoke(app, ["status", "--config", str(confs["harmful"])])
+    assert res.exit_code == 0, res.output
+    assert "canary: 50% of sessions get the newest trained version (engine in the serving process)" in \
+        res.output.splitlines()
+    assert "serving version 1" in next(x for x in res.output.splitlines() if x.startswith("last sync:"))
 
 
 def _write_samples(s, n: int) -> None:
