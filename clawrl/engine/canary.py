@@ -56,6 +56,8 @@ class CanaryRouter:
         self.canary_requests = 0  # answered by the canary engine (for tests and `clawrl bench`)
 
     def __getattr__(self, name: str) -> Any:  # the main engine's limits, control calls and state
+        if name in ("main", "canary"):  # not set yet (a copy under construction): never recurse
+            raise AttributeError(name)
         return getattr(self.main, name)
 
     def is_canary_session(self, routing_key: str | None) -> bool:
