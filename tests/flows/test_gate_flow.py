@@ -57,10 +57,22 @@ def _fill_reference(tiny_dir):
     gate_eval.REFERENCE.update({i: a[0] for i, a in enumerate(answers)})
 
 
-def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_harness, gate_confs, tiny_dir):
+def _step(client, store, conf, tag):
+    """Two conversations, a judge run and a train run under ``conf``: the train run's one step."""
     from clawrl.flows.judge import judge_flow
     from clawrl.flows.train import train_flow
 
+    for i, q in enumerate(gate_eval.QUESTIONS[:2]):
+        _conversation(client, f"{tag}-{i}", q)
+    store.flush()
+    # a new judge config (the other reward) judges the earlier turns again too: the oldest batch is
+    # the first step's turns, now with the other reward
+    assert judge_flow(config_path=str(conf))["fates"]["sample"] >= 2
+    [out] = train_flow(config_path=str(conf), max_steps=1)["steps"]
+    return out
+
+
+def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_harness, gate_confs, tiny_dir):
     s, confs = gate_confs
     _fill_reference(tiny_dir)
     engine = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
@@ -70,23 +82,12 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
     try:
         with running_gateway(app) as gw:
             client = OpenAI(base_url=gw.base_url, api_key="x")
-
-            def step(conf, tag):
-                for i, q in enumerate(gate_eval.QUESTIONS[:2]):
-                    _conversation(client, f"{tag}-{i}", q)
-                store.flush()
-                # a new judge config (the other reward) judges the earlier turns again too: the oldest batch is
-                # the first step's turns, now with the other reward
-                assert judge_flow(config_path=str(conf))["fates"]["sample"] >= 2
-                [out] = train_flow(config_path=str(conf), max_steps=1)["steps"]
-                return out
-
-            good = step(confs["helpful"], "helpful")
+            good = _step(client, store, confs["helpful"], "helpful")
             assert good["gate"]["decision"] == "promote", good["gate"]["reason"]
             assert good["sync"]["success"] and good["gate"]["serve_version"] == "1"
 
             with steady_traffic(side_chat(gw.base_url), threads=3, key=WEIGHT_VERSION) as (served, failures):
-                bad = step(confs["harmful"], "harmful")  # measured while users keep being served
+                bad = _step(client, store, confs["harmful"], "harmful")  # measured while users keep being served
                 time.sleep(0.3)
             r = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                                                  max_tokens=4)
@@ -150,8 +151,6 @@ def test_a_canary_share_of_sessions_gets_the_refused_candidate(prefect_harness, 
     turns record it, nobody is refused, and `syncs` (what every user is served) never names v2."""
     from clawrl.engine.canary import CanaryRouter
     from clawrl.flows.common import attach_canary_engine
-    from clawrl.flows.judge import judge_flow
-    from clawrl.flows.train import train_flow
 
     s, confs = gate_confs
     for name in confs:  # the same two configs with a canary
@@ -176,20 +175,11 @@ def test_a_canary_share_of_sessions_gets_the_refused_candidate(prefect_harness, 
     try:
         with running_gateway(app) as gw:
             client = OpenAI(base_url=gw.base_url, api_key="x")
-
-            def step(conf, tag):
-                for i, q in enumerate(gate_eval.QUESTIONS[:2]):
-                    _conversation(client, f"{tag}-{i}", q)
-                store.flush()
-                assert judge_flow(config_path=str(conf))["fates"]["sample"] >= 2
-                [out] = train_flow(config_path=str(conf), max_steps=1)["steps"]
-                return out
-
-            good = step(confs["helpful"], "helpful")
+            good = _step(client, store, confs["helpful"], "helpful")
             assert good["gate"]["decision"] == "promote" and good["canary"]["weight_version"] == "1"
             assert served(client, on_canary[0]) == "1"  # both engines hold v1: nothing newer to try
             with steady_traffic(side_chat(gw.base_url), threads=2, key=WEIGHT_VERSION) as (side, failures):
-                bad = step(confs["harmful"], "harmful")
+                bad = _step(client, store, confs["harmful"], "harmful")
             versions = {sid: served(client, sid) for sid in on_canary[:3] + on_champion[:3]}
             side_of_canary = served(client, on_canary[0], "side")
     finally:
