@@ -6,13 +6,15 @@ the learner then trains on the champion's answers only and never sees a reward f
 fixed share of sessions to a second engine that the train flow loads every new version into
 (``[gate] canary_share`` / ``canary_url``):
 
-* **Which sessions.** A request's ``routing_key`` (the gateway's hash of namespace and session)
+* **Which requests.** A request's ``routing_key`` (the gateway's hash of namespace and session)
   picks a bucket in [0, 1); sessions whose bucket is below the share are canary sessions, the same
-  ones on every request, so a conversation stays on its side. A request without a key is not one.
+  ones on every request, so a conversation stays on its side. Only their main turns go to the
+  canary (``main_turn``: answers the policy may learn from); side turns (an agent's maintenance
+  calls, held-out evaluations) and requests without a key get the champion.
 * **Only a newer version.** A canary session goes to the canary engine only while that engine holds
-  a newer weight version than the main engine (the refused candidate, or the one the gate is still
-  measuring); once the candidate is promoted both hold it and canary sessions go back to the main
-  engine. The two versions are asked at most every ``refresh_s``.
+  a newer weight version than the main engine (a refused candidate); once a candidate is promoted
+  both hold it and canary sessions go back to the main engine. The two versions are asked at most
+  every ``refresh_s``.
 * **Never a refused request.** A canary engine that does not answer (unreachable, or no version it
   can report) sends its sessions to the main engine: they get the champion for that request, and
   the canary is asked again after ``down_retry_s``.
@@ -43,6 +45,9 @@ def bucket(routing_key: str) -> float:
 
 
 class CanaryRouter:
+    """An Engine: ``main`` (the champion) for everything but the main turns of a ``share`` of sessions,
+    which ``canary`` answers while it holds a newer version."""
+
     def __init__(self, main: Engine, canary: Engine, share: float, *, refresh_s: float = 1.0,
                  down_retry_s: float = 5.0):
         if not 0 <= share < 1:
