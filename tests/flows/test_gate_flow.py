@@ -273,7 +273,9 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
 
 def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     """`clawrl demo` on the tiny model for two steps: every row has the gate's decision, both validation
-    means and the candidate's held-out score; the gate scored the demo persona's validation questions."""
+    means and the candidate's held-out score; the gate scored the demo persona's validation questions.
+    With a canary share of 0.5 (an engine in the demo's process), versions never promoted answer only main
+    turns of canary sessions; the held-out evaluations (side turns) always get the champion."""
     import json
     import os
     import subprocess
@@ -284,6 +286,8 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     from tests.utils.demo_config import tiny_demo_config
 
     conf = tiny_demo_config(tmp_path, model_cache)
+    conf.write_text(conf.read_text().replace("\nmin_gain = 0.0", "\ncanary_share = 0.5\nmin_gain = 0.0", 1))
+    assert "canary_share = 0.5" in conf.read_text()
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--persona", "lowercase",
                           "--steps", "2", "--users", "4", "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8",
@@ -306,6 +310,20 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_tokens = 8" in run_conf
     evals = run_query(run, "select weight_version, n from evaluations order by weight_version").to_pylist()
     assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
+    import hashlib
+
+    from clawrl.engine.canary import bucket
+
+    champions = {"0"} | {r["weight_version"] for r in rows}  # what the curve's evaluations were served by
+    turns = run_query(run, "select namespace, session_id, turn_type, weight_version from turns").to_pylist()
+    assert {t["weight_version"] for t in turns if t["turn_type"] == "side"} <= champions
+    for t in turns:
+        if t["weight_version"] not in champions:  # a candidate never promoted: a canary session's main turn
+            key = hashlib.blake2b(f"{t['namespace']}:{t['session_id']}".encode(), digest_size=8).hexdigest()
+            assert t["turn_type"] == "main" and bucket(key) < 0.5, t
+    if rows[1]["gate"] == "refuse":  # step 2's canary sessions (3 of its 4 users) were answered by v1
+        assert any(t["weight_version"] == "1" and t["turn_type"] == "main" for t in turns)
+    assert "canary: 50% of sessions get the newest trained version (engine in the serving process)" in out.stdout
 
 
 def test_the_demo_refuses_more_validation_questions_than_it_has(tmp_path, model_cache):
