@@ -263,12 +263,10 @@ def sync_weights(config_path: str | None, step: dict[str, Any], engine_url: str 
 
 
 @task(cache_policy=NO_CACHE)
-def sync_canary(config_path: str | None, step: dict[str, Any]) -> dict[str, Any] | None:
+def sync_canary(config_path: str | None, step: dict[str, Any]) -> dict[str, Any]:
     """With ``[gate] canary_share``, load the step's version into the canary engine whatever the gate
-    decided, so canary sessions get the newest trained version; None without a canary."""
+    decided, so canary sessions get the newest trained version."""
     s = load_flow_settings(config_path)
-    if not (s.gate.enabled and s.gate.canary_share):
-        return None
     out = push_canary(s, serve_target(s, step["weight_version"]))
     if out["success"]:
         get_run_logger().info("canary engine serves version %s to %.0f%% of sessions", out["weight_version"],
@@ -334,6 +332,8 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
 def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | None, engine_url: str | None,
                  slot) -> dict[str, Any]:
     log = get_run_logger()
+    gate_settings = load_flow_settings(config_path).gate
+    with_canary = gate_settings.enabled and gate_settings.canary_share > 0
     steps: list[dict[str, Any]] = []
     for _ in range(max_steps):
         with slot():
@@ -352,7 +352,7 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             _crash_point("gated")
             synced = sync_weights(config_path, gate["serve"], engine_url)
             _crash_point("synced")
-            canary = sync_canary(config_path, step)
+            canary = sync_canary(config_path, step) if with_canary else None
             # after the sync: nothing on the path to serving the new version waits for these
             if log_lineage(config_path, step, run_id, gate, return_state=True).is_failed():
                 log.warning("the MLflow lineage of version %s is not complete; the next train run completes it",

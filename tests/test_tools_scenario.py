@@ -191,8 +191,9 @@ def test_the_tools_demo_gates_with_the_tools_evaluator_when_the_config_names_it(
                      .replace("rollout_batch_size = 24", "rollout_batch_size = 3")  # one step from 3 users
                      + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n\n[gate]\n'
                      'evaluator = "clawrl.sim.validation:tools"\nsize = 6\nsamples = 1\nguard = ["plain"]\n')
+    # ungated: no canary either (a canary share needs the gate)
     assert _gate_overrides(load_settings(ROOT / "conf" / "demo-tools.toml"), "tools", "concise", 3, 64) == \
-        {"gate.enabled": False}
+        {"gate.enabled": False, "gate.canary_share": 0.0}
     assert _gate_overrides(load_settings(gated), "tools", "concise", 3, 64) == {"gate.seed": 3, "gate.max_tokens": 64}
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(gated),

@@ -9,8 +9,9 @@ from clawrl.engine.modeling import KVBudgetError, CausalLMRunner, KVCache, build
 from clawrl.models import load_causal_lm
 
 # Batched, padded matmuls reduce in a different order than a batch of one; over 30 layers
-# (smollm2, logits up to ~30) that moves logits by up to ~6e-5, i.e. ~2e-6 relative.
-ATOL = {"tiny_dir": 1e-5, "tiny_qwen3_dir": 1e-5, "smollm2_dir": 1e-4}
+# (smollm2, logits up to ~30) that moves logits by up to ~6e-5 on one CPU and ~1.5e-4 on another
+# whose kernels differ (AVX-512/AMX), i.e. up to ~5e-6 relative.
+ATOL = {"tiny_dir": 1e-5, "tiny_qwen3_dir": 1e-5, "smollm2_dir": 3e-4}
 
 
 @pytest.fixture(scope="module")
