@@ -164,6 +164,11 @@ class GateSettings(Section):
     live_tolerance: float = Field(0.1, ge=0, le=2, description="The largest drop of the mean live judged score "
                                   "(-1..1) the champion may show against the previous champion.")
 
+    @property
+    def canary(self) -> bool:
+        """Whether a canary serves a share of sessions (``canary_share`` > 0 with the gate on)."""
+        return self.enabled and self.canary_share > 0
+
     @model_validator(mode="after")
     def _consistent(self) -> "GateSettings":
         if self.guard and self.eval_set == "replay":

@@ -210,7 +210,7 @@ def _canary_engine(settings, config_path: Path, host: str) -> Service | None:
     """The canary engine: `clawrl engine` the train runs load every new version into and the gateway sends
     ``[gate] canary_share`` of the sessions to, when ``[gate] canary_url`` names none of the user's own."""
     g = settings.gate
-    if not (g.enabled and g.canary_share) or g.canary_url:
+    if not g.canary or g.canary_url:
         return None
     return _engine_service("canary-engine", config_path, host, g.canary_port)
 

@@ -263,29 +263,33 @@ def push_weights(s: Settings, target: dict[str, Any], engine_url: str | None) ->
     the engine ``engine_url_for`` finds, through ``clawrl.sync``; the attempt is recorded (``record_sync``).
     ``version`` in the answer is the one pushed; ``weight_version`` the one served afterwards."""
     from clawrl.config import read_admin_key
-    from clawrl.sync import sync_checkpoint
 
-    version = target["weight_version"]
     engine = None if engine_url else policy_engine()  # an explicit engine URL wins
-    rep = runtime.run(sync_checkpoint(
-        version, target["path"], target["sha256"], engine=engine, trainer=trainer_in_process(s),
-        url=engine_url_for(s, engine_url) if engine is None else None,
-        admin_key=read_admin_key(s.server.admin_keys_env), timeout_s=s.engine.request_timeout_s))
+    rep = _load(s, target, engine, engine_url_for(s, engine_url) if engine is None else None,
+                read_admin_key(s.server.admin_keys_env))
     if rep.target is not None:
-        record_sync(s, rep, version, target.get("mlflow_run_id"))
-    return {"success": rep.success, "skipped": rep.skipped, "message": rep.message, "version": str(version),
-            "weight_version": rep.weight_version, "seconds": rep.seconds, "target": rep.target}
+        record_sync(s, rep, target["weight_version"], target.get("mlflow_run_id"))
+    return _answer(rep, target)
 
 
 def push_canary(s: Settings, target: dict[str, Any]) -> dict[str, Any]:
     """Load ``target`` (``serve_target``'s keys) into the canary engine: this process's, else the one at
     ``[gate] canary_url``. Not a ``syncs`` row: those say what every user is served, and a restarted
     engine serves the newest one of them again. ``weight_version``: what the canary serves afterwards."""
+    return _answer(_load(s, target, _canary_engine, s.gate.canary_url or None), target)
+
+
+def _load(s: Settings, target: dict[str, Any], engine: Engine | None, url: str | None,
+          admin_key: str | None = None):
+    """``clawrl.sync.sync_checkpoint`` of ``target`` into ``engine``, else into the HTTP engine at ``url``."""
     from clawrl.sync import sync_checkpoint
 
-    engine = _canary_engine
-    rep = runtime.run(sync_checkpoint(
+    return runtime.run(sync_checkpoint(
         target["weight_version"], target["path"], target["sha256"], engine=engine, trainer=trainer_in_process(s),
-        url=s.gate.canary_url or None if engine is None else None, timeout_s=s.engine.request_timeout_s))
+        url=url if engine is None else None, admin_key=admin_key, timeout_s=s.engine.request_timeout_s))
+
+
+def _answer(rep, target: dict[str, Any]) -> dict[str, Any]:
     return {"success": rep.success, "skipped": rep.skipped, "message": rep.message,
-            "version": str(target["weight_version"]), "weight_version": rep.weight_version, "target": rep.target}
+            "version": str(target["weight_version"]), "weight_version": rep.weight_version, "seconds": rep.seconds,
+            "target": rep.target}

@@ -332,8 +332,7 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
 def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | None, engine_url: str | None,
                  slot) -> dict[str, Any]:
     log = get_run_logger()
-    gate_settings = load_flow_settings(config_path).gate
-    with_canary = gate_settings.enabled and gate_settings.canary_share > 0
+    with_canary = load_flow_settings(config_path).gate.canary
     steps: list[dict[str, Any]] = []
     for _ in range(max_steps):
         with slot():

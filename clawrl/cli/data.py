@@ -100,7 +100,7 @@ def status(config: ConfigOpt = None) -> None:
     console.print(t)
     console.print(promotion_line(log, consecutive), markup=False, highlight=False, soft_wrap=True)
     console.print(sync_line(st), markup=False, highlight=False, soft_wrap=True)
-    if s.gate.enabled and s.gate.canary_share:
+    if s.gate.canary:
         console.print(f"canary: {s.gate.canary_share:.0%} of sessions get the newest trained version (engine "
                       f"{s.gate.canary_url or 'in the serving process'})", markup=False, highlight=False,
                       soft_wrap=True)

@@ -112,7 +112,7 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
         engine, tokenizer = build_engine(s)  # the gateway's own: the newest checkpoint of a run continued
     attach_policy_engine(engine)  # the train flow syncs this engine in-process
     served = engine
-    if s.gate.enabled and s.gate.canary_share:  # a canary engine in this process unless the config names one
+    if s.gate.canary:  # a canary engine in this process unless the config names one
         canary = canary_engine(s) if s.gate.canary_url else build_engine(s)[0]
         attach_canary_engine(None if s.gate.canary_url else canary)
         served = CanaryRouter(engine, canary, s.gate.canary_share)

@@ -323,7 +323,7 @@ def canary_engine(settings: Settings) -> Engine | None:
     """The engine at ``[gate] canary_url`` when ``[gate] canary_share`` sends sessions to one; ConfigError
     when it names none (`clawrl up` starts one; `clawrl demo` passes its own in-process engine)."""
     g = settings.gate
-    if not (g.enabled and g.canary_share):
+    if not g.canary:
         return None
     if not g.canary_url:
         raise ConfigError(f"[gate] canary_share = {g.canary_share} needs [gate] canary_url: the engine the train "
