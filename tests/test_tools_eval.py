@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clawrl.bench.tools_eval import answer_rows, compare, format_section, paired, per_task
+from clawrl.bench.tools_eval import answer_rows, compare, format_section, paired, per_task, verdict
 from clawrl.sim.prompts import QUESTIONS
 from clawrl.sim.tools import unseen_plain_tasks
 
@@ -31,10 +31,32 @@ def test_per_task_rates_and_the_paired_statistics_by_hand():
     assert (rows["tool_use"]["first"], rows["tool_use"]["second"]) == (0.25, 0.75)
     assert (rows["plain_quality"]["first"], rows["plain_quality"]["second"], rows["plain_quality"]["down"]) == \
         (1.0, 0.5, 1)
+    # the gate's rule: tool_use rose on both tasks (no spread: p of a drop 1) -> not worse; plain fell by 0.5 > 0.05
+    assert (rows["tool_use"]["p"], rows["tool_use"]["not_worse"]) == (1.0, True)
+    assert (rows["plain_quality"]["p"], rows["plain_quality"]["not_worse"]) == (0.0, False)
     text = format_section(list(rows.values()), ("base", "v000016"), samples=2, machine="Machine: m.")
-    assert "| tool_use | 0.250 | 0.750 | 2 | +0.500 | n/a | 2 | 0 |" in text
-    assert "| plain_quality | 1.000 | 0.500 | 1 | -0.500 | n/a | 0 | 1 |" in text
+    assert "| tool_use | 0.250 | 0.750 | 2 | +0.500 | n/a | 1 | 2 | 0 | yes |" in text
+    assert "| plain_quality | 1.000 | 0.500 | 1 | -0.500 | n/a | 0 | 0 | 1 | **no** |" in text
+    assert "tolerance 0.05, alpha 0.05" in text
     assert "plain_quality_unseen" not in rows  # neither version was asked unseen questions
+
+
+def test_the_verdict_is_the_gate_rule_on_the_per_task_rates():
+    a = {"x": 0.5, "y": 1.0, "z": 0.75, "w": 0.25}
+    # diffs -0.25, 0, 0, +0.25: mean 0, t 0, p 0.5 -> not worse
+    assert verdict(a, {"x": 0.25, "y": 1.0, "z": 0.75, "w": 0.5}, tolerance=0.05, alpha=0.05) == \
+        {"p": pytest.approx(0.5), "not_worse": True}
+    # diffs -0.125, -0.125, 0, 0: mean -0.0625 < -0.05 -> worse by more than the tolerance, also at a large alpha
+    assert not verdict(a, {"x": 0.375, "y": 0.875, "z": 0.75, "w": 0.25}, tolerance=0.05, alpha=0.01)["not_worse"]
+    # within a tolerance of 0.1 the same drop is not worse at alpha 0.01: t = -0.0625 / (0.0722 / 2) = -1.73,
+    # p = 0.091 with 3 degrees of freedom
+    v = verdict(a, {"x": 0.375, "y": 0.875, "z": 0.75, "w": 0.25}, tolerance=0.1, alpha=0.01)
+    assert v["not_worse"] and v["p"] == pytest.approx(0.0908, abs=5e-4)
+    # false calls: lower is better, so a rise on every task is worse and a fall is not
+    assert not verdict({"x": 0.0, "y": 0.0}, {"x": 0.25, "y": 0.25}, tolerance=0.05, alpha=0.05,
+                       lower_is_better=True)["not_worse"]
+    assert verdict({"x": 0.25, "y": 0.25}, {"x": 0.0, "y": 0.0}, tolerance=0.05, alpha=0.05,
+                   lower_is_better=True) == {"p": 1.0, "not_worse": True}
 
 
 def test_unseen_plain_questions_are_kept_apart_and_compared_on_their_own():

@@ -4,7 +4,9 @@
 in steps of 1/12); this compares two versions - by default the base model and a checkpoint of the
 run - on the same held-out tool tasks and plain questions with ``samples`` answers each, the same
 seeds for both, through the gateway with the openai SDK as the demo's users. Per task the answers'
-rate is one paired observation: the comparison is a paired t statistic over the tasks. Plain-question
+rate is one paired observation: the comparison is a paired t statistic over the tasks, and each rate's
+verdict is the promotion gate's rule (:func:`clawrl.gate.decide_promotion`): the second version is "not
+worse" unless its mean over the tasks is lower by more than the tolerance or significantly lower. Plain-question
 quality is also measured on ``unseen`` plain questions the scenario never asks
 (:func:`clawrl.sim.tools.unseen_plain_tasks`), since a dozen held-out ones resolve little.
 """
@@ -16,10 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from clawrl.gate import decide_promotion
 from clawrl.sim.tool_users import tool_round
 from clawrl.sim.tools import split_tasks, unseen_plain_tasks
 
 # rate -> (row key, tool tasks (True) or plain questions (False), unseen plain questions)
+# (false_call_rate is the one rate where lower is better)
 RATES = {"tool_use": ("correct_call", True, False), "solved": ("solved", True, False),
          "plain_quality": ("solved", False, False), "plain_quality_unseen": ("solved", False, True),
          "false_call_rate": ("calls", False, False)}
@@ -78,9 +82,20 @@ def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
             "up": sum(d > 0 for d in diffs), "down": sum(d < 0 for d in diffs)}
 
 
-def compare(first: list[dict], second: list[dict]) -> list[dict[str, Any]]:
-    """One row per rate both versions were asked: their rate over all answers and the paired
-    statistics per task."""
+def verdict(a: dict[str, float], b: dict[str, float], *, tolerance: float, alpha: float,
+            lower_is_better: bool = False) -> dict[str, Any]:
+    """The gate's rule on the per-task rates: is ``b`` not worse than ``a`` (not lower by more than
+    ``tolerance`` on average, and not significantly lower at ``alpha``)? ``p``: one-sided, of a drop."""
+    tasks = [q for q in a if q in b]
+    sign = -1.0 if lower_is_better else 1.0
+    d = decide_promotion([sign * b[q] for q in tasks], [sign * a[q] for q in tasks], tolerance=tolerance, alpha=alpha)
+    return {"p": d.p_value, "not_worse": d.promoted}
+
+
+def compare(first: list[dict], second: list[dict], *, tolerance: float = 0.05,
+            alpha: float = 0.05) -> list[dict[str, Any]]:
+    """One row per rate both versions were asked: their rate over all answers, the paired
+    statistics per task, and whether the second is not worse by the gate's rule (``verdict``)."""
     out = []
     for name, (key, tool, unseen) in RATES.items():
         answers = [[r[key] for r in _of(rows, tool, unseen)] for rows in (first, second)]
@@ -88,18 +103,23 @@ def compare(first: list[dict], second: list[dict]) -> list[dict[str, Any]]:
             continue
         a, b = per_task(first, key, tool, unseen), per_task(second, key, tool, unseen)
         first_rate, second_rate = (sum(x) / len(x) for x in answers)
-        out.append({"rate": name, "first": first_rate, "second": second_rate, **paired(a, b)})
+        out.append({"rate": name, "first": first_rate, "second": second_rate, **paired(a, b),
+                    **verdict(a, b, tolerance=tolerance, alpha=alpha, lower_is_better=name == "false_call_rate")})
     return out
 
 
-def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, samples: int, machine: str) -> str:
+def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, samples: int, machine: str,
+                   tolerance: float = 0.05, alpha: float = 0.05) -> str:
     head = ["## Tools scenario: two versions on the held-out split", "", machine,
             f"`{labels[0]}` vs `{labels[1]}`: the held-out tool tasks and plain questions, {samples} answers to each "
             "with the same seeds for both; paired over the tasks. `plain_quality_unseen`: the same on plain "
-            "questions the scenario never asks (`clawrl.sim.tools.unseen_plain_tasks`).", "",
-            "| rate | " + f"{labels[0]} | {labels[1]} | tasks | diff | paired t | up | down |", "|---" * 8 + "|"]
+            "questions the scenario never asks (`clawrl.sim.tools.unseen_plain_tasks`). `p`: one-sided, of a drop "
+            f"(for false calls, of a rise); `not worse`: the promotion gate's rule, tolerance {tolerance:g}, "
+            f"alpha {alpha:g}.", "",
+            "| rate | " + f"{labels[0]} | {labels[1]} | tasks | diff | paired t | p | up | down | not worse |",
+            "|---" * 10 + "|"]
     for r in rows:
         t = "n/a" if r["t"] is None else f"{r['t']:+.2f}"
         head.append(f"| {r['rate']} | {r['first']:.3f} | {r['second']:.3f} | {r['tasks']} | {r['diff']:+.3f} | {t} "
-                    f"| {r['up']} | {r['down']} |")
+                    f"| {r['p']:.3g} | {r['up']} | {r['down']} | {'yes' if r['not_worse'] else '**no**'} |")
     return "\n".join(head)
