@@ -75,8 +75,9 @@ def bench_gateway(
                                                 "worst); concurrency c > 4 takes c/4 times as many.")] = 2000,
     concurrency: Annotated[str, typer.Option(help="Comma-separated concurrencies.")] = "1,16",
     append_turns: Annotated[int, typer.Option(help="Turns for the session-log append rate.")] = 200_000,
-    model: Annotated[str, typer.Option(help="Model the engine serves (tiny: the shortest engine call, so the "
-                                            "largest share for the gateway).")] = "tiny",
+    model: Annotated[Optional[str], typer.Option(help="Model the engine serves (default: smollm2-135m on cuda, the "
+                                                      "real model the target is read on; tiny on cpu, whose short "
+                                                      "engine call gives the gateway its largest share).")] = None,
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
@@ -85,9 +86,11 @@ def bench_gateway(
     from clawrl.bench.gateway import format_gateway_section, run_gateway_bench
 
     s = settings_or_exit(config)
+    device = _device(device)
+    model = model or ("smollm2-135m" if device == "cuda" else "tiny")
     with _status("gateway bench") as progress:
         result = run_gateway_bench(model_cache=s.storage.models_dir, concurrencies=_split(concurrency, int),
-                                   n=requests, append_turns=append_turns, device=_device(device), model=model,
+                                   n=requests, append_turns=append_turns, device=device, model=model,
                                    progress=progress)
     _write("gateway", format_gateway_section(result), out)
     console.print(f"servers' logs and session log: {Path(result['data_root']).parent}", markup=False)

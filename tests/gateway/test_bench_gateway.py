@@ -65,3 +65,23 @@ def test_direct_calls_go_to_the_gateways_engine():
     e, gw = "http://127.0.0.1:1", "http://127.0.0.1:2"
     assert _direct_url("embedded", e, gw) == gw + "/engine"
     assert _direct_url("http", e, gw) == e
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cpu", "tiny"), ("cuda", "smollm2-135m")])
+def test_the_cli_reads_the_gpu_target_on_the_real_model(monkeypatch, tmp_path, device, expected):
+    """`clawrl bench gateway` serves the tiny model on the CPU and SmolLM2-135M on a GPU unless --model says
+    otherwise (the bench itself is replaced: only the choice of model is under test)."""
+    from typer.testing import CliRunner
+
+    import clawrl.bench.gateway as gw
+    from clawrl.cli import app
+
+    seen = []
+    monkeypatch.setattr(gw, "run_gateway_bench", lambda **kw: seen.append(kw) or {"data_root": str(tmp_path / "d")})
+    monkeypatch.setattr(gw, "format_gateway_section", lambda result: "## Gateway overhead\n")
+    out = tmp_path / "bench.md"
+    for extra in ([], ["--model", "tiny-qwen3"]):
+        res = CliRunner().invoke(app, ["bench", "gateway", "--device", device, "--out", str(out), *extra])
+        assert res.exit_code == 0, res.output
+    assert [(kw["device"], kw["model"]) for kw in seen] == [(device, expected), (device, "tiny-qwen3")]
+    assert "<!-- gateway-bench:start -->" in out.read_text()
