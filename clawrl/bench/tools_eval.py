@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from clawrl.config_sections import GateSettings
 from clawrl.gate import decide_promotion
 from clawrl.sim.tool_users import tool_round
 from clawrl.sim.tools import split_tasks, unseen_plain_tasks
@@ -27,6 +28,7 @@ from clawrl.sim.tools import split_tasks, unseen_plain_tasks
 RATES = {"tool_use": ("correct_call", True, False), "solved": ("solved", True, False),
          "plain_quality": ("solved", False, False), "plain_quality_unseen": ("solved", False, True),
          "false_call_rate": ("calls", False, False)}
+_GATE = GateSettings()  # the rule's defaults: tolerance and alpha
 
 
 def answer_rows(settings, model_dir: Path, *, samples: int, heldout: int, seed: int, max_tokens: int,
@@ -92,8 +94,8 @@ def verdict(a: dict[str, float], b: dict[str, float], *, tolerance: float, alpha
     return {"p": d.p_value, "not_worse": d.promoted}
 
 
-def compare(first: list[dict], second: list[dict], *, tolerance: float = 0.05,
-            alpha: float = 0.05) -> list[dict[str, Any]]:
+def compare(first: list[dict], second: list[dict], *, tolerance: float = _GATE.tolerance,
+            alpha: float = _GATE.alpha) -> list[dict[str, Any]]:
     """One row per rate both versions were asked: their rate over all answers, the paired
     statistics per task, and whether the second is not worse by the gate's rule (``verdict``)."""
     out = []
@@ -104,12 +106,14 @@ def compare(first: list[dict], second: list[dict], *, tolerance: float = 0.05,
         a, b = per_task(first, key, tool, unseen), per_task(second, key, tool, unseen)
         first_rate, second_rate = (sum(x) / len(x) for x in answers)
         out.append({"rate": name, "first": first_rate, "second": second_rate, **paired(a, b),
-                    **verdict(a, b, tolerance=tolerance, alpha=alpha, lower_is_better=name == "false_call_rate")})
+                    **verdict(a, b, tolerance=tolerance, alpha=alpha, lower_is_better=name == "false_call_rate"),
+                    "tolerance": tolerance, "alpha": alpha})
     return out
 
 
-def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, samples: int, machine: str,
-                   tolerance: float = 0.05, alpha: float = 0.05) -> str:
+def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, samples: int, machine: str) -> str:
+    """``rows``: ``compare``'s (they carry the rule's tolerance and alpha)."""
+    tolerance, alpha = rows[0]["tolerance"], rows[0]["alpha"]
     head = ["## Tools scenario: two versions on the held-out split", "", machine,
             f"`{labels[0]}` vs `{labels[1]}`: the held-out tool tasks and plain questions, {samples} answers to each "
             "with the same seeds for both; paired over the tasks. `plain_quality_unseen`: the same on plain "

@@ -263,7 +263,7 @@ def bench_tools(
                                        max_tokens=max_tokens, unseen=unseen))
             progress(f"{label}: {len(answers[-1])} answers")
     device, _ = resolve_device(s.model.device)
-    rule = {"tolerance": s.gate.tolerance, "alpha": s.gate.alpha}
-    section = format_section(compare(*answers, **rule), (s.model.name, versus.name), samples=samples,
-                             machine=machine_line(device, resolve_dtype(s.model.dtype, device)), **rule)
+    rows = compare(*answers, tolerance=s.gate.tolerance, alpha=s.gate.alpha)
+    section = format_section(rows, (s.model.name, versus.name), samples=samples,
+                             machine=machine_line(device, resolve_dtype(s.model.dtype, device)))
     _write("tools-eval", section, out)
