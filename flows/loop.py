@@ -58,20 +58,23 @@ def talk(gateway_url: str, round_fn, *args, **kwargs):
     return runtime.run(go())
 
 
-def tool_round_tasks(step: int, n_users: int, seed: int) -> list[ToolTask]:
-    """Round ``step``'s tasks: two tool tasks for every plain question, each pool continuing where
-    the last round ended."""
+def tool_round_tasks(step: int, n_users: int, seed: int, plain_share: float = 1 / 3) -> list[ToolTask]:
+    """Round ``step``'s tasks: ``plain_share`` of the users (rounded down; by default two tool tasks
+    for every plain question) ask a plain question, the others a tool task, each pool continuing
+    where the last round ended."""
+    if not 0.0 <= plain_share <= 1.0:
+        raise ValueError(f"plain_share must be in [0, 1], got {plain_share}")
     tools, _, plain, _ = split_tasks(seed)
-    n_plain = n_users // 3
+    n_plain = int(n_users * plain_share + 1e-9)
     n_tools = n_users - n_plain
     return ([tools[((step - 1) * n_tools + i) % len(tools)] for i in range(n_tools)]
             + [plain[((step - 1) * n_plain + i) % len(plain)] for i in range(n_plain)])
 
 
 def _round(scenario: str, gateway_url: str, step: int, persona_name: str, n_users: int, task_seed: int,
-           heldout: int, group_size: int, **kw) -> dict[str, Any]:
+           heldout: int, group_size: int, plain_share: float = 1 / 3, **kw) -> dict[str, Any]:
     if scenario == "tools":
-        xs = talk(gateway_url, tool_round, tool_round_tasks(step, n_users, task_seed), **kw)
+        xs = talk(gateway_url, tool_round, tool_round_tasks(step, n_users, task_seed, plain_share), **kw)
         return {**tool_scores(xs), "reactions": dict(Counter(x.reaction for x in xs))}
     pool, _ = split_questions(n_heldout=heldout, seed=task_seed)
     questions = round_questions(pool, step, n_users, group_size)
@@ -105,12 +108,12 @@ def round_questions(pool: list, step: int, n_users: int, group_size: int = 1) ->
 @task(cache_policy=NO_CACHE, task_run_name="users-round-{step}")
 def simulate_users(config_path: str | None, gateway_url: str, step: int, persona_name: str, n_users: int,
                    max_tokens: int, seed: int, heldout: int, group_size: int = 1,
-                   scenario: str = "persona") -> dict[str, Any]:
+                   scenario: str = "persona", plain_share: float = 1 / 3) -> dict[str, Any]:
     """One round: ``n_users`` users; in the persona scenario each ``group_size`` of them ask the same
     question (their answers differ by seed, so ``ppo.group_by = "prompt"`` compares answers to one
     question); in the tools scenario each asks a task of its own (``tool_round_tasks``)."""
     s = load_flow_settings(config_path)
-    out = _round(scenario, gateway_url, step, persona_name, n_users, seed, heldout, group_size,
+    out = _round(scenario, gateway_url, step, persona_name, n_users, seed, heldout, group_size, plain_share,
                  round_id=f"train{step:03d}", train=True, max_tokens=max_tokens, temperature=s.ppo.temperature,
                  seed=seed * 1000 + step * 97)
     data_store(s).flush()
@@ -213,7 +216,8 @@ def _row_line(row: dict[str, Any], scenario: str) -> str:
 @flow(name="learning-loop", flow_run_name="learning-loop-{scenario}-{steps}-steps", log_prints=True)
 def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
                   persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24,
-                  eval_samples: int = 1, group_size: int = 1, scenario: str = "persona") -> dict[str, Any]:
+                  eval_samples: int = 1, group_size: int = 1, scenario: str = "persona",
+                  plain_share: float = 1 / 3) -> dict[str, Any]:
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
     log = get_run_logger()
@@ -223,7 +227,7 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
     log.info("base model: %s", _row_line(rows[0], scenario))
     for step in range(1, steps + 1):
         rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size,
-                                scenario)
+                                scenario, plain_share)
         judged = judge_flow(config_path=config_path)
         trained = train_flow(config_path=config_path, max_steps=1)
         row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples,
@@ -245,6 +249,7 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
         print(f"step {step:2d}: {_row_line(row, scenario)}  (served v{row['weight_version']}{verdict})")
     params = {"scenario": scenario, "persona": persona, "steps": steps, "users": users, "max_tokens": max_tokens,
               "seed": seed, "heldout": heldout, "eval_samples": eval_samples, "group_size": group_size,
+              **({"plain_share": plain_share} if scenario == "tools" else {}),
               "model": s.model.name, "method": s.ppo.advantage_estimator.value, "lr": s.ppo.lr,
               "kl_coef": s.ppo.kl_coef, "rollout_batch_size": s.ppo.rollout_batch_size,
               "temperature": s.ppo.temperature}

@@ -76,6 +76,24 @@ def test_rounds_ask_two_tool_tasks_per_plain_question_and_move_on():
     assert r1[:4] == train[:4] and r2[:4] == train[4:8] and r1[4:] == plain[:2] and r2[4:] == plain[2:4]
 
 
+def test_plain_share_sets_how_many_users_ask_plain_questions():
+    train, _, plain, _ = split_tasks(0)
+    assert sum(not t.needs_tool for t in tool_round_tasks(1, 16, 0)) == 5  # 16 // 3, the default
+    half = tool_round_tasks(2, 16, 0, plain_share=0.5)
+    assert half[:8] == train[8:16] and half[8:] == plain[8:16]  # round 2 continues both pools by 8
+    assert [t.needs_tool for t in tool_round_tasks(1, 20, 0, 0.5)] == [True] * 10 + [False] * 10
+    assert all(t.needs_tool for t in tool_round_tasks(1, 4, 0, 0.0))
+    assert tool_round_tasks(1, 4, 0, 1.0) == plain[:4]
+    assert sum(not t.needs_tool for t in tool_round_tasks(1, 9, 0, 0.7)) == 6  # 6.3 rounded down
+    with pytest.raises(ValueError, match=r"plain_share must be in \[0, 1\], got 1.5"):
+        tool_round_tasks(1, 4, 0, 1.5)
+    from typer.testing import CliRunner
+
+    from clawrl.cli import app
+    out = CliRunner().invoke(app, ["demo", "--scenario", "tools", "--plain-share", "1.5"])
+    assert out.exit_code == 2 and "--plain-share" in out.output and "less than or equal to 1" in out.output
+
+
 CALC = find_task("What is 347 times 29?")
 FIRST = [{"role": "system", "content": "s"}, {"role": "user", "content": CALC.question}]
 

@@ -36,6 +36,8 @@ def demo(
                                          "tool tasks, half plain questions).")] = 24,
     eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
     group_size: Annotated[int, typer.Option(min=1, help="Users per step asking the same question (for ppo.group_by = 'prompt').")] = 1,
+    plain_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Tools: share of the users per step who ask "
+                                               "a plain question (rounded down).")] = 1 / 3,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     from clawrl.config import use_prefect_home
@@ -60,7 +62,8 @@ def demo(
     run_conf.write_text(dump_toml(s))
     use_prefect_home(root / "prefect")  # the run's own: `clawrl up -c <run>/config.toml` shows the same flow runs
     out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
-                    heldout=heldout, eval_samples=eval_samples, group_size=group_size, scenario=scenario)
+                    heldout=heldout, eval_samples=eval_samples, group_size=group_size, scenario=scenario,
+                    plain_share=plain_share)
     _print_rows(out["rows"], scenario, persona)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
     status(run_conf)
