@@ -39,7 +39,7 @@ from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
 from clawrl.sim.tool_users import tool_round, tool_scores
-from clawrl.sim.tools import ToolTask, split_tasks
+from clawrl.sim.tools import PLAIN_SHARE, ToolTask, split_tasks
 from clawrl.sim.users import kl_to_reference, score, summarize_round, user_round
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import session_turns
@@ -58,21 +58,21 @@ def talk(gateway_url: str, round_fn, *args, **kwargs):
     return runtime.run(go())
 
 
-def tool_round_tasks(step: int, n_users: int, seed: int, plain_share: float = 1 / 3) -> list[ToolTask]:
+def tool_round_tasks(step: int, n_users: int, seed: int, plain_share: float = PLAIN_SHARE) -> list[ToolTask]:
     """Round ``step``'s tasks: ``plain_share`` of the users (rounded down; by default two tool tasks
     for every plain question) ask a plain question, the others a tool task, each pool continuing
     where the last round ended."""
     if not 0.0 <= plain_share <= 1.0:
         raise ValueError(f"plain_share must be in [0, 1], got {plain_share}")
     tools, _, plain, _ = split_tasks(seed)
-    n_plain = int(n_users * plain_share + 1e-9)
+    n_plain = int(n_users * plain_share + 1e-9)  # 1e-9: 0.29 * 100 is 28.999...
     n_tools = n_users - n_plain
     return ([tools[((step - 1) * n_tools + i) % len(tools)] for i in range(n_tools)]
             + [plain[((step - 1) * n_plain + i) % len(plain)] for i in range(n_plain)])
 
 
 def _round(scenario: str, gateway_url: str, step: int, persona_name: str, n_users: int, task_seed: int,
-           heldout: int, group_size: int, plain_share: float = 1 / 3, **kw) -> dict[str, Any]:
+           heldout: int, group_size: int, plain_share: float, **kw) -> dict[str, Any]:
     if scenario == "tools":
         xs = talk(gateway_url, tool_round, tool_round_tasks(step, n_users, task_seed, plain_share), **kw)
         return {**tool_scores(xs), "reactions": dict(Counter(x.reaction for x in xs))}
@@ -108,7 +108,7 @@ def round_questions(pool: list, step: int, n_users: int, group_size: int = 1) ->
 @task(cache_policy=NO_CACHE, task_run_name="users-round-{step}")
 def simulate_users(config_path: str | None, gateway_url: str, step: int, persona_name: str, n_users: int,
                    max_tokens: int, seed: int, heldout: int, group_size: int = 1,
-                   scenario: str = "persona", plain_share: float = 1 / 3) -> dict[str, Any]:
+                   scenario: str = "persona", plain_share: float = PLAIN_SHARE) -> dict[str, Any]:
     """One round: ``n_users`` users; in the persona scenario each ``group_size`` of them ask the same
     question (their answers differ by seed, so ``ppo.group_by = "prompt"`` compares answers to one
     question); in the tools scenario each asks a task of its own (``tool_round_tasks``)."""
@@ -217,7 +217,7 @@ def _row_line(row: dict[str, Any], scenario: str) -> str:
 def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, users: int = 16,
                   persona: str = "concise", max_tokens: int = 48, seed: int = 0, heldout: int = 24,
                   eval_samples: int = 1, group_size: int = 1, scenario: str = "persona",
-                  plain_share: float = 1 / 3) -> dict[str, Any]:
+                  plain_share: float = PLAIN_SHARE) -> dict[str, Any]:
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
     log = get_run_logger()

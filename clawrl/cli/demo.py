@@ -13,6 +13,7 @@ from clawrl.cli.common import app, console, settings_or_exit
 from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
 from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
+from clawrl.sim.tools import PLAIN_SHARE
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TOOLS_EVALUATOR = "clawrl.sim.validation:tools"
@@ -37,7 +38,7 @@ def demo(
     eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
     group_size: Annotated[int, typer.Option(min=1, help="Users per step asking the same question (for ppo.group_by = 'prompt').")] = 1,
     plain_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Tools: share of the users per step who ask "
-                                               "a plain question (rounded down).")] = 1 / 3,
+                                               "a plain question (rounded down).")] = PLAIN_SHARE,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     from clawrl.config import use_prefect_home

@@ -297,4 +297,5 @@ def split_tasks(seed: int = 0, n_train: int = 96, n_heldout: int = 12,
     return train, held, plain[plain_heldout:], plain[:plain_heldout]
 
 
+PLAIN_SHARE = 1 / 3  # of the users of a training round who ask a plain question, by default
 WRONG = "that's wrong."  # the user's reaction to a final answer without the task's answer
