@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
@@ -218,3 +219,39 @@ def replay_cmd(
         console.print(f"its lineage: clawrl lineage {report['final_version']} --replay {report['replay_id']}",
                       markup=False)
     raise typer.Exit(code)
+
+
+@app.command("mix")
+def mix(
+    checkpoint: Annotated[str, typer.Argument(help="A weight version of the data root (e.g. 16) or a checkpoint "
+                                                   "directory (e.g. <run>/checkpoints/v000016).")],
+    out: Annotated[Path, typer.Option(help="New model directory to write.")],
+    alpha: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of the checkpoint's weights; the rest are "
+                                                                "the base model's.")],
+    base: Annotated[Optional[Path], typer.Option(help="Model directory to mix with (default: the config's "
+                                                      "[model], the weights training started from).")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Write a model whose weights are ALPHA x CHECKPOINT + (1 - ALPHA) x the base model's: less of what
+    training changed, gains and losses alike (serve it with `[model] name = "OUT"`, or
+    CLAWRL__MODEL__NAME=OUT clawrl serve)."""
+    s = settings_or_exit(config)
+    from clawrl.checkpoint import mix_weights
+    from clawrl.models import resolve_model_dir
+
+    source = Path(checkpoint)
+    if not (source / "config.json").is_file():
+        from clawrl.storage.catalog import open_catalog
+        from clawrl.storage.queries import find_checkpoint
+
+        with open_catalog(s.storage.data_root) as con:
+            ck = find_checkpoint(con, checkpoint)
+        if ck is None:
+            fail(f"{checkpoint!r} is neither a model directory nor a checkpoint version in {s.storage.data_root}")
+        source = Path(ck["path"])
+    try:
+        start = base or resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
+        written = mix_weights(source, start, alpha, out)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:  # FileNotFoundError: ModelNotFoundError too
+        fail(f"mix: {e}")
+    console.print(f"wrote {written}: {alpha:g} x {source} + {1 - alpha:g} x {start}", markup=False)
