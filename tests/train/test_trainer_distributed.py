@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clawrl.checkpoint import has_trainer_state
 from clawrl.config import config_hash, dump_toml
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.storage.writer import DataStore
@@ -88,6 +89,11 @@ def test_tp2_and_dp2_trainers_step_like_one_process(make_settings, tmp_path):
             _wait(proc, url, tmp_path / f"{name}.log")
             step = request_step(url, batch_id)
             again = request_step(url, batch_id)  # exactly once: the stored result, no second step
+            # the optimizer state follows the complete checkpoint from a background thread: wait for it
+            # before stopping the trainer, which may stop before that thread is done
+            deadline = time.monotonic() + 120
+            while not has_trainer_state(root / "checkpoints" / "v000001") and time.monotonic() < deadline:
+                time.sleep(0.2)
         finally:
             proc.terminate()
             proc.wait(60)
