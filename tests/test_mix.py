@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clawrl.checkpoint import (MASTER_FILE, MIX_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, file_sha256,
-                               mix_weights)
+from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, WEIGHTS_FILE, file_sha256
+from clawrl.mix import MIX_FILE, mix_weights
 
 
 def _shifted_copy(src, dst, shift: float, dtype=None):

@@ -74,6 +74,15 @@ def waiting_after_sync(s, config, sync: dict) -> None:
              f"checkpoint v{v} is WAITING. Retry with: {sync_command(config, v, url)}", "bold red")
 
 
+def _checkpoint_row(s, version: str) -> dict | None:
+    """The checkpoints table's row of ``version`` ('latest': the newest) in the data root, or None."""
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import find_checkpoint
+
+    with open_catalog(s.storage.data_root) as con:
+        return find_checkpoint(con, version)
+
+
 @app.command("sync")
 def sync(
     version: Annotated[str, typer.Argument(help="Weight version to push (default: the latest checkpoint).")] = "latest",
@@ -84,12 +93,8 @@ def sync(
     pause -> update_weights_from_disk -> continue."""
     s = settings_or_exit(config)
     from clawrl.flows.common import engine_url_for, push_weights
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import find_checkpoint
 
-    with open_catalog(s.storage.data_root) as con:
-        ck = find_checkpoint(con, version)
-    if ck is None:
+    if (ck := _checkpoint_row(s, version)) is None:
         fail(f"no checkpoint for version {version!r} in {s.storage.data_root}")
     url = engine_url_for(s, engine_url)
     if not url:
@@ -236,17 +241,12 @@ def mix(
     training changed, gains and losses alike (serve it with `[model] name = "OUT"`, or
     CLAWRL__MODEL__NAME=OUT clawrl serve)."""
     s = settings_or_exit(config)
-    from clawrl.checkpoint import mix_weights
+    from clawrl.mix import mix_weights
     from clawrl.models import resolve_model_dir
 
     source = Path(checkpoint)
     if not (source / "config.json").is_file():
-        from clawrl.storage.catalog import open_catalog
-        from clawrl.storage.queries import find_checkpoint
-
-        with open_catalog(s.storage.data_root) as con:
-            ck = find_checkpoint(con, checkpoint)
-        if ck is None:
+        if (ck := _checkpoint_row(s, checkpoint)) is None:
             fail(f"{checkpoint!r} is neither a model directory nor a checkpoint version in {s.storage.data_root}")
         source = Path(ck["path"])
     try:
