@@ -135,12 +135,10 @@ def _judge(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) ->
         out.append(Finding("judge_votes", True, summary))
     errors, judged = fates[Fate.JUDGE_ERROR.value], sum(fates.values()) - fates[Fate.SIDE_TURN.value]
     if judged >= MIN_ROWS and _share(errors, judged) >= 0.1:
-        top = con.sql("SELECT detail, count(*) AS n FROM turn_outcomes WHERE judge_config_hash = $h AND fate = "
-                      "'judge_error' GROUP BY detail ORDER BY n DESC LIMIT 1", params={"h": chash}).fetchone()
+        top = _one(con, "SELECT detail, count(*) AS n FROM turn_outcomes WHERE judge_config_hash = $h AND fate = "
+                        "'judge_error' GROUP BY detail ORDER BY n DESC LIMIT 1", h=chash)
         out.append(Finding("judge_errors", False, f"{errors} of {judged} judged turns failed in the judge",
-                           f"the judge backend fails: {top[0][:200]}",
-                           "check [prm] backend, url and the provider's api_key_env; the turns are judged again "
-                           "after a fix with `clawrl judge --retry-errors`" if False else
+                           f"the judge backend fails: {(top['detail'] or '')[:200]}",
                            "check [prm] backend, its url and the provider's api_key_env",
                            sql.replace("SELECT score", "SELECT error, score")))
     zero = fates[Fate.SCORE_ZERO.value]

@@ -1,4 +1,4 @@
-"""What the promotion gate reads: the champion, its history, stored evaluations, the best promoted score.
+"""What the promotion gate reads: the champion, the line of champions, stored evaluations, the best promoted score.
 
 The champion is the version of the newest ``promote`` or ``rollback`` row of ``promotions``; before
 any, the initial weights (version "0"). Evaluations are reused only under the same ``eval_key``
@@ -14,7 +14,6 @@ import duckdb
 from clawrl.records import PromotionAction
 
 BASE_VERSION = "0"
-_SERVING = (PromotionAction.PROMOTE.value, PromotionAction.ROLLBACK.value)
 
 
 def _rows(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> list[dict[str, Any]]:
@@ -24,13 +23,6 @@ def _rows(con: duckdb.DuckDBPyConnection, sql: str, **params: Any) -> list[dict[
 def promotion_log(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     """Every ``promotions`` row, oldest first."""
     return _rows(con, "SELECT * EXCLUDE (date) FROM promotions ORDER BY created_at, promotion_id")
-
-
-def champion_history(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """Every version that ever served as champion, in order, starting with the initial weights ("0")."""
-    rows = con.execute("SELECT weight_version FROM promotions WHERE action IN (?, ?) ORDER BY created_at, "
-                       "promotion_id", list(_SERVING)).fetchall()
-    return [BASE_VERSION] + [str(r[0]) for r in rows]
 
 
 def champion_stack(con: duckdb.DuckDBPyConnection) -> list[str]:

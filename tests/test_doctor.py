@@ -90,6 +90,30 @@ def test_a_judge_that_never_writes_a_boxed_score(tmp_path):
     assert found["judge_zero"].summary == "10 of 10 judged turns scored 0 and were dropped"
 
 
+def test_a_judge_backend_that_cannot_be_reached(tmp_path):
+    """Every judge attempt raised (what the judge flow writes then: a verdict with the error, fate judge_error)."""
+    err = "ConnectError: [Errno 111] Connection refused (http://127.0.0.1:30001/generate)"
+    recs = []
+    for i in range(10):
+        s = f"s{i // 2}"
+        bad = i < 8
+        recs += [turn(i, s, i % 2), NextStateRecord(f"t{i}", s, i % 2, True, "[]", "next_request"),
+                 JudgeVerdict(f"t{i}", H, "engine", 0 if bad else 1, "all_failed" if bad else "majority",
+                              [] if bad else [1, 1, 1], "[]" if bad else json.dumps(["\\boxed{1}"] * 3),
+                              error=err if bad else None),
+                 FateRecord(f"t{i}", s, H, "judge_error" if bad else "sample", err if bad else "")]
+    write(tmp_path, recs)
+    found = findings(tmp_path)
+    assert failing(found) == ["judge_errors"]
+    f = found["judge_errors"]
+    assert f.summary == "8 of 10 judged turns failed in the judge"
+    assert f.cause == "the judge backend fails: " + err
+    assert "[prm] backend" in f.fix and "api_key_env" in f.fix
+    with open_catalog(tmp_path) as con:  # the query it points to shows each verdict with its error
+        rows = con.sql(f.sql).fetchall()
+    assert len(rows) == 10 and sum(r[0] == err for r in rows) == 8
+
+
 @pytest.mark.parametrize("method,fate", [("on_policy_distillation", "no_hint"), ("combine", "sample")])
 def test_a_model_that_never_writes_a_usable_hint(tmp_path, method, fate):
     recs = []
@@ -130,6 +154,46 @@ def test_batches_whose_rewards_are_all_equal_carry_no_signal(tmp_path):
     write(tmp_path, recs)
     signal = findings(tmp_path)["signal"]
     assert not signal.ok and signal.summary == "2 of 2 batches had one reward for every sample and no teacher term"
+
+
+def test_samples_that_wait_past_max_staleness(tmp_path):
+    recs = []
+    for i in range(10):
+        s = f"s{i // 2}"
+        stale = i < 3
+        recs += [turn(i, s, i % 2), NextStateRecord(f"t{i}", s, i % 2, True, "[]", "next_request"),
+                 verdict(i, 1, [1, 1, 1], ["\\boxed{1}"] * 3),
+                 FateRecord(f"t{i}", s, H, "too_stale" if stale else "sample", "")]
+    write(tmp_path, recs)
+    found = findings(tmp_path)
+    assert failing(found) == ["staleness"]
+    f = found["staleness"]
+    assert f.summary == "3 of 10 judged turns too stale to train on"
+    assert "max_staleness" in f.cause and "max_staleness" in f.fix
+    with open_catalog(tmp_path) as con:
+        assert sorted(r[0] for r in con.sql(f"SELECT turn_id FROM ({f.sql})").fetchall()) == ["t0", "t1", "t2"]
+
+
+def _checkpoints_with_kl(root, kls) -> None:
+    from clawrl.checkpoint import StepResult, write_step_result
+
+    for step, kl in enumerate(kls, start=1):
+        d = root / f"v{step:06d}"
+        d.mkdir(parents=True)
+        write_step_result(d, StepResult(f"b{step}", step, str(step), str(step - 1), str(d), "ab", {"kl": kl}))
+
+
+@pytest.mark.parametrize("kls,ok", [([0.01, 0.02, 0.015, 0.4], False), ([0.2, 0.5, 0.9, 1.5], False),
+                                    ([0.01, 0.02, 0.015, 0.12], True), ([0.5, 2.0], True)])
+def test_a_policy_that_runs_away_from_its_reference(tmp_path, kls, ok):
+    """KL of the last step over 10x the median of all steps (0.4 > 10 x 0.0175), or past 1 nat; fewer
+    than 3 steps say nothing."""
+    _checkpoints_with_kl(tmp_path / "ckpt", kls)
+    f = findings(tmp_path / "data", checkpoints=tmp_path / "ckpt")["training"]
+    assert f.ok == ok
+    assert f.summary == f"{len(kls)} training steps, KL to the reference {kls[0]:.3g} -> {kls[-1]:.3g}"
+    if not ok:
+        assert "running away" in f.cause and "kl_coef" in f.fix
 
 
 def test_a_healthy_run_reports_learning_per_version(tmp_path):
