@@ -186,7 +186,6 @@ def replay_cmd(
 ) -> None:
     """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes.
     Exit code 1 when an exact replay did not reproduce the checkpoints byte for byte."""
-    from rich.table import Table
 
     use_data_root_prefect(settings_or_exit(config))
     from clawrl.flows.replay import replay_flow
@@ -200,16 +199,7 @@ def replay_cmd(
     if fmt == "json":
         typer.echo(json.dumps(report, default=str))
         raise typer.Exit(code)
-    t = Table(title=f"replay {report['replay_id']} of version {report['source_version']}")
-    for col in ("step", "batch", "replay batch", "samples", "excluded", "original sha256", "replayed sha256",
-                "identical", "max |Δw|"):
-        t.add_column(col)
-    for st in report["steps"]:
-        diff = st.get("max_abs_diff")
-        t.add_row(str(st["step"]), st["batch_id"], st["replay_batch_id"] or "-", str(st["samples"]),
-                  str(st["excluded_samples"]), st["original_sha256"][:16], (st["replay_sha256"] or "-")[:16],
-                  str(st["identical"]), "-" if diff is None else f"{diff:.3g}")
-    console.print(t)
+    console.print(_replay_table(report))
     if report["identical"] is not None:
         console.print("checkpoints byte-identical: " + ("yes" if report["identical"] else "NO"), markup=False)
     if (ranks := max((st.get("trained_ranks", 1) for st in report["steps"]), default=1)) > 1:
@@ -224,6 +214,31 @@ def replay_cmd(
         console.print(f"its lineage: clawrl lineage {report['final_version']} --replay {report['replay_id']}",
                       markup=False)
     raise typer.Exit(code)
+
+
+def _replay_table(report: dict) -> Table:
+    """A row per step within 80 columns: ids and digests cut to their first characters, the replayed
+    digest only where it differs from the original, the excluded samples and the weight difference
+    only where there are any."""
+    from rich import box
+    from rich.table import Table
+
+    steps = report["steps"]
+    optional = [("excluded", "excluded_samples", str) if report["excluded_sessions"] else None,
+                ("max |Δw|", "max_abs_diff", lambda d: f"{d:.3g}")
+                if any(st.get("max_abs_diff") is not None for st in steps) else None]
+    optional = [c for c in optional if c]
+    t = Table(title=f"replay {report['replay_id']} of version {report['source_version']}", box=box.SIMPLE_HEAD,
+              pad_edge=False, collapse_padding=True)
+    for col in ("step", "batch", "replay", "samples", "sha256", "replayed", *(c[0] for c in optional)):
+        t.add_column(col, no_wrap=True)
+    for st in steps:
+        replayed = st["replay_sha256"]
+        shown = "-" if not replayed else "same" if st["identical"] else replayed[:10]
+        t.add_row(str(st["step"]), st["batch_id"][:8], (st["replay_batch_id"] or "-")[:8], str(st["samples"]),
+                  st["original_sha256"][:10], shown,
+                  *("-" if st.get(key) is None else fmt(st[key]) for _, key, fmt in optional))
+    return t
 
 
 @app.command("mix")

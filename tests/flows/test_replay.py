@@ -96,6 +96,25 @@ def test_replay_reproduces_checkpoint_bytes(trained_loop):
     assert replay_run.data.tags["replay_of_run"] == report["steps"][-1]["original_run_id"]
 
 
+def test_replay_command_prints_each_step_and_the_verdict(trained_loop):
+    """What a user reads from `clawrl replay 3` on an 80-column terminal: a row per step with its batch, the
+    original digest and "same" where the replay reproduced it, then the verdict."""
+    s, conf = trained_loop
+    res = _cli("replay", "3", "--config", conf)
+    assert res.exit_code == 0, res.output
+    originals = [r["sha256"] for r in run_query(s.storage.data_root, "select sha256 from checkpoints "
+                                                                     "order by step").to_pylist()]
+    rows = [line.split() for line in res.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert len(rows) == 3 and "…" not in res.stdout  # nothing cut to an ellipsis
+    batches = [r["batch_id"] for r in run_query(s.storage.data_root, "select batch_id from checkpoints "
+                                                                     "order by step").to_pylist()]
+    for row, digest, batch in zip(rows, originals, batches):
+        assert row[1] == batch[:8] and row[3:] == ["3", digest[:10], "same"]
+    assert "checkpoints byte-identical: yes" in res.stdout
+    [replay_dir] = list((s.storage.data_root / "replays").iterdir())
+    assert f"its lineage: clawrl lineage 3 --replay {replay_dir.name}" in res.stdout
+
+
 def test_unlearning_replay_excludes_the_session_everywhere(trained_loop):
     s, conf = trained_loop
     res = CliRunner().invoke(__import__("clawrl.cli", fromlist=["app"]).app,
