@@ -90,6 +90,12 @@ def weights_digest(path: Path) -> str:
     return TREE_PREFIX + hashlib.sha256(b"".join(pieces)).hexdigest()
 
 
+def short_digest(digest: str, n: int = 12) -> str:
+    """A recorded digest cut for people to read: its first ``n`` hex digits (after the ``sha256-tree:``
+    prefix of a piecewise one, which would otherwise fill the space)."""
+    return digest.removeprefix(TREE_PREFIX)[:n]
+
+
 def digest_as_recorded(path: Path, recorded: str) -> str:
     """``path``'s digest in the form ``recorded`` has: checkpoints recorded before the piecewise
     digest hold the whole file's sha256."""
@@ -178,9 +184,9 @@ def verify_checkpoint(checkpoint_dir: str | Path, expected_sha256: str) -> None:
         raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is missing")
     actual = digest_as_recorded(path, expected_sha256)
     if actual != expected_sha256:
-        short = lambda d: d[:len(TREE_PREFIX) + 12] if d.startswith(TREE_PREFIX) else d[:12]  # noqa: E731
-        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is corrupt (sha256 {short(actual)}..., "
-                              f"{path.stat().st_size} bytes; the trainer recorded {short(expected_sha256)}...)")
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is corrupt (sha256 {short_digest(actual)}"
+                              f"..., {path.stat().st_size} bytes; the trainer recorded "
+                              f"{short_digest(expected_sha256)}...)")
 
 
 def newest_intact_checkpoint(checkpoints: Path) -> tuple[int, Path] | None:

@@ -9,8 +9,8 @@ import hashlib
 import pytest
 
 from clawrl import checkpoint
-from clawrl.checkpoint import (TREE_PREFIX, WEIGHTS_FILE, CheckpointError, digest_as_recorded, verify_checkpoint,
-                               weights_digest)
+from clawrl.checkpoint import (TREE_PREFIX, WEIGHTS_FILE, CheckpointError, digest_as_recorded, short_digest,
+                               verify_checkpoint, weights_digest)
 
 
 def test_a_small_file_is_digested_as_its_sha256_and_a_large_one_piece_by_piece(tmp_path, monkeypatch):
@@ -36,5 +36,11 @@ def test_verify_takes_either_form_and_names_a_changed_piece_corrupt(tmp_path, mo
     verify_checkpoint(d, hashlib.sha256(data).hexdigest())  # recorded before the piecewise digest
     recorded = weights_digest(d / WEIGHTS_FILE)
     (d / WEIGHTS_FILE).write_bytes(data[:2500] + b"\x00" + data[2501:])  # one byte of the third piece
-    with pytest.raises(CheckpointError, match=r"corrupt \(sha256 sha256-tree:\w{12}\.\.\., 3072 bytes"):
+    with pytest.raises(CheckpointError, match=r"corrupt \(sha256 [0-9a-f]{12}\.\.\., 3072 bytes") as e:
         verify_checkpoint(d, recorded)
+    assert str(e.value).endswith(f"the trainer recorded {recorded[len(TREE_PREFIX):][:12]}...)")
+
+
+def test_a_digest_is_shown_by_its_first_hex_digits_whatever_its_form():
+    assert short_digest(TREE_PREFIX + "0123456789abcdef" * 4) == "0123456789ab"
+    assert short_digest("fedcba9876543210" * 4, 10) == "fedcba9876"

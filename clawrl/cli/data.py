@@ -247,6 +247,7 @@ def lineage(
     s = settings_or_exit(config)
     from rich.tree import Tree
 
+    from clawrl.checkpoint import short_digest
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import lineage_chain
 
@@ -263,7 +264,7 @@ def lineage(
         source = f" re-training batch {c['source_batch_id']}" if c["source_batch_id"] else ""
         node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']}{source} "
                         f"({len(c['sample_ids'])} samples, {c['method']}), mlflow run {c['mlflow_run_id']}, "
-                        f"sha256 {c['sha256'][:12]}")
+                        f"sha256 {short_digest(c['sha256'])}")
         for namespace, sid in c["sessions"]:
             node.add(f"session {namespace}:{sid}")
         node.add(f"turns: {', '.join(t[:8] for t in c['turn_ids'])}")

@@ -223,6 +223,8 @@ def _replay_table(report: dict) -> Table:
     from rich import box
     from rich.table import Table
 
+    from clawrl.checkpoint import short_digest
+
     steps = report["steps"]
     optional = [("excluded", "excluded_samples", str) if report["excluded_sessions"] else None,
                 ("max |Δw|", "max_abs_diff", lambda d: f"{d:.3g}")
@@ -234,9 +236,9 @@ def _replay_table(report: dict) -> Table:
         t.add_column(col, no_wrap=True)
     for st in steps:
         replayed = st["replay_sha256"]
-        shown = "-" if not replayed else "same" if st["identical"] else replayed[:10]
+        shown = "-" if not replayed else "same" if st["identical"] else short_digest(replayed, 10)
         t.add_row(str(st["step"]), st["batch_id"][:8], (st["replay_batch_id"] or "-")[:8], str(st["samples"]),
-                  st["original_sha256"][:10], shown,
+                  short_digest(st["original_sha256"], 10), shown,
                   *("-" if st.get(key) is None else fmt(st[key]) for _, key, fmt in optional))
     return t
 

@@ -41,6 +41,7 @@ from clawrl.checkpoint import (
     kept_versions,
     read_step_result,
     remove_stale_staging,
+    short_digest,
     staged_dir,
     verify_checkpoint,
     version_dir,
@@ -132,8 +133,8 @@ class Trainer:
             self.backend.write_weights(None)
         if sha != recorded.sha256:
             log.error("checkpoint v%d trained again from v%d gives other weights (sha256 %s..., recorded %s...); "
-                      "training continues from the recomputed state", version, version - 1, sha[:12],
-                      recorded.sha256[:12])
+                      "training continues from the recomputed state", version, version - 1, short_digest(sha),
+                      short_digest(recorded.sha256))
         state = self._gather_state()
         if self.backend.rank == 0:
             self._write_state(ckpt_dir, state)

@@ -115,6 +115,26 @@ def test_replay_command_prints_each_step_and_the_verdict(trained_loop):
     assert f"its lineage: clawrl lineage 3 --replay {replay_dir.name}" in res.stdout
 
 
+def test_replay_table_shows_piecewise_digests_by_their_hex_and_differences_where_measured():
+    """Checkpoints over 64 MiB record "sha256-tree:<hex>": the table shows the hex, not the prefix."""
+    from rich.console import Console
+
+    from clawrl.cli.training import _replay_table
+
+    tree = "sha256-tree:" + "ab" * 32
+    steps = [{"step": 1, "batch_id": "b" * 16, "replay_batch_id": "r" * 16, "samples": 4, "excluded_samples": 1,
+              "original_sha256": tree, "replay_sha256": tree, "identical": True},
+             {"step": 2, "batch_id": "c" * 16, "replay_batch_id": "s" * 16, "samples": 3, "excluded_samples": 0,
+              "original_sha256": tree, "replay_sha256": "sha256-tree:" + "cd" * 32, "identical": False,
+              "max_abs_diff": 0.00125}]
+    console = Console(width=80, record=True)
+    console.print(_replay_table({"replay_id": "r1", "source_version": "2", "steps": steps,
+                                 "excluded_sessions": [["open", "s"]]}))
+    rows = [line.split() for line in console.export_text().splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert rows == [["1", "bbbbbbbb", "rrrrrrrr", "4", "ababababab", "same", "1", "-"],
+                    ["2", "cccccccc", "ssssssss", "3", "ababababab", "cdcdcdcdcd", "0", "0.00125"]]
+
+
 def test_unlearning_replay_excludes_the_session_everywhere(trained_loop):
     s, conf = trained_loop
     res = CliRunner().invoke(__import__("clawrl.cli", fromlist=["app"]).app,
