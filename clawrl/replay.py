@@ -112,6 +112,51 @@ def resolve_exclusions(con, specs: tuple[str, ...]) -> list[tuple[str, str]]:
     return sorted({parse_exclusion(spec, holders) for spec in specs})
 
 
+@dataclass(frozen=True)
+class ReplayRequest:
+    """What a replay will re-train, resolved and checked before any work."""
+
+    weight_version: str
+    excluded: list[tuple[str, str]]
+    plan: list[dict[str, Any]]  # the recorded steps 1..weight_version (storage.queries.replay_plan)
+    snapshot: Path  # the config they were trained with
+
+
+def check_replay(settings, weight_version: str, exclude_sessions: tuple[str, ...] = (),
+                 overrides: dict[str, Any] | None = None) -> ReplayRequest:
+    """Resolve ``weight_version`` ("latest", a version, or an MLflow run id) and the sessions to exclude,
+    and check that the steps, their one config and ``overrides`` can be replayed; raise ValueError,
+    FileNotFoundError or ConfigError naming the bad value otherwise. Reads the catalog only."""
+    from clawrl.config import load_settings
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan, version_for_run
+
+    data_root = Path(settings.storage.data_root)
+    with open_catalog(data_root) as con:
+        if weight_version == "latest":
+            weight_version = str(latest_version(con))
+            if weight_version == "0":
+                raise ValueError(f"nothing to replay: no training step is recorded in {data_root}")
+        elif len(weight_version) == 32 and not weight_version.isdigit():  # an MLflow run id
+            run_id, weight_version = weight_version, version_for_run(con, weight_version)
+            if weight_version is None:
+                raise ValueError(f"no checkpoint was trained by MLflow run {run_id!r}")
+        if not weight_version.isdigit() or int(weight_version) < 1:
+            raise ValueError(f"version {weight_version!r}: expected a weight version (1, 2, ...), 'latest' or an "
+                             "MLflow run id")
+        excluded = resolve_exclusions(con, tuple(exclude_sessions))
+        plan = replay_plan(con, weight_version)
+    config_hashes = {p["config_hash"] for p in plan}
+    if len(config_hashes) != 1:
+        raise ValueError(f"versions 1..{weight_version} were trained under several configs {sorted(config_hashes)}; "
+                         "replay one config segment at a time")
+    snapshot = config_snapshot_path(data_root, plan[0]["config_hash"])
+    if not snapshot.is_file():
+        raise FileNotFoundError(f"the recorded config {snapshot} is missing; cannot replay")
+    load_settings(snapshot, env={}, overrides=dict(overrides or {}))  # a bad --set key or value fails here
+    return ReplayRequest(weight_version, excluded, plan, snapshot)
+
+
 def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] = (), reason: str = "",
            overrides: dict[str, Any] | None = None, progress=None) -> ReplayReport:
     """Re-train versions 1..``weight_version`` (the newest for "latest"; an MLflow run id: the version
@@ -122,35 +167,22 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
 
     from clawrl.config import load_settings
     from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan, version_for_run
     from clawrl.storage.writer import DataStore
     from clawrl.train.trainer import trainer_from_settings
     from clawrl.trainer_service import batch_records, samples_reader
 
     data_root = Path(settings.storage.data_root)
-    with open_catalog(data_root) as con:
-        if weight_version == "latest":
-            weight_version = str(latest_version(con))
-        elif len(weight_version) == 32 and not weight_version.isdigit():  # an MLflow run id
-            run_id, weight_version = weight_version, version_for_run(con, weight_version)
-            if weight_version is None:
-                raise ValueError(f"no checkpoint was trained by MLflow run {run_id!r}")
-        excluded = resolve_exclusions(con, tuple(exclude_sessions))
-        plan = replay_plan(con, weight_version)
-        batches = [batch_records(con, p["batch_id"]) for p in plan]
     overrides = dict(overrides or {})
+    request = check_replay(settings, weight_version, tuple(exclude_sessions), overrides)
+    weight_version, excluded, plan, snapshot = (request.weight_version, request.excluded, request.plan,
+                                                request.snapshot)
+    with open_catalog(data_root) as con:
+        batches = [batch_records(con, p["batch_id"]) for p in plan]
     exact = not excluded and not overrides
     replay_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     out = data_root / "replays" / replay_id
     report = ReplayReport(replay_id, weight_version, exact, [list(p) for p in excluded], reason, overrides)
     t0 = time.perf_counter()
-    config_hashes = {p["config_hash"] for p in plan}
-    if len(config_hashes) != 1:
-        raise ValueError(f"versions 1..{weight_version} were trained under several configs {sorted(config_hashes)}; "
-                         "replay one config segment at a time")
-    snapshot = config_snapshot_path(data_root, plan[0]["config_hash"])
-    if not snapshot.is_file():
-        raise FileNotFoundError(f"the recorded config {snapshot} is missing; cannot replay")
     replay_settings = load_settings(snapshot, env={}, overrides={
         **overrides, "storage.data_root": str(out), "storage.model_cache": str(settings.storage.models_dir),
         "model.tensor_parallel": 1, "model.data_parallel": 1})  # one process, whatever trained the original

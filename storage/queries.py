@@ -296,7 +296,11 @@ def replay_plan(con: duckdb.DuckDBPyConnection, weight_version: str) -> list[dic
     rows = _rows(con, _chain(con) + "WHERE c.step <= $v ORDER BY c.step", v=int(weight_version))
     steps = [r["step"] for r in rows]
     if steps != list(range(1, int(weight_version) + 1)):
-        raise ValueError(f"cannot replay to version {weight_version}: recorded steps are {steps}")
+        have = ("none" if not steps else f"{steps[0]}..{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1))
+                else ", ".join(map(str, steps[:12])) + (", ..." if len(steps) > 12 else ""))
+        newest = latest_version(con)
+        raise ValueError(f"cannot replay to version {weight_version}: the recorded steps up to it are {have}"
+                         + (f" (the newest version is {newest})" if newest else " (no version trained yet)"))
     return rows
 
 

@@ -186,8 +186,15 @@ def replay_cmd(
 ) -> None:
     """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes.
     Exit code 1 when an exact replay did not reproduce the checkpoints byte for byte."""
+    from clawrl.config import parse_override
+    from clawrl.replay import check_replay
 
-    use_data_root_prefect(settings_or_exit(config))
+    s = settings_or_exit(config)
+    try:  # a bad version, session or --set is told before the flow starts
+        check_replay(s, version, tuple(exclude_session or []), dict(parse_override(x) for x in set_ or []))
+    except (ValueError, FileNotFoundError, ConfigError) as e:
+        fail(f"replay failed: {e}")
+    use_data_root_prefect(s)
     from clawrl.flows.replay import replay_flow
 
     try:

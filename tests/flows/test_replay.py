@@ -115,6 +115,36 @@ def test_replay_command_prints_each_step_and_the_verdict(trained_loop):
     assert f"its lineage: clawrl lineage 3 --replay {replay_dir.name}" in res.stdout
 
 
+def test_a_bad_replay_request_is_told_before_any_work(trained_loop, monkeypatch):
+    """A version never trained, a word, an unknown --set key: one line naming the value, exit 2, and neither
+    a Prefect flow started nor a replay directory written."""
+    import clawrl.flows.replay as flow_module
+
+    s, conf = trained_loop
+    monkeypatch.setattr(flow_module, "replay_flow", lambda **kw: pytest.fail("the flow started"))
+    for args, message in (
+            (["7"], "replay failed: cannot replay to version 7: the recorded steps up to it are 1..3 (the newest "
+                    "version is 3)"),
+            (["three"], "replay failed: version 'three': expected a weight version (1, 2, ...), 'latest' or an "
+                        "MLflow run id"),
+            (["2", "--set", "ppo.nosuch=1"], "unknown key [ppo] nosuch"),
+            (["2", "--set", "ppo.lr"], "replay failed: --set 'ppo.lr': expected SECTION.KEY=VALUE")):
+        res = _cli("replay", *args, "--config", conf)
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), (args, res.output)
+        assert "Traceback" not in res.output
+    assert not (s.storage.data_root / "replays").exists()
+
+
+def test_replaying_a_run_without_steps_says_so(make_settings):
+    from clawrl.replay import check_replay
+
+    s = make_settings({})
+    with pytest.raises(ValueError, match="nothing to replay: no training step is recorded in"):
+        check_replay(s, "latest")
+    with pytest.raises(ValueError, match=r"version 1: the recorded steps up to it are none \(no version trained"):
+        check_replay(s, "1")
+
+
 def test_replay_table_shows_piecewise_digests_by_their_hex_and_differences_where_measured():
     """Checkpoints over 64 MiB record "sha256-tree:<hex>": the table shows the hex, not the prefix."""
     from rich.console import Console
