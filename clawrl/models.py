@@ -77,9 +77,15 @@ def resolve_model_dir(name: str, cache_dir: Path, seed: int = 0) -> Path:
                        lambda out: _build_tiny(TINY_SPECS[name], seed, cache_dir, out))
     if name == "smollm2-135m":
         return _cached(cache_dir / f"smollm2-135m-instruct-{_CACHE_VERSION}", _convert_smollm2)
-    path = Path(name).expanduser()
-    if (path / "config.json").is_file():
-        return path.resolve()
+    check_model_name(name)
+    return Path(name).expanduser().resolve()
+
+
+def check_model_name(name: str) -> None:
+    """Raise ModelNotFoundError unless ``name`` is a model clawrl builds or converts, or a local HF
+    directory with a config.json (cheap: nothing is built, converted or loaded)."""
+    if name in TINY_SPECS or name == "smollm2-135m" or (Path(name).expanduser() / "config.json").is_file():
+        return
     raise ModelNotFoundError(
         f"model {name!r}: not a known name ({', '.join([*TINY_SPECS, 'smollm2-135m'])}) and not a local HF "
         f"directory with a config.json; clawrl never downloads models"

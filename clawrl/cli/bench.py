@@ -23,6 +23,21 @@ def _split(text: str, cast=str) -> tuple:
     return tuple(cast(x.strip()) for x in text.split(",") if x.strip())
 
 
+def _sizes(text: str) -> str:
+    """Check a comma-separated option of sizes (each an integer >= 1; '' = none) as typer parses it."""
+    for x in _split(text):
+        if not x.isdigit() or int(x) < 1:
+            raise typer.BadParameter(f"{x!r} is not a whole number >= 1 (expected e.g. 1,4,16)")
+    return text
+
+
+def _some_sizes(text: str) -> str:
+    """:func:`_sizes`, at least one."""
+    if not _split(_sizes(text)):
+        raise typer.BadParameter("expected at least one whole number >= 1, e.g. 1,16")
+    return text
+
+
 def _device(device: str | None) -> str:
     """``--device``, or cuda when torch sees a GPU, else cpu."""
     import torch
@@ -49,10 +64,12 @@ def _write(name: str, section: str, out: Path) -> None:
 @bench_app.command("engine")
 def bench_engine(
     models: ModelsOpt = "tiny,smollm2-135m",
-    concurrency: Annotated[str, typer.Option(help="Comma-separated engine concurrencies.")] = "1,4,16",
-    hf_batch: Annotated[str, typer.Option(help="Comma-separated HF generate batch sizes ('' = skip).")] = "1,16",
-    new_tokens: Annotated[int, typer.Option(help="Tokens per request (greedy, ignore_eos).")] = 32,
-    repeats: Annotated[int, typer.Option(help="Interleaved passes; each row keeps its best.")] = 3,
+    concurrency: Annotated[str, typer.Option(
+        callback=_some_sizes, help="Comma-separated engine concurrencies.")] = "1,4,16",
+    hf_batch: Annotated[str, typer.Option(
+        callback=_sizes, help="Comma-separated HF generate batch sizes ('' = skip).")] = "1,16",
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per request (greedy, ignore_eos).")] = 32,
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved passes; each row keeps its best.")] = 3,
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
@@ -71,10 +88,11 @@ def bench_engine(
 
 @bench_app.command("gateway")
 def bench_gateway(
-    requests: Annotated[int, typer.Option(help="Requests per path at concurrency <= 4 (p99 of 2,000 = the 20th "
-                                                "worst); concurrency c > 4 takes c/4 times as many.")] = 2000,
-    concurrency: Annotated[str, typer.Option(help="Comma-separated concurrencies.")] = "1,16",
-    append_turns: Annotated[int, typer.Option(help="Turns for the session-log append rate.")] = 200_000,
+    requests: Annotated[int, typer.Option(
+        min=1, help="Requests per path at concurrency <= 4 (p99 of 2,000 = the 20th "
+                    "worst); concurrency c > 4 takes c/4 times as many.")] = 2000,
+    concurrency: Annotated[str, typer.Option(callback=_some_sizes, help="Comma-separated concurrencies.")] = "1,16",
+    append_turns: Annotated[int, typer.Option(min=1, help="Turns for the session-log append rate.")] = 200_000,
     model: Annotated[Optional[str], typer.Option(help="Model the engine serves (default: smollm2-135m on cuda, the "
                                                       "real model the target is read on; tiny on cpu, whose short "
                                                       "engine call gives the gateway its largest share).")] = None,
@@ -99,11 +117,13 @@ def bench_gateway(
 @bench_app.command("long-prompt")
 def bench_long_prompt(
     model: Annotated[str, typer.Option(help="Model name.")] = "smollm2-135m",
-    context: Annotated[int, typer.Option(help="max_context_len of the engine.")] = 8192,
-    prompt_tokens: Annotated[int, typer.Option(help="Tokens of the long prompt.")] = 7500,
-    chunks: Annotated[str, typer.Option(help="Comma-separated chunked_prefill_size values.")] = "8192,2048,512",
-    prefixes: Annotated[str, typer.Option(help="Comma-separated shared-prefix lengths of the conversation "
-                                                "with and without the prefix cache ('' = skip).")] = "2000,6000",
+    context: Annotated[int, typer.Option(min=1, help="max_context_len of the engine.")] = 8192,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens of the long prompt.")] = 7500,
+    chunks: Annotated[str, typer.Option(
+        callback=_some_sizes, help="Comma-separated chunked_prefill_size values.")] = "8192,2048,512",
+    prefixes: Annotated[str, typer.Option(
+        callback=_sizes, help="Comma-separated shared-prefix lengths of the conversation with and without the "
+                              "prefix cache ('' = skip).")] = "2000,6000",
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
     config: ConfigOpt = None,
@@ -122,9 +142,9 @@ def bench_long_prompt(
 @bench_app.command("judge")
 def bench_judge(
     models: ModelsOpt = "tiny,smollm2-135m",
-    turns: Annotated[int, typer.Option(help="Turns judged per concurrency.")] = 32,
-    judge_samples: Annotated[int, typer.Option(help="PRM votes per turn.")] = 1,
-    max_tokens: Annotated[int, typer.Option(help="Tokens per vote.")] = 32,
+    turns: Annotated[int, typer.Option(min=1, help="Turns judged per concurrency.")] = 32,
+    judge_samples: Annotated[int, typer.Option(min=1, help="PRM votes per turn.")] = 1,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per vote.")] = 32,
     repeats: Annotated[int, typer.Option(min=1, help="Passes of the judge and of the engine each (best kept).")] = 2,
     device: DeviceOpt = None,
     out: OutOpt = REPORT,
@@ -143,14 +163,16 @@ def bench_judge(
 
 @bench_app.command("load")
 def bench_load(
-    sessions: Annotated[int, typer.Option(help="Concurrent simulated users (one session at a time each).")] = 64,
-    duration: Annotated[float, typer.Option(help="Seconds of load (the window syncs are counted in).")] = 60.0,
-    rollout_batch_size: Annotated[int, typer.Option(help="Samples per PPO step (small: steps happen in the window).")] = 8,
-    max_tokens: Annotated[int, typer.Option(help="New tokens per turn.")] = 16,
-    turns: Annotated[int, typer.Option(help="Main turns per session.")] = 3,
+    sessions: Annotated[int, typer.Option(min=1, help="Concurrent simulated users (a session at a time each).")] = 64,
+    duration: Annotated[float, typer.Option(min=1.0, help="Seconds of load (the window syncs are counted in).")] = 60.0,
+    rollout_batch_size: Annotated[int, typer.Option(
+        min=1, help="Samples per PPO step (small: steps happen in the window).")] = 8,
+    max_tokens: Annotated[int, typer.Option(min=1, help="New tokens per turn.")] = 16,
+    turns: Annotated[int, typer.Option(min=1, help="Main turns per session.")] = 3,
     model: Annotated[str, typer.Option(help="The served and trained model (e.g. qwen3-0.6b-random on a GPU).")] = "tiny",
-    min_syncs: Annotated[int, typer.Option(help="Keep the load on past --duration until this many weight syncs "
-                                                 "were served (at most 4x --duration + 240 s).")] = 1,
+    min_syncs: Annotated[int, typer.Option(
+        min=0, help="Keep the load on past --duration until this many weight syncs "
+                    "were served (at most 4x --duration + 240 s).")] = 1,
     engines: Annotated[str, typer.Option(help="Comma-separated counts of `clawrl engine` processes behind the "
                                                "gateway, one run each (e.g. 1,2); default: its embedded engine.")] = "",
     up: Annotated[bool, typer.Option("--up", help="Run the whole system as `clawrl up` (Prefect server, MLflow, "
@@ -205,7 +227,7 @@ def _counts(engines: str) -> list[int]:
 @bench_app.command("train")
 def bench_train(
     models: ModelsOpt = "tiny,smollm2-135m",
-    repeats: Annotated[int, typer.Option(help="Timed repeats (best is reported, median beside it).")] = 3,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed repeats (best is reported, median beside it).")] = 3,
     backend: Annotated[Literal["torch", "megatron"], typer.Option(help="The trainer backend whose PPO step is timed.")]
     = "torch",
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 8,
@@ -239,8 +261,9 @@ def bench_tools(
                                               "compared with the config's model.")],
     samples: Annotated[int, typer.Option(min=1, help="Answers to each held-out task, per version.")] = 8,
     heldout: Annotated[int, typer.Option(min=2, help="Held-out tasks: half tool tasks, half plain questions.")] = 24,
-    unseen: Annotated[int, typer.Option(min=0, help="Plain questions the scenario never asks (28 in all), also "
-                                                    "answered: plain_quality_unseen; 0: none.")] = 28,
+    unseen: Annotated[int, typer.Option(
+        min=0, help="Plain questions the scenario never asks (28 in all), also "
+                    "answered: plain_quality_unseen; 0: none.")] = 28,
     seed: Annotated[int, typer.Option(help="The demo's seed: which tasks are held out.")] = 0,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per answer.")] = 64,
     out: OutOpt = REPORT,

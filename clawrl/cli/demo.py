@@ -12,6 +12,7 @@ from rich.table import Table
 from clawrl.cli.common import app, console, settings_or_exit
 from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
+from clawrl.sim.personas import PERSONAS
 from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
 from clawrl.sim.tools import PLAIN_SHARE
 
@@ -26,22 +27,26 @@ def demo(
                                                    "conf/demo-tools.toml for --scenario tools).")] = None,
     scenario: Annotated[str, typer.Option(help="persona: users with a style preference | tools: tasks that need "
                                           "a calculator, a unit converter or a country lookup")] = "persona",
-    steps: Annotated[int, typer.Option(help="Training steps (weight versions).")] = 16,
-    users: Annotated[int, typer.Option(help="Simulated users per step.")] = 16,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps (weight versions).")] = 16,
+    users: Annotated[int, typer.Option(min=1, help="Simulated users per step.")] = 16,
     persona: Annotated[str, typer.Option(help="concise | signoff | lowercase | bullets | french")] = "concise",
-    max_tokens: Annotated[Optional[int], typer.Option(help="Answer budget per turn (default 48; tools: 64).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        min=1, help="Answer budget per turn (default 48; tools: 64).")] = None,
     run_dir: Annotated[Optional[Path], typer.Option(help="Data root of this run (default: a new one).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model (default from the config).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,
-    heldout: Annotated[int, typer.Option(help="Held-out questions scored after every step (tools: half of them "
-                                         "tool tasks, half plain questions).")] = 24,
+    heldout: Annotated[int, typer.Option(
+        min=1, help="Held-out questions scored after every step (tools: half of them "
+                    "tool tasks, half plain questions).")] = 24,
     eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
     group_size: Annotated[int, typer.Option(min=1, help="Users per step asking the same question (for ppo.group_by = 'prompt').")] = 1,
-    plain_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Tools: share of the users per step who ask "
-                                               "a plain question (rounded down).")] = PLAIN_SHARE,
+    plain_share: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="Tools: share of the users per step who ask "
+                               "a plain question (rounded down).")] = PLAIN_SHARE,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     from clawrl.config import use_prefect_home
+    from clawrl.models import ModelNotFoundError, check_model_name
 
     if scenario not in DEMO_CONFIGS:
         raise typer.BadParameter(f"{scenario!r}; valid: {', '.join(DEMO_CONFIGS)}", param_hint="--scenario")
@@ -51,6 +56,12 @@ def demo(
     max_tokens = max_tokens or (64 if scenario == "tools" else 48)
     s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
                                 "model.name": model, **_gate_overrides(base, scenario, persona, seed, max_tokens)})
+    if scenario == "persona" and persona not in PERSONAS:
+        raise typer.BadParameter(f"{persona!r}; valid: {', '.join(PERSONAS)}", param_hint="--persona")
+    try:
+        check_model_name(s.model.name)
+    except ModelNotFoundError as e:
+        raise typer.BadParameter(str(e), param_hint="--model" if model else "[model] name") from None
     if scenario == "persona" and heldout >= len(QUESTIONS):
         raise typer.BadParameter(f"{heldout} held-out questions leave none of the {len(QUESTIONS)} to train on",
                                  param_hint="--heldout")

@@ -15,7 +15,7 @@ from clawrl.config import ConfigError, dump_toml
 def serve(
     config: ConfigOpt = None,
     host: Annotated[Optional[str], typer.Option(help="Bind address (default [server] host).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default [server] api_port).")] = None,
+    port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Port (default [server] api_port).")] = None,
 ) -> None:
     """Start the OpenAI-compatible gateway in front of the engine named in [engine]."""
     import uvicorn
@@ -50,7 +50,7 @@ def _engines(s) -> str:
 @app.command("engine")
 def engine(
     model: Annotated[Optional[str], typer.Option(help="Model name or HF directory (default: model.name).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default: engine.port).")] = None,
+    port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Port (default: engine.port).")] = None,
     host: Annotated[Optional[str], typer.Option(help="Bind address (default: server.host).")] = None,
     config: ConfigOpt = None,
     resume: Annotated[bool, typer.Option(
@@ -106,7 +106,7 @@ def engine(
 def trainer_service(
     config: ConfigOpt = None,
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port.")] = 30020,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 30020,
 ) -> None:
     """Run the long-lived trainer service (model + optimizer stay in memory between flow runs); under
     torchrun, one process per rank of [model] tensor_parallel x data_parallel."""
@@ -122,14 +122,16 @@ def trainer_service(
 @app.command("up")
 def up(
     config: ConfigOpt = None,
-    prefect_port: Annotated[int, typer.Option(help="Prefect UI/API port.")] = 4200,
-    mlflow_port: Annotated[int, typer.Option(help="MLflow UI port.")] = 5000,
-    trainer_port: Annotated[int, typer.Option(help="Trainer service port.")] = 30020,
-    judge_every: Annotated[float, typer.Option(help="Seconds between judge runs (a run starts only while none "
-                                                    "is going).")] = 20.0,
-    train_every: Annotated[float, typer.Option(help="Seconds between train ticks, a safety net: a judge run that "
-                                                    "leaves a full batch starts a train run at once (either only "
-                                                    "while none is going).")] = 120.0,
+    prefect_port: Annotated[int, typer.Option(min=1, max=65535, help="Prefect UI/API port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow UI port.")] = 5000,
+    trainer_port: Annotated[int, typer.Option(min=1, max=65535, help="Trainer service port.")] = 30020,
+    judge_every: Annotated[float, typer.Option(
+        min=1.0, help="Seconds between judge runs (a run starts only while none "
+                      "is going).")] = 20.0,
+    train_every: Annotated[float, typer.Option(
+        min=1.0, help="Seconds between train ticks, a safety net: a judge run that "
+                      "leaves a full batch starts a train run at once (either only "
+                      "while none is going).")] = 120.0,
     work_pool: Annotated[Optional[str], typer.Option(help="Register the flows on this Prefect process work pool "
                                                           "(created if missing): `prefect worker start --pool NAME` "
                                                           "processes, here or on other machines, run them.")] = None,

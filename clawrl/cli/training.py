@@ -22,7 +22,8 @@ ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promoti
 @app.command("judge")
 def judge(
     config: ConfigOpt = None,
-    limit: Annotated[Optional[int], typer.Option(help="Most turns to judge (default [prm] batch_limit).")] = None,
+    limit: Annotated[Optional[int], typer.Option(
+        min=1, help="Most turns to judge (default [prm] batch_limit).")] = None,
 ) -> None:
     """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
     use_data_root_prefect(settings_or_exit(config))
@@ -36,7 +37,7 @@ def judge(
 @app.command("train")
 def train(
     config: ConfigOpt = None,
-    steps: Annotated[int, typer.Option(help="Most PPO steps to run (one per full batch).")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="Most PPO steps to run (one per full batch).")] = 1,
     trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here).")] = None,
     engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http, "
                                                            "else the `clawrl serve` running on the data root).")] = None,
