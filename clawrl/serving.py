@@ -94,6 +94,13 @@ SERVE_RECORD = "serve.json"
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def client_url(host: str, port: int) -> str:
     """The URL a client on this machine uses for a server bound to ``host`` (a wildcard: loopback)."""
     host = WILDCARD_HOSTS.get(host, host)

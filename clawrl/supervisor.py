@@ -27,7 +27,8 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import httpx
 
 from clawrl.config import child_env
 from clawrl.lineage import client as mlflow_client, store_path, store_uri
-from clawrl.serving import WILDCARD_HOSTS, client_url
+from clawrl.serving import WILDCARD_HOSTS, client_url, free_port
 
 # Prefect keeps concurrency-slot leases in memory by default: a Prefect server killed while a flow run
 # held the trainer or judge slot comes back with the slot counted as taken and no lease to expire it,
@@ -113,6 +114,48 @@ def stop(svc: Service, timeout_s: float = 15.0) -> None:
         p.wait(5)
 
 
+def prefect_service(host: str, port: int) -> Service:
+    """The Prefect server (API and UI) on ``host:port``."""
+    return Service("prefect", [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port",
+                               str(port)], f"{client_url(host, port)}/api/health", client_url(host, port),
+                   env=PREFECT_SERVER_ENV)
+
+
+@contextmanager
+def own_prefect_server(home: Path, timeout_s: float = 180.0) -> Iterator[str]:
+    """A Prefect server on the state directory ``home`` for this process's flows (its URL; the
+    process's PREFECT_API_URL points at its API meanwhile), in a session of its own and stopped
+    after them. Prefect's temporary server shares the terminal's process group: a Ctrl-C stopped
+    it together with the flows, which then retried their last reports against it for minutes."""
+    svc = prefect_service("127.0.0.1", free_port())
+    start(svc, Path(home), child_env(PREFECT_HOME=str(home)))
+    previous = os.environ.get("PREFECT_API_URL")
+    try:
+        wait_healthy(svc, timeout_s)
+        os.environ["PREFECT_API_URL"] = f"{svc.url}/api"
+        yield svc.url
+    finally:
+        _send_prefect_reports()
+        stop(svc)
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
+
+
+def _send_prefect_reports(timeout_s: float = 10.0) -> None:
+    """Send the flow-run logs and events Prefect still queues in this process before its server goes
+    (else they are retried against the stopped server when the process exits)."""
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with suppress(Exception):  # a worker that never started, or one that cannot reach the server
+            worker.drain_all(timeout=timeout_s)
+
+
 def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, trainer_port: int,
          judge_every_s: float = 20.0, train_every_s: float = 120.0, work_pool: str | None = None,
          local_worker: bool = True, host: str = "127.0.0.1") -> list[Service]:
@@ -127,8 +170,7 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     flows_env = {**({"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}),
                  **({"CLAWRL__GATE__ENGINE_URL": gate_engine.url} if gate_engine else {}), **canary_env}
     return [
-        Service("prefect", [py, "-m", "prefect", "server", "start", "--host", host, "--port", str(prefect_port)],
-                f"{prefect_api}/health", client_url(host, prefect_port), env=PREFECT_SERVER_ENV),
+        prefect_service(host, prefect_port),
         Service("mlflow", [py, "-m", "mlflow", "server", "--host", host, "--port", str(mlflow_port),
                            "--backend-store-uri", mlflow_db, "--artifacts-destination",
                            str(root / "mlflow" / "artifacts"), "--workers", "1"],

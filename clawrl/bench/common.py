@@ -10,7 +10,6 @@ import datetime as dt
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -79,12 +78,6 @@ async def gather_bounded(concurrency: int, aws) -> list:
             return await aw
 
     return await asyncio.gather(*(one(aw) for aw in aws))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_clawrl(args: list[str], log_path: Path, **env: str) -> subprocess.Popen:

@@ -26,7 +26,6 @@ import orjson
 
 from clawrl.bench.common import (
     bench_dtype,
-    free_port,
     load_average,
     machine_line,
     markdown_table,
@@ -34,6 +33,7 @@ from clawrl.bench.common import (
     stop_clawrl,
     wait_healthy,
 )
+from clawrl.serving import free_port
 
 TOPOLOGIES = ("embedded", "http")
 

@@ -50,7 +50,6 @@ import openai
 
 from clawrl.bench.common import (
     bench_dtype,
-    free_port,
     load_average,
     machine_line,
     markdown_table,
@@ -59,6 +58,7 @@ from clawrl.bench.common import (
     wait_healthy,
 )
 from clawrl.bench.load_up import drive_up, task_seconds
+from clawrl.serving import free_port
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clawrl.bench.common import free_port, load_average, start_clawrl, stop_clawrl, wait_healthy
+from clawrl.bench.common import load_average, start_clawrl, stop_clawrl, wait_healthy
+from clawrl.serving import free_port
 
 
 @dataclass(frozen=True)

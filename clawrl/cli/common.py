@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -84,6 +86,27 @@ def use_data_root_prefect(s: Settings) -> str:
     except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
         pass  # no `clawrl up` here, or it is gone: this command's own temporary server
     return str(root / "prefect")
+
+
+@contextlib.contextmanager
+def data_root_prefect(s: Settings) -> Iterator[str]:
+    """:func:`use_data_root_prefect` for the span of a command's flows; where it finds no API to use,
+    a Prefect server of the command's own on the data root's Prefect home, started in a session of its
+    own (``clawrl.supervisor.own_prefect_server``), so a Ctrl-C stops the flows and not their server.
+    Yields the API or home used, for the user."""
+    import os
+
+    where = use_data_root_prefect(s)
+    if os.environ.get("PREFECT_API_URL"):
+        yield where
+        return
+    from clawrl.supervisor import own_prefect_server
+
+    with err.status("starting a Prefect server on the data root"):
+        stack = contextlib.ExitStack()
+        url = stack.enter_context(own_prefect_server(Path(where)))
+    with stack:
+        yield url
 
 
 @config_app.command("show")

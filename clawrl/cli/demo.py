@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from clawrl.cli.common import app, console, settings_or_exit
+from clawrl.cli.common import app, console, data_root_prefect, settings_or_exit
 from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
 from clawrl.sim.personas import PERSONAS
@@ -45,7 +45,6 @@ def demo(
                                "a plain question (rounded down).")] = PLAIN_SHARE,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
-    from clawrl.config import use_prefect_home
     from clawrl.models import ModelNotFoundError, check_model_name
 
     if scenario not in DEMO_CONFIGS:
@@ -72,10 +71,17 @@ def demo(
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
-    use_prefect_home(root / "prefect")  # the run's own: `clawrl up -c <run>/config.toml` shows the same flow runs
-    out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens, seed=seed,
-                    heldout=heldout, eval_samples=eval_samples, group_size=group_size, scenario=scenario,
-                    plain_share=plain_share)
+    try:  # the run's own Prefect home: `clawrl up -c <run>/config.toml` shows the same flow runs
+        with data_root_prefect(s) as prefect:
+            if prefect.startswith("http"):
+                console.print(f"Prefect UI of this run while it runs: {prefect.removesuffix('/api')}", markup=False)
+            out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens,
+                            seed=seed, heldout=heldout, eval_samples=eval_samples, group_size=group_size,
+                            scenario=scenario, plain_share=plain_share)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: the steps so far are kept in {root} (`clawrl status -c {run_conf}`)",
+                      markup=False)
+        raise typer.Exit(130) from None
     _print_rows(out["rows"], scenario, persona)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
     status(run_conf)

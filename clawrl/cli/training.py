@@ -8,8 +8,8 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from clawrl.cli.common import (ConfigOpt, app, console, fail, gateway_engine_url, settings_or_exit, sync_command,
-                               use_data_root_prefect, warn)
+from clawrl.cli.common import (ConfigOpt, app, console, data_root_prefect, fail, gateway_engine_url, settings_or_exit,
+                               sync_command, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
@@ -26,10 +26,10 @@ def judge(
         min=1, help="Most turns to judge (default [prm] batch_limit).")] = None,
 ) -> None:
     """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
-    use_data_root_prefect(settings_or_exit(config))
-    from clawrl.flows.judge import judge_flow
+    with data_root_prefect(settings_or_exit(config)):
+        from clawrl.flows.judge import judge_flow
 
-    out = judge_flow(config_path=str(config) if config else None, limit=limit)
+        out = judge_flow(config_path=str(config) if config else None, limit=limit)
     console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
     status(config)
 
@@ -44,11 +44,11 @@ def train(
 ) -> None:
     """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
     s = settings_or_exit(config)
-    use_data_root_prefect(s)
-    from clawrl.flows.train import train_flow
+    with data_root_prefect(s):
+        from clawrl.flows.train import train_flow
 
-    out = train_flow(config_path=str(config) if config else None, max_steps=steps, trainer_url=trainer_url,
-                     engine_url=engine_url)
+        out = train_flow(config_path=str(config) if config else None, max_steps=steps, trainer_url=trainer_url,
+                         engine_url=engine_url)
     if not out["steps"]:
         console.print("no full batch of trainable samples yet (see `clawrl status`)")
     for st in out["steps"]:
@@ -195,14 +195,14 @@ def replay_cmd(
         check_replay(s, version, tuple(exclude_session or []), dict(parse_override(x) for x in set_ or []))
     except (ValueError, FileNotFoundError, ConfigError) as e:
         fail(f"replay failed: {e}")
-    use_data_root_prefect(s)
-    from clawrl.flows.replay import replay_flow
+    with data_root_prefect(s):
+        from clawrl.flows.replay import replay_flow
 
-    try:
-        report = replay_flow(config_path=str(config) if config else None, version=version,
-                             exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])
-    except (ValueError, FileNotFoundError, ConfigError) as e:
-        fail(f"replay failed: {e}")
+        try:
+            report = replay_flow(config_path=str(config) if config else None, version=version,
+                                 exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])
+        except (ValueError, FileNotFoundError, ConfigError) as e:
+            fail(f"replay failed: {e}")
     code = 0 if report["identical"] is not False else 1
     if fmt == "json":
         typer.echo(json.dumps(report, default=str))

@@ -4,6 +4,7 @@ told, and say loudly which checkpoint waits, and the command that serves it, whe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -93,7 +94,7 @@ def test_train_syncs_the_running_gateway_and_status_shows_what_waits_once_it_is_
     assert not (root / SERVE_RECORD).exists()  # removed when it shut down
 
     # no gateway now: the next checkpoint waits, and both `train` and `status` say so and how to serve it
-    monkeypatch.setattr("clawrl.cli.training.use_data_root_prefect", lambda s: None)  # the session's Prefect
+    monkeypatch.setattr("clawrl.cli.training.data_root_prefect", lambda s: contextlib.nullcontext())  # the session's
     res = CliRunner().invoke(app, ["train", "--config", str(conf)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
     command = f"clawrl sync 2 -c {conf} --engine-url http://127.0.0.1:{port}/engine"

@@ -16,17 +16,9 @@ from pathlib import Path
 
 import httpx
 
-from clawrl.serving import bind_socket
+from clawrl.serving import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (closed again: the subprocess binds it itself)."""
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 def serve_env(data_root: Path, model_cache: Path, **settings: str) -> dict[str, str]:

@@ -1,0 +1,65 @@
+"""Ctrl-C in a terminal: the signal goes to the whole foreground process group. `clawrl demo` (and
+`clawrl judge|train|replay` without a `clawrl up`) run their flows against a Prefect server of their
+own, started in a session of its own, so the Ctrl-C interrupts the flows, which report their crash to a
+server that is still up, and then the server is stopped. With Prefect's temporary server (in the
+terminal's group) the same Ctrl-C stopped the server first, and the flows retried their last reports
+for ~4 minutes, printing tracebacks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.utils.gateway_process import REPO
+
+
+def _clawrl(args: list[str], tmp_path, model_cache) -> tuple[subprocess.Popen, object]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLAWRL__", "PREFECT_API_URL"))}
+    env.update({"CLAWRL__STORAGE__MODEL_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"})
+    log = open(tmp_path / "out.log", "w+")
+    # a process group of its own, as a shell gives a foreground job: the "terminal" signals all of it
+    proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", *args], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _wait_for(log, pattern: str, proc: subprocess.Popen, timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log.seek(0)
+        if m := re.search(pattern, log.read()):
+            return m
+        assert proc.poll() is None, f"exited early ({proc.returncode})"
+        time.sleep(0.5)
+    raise AssertionError(f"no {pattern!r} within {timeout_s} s")
+
+
+def test_ctrl_c_stops_the_demo_and_its_prefect_server(tmp_path, model_cache):
+    run = tmp_path / "run"
+    proc, log = _clawrl(["demo", "--model", "tiny", "--steps", "16", "--run-dir", str(run)], tmp_path, model_cache)
+    try:
+        ui = _wait_for(log, r"Prefect UI of this run while it runs: (http://127\.0\.0\.1:\d+)", proc, 240).group(1)
+        _wait_for(log, r"step  1: score", proc, 240)  # a step done, the next one under way
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log.seek(0)
+    out = log.read()
+    assert rc == 130, out[-3000:]
+    assert f"interrupted: the steps so far are kept in {run}" in " ".join(out.split())
+    assert "Flow run 'learning-loop-persona-16-steps' - Finished in state Crashed" in out  # reported, server up
+    assert "Error logging to API" not in out and "Connection refused" not in out
+    assert (run / "checkpoints" / "v000001" / "trainer.json").is_file()  # what was done is kept
+    try:
+        httpx.get(f"{ui}/api/health", timeout=2)
+        raise AssertionError(f"the run's Prefect server at {ui} still answers")
+    except httpx.ConnectError:
+        pass
