@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,25 @@ WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that nothing listens on now, none of ``avoid`` (ports
+    handed out before and not bound yet: a port is free again once its probe closes, so ports drawn
+    one at a time can repeat)."""
+    avoid, socks, ports = set(avoid), [], []
+    try:
+        while len(ports) < n:  # every probe stays open until all are drawn, so none comes twice
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) not in avoid:
+                ports.append(port)
+    finally:
+        for s in socks:
+            s.close()
+    return ports
 
 
 def client_url(host: str, port: int) -> str:

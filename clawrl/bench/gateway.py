@@ -33,7 +33,7 @@ from clawrl.bench.common import (
     stop_clawrl,
     wait_healthy,
 )
-from clawrl.serving import free_port
+from clawrl.serving import free_ports
 
 TOPOLOGIES = ("embedded", "http")
 
@@ -138,7 +138,7 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
            "CLAWRL__SERVER__OPEN_MODE": "true", "OMP_NUM_THREADS": "1"}
     rows = []
     for topology in TOPOLOGIES:
-        eport, gport = free_port(), free_port()
+        eport, gport = free_ports(2)
         engine_url, gateway_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
         gw_env = {} if topology == "embedded" else {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": engine_url}
         engine = gateway = None

@@ -58,7 +58,7 @@ from clawrl.bench.common import (
     wait_healthy,
 )
 from clawrl.bench.load_up import drive_up, task_seconds
-from clawrl.serving import free_port
+from clawrl.serving import free_port, free_ports
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
 
@@ -295,7 +295,7 @@ def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, 
     the run, and (wall seconds, load average before, after)."""
     from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
 
-    engine_ports = [free_port() for _ in range(engines)]
+    engine_ports = free_ports(engines, avoid=(int(gw.rsplit(":", 1)[1]),))  # the gateway's, drawn before
     engine_urls = [f"http://127.0.0.1:{p}" for p in engine_ports]
     conf = write(engine_urls=engine_urls)
     s = load_flow_settings(conf)

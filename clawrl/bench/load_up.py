@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.bench.common import load_average, start_clawrl, stop_clawrl, wait_healthy
-from clawrl.serving import free_port
+from clawrl.serving import free_ports
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,9 @@ class UpPorts:
     eval_engine: int
 
     @classmethod
-    def free(cls) -> UpPorts:
-        return cls(free_port(), free_port(), free_port(), free_port(), free_port())
+    def free(cls, avoid: tuple[int, ...] = ()) -> UpPorts:
+        """Five distinct free ports, none of ``avoid`` (the gateway's, drawn before)."""
+        return cls(*free_ports(5, avoid))
 
     @property
     def prefect_api(self) -> str:
@@ -69,7 +70,7 @@ def drive_up(write, root: Path, gw: str, new_run, start_users, *, max_tokens: in
     window's ``min_syncs``. After the window, the train tasks' seconds from up's Prefect API, then up
     stopped (the gateway flushes its store), then the steps from the data root (:func:`read_steps`).
     Returns the turns judged, the run, and (wall seconds, load average before, after)."""
-    ports = UpPorts.free()
+    ports = UpPorts.free(avoid=(int(gw.rsplit(":", 1)[1]),))
     conf = write(extra=up_overrides(ports, max_tokens, judge_limit))
     proc = start_up(conf, root, ports, gw, judge_every_s=judge_every_s, train_every_s=train_every_s)
     try:

@@ -23,9 +23,12 @@ def _clawrl(args: list[str], tmp_path, model_cache) -> tuple[subprocess.Popen, o
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLAWRL__", "PREFECT_API_URL"))}
     env.update({"CLAWRL__STORAGE__MODEL_CACHE": str(model_cache), "PYTHONUNBUFFERED": "1", "COLUMNS": "200"})
     log = open(tmp_path / "out.log", "w+")
-    # a process group of its own, as a shell gives a foreground job: the "terminal" signals all of it
+    # a process group of its own, as a shell gives a foreground job: the "terminal" signals all of it. And
+    # SIGINT's default disposition, as a foreground job has it: pytest-xdist's workers ignore SIGINT, and an
+    # ignored signal stays ignored across exec (Python then installs no KeyboardInterrupt handler)
     proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", *args], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, log
 
 
