@@ -102,10 +102,9 @@ def data_root_prefect(s: Settings) -> Iterator[str]:
         return
     from clawrl.supervisor import own_prefect_server
 
-    with err.status("starting a Prefect server on the data root"):
-        stack = contextlib.ExitStack()
-        url = stack.enter_context(own_prefect_server(Path(where)))
-    with stack:
+    with contextlib.ExitStack() as stack:
+        with err.status("starting a Prefect server on the data root"):
+            url = stack.enter_context(own_prefect_server(Path(where)))
         yield url
 
 

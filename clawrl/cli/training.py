@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
@@ -12,6 +12,9 @@ from clawrl.cli.common import (ConfigOpt, app, console, data_root_prefect, fail,
                                sync_command, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 EngineUrlOpt = Annotated[Optional[str], typer.Option(help="SGLang server, `clawrl engine` or the gateway's /engine URL "
                                                           "(default: [engine] url when kind=http, else the `clawrl "
