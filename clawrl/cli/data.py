@@ -237,7 +237,7 @@ def doctor(
 
 @app.command("lineage")
 def lineage(
-    version: Annotated[str, typer.Argument(help="A weight version, e.g. 3.")],
+    version: Annotated[str, typer.Argument(help="A weight version, e.g. 3, or 'latest'.")],
     config: ConfigOpt = None,
     replay: Annotated[Optional[str], typer.Option(help="A version of this replay (its id, as `clawrl replay` "
                                                        "printed it), not of the training run.")] = None,
@@ -249,12 +249,16 @@ def lineage(
 
     from clawrl.checkpoint import short_digest
     from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.queries import lineage_chain
+    from clawrl.storage.queries import latest_version, lineage_chain
 
     root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
     if replay is not None and (replay in ("", ".", "..") or "/" in replay or not (root / "tables").is_dir()):
         fail(f"no replay {replay!r} in {s.storage.data_root / 'replays'}")
     with open_catalog(root) as con:
+        if version == "latest":
+            version = str(latest_version(con))
+            if version == "0":
+                fail(f"no checkpoint in {root} yet")
         chain = lineage_chain(con, version)
     if not chain:
         fail(f"no checkpoint with weight_version {version!r} in {root}")

@@ -132,6 +132,7 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     res = CliRunner().invoke(app, ["lineage", "1", "--config", str(conf)])
     assert res.exit_code == 0, res.output
     assert "session open:alice" in res.output and "session open:bob" in res.output and ck["batch_id"] in res.output
+    assert CliRunner().invoke(app, ["lineage", "latest", "--config", str(conf)]).output == res.output  # v1 is newest
 
 
 def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
