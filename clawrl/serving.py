@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import json
 import os
@@ -93,6 +94,24 @@ SERVE_RECORD = "serve.json"
 
 # bind addresses that mean every address of the machine, and the loopback address a client here uses for each
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (the port taken, the address not this
+    machine's), or None when it can: checked before a model loads, so a taken port is told at once."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return f"port {port} on {host} is in use by another process"
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"{host} is not an address of this machine"
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
 
 
 def free_port() -> int:

@@ -55,3 +55,25 @@ def test_the_demo_refuses_an_unknown_name_before_it_starts(tmp_path, args, says)
     res = CliRunner().invoke(app, ["demo", *args, "--run-dir", str(run)])
     assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
     assert not run.exists()  # nothing written
+
+
+@pytest.mark.parametrize("command,key", [("serve", "[server] api_port"), ("engine", "[engine] port")])
+def test_a_taken_port_is_told_before_the_model_loads(tmp_path, command, key):
+    """Before, `clawrl serve` loaded the model, printed "gateway on http://..." and then uvicorn failed to bind
+    (exit 3); an address that is not this machine's is named the same way."""
+    from clawrl.serving import bind_socket
+
+    taken = bind_socket("127.0.0.1", 0)
+    taken.listen()
+    port = taken.getsockname()[1]
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'[model]\nname = "nosuch-model-never-loaded"\n[storage]\ndata_root = "{tmp_path / "data"}"\n')
+    try:
+        res = CliRunner().invoke(app, [command, "--port", str(port), "-c", str(conf)])
+        other = CliRunner().invoke(app, [command, "--host", "192.0.2.1", "--port", str(port), "-c", str(conf)])
+    finally:
+        taken.close()
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"port {port} on 127.0.0.1 is in use by another process" in text, res.output
+    assert key in text
+    assert other.exit_code == 2 and "192.0.2.1 is not an address of this machine" in " ".join(other.output.split())

@@ -21,10 +21,12 @@ def serve(
     import uvicorn
 
     from clawrl.gateway.routes import create_app
-    from clawrl.serving import client_url, freeze_startup_heap, record_where_it_serves
+    from clawrl.serving import client_url, freeze_startup_heap, listen_problem, record_where_it_serves
     from clawrl.storage.writer import DataRootError
 
     settings = settings_or_exit(config, {"server.host": host, "server.api_port": port})
+    if problem := listen_problem(settings.server.host, settings.server.api_port):
+        fail(f"{problem}: choose another with --port / [server] api_port, or --host / [server] host")
     try:
         app = create_app(settings)
     except ConfigError as e:
@@ -64,9 +66,11 @@ def engine(
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.engine.server import serve_engine
     from clawrl.models import ModelNotFoundError, resolve_model_dir
-    from clawrl.serving import freeze_startup_heap
+    from clawrl.serving import freeze_startup_heap, listen_problem
 
     s = settings_or_exit(config, {"model.name": model, "engine.port": port, "server.host": host})
+    if problem := listen_problem(s.server.host, s.engine.port):
+        fail(f"{problem}: choose another with --port / [engine] port, or --host / [server] host")
     device, device_reason = resolve_device(s.model.device)
     try:
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, seed=s.model.seed)
