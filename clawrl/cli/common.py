@@ -93,7 +93,7 @@ def data_root_prefect(s: Settings) -> Iterator[str]:
     """:func:`use_data_root_prefect` for the span of a command's flows; where it finds no API to use,
     a Prefect server of the command's own on the data root's Prefect home, started in a session of its
     own (``clawrl.supervisor.own_prefect_server``), so a Ctrl-C stops the flows and not their server.
-    Yields the API or home used, for the user."""
+    Yields the Prefect API URL the flows report to."""
     import os
 
     where = use_data_root_prefect(s)
@@ -104,8 +104,8 @@ def data_root_prefect(s: Settings) -> Iterator[str]:
 
     with contextlib.ExitStack() as stack:
         with err.status("starting a Prefect server on the data root"):
-            url = stack.enter_context(own_prefect_server(Path(where)))
-        yield url
+            stack.enter_context(own_prefect_server(Path(where)))
+        yield os.environ["PREFECT_API_URL"]
 
 
 @config_app.command("show")

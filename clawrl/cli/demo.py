@@ -72,9 +72,8 @@ def demo(
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
     try:  # the run's own Prefect home: `clawrl up -c <run>/config.toml` shows the same flow runs
-        with data_root_prefect(s) as prefect:
-            if prefect.startswith("http"):
-                console.print(f"Prefect UI of this run while it runs: {prefect.removesuffix('/api')}", markup=False)
+        with data_root_prefect(s) as prefect_api:
+            console.print(f"Prefect UI of this run while it runs: {prefect_api.removesuffix('/api')}", markup=False)
             out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens,
                             seed=seed, heldout=heldout, eval_samples=eval_samples, group_size=group_size,
                             scenario=scenario, plain_share=plain_share)
