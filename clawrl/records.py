@@ -193,6 +193,8 @@ class SyncRecord:
     started_at: datetime
     seconds: float
     created_at: datetime = field(default_factory=utcnow)  # when the attempt ended
+    # several workers behind SGLang's router: one entry each, "<url>: version V in S s" or "<url>: failed: why"
+    workers: list[str] | None = None
 
 
 @dataclass

@@ -36,7 +36,8 @@ import httpx
 
 from clawrl.config import child_env
 from clawrl.lineage import client as mlflow_client, store_path, store_uri
-from clawrl.serving import WILDCARD_HOSTS, client_url, free_port
+from clawrl.engine.router import router_argv
+from clawrl.serving import WILDCARD_HOSTS, client_url, free_port, free_ports
 
 # Prefect keeps concurrency-slot leases in memory by default: a Prefect server killed while a flow run
 # held the trainer or judge slot comes back with the slot counted as taken and no lease to expire it,
@@ -158,16 +159,22 @@ def _send_prefect_reports(timeout_s: float = 10.0) -> None:
 
 def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, trainer_port: int,
          judge_every_s: float = 20.0, train_every_s: float = 120.0, work_pool: str | None = None,
-         local_worker: bool = True, host: str = "127.0.0.1") -> list[Service]:
+         local_worker: bool = True, host: str = "127.0.0.1", engines: int = 0, judge_engines: int = 1) -> list[Service]:
     py = sys.executable
     root = settings.storage.data_root
     gw = gateway_url(settings, host)
     prefect_api = f"{client_url(host, prefect_port)}/api"
     mlflow_db = store_uri(root)
-    judge_engine, gate_engine = _judge_engine(settings, config_path, host), _gate_engine(settings, config_path, host)
+    policy = _engine_group("engine", config_path, host, settings.engine.port, engines, resume=True)
+    from clawrl.judge.runner import uses_frozen_model
+
+    judge = _engine_group("judge-engine", config_path, host, settings.prm.engine_port, judge_engines) \
+        if uses_frozen_model(settings) and not settings.prm.engine_url else []
+    gate_engine = _gate_engine(settings, config_path, host)
     canary = _canary_engine(settings, config_path, host)
     canary_env = {"CLAWRL__GATE__CANARY_URL": canary.url} if canary else {}  # the gateway's and the flows'
-    flows_env = {**({"CLAWRL__PRM__ENGINE_URL": judge_engine.url} if judge_engine else {}),
+    policy_env = {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": policy[-1].url} if policy else {}
+    flows_env = {**({"CLAWRL__PRM__ENGINE_URL": judge[-1].url} if judge else {}),
                  **({"CLAWRL__GATE__ENGINE_URL": gate_engine.url} if gate_engine else {}), **canary_env}
     return [
         prefect_service(host, prefect_port),
@@ -179,9 +186,10 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
         Service("trainer", [*_trainer_launcher(settings), "-m", "clawrl.cli", "trainer", "-c", str(config_path),
                             "--host", host, "--port", str(trainer_port)],
                 f"{client_url(host, trainer_port)}/state", client_url(host, trainer_port)),
+        *policy,  # its engines and their router answer before the gateway asks them what they serve
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1",
-                env=canary_env),
-        *([judge_engine] if judge_engine else []),
+                env={**canary_env, **policy_env}, after_others=bool(policy)),
+        *judge,
         *([gate_engine] if gate_engine else []),
         *([canary] if canary else []),
         # up once its deployments are registered (Prefect answers 404 for the name before)
@@ -229,14 +237,18 @@ def _trainer_launcher(settings) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
 
 
-def _judge_engine(settings, config_path: Path, host: str) -> Service | None:
-    """The judge engine: `clawrl engine` on the policy's initial weights (it never takes a weight sync),
-    when the judge scores with them and ``[prm] engine_url(s)`` name no engines of the user's own."""
-    from clawrl.judge.runner import uses_frozen_model
-
-    if not uses_frozen_model(settings) or settings.prm.judge_engine_urls():
-        return None
-    return _engine_service("judge-engine", config_path, host, settings.prm.engine_port)
+def _engine_group(name: str, config_path: Path, host: str, port: int, n: int, resume: bool = False) -> list[Service]:
+    """``n`` `clawrl engine` processes: one on ``port``, or several on free ports behind SGLang's router
+    on ``port`` (the last service: the URL the others use). ``resume``: each starts on the version last
+    synced, as a restarted policy engine must; the judge engines hold the initial weights for good."""
+    if n <= 1:
+        return [_engine_service(name, config_path, host, port, resume)] if n == 1 else []
+    worker_ports = free_ports(n + 1, avoid=(port,))
+    workers = [_engine_service(f"{name}-{i}", config_path, host, p, resume) for i, p in enumerate(worker_ports[:n])]
+    url = client_url(host, port)
+    router = Service(f"{name}-router", router_argv([w.url for w in workers], host, port, worker_ports[n]),
+                     f"{url}/readiness", url, ready_only_on_200=True)  # 200 once every worker answers its health
+    return [*workers, router]
 
 
 def _gate_engine(settings, config_path: Path, host: str) -> Service | None:
@@ -257,10 +269,12 @@ def _canary_engine(settings, config_path: Path, host: str) -> Service | None:
     return _engine_service("canary-engine", config_path, host, g.canary_port)
 
 
-def _engine_service(name: str, config_path: Path, host: str, port: int) -> Service:
-    """`clawrl engine` on the policy's initial weights at ``host:port`` (never ``--resume``d)."""
+def _engine_service(name: str, config_path: Path, host: str, port: int, resume: bool = False) -> Service:
+    """`clawrl engine` at ``host:port``: on the policy's initial weights, or with ``resume`` on the version
+    last synced."""
     url = client_url(host, port)
-    argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port)]
+    argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port),
+            *(["--resume"] if resume else [])]
     return Service(name, argv, f"{url}/health", url)
 
 
@@ -276,7 +290,8 @@ def _mlflow_ui_url(settings, mlflow_port: int, host: str) -> str:
 
 def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
            trainer_port: int = 30020, judge_every_s: float = 20.0, train_every_s: float = 120.0,
-           work_pool: str | None = None, local_worker: bool = True, host: str = "127.0.0.1", echo=print) -> None:
+           work_pool: str | None = None, local_worker: bool = True, host: str = "127.0.0.1", engines: int = 0,
+           judge_engines: int = 1, echo=print) -> None:
     """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
     PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
@@ -290,7 +305,8 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     base_env = {**SHARED_CPU_ENV, **base_env}
     services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
                     trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s,
-                    work_pool=work_pool, local_worker=local_worker, host=host)
+                    work_pool=work_pool, local_worker=local_worker, host=host, engines=engines,
+                    judge_engines=judge_engines)
     stopping = False
 
     def on_signal(signum, frame):  # noqa: ARG001

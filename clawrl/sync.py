@@ -49,6 +49,7 @@ class SyncReport:
     target: str | None = None  # "in-process" or the engine's URL; None when there was none to sync
     checkpoint_path: str | None = None  # what the engine loaded; None for a state-dict copy
     started_at: datetime | None = None
+    workers: tuple[dict[str, Any], ...] = ()  # several workers behind a router: each one's outcome
 
 
 async def _version_or_none(engine: Engine) -> str | None:
@@ -91,8 +92,9 @@ async def _sync(engine: Engine, weight_version: str, update: Callable[[], Awaita
     serving = await _version_or_none(engine)
     if not res.success or serving != str(weight_version):
         reason = res.message if not res.success else f"{res.message} (but the engine reports version {serving})"
-        return _failed(weight_version, reason or "the engine refused the update", serving, t0)
-    return SyncReport(True, res.message, serving, time.perf_counter() - t0)
+        return replace(_failed(weight_version, reason or "the engine refused the update", serving, t0),
+                       workers=res.workers)
+    return SyncReport(True, res.message, serving, time.perf_counter() - t0, workers=res.workers)
 
 
 async def sync_state_dict(engine: Engine, state_dict: dict[str, Any], weight_version: str,
@@ -157,10 +159,10 @@ async def sync_checkpoint(weight_version: str, path: str, sha256: str, *, engine
             rep, path = await sync_state_dict(engine, trainer.state_dict(), weight_version), None
         else:  # the trainer moved on or lives elsewhere: load the checkpoint from disk
             rep = await sync_from_disk(engine, path, weight_version, expected_sha256=sha256)
-    elif url:
-        from clawrl.engine.sglang_client import SGLangClient
+    elif url:  # an engine, a router in front of several (each worker loads it), or a gateway's /engine
+        from clawrl.engine.router import RoutedEngines
 
-        target, client = url, SGLangClient(url, timeout_s=timeout_s, api_key=admin_key)
+        target, client = url, RoutedEngines(url, timeout_s=timeout_s, api_key=admin_key)
         try:
             rep = await sync_from_disk(client, path, weight_version, expected_sha256=sha256)
         finally:

@@ -220,10 +220,13 @@ def record_sync(s: Settings, rep: SyncReport, weight_version: str, run_id: str |
     from clawrl.records import SyncRecord
 
     store = data_store(s)
+    workers = [f"{w['url']}: version {w['weight_version']} in {w['seconds']:.2f} s" if w["ok"]
+               else f"{w['url']}: failed: {w['message']}" for w in rep.workers] or None
     store.append(SyncRecord(sync_id=uuid.uuid4().hex[:16], weight_version=str(weight_version), target=rep.target,
                             ok=rep.success, skipped=rep.skipped, error=None if rep.success else rep.message,
                             serving_version=rep.weight_version, checkpoint_path=rep.checkpoint_path,
-                            mlflow_run_id=run_id, started_at=rep.started_at, seconds=float(rep.seconds)))
+                            mlflow_run_id=run_id, started_at=rep.started_at, seconds=float(rep.seconds),
+                            workers=workers))
     store.flush()
     if run_id:
         log_sync(s.storage.data_root, run_id, ok=rep.success, error=rep.message, serving_version=rep.weight_version,

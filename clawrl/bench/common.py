@@ -91,6 +91,15 @@ def start_clawrl(args: list[str], log_path: Path, **env: str) -> subprocess.Pope
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_router(worker_urls: list[str], port: int, metrics_port: int, log_path: Path) -> subprocess.Popen:
+    """SGLang's router on 127.0.0.1:``port`` in front of ``worker_urls``, as `clawrl up --engines N` starts it."""
+    from clawrl.engine.router import router_argv
+
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(router_argv(worker_urls, "127.0.0.1", port, metrics_port), env=child_env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300.0) -> None:
     """Return once ``url`` answers 200; raise when ``proc`` exits or ``timeout_s`` passes first."""
     deadline = time.monotonic() + timeout_s

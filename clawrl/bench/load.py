@@ -42,7 +42,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 import numpy as np
@@ -51,9 +50,8 @@ import openai
 from clawrl.bench.common import (
     bench_dtype,
     load_average,
-    machine_line,
-    markdown_table,
     start_clawrl,
+    start_router,
     stop_clawrl,
     wait_healthy,
 )
@@ -89,6 +87,8 @@ class Run:
     completion_tokens: int = 0
     sessions_started: int = 0
     sessions_done: int = 0
+    engine_stats: list[dict[str, Any]] = field(default_factory=list)  # per `clawrl engine`, after the window
+    prefix_hits: int = 0  # answers whose prompt started with a prefix the engine had cached
 
     @property
     def requests(self) -> int:
@@ -113,6 +113,8 @@ class Run:
         self.versions[version] += 1
         self.first_seen.setdefault(version, time.monotonic() - self.t0)
         self.completion_tokens += r.usage.completion_tokens if r.usage else 0
+        details = r.usage.prompt_tokens_details if r.usage else None
+        self.prefix_hits += bool(details and details.cached_tokens)  # the engine found the turn's prefix cached
         self.report()
 
     def report(self) -> None:
@@ -122,7 +124,15 @@ class Run:
                            "versions": sorted(self.versions, key=lambda v: (len(v), v))})
 
 
-async def _user(client: openai.AsyncOpenAI, i: int, run: Run, *, turns_per_session: int, max_tokens: int) -> None:
+# With several engines, each session opens with a system prompt of its own, as an agent's does (its id first,
+# so no two sessions share a block of the engines' prefix caches): ~200 tokens that a session's later turns
+# find in the prefix cache of the engine that served its earlier ones, and nowhere else.
+AGENT_PROMPT = " ".join(["You are a careful assistant. Answer briefly, in plain words, and stay on the user's "
+                         "topic; say so when you do not know."] * 8)
+
+
+async def _user(client: openai.AsyncOpenAI, i: int, run: Run, *, turns_per_session: int, max_tokens: int,
+                system_prompt: bool = False) -> None:
     """User ``i``: one session after another until the window closes (module docstring)."""
     rng = random.Random(i)  # user i makes the same choices in every run
     personas = sorted(PERSONAS)
@@ -131,7 +141,8 @@ async def _user(client: openai.AsyncOpenAI, i: int, run: Run, *, turns_per_sessi
             return
         sid, persona = f"{SESSION_PREFIX}{i:03d}-{k:04d}", PERSONAS[rng.choice(personas)]
         question, keywords = QUESTIONS[rng.randrange(len(QUESTIONS))]
-        messages = [{"role": "user", "content": question}]
+        messages = [*([{"role": "system", "content": f"Session {sid}. {AGENT_PROMPT}"}] if system_prompt else []),
+                    {"role": "user", "content": question}]
         run.sessions_started += 1
         for turn in range(turns_per_session):
             if run.closed():
@@ -172,11 +183,13 @@ BENCH_GATE = {"gate.tolerance": 1.0, "gate.alpha": 1e-9}
 
 def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int,
                   device: str, dtype: str, model: str = "tiny", engine_urls: list[str] | None = None,
-                  extra: dict[str, Any] | None = None) -> str:
+                  extra: dict[str, Any] | None = None, engine_url: str | None = None) -> str:
     """The bench's config file under ``data_root``; ``extra``: more 'section.key' overrides."""
     from clawrl.config import dump_toml, load_settings
 
     engines = {"engine.kind": "http", "engine.urls": engine_urls} if engine_urls else {}
+    if engine_url:
+        engines = {"engine.kind": "http", "engine.url": engine_url}
     s = load_settings(env={}, overrides={**engines, **BENCH_GATE, **(extra or {}),
         "model.name": model, "model.device": device, "model.dtype": dtype,
         "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),
@@ -239,6 +252,7 @@ def _seconds(step: dict[str, Any], *keys: str) -> float:
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
                    max_tokens: int = 16, turns_per_session: int = 3, data_root: Path | None = None,
                    min_syncs: int = 0, device: str = "cpu", model: str = "tiny", engines: int = 0, up: bool = False,
+                   router: bool = False,
                    judge_every_s: float = 5.0, train_every_s: float = 30.0,
                    progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the load benchmark, the gateway's engine and the trainer on ``device``; returns the figures
@@ -258,7 +272,8 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     write = functools.partial(_write_config, root, model_cache, port, rollout_batch_size, max_tokens, device, dtype,
                               model)
     new_run, gw = functools.partial(Run, duration_s, min_syncs, progress), f"http://127.0.0.1:{port}"
-    users = {"n_users": sessions, "turns_per_session": turns_per_session, "max_tokens": max_tokens}
+    users = {"n_users": sessions, "turns_per_session": turns_per_session, "max_tokens": max_tokens,
+             **({"system_prompt": True} if engines else {})}
     logging.disable(logging.INFO)  # flow-run INFO lines would scroll through the progress line
     try:
         if up:
@@ -267,11 +282,12 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
                                           train_every_s=train_every_s, session_prefix=SESSION_PREFIX)
         else:
             judged, run, loads = _drive_flows(write, root, gw, new_run, users, engines=engines,
-                                              judge_limit=judge_limit)
+                                              judge_limit=judge_limit, router=router)
     finally:
         logging.disable(logging.NOTSET)
     wall, load_before, load_after = loads
     return {"mode": "up" if up else "flows", "sessions": sessions, "engines": engines, "duration_s": duration_s,
+            "routing": "SGLang router" if router else ("clawrl pool" if engines > 1 else "direct"),
             "turns_per_session": turns_per_session, "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size,
             "judge_limit": judge_limit, "turns_judged": judged, "load_1m_before": load_before,
             "load_1m_after": load_after, "device": device, "model": model, "dtype": dtype, "window_s": run.ended_s,
@@ -289,21 +305,25 @@ def _start_users(gw: str, run: Run, users: dict[str, int]) -> threading.Thread:
 
 
 def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, engines: int,
-                 judge_limit: int) -> tuple[int, Run, tuple[float, float, float]]:
+                 judge_limit: int, router: bool = False) -> tuple[int, Run, tuple[float, float, float]]:
     """`clawrl serve` (behind it ``engines`` `clawrl engine` processes, or its embedded engine) in its
     own process, the users on a thread and the judge and train flows in a loop here: the turns judged,
-    the run, and (wall seconds, load average before, after)."""
+    the run, and (wall seconds, load average before, after). ``router``: the engines sit behind SGLang's
+    router, which the gateway calls."""
     from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
 
-    engine_ports = free_ports(engines, avoid=(int(gw.rsplit(":", 1)[1]),))  # the gateway's, drawn before
+    ports = free_ports(engines + 2, avoid=(int(gw.rsplit(":", 1)[1]),))  # the gateway's, drawn before
+    engine_ports, router_url = ports[:engines], f"http://127.0.0.1:{ports[engines]}"
     engine_urls = [f"http://127.0.0.1:{p}" for p in engine_ports]
-    conf = write(engine_urls=engine_urls)
+    conf = write(engine_url=router_url) if router else write(engine_urls=engine_urls)
     s = load_flow_settings(conf)
     procs = [start_clawrl(["engine", "-c", conf, "--port", str(p)], root / f"engine{i}.log")
              for i, p in enumerate(engine_ports)]
+    if router:
+        procs.append(start_router(engine_urls, ports[engines], ports[engines + 1], root / "router.log"))
     try:
-        for p, url in zip(procs, engine_urls):  # up before the gateway asks them their versions
-            wait_healthy(p, f"{url}/health")
+        for p, url in zip(procs, [*engine_urls, *([f"{router_url}/readiness"] if router else [])]):
+            wait_healthy(p, url if url.endswith("/readiness") else f"{url}/health")  # before the gateway asks
         proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
         procs.append(proc)
         _warm_up(s, conf)  # while the gateway starts
@@ -316,10 +336,19 @@ def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, 
             thread.join()
             run.report()
         wall, load_after = time.monotonic() - run.t0, load_average()
+        run.engine_stats = [_engine_stats(u) for u in engine_urls]
     finally:
         for p in reversed(procs):  # the gateway first
             stop_clawrl(p)
     return judged, run, (wall, load_before, load_after)
+
+
+def _engine_stats(url: str) -> dict[str, Any]:
+    """What one `clawrl engine` counted: the requests it finished."""
+    import httpx
+
+    return {"url": url, "requests_done": httpx.get(f"{url}/server_info", timeout=10).json()["internal_states"][0]
+            ["requests_done"]}
 
 
 def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
@@ -341,6 +370,8 @@ def _figures(root: Path, run: Run, wall: float) -> dict[str, Any]:
     return {
         "requests": run.requests, "errors": len(run.errors), "error_samples": run.errors[:5],
         "sessions_started": run.sessions_started, "sessions_completed": run.sessions_done,
+        "requests_per_engine": [e["requests_done"] for e in run.engine_stats],
+        "prefix_hits_per_session": run.prefix_hits / max(run.sessions_started, 1),
         "main_turns_sent": len(run.acked), "main_turns_logged": len(logged),
         "sent_not_logged": len(acked - logged), "logged_not_sent": len(logged - acked),
         "p50_ms": p50, "p99_ms": p99,
@@ -382,109 +413,3 @@ def _loop_latency(root: Path, run: Run, step: dict[str, Any]) -> dict[str, float
     flow = synced - row["claimed"] - spent
     return dict(zip(keys, (first - row["completed"], judged - row["completed"], max(0.0, row["claimed"] - judged),
                            first - synced, flow)))
-
-
-def format_load_section(r: dict[str, Any]) -> str:
-    row = {k: r[k] for k in ("sessions", "duration_s", "window_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
-                             "p50_ms", "p99_ms", "requests_per_s", "completion_tokens_per_s", "train_steps",
-                             "syncs_during_run")}
-    row["weight_versions_seen"] = ", ".join(f"v{v}: {n}" for v, n in r["weight_versions_seen"].items())
-    row["load_1m"] = f"{r['load_1m_before']} -> {r['load_1m_after']}"
-    served = {st["weight_version"]: "-" if st["first_served_s"] is None else f"{st['first_served_s']:.1f} s"
-              for st in r["steps"]}
-    done = "sync ended" if r.get("mode") == "up" else "flow run done"
-    syncs = "; ".join(f"v{st['weight_version']}: sync took {st['sync_s']:.2f} s, first served at "
-                      f"{served[st['weight_version']]}, {done} at {st['at_s']:.1f} s"
-                      for st in r["steps"] if st["synced"] and st["sync_s"] is not None)
-    loop_keys = ["loop_s", "judged_s", "queued_s", "read_s", "train_s", "state_s", "checkpoint_s", "eval_s",
-                 "sync_s", "orchestration_s", "served_s"]
-    loops = [{"version": st["weight_version"], **{k: st[k] for k in loop_keys}, "claim_task_s": st["tasks_s"].get(
-        "claim_batch"), "gate_task_s": st["tasks_s"].get("gate_checkpoint")}
-             for st in r["steps"] if st.get("loop_s") is not None]
-    loop_keys += [k for k in ("claim_task_s", "gate_task_s") if any(row[k] is not None for row in loops)]
-    tasks = [{"version": st["weight_version"], **st["tasks_s"]} for st in r["steps"] if st.get("tasks_s")]
-    task_names = list(dict.fromkeys(k for t in tasks for k in t if k != "version"))
-    evals = [st["eval_s"] for st in r["steps"] if st["eval_s"]]
-    eval_line = (f"The promotion gate's evaluation (an evaluation engine on the same device) took {median(evals):.2f} s "
-                 f"a step (median of {len(evals)}), {100 * sum(evals) / r['window_s']:.1f}% of the window "
-                 "(each candidate evaluated, then promoted whatever its score: the bench measures serving it)."
-                 if evals else "The promotion gate evaluated nothing (off, or no step).")
-    return "\n".join([
-        f"## Load{' under `clawrl up`' if r.get('mode') == 'up' else ''}: concurrent sessions while judging, training "
-        "and syncing",
-        "",
-        machine_line(r["device"], r["dtype"]),
-        *_setup_lines(r),
-        f"{r['max_tokens']} new tokens per turn, temperature 1. Latency is client-side, per request, across the syncs.",
-        "`main_turns_logged`: acknowledged (session, turn index) pairs found in the `turns` table after the gateway",
-        "stopped; the two must be equal and `errors` 0.",
-        "",
-        markdown_table([row], list(row)),
-        "",
-        f"Weight syncs (times from the window's start): {syncs or 'none'}. Turns judged: {r['turns_judged']} (the",
-        f"judge takes at most {r['judge_limit']} turns per run, so training starts early and "
-        "keeps going; the rest wait, logged); sessions",
-        f"started {r['sessions_started']}, completed {r['sessions_completed']}; sent but not logged: "
-        f"{r['sent_not_logged']}. `load_1m`: the 1-minute load average",
-        "before -> after the window; above the core count, other work shared the machine.",
-        "",
-        "Loop latency per train step: `loop_s` from the logged next state that completed the step's batch to the",
-        "first response a client got from the new version, in parts: `judged_s` to the batch's last fate (the",
-        "judge's delay), `queued_s` to the batch's claim (the trainer busy with earlier batches: here samples",
-        "arrive faster than one trainer takes them" + (")," if r.get("mode") == "up" else
-                                                       ", and the judge and train flows take turns),") + " then the train",
-        "flow up to the end of its sync: `read_s` (the trainer reading the batch's samples from the catalog),",
-        "`train_s` (the PPO step), `state_s` (waiting for the previous step's optimizer state to reach the disk,",
-        "then copying this step's, on the GPU where it fits; the copy is written off this path), `checkpoint_s`",
-        "(writing and hashing its checkpoint's served weights), `eval_s` (the promotion gate's evaluation),",
-        "`sync_s`, and `orchestration_s`, the rest of that flow (Prefect, claim, lineage, records; target",
-        "<= 1 s); last `served_s`, from the sync's end to the first response on the new version. Beside them,",
-        "when Prefect has them, the seconds of the step's `claim_batch` and `gate_checkpoint` tasks.",
-        "",
-        markdown_table(loops, ["version", *loop_keys]) if loops
-        else "No step's version reached a client inside the window.",
-        "", eval_line,
-        "", "Seconds each task of the train flow took, per step (Prefect's task run times; the path to the sync",
-        "ends with `sync_weights`):", "",
-        markdown_table(tasks, ["version", *task_names]) if tasks else "No train step.",
-    ])
-
-
-def _setup_lines(r: dict[str, Any]) -> list[str]:
-    """Which mode ran, and who served, judged and trained in it."""
-    users = (f"{r['sessions']} simulated users (clawrl/sim personas, openai SDK AsyncOpenAI, no retries) in "
-             f"multi-turn sessions ({r['turns_per_session']} main turns each, the last with `session_done`)")
-    train = f"the train flow (GRPO, rollout_batch_size {r['rollout_batch_size']})"
-    if r.get("mode") == "up":
-        return [f"Mode `up` (`clawrl bench load --up`): {users} against `clawrl up` (Prefect server, MLflow, trainer "
-                f"service, gateway with the embedded engine running model `{r['model']}`, evaluation engine and flow "
-                f"server, each a process of its own) for the window below. Up's flow server runs the judge flow (rule "
-                f"judge) every {r['judge_every_s']:g} s and {train} when a judge run leaves a full batch (every "
-                f"{r['train_every_s']:g} s at the latest); each train step syncs its checkpoint into the serving "
-                "engine through the gateway's /engine. The bench process only drives the users."]
-    return [f"Mode `flows` (`clawrl bench load`): {users} against `clawrl serve` (a separate process: uvicorn, the "
-            f"embedded engine, model `{r.get('model', 'tiny')}`) for the window below, while the bench process runs "
-            f"the judge flow (rule judge) and {train} in a loop; each train step syncs its checkpoint into the "
-            "serving engine through the gateway's /engine, as `clawrl up` does."]
-
-
-def format_engines_section(results: list[dict[str, Any]]) -> str:
-    """The same load with 1, 2, ... `clawrl engine` processes behind the gateway, one row each."""
-    r0 = results[0]
-    cols = ["engines", "sessions", "window_s", "requests", "errors", "main_turns_sent", "main_turns_logged",
-            "p50_ms", "p99_ms", "requests_per_s", "completion_tokens_per_s", "syncs_during_run", "sync_s"]
-    rows = [{**{k: r.get(k) for k in cols}, "sync_s": ", ".join(f"{st['sync_s']:.2f}" for st in r["steps"]
-                                                                 if st["synced"] and st["sync_s"] is not None)}
-            for r in results]
-    return "\n".join([
-        "## Load with several engines behind the gateway",
-        "",
-        machine_line(r0["device"], r0["dtype"]),
-        f"`clawrl bench load --engines {','.join(str(r['engines']) for r in results)}`: the load above "
-        f"({r0['sessions']} users, {r0['turns_per_session']} main turns per session, {r0['max_tokens']} new tokens, "
-        f"model `{r0['model']}`) against `clawrl serve` with `[engine] urls` naming N `clawrl engine` processes on "
-        "this machine; sessions stay on their engine, new ones go to the least loaded; each train step's sync "
-        "goes through the gateway's /engine to every engine in two waves (`sync_s`, per step).",
-        "",
-        markdown_table(rows, cols),
-    ])

@@ -184,7 +184,8 @@ def bench_load(
 ) -> None:
     """Concurrent sessions against `clawrl serve` while the judge and train flows run and sync weights
     (with --up: against `clawrl up`, whose flow server runs them)."""
-    from clawrl.bench.load import format_engines_section, format_load_section, run_load_bench
+    from clawrl.bench.load import run_load_bench
+    from clawrl.bench.load_report import format_engines_section, format_load_section
     from clawrl.config import use_prefect_home
 
     if up and engines:
@@ -199,7 +200,8 @@ def bench_load(
         results = [run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
                                   rollout_batch_size=rollout_batch_size, max_tokens=max_tokens,
                                   turns_per_session=turns, min_syncs=min_syncs, device=_device(device), model=model,
-                                  engines=n, up=up, progress=progress) for n in _counts(engines)]
+                                  engines=n, up=up, progress=progress, router=router)
+                   for n in _counts(engines) for router in ([False, True] if n > 1 else [False])]
     if engines:
         _write("load-engines", format_engines_section(results), out)
     else:

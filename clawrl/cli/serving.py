@@ -34,19 +34,17 @@ def serve(
     except DataRootError as e:  # checked before any model loads or any port is bound
         fail(f"storage error: {e}")
     console.print(f"gateway on http://{settings.server.host}:{settings.server.api_port}/v1 "
-                  f"(engine: {settings.engine.kind}{_engines(settings)}, model: {settings.model.name}, "
+                  f"(engine: {settings.engine.kind}{' at ' + settings.engine.url if settings.engine.url else ''}"
+                  f"{' x ' + str(len(settings.engine.urls)) if settings.engine.urls else ''}, "
+                  f"model: {settings.model.name}, "
                   f"data: {settings.storage.data_root})", markup=False)
     freeze_startup_heap()  # the model and modules are loaded: keep them out of full GC passes
     # where this gateway and its engine answer, for `clawrl train`, `sync` and `status` on this data root
     gateway = client_url(settings.server.host, settings.server.api_port)
-    # one HTTP engine is synced directly; the embedded engine and several HTTP ones through the gateway's /engine
+    # an HTTP engine (or SGLang's router in front of several) is synced directly, the embedded one through /engine
     engine_url = settings.engine.url if settings.engine.kind == "http" and settings.engine.url else f"{gateway}/engine"
     record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
-
-
-def _engines(s) -> str:
-    return f" x {len(s.engine.urls)} ({', '.join(s.engine.urls)})" if s.engine.urls else ""
 
 
 @app.command("engine")
@@ -143,6 +141,12 @@ def up(
     host: Annotated[str, typer.Option(help="Address Prefect, MLflow, the trainer and the judge engine bind and "
                                            "the flows reach them at: this machine's address on a private network "
                                            "when Prefect workers on other machines run the flows.")] = "127.0.0.1",
+    engines: Annotated[int, typer.Option(min=0, help="`clawrl engine` processes serving the policy (several: behind "
+                                                     "SGLang's router on [engine] port); 0: the gateway's embedded "
+                                                     "engine.")] = 0,
+    judge_engines: Annotated[int, typer.Option(min=1, help="`clawrl engine` processes holding the initial weights for "
+                                                           "the judge and teacher (several: behind SGLang's router on "
+                                                           "[prm] engine_port), when they use them.")] = 1,
 ) -> None:
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
     from clawrl.storage.writer import DataRootError, check_data_root
@@ -163,6 +167,6 @@ def up(
     try:
         run_up(s, conf, prefect_port=prefect_port, mlflow_port=mlflow_port, trainer_port=trainer_port,
                judge_every_s=judge_every, train_every_s=train_every, work_pool=work_pool, local_worker=local_worker,
-               host=host, echo=lambda m: console.print(m, markup=False))
+               host=host, engines=engines, judge_engines=judge_engines, echo=lambda m: console.print(m, markup=False))
     except RuntimeError as e:
         fail(str(e), code=1)

@@ -304,7 +304,8 @@ async def update_weights_from_disk(srv: Srv, body: UpdateWeightsFromDiskBody) ->
     if body.abort_all_requests and hasattr(srv.engine, "abort_request"):
         await srv.engine.abort_request(abort_all=True)
     result = await srv.engine.update_weights_from_disk(body.model_path, body.weight_version)
-    content = {"success": result.success, "message": result.message, "num_paused_requests": 0}
+    content = {"success": result.success, "message": result.message, "num_paused_requests": 0,
+               **({"workers": list(result.workers)} if result.workers else {})}
     return json_response(content, 200 if result.success else 400)
 
 

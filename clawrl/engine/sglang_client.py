@@ -299,8 +299,8 @@ class SGLangClient:
         expected = str(weight_version) if result.success else before
         if now != expected:
             return UpdateResult(False, f"{result.message} (but /model_info reports weight_version {now!r}, "
-                                       f"expected {expected!r})", now)
-        return UpdateResult(result.success, result.message, now)
+                                       f"expected {expected!r})", now, result.workers)
+        return UpdateResult(result.success, result.message, now, result.workers)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -338,9 +338,10 @@ def _update_result(status: int, content: bytes, weight_version: str | None) -> U
         body = orjson.loads(content)
     except orjson.JSONDecodeError:
         body = None
+    workers: tuple = ()
     if isinstance(body, Mapping) and "success" in body:
         ok = bool(body["success"]) and status == 200
-        msg = str(body.get("message", ""))
+        msg, workers = str(body.get("message", "")), tuple(body.get("workers") or ())
     else:  # e.g. a 400 validation error body: the update did not happen
         ok, msg = False, error_message(status, content)
-    return UpdateResult(ok, msg, str(weight_version) if ok and weight_version is not None else None)
+    return UpdateResult(ok, msg, str(weight_version) if ok and weight_version is not None else None, workers)

@@ -288,6 +288,8 @@ class UpdateResult:
     success: bool
     message: str
     weight_version: str | None = None
+    # several workers behind a router (clawrl.engine.router): one row each (url, ok, weight_version, seconds, message)
+    workers: tuple[dict[str, Any], ...] = ()
 
 
 @runtime_checkable

@@ -294,17 +294,18 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
-    if settings.engine.kind == "http":
+    if settings.engine.kind == "http" and settings.engine.urls:
+        from clawrl.engine.pool import EnginePool
         from clawrl.engine.sglang_client import SGLangClient
 
         e = settings.engine
-        if e.url:
-            return SGLangClient(e.url, timeout_s=e.request_timeout_s), load_tokenizer(model_dir)
-        from clawrl.engine.pool import EnginePool
-
         pool = EnginePool([(u, SGLangClient(u, timeout_s=e.request_timeout_s)) for u in e.urls],
                           sync_waves=e.sync_waves, down_retry_s=e.down_retry_s, version_wait_s=e.request_timeout_s)
         return pool, load_tokenizer(model_dir)
+    if settings.engine.kind == "http":  # one engine, or several behind SGLang's router
+        from clawrl.engine.router import RoutedEngines
+
+        return RoutedEngines(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
     from clawrl.models import resolve_device, resolve_dtype
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
 

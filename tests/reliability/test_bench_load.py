@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from clawrl.bench.load import format_load_section, run_load_bench
+from clawrl.bench.load import run_load_bench
+from clawrl.bench.load_report import format_load_section
 
 pytestmark = [pytest.mark.reliability, pytest.mark.bench]
 

@@ -201,6 +201,7 @@ ON_DISK = {
         _required("started_at", TIMESTAMP),
         _required("seconds", pa.float64()),
         _required("created_at", TIMESTAMP),
+        _optional("workers", EXPECTED_TYPES["list[str]"]),
     ]),
     "evaluations": pa.schema([
         _required("evaluation_id", pa.string()),
