@@ -335,13 +335,27 @@ def _refuse_secret(section: str, key: str, value: Any, origin: str) -> None:
             f"config files: put it in an environment variable named in {where} (the value is not shown)")
 
 
+# Keys that existed once, and what took their place: a config file that still sets one is told what to do.
+REMOVED_KEYS = {
+    ("engine", "urls"): "put SGLang's router in front of the engines and name it in [engine] url (`clawrl up --engines "
+                        "N` starts N engines and the router); each weight sync reaches every worker the router lists",
+    ("engine", "sync_waves"): "the workers behind SGLang's router are updated one at a time while the others serve",
+    ("engine", "down_retry_s"): "SGLang's router takes a worker that stops answering out and back (its circuit "
+                                "breaker and health checks)",
+    ("prm", "engine_urls"): "put SGLang's router in front of the judge engines and name it in [prm] engine_url "
+                            "(`clawrl up --judge-engines N` starts them and the router)",
+}
+
+
 def _format_validation_error(err: ValidationError, merged: dict[str, dict[str, Any]],
                              origins: dict[tuple[str, str], str]) -> str:
     lines = []
     for e in err.errors():
         section, key = ([str(p) for p in e["loc"]] + ["", ""])[:2]
         origin = origins.get((section, key), "defaults")
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and (section, key) in REMOVED_KEYS:
+            lines.append(f"{origin}: [{section}] {key} is no longer a setting: {REMOVED_KEYS[(section, key)]}")
+        elif e["type"] == "extra_forbidden":
             valid = ", ".join(Settings.model_fields[section].annotation.model_fields)
             lines.append(f"{origin}: unknown key [{section}] {key}; valid keys: {valid}")
         elif key:

@@ -16,19 +16,10 @@ class Section(BaseModel):  # allow_inf_nan=False: TOML's inf and nan mean nothin
 
 class EngineSettings(Section):
     kind: Literal["embedded", "http"] = Field("embedded", description="'embedded': the torch engine in-process. "
-                                              "'http': an SGLang server/router or `clawrl engine` at `url` (SGLang's "
-                                              "native HTTP contract), or several at `urls`.")
-    url: Url = Field("", description="Base URL of the HTTP engine (kind='http').")
-    urls: list[Url] = Field([], description="kind='http': several policy engines (SGLang servers or `clawrl engine` "
-                            "processes) behind the gateway instead of `url`. A session stays on one engine (its "
-                            "prefix cache stays useful), new sessions go to the least loaded one, an engine that stops "
-                            "answering is taken out and its requests retried on another; weight syncs reach all "
-                            "of them through the gateway's /engine.")
-    sync_waves: int = Field(2, ge=1, description="With several `urls`: a weight sync updates the engines in this many "
-                            "waves (each wave pauses, loads and resumes while the others serve; new sessions go to "
-                            "those). 1: all at once under one pause.")
-    down_retry_s: float = Field(5.0, gt=0, description="With several `urls`: an engine taken out is tried again after "
-                                "this long (and brought to the served weight version first).")
+                                              "'http': an SGLang server or `clawrl engine` at `url` (SGLang's native "
+                                              "HTTP contract), or SGLang's router in front of several: each weight "
+                                              "sync reaches every worker the router lists.")
+    url: Url = Field("", description="Base URL of the HTTP engine or router (kind='http').")
     port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
     max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
     max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
@@ -46,19 +37,9 @@ class EngineSettings(Section):
 
     @model_validator(mode="after")
     def _url_for_http(self) -> EngineSettings:
-        if self.kind == "http" and not (self.url or self.urls):
-            raise ValueError("engine.kind = 'http' needs engine.url (or engine.urls)")
-        if self.url and self.urls:
-            raise ValueError("engine.url and engine.urls are both set: name one engine in url or several in urls")
-        if len(set(self.urls)) != len(self.urls):
-            raise ValueError(f"engine.urls lists an engine twice: {self.urls}")
+        if self.kind == "http" and not self.url:
+            raise ValueError("engine.kind = 'http' needs engine.url")
         return self
-
-    @property
-    def http_urls(self) -> list[str]:
-        """The HTTP policy engines (kind='http'): ``urls``, else ``[url]``."""
-        return list(self.urls) or ([self.url] if self.url else [])
-
 
 
 class PRMSettings(Section):
@@ -70,11 +51,8 @@ class PRMSettings(Section):
     url: Url = Field("", description="SGLang server of the judge model (backend = 'sglang').")
     engine_url: Url = Field("", description="A `clawrl engine` holding the policy's initial weights, used over HTTP "
                             "by the 'engine' judge and the 'frozen' OPD teacher instead of loading the model in the "
-                            "judging process ('': load it there). `clawrl up` points its flows at its judge engine.")
-    engine_urls: list[Url] = Field([], description="Several such engines (a judge pool, separate from the policy "
-                                   "engines): each request goes to the one with the fewest in flight; one that "
-                                   "stops answering is left out for [engine] down_retry_s and its requests retried "
-                                   "on the others.")
+                            "judging process ('': load it there), or SGLang's router in front of several. "
+                            "`clawrl up` points its flows at its judge engine(s).")
     engine_port: int = Field(30021, ge=0, le=65535, description="Port of the judge engine `clawrl up` starts when the "
                              "judge uses the initial weights (backend = 'engine', or the 'frozen' teacher).")
     temperature: float = Field(0.6, ge=0, description="Judge sampling temperature (votes must differ).")
@@ -85,19 +63,6 @@ class PRMSettings(Section):
     retry_delay_s: float = Field(1.0, ge=0, description="First retry delay; doubles each retry.")
     batch_limit: int = Field(512, ge=1, description="Most turns one judge flow run takes.")
 
-
-    @model_validator(mode="after")
-    def _one_judge_engine_list(self) -> PRMSettings:
-        if self.engine_url and self.engine_urls:
-            raise ValueError("prm.engine_url and prm.engine_urls are both set: name one engine in engine_url or "
-                             "several in engine_urls")
-        if len(set(self.engine_urls)) != len(self.engine_urls):
-            raise ValueError(f"prm.engine_urls lists an engine twice: {self.engine_urls}")
-        return self
-
-    def judge_engine_urls(self) -> list[str]:
-        """The `clawrl engine`s holding the initial weights: ``engine_urls``, else ``[engine_url]``."""
-        return list(self.engine_urls) or ([self.engine_url] if self.engine_url else [])
 
 class GateSettings(Section):
     """The promotion gate: every new checkpoint is a candidate, scored paired with the serving champion (same

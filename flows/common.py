@@ -80,7 +80,7 @@ def frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     from clawrl.judge.runner import load_frozen_engine
 
     m = settings.model
-    key = ("frozen", name or m.name, m.seed, m.dtype, *settings.prm.judge_engine_urls())  # URLs: engines of their own
+    key = ("frozen", name or m.name, m.seed, m.dtype, settings.prm.engine_url)  # a URL: an engine of its own
     return _once(key, lambda: load_frozen_engine(settings, name))
 
 

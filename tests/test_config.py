@@ -113,16 +113,16 @@ def test_http_engine_requires_url():
         load_settings(env={"CLAWRL__ENGINE__KIND": "http"})
 
 
-def test_several_http_engines_are_urls_each_once_and_never_beside_url():
-    s = load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URLS": '["http://a:1/", "http://b:2"]'})
-    assert s.engine.http_urls == ["http://a:1", "http://b:2"] and s.engine.sync_waves == 2
-    assert load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": "http://a:1"}).engine.http_urls \
-        == ["http://a:1"]
-    with pytest.raises(ConfigError, match="engine.url and engine.urls are both set"):
-        load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": "http://a:1",
-                           "CLAWRL__ENGINE__URLS": '["http://b:2"]'})
-    with pytest.raises(ConfigError, match="lists an engine twice"):
-        load_settings(env={"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URLS": '["http://a:1", "http://a:1/"]'})
+@pytest.mark.parametrize("section, key, replacement", [
+    ("engine", "urls", "router in front of the engines and name it in \\[engine\\] url"),
+    ("engine", "sync_waves", "one at a time"), ("prm", "engine_urls", "name it in \\[prm\\] engine_url")])
+def test_a_removed_key_says_what_took_its_place(tmp_path, section, key, replacement):
+    f = tmp_path / "old.toml"
+    f.write_text(f"[{section}]\n{key} = 2\n")
+    with pytest.raises(ConfigError, match=f"{f}: \\[{section}\\] {key} is no longer a setting: .*{replacement}"):
+        load_settings(f, env={})
+    with pytest.raises(ConfigError, match=f"env CLAWRL__{section.upper()}__{key.upper()}: .*no longer a setting"):
+        load_settings(env={f"CLAWRL__{section.upper()}__{key.upper()}": "2"})
 
 
 def test_api_keys_from_named_env(monkeypatch):
@@ -165,18 +165,9 @@ def test_env_names_any_case_and_values_validate_like_the_file():
 
 
 @pytest.mark.parametrize("name", ["layout-8gpu.toml", "layout-two-nodes.toml"])
-def test_the_scale_layouts_load_with_several_policy_engines_and_a_judge_pool(name):
+def test_the_scale_layouts_load_with_routers_for_the_policy_and_the_judge_engines(name):
     s = load_settings(Path(__file__).parents[1] / "conf" / name, env={})
-    assert s.engine.kind == "http" and len(s.engine.http_urls) == 2 and s.engine.sync_waves == 2
-    judges = s.prm.judge_engine_urls()
-    assert s.prm.backend == "engine" and len(judges) == 2 and not set(judges) & set(s.engine.http_urls)
-
-
-def test_judge_engine_urls_name_one_list():
-    s = load_settings(env={}, overrides={"prm.engine_urls": ["http://a:1/", "http://b:2"]})
-    assert s.prm.judge_engine_urls() == ["http://a:1", "http://b:2"]
-    assert load_settings(env={}, overrides={"prm.engine_url": "http://c:3"}).prm.judge_engine_urls() == ["http://c:3"]
-    with pytest.raises(ConfigError, match="prm.engine_url and prm.engine_urls are both set"):
-        load_settings(env={}, overrides={"prm.engine_url": "http://c:3", "prm.engine_urls": ["http://a:1"]})
-    with pytest.raises(ConfigError, match="prm.engine_urls lists an engine twice"):
-        load_settings(env={}, overrides={"prm.engine_urls": ["http://a:1", "http://a:1/"]})
+    assert s.engine.kind == "http" and s.prm.backend == "engine"
+    assert s.engine.url.endswith(":30005") and s.prm.engine_url.endswith(":30006")
+    text = (Path(__file__).parents[1] / "conf" / name).read_text()
+    assert text.count("sglang_router.launch_router") == 2 and "--port 30005" in text and "--port 30006" in text

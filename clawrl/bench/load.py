@@ -182,14 +182,12 @@ BENCH_GATE = {"gate.tolerance": 1.0, "gate.alpha": 1e-9}
 
 
 def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_size: int, max_tokens: int,
-                  device: str, dtype: str, model: str = "tiny", engine_urls: list[str] | None = None,
-                  extra: dict[str, Any] | None = None, engine_url: str | None = None) -> str:
+                  device: str, dtype: str, model: str = "tiny", engine_url: str | None = None,
+                  extra: dict[str, Any] | None = None) -> str:
     """The bench's config file under ``data_root``; ``extra``: more 'section.key' overrides."""
     from clawrl.config import dump_toml, load_settings
 
-    engines = {"engine.kind": "http", "engine.urls": engine_urls} if engine_urls else {}
-    if engine_url:
-        engines = {"engine.kind": "http", "engine.url": engine_url}
+    engines = {"engine.kind": "http", "engine.url": engine_url} if engine_url else {}
     s = load_settings(env={}, overrides={**engines, **BENCH_GATE, **(extra or {}),
         "model.name": model, "model.device": device, "model.dtype": dtype,
         "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),
@@ -252,12 +250,12 @@ def _seconds(step: dict[str, Any], *keys: str) -> float:
 def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float = 60.0, rollout_batch_size: int = 8,
                    max_tokens: int = 16, turns_per_session: int = 3, data_root: Path | None = None,
                    min_syncs: int = 0, device: str = "cpu", model: str = "tiny", engines: int = 0, up: bool = False,
-                   router: bool = False,
                    judge_every_s: float = 5.0, train_every_s: float = 30.0,
                    progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the load benchmark, the gateway's engine and the trainer on ``device``; returns the figures
-    (module docstring). ``engines`` > 0: that many `clawrl engine` processes behind the gateway
-    (``[engine] urls``) instead of its embedded engine. ``min_syncs``: hold the window open past
+    (module docstring). ``engines`` > 0: that many `clawrl engine` processes behind the gateway (several
+    behind SGLang's router, each session opening with a system prompt of its own) instead of its
+    embedded engine. ``min_syncs``: hold the window open past
     ``duration_s`` until that many syncs were served (:class:`Run`). ``progress`` gets a dict of live
     counters after every request. ``up``: the system runs as `clawrl up` (its flow server judging every
     ``judge_every_s`` and training at least every ``train_every_s``) and this process only drives the
@@ -282,12 +280,12 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
                                           train_every_s=train_every_s, session_prefix=SESSION_PREFIX)
         else:
             judged, run, loads = _drive_flows(write, root, gw, new_run, users, engines=engines,
-                                              judge_limit=judge_limit, router=router)
+                                              judge_limit=judge_limit)
     finally:
         logging.disable(logging.NOTSET)
     wall, load_before, load_after = loads
     return {"mode": "up" if up else "flows", "sessions": sessions, "engines": engines, "duration_s": duration_s,
-            "routing": "SGLang router" if router else ("clawrl pool" if engines > 1 else "direct"),
+            "routing": "SGLang router" if engines > 1 else ("direct" if engines else "embedded"),
             "turns_per_session": turns_per_session, "max_tokens": max_tokens, "rollout_batch_size": rollout_batch_size,
             "judge_limit": judge_limit, "turns_judged": judged, "load_1m_before": load_before,
             "load_1m_after": load_after, "device": device, "model": model, "dtype": dtype, "window_s": run.ended_s,
@@ -305,25 +303,26 @@ def _start_users(gw: str, run: Run, users: dict[str, int]) -> threading.Thread:
 
 
 def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, engines: int,
-                 judge_limit: int, router: bool = False) -> tuple[int, Run, tuple[float, float, float]]:
-    """`clawrl serve` (behind it ``engines`` `clawrl engine` processes, or its embedded engine) in its
-    own process, the users on a thread and the judge and train flows in a loop here: the turns judged,
-    the run, and (wall seconds, load average before, after). ``router``: the engines sit behind SGLang's
-    router, which the gateway calls."""
+                 judge_limit: int) -> tuple[int, Run, tuple[float, float, float]]:
+    """`clawrl serve` (its embedded engine; one `clawrl engine` process; or several behind SGLang's router,
+    as `clawrl up --engines N` runs them) in its own process, the users on a thread and the judge and train
+    flows in a loop here: the turns judged, the run, and (wall seconds, load average before, after)."""
     from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
 
     ports = free_ports(engines + 2, avoid=(int(gw.rsplit(":", 1)[1]),))  # the gateway's, drawn before
-    engine_ports, router_url = ports[:engines], f"http://127.0.0.1:{ports[engines]}"
-    engine_urls = [f"http://127.0.0.1:{p}" for p in engine_ports]
-    conf = write(engine_url=router_url) if router else write(engine_urls=engine_urls)
+    engine_urls = [f"http://127.0.0.1:{p}" for p in ports[:engines]]
+    router_url = f"http://127.0.0.1:{ports[engines]}" if engines > 1 else None
+    conf = write(engine_url=router_url or (engine_urls[0] if engines else None))
     s = load_flow_settings(conf)
     procs = [start_clawrl(["engine", "-c", conf, "--port", str(p)], root / f"engine{i}.log")
-             for i, p in enumerate(engine_ports)]
-    if router:
+             for i, p in enumerate(ports[:engines])]
+    health = [f"{u}/health" for u in engine_urls]
+    if router_url:
         procs.append(start_router(engine_urls, ports[engines], ports[engines + 1], root / "router.log"))
+        health.append(f"{router_url}/readiness")  # 200 once every worker answers its health checks
     try:
-        for p, url in zip(procs, [*engine_urls, *([f"{router_url}/readiness"] if router else [])]):
-            wait_healthy(p, url if url.endswith("/readiness") else f"{url}/health")  # before the gateway asks
+        for p, url in zip(procs, health):  # up before the gateway asks them what they serve
+            wait_healthy(p, url)
         proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
         procs.append(proc)
         _warm_up(s, conf)  # while the gateway starts

@@ -106,9 +106,11 @@ def format_engines_section(results: list[dict[str, Any]]) -> str:
         machine_line(r0["device"], r0["dtype"]),
         f"`clawrl bench load --engines {','.join(str(r['engines']) for r in results)}`: the load above "
         f"({r0['sessions']} users, {r0['turns_per_session']} main turns per session, {r0['max_tokens']} new tokens, "
-        f"model `{r0['model']}`) against `clawrl serve` with `[engine] urls` naming N `clawrl engine` processes on "
-        "this machine; sessions stay on their engine, new ones go to the least loaded; each train step's sync "
-        "goes through the gateway's /engine to every engine in two waves (`sync_s`, per step).",
+        f"model `{r0['model']}`; each session opens with a ~200-token system prompt of its own) against `clawrl "
+        "serve` in front of N `clawrl engine` processes on this machine (several behind SGLang's router, as `clawrl "
+        "up --engines N` runs them: a session stays on its engine, a new one goes to the least loaded); each train "
+        "step's sync reaches the engines one at a time (`sync_s`, per step). `prefix_hits_per_session`: answers "
+        "whose prompt the engine found cached, per session.",
         "",
         markdown_table(rows, cols),
     ])

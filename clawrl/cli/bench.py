@@ -200,8 +200,7 @@ def bench_load(
         results = [run_load_bench(model_cache=s.storage.models_dir, sessions=sessions, duration_s=duration,
                                   rollout_batch_size=rollout_batch_size, max_tokens=max_tokens,
                                   turns_per_session=turns, min_syncs=min_syncs, device=_device(device), model=model,
-                                  engines=n, up=up, progress=progress, router=router)
-                   for n in _counts(engines) for router in ([False, True] if n > 1 else [False])]
+                                  engines=n, up=up, progress=progress) for n in _counts(engines)]
     if engines:
         _write("load-engines", format_engines_section(results), out)
     else:

@@ -34,15 +34,14 @@ def serve(
     except DataRootError as e:  # checked before any model loads or any port is bound
         fail(f"storage error: {e}")
     console.print(f"gateway on http://{settings.server.host}:{settings.server.api_port}/v1 "
-                  f"(engine: {settings.engine.kind}{' at ' + settings.engine.url if settings.engine.url else ''}"
-                  f"{' x ' + str(len(settings.engine.urls)) if settings.engine.urls else ''}, "
+                  f"(engine: {settings.engine.kind}{' at ' + settings.engine.url if settings.engine.url else ''}, "
                   f"model: {settings.model.name}, "
                   f"data: {settings.storage.data_root})", markup=False)
     freeze_startup_heap()  # the model and modules are loaded: keep them out of full GC passes
     # where this gateway and its engine answer, for `clawrl train`, `sync` and `status` on this data root
     gateway = client_url(settings.server.host, settings.server.api_port)
     # an HTTP engine (or SGLang's router in front of several) is synced directly, the embedded one through /engine
-    engine_url = settings.engine.url if settings.engine.kind == "http" and settings.engine.url else f"{gateway}/engine"
+    engine_url = settings.engine.url if settings.engine.kind == "http" else f"{gateway}/engine"
     record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
 

@@ -33,10 +33,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from clawrl.engine.pool import version_rank
 from clawrl.engine.types import Engine, EngineUnreachableError, GenerateRequest, GenerateResult
 
 log = logging.getLogger("clawrl.engine.canary")
+
+
+def version_rank(version: str | None) -> int:
+    """Order of weight versions: "0" < "1" < ...; a label that is not a number ranks -1."""
+    return int(version) if version is not None and version.isdigit() else -1
 
 
 def bucket(routing_key: str) -> float:

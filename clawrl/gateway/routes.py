@@ -294,14 +294,6 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
-    if settings.engine.kind == "http" and settings.engine.urls:
-        from clawrl.engine.pool import EnginePool
-        from clawrl.engine.sglang_client import SGLangClient
-
-        e = settings.engine
-        pool = EnginePool([(u, SGLangClient(u, timeout_s=e.request_timeout_s)) for u in e.urls],
-                          sync_waves=e.sync_waves, down_retry_s=e.down_retry_s, version_wait_s=e.request_timeout_s)
-        return pool, load_tokenizer(model_dir)
     if settings.engine.kind == "http":  # one engine, or several behind SGLang's router
         from clawrl.engine.router import RoutedEngines
 

@@ -101,8 +101,6 @@ class ChatService:
                                                 max_sessions=settings.server.max_sessions)
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
-        if hasattr(engine, "engine_states"):  # several engines behind this gateway
-            metrics.watch_engines(engine.engine_states)
         self.generate_hook = generate_hook  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
         self.weight_version = "unknown"
         self.storage_error: str | None = None  # the last append's OSError, None once one succeeds

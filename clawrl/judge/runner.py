@@ -25,11 +25,10 @@ def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
     model), never synced: the frozen judge, and the frozen or local OPD teacher. With ``[prm]
     engine_url`` the policy's model is not loaded here: the `clawrl engine` at that URL holds its
-    initial weights (`clawrl up`'s judge engine) and answers over HTTP; with ``engine_urls``, a pool
-    of them (:class:`clawrl.engine.pool.EnginePool`: the least loaded one answers, a dead one is left out)."""
-    urls = settings.prm.judge_engine_urls()
-    if urls and (name or settings.model.name) == settings.model.name:
-        return _http_engine(settings, urls)
+    initial weights (`clawrl up`'s judge engine, or SGLang's router in front of several) and answers
+    over HTTP."""
+    if settings.prm.engine_url and (name or settings.model.name) == settings.model.name:
+        return _http_engine(settings, settings.prm.engine_url)
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.models import resolve_model_dir
 
@@ -80,16 +79,11 @@ def build_judge_config_hash(settings: Settings) -> str:
     )
 
 
-def _http_engine(settings: Settings, urls: list[str]) -> Engine:
-    from clawrl.engine.sglang_client import SGLangClient
+def _http_engine(settings: Settings, url: str) -> Engine:
+    """An engine over HTTP, or SGLang's router in front of several (which picks one per request)."""
+    from clawrl.engine.router import RoutedEngines
 
-    timeout_s = settings.engine.request_timeout_s
-    if len(urls) == 1:
-        return SGLangClient(urls[0], timeout_s=timeout_s)
-    from clawrl.engine.pool import EnginePool
-
-    return EnginePool([(u, SGLangClient(u, timeout_s=timeout_s)) for u in urls],
-                      down_retry_s=settings.engine.down_retry_s, version_wait_s=timeout_s)
+    return RoutedEngines(url, timeout_s=settings.engine.request_timeout_s)
 
 
 def _policy_tokenizer(settings: Settings):
@@ -105,10 +99,10 @@ def _teacher(settings: Settings, frozen: Callable[[str], Engine], policy: Engine
         if policy is None and settings.engine.kind != "http":
             raise RuntimeError("opd.teacher = 'policy' needs the serving engine in this process or "
                                "engine.kind = 'http'")
-        # several engines serve the same version: any of them scores with the served weights
-        return policy or _http_engine(settings, settings.engine.http_urls[:1]), _policy_tokenizer(settings)
+        # several engines serve the same version (a sync aside): whichever the router picks scores with it
+        return policy or _http_engine(settings, settings.engine.url), _policy_tokenizer(settings)
     if name.startswith(("http://", "https://")):
-        return _http_engine(settings, [name]), _policy_tokenizer(settings)
+        return _http_engine(settings, name), _policy_tokenizer(settings)
     engine = frozen(settings.model.name if name == "frozen" else name)
     return engine, _tokenizer_of(settings, engine)
 
@@ -129,7 +123,7 @@ def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBacken
     if prm.backend == "sglang":
         if not prm.url:
             raise ValueError("prm.backend = 'sglang' needs prm.url")
-        return EngineJudge(_http_engine(settings, [prm.url]), _policy_tokenizer(settings), seed=settings.model.seed)
+        return EngineJudge(_http_engine(settings, prm.url), _policy_tokenizer(settings), seed=settings.model.seed)
     if not settings.provider.base_url:
         raise ValueError("prm.backend = 'provider' needs provider.base_url")
     return ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
@@ -168,7 +162,7 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
                  config_hash=build_judge_config_hash(settings),
                  reward_hook=load_hook("reward", settings.hooks.reward), hint_demonstrations=opd.hint_demonstrations,
                  reference=_reference(settings, frozen, teacher), top_k=opd.top_k, hint_candidates=opd.hint_candidates,
-                 policy=policy or (_http_engine(settings, settings.engine.http_urls[:1])
+                 policy=policy or (_http_engine(settings, settings.engine.url)
                                    if settings.engine.kind == "http" and (opd.hint_demonstrations or opd.top_k > 0)
                                    else None))
 

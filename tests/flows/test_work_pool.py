@@ -117,3 +117,36 @@ def test_up_refuses_a_wildcard_host_before_starting_anything(make_settings, tmp_
     r = CliRunner().invoke(app, ["up", "-c", str(conf), "--host", "0.0.0.0"])
     assert r.exit_code != 0 and "names none" in r.output
     assert not (make_settings({}).storage.data_root / "up.pids.json").exists()
+
+
+def test_up_with_several_engines_puts_sglangs_router_in_front_of_them(make_settings):
+    """`clawrl up --engines 2 --judge-engines 2`: two policy engines (each restarting on the version synced
+    last) and two judge engines, each pair behind SGLang's router on the port a single engine would use; the
+    gateway starts once its router answers and calls it, the flows reach the judge engines' router."""
+    from pathlib import Path
+
+    from clawrl import supervisor
+
+    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_port": 30555,
+                       "engine.port": 30510})
+    plan = supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000, trainer_port=30020,
+                           engines=2, judge_engines=2)
+    services = {sv.name: sv for sv in plan}
+    names = list(services)
+    assert names.index("engine-router") < names.index("gateway") and services["gateway"].after_others
+    router, judges = services["engine-router"], services["judge-engine-router"]
+    assert router.url == "http://127.0.0.1:30510" and judges.url == "http://127.0.0.1:30555"
+    assert router.health_url == "http://127.0.0.1:30510/readiness" and router.ready_only_on_200
+    workers = [services["engine-0"], services["engine-1"]]
+    assert all(w.argv[-1] == "--resume" for w in workers)
+    assert all("--resume" not in services[f"judge-engine-{i}"].argv for i in range(2))
+    argv = router.argv
+    assert argv[1:3] == ["-m", "sglang_router.launch_router"] and argv[argv.index("--port") + 1] == "30510"
+    assert argv[argv.index("--worker-urls") + 1:argv.index("--worker-urls") + 3] == [w.url for w in workers]
+    assert argv[argv.index("--policy") + 1] == "manual"
+    assert services["gateway"].env == {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": "http://127.0.0.1:30510"}
+    assert services["flows"].env["CLAWRL__PRM__ENGINE_URL"] == "http://127.0.0.1:30555"
+    one = {sv.name: sv for sv in supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000,
+                                                 trainer_port=30020, engines=1)}
+    assert one["engine"].url == "http://127.0.0.1:30510" and "engine-router" not in one
+    assert one["gateway"].env["CLAWRL__ENGINE__URL"] == "http://127.0.0.1:30510"

@@ -1,7 +1,8 @@
-"""A judge engine pool (``[prm] engine_urls``), separate from the policy engines: two `clawrl engine`
-processes holding the initial weights; a judge run's PRM votes spread over both (by the engines' own
-request counts), no weights are loaded in the judging process, and with one engine SIGKILLed the next
-run is judged whole by the other, without a judge error."""
+"""Judge engines behind SGLang's router (``[prm] engine_url`` names the router; `clawrl up --judge-engines 2`
+starts the same), separate from the policy engines: two `clawrl engine` processes holding the initial
+weights; a judge run's PRM votes spread over both (by the engines' own request counts), no weights are
+loaded in the judging process, and with one engine SIGKILLed the next run is judged whole by the other,
+without a judge error."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from clawrl.config import dump_toml
 from clawrl.gateway.routes import create_app
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
+from tests.e2e.test_engine_router import _router
 from tests.utils.gateway_process import engine_process, free_port, serve_env
 from tests.utils.gateway_server import running_gateway
 from tests.utils.samples import two_turn_session
@@ -42,7 +44,7 @@ def _votes(s, run_hash: str) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_judge_votes_spread_over_the_judge_pool_and_a_dead_engine_is_left_out(
+def test_judge_votes_spread_over_the_judge_engines_and_a_dead_one_is_left_out(
         prefect_harness, make_settings, tiny_engine, model_cache, tmp_path, monkeypatch):
     from clawrl.engine import embedded
     from clawrl.flows import common
@@ -54,12 +56,14 @@ def test_judge_votes_spread_over_the_judge_pool_and_a_dead_engine_is_left_out(
     engines = [engine_process(tmp_path, env, port=p, name=f"judge{i}") for i, p in enumerate(ports)]
     for e in engines:
         e.start()
+    router = None
     try:
         for e in engines:
             e.wait_ready()
-        s = make_settings({"server.open_mode": True, "prm.backend": "engine", "prm.engine_urls": urls,
+        router, router_url = _router(tmp_path, urls)
+        s = make_settings({"server.open_mode": True, "prm.backend": "engine", "prm.engine_url": router_url,
                            "prm.judge_samples": 2, "prm.max_new_tokens": 8, "ppo.advantage_estimator": "grpo",
-                           "engine.max_context_len": 2048, "engine.down_retry_s": 120})
+                           "engine.max_context_len": 2048})
         conf = tmp_path / "judge.toml"
         conf.write_text(dump_toml(s))
         _log_sessions(s, tiny_engine, "a", 4)
@@ -85,5 +89,8 @@ def test_judge_votes_spread_over_the_judge_pool_and_a_dead_engine_is_left_out(
         assert _votes(s, out["judge_config_hash"]) == votes + 2 * 2
         assert _done(urls[0]) - before[0] == 2 * 2  # the dead engine's share went to the live one
     finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
         for e in engines:
             e.stop()
