@@ -110,7 +110,7 @@ class Scheduler:
             if self.closing:
                 raise EngineError("the engine is closing")
             if any(s.req.rid == seq.req.rid for s in self.live):  # /abort_request by rid must name one request
-                raise BadRequestError(f"rid {seq.req.rid!r} is already in flight; a rid names one request")
+                raise BadRequestError(f"Duplicate request ID detected: {seq.req.rid}")  # SGLang's words
             if self.max_queued_requests and len(self.waiting) >= self.max_queued_requests:
                 raise EngineOverloadedError(f"the request queue is full ({len(self.waiting)} waiting)")
             self._order += 1
