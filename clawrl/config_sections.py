@@ -40,7 +40,11 @@ class EngineSettings(Section):
                                      "max_total_tokens / 4, at least max_context_len; 0: off.")
     max_queued_requests: int = Field(1024, ge=0, description="Queued requests beyond which the engine answers 503 "
                                      "(the gateway too, with Retry-After). 0: no limit.")
-    request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
+    stall_timeout_s: float = Field(120.0, gt=0, description="An engine call fails (504 engine_timeout at the "
+                                   "gateway) when the engine sends nothing for this long: to the first token, and "
+                                   "between tokens of a stream, however long a stream that keeps sending runs. A "
+                                   "non-streamed answer comes whole; while it is awaited the engine must answer "
+                                   "its health probe every this often.")
     cuda_graphs: bool = Field(True, description="On CUDA, replay decode steps from CUDA graphs (one per batch and "
                               "context bucket); false launches the same padded steps one kernel at a time.")
 

@@ -147,7 +147,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (413, "Request body larger than server.max_body_bytes."),
         (502, "The engine is unreachable or answered something unusable."),
         (503, "Paused by an administrator: retry after Retry-After seconds."),
-        (504, "The engine did not answer within engine.request_timeout_s."),
+        (504, "The engine sent nothing for [engine] stall_timeout_s."),
         (507, "The turn could not be recorded (disk full or data root unwritable); nothing was recorded."),
     )
 }
@@ -299,11 +299,11 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
 
         e = settings.engine
         if e.url:
-            return SGLangClient(e.url, timeout_s=e.request_timeout_s), load_tokenizer(model_dir)
+            return SGLangClient(e.url, timeout_s=e.stall_timeout_s), load_tokenizer(model_dir)
         from clawrl.engine.pool import EnginePool
 
-        pool = EnginePool([(u, SGLangClient(u, timeout_s=e.request_timeout_s)) for u in e.urls],
-                          sync_waves=e.sync_waves, down_retry_s=e.down_retry_s, version_wait_s=e.request_timeout_s)
+        pool = EnginePool([(u, SGLangClient(u, timeout_s=e.stall_timeout_s)) for u in e.urls],
+                          sync_waves=e.sync_waves, down_retry_s=e.down_retry_s, version_wait_s=e.stall_timeout_s)
         return pool, load_tokenizer(model_dir)
     from clawrl.models import resolve_device, resolve_dtype
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
@@ -331,7 +331,7 @@ def canary_engine(settings: Settings) -> Engine | None:
                           "canary_port)")
     from clawrl.engine.sglang_client import SGLangClient
 
-    return SGLangClient(g.canary_url, timeout_s=settings.engine.request_timeout_s)
+    return SGLangClient(g.canary_url, timeout_s=settings.engine.stall_timeout_s)
 
 
 def _checkpoint_to_serve(settings: Settings):

@@ -83,7 +83,7 @@ def build_judge_config_hash(settings: Settings) -> str:
 def _http_engine(settings: Settings, urls: list[str]) -> Engine:
     from clawrl.engine.sglang_client import SGLangClient
 
-    timeout_s = settings.engine.request_timeout_s
+    timeout_s = settings.engine.stall_timeout_s
     if len(urls) == 1:
         return SGLangClient(urls[0], timeout_s=timeout_s)
     from clawrl.engine.pool import EnginePool
@@ -133,7 +133,7 @@ def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBacken
     if not settings.provider.base_url:
         raise ValueError("prm.backend = 'provider' needs provider.base_url")
     return ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
-                         settings.provider.model, timeout_s=settings.engine.request_timeout_s)
+                         settings.provider.model, timeout_s=settings.engine.stall_timeout_s)
 
 
 def _reference(settings: Settings, frozen: Callable[[str], Engine], teacher: Engine | None) -> Engine | None:

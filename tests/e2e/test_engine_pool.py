@@ -107,7 +107,7 @@ def test_two_engines_behind_the_gateway_kill_and_sync_under_traffic(tmp_path, mo
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     data = tmp_path / "data"
     env = serve_env(data, model_cache, engine__kind="http", engine__urls=json.dumps(urls),
-                    engine__sync_waves="2", engine__down_retry_s="1", engine__request_timeout_s="60",
+                    engine__sync_waves="2", engine__down_retry_s="1", engine__stall_timeout_s="60",
                     engine__max_context_len="4096")
     engines = [engine_process(tmp_path, env, port=p, name=f"engine{i}") for i, p in enumerate(ports)]
     gw = gateway_process(tmp_path, env)
