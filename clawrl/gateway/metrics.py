@@ -29,6 +29,8 @@ class GatewayMetrics:
         self.pending_turns = Gauge("clawrl_pending_turns", "Main turns waiting for their next state.", registry=r)
         self.open_sessions = Gauge("clawrl_open_sessions", "Sessions held in memory.", registry=r)
         self.in_flight = Gauge("clawrl_in_flight_requests", "Requests being served now.", registry=r)
+        self.client_aborts = Counter("clawrl_client_aborts", "Requests whose client went away before their end "
+                                     "(aborted in the engine, nothing recorded).", ["stream"], registry=r)
 
     def watch_engines(self, engine_states: Callable[[], list[dict[str, Any]]]) -> None:
         """Per-engine metrics of several engines behind the gateway, read at scrape time."""

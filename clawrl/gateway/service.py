@@ -192,6 +192,7 @@ class ChatService:
             self._link_next_state(turn)
             results, engine_s = await self._generate(turn.gen.samples())
             if turn.client_gone:  # nobody receives it: not a turn (nginx's 499, logged as such)
+                self._client_gone(turn, stream=False)
                 raise GatewayError(499, "the client closed the request", "client_closed_request")
             outs, index = self._record(turn, results)
         choices = [{"index": i, "message": {"role": "assistant", "content": parsed.content,
@@ -242,9 +243,19 @@ class ChatService:
                 err = self._engine_failure(e)
                 self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
                 yield _event(err.body())
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away: the engine streams are closed
+                self._client_gone(turn, stream=True)
+                raise
             finally:
                 self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
         yield "data: [DONE]\n\n"
+
+    def _client_gone(self, turn: Turn, stream: bool) -> None:
+        """One log line and one count (``clawrl_client_aborts``) per request whose client went away
+        before its end: its engine request was aborted and nothing was recorded."""
+        self.metrics.client_aborts.labels("true" if stream else "false").inc()
+        log.warning("client went away: request %s of session %s abandoned after %.1f s, aborted in the engine, "
+                    "nothing recorded", turn.gen.rid, turn.session_id, time.perf_counter() - turn.t0)
 
     async def sweep_forever(self) -> None:
         """Close idle sessions (their pending turns get no next state), every quarter of the idle
