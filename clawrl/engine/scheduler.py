@@ -145,13 +145,13 @@ class Scheduler:
         return await asyncio.wrap_future(done)
 
     def stats(self) -> dict[str, Any]:
-        queued, cache = len(self.waiting), self.cache  # len() of a deque is atomic
+        queued, cache, prefix = len(self.waiting), self.cache, self.prefix  # len() of a deque is atomic
+        tokens = len(prefix) * PREFIX_BLOCK if prefix else 0
         return {**self.counters, "queued": queued, "running": len(self.running), "paused": self.paused,
-                "pause_mode": self.pause_mode, "weight_version": self.weight_version,
-                "kv_capacity": cache.capacity, "kv_rows": cache.rows, "kv_budget_tokens": cache.max_tokens,
-                "prefix_cache_tokens": len(self.prefix) * PREFIX_BLOCK if self.prefix else 0,
-                "prefix_cache_hits": self.prefix.hits if self.prefix else 0,
-                "prefix_tokens_saved": self.prefix.tokens_saved if self.prefix else 0,
+                "pause_mode": self.pause_mode, "weight_version": self.weight_version, **cache.memory_stats(),
+                "prefix_cache_tokens": tokens, "prefix_cache_bytes": tokens * cache.slot_bytes,
+                "prefix_cache_hits": prefix.hits if prefix else 0,
+                "prefix_tokens_saved": prefix.tokens_saved if prefix else 0,
                 "cuda_graphs": len(getattr(self.decoder, "graphs", ())), "fused_decode": self.runner.fused is not None}
 
     def _worker(self) -> None:
@@ -214,7 +214,7 @@ class Scheduler:
         if any(not s.prefilling for s in self.running):
             self._decode()
         if not self.running and self.cache.capacity and not self._keep_cache:
-            self.cache.reset()  # idle: give the KV memory back
+            self.cache.reset()  # idle: give the KV memory back, to the system too
 
     def _admit(self) -> None:
         """Waiting sequences, FIFO, into rows while the KV budget holds every running sequence at
