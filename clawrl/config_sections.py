@@ -31,7 +31,9 @@ class EngineSettings(Section):
                                 "this long (and brought to the served weight version first).")
     port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
     max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
-    max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
+    max_context_len: int = Field(0, ge=0, description="Prompt + output tokens per sequence. 0: the model's own "
+                                 "limit (max_position_embeddings in its config.json; SmolLM2: 8192), which `clawrl "
+                                 "serve` prints at start; above that limit is a config error.")
     chunked_prefill_size: int = Field(0, ge=0, description="Prompt tokens prefilled per step, longer prompts in chunks "
                                       "between the others' decode steps. 0: 2048 on CPU, 8192 on CUDA.")
     max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until "

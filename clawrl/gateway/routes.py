@@ -202,7 +202,7 @@ async def chat_completions(body: ChatCompletionRequest, request: JSONBodyRequest
 async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:
     name = service.settings.server.served_model_name
     return ModelList(data=[ModelCard(id=name, created=int(time.time()), root=name,
-                                     max_model_len=service.settings.engine.max_context_len,
+                                     max_model_len=getattr(service.engine, "max_context_len", None),
                                      weight_version=await service.live_weight_version())])
 
 
@@ -382,7 +382,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
 
         app.mount("/engine", AdminGuard(create_engine_app(
             served, model_path=settings.model.name, served_model_name=settings.server.served_model_name,
-            max_context_len=settings.engine.max_context_len), admin_keys=state.admin_keys, api_keys=api_keys))
+            max_context_len=getattr(served, "max_context_len", None) or settings.engine.max_context_len),
+            admin_keys=state.admin_keys, api_keys=api_keys))
     for router in (v1, ops, admin.router):
         app.include_router(router)
     app.add_middleware(ApiKeyGuard, api_keys=api_keys)
