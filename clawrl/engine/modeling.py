@@ -145,9 +145,10 @@ class KVCache:
         for buf in self.k + self.v:
             buf[dst, :, :length].copy_(buf[src, :, :length])
 
-    def reset(self) -> None:
-        """Drop every buffer (the next sequence allocates afresh) and give the memory back to the system."""
-        device, held = torch.device(self.device), self.rows * self.capacity
+    def reset(self, release: bool = False) -> None:
+        """Drop every buffer (the next sequence allocates afresh) and give the memory back to the system,
+        also with nothing held (``release``: the caller freed other memory, the prefix cache's say)."""
+        device, held = torch.device(self.device), self.rows * self.capacity or release
         before = memory_held(device) if held else 0
         self.k, self.v, self.rows, self.capacity = [], [], 0, 0
         self.generation += 1

@@ -461,9 +461,9 @@ class Scheduler:
         with self.cv:
             busy = bool(self.running) or (bool(self.waiting) and not self.paused)
         if not busy:
-            self.cache.reset()
             if self.prefix is not None:
                 self.prefix.clear()
+            self.cache.reset(release=True)  # the prefix cache's memory goes back to the system too
         done.set_result(not busy)
 
     def do_relabel(self, version: str, done: concurrent.futures.Future) -> None:
@@ -495,6 +495,6 @@ class Scheduler:
         if update.version is not None:
             self.weight_version = str(update.version)
         if not self.running and not self._keep_cache:  # in_place-paused requests keep their (stale) KV, as in SGLang
-            self.cache.reset()
+            self.cache.reset(release=self.prefix is not None)
         self.counters["weight_updates"] += 1
         update.done.set_result(UpdateResult(True, "Succeeded to update model weights.", self.weight_version))

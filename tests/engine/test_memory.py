@@ -44,9 +44,12 @@ def test_a_flush_frees_the_prefix_caches_kv_at_once(tiny_dir):
 
     async def scenario():
         await eng.generate(GenerateRequest(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=1)))
+        while eng.stats["memory_releases"] == 0:  # idle: the KV cache went back
+            await asyncio.sleep(0.01)
         kept = eng.stats["prefix_cache_bytes"]
         blocks = [weakref.ref(b.kv) for b in eng._sched.prefix._lru]
         assert await eng.flush_cache()
+        assert eng.stats["memory_releases"] == 2  # the flushed prefix cache's memory went back too
         return kept, blocks, eng.stats["prefix_cache_bytes"]
 
     gc.disable()  # blocks and their parents refer to each other: only a GC pass would free them otherwise
