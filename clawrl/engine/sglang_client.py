@@ -211,8 +211,8 @@ class SGLangClient:
         try:
             while not (await asyncio.wait({call}, timeout=self.timeout_s))[0]:
                 if not await self.health():
-                    raise EngineTimeoutError(f"engine at {self.base_url} sent nothing for {self.timeout_s:g} s "
-                                             f"on {what}, and GET /health did not answer healthy")
+                    raise EngineTimeoutError(f"engine at {self.base_url} has not answered {what}, and GET /health "
+                                             f"did not answer healthy (asked every {self.timeout_s:g} s)")
             return call.result()
         finally:
             if not call.done():
