@@ -111,6 +111,7 @@ class EmbeddedEngine:
         """The most K/V memory this engine may hold (said by `clawrl serve` and `clawrl engine` at start)."""
         slot, prefix = self._sched.cache.slot_bytes, self._sched.prefix
         kept = prefix.max_blocks * prefix.block if prefix is not None else 0
+
         def size(n: int) -> str:
             return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
