@@ -22,7 +22,9 @@ class EngineSettings(Section):
     url: Url = Field("", description="Base URL of the HTTP engine or router (kind='http').")
     port: int = Field(30010, ge=0, le=65535, description="Port `clawrl engine` listens on.")
     max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
-    max_context_len: int = Field(4096, ge=16, description="Prompt + output tokens per sequence.")
+    max_context_len: int = Field(0, ge=0, description="Prompt + output tokens per sequence. 0: the model's own "
+                                 "limit (max_position_embeddings in its config.json; SmolLM2: 8192), which `clawrl "
+                                 "serve` prints at start; above that limit is a config error.")
     chunked_prefill_size: int = Field(0, ge=0, description="Prompt tokens prefilled per step, longer prompts in chunks "
                                       "between the others' decode steps. 0: 2048 on CPU, 8192 on CUDA.")
     max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions); requests wait until "
@@ -31,7 +33,11 @@ class EngineSettings(Section):
                                      "max_total_tokens / 4, at least max_context_len; 0: off.")
     max_queued_requests: int = Field(1024, ge=0, description="Queued requests beyond which the engine answers 503 "
                                      "(the gateway too, with Retry-After). 0: no limit.")
-    request_timeout_s: float = Field(120.0, gt=0, description="HTTP client timeout per engine call.")
+    stall_timeout_s: float = Field(120.0, gt=0, description="An engine call fails (504 engine_timeout at the "
+                                   "gateway) when the engine sends nothing for this long: to the first token, and "
+                                   "between tokens of a stream, however long a stream that keeps sending runs. A "
+                                   "non-streamed answer comes whole; while it is awaited the engine must answer "
+                                   "its health probe every this often.")
     cuda_graphs: bool = Field(True, description="On CUDA, replay decode steps from CUDA graphs (one per batch and "
                               "context bucket); false launches the same padded steps one kernel at a time.")
 

@@ -91,7 +91,7 @@ def eval_engine(settings: Settings) -> Engine:
     if url := settings.gate.engine_url:
         from clawrl.engine.sglang_client import SGLangClient
 
-        return _once(("eval-http", url), lambda: SGLangClient(url, timeout_s=settings.engine.request_timeout_s))
+        return _once(("eval-http", url), lambda: SGLangClient(url, timeout_s=settings.engine.stall_timeout_s))
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine  # imports the model code: seconds
     from clawrl.models import resolve_device, resolve_dtype
 
@@ -289,7 +289,7 @@ def _load(s: Settings, target: dict[str, Any], engine: Engine | None, url: str |
 
     return runtime.run(sync_checkpoint(
         target["weight_version"], target["path"], target["sha256"], engine=engine, trainer=trainer_in_process(s),
-        url=url if engine is None else None, admin_key=admin_key, timeout_s=s.engine.request_timeout_s))
+        url=url if engine is None else None, admin_key=admin_key, timeout_s=s.engine.stall_timeout_s))
 
 
 def _answer(rep, target: dict[str, Any]) -> dict[str, Any]:

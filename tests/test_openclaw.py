@@ -55,7 +55,7 @@ def clawrl_serve(tmp_path, model_cache):
     port = free_port()
     env = serve_env(tmp_path / "data", model_cache, model__name="tiny-long", engine__max_context_len=CONTEXT,
                     hooks__generate="tests.utils.openclaw_hook:generate", ppo__max_new_tokens=64,
-                    engine__request_timeout_s=120)
+                    engine__stall_timeout_s=120)
     server = ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / "serve.log")
     server.start()
     try:

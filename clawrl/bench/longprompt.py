@@ -10,7 +10,8 @@ Each configuration runs in a fresh child process (its peak RSS is its own):
 * **abort**: another long prompt alone; its caller goes away 0.5 s in. Reported: seconds from then
   until the engine is idle.
 * **peak memory**: the child's peak resident memory (CPU) or allocated GPU memory (CUDA) over its
-  level with the model loaded.
+  level with the model loaded; **held when idle**: its resident memory (CPU) or reserved GPU memory
+  once the engine is idle again, over the same level (the prefix cache keeps the first long prompt).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def measure(model_dir: str, context: int, prompt_tokens: int, chunk: int, batch:
     import torch
 
     from clawrl.engine.embedded import EmbeddedEngine
+    from clawrl.engine.memory import memory_held
     from clawrl.engine.types import GenerateRequest, SamplingParams
 
     torch.manual_seed(0)
@@ -78,12 +80,15 @@ def measure(model_dir: str, context: int, prompt_tokens: int, chunk: int, batch:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        held_before = memory_held(torch.device(device))
         gap, ttft = await stall()
         idle = await abort()
         peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        await asyncio.sleep(0.5)  # the worker gives the memory back as it finds nothing to run
+        held = memory_held(torch.device(device)) - held_before
         await engine.close()
         return {"chunk": chunk, "max_gap_s": gap, "ttft_s": ttft, "abort_idle_s": idle,
-                "memory_growth_mb": (peak - base) / 2**20}
+                "memory_growth_mb": (peak - base) / 2**20, "idle_held_mb": held / 2**20}
 
     return asyncio.run(main())
 
@@ -150,10 +155,12 @@ def format_long_prompt_section(rows: list[dict[str, Any]], device: str) -> str:
     from clawrl.bench.common import bench_dtype, machine_line, markdown_table
 
     cols = ["model", "prompt tokens", "chunked_prefill_size", "longest decode gap of a running request (s)",
-            "time to first token (s)", "idle after the caller left (s)", "peak memory growth (MB)"]
+            "time to first token (s)", "idle after the caller left (s)", "peak memory growth (MB)",
+            "held when idle (MB)"]
     table = markdown_table([dict(zip(cols, [
         r["model"], r["prompt_tokens"], r["chunk"], f"{r['max_gap_s']:.2f}", f"{r['ttft_s']:.2f}",
-        f"{r['abort_idle_s']:.2f}", f"{r['memory_growth_mb']:.0f}"])) for r in rows if "chunk" in r], cols)
+        f"{r['abort_idle_s']:.2f}", f"{r['memory_growth_mb']:.0f}", f"{r['idle_held_mb']:.0f}"]))
+        for r in rows if "chunk" in r], cols)
     pcols = ["model", "shared prefix", "prefix cache", "turn", "prompt tokens", "reused (cached_tokens)",
              "computed", "time to first token (s)"]
     prefix = markdown_table([dict(zip(pcols, [

@@ -37,6 +37,7 @@ def serve(
                   f"(engine: {settings.engine.kind}{' at ' + settings.engine.url if settings.engine.url else ''}, "
                   f"model: {settings.model.name}, "
                   f"data: {settings.storage.data_root})", markup=False)
+    console.print(limits_line(settings, app.state.engine), markup=False, soft_wrap=True)
     freeze_startup_heap()  # the model and modules are loaded: keep them out of full GC passes
     # where this gateway and its engine answer, for `clawrl train`, `sync` and `status` on this data root
     gateway = client_url(settings.server.host, settings.server.api_port)
@@ -44,6 +45,16 @@ def serve(
     engine_url = settings.engine.url if settings.engine.kind == "http" else f"{gateway}/engine"
     record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
+
+
+def limits_line(s, engine) -> str:
+    """What a request may fill and what the engine may hold, said at start: clients (OpenClaw's
+    contextWindow) take the context from here."""
+    engine = getattr(engine, "main", engine)  # behind a canary router: the served engine
+    if not hasattr(engine, "describe_memory"):
+        return "context and KV memory: the HTTP engine's own (its /server_info says them)"
+    why = "the model's limit" if s.engine.max_context_len == 0 else "[engine] max_context_len"
+    return f"context {engine.max_context_len} tokens ({why}); {engine.describe_memory()}"
 
 
 @app.command("engine")
@@ -97,9 +108,10 @@ def engine(
     console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
                   f"weight_version {version}, device: {device} [{device_reason}], dtype: {dtype} [{s.model.dtype}])",
                   markup=False, soft_wrap=True)
+    console.print(limits_line(s, eng), markup=False, soft_wrap=True)
     freeze_startup_heap()  # model loaded: keep it out of full GC passes
     serve_engine(eng, s.server.host, s.engine.port, model_path=str(model_dir),
-                 served_model_name=s.server.served_model_name, max_context_len=s.engine.max_context_len,
+                 served_model_name=s.server.served_model_name, max_context_len=eng.max_context_len,
                  max_running_requests=s.engine.max_batch_size, log_level="warning")
 
 

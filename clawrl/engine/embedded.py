@@ -66,18 +66,12 @@ class EmbeddedEngine:
     """In-process engine implementing :class:`clawrl.engine.types.Engine` (see module docstring)."""
 
     def __init__(self, model_dir: Path, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 16,
-                 max_context_len: int = 4096, weight_version: str = "0", served_model_name: str | None = None,
+                 max_context_len: int = 0, weight_version: str = "0", served_model_name: str | None = None,
                  chunked_prefill_size: int = 0, max_total_tokens: int = 0, max_queued_requests: int = 0,
                  prefix_cache_tokens: int = -1, cuda_graphs: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        if max_context_len < 2:
-            raise ValueError("max_context_len must be >= 2")
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        if max_context_len > config.get("max_position_embeddings", max_context_len):
-            raise ConfigError(f"engine.max_context_len = {max_context_len} is above the model's context of "
-                              f"{config['max_position_embeddings']} tokens (max_position_embeddings in "
-                              f"{Path(model_dir) / 'config.json'}); set it to at most that")
+        max_context_len = _context_len(Path(model_dir), max_context_len)
         self._model_path = self.tokenizer_path = str(model_dir)
         self.tokenizer = load_tokenizer(Path(model_dir))
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
@@ -112,6 +106,17 @@ class EmbeddedEngine:
         else:
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
         return max(max_context_len, min(max_batch_size * max_context_len, memory // slot))
+
+    def describe_memory(self) -> str:
+        """The most K/V memory this engine may hold (said by `clawrl serve` and `clawrl engine` at start)."""
+        slot, prefix = self._sched.cache.slot_bytes, self._sched.prefix
+        kept = prefix.max_blocks * prefix.block if prefix is not None else 0
+
+        def size(n: int) -> str:
+            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+        return (f"KV cache up to {self.max_total_tokens} tokens = {size(self.max_total_tokens * slot)} (given back "
+                f"when idle) + prefix cache up to {kept} tokens = {size(kept * slot)} (kept for reuse)")
 
     @property
     def weight_version(self) -> str:
@@ -310,3 +315,18 @@ class EmbeddedEngine:
                 self._model_path = model_path
 
         return await self._sched.call(self._sched.do_update, apply, version, self._sched.barrier(), pause_mode)
+
+
+def _context_len(model_dir: Path, asked: int) -> int:
+    """The context a sequence may fill: ``asked``, or with 0 the model's own limit (its config's
+    ``max_position_embeddings``); asking for more than that limit is a ConfigError."""
+    limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    if asked == 0 and limit is None:
+        raise ConfigError(f"{model_dir / 'config.json'} names no max_position_embeddings: set [engine] max_context_len")
+    if asked and limit is not None and asked > limit:
+        raise ConfigError(f"engine.max_context_len = {asked} is above the model's context of {limit} tokens "
+                          f"(max_position_embeddings in {model_dir / 'config.json'}); set it to at most that, "
+                          "or 0 for exactly that")
+    if (asked or limit) < 2:
+        raise ValueError("max_context_len must be >= 2")
+    return asked or limit

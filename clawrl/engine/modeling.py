@@ -21,7 +21,7 @@ chunks before it (chunked prefill: the engine bounds the tokens a step computes)
 The cache (:class:`KVCache`) is one ``(rows, kv_heads, capacity, head_dim)`` buffer per layer and
 per K/V. Active sequences occupy rows ``0..B-1`` (the engine moves the last row into a freed one),
 so decode reads plain slices, never a gather. Rows and capacity grow by doubling, up to the batch
-size, the context limit and a budget of token slots.
+size, the context limit and a budget of token slots; a reset gives the memory back to the system.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers.models.llama.modeling_llama import rotate_half
+
+from clawrl.engine.memory import give_back, memory_held
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 
@@ -71,7 +73,8 @@ class KVCache:
     Both dimensions grow on demand (by doubling, up to ``max_rows`` = the engine's max batch size
     and ``max_len`` = the context limit) and are released by :meth:`reset` when the engine goes
     idle. ``max_tokens`` bounds rows x capacity, the token slots held: growth stops there, and a
-    request for more raises :class:`KVBudgetError`."""
+    request for more raises :class:`KVBudgetError`. ``releases`` counts the resets that gave memory
+    back to the system, ``released_bytes`` is what the last one gave (memory.memory_held before - after)."""
 
     def __init__(self, spec: ModelSpec, rows: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
                  max_tokens: int | None = None):
@@ -81,11 +84,17 @@ class KVCache:
         self.v: list[Tensor] = []
         self.rows = self.capacity = 0
         self.generation = 0  # counts buffer reallocations: what captured the old buffers' addresses is stale
+        self.releases = self.released_bytes = 0
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of K and V per token slot, over all layers."""
         return 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"kv_capacity": self.capacity, "kv_rows": self.rows, "kv_budget_tokens": self.max_tokens,
+                "kv_bytes": self.rows * self.capacity * self.slot_bytes, "memory_releases": self.releases,
+                "released_bytes": self.released_bytes}
 
     @torch.inference_mode()
     def ensure(self, rows: int, length: int) -> None:
@@ -136,10 +145,16 @@ class KVCache:
         for buf in self.k + self.v:
             buf[dst, :, :length].copy_(buf[src, :, :length])
 
-    def reset(self) -> None:
-        """Drop every buffer (the next sequence allocates afresh)."""
+    def reset(self, release: bool = False) -> None:
+        """Drop every buffer (the next sequence allocates afresh) and give the memory back to the system,
+        also with nothing held (``release``: the caller freed other memory, the prefix cache's say)."""
+        device, held = torch.device(self.device), self.rows * self.capacity or release
+        before = memory_held(device) if held else 0
         self.k, self.v, self.rows, self.capacity = [], [], 0, 0
         self.generation += 1
+        if held:
+            give_back(device)
+            self.releases, self.released_bytes = self.releases + 1, max(0, before - memory_held(device))
 
 
 class CausalLMRunner:

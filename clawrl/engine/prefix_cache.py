@@ -98,5 +98,7 @@ class PrefixCache:
             del leaf.parent.children[leaf.key]
 
     def clear(self) -> None:
+        for block in self._lru:  # a block and its parent refer to each other: free the K/V now, not at a GC pass
+            block.kv = None
         self.root = _Block(None, ())
         self._lru.clear()

@@ -132,8 +132,9 @@ async def generate(request: Request, srv: Srv) -> Response:
         reqs = [GenerateRequest(**item) for item in items]  # all validated before any runs
     except UnknownKeyError as e:  # SGLang 0.5.22+'s typed /generate contract answers these with a plain string
         return json_response({"error": str(e)}, 400)
-    if len({r.rid for r in reqs}) < len(reqs):
-        raise BadRequestError("rid: the same rid appears more than once in the batch; a rid names one request")
+    if len(rids := [r.rid for r in reqs]) > len(set(rids)):  # SGLang's words
+        raise BadRequestError(f"Duplicate request IDs detected within the request: "
+                              f"{sorted({r for r in rids if rids.count(r) > 1})}")
     parallel = any(r.sampling_params.n > 1 for r in reqs)
     if not batch and reqs[0].stream and not parallel:
         return await _stream(request, srv, reqs[0])

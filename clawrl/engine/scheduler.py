@@ -110,7 +110,7 @@ class Scheduler:
             if self.closing:
                 raise EngineError("the engine is closing")
             if any(s.req.rid == seq.req.rid for s in self.live):  # /abort_request by rid must name one request
-                raise BadRequestError(f"rid {seq.req.rid!r} is already in flight; a rid names one request")
+                raise BadRequestError(f"Duplicate request ID detected: {seq.req.rid}")  # SGLang's words
             if self.max_queued_requests and len(self.waiting) >= self.max_queued_requests:
                 raise EngineOverloadedError(f"the request queue is full ({len(self.waiting)} waiting)")
             self._order += 1
@@ -145,13 +145,13 @@ class Scheduler:
         return await asyncio.wrap_future(done)
 
     def stats(self) -> dict[str, Any]:
-        queued, cache = len(self.waiting), self.cache  # len() of a deque is atomic
+        queued, cache, prefix = len(self.waiting), self.cache, self.prefix  # len() of a deque is atomic
+        tokens = len(prefix) * PREFIX_BLOCK if prefix else 0
         return {**self.counters, "queued": queued, "running": len(self.running), "paused": self.paused,
-                "pause_mode": self.pause_mode, "weight_version": self.weight_version,
-                "kv_capacity": cache.capacity, "kv_rows": cache.rows, "kv_budget_tokens": cache.max_tokens,
-                "prefix_cache_tokens": len(self.prefix) * PREFIX_BLOCK if self.prefix else 0,
-                "prefix_cache_hits": self.prefix.hits if self.prefix else 0,
-                "prefix_tokens_saved": self.prefix.tokens_saved if self.prefix else 0,
+                "pause_mode": self.pause_mode, "weight_version": self.weight_version, **cache.memory_stats(),
+                "prefix_cache_tokens": tokens, "prefix_cache_bytes": tokens * cache.slot_bytes,
+                "prefix_cache_hits": prefix.hits if prefix else 0,
+                "prefix_tokens_saved": prefix.tokens_saved if prefix else 0,
                 "cuda_graphs": len(getattr(self.decoder, "graphs", ())), "fused_decode": self.runner.fused is not None}
 
     def _worker(self) -> None:
@@ -214,7 +214,7 @@ class Scheduler:
         if any(not s.prefilling for s in self.running):
             self._decode()
         if not self.running and self.cache.capacity and not self._keep_cache:
-            self.cache.reset()  # idle: give the KV memory back
+            self.cache.reset()  # idle: give the KV memory back, to the system too
 
     def _admit(self) -> None:
         """Waiting sequences, FIFO, into rows while the KV budget holds every running sequence at
@@ -461,9 +461,9 @@ class Scheduler:
         with self.cv:
             busy = bool(self.running) or (bool(self.waiting) and not self.paused)
         if not busy:
-            self.cache.reset()
             if self.prefix is not None:
                 self.prefix.clear()
+            self.cache.reset(release=True)  # the prefix cache's memory goes back to the system too
         done.set_result(not busy)
 
     def do_relabel(self, version: str, done: concurrent.futures.Future) -> None:
@@ -495,6 +495,6 @@ class Scheduler:
         if update.version is not None:
             self.weight_version = str(update.version)
         if not self.running and not self._keep_cache:  # in_place-paused requests keep their (stale) KV, as in SGLang
-            self.cache.reset()
+            self.cache.reset(release=self.prefix is not None)
         self.counters["weight_updates"] += 1
         update.done.set_result(UpdateResult(True, "Succeeded to update model weights.", self.weight_version))

@@ -23,6 +23,9 @@ Where we knowingly differ from SGLang:
   * ``/abort_request`` and ``/update_weight_version`` exist only when the engine has methods of
     those names (EmbeddedEngine has both; with another engine they answer 404).
   * ``top_logprobs_num`` above 20 (``types.MAX_TOP_LOGPROBS``) is refused, in process too; SGLang has no cap.
+  * A route body that fails validation (a string where ``/detokenize`` wants token ids, say) answers
+    400 ``{"error": {"message": "tokens.2: Input should be a valid integer, ..."}}``, the shape of
+    every other 400 here; SGLang answers its ``ErrorResponse`` with pydantic's error list as text.
   * ``token_ids_logprob`` is scored at prompt positions only (``input_token_ids_logprobs``): a request
     with it must be prefill-only (``max_new_tokens = 0``), else 400.
 
@@ -86,11 +89,14 @@ def value_error(message: str, status_code: int = 400) -> Response:
 
 
 async def _on_invalid_body(request: Request, exc: Exception) -> Response:
-    """A route body that fails validation, or is not JSON: SGLang's ErrorResponse, status 400
-    (FastAPI's would be 422). The errors, not str(exc): that names our source file."""
-    message = str(exc.errors()) if isinstance(exc, RequestValidationError) else str(exc)
-    return json_response({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-                         400)
+    """A route body that fails validation, or is not JSON: status 400 (FastAPI's would be 422) in the
+    shape of every other 400 here, each error as ``field.path: what is wrong``."""
+    if isinstance(exc, RequestValidationError):
+        message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+                            for e in exc.errors())
+    else:
+        message = str(exc)
+    return value_error(message)
 
 
 async def _on_client_gone(request: Request, exc: ClientGone) -> Response:

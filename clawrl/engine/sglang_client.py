@@ -13,6 +13,13 @@ server's message; connection failures, timeouts, 5xx and other unexpected status
 :class:`EngineError` (:class:`EngineTimeoutError` for timeouts) whose message names the URL and
 what happened. The weight-update calls report failure as ``UpdateResult(success=False)`` instead,
 because SGLang answers a failed update with 400 and a ``{"success": false}`` body.
+
+Timeouts are on silence, not on length (``timeout_s``, ``[engine] stall_timeout_s``): a call fails
+when the server sends nothing for that long - to the first byte, and between the events of a
+stream - however long a stream that keeps sending runs. A non-streamed ``/generate`` sends nothing
+until its answer is whole, so silence says nothing there: while it waits, the server is asked
+``GET /health`` every ``timeout_s``, and the call fails when that goes unanswered or unhealthy
+(SGLang's /health fails when its scheduler stopped producing).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -39,6 +46,7 @@ from clawrl.engine.types import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # uvicorn (under SGLang and `clawrl engine`) closes a keep-alive connection after 5 s idle, and
 # aiohttp does not resend a POST that fails on a connection the server closed as it was reused:
@@ -74,6 +82,7 @@ class SGLangClient:
     One instance belongs to one event loop: its ``aiohttp.ClientSession`` is made on the first
     call, inside that loop; ``close`` it when done. ``flush_retries`` / ``flush_retry_interval_s``:
     how long :meth:`flush_cache` keeps asking while the server answers 400 busy (slime: 60 × 1 s).
+    ``timeout_s``: the longest the server may stay silent (the module docstring says how).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 120.0, api_key: str | None = None,
@@ -92,7 +101,7 @@ class SGLangClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=self.timeout_s),
                 # RL rollouts keep many requests in flight; aiohttp's default limit of 100 would queue them
                 connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=KEEPALIVE_S),
                 cookie_jar=aiohttp.DummyCookieJar(), headers=self._headers)
@@ -101,7 +110,7 @@ class SGLangClient:
     def _transport_error(self, e: BaseException, method: str, path: str) -> EngineError:
         where = f"engine at {self.base_url}"
         if isinstance(e, TimeoutError):  # aiohttp's timeouts subclass it
-            return EngineTimeoutError(f"{where} timed out after {self.timeout_s:g} s on {method} {path}")
+            return EngineTimeoutError(f"{where} sent nothing for {self.timeout_s:g} s on {method} {path}")
         if isinstance(e, aiohttp.ClientConnectorError):
             reason = "connection refused" if isinstance(e.os_error, ConnectionRefusedError) else str(e.os_error)
             return EngineUnreachableError(f"{where} unreachable: {reason}")
@@ -111,7 +120,8 @@ class SGLangClient:
 
     @asynccontextmanager
     async def _open(self, method: str, path: str, body: Any = None, *, accept: tuple[int, ...] = (),
-                    headers: dict[str, str] | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+                    headers: dict[str, str] | None = None,
+                    timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request: the response once its status is 2xx or in ``accept``, else the mapped error
         (400 -> BadRequestError, others -> EngineError naming the URL and status). Transport
         failures inside the block (reading the body too) become EngineError / EngineTimeoutError.
@@ -119,7 +129,8 @@ class SGLangClient:
         learns to stop generating."""
         data = None if body is None else orjson.dumps(body)
         try:
-            async with self._http().request(method, self.base_url + path, data=data, headers=headers) as resp:
+            async with self._http().request(method, self.base_url + path, data=data, headers=headers,
+                                            **({"timeout": timeout} if timeout else {})) as resp:
                 if resp.status >= 300 and resp.status not in accept:
                     msg = error_message(resp.status, await resp.read())
                     if resp.status == 400:
@@ -133,9 +144,10 @@ class SGLangClient:
             raise self._transport_error(e, method, path) from e
 
     async def _request(self, method: str, path: str, body: Any = None, *, accept: tuple[int, ...] = (),
-                       headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+                       headers: dict[str, str] | None = None,
+                       timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, bytes]:
         """(status, body) of one request; statuses other than 2xx and ``accept`` raise (see ``_open``)."""
-        async with self._open(method, path, body, accept=accept, headers=headers) as resp:
+        async with self._open(method, path, body, accept=accept, headers=headers, timeout=timeout) as resp:
             return resp.status, await resp.read()
 
     def _json(self, content: bytes, method: str, path: str) -> Any:
@@ -150,8 +162,11 @@ class SGLangClient:
         return {**req.to_sglang(), "stream": stream, "return_prompt_token_ids": req.text is not None}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        _, content = await self._request("POST", "/generate", self._generate_body(req, stream=False),
-                                         headers=_routing(req))
+        # no read timeout: the answer comes whole, after any time; _while_healthy watches the server instead
+        call = asyncio.ensure_future(self._request(
+            "POST", "/generate", self._generate_body(req, stream=False), headers=_routing(req),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s)))
+        _, content = await self._while_healthy(call, "POST /generate")
         data = self._json(content, "POST", "/generate")
         if not isinstance(data, Mapping):
             raise EngineError(f"engine at {self.base_url}: /generate answered a {type(data).__name__}, "
@@ -188,6 +203,21 @@ class SGLangClient:
                 yield last
         if last is None or not last.finished:
             raise EngineError(f"engine at {self.base_url}: the stream of request {req.rid} ended before it finished")
+
+    async def _while_healthy(self, call: asyncio.Future[T], what: str) -> T:
+        """``call``'s result; every ``timeout_s`` it has not come, GET /health must answer 200 (within
+        ``timeout_s``), else the call is given up (cancelled: its connection closes, and the
+        server aborts the request) with EngineTimeoutError."""
+        try:
+            while not (await asyncio.wait({call}, timeout=self.timeout_s))[0]:
+                if not await self.health():
+                    raise EngineTimeoutError(f"engine at {self.base_url} has not answered {what}, and GET /health "
+                                             f"did not answer healthy (asked every {self.timeout_s:g} s)")
+            return call.result()
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.wait({call})
 
     async def model_info(self) -> dict[str, Any]:
         _, content = await self._request("GET", "/model_info")

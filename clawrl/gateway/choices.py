@@ -94,6 +94,19 @@ class ChoiceStream:
         return self.entry(delta, finish=finish, logprobs=lp)
 
 
+async def until_stalled(stream: AsyncIterator[GenerateResult], stall_s: float) -> AsyncIterator[GenerateResult]:
+    """The stream's items, for as long as each comes within ``stall_s`` of the one before (the first
+    within ``stall_s`` of the start), else TimeoutError. Only the waits for the engine are timed:
+    a context around the caller's loop would also time its yields."""
+    it = aiter(stream)
+    while True:
+        async with asyncio.timeout(stall_s):  # no extra task per item, unlike wait_for
+            item = await anext(it, None)  # an engine stream never yields None
+        if item is None:
+            return
+        yield item
+
+
 async def merged(streams: list[AsyncIterator[GenerateResult]]) -> AsyncIterator[tuple[int, GenerateResult]]:
     """The items of all ``streams`` as they come, each with its stream's position. An error in one
     ends the merge with that error; leaving early stops (and so aborts) the streams still running."""

@@ -25,6 +25,8 @@ class GatewayMetrics:
         self.pending_turns = Gauge("clawrl_pending_turns", "Main turns waiting for their next state.", registry=r)
         self.open_sessions = Gauge("clawrl_open_sessions", "Sessions held in memory.", registry=r)
         self.in_flight = Gauge("clawrl_in_flight_requests", "Requests being served now.", registry=r)
+        self.client_aborts = Counter("clawrl_client_aborts", "Requests whose client went away before their end "
+                                     "(aborted in the engine, nothing recorded).", ["stream"], registry=r)
 
     def render(self) -> bytes:
         """The Prometheus text format of every metric."""

@@ -147,7 +147,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (413, "Request body larger than server.max_body_bytes."),
         (502, "The engine is unreachable or answered something unusable."),
         (503, "Paused by an administrator: retry after Retry-After seconds."),
-        (504, "The engine did not answer within engine.request_timeout_s."),
+        (504, "The engine sent nothing for [engine] stall_timeout_s."),
         (507, "The turn could not be recorded (disk full or data root unwritable); nothing was recorded."),
     )
 }
@@ -202,7 +202,7 @@ async def chat_completions(body: ChatCompletionRequest, request: JSONBodyRequest
 async def list_models(_: NamespaceDep, service: ServiceDep) -> ModelList:
     name = service.settings.server.served_model_name
     return ModelList(data=[ModelCard(id=name, created=int(time.time()), root=name,
-                                     max_model_len=service.settings.engine.max_context_len,
+                                     max_model_len=getattr(service.engine, "max_context_len", None),
                                      weight_version=await service.live_weight_version())])
 
 
@@ -297,7 +297,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     if settings.engine.kind == "http":  # one engine, or several behind SGLang's router
         from clawrl.engine.router import RoutedEngines
 
-        return RoutedEngines(settings.engine.url, timeout_s=settings.engine.request_timeout_s), load_tokenizer(model_dir)
+        return RoutedEngines(settings.engine.url, timeout_s=settings.engine.stall_timeout_s), load_tokenizer(model_dir)
     from clawrl.models import resolve_device, resolve_dtype
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
 
@@ -324,7 +324,7 @@ def canary_engine(settings: Settings) -> Engine | None:
                           "canary_port)")
     from clawrl.engine.sglang_client import SGLangClient
 
-    return SGLangClient(g.canary_url, timeout_s=settings.engine.request_timeout_s)
+    return SGLangClient(g.canary_url, timeout_s=settings.engine.stall_timeout_s)
 
 
 def _checkpoint_to_serve(settings: Settings):
@@ -375,7 +375,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
 
         app.mount("/engine", AdminGuard(create_engine_app(
             served, model_path=settings.model.name, served_model_name=settings.server.served_model_name,
-            max_context_len=settings.engine.max_context_len), admin_keys=state.admin_keys, api_keys=api_keys))
+            max_context_len=getattr(served, "max_context_len", None) or settings.engine.max_context_len),
+            admin_keys=state.admin_keys, api_keys=api_keys))
     for router in (v1, ops, admin.router):
         app.include_router(router)
     app.add_middleware(ApiKeyGuard, api_keys=api_keys)

@@ -42,7 +42,7 @@ from clawrl.engine.types import (
     GenerateResult,
     SamplingParams,
 )
-from clawrl.gateway.choices import ChoiceStream, choice_logprobs, merged, usage
+from clawrl.gateway.choices import ChoiceStream, choice_logprobs, merged, until_stalled, usage
 from clawrl.gateway.errors import GatewayError, context_length_error, engine_context_error, sampling_error
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
@@ -190,6 +190,7 @@ class ChatService:
             self._link_next_state(turn)
             results, engine_s = await self._generate(turn.gen.samples())
             if turn.client_gone:  # nobody receives it: not a turn (nginx's 499, logged as such)
+                self._client_gone(turn, stream=False)
                 raise GatewayError(499, "the client closed the request", "client_closed_request")
             outs, index = self._record(turn, results)
         choices = [{"index": i, "message": {"role": "assistant", "content": parsed.content,
@@ -216,8 +217,8 @@ class ChatService:
                 for c in choices:
                     yield chunk(c.entry({"role": "assistant", "content": ""}))
                 finals: list[GenerateResult | None] = [None] * len(samples)
-                timeout_s = self.settings.engine.request_timeout_s
-                streams = [_with_deadline(self._engine_stream(g), timeout_s) for g in samples]
+                stall_s = self.settings.engine.stall_timeout_s
+                streams = [until_stalled(self._engine_stream(g), stall_s) for g in samples]
                 async with contextlib.aclosing(merged(streams)) as results:
                     async for i, result in results:
                         if result.finished:
@@ -240,9 +241,19 @@ class ChatService:
                 err = self._engine_failure(e)
                 self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
                 yield _event(err.body())
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away: the engine streams are closed
+                self._client_gone(turn, stream=True)
+                raise
             finally:
                 self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
         yield "data: [DONE]\n\n"
+
+    def _client_gone(self, turn: Turn, stream: bool) -> None:
+        """One log line and one count (``clawrl_client_aborts``) per request whose client went away
+        before its end: its engine request was aborted and nothing was recorded."""
+        self.metrics.client_aborts.labels("true" if stream else "false").inc()
+        log.warning("client went away: request %s of session %s abandoned after %.1f s, aborted in the engine, "
+                    "nothing recorded", turn.gen.rid, turn.session_id, time.perf_counter() - turn.t0)
 
     async def sweep_forever(self) -> None:
         """Close idle sessions (their pending turns get no next state), every quarter of the idle
@@ -319,7 +330,8 @@ class ChatService:
 
     async def _generate(self, gens: list[GenerateRequest]) -> tuple[list[GenerateResult], float]:
         """The engine's result for each request, all at once, and the seconds the calls took; when
-        one fails the others are cancelled (which aborts them in the engine)."""
+        one fails the others are cancelled (which aborts them in the engine). No deadline: an answer
+        comes whole, after any time; an HTTP engine's client watches the engine (sglang_client.py)."""
         hook = self.generate_hook
 
         def call(gen: GenerateRequest) -> Any:
@@ -327,18 +339,17 @@ class ChatService:
 
         t0 = time.perf_counter()
         try:
-            async with asyncio.timeout(self.settings.engine.request_timeout_s):  # no extra task, unlike wait_for
-                if len(gens) == 1:
-                    results = [await call(gens[0])]
-                else:
-                    tasks = [asyncio.ensure_future(call(g)) for g in gens]
-                    try:
-                        results = list(await asyncio.gather(*tasks))
-                    except BaseException:
-                        for t in tasks:
-                            t.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
-                        raise
+            if len(gens) == 1:
+                results = [await call(gens[0])]
+            else:
+                tasks = [asyncio.ensure_future(call(g)) for g in gens]
+                try:
+                    results = list(await asyncio.gather(*tasks))
+                except BaseException:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
         except (TimeoutError, BadRequestError, EngineError) as e:
             raise self._engine_failure(e) from None
         elapsed = time.perf_counter() - t0
@@ -355,13 +366,13 @@ class ChatService:
         return one_chunk()
 
     def _engine_failure(self, e: Exception) -> GatewayError:
-        """The answer to a failed engine call: 504 when it ran out of time, 400 for a request the
+        """The answer to a failed engine call: 504 when the engine stalled, 400 for a request the
         engine refused, 502 when it is unreachable or broke (a GatewayError stays as it is)."""
         if isinstance(e, GatewayError):
             return e
-        if isinstance(e, (TimeoutError, EngineTimeoutError)):
-            return GatewayError(504, f"engine did not answer within {self.settings.engine.request_timeout_s:g} s",
-                                "engine_timeout")
+        if isinstance(e, (TimeoutError, EngineTimeoutError)):  # a bare TimeoutError is until_stalled's
+            stall = f"the engine sent nothing for {self.settings.engine.stall_timeout_s:g} s ([engine] stall_timeout_s)"
+            return GatewayError(504, str(e) if isinstance(e, EngineTimeoutError) else stall, "engine_timeout")
         if isinstance(e, BadRequestError):
             return engine_context_error(str(e)) or GatewayError(400, str(e))
         if isinstance(e, EngineOverloadedError):
@@ -482,16 +493,3 @@ def _json(value: Any) -> str:
         return orjson.dumps(value).decode()
     except orjson.JSONEncodeError:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-async def _with_deadline(stream: AsyncIterator[GenerateResult], timeout_s: float) -> AsyncIterator[GenerateResult]:
-    """The stream's items until ``timeout_s`` from now, then TimeoutError. The deadline covers only
-    the waits for the engine: a context around the caller's loop would also cancel its yields."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    it = aiter(stream)
-    while True:
-        async with asyncio.timeout_at(deadline):  # no extra task per item, unlike wait_for
-            item = await anext(it, None)  # an engine stream never yields None
-        if item is None:
-            return
-        yield item

@@ -83,7 +83,7 @@ def _http_engine(settings: Settings, url: str) -> Engine:
     """An engine over HTTP, or SGLang's router in front of several (which picks one per request)."""
     from clawrl.engine.router import RoutedEngines
 
-    return RoutedEngines(url, timeout_s=settings.engine.request_timeout_s)
+    return RoutedEngines(url, timeout_s=settings.engine.stall_timeout_s)
 
 
 def _policy_tokenizer(settings: Settings):
@@ -127,7 +127,7 @@ def _backend(settings: Settings, frozen: Callable[[str], Engine]) -> JudgeBacken
     if not settings.provider.base_url:
         raise ValueError("prm.backend = 'provider' needs provider.base_url")
     return ProviderJudge(settings.provider.base_url, read_secret(settings.provider.api_key_env),
-                         settings.provider.model, timeout_s=settings.engine.request_timeout_s)
+                         settings.provider.model, timeout_s=settings.engine.stall_timeout_s)
 
 
 def _reference(settings: Settings, frozen: Callable[[str], Engine], teacher: Engine | None) -> Engine | None:

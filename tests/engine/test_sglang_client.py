@@ -398,7 +398,58 @@ def test_5xx_and_timeout_become_engine_errors_naming_the_url():
     e5, e502, et = run(main())
     assert e5 == "engine at URL answered HTTP 503 on GET /model_info: overloaded"
     assert e502 == "engine at URL answered HTTP 502 on POST /generate: bad gateway"
-    assert et == "engine at URL timed out after 1 s on POST /generate"
+    # a non-streamed answer is awaited while /health answers; this server answers nothing
+    assert et == "engine at URL has not answered POST /generate, and GET /health did not answer healthy (asked every 1 s)"
+
+
+def _final(n: int, done: bool) -> dict:
+    return {"text": "x" * n, "output_ids": list(range(n)), "meta_info": {
+        "id": "r", "prompt_tokens": 1, "completion_tokens": n, "weight_version": "0",
+        "finish_reason": {"type": "length", "length": n} if done else None}}
+
+
+def _pacing_server(gaps: list[float], health_ok: bool = True):
+    """/generate streams one event after each of ``gaps`` seconds (the last one final), or when
+    not streamed answers once after all of them; /health answers at once, 200 or 503."""
+    async def handler(request):
+        if request.path == "/health":
+            return web.Response(status=200 if health_ok else 503)
+        body = await request.json()
+        if not body.get("stream"):
+            await asyncio.sleep(sum(gaps))
+            return web.json_response(_final(len(gaps), True))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, gap in enumerate(gaps, 1):
+            await asyncio.sleep(gap)
+            await resp.write(b"data: " + json.dumps(_final(i, i == len(gaps))).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    return handler
+
+
+def test_timeout_is_on_silence_not_on_the_length_of_the_answer():
+    async def main():
+        req = GenerateRequest(input_ids=[1])
+        async with scripted_server(_pacing_server([0.4] * 6)) as url, SGLangClient(url, timeout_s=1) as client:
+            t0 = time.monotonic()
+            parts = [r async for r in client.generate_stream(req)]  # 2.4 s of stream, never 1 s silent
+            whole = await client.generate(req)  # 2.4 s for the whole answer; /health answers meanwhile
+            took = time.monotonic() - t0
+        async with scripted_server(_pacing_server([0.1, 0.1, 30.0])) as url, SGLangClient(url, timeout_s=1) as client:
+            with pytest.raises(EngineTimeoutError) as stalled:  # two events, then silence
+                [r async for r in client.generate_stream(req)]
+        async with scripted_server(_pacing_server([30.0], health_ok=False)) as url, \
+                SGLangClient(url, timeout_s=1) as client:
+            with pytest.raises(EngineTimeoutError) as unhealthy:
+                await client.generate(req)
+        return parts, whole, took, str(stalled.value).replace(url, "URL"), str(unhealthy.value).replace(url, "URL")
+
+    parts, whole, took, stalled, unhealthy = run(main())
+    assert [len(p.output_ids) for p in parts] == [1, 2, 3, 4, 5, 6] and parts[-1].finished
+    assert whole.finished and len(whole.output_ids) == 6 and took >= 4.8
+    assert stalled.startswith("engine at ") and stalled.endswith("sent nothing for 1 s on POST /generate")
+    assert unhealthy == "engine at URL has not answered POST /generate, and GET /health did not answer healthy (asked every 1 s)"
 
 
 def test_generate_transport_failures_are_engine_errors():

@@ -1,15 +1,22 @@
 """Engine down, slow, or swapping weights under traffic (a gateway killed under traffic: tests/reliability/test_gateway_kill.py)."""
 
+import contextlib
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
+import pytest
+from openai import OpenAI
 
 from clawrl.engine.sglang_client import SGLangClient
 from clawrl.gateway.routes import create_app
+from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.engine_server import make_tiny_engine, running_engine_server, save_perturbed_copy
+from tests.utils.fake_engine import FakeEngine
 from tests.utils.gateway_server import free_socket, running_gateway
 
 MSG = [{"role": "user", "content": "hello"}]
@@ -30,20 +37,58 @@ def test_engine_down_gives_502_and_the_gateway_recovers(gateway_settings, tiny_d
         assert httpx.get(gw.url + "/healthz").status_code == 503
 
 
-def test_engine_timeout_gives_504_then_recovers(gateway_settings, tiny_dir, tiny_engine):
-    with running_engine_server(lambda: make_tiny_engine(tiny_dir)) as eng:
-        s = gateway_settings(engine__request_timeout_s=1.0)
-        client = SGLangClient(eng.url, timeout_s=30)
-        app = create_app(s, engine=client, tokenizer=tiny_engine.tokenizer, store=DataStore(s.storage.data_root))
+@contextlib.contextmanager
+def _gateway_over_http_engine(gateway_settings, tokenizer, engine: FakeEngine, stall_s: float):
+    """The gateway (stall timeout ``stall_s``) in front of ``engine`` behind the SGLang-compatible
+    server, both over real HTTP; yields (gateway, OpenAI SDK client, store)."""
+    with running_engine_server(lambda: engine) as eng:
+        s = gateway_settings(engine__stall_timeout_s=stall_s)
+        store = DataStore(s.storage.data_root)
+        http_engine = SGLangClient(eng.url, timeout_s=stall_s)
+        app = create_app(s, engine=http_engine, tokenizer=tokenizer, store=store)
         with running_gateway(app) as gw:
-            httpx.post(eng.url + "/pause_generation", json={"mode": "in_place"}).raise_for_status()
-            r = httpx.post(gw.base_url + "/chat/completions", json={"messages": MSG, "max_tokens": 2}, timeout=30)
-            # the gateway's 1 s deadline answered, not the engine client's 30 s one
-            assert r.status_code == 504 and r.json()["error"]["type"] == "engine_timeout"
-            assert r.json()["error"]["message"] == "engine did not answer within 1 s"
-            httpx.post(eng.url + "/continue_generation", json={}).raise_for_status()
-            ok = httpx.post(gw.base_url + "/chat/completions", json={"messages": MSG, "max_tokens": 2}, timeout=30)
-            assert ok.status_code == 200
+            client = OpenAI(base_url=gw.base_url, api_key="open", max_retries=0, timeout=60)
+            yield gw, client, lambda: _turns_stored(store, s.storage.data_root)
+            gw.call(http_engine.close())  # ours, not the gateway's: closed on its loop
+
+
+def _turns_stored(store: DataStore, data_root) -> int:
+    store.flush()
+    return run_query(data_root, "SELECT count(*) AS n FROM turns").to_pylist()[0]["n"]
+
+
+def test_answers_that_keep_coming_outlive_the_stall_timeout(gateway_settings, tiny_engine):
+    # 12 tokens 0.25 s apart: 3 s of answer under a 1 s stall timeout (the old whole-answer cap failed it)
+    engine = FakeEngine(len(tiny_engine.tokenizer), step_s=0.25)
+    with _gateway_over_http_engine(gateway_settings, tiny_engine.tokenizer, engine, 1.0) as (gw, client, stored):
+        t0 = time.monotonic()
+        chunks = list(client.chat.completions.create(model="m", messages=MSG, max_tokens=12, stream=True))
+        assert time.monotonic() - t0 > 2.5
+        assert chunks[-1].choices[0].finish_reason == "length"
+        plain = client.chat.completions.create(model="m", messages=MSG, max_tokens=12)  # non-streamed: 3 s too
+        assert (plain.choices[0].finish_reason, plain.usage.completion_tokens) == ("length", 12)
+        assert stored() == 2
+
+
+def test_a_stalled_engine_gets_504_engine_timeout_then_recovers(gateway_settings, tiny_engine):
+    engine = FakeEngine(len(tiny_engine.tokenizer), stall_after=3)  # 3 tokens, then nothing
+    with _gateway_over_http_engine(gateway_settings, tiny_engine.tokenizer, engine, 1.0) as (gw, client, stored):
+        t0 = time.monotonic()
+        r = httpx.post(gw.base_url + "/chat/completions", json={"messages": MSG, "max_tokens": 8, "stream": True},
+                       timeout=30)
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        err = events[-1]["error"]  # the status line went out with the first chunk: an OpenAI error event
+        assert set(err) == {"message", "type", "param", "code"} and (err["type"], err["code"]) == ("engine_timeout", 504)
+        assert "nothing for 1 s" in err["message"] and r.text.rstrip().endswith("data: [DONE]")
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])  # never completed
+        with pytest.raises(openai.APIStatusError) as exc:  # non-streamed: the stall, then the failed health probe
+            client.chat.completions.create(model="m", messages=MSG, max_tokens=8)
+        assert exc.value.status_code == 504 and exc.value.body["type"] == "engine_timeout"
+        assert "has not answered POST /generate, and GET /health did not answer healthy" in exc.value.body["message"]
+        assert time.monotonic() - t0 < 15
+        ok = client.chat.completions.create(model="m", messages=MSG, max_tokens=2)  # shorter than the stall point
+        assert ok.choices[0].finish_reason == "length"
+        assert stored() == 1  # only the answered one
 
 
 def test_weight_update_mid_traffic_rejects_nothing(gateway_settings, tiny_dir, tmp_path):

@@ -2,7 +2,8 @@
 
 The gateway (`clawrl serve`, engine.kind = "http") and the engine (`clawrl engine`) are separate
 subprocesses. A hung engine is SIGSTOPped (it accepts connections and never answers): the gateway
-answers 504 within engine.request_timeout_s. A dead engine is SIGKILLed: 502 at once. Both come
+answers 504 once the engine has sent nothing for engine.stall_timeout_s and left its health probe
+unanswered as long (at most twice the stall timeout). A dead engine is SIGKILLed: 502 at once. Both come
 as OpenAI error bodies. The engine is then started again on the same port and the SAME gateway
 process serves again, without a restart. tests/gateway/test_gateway_faults.py covers the same
 codes for in-thread servers.
@@ -30,7 +31,7 @@ from tests.utils.turns import build_next_state, build_turn
 
 pytestmark = [pytest.mark.reliability]
 
-TIMEOUT_S = 3.0  # engine.request_timeout_s of the gateway under test
+TIMEOUT_S = 3.0  # engine.stall_timeout_s of the gateway under test
 
 
 def _openai_error(resp: httpx.Response) -> dict:
@@ -53,7 +54,7 @@ def test_engine_hung_dead_and_back_without_a_gateway_restart(tmp_path, model_cac
     eng_port = free_port()
     eng_url = f"http://127.0.0.1:{eng_port}"
     env = serve_env(data, model_cache, engine__kind="http", engine__url=eng_url,
-                    engine__request_timeout_s=str(TIMEOUT_S))
+                    engine__stall_timeout_s=str(TIMEOUT_S))
     engine = engine_process(tmp_path, env, port=eng_port)
     gw = gateway_process(tmp_path, env)
     engine.start()
@@ -81,7 +82,7 @@ def test_engine_hung_dead_and_back_without_a_gateway_restart(tmp_path, model_cac
         assert r.status_code == 504, r.text
         err = _openai_error(r)
         assert err["type"] == "engine_timeout" and f"{TIMEOUT_S:g} s" in err["message"]
-        assert hung_s >= TIMEOUT_S - 0.5  # it waited for the deadline (its message names it)
+        assert TIMEOUT_S - 0.5 <= hung_s <= 2 * TIMEOUT_S + 5  # the stall, then the unanswered health probe
         ok(2)  # resumed engine: served again, same gateway
 
         # Dead: SIGKILL; nothing listens on the port any more.
@@ -160,7 +161,7 @@ def test_judge_backend_down_ends_turns_as_judge_error_and_training_goes_on(prefe
         s = make_settings({"prm.backend": "sglang", "prm.url": judge_server.url, "prm.judge_samples": 1,
                            "prm.max_new_tokens": 16, "prm.retries": 1, "prm.retry_delay_s": 0.2,
                            "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 2, "ppo.lr": 1e-4,
-                           "ppo.micro_batch_size": 2, "engine.request_timeout_s": 10.0})
+                           "ppo.micro_batch_size": 2, "engine.stall_timeout_s": 10.0})
         conf = tmp_path / "judge-down.toml"
         conf.write_text(dump_toml(s))
         before = _write_judgeable_turns(s, ["early-a", "early-b"])

@@ -1,5 +1,5 @@
 """A tiny deterministic stand-in for an Engine, for HTTP plumbing the real engine cannot be made to
-do on demand (e.g. fail in the middle of a stream). Token t+1 follows token t; every logprob is -1.
+do on demand (fail or stall in the middle of a stream). Token t+1 follows token t; every logprob is -1.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from clawrl.engine.types import BadRequestError, GenerateRequest, GenerateResult
 
 
 class FakeEngine:
-    def __init__(self, vocab_size: int = 100, *, fail_stream_after: int | None = None, step_s: float = 0.0):
+    def __init__(self, vocab_size: int = 100, *, fail_stream_after: int | None = None, step_s: float = 0.0,
+                 stall_after: int | None = None):
         self.vocab_size = vocab_size
         self.fail_stream_after = fail_stream_after
+        self.stall_after = stall_after  # after this many tokens a request hangs, and health() says so, until cancelled
+        self.stalled = False
         self.step_s = step_s
         self.weight_version = "0"
         self._resume = asyncio.Event()
@@ -43,6 +46,9 @@ class FakeEngine:
             for i in range(n):
                 if self.fail_stream_after is not None and i == self.fail_stream_after:
                     raise BadRequestError("fake failure in the middle of the stream")
+                if i == self.stall_after:
+                    self.stalled = True
+                    await asyncio.Event().wait()  # until the caller gives up (cancels)
                 await asyncio.sleep(self.step_s)
                 out.append(((out or ids)[-1] + 1) % self.vocab_size)
                 self.tokens_out += 1
@@ -55,6 +61,7 @@ class FakeEngine:
                 )
         finally:
             self.running -= 1
+            self.stalled = False
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         last = None
@@ -66,7 +73,7 @@ class FakeEngine:
         return {"model_path": "fake", "weight_version": self.weight_version}
 
     async def health(self) -> bool:
-        return True
+        return not self.stalled
 
     async def pause_generation(self, mode: str = "abort") -> None:
         self._resume.clear()
