@@ -127,3 +127,16 @@ async def merged(streams: list[AsyncIterator[GenerateResult]]) -> AsyncIterator[
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def with_deadline(stream: AsyncIterator[GenerateResult], timeout_s: float) -> AsyncIterator[GenerateResult]:
+    """The stream's items until ``timeout_s`` from now, then TimeoutError. The deadline covers only
+    the waits for the engine: a context around the caller's loop would also cancel its yields."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    it = aiter(stream)
+    while True:
+        async with asyncio.timeout_at(deadline):  # no extra task per item, unlike wait_for
+            item = await anext(it, None)  # an engine stream never yields None
+        if item is None:
+            return
+        yield item
