@@ -1,9 +1,9 @@
 """A real Codex CLI session (npm package ``@openai/codex``, its native binary) against ``clawrl serve``.
 
 Runs when ``make codex-test`` has installed Codex CLI into ``.tools/`` (``make test`` then runs it
-too); skips otherwise. Codex is configured the way docs/codex.md shows: clawrl as a custom model
-provider over the Responses API (``wire_api = "responses"``, the only wire API this Codex speaks),
-the key from the environment. The served model is ``tiny-long`` (random init, 32k context: Codex's
+too); skips otherwise. Codex is configured with the config.toml ``clawrl serve --print-config codex``
+prints (docs/codex.md): clawrl as a custom model provider over the Responses API (``wire_api =
+"responses"``, the only wire API this Codex speaks), the key from the environment. The served model is ``tiny-long`` (random init, 32k context: Codex's
 own prompt is ~40 KB); the turns that need a capable model - the shell tool call and the answer
 after its output - come from a generate hook (tests/utils/codex_hook.py), everything else from the
 engine.
@@ -24,6 +24,7 @@ import subprocess
 import httpx
 import pytest
 
+from clawrl.gateway.agents import codex_config
 from tests.utils.gateway_process import REPO, ServerProcess, free_port, serve_env
 
 CODEX = REPO / ".tools/codex/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
@@ -31,13 +32,6 @@ CONTEXT = 32768
 
 pytestmark = pytest.mark.skipif(not CODEX.is_file(), reason=(
     "Codex CLI is not installed: `make codex-test` installs it into .tools/ and runs this test"))
-
-
-def codex_args(base_url: str, model: str, context: int) -> list[str]:
-    """docs/codex.md's provider block as command-line overrides of Codex's config."""
-    provider = f'{{name="clawrl",base_url="{base_url}/v1",env_key="CLAWRL_API_KEY",wire_api="responses"}}'
-    return ["-m", model, "-c", "model_provider=clawrl", "-c", f"model_providers.clawrl={provider}",
-            "-c", f"model_context_window={context}"]
 
 
 @pytest.fixture
@@ -61,10 +55,12 @@ def run_codex(url: str, tmp_path, *config: str) -> list[dict]:
     workspace.mkdir()
     (workspace / "alpha.txt").write_text("a\n")
     (workspace / "beta.txt").write_text("b\n")
-    (tmp_path / "codex-home").mkdir()
-    env = {**os.environ, "CODEX_HOME": str(tmp_path / "codex-home"), "CLAWRL_API_KEY": "sk-clawrl", "NO_COLOR": "1"}
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(codex_config(url, "tiny-long", CONTEXT, 64))  # `clawrl serve --print-config codex`
+    env = {**os.environ, "CODEX_HOME": str(home), "CLAWRL_API_KEY": "sk-clawrl", "NO_COLOR": "1"}
     out = subprocess.run([str(CODEX), "exec", "--json", "--skip-git-repo-check", "--sandbox", "danger-full-access",
-                          *codex_args(url, "tiny-long", CONTEXT), *config,
+                          *config,
                           "Please list the files in this directory and tell me the first one."],
                          cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
