@@ -222,3 +222,19 @@ def test_left_out_tool_types_are_logged_once(gateway, tiny_engine, caplog):
                 WEATHER, {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": []}])
     said = [r.getMessage() for r in caplog.records if "'namespace'" in r.getMessage()]
     assert len(said) == 1 and "left out of the prompt" in said[0]
+
+
+def test_user_metadata_and_a_named_tool_choice_as_in_chat(gateway, tiny_engine):
+    """``user`` and ``metadata.session_id`` name the session as in a chat completion; a named
+    function tool_choice reaches the template as the chat form does."""
+    scripted = ScriptedEngine(tiny_engine, tiny_engine.tokenizer)
+    scripted.script.extend([CALL])
+    s, store, ctx = gateway(engine=scripted)
+    with ctx as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="x")
+        forced = client.responses.create(model="m", input="Paris?", tools=[WEATHER], user="bob",
+                                         tool_choice={"type": "function", "name": "get_weather"})
+        by_meta = client.responses.create(model="m", input="hi", max_output_tokens=2, metadata={"session_id": "m-1"})
+    assert forced.model_extra["session_id"] == "bob" and by_meta.model_extra["session_id"] == "m-1"
+    assert forced.tool_choice.name == "get_weather" and forced.output[0].type == "function_call"
+    assert "You must call the function get_weather." in tiny_engine.tokenizer.decode(scripted.requests[0].input_ids)
