@@ -225,9 +225,10 @@ async def response_events(body: ResponsesRequest, chunks: AsyncIterator[dict[str
     ids = {"item_id": f"msg_{turn.turn_id}", "output_index": 0}
     async for chunk in chunks:
         if "error" in chunk:
-            err = chunk["error"]
+            err = chunk["error"]  # OpenAI's code where it has one (a string), else its type: engine_timeout, ...
+            code = err["code"] if isinstance(err.get("code"), str) else err.get("type")
             yield event("response.failed", response={**head, "status": "failed", "output": output, "error": {
-                "code": str(err.get("code") or err.get("type")), "message": err.get("message")}})
+                "code": code, "message": err.get("message")}})
             return
         if not chunk["choices"]:  # the usage chunk, after the last choice's
             final = {**final, "usage": chunk["usage"]}

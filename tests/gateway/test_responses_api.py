@@ -168,6 +168,7 @@ def test_stream_error_is_a_failed_response_event(gateway, tiny_engine, monkeypat
         events = list(OpenAI(base_url=gw.base_url, api_key="x").responses.create(model="m", input="hi", stream=True))
     assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
     assert events[-1].response.status == "failed" and "engine went away" in events[-1].response.error.message
+    assert events[-1].response.error.code == "engine_unavailable"
     store.flush()
     assert rows(s, "select count(*) n from turns")[0]["n"] == 0
 
