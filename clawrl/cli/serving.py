@@ -9,6 +9,7 @@ import typer
 
 from clawrl.cli.common import ConfigOpt, app, console, err, fail, settings_or_exit
 from clawrl.config import ConfigError, dump_toml
+from clawrl.gateway.agents import Agent
 
 
 @app.command("serve")
@@ -16,6 +17,9 @@ def serve(
     config: ConfigOpt = None,
     host: Annotated[Optional[str], typer.Option(help="Bind address (default [server] host).")] = None,
     port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Port (default [server] api_port).")] = None,
+    print_config: Annotated[Optional[Agent], typer.Option(
+        "--print-config", help="Print the client config for AGENT (openclaw, codex, openai: any openai-SDK program) with this "
+             "gateway's URL, model name and context window, and exit (docs/<agent>.md).")] = None,
 ) -> None:
     """Start the OpenAI-compatible gateway in front of the engine named in [engine]."""
     import uvicorn
@@ -25,6 +29,13 @@ def serve(
     from clawrl.storage.writer import DataRootError
 
     settings = settings_or_exit(config, {"server.host": host, "server.api_port": port})
+    if print_config:
+        from clawrl.gateway.agents import AGENT_CONFIGS
+
+        s = settings
+        print(AGENT_CONFIGS[print_config.value](client_url(s.server.host, s.server.api_port), s.server.served_model_name,
+                                          s.engine.max_context_len, s.ppo.max_new_tokens))
+        return
     if problem := listen_problem(settings.server.host, settings.server.api_port):
         fail(f"{problem}: choose another with --port / [server] api_port, or --host / [server] host")
     try:

@@ -3,8 +3,10 @@ session headers."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import json
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -14,7 +16,7 @@ from starlette.datastructures import Headers
 from clawrl.gateway.errors import GatewayError
 from clawrl.gateway.service import ChatService, TurnContext
 from clawrl.gateway.sessions import SESSION_ID_RE
-from clawrl.records import OPEN_NAMESPACE
+from clawrl.records import OPEN_NAMESPACE, TurnType
 
 
 def namespace_for_key(key: str) -> str:
@@ -169,6 +171,16 @@ SESSION_HEADERS = [
 ]
 
 
+def agent_turn_type(headers: Headers) -> str | None:
+    """"side" for an agent's own maintenance request, as its headers say: Codex CLI's
+    ``x-codex-turn-metadata`` names a ``request_kind`` other than "turn" (a compaction, say)."""
+    with contextlib.suppress(ValueError, AttributeError):
+        kind = json.loads(headers.get("x-codex-turn-metadata") or "{}").get("request_kind")
+        if isinstance(kind, str) and kind != "turn":
+            return TurnType.SIDE.value
+    return None
+
+
 def turn_context(request: Request) -> TurnContext:
     """The caller's namespace (from ApiKeyGuard) and the session headers (the first of a repeated header counts).
 
@@ -178,7 +190,7 @@ def turn_context(request: Request) -> TurnContext:
     headers = request.headers
     turn_type = headers.get("x-turn-type")
     return TurnContext(namespace=request.state.namespace, session_id=headers.get("x-session-id"),
-                       turn_type=turn_type.strip().lower() if turn_type else None,
+                       turn_type=turn_type.strip().lower() if turn_type else agent_turn_type(headers),
                        session_done=_flag(headers.get("x-session-done")))
 
 

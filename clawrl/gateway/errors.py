@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from clawrl.engine.types import BadRequestError
+from clawrl.engine.types import BadRequestError, EngineOverloadedError, EngineTimeoutError
 
 
 class GatewayError(Exception):
@@ -66,3 +66,19 @@ def sampling_error(e: BadRequestError) -> GatewayError:
     msg = str(e).removeprefix("sampling_params.")
     name = msg.split(" ", 1)[0].rstrip(":")
     return GatewayError(400, msg if len(msg) <= 300 else msg[:297] + "...", param=name if name.isidentifier() else None)
+
+
+def engine_failure(e: Exception, stall_s: float) -> GatewayError:
+    """The answer to a failed engine call: 504 when the engine stalled, 400 for a request the engine
+    refused, 503 when it is at capacity, 502 when it is unreachable or broke (a GatewayError stays as it is)."""
+    if isinstance(e, GatewayError):
+        return e
+    if isinstance(e, (TimeoutError, EngineTimeoutError)):  # a bare TimeoutError is until_stalled's
+        stall = f"the engine sent nothing for {stall_s:g} s ([engine] stall_timeout_s)"
+        return GatewayError(504, str(e) if isinstance(e, EngineTimeoutError) else stall, "engine_timeout")
+    if isinstance(e, BadRequestError):
+        return engine_context_error(str(e)) or GatewayError(400, str(e))
+    if isinstance(e, EngineOverloadedError):
+        return GatewayError(503, f"the engine is at capacity: {e}; retry later", "service_unavailable",
+                            headers={"Retry-After": "1"})
+    return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from typing import Any
 
-import orjson
-import pydantic_core
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clawrl.config import ConfigError, Settings, read_api_keys
 from clawrl.engine.canary import CanaryRouter
 from clawrl.engine.types import Engine
-from clawrl.gateway import admin
+from clawrl.gateway import admin, completions, responses
 from clawrl.gateway.deps import (SESSION_HEADERS, AdminGuard, ApiKeyGuard, NamespaceDep, ServiceDep, document_api_key,
                                  turn_context)
 from clawrl.gateway.schemas import (
@@ -33,6 +29,7 @@ from clawrl.gateway.schemas import (
     SessionTurn,
 )
 from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.http import ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, serve_turn
 from clawrl.gateway.service import ChatService
 from clawrl.gateway.sessions import validate_session_id
 from clawrl.hooks import load_hook
@@ -69,95 +66,6 @@ class BodyLimitMiddleware:
         await self.app(scope, guarded_receive, send)
 
 
-class JSONBodyRequest(Request):
-    """A request whose JSON body is parsed by pydantic-core's parser instead of the json module: it
-    refuses invalid UTF-8 and lone surrogate escapes (which json lets through), and stops at 200
-    levels of nesting with a clear error (json would hit Python's recursion limit, a 400 without a
-    reason). It also keeps its arrival time, where a completion's Server-Timing starts counting."""
-
-    def __init__(self, scope, receive):
-        super().__init__(scope, receive)
-        self.arrived = time.perf_counter()
-
-    async def json(self) -> Any:
-        try:
-            return pydantic_core.from_json(await self.body())
-        except ValueError as e:  # FastAPI answers a JSONDecodeError with a json_invalid validation error
-            raise json.JSONDecodeError(str(e), "", 0) from None
-
-
-class JSONBodyRoute(APIRoute):
-    """A route whose handler gets a :class:`JSONBodyRequest` (FastAPI's custom request and route class)."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def with_json_body(request: Request) -> Response:
-            return await handler(JSONBodyRequest(request.scope, request.receive))
-
-        return with_json_body
-
-
-def server_timing(total_s: float, engine_s: float) -> str:
-    """The ``Server-Timing`` header of a chat completion (W3C Server Timing, milliseconds): ``engine``
-    = the engine call (its round trip over HTTP with an http engine), ``gateway`` = the rest of the
-    request's time since it was routed - body parse and validation, template, session bookkeeping,
-    waiting for the session's previous main turn, the turn record and its write-ahead-log write, the
-    response body. Not in it: the time before (the HTTP parse, the event loop's queue) and the
-    response's way back, which a client measures as the rest of its latency."""
-    return f"gateway;dur={1000.0 * (total_s - engine_s):.3f}, engine;dur={1000.0 * engine_s:.3f}"
-
-
-DISCONNECT_GRACE_S, DISCONNECT_POLL_S = 1.0, 0.25  # a completion shorter than the grace is never polled
-
-
-def abort_when_gone(request: Request, service: ChatService, turn: Any):
-    """Watch whether the client of a non-streamed completion goes away (polled after a grace
-    period, so short completions cost one timer): then the turn is marked (it will not be recorded)
-    and its engine request aborted, which the engine ends at its next step or prefill chunk.
-    (Streams need no watch: the stream is closed, which aborts it.) Returns the stop function."""
-    loop = asyncio.get_running_loop()
-    task: asyncio.Task | None = None
-
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-        turn.client_gone = True
-        with contextlib.suppress(Exception):
-            await service.engine.abort_request(turn.gen.rid)
-
-    def start() -> None:
-        nonlocal task
-        task = loop.create_task(watch())
-
-    handle = loop.call_later(DISCONNECT_GRACE_S, start)
-
-    def stop() -> None:
-        handle.cancel()
-        if task is not None:
-            task.cancel()
-
-    return stop
-
-
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": what} for code, what in (
-        (400, "Invalid request: the message names the field or header."),
-        (401, "Missing or invalid API key."),
-        (413, "Request body larger than server.max_body_bytes."),
-        (502, "The engine is unreachable or answered something unusable."),
-        (503, "Paused by an administrator: retry after Retry-After seconds."),
-        (504, "The engine sent nothing for [engine] stall_timeout_s."),
-        (507, "The turn could not be recorded (disk full or data root unwritable); nothing was recorded."),
-    )
-}
-# OpenAPI 3.1: the `schema` of an event stream describes one event (3.2 would call it itemSchema).
-SSE_EVENT_SCHEMA = {
-    "type": "object", "required": ["data"],
-    "properties": {"data": {"type": "string", "description": "a JSON chat.completion.chunk, or [DONE]"},
-                   "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}},
-}
-
 v1 = APIRouter(prefix="/v1", route_class=JSONBodyRoute, strict_content_type=False)  # no Content-Type: JSON
 ops = APIRouter()
 
@@ -168,34 +76,7 @@ ops = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, request: JSONBodyRequest) -> Response:
     """A completion, recorded in the session log before the client gets the end of it (the JSON
     body, or a stream's last chunk)."""
-    service: ChatService = request.app.state.service
-    ctx = turn_context(request)  # called here, not solved as a FastAPI dependency (see turn_context)
-    metrics = service.metrics
-    if service.paused:
-        metrics.requests.labels("503", "unknown", "unknown").inc()
-        raise admin.paused_error()
-    try:
-        turn = service.prepare(body, ctx)
-        headers = {"X-Session-Id": turn.session_id, "X-Turn-Type": turn.turn_type}
-        if body.stream:  # the service counts a stream's outcome as it ends
-            return StreamingResponse(service.stream(turn), media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
-        stop_watching = abort_when_gone(request, service, turn)
-        try:
-            resp, engine_s = await service.complete(turn)
-        finally:
-            stop_watching()
-    except GatewayError as e:
-        turn_type = body.turn_type or ctx.turn_type or service.settings.server.default_turn_type
-        metrics.requests.labels(str(e.status), "true" if body.stream else "false", turn_type).inc()
-        raise
-    metrics.requests.labels("200", "false", turn.turn_type).inc()
-    payload = orjson.dumps(resp)
-    total = time.perf_counter() - request.arrived
-    metrics.latency.labels("false").observe(total)
-    return Response(payload, media_type="application/json", headers={
-        **headers, "X-Turn-Index": str(resp["turn_index"]), "X-Weight-Version": resp["weight_version"],
-        "Server-Timing": server_timing(total, engine_s)})
+    return await serve_turn(request, body, turn_context(request))
 
 
 @v1.get("/models", responses={401: ERROR_RESPONSES[401]})
@@ -377,7 +258,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
             served, model_path=settings.model.name, served_model_name=settings.server.served_model_name,
             max_context_len=getattr(served, "max_context_len", None) or settings.engine.max_context_len),
             admin_keys=state.admin_keys, api_keys=api_keys))
-    for router in (v1, ops, admin.router):
+    for router in (v1, responses.router, completions.router, ops, admin.router):
         app.include_router(router)
     app.add_middleware(ApiKeyGuard, api_keys=api_keys)
     if api_keys:

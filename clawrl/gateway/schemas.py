@@ -71,6 +71,54 @@ class ChatCompletionRequest(Lenient):
         return choice
 
 
+class ResponsesRequest(Lenient):
+    """OpenAI's Responses API request (``POST /v1/responses``), served as a chat completion (responses.py)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools are offered; other types are left out
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
+    text: dict[str, Any] | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True  # false: the response cannot be continued by previous_response_id (it is still logged)
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    # --- clawrl extensions (also accepted as X-Session-Id / X-Turn-Type / X-Session-Done headers) ---
+    session_id: str | None = None
+    turn_type: Literal["main", "side"] | None = None
+    session_done: bool | None = None
+
+
+class CompletionRequest(Lenient):
+    """OpenAI's legacy completions request (``POST /v1/completions``): text in, text out, no chat template."""
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default
+    n: int = 1
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+    # --- clawrl extensions (also accepted as X-Session-Id / X-Turn-Type / X-Session-Done headers) ---
+    session_id: str | None = None
+    turn_type: Literal["main", "side"] | None = None
+    session_done: bool | None = None
+
+
 class Choice(openai_chat.chat_completion.Choice):
     finish_reason: str  # OpenAI's reasons, and "abort": the engine aborted the generation
 

@@ -24,7 +24,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -36,14 +36,12 @@ from clawrl.engine.types import (
     BadRequestError,
     Engine,
     EngineError,
-    EngineOverloadedError,
-    EngineTimeoutError,
     GenerateRequest,
     GenerateResult,
     SamplingParams,
 )
 from clawrl.gateway.choices import ChoiceStream, choice_logprobs, merged, until_stalled, usage
-from clawrl.gateway.errors import GatewayError, context_length_error, engine_context_error, sampling_error
+from clawrl.gateway.errors import GatewayError, context_length_error, engine_failure, sampling_error
 from clawrl.gateway.metrics import GatewayMetrics
 from clawrl.gateway.schemas import ChatCompletionRequest
 from clawrl.gateway.sessions import (
@@ -90,6 +88,9 @@ class Turn:
     created_at: Any
     t0: float
     client_gone: bool = False  # the client went away: nothing is recorded
+    turn_id: str = field(default_factory=new_id)  # choice 0's, known up front (a Responses id names it)
+    params: dict[str, Any] = field(default_factory=dict)  # logged in request_params with the sampling ones
+    results: list[GenerateResult] | None = None  # the engine's, once complete() has them
 
 
 class ChatService:
@@ -114,9 +115,14 @@ class ChatService:
         metrics.pending_turns.set_function(lambda: tracker.pending_turns)
         metrics.open_sessions.set_function(lambda: len(tracker))
 
-    def prepare(self, req: ChatCompletionRequest, ctx: TurnContext) -> Turn:
-        """The request checked, its prompt rendered and its session opened: a GatewayError from here
-        comes before any byte of the response."""
+    def prepare(self, req: ChatCompletionRequest, ctx: TurnContext, prompt_ids: list[int] | None = None,
+                default_turn_type: str | None = None, params: dict[str, Any] | None = None,
+                score_prompt: bool = False) -> Turn:
+        """The request checked, its prompt rendered (unless ``prompt_ids`` are given: a legacy
+        completion's text) and its session opened: a GatewayError from here comes before any byte
+        of the response. ``default_turn_type`` stands for the server's when the request names none;
+        ``params`` are logged in the turn's request_params (which API it came through, say);
+        ``score_prompt``: the engine returns the prompt's log-probs too (not recorded)."""
         max_n = self.settings.server.max_n
         if not 1 <= req.n <= max_n:
             raise GatewayError(400, f"n: expected an integer from 1 to {max_n} (this server's max_n), "
@@ -134,15 +140,17 @@ class ChatService:
         except ValueError as e:  # say where the bad id came from; it is never used to build a path
             where = "X-Session-Id header" if ctx.session_id is not None else "session_id"
             raise GatewayError(400, f"{where}: {e}", param="session_id") from None
+        maintenance = self._maintenance(req.messages)
         session_id = (session_id or explicit_session_id(req.prompt_cache_key, req.user, req.metadata, self._boundary)
-                      or self.tracker.find(ctx.namespace, messages))
-        turn_type = req.turn_type or ctx.turn_type or (
-            TurnType.SIDE.value if self._maintenance(req.messages) else self.settings.server.default_turn_type)
+                      or self.tracker.find(ctx.namespace, messages, maintenance))
+        turn_type = req.turn_type or ctx.turn_type or default_turn_type or (
+            TurnType.SIDE.value if maintenance else self.settings.server.default_turn_type)
         if turn_type not in (TurnType.MAIN.value, TurnType.SIDE.value):
             raise GatewayError(400, f"turn type must be 'main' or 'side', got {turn_type!r}", param="turn_type")
         done = bool(req.session_done if req.session_done is not None else ctx.session_done)
         try:
-            prompt_ids = self.adapter.render(req.messages, req.tools, req.tool_choice)
+            if prompt_ids is None:
+                prompt_ids = self.adapter.render(req.messages, req.tools, req.tool_choice)
         except Exception as e:  # a template error is the client's message shape, not a server fault
             raise GatewayError(400, f"could not apply the chat template: {e}", param="messages") from None
         asked = req.max_completion_tokens or req.max_tokens
@@ -165,12 +173,14 @@ class ChatService:
             raise sampling_error(e) from None
         routing_key = hashlib.blake2b(f"{ctx.namespace}:{session_id}".encode(), digest_size=8).hexdigest()
         gen = GenerateRequest(input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
+                              logprob_start_len=0 if score_prompt else -1,
                               top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
                               routing_key=routing_key,  # several engines: the session stays on one
                               main_turn=turn_type == TurnType.MAIN.value)
         state, evicted = self.tracker.open(ctx.namespace, session_id)
         self._write_next_states(evicted)
-        return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter())
+        return Turn(req, state, session_id, turn_type, done, messages, gen, utcnow(), time.perf_counter(),
+                    params=params or {})
 
     def _maintenance(self, messages: list[ChatMessage]) -> bool:
         """An agent's own call, made a side turn when the request names no turn type: it adds no
@@ -189,6 +199,7 @@ class ChatService:
         async with self._serving(turn):
             self._link_next_state(turn)
             results, engine_s = await self._generate(turn.gen.samples())
+            turn.results = results
             if turn.client_gone:  # nobody receives it: not a turn (nginx's 499, logged as such)
                 self._client_gone(turn, stream=False)
                 raise GatewayError(499, "the client closed the request", "client_closed_request")
@@ -200,16 +211,17 @@ class ChatService:
         return {**self._head(turn, "chat.completion"), "choices": choices, "usage": usage(results),
                 "turn_index": index, "weight_version": results[0].weight_version}, engine_s
 
-    async def stream(self, turn: Turn) -> AsyncIterator[str]:
-        """The completion as SSE lines, each chunk carrying one choice (its ``index`` says which); an
-        error after the first is an error event, then [DONE]."""
+    async def chunks(self, turn: Turn) -> AsyncIterator[dict[str, Any]]:
+        """The completion's chat.completion.chunk bodies, each carrying one choice (its ``index`` says
+        which; the last of each choice also its ``weight_version`` and ``turn_index``); an error
+        after the first is an error body (``{"error": ...}``), the last thing yielded."""
         req, head, samples = turn.req, self._head(turn, "chat.completion.chunk"), turn.gen.samples()
         holdback = max([len(s) for s in turn.gen.sampling_params.stop] + [len(TOOL_CALL_OPEN) if req.tools else 0, 1]) - 1
         lp = (lambda result, start: self._logprobs(result, start, req.top_logprobs)) if req.logprobs else None
         choices = [ChoiceStream(i, holdback, bool(req.tools), lp) for i in range(len(samples))]
 
-        def chunk(entry: dict[str, Any], **more) -> str:
-            return _event({**head, "choices": [entry], **more})
+        def chunk(entry: dict[str, Any], **more) -> dict[str, Any]:
+            return {**head, "choices": [entry], **more}
 
         async with self._serving(turn):
             try:
@@ -230,23 +242,23 @@ class ChatService:
                 if any(f is None for f in finals):
                     raise GatewayError(502, "engine stream ended without a final result", "engine_unavailable")
                 done: list[GenerateResult] = finals  # type: ignore[assignment]
-                outs, _ = self._record(turn, done)  # durable before the client sees the end
-                for c, result, (parsed, finish) in zip(choices, done, outs):
-                    yield chunk(c.final(result, parsed, finish), weight_version=result.weight_version)
+                turn.results = done
+                outs, index = self._record(turn, done)  # durable before the client sees the end
+                for i, (c, result, (parsed, finish)) in enumerate(zip(choices, done, outs)):
+                    yield chunk(c.final(result, parsed, finish), weight_version=result.weight_version,
+                                turn_index=index + i)
                 if req.stream_options and req.stream_options.include_usage:
-                    yield _event({**head, "choices": [], "usage": usage(done),
-                                  "weight_version": done[0].weight_version})
+                    yield {**head, "choices": [], "usage": usage(done), "weight_version": done[0].weight_version}
                 self.metrics.requests.labels("200", "true", turn.turn_type).inc()
             except (GatewayError, TimeoutError, BadRequestError, EngineError) as e:
-                err = self._engine_failure(e)
+                err = engine_failure(e, self.settings.engine.stall_timeout_s)
                 self.metrics.requests.labels(str(err.status), "true", turn.turn_type).inc()
-                yield _event(err.body())
+                yield err.body()
             except (asyncio.CancelledError, GeneratorExit):  # the client went away: the engine streams are closed
                 self._client_gone(turn, stream=True)
                 raise
             finally:
                 self.metrics.latency.labels("true").observe(time.perf_counter() - turn.t0)
-        yield "data: [DONE]\n\n"
 
     def _client_gone(self, turn: Turn, stream: bool) -> None:
         """One log line and one count (``clawrl_client_aborts``) per request whose client went away
@@ -351,7 +363,7 @@ class ChatService:
                     await asyncio.gather(*tasks, return_exceptions=True)
                     raise
         except (TimeoutError, BadRequestError, EngineError) as e:
-            raise self._engine_failure(e) from None
+            raise engine_failure(e, self.settings.engine.stall_timeout_s) from None
         elapsed = time.perf_counter() - t0
         self.metrics.engine_latency.observe(elapsed)
         return results, elapsed
@@ -364,21 +376,6 @@ class ChatService:
             yield await self.generate_hook(engine=self.engine, request=gen)
 
         return one_chunk()
-
-    def _engine_failure(self, e: Exception) -> GatewayError:
-        """The answer to a failed engine call: 504 when the engine stalled, 400 for a request the
-        engine refused, 502 when it is unreachable or broke (a GatewayError stays as it is)."""
-        if isinstance(e, GatewayError):
-            return e
-        if isinstance(e, (TimeoutError, EngineTimeoutError)):  # a bare TimeoutError is until_stalled's
-            stall = f"the engine sent nothing for {self.settings.engine.stall_timeout_s:g} s ([engine] stall_timeout_s)"
-            return GatewayError(504, str(e) if isinstance(e, EngineTimeoutError) else stall, "engine_timeout")
-        if isinstance(e, BadRequestError):
-            return engine_context_error(str(e)) or GatewayError(400, str(e))
-        if isinstance(e, EngineOverloadedError):
-            return GatewayError(503, f"the engine is at capacity: {e}; retry later", "service_unavailable",
-                                headers={"Retry-After": "1"})
-        return GatewayError(502, f"engine unavailable: {e}", "engine_unavailable")
 
     def _record(self, turn: Turn, results: list[GenerateResult]) -> tuple[list[tuple[ParsedOutput, str]], int]:
         """Append the request's turns, one per choice, in one write (the acknowledgement point) and
@@ -397,7 +394,7 @@ class ChatService:
             outs.append((parsed, finish))
         index = state.next_index  # taken by finish_turn once the turns are in the log (nothing awaits between)
         recs = [self._turn_record(turn, sample, result, parsed, finish, index + i,
-                                  turn.turn_type if i == 0 else TurnType.SIDE.value)
+                                  turn.turn_type if i == 0 else TurnType.SIDE.value, turn.turn_id if i == 0 else new_id())
                 for i, (sample, result, (parsed, finish)) in enumerate(zip(turn.gen.samples(), results, outs))]
         self._append(recs[0] if n == 1 else recs, "the turn" if n == 1 else f"the {n} turns of the request's choices")
         for rec in recs:
@@ -412,11 +409,11 @@ class ChatService:
         return outs, index
 
     def _turn_record(self, turn: Turn, sample: GenerateRequest, result: GenerateResult, parsed: ParsedOutput,
-                     finish: str, index: int, turn_type: str) -> TurnRecord:
+                     finish: str, index: int, turn_type: str, turn_id: str) -> TurnRecord:
         """The log's record of one choice (``sample``) of the request."""
         req = turn.req
         return TurnRecord(
-            turn_id=new_id(),
+            turn_id=turn_id,
             session_id=turn.session_id,
             turn_index=index,
             turn_type=turn_type,
@@ -425,7 +422,7 @@ class ChatService:
             weight_version=result.weight_version,
             request_messages=_json(turn.messages),
             request_tools=json.dumps([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools else None,
-            request_params=_json({**sample.sampling_params.to_dict(), "n": req.n}),
+            request_params=_json({**sample.sampling_params.to_dict(), "n": req.n, **turn.params}),
             prompt_ids=list(turn.gen.input_ids),
             output_ids=list(result.output_ids),
             rollout_logprobs=list(result.output_logprobs or []),
@@ -479,11 +476,6 @@ class ChatService:
         return {"id": f"chatcmpl-{turn.gen.rid}", "object": object_, "created": int(time.time()),
                 "model": self.settings.server.served_model_name, "session_id": turn.session_id,
                 "turn_type": turn.turn_type}
-
-
-def _event(body: dict[str, Any]) -> str:
-    """One server-sent event carrying ``body`` as JSON."""
-    return f"data: {orjson.dumps(body).decode()}\n\n"
 
 
 def _json(value: Any) -> str:

@@ -13,9 +13,12 @@ the body's ``session_id``, OpenAI's ``prompt_cache_key`` (less the suffix ``[ser
 prompt_cache_key_boundary`` matches: OpenClaw sends ``<session id>:<compactions so far>``) and
 ``user`` fields, ``metadata.session_id`` (:func:`explicit_session_id`; agents such as OpenClaw cannot
 send per-session headers but send their session id as ``prompt_cache_key``); else the session whose
-last answer (and the message that asked for it) the request continues, if the id derived next is
-not an open session - so a conversation whose earlier messages an agent compacted stays one
-session; else :func:`derive_session_id`, a hash of the namespace and the conversation's first
+last answer (and the message that asked for it, or - an answer of at least ``QUOTE_MIN_CHARS`` -
+alone: an agent's summary may stand where the asking message was) the request continues, if the id
+derived next is not an open session - so a conversation whose earlier messages an agent compacted
+stays one session; else the session the request quotes (:meth:`SessionTracker.find`: a summariser
+call quotes the answers of the conversation it summarises, the request after a compaction quotes
+that summary); else :func:`derive_session_id`, a hash of the namespace and the conversation's first
 system and user messages with the parts agents change on every request (dates, times, numbers,
 weekday and month names) left out. Two conversations that open with identical messages share a
 derived id; clients that care send an id. Remembered answers live in memory only.
@@ -30,16 +33,23 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import re
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from clawrl.records import NextStateRecord
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+# An answer found on its own (not with the message that asked for it), or inside another request's
+# text, must be at least this long: short ones ("OK.", "Done!") are in every conversation.
+QUOTE_MIN_CHARS = 24
+# Sessions (most recent first) and summaries searched for a quoted answer: the one a summariser or a
+# compacted conversation quotes was active moments ago, and the search stays a few milliseconds.
+QUOTE_SEARCH = 256
 
 
 class BadSessionError(ValueError):
@@ -112,13 +122,24 @@ def _last_exchange(messages: list[dict[str, Any]]) -> list[str]:
                               (asking[-1:] + asking[:1] or [None])))
 
 
-def answer_digest(message: dict[str, Any]) -> str:
-    """An assistant message's text and tool names, as a client sends an answer back (the text of
-    its parts joined; tool call ids and arguments left out, clients re-serialise them)."""
+def _content(message: dict[str, Any]) -> str:
+    """A message's text (the text of its parts joined)."""
     content = message.get("content") or ""
     if isinstance(content, list):
         content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    return _digest(content, [(c.get("function") or {}).get("name") for c in message.get("tool_calls") or []])
+    return content
+
+
+def answer_digest(message: dict[str, Any]) -> str:
+    """An assistant message's text and tool names, as a client sends an answer back (the text of
+    its parts joined; tool call ids and arguments left out, clients re-serialise them)."""
+    return _digest(_content(message), [(c.get("function") or {}).get("name") for c in message.get("tool_calls") or []])
+
+
+def _long_answer(messages: list[dict[str, Any]]) -> list[str]:
+    """The digest of the last assistant message on its own, if it is long enough to tell conversations apart."""
+    answer = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+    return [answer_digest(answer)] if answer and len(_content(answer).strip()) >= QUOTE_MIN_CHARS else []
 
 
 def choice_digests(turns: list[dict[str, Any]], adapter: Any) -> tuple[str | None, tuple[str, ...]]:
@@ -156,6 +177,7 @@ class SessionState:
     pending: PendingTurn | None = None
     last_active: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises main turns of one session
+    answers: deque[str] = field(default_factory=lambda: deque(maxlen=2))  # its last long main answers' texts
 
 
 class SessionTracker:
@@ -169,6 +191,8 @@ class SessionTracker:
         self._closed_index: OrderedDict[tuple[str, str], int] = OrderedDict()
         # (namespace, digest of a main turn's answer and the user message before it) -> its session
         self._answers: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # (namespace, a long side answer - a summary, say -, its session), newest last
+        self._summaries: deque[tuple[str, str, str]] = deque(maxlen=QUOTE_SEARCH)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -195,14 +219,29 @@ class SessionTracker:
     def is_open(self, namespace: str, session_id: str) -> bool:
         return (namespace, session_id) in self._sessions
 
-    def find(self, namespace: str, messages: list[dict[str, Any]]) -> str:
+    def find(self, namespace: str, messages: list[dict[str, Any]], maintenance: bool = False) -> str:
         """The session of a request without an id (module docstring): the derived id if that session
-        is open, else the session whose recorded answer the messages continue, else the derived id."""
+        is open, else the session whose recorded answer the messages continue, else the one they
+        quote (:meth:`_quoted`), else the derived id. ``maintenance``: an agent's own call (side)."""
         derived = derive_session_id(namespace, messages)
         if self.is_open(namespace, derived):
             return derived
-        return next((self._answers[k] for e in _last_exchange(messages) if (k := (namespace, e)) in self._answers),
-                    derived)
+        keys = _last_exchange(messages) + _long_answer(messages)
+        found = next((self._answers[k] for e in keys if (k := (namespace, e)) in self._answers), None)
+        return found or self._quoted(namespace, messages, maintenance) or derived
+
+    def _quoted(self, namespace: str, messages: list[dict[str, Any]], maintenance: bool) -> str | None:
+        """The session whose answer the user and tool messages quote. An agent's summariser call
+        (``maintenance``) quotes the conversation it summarises: one of the last two long answers of
+        a recent open session. Any request may quote a recent long side answer: the summary an agent
+        put in place of the conversation it compacted."""
+        text = "\n".join(_content(m) for m in messages if m.get("role") in ("user", "tool"))
+        if maintenance:
+            recent = itertools.islice((s for s in reversed(self._sessions.values()) if s.namespace == namespace),
+                                      QUOTE_SEARCH)
+            if found := next((s.session_id for s in recent if any(a in text for a in s.answers)), None):
+                return found
+        return next((sid for ns, quote, sid in reversed(self._summaries) if ns == namespace and quote in text), None)
 
     def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
         """Called when a new main request arrives: close the pending turn with what was added."""
@@ -216,9 +255,12 @@ class SessionTracker:
                 return pending.next_state(state.session_id, "other_choice_continued")
             added, reason = messages[n + 1 :], "next_request"
         else:
-            # History was rewritten or truncated: take what follows the last assistant message.
-            last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
-            added, reason = messages[last + 1 :], "next_request_realigned"
+            # History was rewritten or truncated: take what follows the last assistant message; with
+            # none left (an agent compacted it into a summary), what follows the turn's own request
+            # length, at least the last message.
+            last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+            start = last + 1 if last is not None else min(n, len(messages) - 1)
+            added, reason = messages[start:], "next_request_realigned"
         return pending.next_state(state.session_id, reason if added else "no_new_messages", added)
 
     def finish_turn(self, state: SessionState, turn_id: str, turn_index: int, messages: list[dict[str, Any]],
@@ -231,10 +273,16 @@ class SessionTracker:
         others') is remembered (bounded) so that a request continuing it finds its session."""
         state.next_index = turn_index + 1 + len(others)
         state.last_active = self.clock()
+        text = _content(answer).strip() if answer else ""
+        if len(text) >= QUOTE_MIN_CHARS and main:  # found by a request that quotes it (find)
+            state.answers.append(text)
+        elif len(text) >= QUOTE_MIN_CHARS:
+            self._summaries.append((state.namespace, text, state.session_id))
         if main:
             digests = (answer_digest(answer) if answer else None, tuple(answer_digest(o) for o in others))
             state.pending = PendingTurn(turn_id, turn_index, len(messages), *(digests if others else (None, ())))
-            exchanges = [e for a in ([answer] if answer else []) + list(others) for e in _last_exchange([*messages, a])]
+            exchanges = [e for a in ([answer] if answer else []) + list(others)
+                         for e in _last_exchange([*messages, a]) + _long_answer([a])]
             for exchange in exchanges:
                 key = (state.namespace, exchange)
                 self._answers[key] = state.session_id

@@ -207,7 +207,7 @@ def test_an_agent_without_session_headers_keeps_one_session(gateway):
         r2, a2 = ask(history)
         sid = r1.model_extra["session_id"]
         assert sid.startswith("auto-") and r2.model_extra["session_id"] == sid
-        # 3. the agent's summariser: a side turn of a session of its own
+        # 3. the agent's summariser, quoting none of the conversation's answers: a side turn of a session of its own
         summary = [{"role": "system", "content": "You are a context summarization assistant. ..."},
                    {"role": "user", "content": "<conversation>...</conversation>\n\nThe messages above are a "
                                                "conversation to summarize. Create a structured checkpoint."}]
@@ -302,6 +302,8 @@ def test_api_keys_and_namespaces(gateway, monkeypatch):
             "type": "http", "scheme": "bearer", "description": "An API key from the env var named by server.api_keys_env."}
         assert {p: [op.get("security") for op in ops.values()] for p, ops in spec["paths"].items()
                 if p.startswith("/v1/")} == {"/v1/chat/completions": [[{"apiKey": []}]],
+                                             "/v1/responses": [[{"apiKey": []}]],
+                                             "/v1/completions": [[{"apiKey": []}]],
                                              "/v1/models": [[{"apiKey": []}]],
                                              "/v1/sessions/{session_id}": [[{"apiKey": []}]]}
         assert "security" not in spec["paths"]["/healthz"]["get"]

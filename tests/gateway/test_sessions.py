@@ -129,6 +129,20 @@ def test_realigns_when_history_was_truncated():
     assert json.loads(rec.messages) == [{"role": "user", "content": "and then?"}]
 
 
+def test_a_request_without_any_answer_left_links_what_follows_the_turns_request():
+    """Codex CLI compacting in the middle of a turn: the tool call and its output became a summary
+    message after the turn's own request; that message is the next state, not the whole conversation."""
+    tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    s, _ = tr.open("ns", "s1")
+    request = msgs(("developer", "d"), ("user", "env"), ("user", "list the files"))
+    tr.finish_turn(s, "t0", 0, request, main=True, done=False)
+    rec = tr.link_next_state(s, [*request, {"role": "user", "content": "Summary: ls printed a.txt."}])
+    assert rec.reason == "next_request_realigned"
+    assert json.loads(rec.messages) == [{"role": "user", "content": "Summary: ls printed a.txt."}]
+    tr.finish_turn(s, "t1", 1, request, main=True, done=False)  # a shorter history still gives its last message
+    assert json.loads(tr.link_next_state(s, msgs(("user", "hi"))).messages) == [{"role": "user", "content": "hi"}]
+
+
 def test_session_id_validation_and_derivation():
     assert validate_session_id("abc-123_x.y:z@w") == "abc-123_x.y:z@w"
     for bad in ["", "a" * 129, "has space", "semi;colon", "ünï"]:
@@ -203,3 +217,43 @@ def test_an_agent_boundary_suffix_on_prompt_cache_key_is_left_out():
     assert explicit_session_id(":7", None, None, boundary) == ":7"  # nothing left: the key as sent
     assert explicit_session_id("s1:0", None, None) == "s1:0"  # no boundary configured
     assert explicit_session_id(None, "alice:2", None, boundary) == "alice:2"  # only prompt_cache_key
+
+
+def test_an_answer_kept_after_a_summary_finds_its_session():
+    """An agent that compacts puts its summary where the message that asked for the kept answer was:
+    a long enough answer is found on its own, a short one is not (it would match any conversation)."""
+    tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    first = msgs(("system", "s"), ("user", "plan my week"))
+    state, _ = tr.open("ns", tr.find("ns", first))
+    answer = "Monday: gym. Tuesday: groceries and the dentist."
+    tr.finish_turn(state, "t0", 0, first, {"role": "assistant", "content": answer}, main=True, done=False)
+    compacted = msgs(("system", "s"), ("user", "Summary: the user plans a week."), ("assistant", answer),
+                     ("user", "and Wednesday?"))
+    assert tr.find("ns", compacted) == state.session_id and tr.find("other", compacted) != state.session_id
+    short = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    st, _ = short.open("ns", "a")
+    short.finish_turn(st, "t0", 0, first, {"role": "assistant", "content": "Monday: gym."}, main=True, done=False)
+    assert short.find("ns", msgs(("system", "s"), ("user", "Summary"), ("assistant", "Monday: gym."),
+                                 ("user", "ok"))) != "a"
+
+
+def test_a_summariser_call_and_the_compacted_conversation_find_the_session_they_quote():
+    """Without a session id: the summariser's request quotes the conversation's answers, so it lands
+    in that session (as its side turn); its summary, quoted by the request after the compaction, puts
+    that request there too."""
+    tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    opening = msgs(("system", "s"), ("user", "hello"))
+    state, _ = tr.open("ns", tr.find("ns", opening))
+    sid, answer = state.session_id, "Hello! I can list files and keep notes for you."
+    tr.finish_turn(state, "t0", 0, opening, {"role": "assistant", "content": answer}, main=True, done=False)
+    tr.open("ns", "someone-else")  # a more recent session that is not quoted
+    summarise = msgs(("system", "You summarise."), ("user", f"<conversation>\n[User]: hello\n\n[Assistant]: {answer}\n"
+                                                            "</conversation>\nSummarise the messages above."))
+    assert tr.find("ns", summarise) != sid  # only an agent's own (maintenance) call is searched for quotes
+    assert tr.find("ns", summarise, maintenance=True) == sid
+    summary = "The user said hello; the assistant offered to list files."
+    tr.finish_turn(state, "t1", 1, summarise, {"role": "assistant", "content": summary}, main=False, done=False)
+    after = msgs(("system", "s"), ("user", f"The conversation so far was compacted:\n<summary>\n{summary}\n</summary>"),
+                 ("user", "what can you do?"))
+    assert derive_session_id("ns", after) != sid and tr.find("ns", after) == sid
+    assert tr.find("other-namespace", after) != sid

@@ -46,9 +46,10 @@ pytestmark = [pytest.mark.reliability]
 
 API_KEY = "fuzz-key-5f1c2a"
 CONFORMANCE = [status_code_conformance, content_type_conformance, response_schema_conformance]
-GATEWAY_OPS = {"POST /v1/chat/completions", "GET /v1/models", "GET /v1/sessions/{session_id}", "GET /healthz",
-               "GET /metrics"}
-GATEWAY_BUDGET = {"POST /v1/chat/completions": 60, "GET /v1/models": 3, "GET /v1/sessions/{session_id}": 20}
+GATEWAY_OPS = {"POST /v1/chat/completions", "POST /v1/responses", "POST /v1/completions", "GET /v1/models",
+               "GET /v1/sessions/{session_id}", "GET /healthz", "GET /metrics"}
+GATEWAY_BUDGET = {"POST /v1/chat/completions": 60, "POST /v1/responses": 30, "POST /v1/completions": 30,
+                  "GET /v1/models": 3, "GET /v1/sessions/{session_id}": 20}
 GATEWAY_CONTEXT = 64  # prompt + output tokens: a generated huge max_tokens is clamped to what is left
 ENGINE_CONTEXT = 32
 
@@ -128,7 +129,7 @@ def test_gateway_schema_fuzz_has_no_5xx_and_keeps_serving(make_settings, monkeyp
         elapsed = time.monotonic() - t0
         print(f"gateway fuzz: {run.total} cases in {elapsed:.1f} s; statuses {dict(sorted(run.statuses.items()))}")
         assert run.failures == [], "\n".join(run.failures)
-        assert run.cases == run.planned and run.total >= 143  # every planned case was sent
+        assert run.cases == run.planned and run.total >= 255  # every planned case was sent
         assert run.cases[("POST /v1/chat/completions", "positive")] == 60
         assert run.cases[("POST /v1/chat/completions", "negative")] == 60
         assert not any(code >= 500 for code in run.statuses)
