@@ -184,8 +184,13 @@ def promotion_line(log: list[dict], consecutive: int) -> str:
     if last["action"] == "refuse":
         return (f"{head}; candidate {last['weight_version']} refused{on} ({last['reason']}); "
                 f"{consecutive} refused in a row")
-    verb = "promoted" if last["action"] == "promote" else f"rolled back to from version {last['champion_version']}"
-    return f"{head}, {verb} by {last['source']}{on} ({last['reason']})"
+    verb = "promoted" if last["action"] == "promote" else f"rolled back from version {last['champion_version']}"
+    return f"{head}, {verb} {DECIDED_BY.get(last['source'], 'by ' + last['source'])}{on} ({last['reason']})"
+
+
+# a promotions row's source, as the status line says who decided
+DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live check",
+              "ungated": "without the gate"}
 
 
 @app.command("doctor")
