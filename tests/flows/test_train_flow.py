@@ -149,6 +149,26 @@ def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
     assert ml.get_metric_history(run_id, "skipped") == []
 
 
+def test_held_out_scores_are_points_at_the_candidates_version_and_the_served_score_a_series_of_its_own():
+    """Refused candidates no longer pile their scores onto the served version's step 0 (one point, a bar in
+    MLflow): each candidate's held-out score sits at its own version, the served score beside it."""
+    from clawrl.flows.loop import policy_points
+
+    keys = ["score", "on_topic_rate", "candidate_score", "kl"]
+    base = {"step": 0, "weight_version": "0", "score": 0.25, "on_topic_rate": 0.5, "candidate_score": 0.25, "kl": 0.0}
+    refused = {"step": 1, "weight_version": "0", "candidate_version": "1", "gate": "refuse", "score": 0.25,
+               "on_topic_rate": 0.5, "candidate_score": 0.125, "kl": 0.0}
+    promoted = {"step": 2, "weight_version": "2", "candidate_version": "2", "gate": "promote", "score": 0.75,
+                "on_topic_rate": 1.0, "candidate_score": 0.75, "kl": 0.03}
+    assert policy_points(base, keys, True) == [(0, {"heldout_score": 0.25, "heldout_on_topic_rate": 0.5,
+                                                    "heldout_kl": 0.0, "served_heldout_score": 0.25})]
+    assert policy_points(refused, keys, True) == [(1, {"heldout_score": 0.125, "served_heldout_score": 0.25})]
+    assert policy_points(refused, keys, False) == [(1, {"served_heldout_score": 0.25})]  # tools: not measured
+    assert policy_points(promoted, keys, True) == [(2, {"heldout_score": 0.75, "heldout_on_topic_rate": 1.0,
+                                                        "heldout_kl": 0.03, "served_heldout_score": 0.75})]
+    assert policy_points({"step": 3, "weight_version": None}, keys, True) == []
+
+
 def test_sync_points_are_at_the_weight_version_and_retries_stay_visible(tmp_path):
     from clawrl.lineage import client as mlflow_client, experiment_id, log_sync
 
