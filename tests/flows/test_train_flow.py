@@ -252,7 +252,7 @@ def test_a_store_is_made_where_hard_links_are_not_allowed(tmp_path, monkeypatch)
     assert sorted(p.name for p in (root / "mlflow").iterdir()) == ["artifacts", "mlflow.db"]
 
 
-def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
+def test_a_train_run_without_a_batch_is_named_idle_for_when_it_ran(prefect_harness, loop_settings):
     import re
 
     from prefect.client.orchestration import get_client
@@ -264,4 +264,4 @@ def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, l
     assert state.result() == {"steps": []}
     with get_client(sync_client=True) as pc:
         name = pc.read_flow_run(state.state_details.flow_run_id).name
-    assert re.fullmatch(r"train-\d{8}-\d{6}", name), name  # not a random "sandy-oyster"
+    assert re.fullmatch(r"train-idle-\d{8}-\d{6}", name), name  # not a random "sandy-oyster", nor a step's name
