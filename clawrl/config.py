@@ -40,6 +40,7 @@ OFFLINE_ENV = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # not "Creating initial MLflow database tables..." in a command's output
     "TOKENIZERS_PARALLELISM": "false",
 }
 

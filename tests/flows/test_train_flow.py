@@ -169,6 +169,23 @@ def test_held_out_scores_are_points_at_the_candidates_version_and_the_served_sco
     assert policy_points({"step": 3, "weight_version": None}, keys, True) == []
 
 
+def test_the_initial_weights_carry_the_champion_alias_while_they_are_the_champion(tmp_path):
+    """Version 0 has no training run, yet it is a model version of clawrl-policy (registered once), so
+    `@champion` sits on it while no candidate was promoted, and moves off it when one is."""
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client, register_initial_weights, set_policy_alias
+
+    base = tmp_path / "base-model"
+    base.mkdir()
+    first = register_initial_weights(tmp_path, base)
+    assert register_initial_weights(tmp_path, base) == first  # once
+    assert set_policy_alias(tmp_path, "champion", "0", initial_weights=base) == first
+    ml = mlflow_client(tmp_path)
+    mv = ml.get_model_version_by_alias(REGISTERED_MODEL, "champion")
+    assert (str(mv.version), mv.tags["weight_version"], mv.source) == (first, "0", base.as_uri())
+    assert set_policy_alias(tmp_path, "champion", "7") is None  # a version with no model version: no alias left
+    assert "champion" not in ml.get_registered_model(REGISTERED_MODEL).aliases
+
+
 def test_sync_points_are_at_the_weight_version_and_retries_stay_visible(tmp_path):
     from clawrl.lineage import client as mlflow_client, experiment_id, log_sync
 
