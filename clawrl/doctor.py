@@ -62,9 +62,9 @@ def diagnose(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: 
     ``judge_timeout_s`` (what bounds a judge call; None: the judge calls nothing that can hang) and
     ``placeholder_keys`` (key variables holding a placeholder)."""
     fates = _fate_counts(con, judge_config_hash)
-    return [_keys(placeholder_keys), _traffic(con), _next_states(con, judge_config_hash, fates),
-            *_judge(con, judge_config_hash, fates), _judge_timeout(judge_timeout_s),
-            _hints(con, judge_config_hash, method), _staleness(fates), _signal(con, method), _groups(con, method, group_by_prompt), _training(checkpoints),
+    return [_traffic(con), _next_states(con, judge_config_hash, fates), *_judge(con, judge_config_hash, fates),
+            _judge_timeout(judge_timeout_s), _keys(placeholder_keys), _hints(con, judge_config_hash, method),
+            _staleness(fates), _signal(con, method), _groups(con, method, group_by_prompt), _training(checkpoints),
             _serving(con), _promotion(con)]
 
 

@@ -94,7 +94,8 @@ def wait_healthy(svc: Service, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         if svc.proc is not None and svc.proc.poll() is not None:
             tail = svc.log_path.read_text()[-2000:] if svc.log_path and svc.log_path.exists() else ""
-            raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}:\n{tail}")
+            key = f" (its port: {PORT_KEYS[svc.name]})" if svc.name in PORT_KEYS else ""
+            raise RuntimeError(f"{svc.name}{key} exited with code {svc.proc.returncode}:\n{tail}")
         with suppress(httpx.HTTPError):
             status = httpx.get(svc.health_url, timeout=2.0).status_code
             if status == 200 or (status < 500 and not svc.ready_only_on_200):

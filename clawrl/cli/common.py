@@ -121,8 +121,9 @@ def data_root_prefect(s: Settings) -> Iterator[str]:
 
 
 FLOW_LOG = "flows.log"  # under <data_root>/logs: every log line of the flows a command runs in its process
-# Prefect's own lines about each run: in the log file, not in the terminal
-_CHATTER = ("Beginning ", "View at ", "Finished in state ", "Created task run", "Executing ")
+# Prefect's own lines about each run that went well: in the log file, not in the terminal (a run that crashed
+# or failed is said there)
+_CHATTER = ("Beginning ", "View at ", "Finished in state Completed", "Created task run", "Executing ")
 
 
 class _UserFacing(logging.Filter):

@@ -77,8 +77,9 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
                      {"namespace": "open", "session_id": "bob", "turn_index": 0}]
     from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
 
-    [mv] = mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'")
-    assert mv.tags["weight_version"] == "1"
+    initial, mv = sorted(mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'"),
+                         key=lambda m: int(m.version))  # the initial weights are registered before the first step
+    assert (initial.tags["weight_version"], initial.run_id, mv.tags["weight_version"]) == ("0", None, "1")
     assert mv.run_id == ck["mlflow_run_id"] and mv.tags["batch_id"] == ck["batch_id"]
     run = mlflow_client(s.storage.data_root).get_run(mv.run_id)
     from mlflow.models import Model  # the version page's MLmodel: flavor and signature, in the checkpoint
