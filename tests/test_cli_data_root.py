@@ -38,6 +38,15 @@ def test_a_reading_command_names_the_data_root_and_where_it_came_from(tmp_path, 
         f"data root {default} (the default; -c CONFIG or CLAWRL__STORAGE__DATA_ROOT reads another)"
 
 
+def test_train_says_which_data_root_has_no_full_batch(tmp_path):
+    conf, root = tmp_path / "c.toml", tmp_path / "root"
+    conf.write_text(f'[storage]\ndata_root = "{root}"\n[prm]\nbackend = "rule"\n[ppo]\nadvantage_estimator = "grpo"\n')
+    res = CliRunner().invoke(app, ["train", "-c", str(conf)])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0] == f"data root {root} (from {conf})"
+    assert "no full batch of trainable samples yet" in res.stdout
+
+
 def test_status_and_doctor_json_say_which_data_root_they_read(tmp_path):
     env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)}
     status = CliRunner().invoke(app, ["status"], env=env)
