@@ -40,6 +40,7 @@ OFFLINE_ENV = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # not "Creating initial MLflow database tables..." in a command's output
     "TOKENIZERS_PARALLELISM": "false",
 }
 
@@ -394,6 +395,19 @@ def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
     return settings
 
 
+def setting_origin(path: str | Path | None, section: str, key: str, env: Mapping[str, str] | None = None) -> str:
+    """Where ``[section] key`` of :func:`load_settings` (``path``, ``env``) comes from: ``env NAME``, the
+    file's path, or ``defaults`` (the environment wins over the file, as when loading)."""
+    for origin, layer in reversed(_read_env(os.environ if env is None else env)):
+        if key in layer.get(section, {}):
+            return origin
+    if path is not None:
+        p = Path(path).expanduser().resolve()
+        if key in _read_toml(p).get(section, {}):
+            return str(p)
+    return "defaults"
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """'ppo.lr=1e-5' -> ('ppo.lr', 1e-05). Values parse as TOML literals, else stay strings."""
     key, sep, raw = item.partition("=")
@@ -446,12 +460,24 @@ def read_secret(env_name: str) -> str | None:
     return value or None
 
 
+# Values copied from an example instead of a key ("EMPTY", vLLM's word for "no key needed", is not one)
+_PLACEHOLDER_KEY = re.compile(r"changeme|change-me|placeholder|todo|x{3,}|sk-x+|sk-\.\.\.|<[^>]*>|"
+                              r".*your[-_ ]?(?:api[-_ ]?)?key.*", re.IGNORECASE)
+
+
+def placeholder_keys(*env_names: str) -> list[str]:
+    """Those of the variables ``env_names`` that hold a placeholder instead of a key (any of their
+    comma-separated keys), for ``clawrl doctor``: a provider judge sends it and gets every call refused."""
+    return [name for name in dict.fromkeys(env_names) if name and any(
+        _PLACEHOLDER_KEY.fullmatch(k.strip()) for k in (read_secret(name) or "").split(","))]
+
+
 def read_api_keys(env_name: str) -> list[str]:
     """Comma-separated API keys from the env var named by ``server.api_keys_env``."""
     raw = read_secret(env_name) or ""
     keys = [k.strip() for k in raw.split(",") if k.strip()]
     for k in keys:
-        if k.lower() in {"changeme", "your-key-here", "sk-xxx", "placeholder"}:
+        if _PLACEHOLDER_KEY.fullmatch(k):
             raise ConfigError(f"env {env_name}: refusing placeholder API key {k!r}")
     return keys
 

@@ -17,8 +17,10 @@ rows to say anything (under ``MIN_ROWS``) passes with a note.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,12 +55,74 @@ def _share(part: int, whole: int) -> float:
 
 
 def diagnose(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: str,
-             checkpoints: Path | None = None) -> list[Finding]:
-    """Every finding for the turns judged under ``judge_config_hash`` with advantage ``method``."""
+             checkpoints: Path | None = None, group_by_prompt: bool = False, judge_timeout_s: float | None = None,
+             placeholder_keys: Sequence[str] = ()) -> list[Finding]:
+    """Every finding for the turns judged under ``judge_config_hash`` with advantage ``method``. From the
+    settings (:func:`settings_checks`): ``group_by_prompt`` (rewards centred on their prompt's group),
+    ``judge_timeout_s`` (what bounds a judge call; None: the judge calls nothing that can hang) and
+    ``placeholder_keys`` (key variables holding a placeholder)."""
     fates = _fate_counts(con, judge_config_hash)
     return [_traffic(con), _next_states(con, judge_config_hash, fates), *_judge(con, judge_config_hash, fates),
-            _hints(con, judge_config_hash, method), _staleness(fates), _signal(con, method),
-            _training(checkpoints), _serving(con), _promotion(con)]
+            _judge_timeout(judge_timeout_s), _keys(placeholder_keys), _hints(con, judge_config_hash, method),
+            _staleness(fates), _signal(con, method), _groups(con, method, group_by_prompt), _training(checkpoints),
+            _serving(con), _promotion(con)]
+
+
+def settings_checks(s: Any) -> dict[str, Any]:
+    """What :func:`diagnose` reads from the settings ``s``, as plain values."""
+    from clawrl.config import placeholder_keys
+
+    method = Method(s.ppo.advantage_estimator)
+    calls_out = bool(s.hooks.reward) or s.prm.backend in ("sglang", "provider") or bool(
+        s.prm.backend == "engine" and s.prm.judge_engine_urls())
+    return {"group_by_prompt": s.ppo.group_norm and s.ppo.group_by == "prompt" and method in (Method.GRPO,
+                                                                                               Method.COMBINE),
+            "judge_timeout_s": s.engine.stall_timeout_s if calls_out else None,
+            "placeholder_keys": placeholder_keys(s.server.api_keys_env, s.server.admin_keys_env,
+                                                 *([s.provider.api_key_env] if s.prm.backend == "provider" else []))}
+
+
+def _keys(placeholders: Sequence[str]) -> Finding:
+    if not placeholders:
+        return Finding("api_keys", True, "no API key variable holds a placeholder")
+    return Finding("api_keys", False, f"{', '.join(placeholders)} hold{'s' if len(placeholders) == 1 else ''} a "
+                   "placeholder, not a key", "a placeholder copied from an example is no key: a provider judge "
+                   "sends it and every call is refused (HTTP 401, each turn a judge_error), and a gateway given it "
+                   "refuses to start", "put the real key in the variable, or unset it",
+                   "SELECT detail, count(*) FROM turn_outcomes WHERE fate = 'judge_error' GROUP BY detail")
+
+
+def _judge_timeout(timeout_s: float | None) -> Finding:
+    if timeout_s is None:
+        return Finding("judge_timeout", True, "the judge calls nothing that can hang (the rule judge, or an "
+                       "engine in this process)")
+    if 0 < timeout_s < math.inf:
+        return Finding("judge_timeout", True, f"every judge call (a model over HTTP, a reward hook) times out after "
+                       f"{timeout_s:g} s ([engine] stall_timeout_s) and counts as a failed vote")
+    return Finding("judge_timeout", False, f"judge calls have no timeout ([engine] stall_timeout_s = {timeout_s:g})",
+                   "a judge model or reward hook that never answers holds its turns, the judge run and the "
+                   "training that waits for their samples, for good", "set [engine] stall_timeout_s to a "
+                   "finite number of seconds", "clawrl status (turns pending judgment)")
+
+
+def _groups(con: duckdb.DuckDBPyConnection, method: str, group_by_prompt: bool) -> Finding:
+    """A sample alone with its prompt in its batch gets reward - its own mean = 0 (std 0 after centering)."""
+    if not group_by_prompt:
+        return Finding("groups", True, "rewards are not centred on their prompt's group ([ppo] group_norm, group_by)")
+    sql = ("SELECT batch_id, prompt_ids, count(*) AS n FROM batches b, unnest(b.sample_ids) AS u(sample_id) "
+           "JOIN samples s USING (sample_id) GROUP BY batch_id, prompt_ids")
+    c = _one(con, f"SELECT coalesce(sum(n), 0) AS samples, coalesce(sum(n) FILTER (WHERE n = 1), 0) AS alone "
+                  f"FROM ({sql})")
+    summary = f"{c['alone']} of {c['samples']} trained samples were alone with their prompt in their batch"
+    if c["samples"] >= MIN_ROWS and _share(c["alone"], c["samples"]) >= 0.5:
+        return Finding("groups", False, summary,
+                       "[ppo] group_norm centres each judge reward on the mean of its prompt's group (group_by = "
+                       "'prompt'): a group of one sample has std 0 after centering, its advantage is 0, and its "
+                       "judge score teaches nothing" + (" (grpo: the sample trains on nothing)"
+                                                         if method == Method.GRPO.value else ""),
+                       "[ppo] group_by = 'batch' (a baseline over the batch: live traffic rarely repeats a prompt), "
+                       "group_norm = false, or several answers per prompt (n > 1)", sql)
+    return Finding("groups", True, summary)
 
 
 def _fate_counts(con: duckdb.DuckDBPyConnection, chash: str) -> dict[str, int]:
@@ -173,7 +237,8 @@ def _hints(con: duckdb.DuckDBPyConnection, chash: str, method: str) -> Finding:
                        "teacher signal"
                        + (" and its turns are dropped (no_hint)" if method == Method.OPD.value else ""),
                        "a stronger hint model (the judge's, [prm] backend), more [opd] hint_samples, or "
-                       "advantage_estimator = grpo / combine, which learn from the score alone", sql)
+                       + ("advantage_estimator = grpo / combine, which learn from the score alone"
+                          if method == Method.OPD.value else "advantage_estimator = grpo, which needs no hints"), sql)
     return Finding("hints", True, summary)
 
 
@@ -198,7 +263,9 @@ def _signal(con: duckdb.DuckDBPyConnection, method: str) -> Finding:
                        "when every reward in a batch is the same and no teacher term is present, the advantage "
                        "is constant" + (" (zero after the group baseline)" if method == Method.GRPO.value else "")
                        + ": the step pushes every token the same way and learns nothing about which answer was better",
-                       "a judge that tells answers apart, bigger batches, or combine / on_policy_distillation",
+                       "a judge that tells answers apart, bigger batches, or "
+                       + ("combine / on_policy_distillation" if method == Method.GRPO.value else
+                          "usable hints (the teacher term needs them: see the hints finding)"),
                        "SELECT b.batch_id, list(DISTINCT s.reward) FROM batches b, unnest(b.sample_ids) AS "
                        "u(sample_id) JOIN samples s USING (sample_id) GROUP BY b.batch_id")
     return Finding("signal", True, summary)
@@ -273,10 +340,11 @@ def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
 
 
 def report(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: str,
-           checkpoints: Path | None = None) -> dict[str, Any]:
+           checkpoints: Path | None = None, **checks: Any) -> dict[str, Any]:
     """The whole diagnosis as JSON values (``clawrl doctor --json``, the train flow's ``doctor.json``):
-    the findings, the per-version scores and the one-sentence verdict on them."""
-    findings = diagnose(con, judge_config_hash, method=method, checkpoints=checkpoints)
+    the findings, the per-version scores and the one-sentence verdict on them. ``checks``: those of
+    :func:`settings_checks`."""
+    findings = diagnose(con, judge_config_hash, method=method, checkpoints=checkpoints, **checks)
     versions = learning_by_version(con, judge_config_hash)
     out = {"judge_config_hash": judge_config_hash, "findings": [f.as_dict() for f in findings],
            "learning_by_version": versions, "learning": learning_verdict(versions)}

@@ -116,6 +116,32 @@ def ui_links(data_root: Path, run_id: str, base_url: str) -> dict[str, str]:
     return links
 
 
+PREFECT_RUN_TAG = "prefect.flow_run_url"  # on a step's run: its Prefect flow run in the UI (with prefect.flow_run_id)
+
+
+def relink_to_prefect(data_root: Path, prefect_ui_url: str) -> int:
+    """Point every run's link to its Prefect flow run (tag ``prefect.flow_run_url``, kept beside
+    ``prefect.flow_run_id``) at the Prefect UI at ``prefect_ui_url``: the data brought up again by
+    `clawrl up`, on other ports than the run that wrote it, links the UI that runs now. Returns the
+    runs changed."""
+    c = client(data_root)
+    changed = 0
+    for exp in c.search_experiments():
+        token = None
+        while True:
+            page = c.search_runs([exp.experiment_id], max_results=1000, page_token=token)
+            for run in page:
+                run_id = run.data.tags.get("prefect.flow_run_id")
+                url = f"{prefect_ui_url}/flow-runs/flow-run/{run_id}"
+                if run_id and run.data.tags.get(PREFECT_RUN_TAG) != url:
+                    c.set_tag(run.info.run_id, PREFECT_RUN_TAG, url)
+                    changed += 1
+            token = page.token
+            if not token:
+                break
+    return changed
+
+
 def _ensure_registered_model(c, name: str, description: str) -> None:
     with contextlib.suppress(Exception):  # it exists already (made before, or just now by another process)
         c.create_registered_model(name, description=description)
@@ -277,11 +303,15 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
         c.delete_tag(run_id, "sync_error")
 
 
-def set_policy_alias(data_root: Path, alias: str, weight_version: str) -> str | None:
+def set_policy_alias(data_root: Path, alias: str, weight_version: str,
+                     initial_weights: str | Path | None = None) -> str | None:
     """Point the ``clawrl-policy`` alias ``alias`` (``champion``, ``candidate``) at the model version of
-    ``weight_version``; returns that model version, or None when the version has none (the initial
-    weights: then a ``champion`` alias is removed, since no model version is the champion)."""
+    ``weight_version``; returns that model version, or None when the version has none (then the alias
+    is removed). ``initial_weights``: the directory of weight version "0", registered as a model
+    version the first time "0" gets an alias, so the initial weights carry ``@champion`` while they are."""
     c = client(data_root)
+    if str(weight_version) == "0" and initial_weights is not None:
+        register_initial_weights(data_root, initial_weights)
     found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '{weight_version}'")
     if not found:
         with contextlib.suppress(Exception):  # no registered model or no such alias yet
@@ -289,6 +319,20 @@ def set_policy_alias(data_root: Path, alias: str, weight_version: str) -> str | 
         return None
     mv = min(found, key=lambda m: int(m.version))  # the first registered for this weight version
     c.set_registered_model_alias(REGISTERED_MODEL, alias, str(mv.version))
+    return str(mv.version)
+
+
+def register_initial_weights(data_root: Path, model_dir: str | Path) -> str:
+    """The ``clawrl-policy`` model version of weight version "0", the initial weights at ``model_dir``
+    (registered once, with no run: no training step made them)."""
+    c = client(data_root)
+    _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
+    found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '0'")
+    if found:
+        return str(min(int(m.version) for m in found))
+    mv = c.create_model_version(REGISTERED_MODEL, source=Path(model_dir).as_uri(),
+                                tags={"weight_version": "0", "initial_weights": "true"},
+                                description="Weight version 0: the initial weights, before any training step.")
     return str(mv.version)
 
 

@@ -61,6 +61,34 @@ class Service:
     log_path: Path | None = None
     ready_only_on_200: bool = False  # else any answer below 500 (a 401 of a keyed gateway) means up
     after_others: bool = False  # started once every service before it answers (else all start side by side)
+    listens: tuple[str, int] | None = None  # (host, port) it binds, checked before anything starts
+
+
+# The option or config key that sets each service's port, as `clawrl up` names it when the port is taken:
+# the one table to change when a key is renamed.
+PORT_KEYS = {"prefect": "--prefect-port", "mlflow": "--mlflow-port", "trainer": "--trainer-port",
+             "gateway": "[server] api_port", "judge-engine": "[prm] engine_port", "eval-engine": "[gate] engine_port",
+             "canary-engine": "[gate] canary_port", "engine": "[engine] port", "engine-router": "[engine] port",
+             "judge-engine-router": "[prm] engine_port"}
+
+
+def port_problems(services: list[Service]) -> list[str]:
+    """Why each service could not listen where it should (its port taken, or given to two of them), each
+    naming the key that moves it; empty when all can. Checked before any of them starts."""
+    from clawrl.serving import listen_problem
+
+    problems, seen = [], {}
+    for svc in services:
+        if svc.listens is None:
+            continue
+        host, port = svc.listens
+        key = PORT_KEYS.get(svc.name, "its port")
+        if port in seen:
+            problems.append(f"port {port} is set for both {seen[port]} and {svc.name}: choose another with {key}")
+        elif problem := listen_problem(host, port):
+            problems.append(f"{svc.name}: {problem}: choose another with {key}")
+        seen.setdefault(port, svc.name)
+    return problems
 
 
 def wait_healthy(svc: Service, timeout_s: float) -> None:
@@ -68,7 +96,8 @@ def wait_healthy(svc: Service, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         if svc.proc is not None and svc.proc.poll() is not None:
             tail = svc.log_path.read_text()[-2000:] if svc.log_path and svc.log_path.exists() else ""
-            raise RuntimeError(f"{svc.name} exited with code {svc.proc.returncode}:\n{tail}")
+            key = f" (its port: {PORT_KEYS[svc.name]})" if svc.name in PORT_KEYS else ""
+            raise RuntimeError(f"{svc.name}{key} exited with code {svc.proc.returncode}:\n{tail}")
         with suppress(httpx.HTTPError):
             status = httpx.get(svc.health_url, timeout=2.0).status_code
             if status == 200 or (status < 500 and not svc.ready_only_on_200):
@@ -119,7 +148,7 @@ def prefect_service(host: str, port: int) -> Service:
     """The Prefect server (API and UI) on ``host:port``."""
     return Service("prefect", [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port",
                                str(port)], f"{client_url(host, port)}/api/health", client_url(host, port),
-                   env=PREFECT_SERVER_ENV)
+                   env=PREFECT_SERVER_ENV, listens=(host, port))
 
 
 @contextmanager
@@ -182,13 +211,14 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
                            "--backend-store-uri", mlflow_db, "--artifacts-destination",
                            str(root / "mlflow" / "artifacts"), "--workers", "1"],
                 f"{client_url(host, mlflow_port)}/health", client_url(host, mlflow_port),
-                env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
+                env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, listens=(host, mlflow_port)),
         Service("trainer", [*_trainer_launcher(settings), "-m", "clawrl.cli", "trainer", "-c", str(config_path),
                             "--host", host, "--port", str(trainer_port)],
-                f"{client_url(host, trainer_port)}/state", client_url(host, trainer_port)),
+                f"{client_url(host, trainer_port)}/state", client_url(host, trainer_port), listens=(host, trainer_port)),
         *policy,  # its engines and their router answer before the gateway asks them what they serve
         Service("gateway", [py, "-m", "clawrl.cli", "serve", "-c", str(config_path)], f"{gw}/healthz", f"{gw}/v1",
-                env={**canary_env, **policy_env}, after_others=bool(policy)),
+                env={**canary_env, **policy_env}, after_others=bool(policy),
+                listens=(settings.server.host, settings.server.api_port)),
         *judge,
         *([gate_engine] if gate_engine else []),
         *([canary] if canary else []),
@@ -247,7 +277,8 @@ def _engine_group(name: str, config_path: Path, host: str, port: int, n: int, re
     workers = [_engine_service(f"{name}-{i}", config_path, host, p, resume) for i, p in enumerate(worker_ports[:n])]
     url = client_url(host, port)
     router = Service(f"{name}-router", router_argv([w.url for w in workers], host, port, worker_ports[n]),
-                     f"{url}/readiness", url, ready_only_on_200=True)  # 200 once every worker answers its health
+                     f"{url}/readiness", url, ready_only_on_200=True,  # 200 once every worker answers its health
+                     listens=(host, port))
     return [*workers, router]
 
 
@@ -275,7 +306,7 @@ def _engine_service(name: str, config_path: Path, host: str, port: int, resume: 
     url = client_url(host, port)
     argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port),
             *(["--resume"] if resume else [])]
-    return Service(name, argv, f"{url}/health", url)
+    return Service(name, argv, f"{url}/health", url, listens=(host, port))
 
 
 def _mlflow_ui_url(settings, mlflow_port: int, host: str) -> str:
@@ -295,6 +326,12 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     """Start everything, then block until Ctrl-C / SIGTERM, then stop everything. Every child gets
     PREFECT_API_URL (the flows submit to that server) and MLFLOW_TRACKING_URI."""
     root = Path(settings.storage.data_root)
+    services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
+                    trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s,
+                    work_pool=work_pool, local_worker=local_worker, host=host, engines=engines,
+                    judge_engines=judge_engines)
+    if problems := port_problems(services):
+        raise RuntimeError("\n".join(["nothing started: a port clawrl up needs is not free", *problems]))
     if not store_path(root).exists():  # made whole before MLflow's server and the flows open it
         echo(f"making MLflow's store in {root / 'mlflow'} ...")
         mlflow_client(root)
@@ -303,10 +340,6 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
                          MLFLOW_TRACKING_URI=store_uri(root),
                          CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port, host))
     base_env = {**SHARED_CPU_ENV, **base_env}
-    services = plan(settings, config_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
-                    trainer_port=trainer_port, judge_every_s=judge_every_s, train_every_s=train_every_s,
-                    work_pool=work_pool, local_worker=local_worker, host=host, engines=engines,
-                    judge_engines=judge_engines)
     stopping = False
 
     def on_signal(signum, frame):  # noqa: ARG001

@@ -34,7 +34,8 @@ from prefect.events import emit_event
 
 from clawrl import runtime
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
-from clawrl.flows.slots import JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, skipped_because, tick
+from clawrl.flows.slots import (JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, skipped_because,
+                                tick)
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
@@ -173,7 +174,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction.ROLLBACK, version=found["previous"],
                   source="live", reason=f"live score of version {found['champion']} {found['reason']}",
                   mlflow_run_id=target["mlflow_run_id"], live={**found, "tolerance": g.live_tolerance, "alpha": g.alpha})
-    set_policy_alias(s.storage.data_root, "champion", found["previous"])
+    set_policy_alias(s.storage.data_root, "champion", found["previous"], initial_weights=target["path"])
     log.warning("live rollback: serving version %s again, not %s: %s", found["previous"], found["champion"],
                 found["reason"])
     return found
@@ -214,6 +215,7 @@ def judge_flow(config_path: str | None = None, limit: int | None = None, exclusi
             return _judge_ready(config_path, limit, start_training=True)
     skipped = skipped_because("judge", JUDGE_LIMIT)
     get_run_logger().info("skipped: %s", skipped)
+    mark_idle()
     return {"judged": 0, "fates": {}, "skipped": skipped}
 
 
@@ -246,5 +248,7 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
         _crash_point("emitted")
         if start_training:
             _start_training()
+    if not turn_ids:
+        mark_idle()
     return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts,
             "live": live}

@@ -201,11 +201,26 @@ def report_curve(config_path: str | None, rows: list[dict[str, Any]], title: str
     (out_dir / "learning_curve.json").write_text(json.dumps(rows, indent=1))
     keys = [k for k, _ in CURVES[scenario]] + ["score", "kl", "mean_words"]
     run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params, keys=keys)
-    for row in rows:  # the held-out scores beside the training metrics, over the versions served
-        if str(row.get("weight_version")).isdigit():
-            log_policy_point(s.storage.data_root, int(row["weight_version"]),
-                             {f"heldout_{k}": row.get(k) for k in dict.fromkeys(keys)})
+    for row in rows:  # the held-out scores beside the training metrics, over the versions
+        for version, metrics in policy_points(row, keys, candidate_measured=scenario == "persona"):
+            log_policy_point(s.storage.data_root, version, metrics)
     return {"png": str(png), "mlflow_run_id": run_id}
+
+
+def policy_points(row: dict[str, Any], keys: list[str], candidate_measured: bool) -> list[tuple[int, dict]]:
+    """A curve row as points of the policy run, whose step is the weight version: ``heldout_<key>`` of the
+    version this row decided on (the candidate; the version served in a row with no step), and
+    ``served_heldout_score``, what users got after the decision, at the same step, so a refused
+    candidate's score and the champion's served score are two series over the versions. A refused
+    candidate was measured by its score alone, and only where ``candidate_measured``."""
+    version = str(row.get("candidate_version") or row.get("weight_version"))
+    if not version.isdigit():
+        return []
+    if row.get("gate", "promote") == "promote":  # the candidate serves: the row's measurements are its own
+        held = {f"heldout_{k}": row.get(k) for k in dict.fromkeys(keys) if k != "candidate_score"}
+    else:
+        held = {"heldout_score": row.get("candidate_score")} if candidate_measured else {}
+    return [(int(version), {**held, "served_heldout_score": row.get("score")})]
 
 
 def _row_line(row: dict[str, Any], scenario: str) -> str:

@@ -5,13 +5,15 @@ or running (``clawrl.flows.slots.tick``), never by a Prefect schedule or event t
 run whatever happens, and runs that find another one going would only start, find the slot taken and
 skip (on a busy machine, or pile up).
 
-* ``judge/on-interval``: judges ready turns; :func:`ticker` in this process ticks it every
-  ``--judge-every`` seconds. The runs are also ``exclusive`` (the global limit ``judge``), so one
+* ``judge/on-interval``: judges ready turns; :func:`ticker` in this process looks every
+  ``--judge-every`` seconds and ticks it when turns are ready to judge (``work_waiting``): an idle
+  `clawrl up` creates no runs. The runs are also ``exclusive`` (the global limit ``judge``), so one
   started from the UI while another judges ends Completed with ``skipped``.
 * ``train/on-samples-ready``: one PPO step; ticked by a judge run that leaves a full batch waiting
   (it also emits the event ``clawrl.samples.ready``), and by :func:`ticker` every ``--train-every``
-  seconds as a safety net. Exclusive too, on the global limit ``trainer``: one started from the UI
-  while another trains ends Completed with ``skipped``.
+  seconds when a full batch waits, as a safety net. Exclusive too, on the global limit ``trainer``: one
+  started from the UI while another trains ends Completed with ``skipped``. A run that finds nothing
+  to do is named ``<flow>-idle-<time>`` and tagged ``idle`` (``clawrl.flows.slots.mark_idle``).
 * ``replay/on-demand``: run it from the UI with a version, sessions to exclude, or ``--set`` style
   overrides.
 
@@ -37,6 +39,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from prefect import serve
 from prefect.types.entrypoint import EntrypointType
@@ -59,15 +62,16 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     judge = judge_flow.to_deployment(
         name="on-interval", **{**common, "parameters": {"config_path": config_path, "exclusive": True}},
         description=f"Judge turns whose next state arrived (PRM votes, hints, teacher): a run every "
-                    f"{judge_every_s:g} s while none is going (`clawrl up --judge-every`); one started while "
-                    "another judges skips, Completed.")
+                    f"{judge_every_s:g} s while none is going and turns are ready (`clawrl up --judge-every`); one "
+                    "started while another judges skips, Completed, named and tagged idle.")
     train = train_flow.to_deployment(
         name="on-samples-ready",
         **{**common, "parameters": {"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url,
                                     "engine_url": engine_url, "exclusive": True}},
         description=f"One PPO step per full batch of trainable samples, then checkpoint, lineage, gate, sync: a run "
-                    f"when a judge run leaves a full batch and every {train_every_s:g} s (`clawrl up --train-every`), "
-                    "while none is going; one started while another trains skips, Completed.")
+                    f"when a judge run leaves a full batch, and every {train_every_s:g} s while one waits (`clawrl "
+                    "up --train-every`), while none is going; one that finds no batch or another training ends "
+                    "Completed, named and tagged idle.")
     replay = replay_flow.to_deployment(name="on-demand", **common,
                                        description="Re-train from logged samples: exact, unlearning or counterfactual.")
     return [judge, train, replay]
@@ -102,17 +106,60 @@ def deploy_to_pool(deployments: list, pool: str, env: dict[str, str] | None = No
     return [str(i) for i in ids]
 
 
-def ticker(every_s: dict[str, float], stop: threading.Event) -> None:
-    """:func:`tick` each deployment of ``every_s`` (name -> seconds) at its interval until ``stop`` (a
-    failed tick is logged and tried again at the next)."""
+def ticker(every_s: dict[str, float], stop: threading.Event,
+           has_work: Callable[[str], bool] = lambda name: True) -> None:
+    """At each deployment's interval (``every_s``: name -> seconds) until ``stop``, :func:`tick` it when
+    ``has_work(name)``: an idle `clawrl up` creates no runs that find nothing. A failed check or tick is
+    logged and tried again at the next."""
     due = {name: time.monotonic() + s for name, s in every_s.items()}
     while not stop.wait(max(0.0, min(due.values()) - time.monotonic())):
         for name in [n for n, t in due.items() if t <= time.monotonic()]:
             due[name] = time.monotonic() + every_s[name]
             try:
-                tick(name)
+                if has_work(name):
+                    tick(name)
             except Exception as e:  # noqa: BLE001 - the deployment not registered yet, the server restarting
                 log.warning("%s tick failed: %s", name, e)
+
+
+def work_waiting(config_path: str) -> Callable[[str], bool]:
+    """Whether a run of a deployment would find work now: turns ready to judge (a next state arrived, or a
+    turn was told none will come) for the judge, a full batch of trainable samples for the train run."""
+    from clawrl.flows.common import load_flow_settings
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import pending_counts, turns_to_judge
+
+    def check(deployment: str) -> bool:
+        s = load_flow_settings(config_path)
+        with open_catalog(s.storage.data_root) as con:
+            if deployment == JUDGE_DEPLOYMENT:
+                return turns_to_judge(con, build_judge_config_hash(s), limit=1).num_rows > 0
+            return pending_counts(con, build_judge_config_hash(s), s.ppo.rollout_batch_size)["full_batches"] > 0
+
+    return check
+
+
+def relink_uis(config_path: str) -> None:
+    """Point the links between the two UIs - each train run's artifact to its MLflow run and model version,
+    each MLflow run to its Prefect flow run - at the UIs this `clawrl up` serves: the data may have been
+    written by a demo or an earlier `clawrl up` on other ports."""
+    from prefect.settings import PREFECT_UI_URL
+
+    from clawrl.flows.common import load_flow_settings
+    from clawrl.flows.train import relink_artifacts
+    from clawrl.lineage import relink_to_prefect
+
+    s = load_flow_settings(config_path)
+    try:
+        runs = relink_to_prefect(s.storage.data_root, str(PREFECT_UI_URL.value()))
+        artifacts = relink_artifacts(s.storage.mlflow_ui_url)
+    except Exception as e:  # noqa: BLE001 - links, not the flows: serve anyway and say so
+        log.warning("the links between the Prefect and MLflow UIs were not updated: %s: %s", type(e).__name__, e)
+        return
+    if runs or artifacts:
+        log.warning("links updated to the UIs now running: %d MLflow runs -> Prefect %s, %d Prefect artifacts -> "
+                    "MLflow %s", runs, PREFECT_UI_URL.value(), artifacts, s.storage.mlflow_ui_url)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
                    "workers run the flows) instead of serving them from this process.")
     a = p.parse_args(argv)
     ensure_judge_limit()
+    relink_uis(a.config)
     stop = threading.Event()
     judge, train, replay = build_deployments(a.config, a.trainer_url, a.engine_url, a.judge_every, a.train_every)
     runner = None
@@ -141,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         runner.register()
         threading.Thread(target=runner.serve, args=(stop,), name="in-process-runs", daemon=True).start()
     every = {JUDGE_DEPLOYMENT: a.judge_every, TRAIN_DEPLOYMENT: a.train_every}
-    threading.Thread(target=ticker, args=(every, stop), name="ticker", daemon=True).start()
+    threading.Thread(target=ticker, args=(every, stop, work_waiting(a.config)), name="ticker", daemon=True).start()
     try:
         if runner is None:
             stop.wait()  # the ticker's process, until SIGTERM or Ctrl-C

@@ -147,3 +147,22 @@ def _slot_free(client, limit: str | None) -> bool:
         return client.read_global_concurrency_limit_by_name(limit).active_slots == 0
     except ObjectNotFound:
         return True  # no run has taken a slot of it yet
+
+
+IDLE_TAG = "idle"  # a run that found nothing to do: named <flow>-idle-<time> and tagged, out of the way in the UI
+
+
+def mark_idle() -> None:
+    """Name this flow run ``<flow>-idle-<time>`` and tag it ``idle``: it found nothing to do, and must not
+    read like a run that judged or trained (filter the tag out in the UI's run list)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    run = ctx.flow_run
+    flow, _, when = run.name.partition("-")
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(run.id, name=f"{flow}-idle-{when}" if when else f"{run.name}-idle",
+                               tags=[*run.tags, IDLE_TAG])

@@ -47,6 +47,7 @@ trainer service at ``trainer_url`` (``clawrl up``).
 from __future__ import annotations
 
 import contextlib
+import re
 import tempfile
 import threading
 from datetime import datetime, timezone
@@ -63,10 +64,10 @@ from clawrl.config import config_hash, dump_toml
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
                                  load_flow_settings, local_trainer, push_canary, push_weights, serve_target,
                                  trainer_in_process)
-from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, skipped_because
+from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, mark_idle, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
-from clawrl.doctor import plot_learning_by_version, report
+from clawrl.doctor import plot_learning_by_version, report, settings_checks
 from clawrl.lineage import client as mlflow_client, experiment_id, log_doctor, log_train_step, start_step_run, ui_links
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
@@ -148,7 +149,7 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
     same completion for any earlier recorded version whose train run stopped before it. Returns the
     weight versions whose lineage it completed."""
     from clawrl.checkpoint import read_step_result
-    from clawrl.lineage import runs_without_model_version, set_policy_alias
+    from clawrl.lineage import register_initial_weights, runs_without_model_version, set_policy_alias
     from clawrl.storage.queries import recorded_checkpoints
 
     s = load_flow_settings(config_path)
@@ -166,10 +167,11 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
               "batch_size": s.ppo.rollout_batch_size, "max_staleness": s.ppo.max_staleness, "backend": s.ppo.backend,
               "model": s.model.name, **hook_params(s.hooks)}
     tags = {"judge_config_hash": build_judge_config_hash(s), "method": hp.advantage_estimator.value}
+    register_initial_weights(root, base_model_dir(s))  # before the first step's: its number is the lowest
     for (st, rid), manifest in zip(todo, manifests):
         log_train_step(root, step=st, params=params, manifest=manifest, tags=tags, run_id=rid)
     set_policy_alias(root, "candidate", step["weight_version"])
-    set_policy_alias(root, "champion", gate["serve_version"])
+    set_policy_alias(root, "champion", gate["serve_version"], initial_weights=gate["serve"]["path"])
     if len(todo) > 1:
         get_run_logger().info("completed the lineage of versions %s, left unfinished by a stopped train run",
                               ", ".join(st["weight_version"] for st, _ in todo[:-1]))
@@ -186,9 +188,10 @@ def prefect_tags() -> dict[str, str]:
 
 
 @task(cache_policy=NO_CACHE)
-def link_step(config_path: str | None, step: dict[str, Any], run_id: str) -> dict[str, str]:
+def link_step(config_path: str | None, step: dict[str, Any], run_id: str, gate: dict[str, Any]) -> dict[str, str]:
     """From Prefect to MLflow: a markdown artifact on this flow run with the step's MLflow run and
-    model version, and the flow run named for the version it made (``train-v16``)."""
+    model version and the gate's decision, and the flow run named for the version it made (``train-v16``).
+    `clawrl up` points the links at the MLflow UI it starts (``relink_artifacts``)."""
     from prefect.artifacts import create_markdown_artifact
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
@@ -199,6 +202,7 @@ def link_step(config_path: str | None, step: dict[str, Any], run_id: str) -> dic
     create_markdown_artifact(
         key=f"train-v{version}", description=f"MLflow run and model version of weight version {version}",
         markdown=(f"## Weight version {version} (from {step['parent_version']}, batch `{step['batch_id']}`)\n\n"
+                  f"- {gate_line(gate)}\n"
                   f"- [MLflow run]({links['mlflow_run']}) `{run_id}`\n"
                   + (f"- [model version]({links['model_version']}) of `clawrl-policy`\n" if "model_version" in links
                      else "")
@@ -207,6 +211,39 @@ def link_step(config_path: str | None, step: dict[str, Any], run_id: str) -> dic
         with get_client(sync_client=True) as client:
             client.update_flow_run(flow_run.id, name=f"train-v{version}")
     return links
+
+
+_MLFLOW_LINK = re.compile(r"\]\([^)\s]*?(/#/(?:experiments|models)/)")
+
+
+def relink_artifacts(mlflow_ui_url: str) -> int:
+    """Point the MLflow links of every ``train-v*`` artifact at the MLflow UI at ``mlflow_ui_url`` (what
+    `clawrl up` starts: the data brought up again on other ports links the UI that runs now). Returns
+    the artifacts changed."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    changed, offset, page = 0, 0, 200  # Prefect's largest page
+    with get_client(sync_client=True) as client:
+        while True:
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="train-v%")),
+                                          limit=page, offset=offset)
+            for a in found:
+                text = _MLFLOW_LINK.sub(lambda m: f"]({mlflow_ui_url}{m.group(1)}", a.data or "")
+                if isinstance(a.data, str) and text != a.data:
+                    client.update_artifact(a.id, ArtifactUpdate(data=text))
+                    changed += 1
+            if len(found) < page:
+                return changed
+            offset += page
+
+
+def gate_line(gate: dict[str, Any]) -> str:
+    """The promotion gate's decision on a version, as its Prefect artifact says it."""
+    if gate["decision"] == "promote":
+        return f"promoted: serves as the champion (before: version {gate['champion_version']}); {gate['reason']}"
+    return f"**refused** by the promotion gate: version {gate['serve_version']} keeps serving; {gate['reason']}"
 
 
 @task(cache_policy=NO_CACHE)
@@ -285,7 +322,7 @@ def log_doctor_report(config_path: str | None, step: dict[str, Any], run_id: str
     try:
         with open_catalog(s.storage.data_root) as con:
             found = report(con, chash, method=s.ppo.advantage_estimator.value,
-                           checkpoints=s.storage.data_root / "checkpoints")
+                           checkpoints=s.storage.data_root / "checkpoints", **settings_checks(s))
         versions = found["learning_by_version"]
         with tempfile.TemporaryDirectory() as tmp:
             png = plot_learning_by_version(versions, Path(tmp) / "learning_by_version.png") if versions else None
@@ -326,6 +363,7 @@ def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: 
             return _train_steps(config_path, max_steps, trainer_url, engine_url, contextlib.nullcontext)
     skipped = skipped_because("train", TRAINER_LIMIT)
     get_run_logger().info("skipped: %s", skipped)
+    mark_idle()
     return {"steps": [], "skipped": skipped}
 
 
@@ -356,7 +394,7 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
             if log_lineage(config_path, step, run_id, gate, return_state=True).is_failed():
                 log.warning("the MLflow lineage of version %s is not complete; the next train run completes it",
                             step["weight_version"])
-            link_step(config_path, step, run_id)
+            link_step(config_path, step, run_id, gate)
             log_doctor_report(config_path, step, run_id)
         m = step["metrics"]
         log.info("step %d (batch %s): loss %.4f, reward %.3f, kl %.5f -> version %s, %s; serving %s (sync: %s)",
@@ -364,4 +402,6 @@ def _train_steps(config_path: str | None, max_steps: int, trainer_url: str | Non
                  m.get("kl", 0.0), step["weight_version"], "promoted" if gate["decision"] == "promote" else "refused",
                  gate["serve_version"], "ok" if synced["success"] else synced["message"])
         steps.append({**step, "mlflow_run_id": run_id, "gate": gate, "sync": synced, "canary": canary})
+    if not steps:  # no full batch: not a step
+        mark_idle()
     return {"steps": steps}

@@ -217,13 +217,31 @@ def run_query(data_root: str | os.PathLike, sql: str, *, read_only: bool = False
     ``read_only`` (what ``clawrl sql`` uses): queries only, on a read-only catalog; anything else
     raises ``ReadOnlyQueryError`` before it runs. Otherwise nothing here writes the data root,
     though DuckDB's own COPY/EXPORT are not blocked. Raises ``duckdb.Error`` with DuckDB's message
-    for a bad query. A statement with no result (SET, CREATE ...) returns an empty table.
+    for a bad query. A statement with no result (SET, CREATE ...) returns an empty table. Columns of
+    one name are renamed apart (``unique_names``).
     """
     if read_only:
         check_read_only(sql)
     with open_catalog(data_root, read_only=read_only, private=True) as con:
         rel = con.sql(sql)
-        return rel.to_arrow_table() if rel is not None else pa.table({})
+        table = rel.to_arrow_table() if rel is not None else pa.table({})
+    return table.rename_columns(unique_names(table.column_names))
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """Column names made unique as DuckDB names a table's columns (``a, a, a_1`` -> ``a, a_1, a_1_1``,
+    compared without case): a result with two columns of one name, as a join may give, would otherwise
+    show one column's value under the other's name wherever rows are read as dicts (csv, json, the table)."""
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        new, n = name, 0
+        while new.lower() in seen:
+            n += 1
+            new = f"{name}_{n}"
+        seen.add(new.lower())
+        out.append(new)
+    return out
 
 
 EXPORT_FORMATS = ("csv", "json", "parquet")

@@ -25,20 +25,36 @@ def promotion_log(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     return _rows(con, "SELECT * EXCLUDE (date) FROM promotions ORDER BY created_at, promotion_id")
 
 
-def champion_stack(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """The line of champions a rollback walks back: a promotion pushes its version, a rollback to a
-    version pops back to it (pushes it when it was not on the line). The last one is the champion."""
-    stack = [BASE_VERSION]
-    for r in promotion_log(con):
+def _walk_line(log: list[dict[str, Any]]) -> tuple[list[str], set[str]]:
+    """(the line of champions, the versions kept from serving on purpose) after the rows of ``log``.
+
+    A promotion pushes its version (not again when it is already the champion: a rollback must reach
+    the previous distinct champion); a rollback to a version pops back to it (pushes it when it was not
+    on the line). Kept from serving: versions the gate refused or a rollback took off the line, until
+    promoted again."""
+    stack, unserved = [BASE_VERSION], set()
+    for r in log:
         v = str(r["weight_version"])
+        if r["action"] == PromotionAction.REFUSE.value:
+            unserved.add(v)
+            continue
+        unserved.discard(v)
         if r["action"] == PromotionAction.PROMOTE.value:
-            stack.append(v)
+            if stack[-1] != v:
+                stack.append(v)
         elif r["action"] == PromotionAction.ROLLBACK.value:
             if v in stack:
+                unserved.update(stack[stack.index(v) + 1:])
                 del stack[stack.index(v) + 1:]
             else:
+                unserved.add(stack[-1])
                 stack.append(v)
-    return stack
+    return stack, unserved
+
+
+def champion_stack(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The line of champions a rollback walks back (``_walk_line``). The last one is the champion."""
+    return _walk_line(promotion_log(con))[0]
 
 
 def current_champion(con: duckdb.DuckDBPyConnection) -> str:
@@ -78,15 +94,10 @@ def best_promoted_mean(con: duckdb.DuckDBPyConnection, eval_key: str) -> float |
     return None if value is None else float(value)
 
 
-def refused_versions(con: duckdb.DuckDBPyConnection) -> set[str]:
-    """Versions the gate refused and nobody promoted since: unserved on purpose, not waiting."""
-    out: set[str] = set()
-    for r in promotion_log(con):
-        if r["action"] == PromotionAction.REFUSE.value:
-            out.add(str(r["weight_version"]))
-        else:
-            out.discard(str(r["weight_version"]))
-    return out
+def unserved_versions(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """Versions the gate refused or a rollback served away from, and nobody promoted since: unserved on
+    purpose, not waiting for a sync."""
+    return _walk_line(promotion_log(con))[1]
 
 
 def live_scores(con: duckdb.DuckDBPyConnection, judge_config_hash: str, weight_version: str) -> list[float]:

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from clawrl.records import OPEN_NAMESPACE, Fate, TurnType
 from clawrl.storage.catalog import sql_str
-from clawrl.storage.promotions import refused_versions
+from clawrl.storage.promotions import unserved_versions
 from clawrl.storage.selection import parse_version
 
 _MAIN, _SIDE, _SAMPLE = TurnType.MAIN.value, TurnType.SIDE.value, Fate.SAMPLE.value
@@ -412,16 +412,16 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     version any attempt saw served); latest_checkpoint (newest trained version, 0 before any step);
     waiting (trained versions newer than ``last_seen_serving``; every trained version when no sync
     ever saw one served: the engine still serves the initial weights), except candidates the
-    promotion gate refused.
+    promotion gate refused and versions a rollback served away from.
     """
     rows = _rows(con, "SELECT * EXCLUDE (date) FROM syncs ORDER BY created_at DESC")
     last = rows[0] if rows else None
     last_ok = next((r for r in rows if r["ok"]), None)
     seen = next((r["serving_version"] for r in rows if r["serving_version"] is not None), None)
     latest = latest_version(con)
-    refused = refused_versions(con)  # the gate keeps these from serving: not waiting for a sync
+    unserved = unserved_versions(con)  # refused, or rolled back from: not waiting for a sync
     waiting = [str(v) for v in range((0 if seen is None else parse_version(seen)) + 1, latest + 1)
-               if str(v) not in refused]
+               if str(v) not in unserved]
     return {"attempts": len(rows), "failures": sum(not r["ok"] for r in rows), "last": last, "last_ok": last_ok,
             "serving": None if last is None else last["serving_version"], "last_seen_serving": seen,
             "latest_checkpoint": latest, "waiting": waiting}

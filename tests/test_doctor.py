@@ -335,3 +335,63 @@ def test_candidates_that_get_worse_while_refused_point_at_a_starved_learner(tmp_
     f = findings(tmp_path)["promotion"]
     assert not f.ok and f.summary.endswith("; last: worse by more than the tolerance 0.05")
     assert "scored worse than the champion v0" in f.cause
+
+
+def test_fixes_never_suggest_the_method_the_run_already_uses(tmp_path):
+    """combine learns from the score already: its hint and signal findings point at hints, not at combine."""
+    recs = []
+    for i in range(8):
+        s = f"s{i // 2}"
+        recs += [turn(i, s, i % 2), NextStateRecord(f"t{i}", s, i % 2, True, "[]", "next_request"),
+                 verdict(i, -1, [-1, -1, -1], ["\\boxed{-1}"] * 3, hint_raw=json.dumps(["I cannot help."])),
+                 FateRecord(f"t{i}", s, H, "sample", "")]
+    ids = [f"x{k}" for k in range(4)]
+    recs += [SampleRecord(sid, "t", "s", H, "combine", [1], [2], [-0.5], -1.0, False, None, "0") for sid in ids]
+    recs.append(BatchRecord("b0", 0, ids, ["s"], "combine", "c", "1"))
+    write(tmp_path, recs)
+    combine = findings(tmp_path, "combine")
+    assert failing(combine) == ["hints", "signal"]
+    assert "combine" not in combine["hints"].fix and "grpo" in combine["hints"].fix
+    assert "combine" not in combine["signal"].fix and "usable hints" in combine["signal"].fix
+    assert "combine" in findings(tmp_path, "on_policy_distillation")["hints"].fix
+    assert "combine / on_policy_distillation" in findings(tmp_path, "grpo")["signal"].fix
+
+
+def _checked(root, **checks) -> dict:
+    with open_catalog(root) as con:
+        return {f.name: f for f in diagnose(con, H, method="grpo", **checks)}
+
+
+def test_samples_alone_in_their_prompt_group_get_advantage_zero(tmp_path):
+    """Centred on their prompt's group, the 4 samples alone with their prompt get R - R = 0 (one prompt is asked
+    twice)."""
+    ids = [f"x{k}" for k in range(6)]
+    prompts = [[1, 2], [1, 2], [3], [4], [5], [6]]
+    recs = [SampleRecord(sid, "t", "s", H, "grpo", p, [2], [-0.5], 1.0 if k % 2 else -1.0, False, None, "0")
+            for k, (sid, p) in enumerate(zip(ids, prompts))]
+    write(tmp_path, [*recs, BatchRecord("b0", 0, ids, ["s"], "grpo", "c", "1")])
+    groups = _checked(tmp_path, group_by_prompt=True)["groups"]
+    assert not groups.ok and groups.summary == "4 of 6 trained samples were alone with their prompt in their batch"
+    assert "std 0 after centering" in groups.cause and "group_by = 'batch'" in groups.fix
+    with open_catalog(tmp_path) as con:  # its query shows each group's size
+        assert sorted(r[2] for r in con.sql(groups.sql).fetchall()) == [1, 1, 1, 1, 2]
+    assert _checked(tmp_path, group_by_prompt=False)["groups"].ok  # a batch baseline: no groups of one
+
+
+def test_judge_calls_without_a_timeout_and_placeholder_keys(tmp_path, monkeypatch, make_settings):
+    from clawrl.doctor import settings_checks
+
+    assert _checked(tmp_path, judge_timeout_s=float("inf"))["judge_timeout"].ok is False
+    assert "times out after 120 s" in _checked(tmp_path, judge_timeout_s=120.0)["judge_timeout"].summary
+    keys = _checked(tmp_path, placeholder_keys=["CLAWRL_PROVIDER_API_KEY"])["api_keys"]
+    assert not keys.ok and keys.summary == "CLAWRL_PROVIDER_API_KEY holds a placeholder, not a key"
+    monkeypatch.setenv("CLAWRL_PROVIDER_API_KEY", "sk-xxx")
+    provider = make_settings({"prm.backend": "provider", "provider.base_url": "http://10.0.0.9/v1"})
+    assert settings_checks(provider) == {"group_by_prompt": False, "judge_timeout_s": 120.0,
+                                         "placeholder_keys": ["CLAWRL_PROVIDER_API_KEY"]}
+    monkeypatch.setenv("CLAWRL_PROVIDER_API_KEY", "sk-live-1234")
+    assert settings_checks(provider)["placeholder_keys"] == []
+    rule = make_settings({"prm.backend": "rule", "ppo.group_norm": True, "ppo.advantage_estimator": "grpo"})
+    assert settings_checks(rule) == {"group_by_prompt": True, "judge_timeout_s": None, "placeholder_keys": []}
+    hook = make_settings({"prm.backend": "rule", "hooks.reward": "tests.utils.gate_eval:reward"})
+    assert settings_checks(hook)["judge_timeout_s"] == 120.0  # a reward hook is bounded by the same timeout

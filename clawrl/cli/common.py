@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -61,6 +62,17 @@ def settings_or_exit(config: Path | None, overrides: dict | None = None) -> Sett
         fail(f"config error: {e}")
 
 
+def data_root_line(s: Settings, config: Path | None) -> str:
+    """'data root /x (from env CLAWRL__STORAGE__DATA_ROOT)': the first line of every command that reads
+    the recorded data, so that reading another data root than meant (the default one) shows at once."""
+    from clawrl.config import setting_origin
+
+    origin = setting_origin(config, "storage", "data_root")
+    where = ("the default; -c CONFIG or CLAWRL__STORAGE__DATA_ROOT reads another" if origin == "defaults" else
+             f"from {origin}")
+    return f"data root {s.storage.data_root} ({where})"
+
+
 def use_data_root_prefect(s: Settings) -> str:
     """Point this command's Prefect flows at the data root's Prefect, before Prefect is imported:
     the API of a `clawrl up` running on this data root when it answers (no server of this command's
@@ -97,15 +109,62 @@ def data_root_prefect(s: Settings) -> Iterator[str]:
     import os
 
     where = use_data_root_prefect(s)
-    if os.environ.get("PREFECT_API_URL"):
-        yield where
-        return
-    from clawrl.supervisor import own_prefect_server
-
     with contextlib.ExitStack() as stack:
-        with err.status("starting a Prefect server on the data root"):
-            stack.enter_context(own_prefect_server(Path(where)))
-        yield os.environ["PREFECT_API_URL"]
+        if not os.environ.get("PREFECT_API_URL"):
+            from clawrl.supervisor import own_prefect_server
+
+            with err.status("starting a Prefect server on the data root"):
+                stack.enter_context(own_prefect_server(Path(where)))
+            where = os.environ["PREFECT_API_URL"]
+        stack.enter_context(chatter_to_log(Path(s.storage.data_root) / "logs" / FLOW_LOG))
+        yield where
+
+
+FLOW_LOG = "flows.log"  # under <data_root>/logs: every log line of the flows a command runs in its process
+# Prefect's own lines about each run that went well: in the log file, not in the terminal (a run that crashed
+# or failed is said there)
+_CHATTER = ("Beginning ", "View at ", "Finished in state Completed", "Created task run", "Executing ")
+
+
+class _UserFacing(logging.Filter):
+    """What the terminal shows of the flows: warnings and errors, and the lines of the runs' own code
+    (the demo's step lines, a judge run's counts), not Prefect's lines about starting and finishing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or (
+            record.name.startswith("prefect.flow_runs") and not record.getMessage().startswith(_CHATTER))
+
+
+@contextlib.contextmanager
+def chatter_to_log(path: Path) -> Iterator[Path]:
+    """For the span of a command's flows: every log line (Prefect's, MLflow's, Python warnings) also
+    goes to ``path``; the terminal keeps only what ``_UserFacing`` lets through."""
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    ensure_logging_setup()  # Prefect's handlers, once per process (importing prefect does it too)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root, quiet = logging.getLogger(), [logging.getLogger(n) for n in ("mlflow", "py.warnings")]
+    consoles = [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)]
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(consoles[0].formatter if consoles else logging.Formatter(logging.BASIC_FORMAT))
+    saved = [(q, q.handlers[:], q.propagate) for q in quiet]
+    for q in quiet:  # their own stderr handlers (MLflow's) give way to the file
+        q.handlers, q.propagate = [to_file], False
+    for h in consoles:
+        h.addFilter(_UserFacing())
+    root.addHandler(to_file)
+    logging.captureWarnings(True)
+    try:
+        yield path
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(to_file)
+        for h in consoles:
+            h.filters = [f for f in h.filters if not isinstance(f, _UserFacing)]
+        for q, handlers, propagate in saved:
+            q.handlers, q.propagate = handlers, propagate
+        to_file.close()
 
 
 @config_app.command("show")

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from clawrl.cli.common import ConfigOpt, app, console, fail, gateway_engine_url, settings_or_exit, sync_command
+from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url, settings_or_exit,
+                               sync_command)
 
 
 @app.command("sql")
@@ -31,7 +32,9 @@ def sql(
 
     if fmt == "parquet" and out is None:
         fail("--format parquet needs --out FILE")
-    data_root = settings_or_exit(config).storage.data_root
+    s = settings_or_exit(config)
+    data_root = s.storage.data_root
+    err.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)  # stdout: the result only
     try:
         result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
     except (duckdb.Error, ReadOnlyQueryError) as e:
@@ -74,6 +77,7 @@ def status(config: ConfigOpt = None) -> None:
         st = sync_state(con)
         versions = learning_by_version(con, chash)[-3:]
         log, consecutive = promotion_log(con), consecutive_refusals(con)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -184,8 +188,13 @@ def promotion_line(log: list[dict], consecutive: int) -> str:
     if last["action"] == "refuse":
         return (f"{head}; candidate {last['weight_version']} refused{on} ({last['reason']}); "
                 f"{consecutive} refused in a row")
-    verb = "promoted" if last["action"] == "promote" else f"rolled back to from version {last['champion_version']}"
-    return f"{head}, {verb} by {last['source']}{on} ({last['reason']})"
+    verb = "promoted" if last["action"] == "promote" else f"rolled back from version {last['champion_version']}"
+    return f"{head}, {verb} {DECIDED_BY.get(last['source'], 'by ' + last['source'])}{on} ({last['reason']})"
+
+
+# a promotions row's source, as the status line says who decided
+DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live check",
+              "ungated": "without the gate"}
 
 
 @app.command("doctor")
@@ -199,20 +208,21 @@ def doctor(
     import json
 
     s = settings_or_exit(config)
-    from clawrl.doctor import plot_learning_by_version, report
+    from clawrl.doctor import plot_learning_by_version, report, settings_checks
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
 
     chash = build_judge_config_hash(s)
     with open_catalog(s.storage.data_root) as con:
         found = report(con, chash, method=s.ppo.advantage_estimator.value,
-                       checkpoints=s.storage.data_root / "checkpoints")
+                       checkpoints=s.storage.data_root / "checkpoints", **settings_checks(s))
     versions = found["learning_by_version"]
     if plot is not None:
         plot_learning_by_version(versions, plot)
     if as_json:
-        typer.echo(json.dumps(found))
+        typer.echo(json.dumps({"data_root": str(s.storage.data_root), **found}))
         return
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     problems = [f for f in found["findings"] if not f["ok"]]
     console.print(f"clawrl doctor (judge config {chash}): "
                   f"{len(problems) or 'no'} problem{'s' if len(problems) != 1 else ''} found", markup=False)
@@ -254,12 +264,21 @@ def lineage(
     root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
     if replay is not None and (replay in ("", ".", "..") or "/" in replay or not (root / "tables").is_dir()):
         fail(f"no replay {replay!r} in {s.storage.data_root / 'replays'}")
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     with open_catalog(root) as con:
         if version == "latest":
             version = str(latest_version(con))
             if version == "0":
                 fail(f"no checkpoint in {root} yet")
         chain = lineage_chain(con, version)
+        children = [r[0] for r in con.execute("SELECT DISTINCT weight_version FROM checkpoints WHERE "
+                                              "parent_version = '0' ORDER BY step").fetchall()]
+    if version == "0":  # no checkpoint: the weights every run starts from
+        trained = f"versions trained from it: {', '.join(children)}" if children else "no version trained from it yet"
+        console.print(f"weight_version 0{'' if replay is None else f' of replay {replay}'} = the initial weights of "
+                      f"{s.model.name} ([model] name), as loaded before any training step: no batch, no checkpoint; "
+                      f"{trained}", markup=False, highlight=False, soft_wrap=True)
+        return
     if not chain:
         fail(f"no checkpoint with weight_version {version!r} in {root}")
     what = "" if replay is None else f" of replay {replay}"

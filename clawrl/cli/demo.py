@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+import shutil
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from clawrl.cli.common import app, console, data_root_prefect, settings_or_exit
+from clawrl.cli.common import FLOW_LOG, app, console, data_root_prefect, settings_or_exit
 from clawrl.cli.data import status
 from clawrl.config import Settings, dump_toml
 from clawrl.sim.personas import PERSONAS
@@ -51,7 +53,7 @@ def demo(
         raise typer.BadParameter(f"{scenario!r}; valid: {', '.join(DEMO_CONFIGS)}", param_hint="--scenario")
     conf = config or DEMO_CONFIGS[scenario]
     base = settings_or_exit(conf)
-    root = run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
+    root = _run_root(base, conf, run_dir)
     max_tokens = max_tokens or (64 if scenario == "tools" else 48)
     s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
                                 "model.name": model, **_gate_overrides(base, scenario, persona, seed, max_tokens)})
@@ -68,6 +70,7 @@ def demo(
             s.gate.size > len(VALIDATION_QUESTIONS):
         raise typer.BadParameter(f"[gate] size = {s.gate.size}: the demo has {len(VALIDATION_QUESTIONS)} validation "
                                  "questions", param_hint="--config")
+    root = s.storage.data_root  # absolute: the commands printed work from any directory
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
@@ -78,14 +81,39 @@ def demo(
                             seed=seed, heldout=heldout, eval_samples=eval_samples, group_size=group_size,
                             scenario=scenario, plain_share=plain_share)
     except KeyboardInterrupt:
-        console.print(f"interrupted: the steps so far are kept in {root} (`clawrl status -c {run_conf}`)",
-                      markup=False)
+        console.print(f"interrupted: the steps so far are kept in {root} (`{clawrl_command()} status -c {run_conf}`)",
+                      markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
     _print_rows(out["rows"], scenario, persona)
-    console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False)
+    console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False,
+                  soft_wrap=True)
     status(run_conf)
-    console.print(WHERE_TO_LOOK.format(conf=run_conf, last=len(out["rows"]) - 1, root=root,
-                                       prefect=root / "prefect"), markup=False)
+    console.print(WHERE_TO_LOOK.format(clawrl=clawrl_command(), conf=run_conf,
+                                       log=s.storage.data_root / "logs" / FLOW_LOG), markup=False, soft_wrap=True)
+
+
+def clawrl_command() -> str:
+    """`clawrl` when that name runs this installation, else the absolute path of this one's: the commands
+    the demo prints work from any directory (after `make demo`, `clawrl` is on no PATH)."""
+    mine = Path(sys.executable).parent / "clawrl"
+    on_path = shutil.which("clawrl")
+    return "clawrl" if on_path and Path(on_path).resolve() == mine.resolve() else str(mine)
+
+
+def _run_root(base: Settings, conf: Path, run_dir: Path | None) -> Path:
+    """The run's one data root: ``--run-dir``, else the data root the environment names (it wins over
+    every config file, the run's own too: the flows and every command printed would read it), else a new
+    ``<data_root>/runs/demo-<time>``."""
+    from clawrl.config import setting_origin
+
+    origin = setting_origin(conf, "storage", "data_root")
+    if not origin.startswith("env "):
+        return run_dir or base.storage.data_root / "runs" / dt.datetime.now().strftime("demo-%Y%m%d-%H%M%S")
+    if run_dir is not None and run_dir.expanduser().resolve() != base.storage.data_root:
+        raise typer.BadParameter(f"{run_dir}, but {origin.removeprefix('env ')} = {base.storage.data_root} sets the "
+                                 "data root of every command: unset it, or leave --run-dir out to run there",
+                                 param_hint="--run-dir")
+    return base.storage.data_root
 
 
 def _gate_overrides(base: Settings, scenario: str, persona: str, seed: int, max_tokens: int) -> dict:
@@ -139,7 +167,8 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     store = data_store(load_flow_settings(str(run_conf)))
     gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store))
-    console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {s.storage.data_root}", markup=False)
+    console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {s.storage.data_root}", markup=False,
+                  soft_wrap=True)
     try:
         return learning_loop(config_path=str(run_conf), gateway_url=gw.url, **loop_args)
     finally:
@@ -151,9 +180,9 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
 
 WHERE_TO_LOOK = """
 where to look:
-  clawrl status  -c {conf}
-  clawrl sql "select * from turn_fate" -c {conf}
-  clawrl lineage {last} -c {conf}
-  Prefect UI: PREFECT_HOME={prefect} PREFECT_SERVER_ANALYTICS_ENABLED=false .venv/bin/prefect server start  -> http://127.0.0.1:4200 (flow runs 'learning-loop', 'judge', 'train')
-  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{root}/mlflow/mlflow.db  -> http://127.0.0.1:5000 (experiment 'clawrl', model 'clawrl-policy')
-  or `clawrl up -c {conf}` to bring up the gateway and both UIs on this run's data"""
+  {clawrl} status -c {conf}
+  {clawrl} sql "select * from turn_fate" -c {conf}
+  {clawrl} lineage latest -c {conf}
+  {clawrl} up -c {conf}
+    the gateway, the Prefect UI (flow runs 'learning-loop', 'judge', 'train') and the MLflow UI (experiment 'clawrl', model 'clawrl-policy') on this run's data, at the URLs it prints; the links between the two UIs lead to the ones it starts
+  every log line of the flows: {log}"""

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
-from clawrl.cli.common import (ConfigOpt, app, console, data_root_prefect, fail, gateway_engine_url, settings_or_exit,
-                               sync_command, warn)
+from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, data_root_prefect, fail, gateway_engine_url,
+                               settings_or_exit, sync_command, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
@@ -47,6 +47,7 @@ def train(
 ) -> None:
     """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
     s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     with data_root_prefect(s):
         from clawrl.flows.train import train_flow
 
@@ -148,7 +149,7 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
                   reason=reason or f"by hand (clawrl {'promote' if action == 'promote' else 'rollback'})",
                   mlflow_run_id=target["mlflow_run_id"])
     data_store(s).flush()
-    set_policy_alias(s.storage.data_root, "champion", v)
+    set_policy_alias(s.storage.data_root, "champion", v, initial_weights=target["path"])
     verb = "promoted" if action == "promote" else f"rolled back from version {champion} to"
     console.print(f"{verb} version {v}: the engine serves version {rep['weight_version']} ({rep['seconds']:.2f} s)",
                   markup=False)

@@ -205,15 +205,17 @@ class RewardHookBackend:
     written in the judge's answer format, so votes, hints, teacher log-probs and fates take the
     same path as a model judge's."""
 
-    def __init__(self, hook, turn: TurnRecord, next_state: NextStateRecord | None):
-        self.hook, self.turn, self.next_state = hook, turn, next_state
+    def __init__(self, hook, turn: TurnRecord, next_state: NextStateRecord | None, timeout_s: float | None = None):
+        self.hook, self.turn, self.next_state, self.timeout_s = hook, turn, next_state, timeout_s
 
     async def complete(self, messages: list[dict[str, Any]], *, n: int, temperature: float,
                        max_tokens: int) -> list[str | Exception]:
-        try:
-            score, hint = await self.hook(turn=self.turn, next_state=self.next_state)
+        try:  # a hook that never answers must not hold the judge run (and the training after it) for good
+            score, hint = await asyncio.wait_for(self.hook(turn=self.turn, next_state=self.next_state), self.timeout_s)
             if score not in (-1, 0, 1):
                 raise ValueError(f"reward hook returned score {score!r}; expected -1, 0 or 1")
+        except TimeoutError:
+            return [JudgeBackendError(f"reward hook timed out after {self.timeout_s:g} s")] * n
         except Exception as e:  # a failing hook is a failed vote, like a failing judge model
             return [e] * n
         return [answer(prompt_kind(messages), score, hint, "reward hook")] * n

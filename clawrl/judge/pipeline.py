@@ -159,6 +159,7 @@ class Judge:
     config_hash: str
     backend_name: str
     reward_hook: Any = None  # [hooks] reward: async fn(turn=, next_state=) -> (score, hint | None)
+    hook_timeout_s: float | None = None  # a reward hook's call past this is a failed vote
     hint_demonstrations: bool = False  # [opd] hint_demonstrations: a hint holding tool calls -> a demonstration
     policy: Engine | None = None  # scores a demonstration's behaviour log-probs (the teacher when None)
     reference: Engine | None = None  # the frozen initial weights: each sample's KL-reference log-probs
@@ -282,7 +283,8 @@ class Judge:
         """The PRM votes (and hint votes, for opd and combine: both prompts in flight together) and
         what they say: majority score, the chosen hint, every raw output, and an ``error`` naming each
         stage whose votes all failed."""
-        backend = self.backend if self.reward_hook is None else RewardHookBackend(self.reward_hook, turn, next_state)
+        backend = self.backend if self.reward_hook is None else RewardHookBackend(self.reward_hook, turn, next_state,
+                                                                                      self.hook_timeout_s)
         ctx = build_judge_context(turn, next_state)
         stages = {"prm": (build_prm_messages, self.judge_samples)}
         if self.method in (Method.OPD, Method.COMBINE):

@@ -160,7 +160,8 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
                  hint_samples=opd.hint_samples, temperature=prm.temperature, max_tokens=prm.max_new_tokens,
                  budget_chars=prm.budget_chars, hint_policy=opd.hint_policy, hint_placement=opd.hint_placement,
                  config_hash=build_judge_config_hash(settings),
-                 reward_hook=load_hook("reward", settings.hooks.reward), hint_demonstrations=opd.hint_demonstrations,
+                 reward_hook=load_hook("reward", settings.hooks.reward),
+                 hook_timeout_s=settings.engine.stall_timeout_s, hint_demonstrations=opd.hint_demonstrations,
                  reference=_reference(settings, frozen, teacher), top_k=opd.top_k, hint_candidates=opd.hint_candidates,
                  policy=policy or (_http_engine(settings, settings.engine.url)
                                    if settings.engine.kind == "http" and (opd.hint_demonstrations or opd.top_k > 0)

@@ -1,13 +1,14 @@
-"""The Prefect and MLflow UIs on a demo run, rendered in headless Chromium: the pages a user opens show
-the runs, the links between the two UIs and the curves over weight versions.
+"""A demo run brought up again: the demo keeps one data root and prints commands that work from anywhere,
+`clawrl up` on other ports (its default ports taken) serves it with every link between the two UIs
+leading to the right page, and the Prefect and MLflow UIs rendered in headless Chromium show the runs,
+those links and the curves over weight versions.
 
-A two-step `clawrl demo` on the tiny model writes its run directory; `clawrl up -c <run>/config.toml`, the
-command the demo prints, serves it (its Prefect on the run's own Prefect home with the deployments, its
-MLflow on the run's sqlite store); Chromium renders
-each page (``--dump-dom`` after the page's scripts ran) and the test reads the rendered text. Skipped
-without a Chromium (Debian's package ``chromium``: `make ui-test` installs it). With
-``CLAWRL_UI_SCREENSHOTS=<dir>`` each page is also saved there as a PNG (docs/ui holds the ones the
-README and docs/benchmarks.md show).
+A two-step `clawrl demo` on the tiny model, its data root set in the environment; `clawrl up -c
+<run>/config.toml`, the command the demo prints, on ports of its own while this test holds the default
+ones; Chromium renders each page (``--dump-dom`` after the page's scripts ran) and the test reads the
+rendered text. The Chromium tests are skipped without one (Debian's package ``chromium``: `make ui-test`
+installs it). With ``CLAWRL_UI_SCREENSHOTS=<dir>`` each page is also saved there as a PNG (docs/ui holds
+the ones the README and docs/benchmarks.md show).
 """
 
 from __future__ import annotations
@@ -15,31 +16,31 @@ from __future__ import annotations
 import html
 import os
 import re
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 
+from clawrl.serving import free_ports
 from tests.utils.demo_config import tiny_demo_config
-from tests.utils.gateway_server import free_socket
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+# the ports `clawrl up` opens by default: the Prefect UI, the MLflow UI, the trainer, the gateway, the judge,
+# evaluation and canary engines
+DEFAULT_PORTS = (4200, 5000, 30020, 30000, 30021, 30022, 30023)
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason=(
-    "no Chromium: `make ui-test` installs Debian's chromium and runs this test"))]
-
-
-def _port() -> int:
-    s = free_socket()
-    port = s.getsockname()[1]
-    s.close()
-    return port
+pytestmark = pytest.mark.slow
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason=(
+    "no Chromium: `make ui-test` installs Debian's chromium and runs this test"))
 
 
 def _render(url: str, name: str, budget_ms: int = 40_000, height: int = 1000) -> str:
@@ -56,41 +57,155 @@ def _render(url: str, name: str, budget_ms: int = 40_000, height: int = 1000) ->
     return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", text)).split())
 
 
+def _hold_default_ports(stack: ExitStack) -> list[int]:
+    """Listen on each default port that is free, as another program would: `clawrl up` must not need them."""
+    held = []
+    for port in DEFAULT_PORTS:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:  # taken already
+            s.close()
+            continue
+        stack.callback(s.close)
+        held.append(port)
+    return held
+
+
 @pytest.fixture(scope="module")
-def demo_ui(tmp_path_factory, model_cache):
-    """A two-step demo run, then `clawrl up -c <run>/config.toml` (the command the demo prints) on its data:
-    (run dir, Prefect URL, MLflow URL). No further training while the pages are read: the batch size is
-    set out of reach, so the versions the test names stay what they are."""
+def demo_run(tmp_path_factory, model_cache):
+    """`CLAWRL__STORAGE__DATA_ROOT=<run> clawrl demo -c <conf>` (two steps; the config names another data
+    root, which the environment overrides): (run dir, the demo's finished process)."""
     tmp = tmp_path_factory.mktemp("ui")
     conf = tiny_demo_config(tmp, model_cache)
     run = tmp / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CLAWRL__STORAGE__DATA_ROOT": str(run), "COLUMNS": "100"}
     out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "2", "--users", "4",
-                          "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8", "--run-dir", str(run)],
+                          "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    pf, ml, tr = _port(), _port(), _port()
+    return run, out
+
+
+@pytest.fixture(scope="module")
+def demo_ui(demo_run, tmp_path_factory):
+    """`clawrl up -c <run>/config.toml` (the command the demo prints) on its data, every port moved off its
+    default while this test holds the defaults: (run dir, Prefect URL, MLflow URL). No further training
+    while the pages are read: the batch size is set out of reach, so the versions the test names stay."""
+    run, _ = demo_run
+    api, judge, gate, canary, pf, ml, tr = free_ports(7, avoid=DEFAULT_PORTS)
     prefect_url, mlflow_url = f"http://127.0.0.1:{pf}", f"http://127.0.0.1:{ml}"
-    up_env = {**env, "CLAWRL__SERVER__API_PORT": str(_port()), "CLAWRL__PRM__ENGINE_PORT": str(_port()),
-              "CLAWRL__PPO__ROLLOUT_BATCH_SIZE": "1000000"}
-    log = tmp / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "clawrl.cli", "up", "-c", str(run / "config.toml"), "--prefect-port",
-                           str(pf), "--mlflow-port", str(ml), "--trainer-port", str(tr)],
-                          cwd=REPO, env=up_env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 420
-        while "all up" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1.0)
-        yield run, prefect_url, mlflow_url
-    finally:
-        up.send_signal(signal.SIGINT)
+    up_env = {**os.environ, "PYTHONPATH": str(REPO), "CLAWRL__SERVER__API_PORT": str(api),
+              "CLAWRL__PRM__ENGINE_PORT": str(judge), "CLAWRL__GATE__ENGINE_PORT": str(gate),
+              "CLAWRL__GATE__CANARY_PORT": str(canary), "CLAWRL__PPO__ROLLOUT_BATCH_SIZE": "1000000"}
+    up_env.pop("CLAWRL__STORAGE__DATA_ROOT", None)  # the run's config names its data root
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    with ExitStack() as stack:
+        _hold_default_ports(stack)
+        up = subprocess.Popen([sys.executable, "-m", "clawrl.cli", "up", "-c", str(run / "config.toml"),
+                               "--prefect-port", str(pf), "--mlflow-port", str(ml), "--trainer-port", str(tr)],
+                              cwd=REPO, env=up_env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
         try:
-            up.wait(90)
-        except subprocess.TimeoutExpired:
-            up.kill()
+            deadline = time.monotonic() + 420
+            while "all up" not in log.read_text():
+                assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(1.0)
+            yield run, prefect_url, mlflow_url
+        finally:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(90)
+            except subprocess.TimeoutExpired:
+                up.kill()
 
 
+def test_the_demo_keeps_one_data_root_and_prints_commands_that_work_from_anywhere(demo_run, tmp_path):
+    run, out = demo_run
+    stdout = out.stdout
+    assert f"run data in {run}\n" in stdout and (run / "tables" / "turns").is_dir(), stdout[:2000]
+    assert {Path(c) for c in re.findall(r" -c (\S+)", stdout)} == {run / "config.toml"}, stdout[-2000:]
+    assert f"data root {run} (from env CLAWRL__STORAGE__DATA_ROOT)" in stdout
+    turns = re.search(r"turns \(main / side\)\s*│\s*(\d+)", stdout)
+    assert turns and int(turns.group(1)) > 0, stdout[-3000:]
+    # Prefect's lines about each run went to the log, not the terminal
+    flows_log = (run / "logs" / "flows.log").read_text()
+    assert "Finished in state Completed()" in flows_log and "Finished in state" not in out.stderr, out.stderr[-2000:]
+    assert "step  2: score" in out.stderr  # the loop's own lines stay
+    # the status command it prints, from another directory, without the environment: the same data
+    [status_cmd] = [line.strip() for line in stdout.splitlines() if re.search(r"clawrl status -c ", line)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL__")}
+    again = subprocess.run(shlex.split(status_cmd), cwd=tmp_path, env={**env, "COLUMNS": "100"},
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.splitlines()[0] == f"data root {run} (from {run / 'config.toml'})"
+    assert re.search(r"turns \(main / side\)\s*│\s*(\d+)", again.stdout).group(1) == turns.group(1)
+
+
+def _mlflow_runs(run: Path) -> dict:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{run / 'mlflow' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("clawrl")
+    return {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+
+
+def _decisions(run: Path) -> tuple[dict[str, str], str]:
+    """({weight version: the gate's action}, the champion): the gate decides on the tiny model's answers,
+    either way."""
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import current_champion, promotion_log
+
+    with open_catalog(run, private=True) as con:
+        return {r["weight_version"]: r["action"] for r in promotion_log(con) if r["source"] == "gate"}, \
+            current_champion(con)
+
+
+def _model_version(mlflow_url: str, weight_version: str) -> dict:
+    found = httpx.get(f"{mlflow_url}/api/2.0/mlflow/model-versions/search",
+                      params={"filter": f"name = 'clawrl-policy' and tags.weight_version = '{weight_version}'"}).json()
+    [mv] = found["model_versions"]
+    return mv
+
+
+def _opens(url: str) -> bool:
+    """The UI answers 200 to a browser opening ``url`` (a page request: both UIs answer API clients with
+    404 on a page path)."""
+    return httpx.get(url, headers={"Accept": "text/html"}, follow_redirects=True).status_code == 200
+
+
+def test_every_link_between_the_uis_leads_to_the_right_page_on_ups_ports(demo_ui):
+    """The demo wrote its links while its own temporary Prefect ran; `clawrl up` on other ports points
+    them at the UIs it runs: each artifact's MLflow links and each MLflow run's Prefect link answer 200
+    and name the version they belong to. A refused version's artifact says so; while the initial weights
+    are the champion, their model version carries the alias."""
+    run, prefect, ml = demo_ui
+    decided, champion = _decisions(run)
+    runs = _mlflow_runs(run)
+    for version in ("1", "2"):
+        [artifact] = httpx.post(f"{prefect}/api/artifacts/filter",
+                                json={"artifacts": {"key": {"any_": [f"train-v{version}"]}}}).json()
+        links = re.findall(r"\]\((http[^)\s]+)\)", artifact["data"])
+        assert len(links) == 2 and all(u.startswith(f"{ml}/#/") for u in links), links
+        assert all(_opens(u) for u in links)
+        run_id = re.search(r"/runs/([0-9a-f]{32})$", links[0]).group(1)
+        got = httpx.get(f"{ml}/api/2.0/mlflow/runs/get", params={"run_id": run_id}).json()["run"]
+        assert got["info"]["run_name"] == f"step-000{version}"
+        mv_number = re.search(r"/models/clawrl-policy/versions/(\d+)$", links[1]).group(1)
+        assert mv_number == _model_version(ml, version)["version"]
+        said = "**refused** by the promotion gate" if decided[version] == "refuse" else "promoted: serves"
+        assert said in artifact["data"], (decided, artifact["data"])
+        step_run = runs[f"step-000{version}"].data.tags  # and from MLflow back to Prefect
+        url = step_run["prefect.flow_run_url"]
+        assert url.startswith(f"{prefect}/") and _opens(url), url
+        flow_run = httpx.get(f"{prefect}/api/flow_runs/{step_run['prefect.flow_run_id']}").json()
+        assert flow_run["name"] == f"train-v{version}" and url.endswith(flow_run["id"])
+    champion_mv = httpx.get(f"{ml}/api/2.0/mlflow/registered-models/alias",
+                            params={"name": "clawrl-policy", "alias": "champion"}).json()["model_version"]
+    assert champion_mv["version"] == _model_version(ml, champion)["version"], (champion, champion_mv)
+
+
+@needs_chromium
 def test_prefect_shows_the_runs_by_what_they_did_and_links_each_step_to_mlflow(demo_ui):
     run, prefect, _ = demo_ui
     runs = _render(f"{prefect}/runs", "prefect-runs")
@@ -106,16 +221,12 @@ def test_prefect_shows_the_runs_by_what_they_did_and_links_each_step_to_mlflow(d
     step1 = _mlflow_runs(run)["step-0001"].info.run_id
     assert "Weight version 1 (from 0, batch" in page and "model version of clawrl-policy" in page, page[:2000]
     assert f"MLflow run {step1}" in page, page[:2000]
+    assert "refused by the promotion gate" in page or "promoted: serves as the champion" in page, page[:2000]
+    flow_run = _render(_mlflow_runs(run)["step-0002"].data.tags["prefect.flow_run_url"], "prefect-train-v2")
+    assert "train-v2" in flow_run and "Completed" in flow_run, flow_run[:2000]  # MLflow's link back, on up's port
 
 
-def _mlflow_runs(run: Path) -> dict:
-    import mlflow
-
-    client = mlflow.MlflowClient(f"sqlite:///{run / 'mlflow' / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("clawrl")
-    return {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
-
-
+@needs_chromium
 def test_mlflow_shows_training_runs_curves_over_versions_and_complete_version_pages(demo_ui):
     run, prefect, ml = demo_ui
     runs = _mlflow_runs(run)
@@ -128,17 +239,13 @@ def test_mlflow_shows_training_runs_curves_over_versions_and_complete_version_pa
     policy = runs["policy"].info.run_id
     charts = _render(f"{ml}/#/experiments/{exp}/runs/{policy}/model-metrics", "mlflow-policy-curves",
                      budget_ms=60_000, height=3400)
-    for metric in ("loss", "reward_mean", "kl", "heldout_score"):  # one chart each, over steps = weight versions
+    # one chart each, over steps = weight versions: the candidates' held-out scores and the served one
+    for metric in ("loss", "reward_mean", "kl", "heldout_score", "served_heldout_score"):
         assert f"policy ({metric})" in charts, charts[:3000]
 
-    version = _render(f"{ml}/#/models/clawrl-policy/versions/2", "mlflow-model-version")
-    from clawrl.storage.catalog import open_catalog
-    from clawrl.storage.promotions import current_champion
-
-    with open_catalog(run, private=True) as con:
-        champion = current_champion(con)  # the gate decides on the tiny model's answers: either way
+    decided, champion = _decisions(run)
+    version = _render(f"{ml}/#/models/clawrl-policy/versions/{_model_version(ml, '2')['version']}",
+                      "mlflow-model-version")
     assert "Source Run : step-0002" in version and "@ candidate" in version, version[:2000]
     assert ("@ champion" in version) == (champion == "2"), (champion, version[:2000])
     assert "checkpoint_sha256" in version and "Schema" in version, version[:2000]
-    flow_run_id = runs["step-0002"].data.tags["prefect.flow_run_id"]  # and back to Prefect
-    assert httpx.get(f"{prefect}/api/flow_runs/{flow_run_id}").json()["name"] == "train-v2"

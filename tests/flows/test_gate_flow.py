@@ -244,9 +244,14 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
         assert serving() == "2"
         with steady_traffic(generate(srv.url, PROMPT)) as (served, failures):
             cli = CliRunner()
+            res = cli.invoke(app, ["promote", "2", "--config", str(conf)])  # already the champion
+            assert res.exit_code == 0 and serving() == "2", res.output
             res = cli.invoke(app, ["rollback", "--config", str(conf), "--reason", "live score fell"])
             assert res.exit_code == 0 and "rolled back from version 2 to version 1" in res.output, res.output
             assert serving() == "1"
+            status = cli.invoke(app, ["status", "--config", str(conf)]).output  # v2 was rolled back from
+            assert "is waiting" not in status and "checkpoint 2 waiting" not in status, status
+            assert "champion version 1, rolled back from version 2 by hand (live score fell)" in status, status
             res = cli.invoke(app, ["rollback", "--config", str(conf)])
             assert res.exit_code == 0 and serving() == "0", res.output  # the initial weights, from the model dir
             res = cli.invoke(app, ["rollback", "--config", str(conf)])
@@ -259,16 +264,17 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
     rows = run_query(s.storage.data_root, "select action, weight_version, champion_version, source, reason "
                      "from promotions order by created_at").to_pylist()
     assert [(r["action"], r["weight_version"], r["champion_version"], r["source"]) for r in rows] == [
-        ("promote", "1", "0", "gate"), ("promote", "2", "1", "gate"), ("rollback", "1", "2", "manual"),
+        ("promote", "1", "0", "gate"), ("promote", "2", "1", "gate"), ("promote", "2", "2", "manual"),
+        ("rollback", "1", "2", "manual"),
         ("rollback", "0", "1", "manual"), ("promote", "2", "0", "manual")]
-    assert rows[2]["reason"] == "live score fell"
+    assert rows[3]["reason"] == "live score fell"
     syncs = run_query(s.storage.data_root, "select weight_version, ok from syncs order by created_at").to_pylist()
-    assert [(r["weight_version"], r["ok"]) for r in syncs][-3:] == [("1", True), ("0", True), ("2", True)]
+    assert [(r["weight_version"], r["ok"]) for r in syncs][-4:] == [("2", True), ("1", True), ("0", True), ("2", True)]
     alias = mlflow_client(s.storage.data_root).get_model_version_by_alias(REGISTERED_MODEL, "champion")
     assert alias.tags["weight_version"] == "2"
     res = CliRunner().invoke(app, ["status", "--config", str(conf)])
     line = next(x for x in res.output.splitlines() if x.startswith("promotion:"))
-    assert line.startswith("promotion: champion version 2, promoted by manual"), line
+    assert line.startswith("promotion: champion version 2, promoted by hand ("), line
 
 
 def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
@@ -305,7 +311,7 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
         # conf/demo.toml's min_gain = 0: a tie or a loss on validation keeps the champion
         assert (r["gate"] == "promote") == (r["val_candidate"] > r["val_champion"]), r
     assert "promotion: champion version" in out.stdout and "gate" in out.stdout
-    assert "by gate on the validation set (" in out.stdout or "refused on the validation set (" in out.stdout
+    assert "by the gate on the validation set (" in out.stdout or "refused on the validation set (" in out.stdout
     run_conf = (run / "config.toml").read_text()
     assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_tokens = 8" in run_conf
     evals = run_query(run, "select weight_version, n from evaluations order by weight_version").to_pylist()

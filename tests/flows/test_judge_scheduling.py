@@ -172,6 +172,55 @@ def test_the_ticker_creates_a_run_only_while_none_is_scheduled_or_going(prefect_
             client.delete_flow_run(run_id)
 
 
+def test_an_idle_up_creates_no_runs_and_judges_when_turns_arrive(prefect_harness, make_settings, tmp_path):
+    """The ticker asks the data first: with nothing to judge or train it creates no run (an idle `clawrl up`
+    made a judge run every 20 s and a train run every 120 s); a turn ready to judge, then a full batch, each
+    make the next tick create one."""
+    from prefect.client.orchestration import get_client
+
+    from clawrl.flows.serve import JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT, build_deployments, ticker, work_waiting
+    from tests.utils.samples import write_samples
+    from tests.utils.turns import build_turn
+
+    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 2})
+    conf = tmp_path / "rule.toml"
+    conf.write_text(dump_toml(s))
+    has_work = work_waiting(str(conf))
+    assert (has_work(JUDGE_DEPLOYMENT), has_work(TRAIN_DEPLOYMENT)) == (False, False)
+    created = []
+    import clawrl.flows.serve as serve_module
+
+    real_tick = serve_module.tick
+    serve_module.tick = created.append  # what the ticker would create, without creating it
+    try:
+        stop = threading.Event()
+        t = threading.Thread(target=ticker, args=({JUDGE_DEPLOYMENT: 0.05, TRAIN_DEPLOYMENT: 0.05}, stop, has_work))
+        t.start()
+        threading.Event().wait(1.0)
+        assert created == []  # idle: ~20 ticks each, not one run
+        with DataStore(s.storage.data_root) as store:
+            store.append([build_turn([{"role": "user", "content": "hi"}], turn_type="side")])
+        threading.Event().wait(1.0)
+        assert set(created) == {JUDGE_DEPLOYMENT}
+        write_samples(s, 2)
+        threading.Event().wait(1.0)
+        stop.set()
+        t.join(10)
+    finally:
+        serve_module.tick = real_tick
+    assert set(created) == {JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT}
+    # a run that finds nothing anyway (started from the UI) is named and tagged idle, not like a real one
+    from clawrl.flows.train import train_flow
+
+    empty = make_settings({"prm.backend": "rule", "storage.data_root": str(tmp_path / "empty")})
+    econf = tmp_path / "empty.toml"
+    econf.write_text(dump_toml(empty))
+    state = train_flow(config_path=str(econf), return_state=True)
+    with get_client(sync_client=True) as pc:
+        run = pc.read_flow_run(state.state_details.flow_run_id)
+    assert run.name.startswith("train-idle-") and "idle" in run.tags, (run.name, run.tags)
+
+
 def _runs_by_name(names):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName

@@ -77,8 +77,9 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
                      {"namespace": "open", "session_id": "bob", "turn_index": 0}]
     from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
 
-    [mv] = mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'")
-    assert mv.tags["weight_version"] == "1"
+    initial, mv = sorted(mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'"),
+                         key=lambda m: int(m.version))  # the initial weights are registered before the first step
+    assert (initial.tags["weight_version"], initial.run_id, mv.tags["weight_version"]) == ("0", None, "1")
     assert mv.run_id == ck["mlflow_run_id"] and mv.tags["batch_id"] == ck["batch_id"]
     run = mlflow_client(s.storage.data_root).get_run(mv.run_id)
     from mlflow.models import Model  # the version page's MLmodel: flavor and signature, in the checkpoint
@@ -147,6 +148,43 @@ def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
     assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]
     assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "heldout_score")] == [(1, 0.75)]
     assert ml.get_metric_history(run_id, "skipped") == []
+
+
+def test_held_out_scores_are_points_at_the_candidates_version_and_the_served_score_a_series_of_its_own():
+    """Refused candidates no longer pile their scores onto the served version's step 0 (one point, a bar in
+    MLflow): each candidate's held-out score sits at its own version, the served score beside it."""
+    from clawrl.flows.loop import policy_points
+
+    keys = ["score", "on_topic_rate", "candidate_score", "kl"]
+    base = {"step": 0, "weight_version": "0", "score": 0.25, "on_topic_rate": 0.5, "candidate_score": 0.25, "kl": 0.0}
+    refused = {"step": 1, "weight_version": "0", "candidate_version": "1", "gate": "refuse", "score": 0.25,
+               "on_topic_rate": 0.5, "candidate_score": 0.125, "kl": 0.0}
+    promoted = {"step": 2, "weight_version": "2", "candidate_version": "2", "gate": "promote", "score": 0.75,
+                "on_topic_rate": 1.0, "candidate_score": 0.75, "kl": 0.03}
+    assert policy_points(base, keys, True) == [(0, {"heldout_score": 0.25, "heldout_on_topic_rate": 0.5,
+                                                    "heldout_kl": 0.0, "served_heldout_score": 0.25})]
+    assert policy_points(refused, keys, True) == [(1, {"heldout_score": 0.125, "served_heldout_score": 0.25})]
+    assert policy_points(refused, keys, False) == [(1, {"served_heldout_score": 0.25})]  # tools: not measured
+    assert policy_points(promoted, keys, True) == [(2, {"heldout_score": 0.75, "heldout_on_topic_rate": 1.0,
+                                                        "heldout_kl": 0.03, "served_heldout_score": 0.75})]
+    assert policy_points({"step": 3, "weight_version": None}, keys, True) == []
+
+
+def test_the_initial_weights_carry_the_champion_alias_while_they_are_the_champion(tmp_path):
+    """Version 0 has no training run, yet it is a model version of clawrl-policy (registered once), so
+    `@champion` sits on it while no candidate was promoted, and moves off it when one is."""
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client, register_initial_weights, set_policy_alias
+
+    base = tmp_path / "base-model"
+    base.mkdir()
+    first = register_initial_weights(tmp_path, base)
+    assert register_initial_weights(tmp_path, base) == first  # once
+    assert set_policy_alias(tmp_path, "champion", "0", initial_weights=base) == first
+    ml = mlflow_client(tmp_path)
+    mv = ml.get_model_version_by_alias(REGISTERED_MODEL, "champion")
+    assert (str(mv.version), mv.tags["weight_version"], mv.source) == (first, "0", base.as_uri())
+    assert set_policy_alias(tmp_path, "champion", "7") is None  # a version with no model version: no alias left
+    assert "champion" not in ml.get_registered_model(REGISTERED_MODEL).aliases
 
 
 def test_sync_points_are_at_the_weight_version_and_retries_stay_visible(tmp_path):
@@ -232,7 +270,7 @@ def test_a_store_is_made_where_hard_links_are_not_allowed(tmp_path, monkeypatch)
     assert sorted(p.name for p in (root / "mlflow").iterdir()) == ["artifacts", "mlflow.db"]
 
 
-def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, loop_settings):
+def test_a_train_run_without_a_batch_is_named_idle_for_when_it_ran(prefect_harness, loop_settings):
     import re
 
     from prefect.client.orchestration import get_client
@@ -244,4 +282,4 @@ def test_a_train_run_without_a_batch_is_named_for_when_it_ran(prefect_harness, l
     assert state.result() == {"steps": []}
     with get_client(sync_client=True) as pc:
         name = pc.read_flow_run(state.state_details.flow_run_id).name
-    assert re.fullmatch(r"train-\d{8}-\d{6}", name), name  # not a random "sandy-oyster"
+    assert re.fullmatch(r"train-idle-\d{8}-\d{6}", name), name  # not a random "sandy-oyster", nor a step's name

@@ -229,3 +229,17 @@ def test_cancelling_a_provider_judge_cancels_its_requests(provider):
 
     asyncio.run(cancel_mid_flight())
     assert len(state.bodies) == 3
+
+
+def test_a_reward_hook_that_never_answers_is_a_failed_vote_after_the_timeout():
+    from clawrl.judge.backends import RewardHookBackend
+
+    async def hangs(turn, next_state):
+        await asyncio.sleep(3600)
+
+    turn = build_turn([{"role": "user", "content": "hi"}])
+    backend = RewardHookBackend(hangs, turn, build_next_state(turn, [{"role": "user", "content": "ok"}]),
+                                timeout_s=0.2)
+    votes = asyncio.run(backend.complete([], n=3, temperature=0.0, max_tokens=8))
+    assert len(votes) == 3 and all(isinstance(v, JudgeBackendError) for v in votes)
+    assert str(votes[0]) == "reward hook timed out after 0.2 s"

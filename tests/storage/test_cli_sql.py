@@ -90,3 +90,24 @@ def test_views_answer_on_a_fresh_data_root(tmp_path):
     result = CliRunner().invoke(app, ["sql", "SELECT count(*) AS n FROM turns", "-f", "csv", "-c", str(conf)])
     assert result.exit_code == 0, result.output
     assert result.stdout == "n\n0\n"
+
+
+DUPLICATES = "SELECT 1 AS a, 2 AS a, 3 AS b, 4 AS a_1, 5 AS A"
+
+
+def test_columns_of_one_name_keep_their_own_values_in_every_format(cli, tmp_path):
+    """A join selecting two columns of one name must never show one column's value under the other's
+    name: the duplicates are renamed as DuckDB names a table's columns (a_1, then a_1_1 past a taken a_1)."""
+    expected = {"a": 1, "a_1": 2, "b": 3, "a_1_1": 4, "A_2": 5}
+    as_json = cli(DUPLICATES, "-f", "json")
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.stdout) == [expected]
+    as_csv = cli(DUPLICATES, "-f", "csv")
+    assert list(csv.reader(io.StringIO(as_csv.stdout))) == [list(expected), ["1", "2", "3", "4", "5"]]
+    out = tmp_path / "dup.parquet"
+    assert cli(DUPLICATES, "-f", "parquet", "-o", str(out)).exit_code == 0
+    assert pq.read_table(out).to_pylist() == [expected]
+    table = cli(DUPLICATES)
+    header, row = [line for line in table.stdout.splitlines() if "│" in line or "┃" in line][:2]
+    assert header.replace("┃", " ").split() == list(expected)
+    assert row.replace("│", " ").split() == ["1", "2", "3", "4", "5"]

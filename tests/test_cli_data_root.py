@@ -1,0 +1,88 @@
+"""Every command that reads the recorded data says first which data root it read and where that came
+from, and `clawrl demo` keeps one data root per run, whatever names it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from clawrl.cli import app
+from clawrl.config import load_settings
+from clawrl.records import CheckpointRecord
+from clawrl.storage.writer import DataStore
+
+READERS = [["status"], ["doctor"], ["lineage", "0"], ["sql", "select 1 as one"]]
+
+
+def _first_line(res) -> str:
+    """The data root line: stdout's first line, or stderr's for `sql` (its stdout is the result alone)."""
+    assert res.exit_code == 0, res.output
+    lines = [line for line in (res.stdout.splitlines() + res.stderr.splitlines()) if line.startswith("data root ")]
+    return lines[0]
+
+
+@pytest.mark.parametrize("args", READERS, ids=lambda a: a[0])
+def test_a_reading_command_names_the_data_root_and_where_it_came_from(tmp_path, args):
+    conf, root = tmp_path / "c.toml", tmp_path / "from-file"
+    conf.write_text(f'[storage]\ndata_root = "{root}"\n')
+    cli = CliRunner()
+    assert _first_line(cli.invoke(app, [*args, "-c", str(conf)])) == f"data root {root} (from {conf})"
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path / "from-env")}
+    assert _first_line(cli.invoke(app, [*args, "-c", str(conf)], env=env)) == \
+        f"data root {tmp_path / 'from-env'} (from env CLAWRL__STORAGE__DATA_ROOT)"
+    default = load_settings(env={}).storage.data_root  # ~/.clawrl, only read
+    assert _first_line(cli.invoke(app, args, env={"CLAWRL__STORAGE__DATA_ROOT": None})) == \
+        f"data root {default} (the default; -c CONFIG or CLAWRL__STORAGE__DATA_ROOT reads another)"
+
+
+def test_train_says_which_data_root_has_no_full_batch(tmp_path):
+    conf, root = tmp_path / "c.toml", tmp_path / "root"
+    conf.write_text(f'[storage]\ndata_root = "{root}"\n[prm]\nbackend = "rule"\n[ppo]\nadvantage_estimator = "grpo"\n')
+    res = CliRunner().invoke(app, ["train", "-c", str(conf)])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0] == f"data root {root} (from {conf})"
+    assert "no full batch of trainable samples yet" in res.stdout
+
+
+def test_status_and_doctor_json_say_which_data_root_they_read(tmp_path):
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)}
+    status = CliRunner().invoke(app, ["status"], env=env)
+    assert status.stdout.splitlines()[0] == f"data root {tmp_path} (from env CLAWRL__STORAGE__DATA_ROOT)"
+    assert json.loads(CliRunner().invoke(app, ["doctor", "--json"], env=env).stdout)["data_root"] == str(tmp_path)
+
+
+def test_lineage_0_is_the_initial_weights_and_names_the_versions_trained_from_them(tmp_path):
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path), "CLAWRL__MODEL__NAME": "tiny"}
+    res = CliRunner().invoke(app, ["lineage", "0"], env=env)
+    assert res.exit_code == 0, res.output
+    assert "weight_version 0 = the initial weights of tiny ([model] name)" in res.stdout
+    assert "no version trained from it yet" in res.stdout
+    with DataStore(tmp_path, background=False) as store:
+        store.append([CheckpointRecord("1", 1, "b1", "0", "/c/v000001", "ab", None),
+                      CheckpointRecord("2", 2, "b2", "1", "/c/v000002", "cd", None),
+                      CheckpointRecord("3", 3, "b3", "0", "/c/v000003", "ef", None)])  # a replay-like branch
+        store.flush()
+    res = CliRunner().invoke(app, ["lineage", "0"], env=env)
+    assert res.exit_code == 0, res.output
+    assert "versions trained from it: 1, 3" in " ".join(res.stdout.split())
+
+
+def test_the_demo_runs_where_the_environment_puts_the_data_root(tmp_path, monkeypatch):
+    from clawrl.cli.demo import _run_root
+
+    conf = tmp_path / "demo.toml"
+    conf.write_text(f'[storage]\ndata_root = "{tmp_path / "file-root"}"\n')
+    monkeypatch.delenv("CLAWRL__STORAGE__DATA_ROOT", raising=False)
+    base = load_settings(conf)
+    assert _run_root(base, conf, None).parent == tmp_path / "file-root" / "runs"  # a new run under the file's
+    assert _run_root(base, conf, tmp_path / "mine") == tmp_path / "mine"
+    monkeypatch.setenv("CLAWRL__STORAGE__DATA_ROOT", str(tmp_path / "X"))
+    base = load_settings(conf)
+    # the environment wins over every config file, the run's own too: the run's data root is X itself
+    assert _run_root(base, conf, None) == tmp_path / "X"
+    assert _run_root(base, conf, tmp_path / "X") == tmp_path / "X"
+    with pytest.raises(typer.BadParameter, match="CLAWRL__STORAGE__DATA_ROOT = .* sets the data root of every command"):
+        _run_root(base, conf, tmp_path / "elsewhere")
