@@ -150,20 +150,19 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_hf_static"] = round(r["tokens_per_s"] / static, 2) if static else None
 
 
-def _head(rows: list[dict[str, Any]], title: str) -> list[str]:
+def _head(rows: list[dict[str, Any]], title: str, systems: str) -> list[str]:
     return [title, "", machine_line(rows[0]["device"], rows[0]["dtype"]),
-            f"Greedy, `ignore_eos`, {rows[0]['tokens'] // rows[0]['requests']} new tokens per request, short"]
+            f"Greedy, `ignore_eos`, {rows[0]['tokens'] // rows[0]['requests']} new tokens per request, short "
+            f"chat-templated prompts. {systems}", ""]
 
 
 def format_engine_section(rows: list[dict[str, Any]]) -> str:
     if torch.device(rows[0]["device"]).type == "cuda":
         return _format_cuda_section(rows)
     body = [
-        *_head(rows, "## Embedded engine throughput"), "chat-templated prompts. `embedded` keeps",
-        "`concurrency` requests in flight; `hf_generate` is `model.generate` on a static left-padded batch.",
-        "Rows are measured in interleaved passes after one untimed pass and keep their best pass; `load_1m` is",
-        "the 1-minute load average after the model's passes (a load above the core count means other work ran too).",
-        "",
+        *_head(rows, "## Embedded engine throughput", "`embedded` keeps `concurrency` requests in flight;\n"
+               "`hf_generate` is `model.generate` on a static left-padded batch. Best of interleaved passes after an "
+               "untimed one; `load_1m`: the 1-minute load average after them."),
         markdown_table(rows, ["model", "system", "concurrency", "requests", "tokens", "seconds", "tokens_per_s",
                               "vs_c1", "vs_hf_b16", "load_1m"]),
         "",
@@ -180,16 +179,11 @@ def format_engine_section(rows: list[dict[str, Any]]) -> str:
 
 def _format_cuda_section(rows: list[dict[str, Any]]) -> str:
     body = [
-        *_head(rows, "## Embedded engine throughput on CUDA"), "chat-templated prompts. `embedded` keeps "
-        "`concurrency` requests in",
-        "flight, its decode steps (compiled, fused layers) replayed from CUDA graphs; `embedded_eager` is the same "
-        "engine with `cuda_graphs = false` (the same kernels launched one by one); `hf_generate` is",
-        "`model.generate` on a static left-padded batch, `hf_static` the same with `cache_implementation=\"static\"` "
-        "(transformers compiles",
-        "its decode step, torch.compile `reduce-overhead`). Best of the interleaved passes after an untimed one; "
-        "`gpu_busy`: GPU kernel and copy",
-        "time over wall time in one more, profiled pass; `vs_hf_static`: over `hf_static` at the same batch size.",
-        "",
+        *_head(rows, "## Embedded engine throughput on CUDA",
+               "`embedded`: decode steps (fused layers) replayed from CUDA graphs;\n`embedded_eager`: the same with "
+               "`cuda_graphs = false`; `hf_generate`: `model.generate` on a static left-padded batch; `hf_static`: the "
+               "same with\n`cache_implementation=\"static\"` (compiled decode). Best of interleaved passes after an "
+               "untimed one; `gpu_busy`: GPU time over wall time (one profiled pass)."),
         markdown_table(rows, ["model", "system", "concurrency", "requests", "tokens", "seconds", "tokens_per_s",
                               "max_batch", "gpu_busy", "vs_c1", "vs_hf_static"]),
         "",

@@ -172,24 +172,21 @@ def format_gateway_section(result: dict[str, Any]) -> str:
         "## Gateway overhead and session-log append rate",
         "",
         machine_line(result["device"], result["dtype"]),
-        f"Model {result['model']}, greedy, {result['max_tokens']} new tokens, a distinct user message per",
-        "request (so the gateway's cache of conversation pieces does not hide the encoding cost). Every client of a",
-        "closed loop alternates a direct call - the engine's `/generate` with the prompt ids the gateway renders -",
-        "and a gateway call - `/v1/chat/completions` with the messages, recorded in the session log - against one",
-        "engine, so both meet the same decode batches and machine load. `engine` = embedded: `clawrl serve` with",
-        "its in-process engine (direct calls to its `/engine` mount); http: `clawrl serve` in front of `clawrl",
-        "engine`, as in front of SGLang. `added_*` = gateway percentile - direct percentile; `added_p50_pct` =",
-        "`added_p50_ms` as a % of `direct_p50_ms`; `own_p50_ms`: the gateway's own time per request, from its",
-        "`Server-Timing` header (`gateway;dur`). Client: aiohttp, keep-alive connections.",
-        "Targets: at concurrency 16 the gateway adds <= 2% of the engine call's p50 with the engine on a GPU;",
-        "on a 2-core CPU machine the embedded topology adds <= +1 ms p50.",
+        f"Model {result['model']}, greedy, {result['max_tokens']} new tokens, a distinct user message per request. "
+        "Each client of a closed loop alternates a direct call (the engine's",
+        "`/generate` with the prompt ids the gateway renders) and a gateway call (`/v1/chat/completions`, logged) "
+        "against one engine. `engine`: embedded = `clawrl serve`",
+        "with its in-process engine; http = `clawrl serve` in front of `clawrl engine`, as of SGLang. `added_*`: "
+        "gateway minus direct (`_pct`: of `direct_p50_ms`); `own_p50_ms`:",
+        "the gateway's own time (`Server-Timing`). Targets at 16 in flight: added p50 <= 2% of the engine call's with "
+        "a GPU engine; <= +1 ms embedded on 2 cores.",
         "",
         markdown_table(result["latency"], cols),
         "",
-        f"Session log: {a['n_turns']:,} TurnRecords ({a['prompt_len']}-token prompts, {a['output_len']}-token outputs",
-        "with log-probs) appended one call each through DataStore, incl. Parquet conversion and the final flush:",
-        f"**{a['turns_per_s']:,} turns/s** (target >= 20,000; {a['cpu_us_per_turn']} CPU-us per turn); append latency",
-        f"p50 {a['append_us_p50']:.1f} us, p99 {a['append_us_p99']:.1f} us, p99.9 {a['append_us_p999']:.1f} us; "
+        f"Session log: {a['n_turns']:,} TurnRecords ({a['prompt_len']}-token prompts, {a['output_len']}-token outputs "
+        "with log-probs) appended one call each through DataStore, Parquet and flush included:",
+        f"**{a['turns_per_s']:,} turns/s** (target >= 20,000; {a['cpu_us_per_turn']} CPU-us a turn); append p50 "
+        f"{a['append_us_p50']:.1f} us, p99 {a['append_us_p99']:.1f} us, p99.9 {a['append_us_p999']:.1f} us; "
         f"{a['rows_in_duckdb']:,} rows counted back in DuckDB; load {a['loadavg_1m_before']:.2f} before.",
     ]
     return "\n".join(lines)

@@ -38,37 +38,26 @@ def format_load_section(r: dict[str, Any]) -> str:
         "",
         machine_line(r["device"], r["dtype"]),
         *_setup_lines(r),
-        f"{r['max_tokens']} new tokens per turn, temperature 1. Latency is client-side, per request, across the syncs.",
-        "`main_turns_logged`: acknowledged (session, turn index) pairs found in the `turns` table after the gateway",
-        "stopped; the two must be equal and `errors` 0.",
+        f"{r['max_tokens']} new tokens per turn, temperature 1; latency client-side, per request. `main_turns_logged` "
+        "(acknowledged turns found in the `turns` table afterwards) must equal `main_turns_sent`, and `errors` be 0.",
         "",
         markdown_table([row], list(row)),
         "",
-        f"Weight syncs (times from the window's start): {syncs or 'none'}. Turns judged: {r['turns_judged']} (the",
-        f"judge takes at most {r['judge_limit']} turns per run, so training starts early and "
-        "keeps going; the rest wait, logged); sessions",
-        f"started {r['sessions_started']}, completed {r['sessions_completed']}; sent but not logged: "
-        f"{r['sent_not_logged']}. `load_1m`: the 1-minute load average",
-        "before -> after the window; above the core count, other work shared the machine.",
-        "",
-        "Loop latency per train step: `loop_s` from the logged next state that completed the step's batch to the",
-        "first response a client got from the new version, in parts: `judged_s` to the batch's last fate (the",
-        "judge's delay), `queued_s` to the batch's claim (the trainer busy with earlier batches: here samples",
-        "arrive faster than one trainer takes them" + (")," if r.get("mode") == "up" else
-                                                       ", and the judge and train flows take turns),") + " then the train",
-        "flow up to the end of its sync: `read_s` (the trainer reading the batch's samples from the catalog),",
-        "`train_s` (the PPO step), `state_s` (waiting for the previous step's optimizer state to reach the disk,",
-        "then copying this step's, on the GPU where it fits; the copy is written off this path), `checkpoint_s`",
-        "(writing and hashing its checkpoint's served weights), `eval_s` (the promotion gate's evaluation),",
-        "`sync_s`, and `orchestration_s`, the rest of that flow (Prefect, claim, lineage, records; target",
-        "<= 1 s); last `served_s`, from the sync's end to the first response on the new version. Beside them,",
-        "when Prefect has them, the seconds of the step's `claim_batch` and `gate_checkpoint` tasks.",
+        f"Weight syncs (times from the window's start): {syncs or 'none'}. Turns judged: {r['turns_judged']} (at most "
+        f"{r['judge_limit']} a judge run; the rest wait, logged); sessions started {r['sessions_started']}, completed "
+        f"{r['sessions_completed']}; sent but not logged: {r['sent_not_logged']}. `load_1m`: before -> after the "
+        "window.",
+        "Loop latency per step: `loop_s`, from the logged next state that completed the step's batch to the first "
+        "response on the new version, = `judged_s` (to the",
+        "batch's last fate) + `queued_s` (to its claim) + the train flow to its sync's end: `read_s`, `train_s` (PPO "
+        "step), `state_s` (optimizer state), `checkpoint_s`,",
+        "`eval_s` (the gate), `sync_s`, `orchestration_s` (the rest: Prefect, claim, lineage, records; target <= 1 s) "
+        "+ `served_s`. `*_task_s`: Prefect's task times.",
         "",
         markdown_table(loops, ["version", *loop_keys]) if loops
         else "No step's version reached a client inside the window.",
-        "", eval_line,
-        "", "Seconds each task of the train flow took, per step (Prefect's task run times; the path to the sync",
-        "ends with `sync_weights`):", "",
+        "", f"{eval_line} Seconds each task of the train flow took, per step (Prefect's task run times; the path to "
+        "the sync ends with `sync_weights`):", "",
         markdown_table(tasks, ["version", *task_names]) if tasks else "No train step.",
     ])
 

@@ -172,5 +172,5 @@ def format_long_prompt_section(rows: list[dict[str, Any]], device: str) -> str:
             "A short request streams 200 tokens while the long prompt arrives; its longest gap between two "
             "tokens is the decoding it lost to the prefill. Then the long prompt alone, its caller gone 0.5 s in. "
             "Each row is one fresh process (max_batch_size 16); memory growth is over the process with the model "
-            "loaded: peak RSS on the CPU, peak allocated GPU memory on CUDA."
-            f"\n\nAn agent's conversation, with and without the prefix cache:\n\n{prefix}\n")
+            "loaded: peak RSS on the CPU, peak allocated GPU memory on CUDA. Below, an agent's conversation, with "
+            f"and without the prefix cache:\n\n{prefix}\n")

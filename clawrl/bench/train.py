@@ -133,21 +133,19 @@ def format_train_section(train_rows: list[dict[str, Any]], sync_rows: list[dict[
     lines = ["## Training step and weight sync", "", machine_line(first["device"], first["dtype"])]
     if train_rows:
         lines += [
-            f"(a) One PPO step (the trainer backend's `train_step`, {train_rows[0]['batch']} x "
-            f"{train_rows[0]['seq_len']} tokens, one micro-batch) vs a plain HF",
-            "forward + backward + AdamW step of the same batch (the bound). `ppo_step` includes the KL",
-            "reference forward (kl_coef > 0, the default, `reference_logprobs = \"trainer\"`); `ppo_step_judge_ref`",
-            "is the same step on samples that brought their reference log-probs from the judge's engine",
-            "(`reference_logprobs = \"judge\"`, or `\"auto\"` with the frozen teacher); `ppo_step_no_ref` has no KL term.",
-            "`mfu` (GPU only): training FLOPs per second over the 790 TFLOP/s bf16 peak (`clawrl.bench.mfu`).",
-            "Target: vs_bound >= 0.8.", "",
+            f"(a) One PPO step (the backend's `train_step`, {train_rows[0]['batch']} x {train_rows[0]['seq_len']} "
+            "tokens, one micro-batch) vs a plain HF forward + backward + AdamW step of the same batch (the bound;",
+            "target vs_bound >= 0.8). `ppo_step` computes the KL reference log-probs itself, `ppo_step_judge_ref` gets "
+            "them from the judge's engine (`[ppo] reference_logprobs`),",
+            "`ppo_step_no_ref` has no KL term; `mfu` (GPU): training FLOP/s over the 790 TFLOP/s bf16 peak.", "",
             markdown_table(train_rows, ["model", "what", "backend", "threads", "seconds", "seconds_median",
                                         "tokens_per_s", "vs_bound", "mfu"]), ""]
     if sync_rows:
         lines += [
-            "(b) Weight sync into an idle embedded engine vs its bound (target <= 1.5x): `in_process` =",
-            "pause -> state-dict copy -> continue vs copying the same tensors; `disk_sync` = checkpoint save +",
-            "`update_weights_from_disk` vs safetensors save_file + load_file of the same state dict.", "",
+            "(b) Weight sync into an idle embedded engine vs its bound (target <= 1.5x): `in_process` = pause, copy "
+            "the state dict, continue vs copying the same tensors;",
+            "`disk_sync` = checkpoint save + `update_weights_from_disk` vs safetensors save_file + load_file of the "
+            "same state dict.", "",
             markdown_table(sync_rows, ["model", "path", "bytes", "seconds", "seconds_median", "bound_seconds",
                                        "vs_bound", "load_1m"])]
     return "\n".join(lines).rstrip("\n")
