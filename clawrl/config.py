@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from clawrl.config_removed import REMOVED_KEYS
 from clawrl.config_sections import EngineSettings, GateSettings, PRMSettings, Url, replay_scorer_problem
 from clawrl.config_sections import Section as _Section
 from clawrl.records import Method
@@ -45,19 +46,14 @@ OFFLINE_ENV = {
 }
 
 
+SERVED_MODEL_NAME = "clawrl-policy"
+
+
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who has to fix it."""
 
 
 AbsPath = Annotated[Path, AfterValidator(lambda p: p.expanduser().resolve())]
-
-
-def _regex(pattern: str) -> str:
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"not a regular expression: {e}") from None
-    return pattern
 
 
 class ModelSettings(_Section):
@@ -78,25 +74,8 @@ class ModelSettings(_Section):
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="Gateway bind address.")
     api_port: int = Field(30000, ge=0, le=65535, description="Gateway (OpenAI API) port.")
-    served_model_name: str = Field("clawrl-policy", description="The model id /v1/models reports.")
     default_turn_type: Literal["main", "side"] = Field("main", description="Turn type when a request names none. "
                                                        "'main' makes any OpenAI client produce training data.")
-    side_turn_patterns: list[Annotated[str, AfterValidator(_regex)]] = Field(
-        [r"you are a context summari[sz]ation assistant",
-         r"the messages above are (a conversation|new conversation messages) to (summari[sz]e|incorporate)",
-         r"^pre-compaction memory flush\b"],
-        description="Regexes (case-insensitive): a request naming no turn type whose system or last message "
-        "matches one is a side turn - an agent's own maintenance call (defaults: OpenClaw's compaction summariser "
-        "and pre-compaction memory flush). A request that adds no user or tool message is one too.")
-    prompt_cache_key_boundary: Annotated[str, AfterValidator(_regex)] = Field(
-        r":\d+$", description="Regex of the suffix an agent adds to prompt_cache_key at each context boundary, left "
-        "out of the session id (OpenClaw: '<session id>:<compactions so far>'; its summariser sends the bare id). "
-        "Empty: the key as sent. Other clients' keys ending in ':<digits>' lose that part too.")
-    session_idle_timeout_s: float = Field(900.0, gt=0, description="A session idle this long is closed.")
-    max_sessions: int = Field(10000, ge=1, description="Open sessions kept in memory (LRU beyond).")
-    max_n: int = Field(8, ge=1, le=64, description="Most choices (OpenAI's n) one chat completion may ask for; "
-                       "each is a sample of its own, logged as a turn of its own. Above it: a 400 naming n.")
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
     api_keys_env: str = Field("CLAWRL_API_KEYS", description="Name of the env var holding comma-separated API keys.")
     open_mode: bool = Field(False, description="Serve without API keys (says so loudly at start).")
     admin_keys_env: str = Field("CLAWRL_ADMIN_KEYS", description="Name of the env var holding comma-separated admin "
@@ -104,62 +83,37 @@ class ServerSettings(_Section):
                                 "/admin and /engine routes). With no API keys and no admin keys (open mode) those "
                                 "routes are open too.")
 
+    @property
+    def served_model_name(self) -> str:
+        """The model id the gateway's /v1/models reports and its answers carry (clients may send any)."""
+        return SERVED_MODEL_NAME
+
 
 class PPOSettings(_Section):
     advantage_estimator: Method = Field(Method.COMBINE, description="grpo | on_policy_distillation | combine.")
-    clip_range: float = Field(0.2, gt=0, lt=1, description="PPO epsilon_low: ratio clipped below at 1-eps.")
-    clip_range_high: float = Field(0.28, gt=0, description="PPO epsilon_high (clip-higher).")
-    kl_coef: float = Field(0.01, ge=0, description="Coefficient of the KL to the frozen reference model.")
-    reference_logprobs: Literal["auto", "judge", "trainer"] = Field(
-        "auto", description="Who computes the KL reference's log-probs. 'judge': at judge time, by the engine "
-        "holding the initial weights (one prefill per sample, so the PPO step runs no reference forward). "
-        "'trainer': a forward of the trainer's frozen copy inside the step. 'auto': 'judge' when the judge "
-        "already holds the policy's initial weights (prm.backend = 'engine', or the 'frozen' OPD teacher), "
-        "else 'trainer'. Samples without them are always completed by the trainer.")
     rollout_batch_size: int = Field(32, ge=1, description="Trainable samples that trigger one PPO step.")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (the peak, when lr_decay_steps decays it).")
+    lr_decay_steps: int = Field(0, ge=0, description="0: a constant lr. N: cosine decay from lr to lr_min over the "
+                                "first N training steps, then lr_min for good - a live system keeps learning, slowly.")
+    lr_min: float = Field(0.0, ge=0, description="The lr a decaying schedule ends at and stays at.")
+    kl_coef: float = Field(0.01, ge=0, description="Coefficient of the KL to the frozen reference model.")
     max_new_tokens: int = Field(512, ge=1, description="Default completion budget per turn.")
     temperature: float = Field(0.7, ge=0, description="Default sampling temperature for served turns.")
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="'torch': plain PyTorch (CPU or one GPU). 'megatron': megatron-core GPTModel (TP).")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (the peak, when lr_schedule decays it).")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="lr over training steps: "
-                                                                 "'constant'; or 'linear' / 'cosine' from lr down to "
-                                                                 "lr_min over lr_decay_steps steps (after "
-                                                                 "lr_warmup_steps), then lr_min for good - a live "
-                                                                 "system keeps learning, slowly.")
-    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from lr/(warmup+1) to lr.")
-    lr_decay_steps: int = Field(0, ge=0, description="Steps of decay after warm-up (needed by linear/cosine).")
-    lr_min: float = Field(0.0, ge=0, description="The lr a decaying schedule ends at and stays at.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1 (first-moment decay).")
-    adam_beta2: float = Field(0.98, ge=0, lt=1, description="AdamW beta2 (second-moment decay).")
-    grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 = off.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward (grad accumulation).")
-    ppo_epochs: int = Field(1, ge=1, description="Optimizer passes over each batch (>1 makes the ratio != 1).")
-    kl_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator to the reference model.")
-    entropy_coef: float = Field(0.0, description="Entropy bonus coefficient (subtracted from the loss).")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="How per-token losses become one number.")
-    dual_clip: float = Field(0.0, ge=0, description="Dual-clip constant c > 1 for negative advantages; 0 = off.")
-    tis_cap: float = Field(2.0, ge=0, description="Truncated importance sampling cap vs rollout logprobs; 0 = off.")
     max_staleness: int = Field(4, ge=0, description="Samples from policies more than this many versions old are "
                                                      "excluded (too_stale), except those of the champion serving now "
                                                      "(the gate may have refused the versions after it).")
-    w_rl: float = Field(1.0, description="Combine: weight of the judge reward term.")
-    w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term.")
-    group_norm: bool = Field(False, description="Subtract a baseline from the judge reward: the mean over group_by.")
-    group_by: Literal["prompt", "batch"] = Field("prompt", description="Baseline group: 'prompt' (GRPO: samples of "
-                                                 "the same prompt; live traffic rarely repeats a prompt, so most "
-                                                 "groups have one sample and get advantage 0) or 'batch' (the batch "
-                                                 "mean: a REINFORCE baseline that works with one sample per prompt).")
+    w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term (the judge reward's is 1).")
+    group_by: Literal["none", "prompt", "batch"] = Field(
+        "none", description="Baseline subtracted from the judge reward: none; 'prompt' (GRPO: the mean over "
+        "samples of the same prompt; live traffic rarely repeats a prompt, so most groups have one sample and get "
+        "advantage 0); or 'batch' (the batch mean: a REINFORCE baseline that works with one sample per prompt).")
     lora_rank: int = Field(0, ge=0, description="LoRA rank for the torch backend; 0 = full fine-tune.")
-    lora_alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (the update is scaled by alpha/rank).")
-    deterministic: bool = Field(True, description="torch deterministic algorithms + seeds (exact replay).")
 
     @model_validator(mode="after")
     def _check_lr(self) -> PPOSettings:
-        if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
-            raise ValueError(f"ppo.lr_schedule = {self.lr_schedule!r} needs ppo.lr_decay_steps >= 1")
         if self.lr_min > self.lr:
             raise ValueError(f"ppo.lr_min ({self.lr_min:g}) must not exceed ppo.lr ({self.lr:g})")
         return self
@@ -169,29 +123,17 @@ class OPDSettings(_Section):
     teacher: str = Field("frozen", description="Who scores the response under the hinted prompt: 'frozen' (the "
                          "initial model), 'policy' (the serving engine), a local HF model directory, or an http(s) "
                          "URL of an SGLang server. The teacher must share the policy's tokenizer.")
-    hint_samples: int = Field(1, ge=1, description="Hint votes per turn.")
-    hint_policy: Literal["longest", "first", "shortest", "overlap"] = Field(
-        "longest", description="Which accepted hint to use: the longest, the first, the shortest, or 'overlap': the "
-        "one sharing the most distinct words with the next state's text (what the user or tools said next; ties: "
-        "the earlier vote).")
-    hint_candidates: int = Field(0, ge=0, le=3, description="The hint policy chooses among the first this many "
-                                 "usable hints, in vote order; at least this many hint votes are asked for. "
-                                 "0: among every usable hint of the hint_samples votes.")
-    hint_placement: Literal["append_last_user", "system"] = Field("append_last_user", description="Where the hint goes.")
-    hint_demonstrations: bool = Field(False, description="A hint holding tool calls also makes a sample: those calls as the reply, reward +1.")
+    hint_demonstrations: bool = Field(False, description="A hint holding tool calls also makes a sample: those calls "
+                                      "as the reply, reward +1.")
     top_k: int = Field(0, ge=0, le=20, description="Top-k OPD: the teacher's log-probs at the policy's k most likely "
                        "tokens of each output position (scored by the serving engine at judge time), and a per-token "
                        "OPD advantage sum_j p(j) (teacher_lp(j) - policy_lp(j)) over them, p the policy's top-k "
-                       "probabilities renormalised. 0: the sampled token only, teacher_lp - old_lp.")
-    advantage_clip: float | None = Field(None, ge=0, description="The per-token OPD advantage (before w_opd) is "
-                                         "clipped to [-clip, clip]; 0 = off; unset: 1.0 with top_k > 0, else off.")
+                       "probabilities renormalised, clipped to [-1, 1]. 0: the sampled token only, teacher_lp - old_lp.")
 
 
 class StorageSettings(_Section):
     data_root: AbsPath = Field(Path("~/.clawrl"), description="Where turns, samples, checkpoints, models live.")
     model_cache: AbsPath | None = Field(None, description="Built/converted models (default: <data_root>/models).")
-    mlflow_ui_url: Url = Field("http://127.0.0.1:5000", description="The MLflow UI over this data root's store "
-                               "(`clawrl up` serves it): train runs in Prefect link to their MLflow run there.")
 
     @property
     def models_dir(self) -> Path:
@@ -214,6 +156,12 @@ class HooksSettings(_Section):
     sample_source: str = Field("", description="Replaces trainable samples: fn(data_root, judge_config_hash, limit).")
 
 
+# Ports clawrl opens besides the gateway's, at fixed offsets from [server] api_port (30000: the engine on
+# 30010, the judge, evaluation and canary engines on 30021-30023), so one setting moves them all; Prefect's,
+# MLflow's and the trainer's are `clawrl up` options.
+PORT_OFFSETS = {"engine": 10, "judge-engine": 21, "eval-engine": 22, "canary-engine": 23}
+
+
 class Settings(BaseSettings):
     """Every section; the defaults here are the only ones (``clawrl config show --defaults`` prints them).
     ``Settings()`` takes CLAWRL__SECTION__KEY variables as is; :func:`load_settings` is the checked way in."""
@@ -231,6 +179,10 @@ class Settings(BaseSettings):
     provider: ProviderSettings = ProviderSettings()
     hooks: HooksSettings = HooksSettings()
     gate: GateSettings = GateSettings()
+
+    def port(self, part: str) -> int:
+        """The port of ``part`` (a key of ``PORT_OFFSETS``): ``[server] api_port`` + its offset."""
+        return self.server.api_port + PORT_OFFSETS[part]
 
 
 _SECTIONS = ", ".join(Settings.model_fields)
@@ -336,16 +288,6 @@ def _refuse_secret(section: str, key: str, value: Any, origin: str) -> None:
             f"config files: put it in an environment variable named in {where} (the value is not shown)")
 
 
-# Keys that existed once, and what took their place: a config file that still sets one is told what to do.
-REMOVED_KEYS = {
-    ("engine", "urls"): "put SGLang's router in front of the engines and name it in [engine] url (`clawrl up --engines "
-                        "N` starts N engines and the router); each weight sync reaches every worker the router lists",
-    ("engine", "sync_waves"): "the workers behind SGLang's router are updated one at a time while the others serve",
-    ("engine", "down_retry_s"): "SGLang's router takes a worker that stops answering out and back (its circuit "
-                                "breaker and health checks)",
-    ("prm", "engine_urls"): "put SGLang's router in front of the judge engines and name it in [prm] engine_url "
-                            "(`clawrl up --judge-engines N` starts them and the router)",
-}
 
 
 def _format_validation_error(err: ValidationError, merged: dict[str, dict[str, Any]],
@@ -368,13 +310,18 @@ def _format_validation_error(err: ValidationError, merged: dict[str, dict[str, A
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None,
-                  overrides: Mapping[str, Any] | None = None) -> Settings:
+                  overrides: Mapping[str, Any] | None = None, drop_removed: bool = False) -> Settings:
     """Build the effective Settings: the defaults, then ``path``, then ``env`` (default: os.environ),
-    then ``overrides``, which map dotted keys ("ppo.lr") to values (replay's ``--set``)."""
+    then ``overrides``, which map dotted keys ("ppo.lr") to values (replay's ``--set``). ``drop_removed``:
+    ``path`` is a snapshot an older clawrl wrote, whose removed keys (``REMOVED_KEYS``) are left out."""
     layers = []  # (origin, {section: {key: value}}), later wins
     if path is not None:
         p = Path(path).expanduser().resolve()
-        layers.append((str(p), _read_toml(p)))
+        table = _read_toml(p)
+        if drop_removed:
+            table = {sec: {k: v for k, v in keys.items() if (sec, k) not in REMOVED_KEYS} if isinstance(keys, Mapping)
+                     else keys for sec, keys in table.items()}
+        layers.append((str(p), table))
     layers += _read_env(os.environ if env is None else env)
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
@@ -487,6 +434,15 @@ def read_admin_key(env_name: str) -> str | None:
     and the flows present to the gateway's /engine control API (None when unset)."""
     keys = read_api_keys(env_name)
     return keys[0] if keys else None
+
+
+MLFLOW_UI_ENV = "CLAWRL_MLFLOW_UI_URL"
+
+
+def mlflow_ui_url(default: str = "http://127.0.0.1:5000") -> str:
+    """Where Prefect's pages link MLflow runs: ``$CLAWRL_MLFLOW_UI_URL`` (`clawrl up` sets it to the UI it
+    starts, unless it is set already: a proxy in front of it), else ``default``."""
+    return (read_secret(MLFLOW_UI_ENV) or default).rstrip("/")
 
 
 def prefect_api_url() -> str | None:

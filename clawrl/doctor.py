@@ -73,10 +73,9 @@ def settings_checks(s: Any) -> dict[str, Any]:
     from clawrl.config import placeholder_keys
 
     method = Method(s.ppo.advantage_estimator)
-    calls_out = bool(s.hooks.reward) or s.prm.backend in ("sglang", "provider") or bool(
-        s.prm.backend == "engine" and s.prm.judge_engine_urls())
-    return {"group_by_prompt": s.ppo.group_norm and s.ppo.group_by == "prompt" and method in (Method.GRPO,
-                                                                                               Method.COMBINE),
+    calls_out = bool(s.hooks.reward) or s.prm.backend == "provider" or bool(
+        s.prm.backend == "engine" and s.prm.engine_url)
+    return {"group_by_prompt": s.ppo.group_by == "prompt" and method in (Method.GRPO, Method.COMBINE),
             "judge_timeout_s": s.engine.stall_timeout_s if calls_out else None,
             "placeholder_keys": placeholder_keys(s.server.api_keys_env, s.server.admin_keys_env,
                                                  *([s.provider.api_key_env] if s.prm.backend == "provider" else []))}
@@ -108,7 +107,7 @@ def _judge_timeout(timeout_s: float | None) -> Finding:
 def _groups(con: duckdb.DuckDBPyConnection, method: str, group_by_prompt: bool) -> Finding:
     """A sample alone with its prompt in its batch gets reward - its own mean = 0 (std 0 after centering)."""
     if not group_by_prompt:
-        return Finding("groups", True, "rewards are not centred on their prompt's group ([ppo] group_norm, group_by)")
+        return Finding("groups", True, "rewards are not centred on their prompt's group ([ppo] group_by)")
     sql = ("SELECT batch_id, prompt_ids, count(*) AS n FROM batches b, unnest(b.sample_ids) AS u(sample_id) "
            "JOIN samples s USING (sample_id) GROUP BY batch_id, prompt_ids")
     c = _one(con, f"SELECT coalesce(sum(n), 0) AS samples, coalesce(sum(n) FILTER (WHERE n = 1), 0) AS alone "
@@ -116,12 +115,12 @@ def _groups(con: duckdb.DuckDBPyConnection, method: str, group_by_prompt: bool) 
     summary = f"{c['alone']} of {c['samples']} trained samples were alone with their prompt in their batch"
     if c["samples"] >= MIN_ROWS and _share(c["alone"], c["samples"]) >= 0.5:
         return Finding("groups", False, summary,
-                       "[ppo] group_norm centres each judge reward on the mean of its prompt's group (group_by = "
-                       "'prompt'): a group of one sample has std 0 after centering, its advantage is 0, and its "
+                       "[ppo] group_by = 'prompt' centres each judge reward on the mean of its prompt's group: "
+                       "a group of one sample has std 0 after centering, its advantage is 0, and its "
                        "judge score teaches nothing" + (" (grpo: the sample trains on nothing)"
                                                          if method == Method.GRPO.value else ""),
-                       "[ppo] group_by = 'batch' (a baseline over the batch: live traffic rarely repeats a prompt), "
-                       "group_norm = false, or several answers per prompt (n > 1)", sql)
+                       "[ppo] group_by = 'batch' (a baseline over the batch: live traffic rarely repeats a prompt) "
+                       "or 'none', or several answers per prompt (n > 1)", sql)
     return Finding("groups", True, summary)
 
 
@@ -145,9 +144,9 @@ def _traffic(con: duckdb.DuckDBPyConnection) -> Finding:
     if c["main"] == 0:  # side turns beside main ones are normal: heartbeats, an agent's maintenance calls
         return Finding("traffic", False, summary,
                        "every turn is a side turn, which is served and logged but never trained on: the "
-                       "client marks them (X-Turn-Type: side), they match [server] side_turn_patterns (an agent's "
-                       "maintenance calls), or they add no new user or tool message",
-                       "send X-Turn-Type: main for the turns to learn from, or narrow [server] side_turn_patterns",
+                       "client marks them (X-Turn-Type: side), they look like an agent's maintenance calls (its "
+                       "compaction summariser), or they add no new user or tool message",
+                       "send X-Turn-Type: main for the turns to learn from",
                        sql)
     return Finding("traffic", True, summary)
 
@@ -176,8 +175,9 @@ def _next_states(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, in
     if c["inner"] >= MIN_ROWS and _share(c["inner_missing"], c["inner"]) >= 0.3:
         return Finding("next_states", False, summary,
                        "turns that the conversation went on after were closed without their next message: the "
-                       "user's replies came after [server] session_idle_timeout_s, or the gateway restarted",
-                       "raise [server] session_idle_timeout_s", sql)
+                       "user's replies came more than 15 minutes after the answers (a session idle that long is "
+                       "closed), or the gateway restarted",
+                       "reply within 15 minutes, or close a finished conversation with session_done", sql)
     return Finding("next_states", True, summary)
 
 
@@ -203,7 +203,7 @@ def _judge(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) ->
                         "'judge_error' GROUP BY detail ORDER BY n DESC LIMIT 1", h=chash)
         out.append(Finding("judge_errors", False, f"{errors} of {judged} judged turns failed in the judge",
                            f"the judge backend fails: {(top['detail'] or '')[:200]}",
-                           "check [prm] backend, its url and the provider's api_key_env",
+                           "check [prm] backend, its engine_url, and [provider] base_url and api_key_env",
                            sql.replace("SELECT score", "SELECT error, score")))
     zero = fates[Fate.SCORE_ZERO.value]
     if judged >= MIN_ROWS and _share(zero, judged) >= 0.5:

@@ -9,7 +9,7 @@ prompt, and a decision made on them replays identically.
 Two kinds of set (``[gate] eval_set``): ``validation``, the fixed prompts and scorer of ``[gate]
 evaluator`` (:func:`load_eval_set`); ``replay`` (:func:`replay_eval_set`), the request messages and
 tools of recent judged main turns, each answer rated by the judge model (``clawrl.judge.rating``) or
-by ``[gate] replay_scorer``. A replay set is named by its turn ids (part of its key and of the
+by ``[gate] evaluator``. A replay set is named by its turn ids (part of its key and of the
 promotion row), so the same turns give the same requests again; with fewer than
 :data:`MIN_REPLAY_PROMPTS` of them it has no prompts, and the gate refuses for want of evidence.
 """

@@ -153,7 +153,7 @@ def check_replay(settings, weight_version: str, exclude_sessions: tuple[str, ...
     snapshot = config_snapshot_path(data_root, plan[0]["config_hash"])
     if not snapshot.is_file():
         raise FileNotFoundError(f"the recorded config {snapshot} is missing; cannot replay")
-    load_settings(snapshot, env={}, overrides=dict(overrides or {}))  # a bad --set key or value fails here
+    load_settings(snapshot, env={}, overrides=dict(overrides or {}), drop_removed=True)  # a bad --set fails here
     return ReplayRequest(weight_version, excluded, plan, snapshot)
 
 
@@ -183,7 +183,7 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     out = data_root / "replays" / replay_id
     report = ReplayReport(replay_id, weight_version, exact, [list(p) for p in excluded], reason, overrides)
     t0 = time.perf_counter()
-    replay_settings = load_settings(snapshot, env={}, overrides={
+    replay_settings = load_settings(snapshot, env={}, drop_removed=True, overrides={
         **overrides, "storage.data_root": str(out), "storage.model_cache": str(settings.storage.models_dir),
         "model.tensor_parallel": 1, "model.data_parallel": 1})  # one process, whatever trained the original
     out.mkdir(parents=True, exist_ok=True)

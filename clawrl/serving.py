@@ -119,6 +119,18 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def free_api_port() -> int:
+    """A free port for ``[server] api_port`` whose derived ports (``clawrl.config.PORT_OFFSETS``: the engines
+    `clawrl up` starts) are free too."""
+    from clawrl.config import PORT_OFFSETS
+
+    while True:
+        port = free_port()
+        derived = [port + offset for offset in PORT_OFFSETS.values()]
+        if derived[-1] < 65536 and all(listen_problem("127.0.0.1", p) is None for p in derived):
+            return port
+
+
 def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
     """``n`` distinct TCP ports on 127.0.0.1 that nothing listens on now, none of ``avoid`` (ports
     handed out before and not bound yet: a port is free again once its probe closes, so ports drawn

@@ -6,10 +6,10 @@ MLflow server (UI, sqlite store under the data root), the trainer service (model
 memory between steps; under torchrun when the model is split over several ranks), the gateway
 (OpenAI API, in-process embedded engine, its SGLang control API under /engine), the judge engine
 when the judge scores with the policy's initial weights (``[prm] backend = "engine"`` or the
-"frozen" OPD teacher: a `clawrl engine` on ``[prm] engine_port`` that keeps the frozen model loaded
+"frozen" OPD teacher: a `clawrl engine` on ``[server] api_port`` + 21 that keeps the frozen model loaded
 between judge runs, which reach it over HTTP), the promotion gate's evaluation engine when the gate
-is on (a `clawrl engine` on ``[gate] engine_port`` the train runs load each candidate into), the
-canary engine with ``[gate] canary_share`` (a `clawrl engine` on ``[gate] canary_port`` that serves
+is on (a `clawrl engine` on ``api_port`` + 22 the train runs load each candidate into), the
+canary engine with ``[gate] canary_share`` (a `clawrl engine` on ``api_port`` + 23 that serves
 that share of sessions the newest trained version), and the
 flow server (the judge / train / replay deployments; with a work pool, registered on it and run by `prefect worker start --pool`
 processes, one of them started here unless told otherwise). Each keeps its state under the data
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from clawrl.config import child_env
+from clawrl.config import MLFLOW_UI_ENV, child_env, mlflow_ui_url
 from clawrl.lineage import client as mlflow_client, store_path, store_uri
 from clawrl.engine.router import router_argv
 from clawrl.serving import WILDCARD_HOSTS, client_url, free_port, free_ports
@@ -66,10 +66,10 @@ class Service:
 
 # The option or config key that sets each service's port, as `clawrl up` names it when the port is taken:
 # the one table to change when a key is renamed.
+_MOVED_BY_API_PORT = "[server] api_port (the engines' ports are api_port + 10, 21, 22, 23)"
 PORT_KEYS = {"prefect": "--prefect-port", "mlflow": "--mlflow-port", "trainer": "--trainer-port",
-             "gateway": "[server] api_port", "judge-engine": "[prm] engine_port", "eval-engine": "[gate] engine_port",
-             "canary-engine": "[gate] canary_port", "engine": "[engine] port", "engine-router": "[engine] port",
-             "judge-engine-router": "[prm] engine_port"}
+             "gateway": "[server] api_port", **{name: _MOVED_BY_API_PORT for name in (
+                 "judge-engine", "eval-engine", "canary-engine", "engine", "engine-router", "judge-engine-router")}}
 
 
 def port_problems(services: list[Service]) -> list[str]:
@@ -194,15 +194,15 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     gw = gateway_url(settings, host)
     prefect_api = f"{client_url(host, prefect_port)}/api"
     mlflow_db = store_uri(root)
-    policy = _engine_group("engine", config_path, host, settings.engine.port, engines, resume=True)
+    policy = _engine_group("engine", config_path, host, settings.port("engine"), engines, resume=True)
     from clawrl.judge.runner import uses_frozen_model
 
-    judge = _engine_group("judge-engine", config_path, host, settings.prm.engine_port, judge_engines) \
+    judge = _engine_group("judge-engine", config_path, host, settings.port("judge-engine"), judge_engines) \
         if uses_frozen_model(settings) and not settings.prm.engine_url else []
     gate_engine = _gate_engine(settings, config_path, host)
     canary = _canary_engine(settings, config_path, host)
     canary_env = {"CLAWRL__GATE__CANARY_URL": canary.url} if canary else {}  # the gateway's and the flows'
-    policy_env = {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": policy[-1].url} if policy else {}
+    policy_env = {"CLAWRL__ENGINE__URL": policy[-1].url} if policy else {}
     flows_env = {**({"CLAWRL__PRM__ENGINE_URL": judge[-1].url} if judge else {}),
                  **({"CLAWRL__GATE__ENGINE_URL": gate_engine.url} if gate_engine else {}), **canary_env}
     return [
@@ -288,7 +288,7 @@ def _gate_engine(settings, config_path: Path, host: str) -> Service | None:
     user's own. Kept between runs, it spares each run (a process of its own) loading the model."""
     if not settings.gate.enabled or settings.gate.engine_url:
         return None
-    return _engine_service("eval-engine", config_path, host, settings.gate.engine_port)
+    return _engine_service("eval-engine", config_path, host, settings.port("eval-engine"))
 
 
 def _canary_engine(settings, config_path: Path, host: str) -> Service | None:
@@ -297,7 +297,7 @@ def _canary_engine(settings, config_path: Path, host: str) -> Service | None:
     g = settings.gate
     if not g.canary or g.canary_url:
         return None
-    return _engine_service("canary-engine", config_path, host, g.canary_port)
+    return _engine_service("canary-engine", config_path, host, settings.port("canary-engine"))
 
 
 def _engine_service(name: str, config_path: Path, host: str, port: int, resume: bool = False) -> Service:
@@ -307,16 +307,6 @@ def _engine_service(name: str, config_path: Path, host: str, port: int, resume: 
     argv = [sys.executable, "-m", "clawrl.cli", "engine", "-c", str(config_path), "--host", host, "--port", str(port),
             *(["--resume"] if resume else [])]
     return Service(name, argv, f"{url}/health", url, listens=(host, port))
-
-
-def _mlflow_ui_url(settings, mlflow_port: int, host: str) -> str:
-    """Where the flows' Prefect pages link MLflow runs: the UI this command starts, unless the config
-    names another (a proxy in front of it)."""
-    from clawrl.config import StorageSettings
-
-    configured = settings.storage.mlflow_ui_url
-    return configured if configured != StorageSettings.model_fields["mlflow_ui_url"].default else \
-        client_url(host, mlflow_port)
 
 
 def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port: int = 5000,
@@ -338,7 +328,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
     prefect_api = f"{client_url(host, prefect_port)}/api"
     base_env = child_env(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=prefect_api,
                          MLFLOW_TRACKING_URI=store_uri(root),
-                         CLAWRL__STORAGE__MLFLOW_UI_URL=_mlflow_ui_url(settings, mlflow_port, host))
+                         **{MLFLOW_UI_ENV: mlflow_ui_url(client_url(host, mlflow_port))})
     base_env = {**SHARED_CPU_ENV, **base_env}
     stopping = False
 

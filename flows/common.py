@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clawrl import runtime
 from clawrl.config import Settings, config_hash, load_settings
+from clawrl.config_sections import GATE_SAMPLES
 
 if TYPE_CHECKING:
     from clawrl.chat import ChatAdapter
@@ -130,15 +131,16 @@ def gate_eval_set(settings: Settings, batch_id: str | None = None) -> EvalSet:
     judged turns without a batch), scored by ``[gate] replay_scorer`` or the judge's rating."""
     from clawrl.evaluation import load_eval_set
 
-    g = settings.gate
-    temperature = settings.ppo.temperature if g.temperature is None else g.temperature
+    g, temperature = settings.gate, settings.ppo.temperature
+    budget = g.answer_budget(settings.ppo.max_new_tokens)
     if g.eval_set == "replay":
-        return _replay_eval_set(settings, batch_id, temperature)
-    return _once(("gate-set", config_hash(g), temperature), lambda: load_eval_set(
-        g.evaluator, size=g.size, samples=g.samples, seed=g.seed, max_tokens=g.max_tokens, temperature=temperature))
+        return _replay_eval_set(settings, batch_id, temperature, budget)
+    return _once(("gate-set", config_hash(g), temperature, budget), lambda: load_eval_set(
+        g.validation_evaluator, size=g.size, samples=GATE_SAMPLES, seed=g.seed, max_tokens=budget,
+        temperature=temperature))
 
 
-def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: float) -> EvalSet:
+def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: float, budget: int) -> EvalSet:
     from clawrl.evaluation import replay_eval_set
     from clawrl.hooks import HookError, import_path
     from clawrl.judge.prompts import RATING_VERSION
@@ -152,10 +154,10 @@ def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: floa
     with open_catalog(settings.storage.data_root) as con:
         cut = batch_claimed_at(con, batch_id) if batch_id else None
         turns = replay_turns(con, chash, g.size, cut)
-    if g.replay_scorer:
-        rate, scorer = import_path(g.replay_scorer), f"hook:{g.replay_scorer}"
+    if g.evaluator:
+        rate, scorer = import_path(g.evaluator), f"hook:{g.evaluator}"
         if not callable(rate):
-            raise HookError(f"[gate] replay_scorer = {g.replay_scorer!r} is not callable")
+            raise HookError(f"[gate] evaluator = {g.evaluator!r} is not callable")
     else:
         judge = judge_for(settings)
         scorer = f"judge:{chash}:{RATING_VERSION}"
@@ -163,7 +165,7 @@ def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: floa
         def rate(messages: list[dict[str, Any]], answer: str):
             return rate_answer(judge.backend, messages, answer, n=judge.judge_samples, temperature=judge.temperature,
                                max_tokens=judge.max_tokens, budget_chars=judge.budget_chars)
-    return replay_eval_set(turns, rate, scorer=scorer, samples=g.samples, seed=g.seed, max_tokens=g.max_tokens,
+    return replay_eval_set(turns, rate, scorer=scorer, samples=GATE_SAMPLES, seed=g.seed, max_tokens=budget,
                            temperature=temperature)
 
 

@@ -33,6 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
 from clawrl import runtime
+from clawrl.config_sections import LIVE_MIN_TURNS, LIVE_TOLERANCE
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
 from clawrl.flows.slots import (JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, skipped_because,
                                 tick)
@@ -41,7 +42,13 @@ from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
-_CHUNK_PER_SLOT = 4  # turns per judging task = this x [prm] max_in_flight
+# Turns judged at once (each a few engine calls; no global lock), and per judging task this many times
+# that (one catalog read and two writes a task). A judge run takes at most four training batches' worth
+# of turns (at least 64): a backlog is taken in bites, so the next train step starts soon. A turn whose
+# judge failed is judged again up to RETRIES times, RETRY_DELAY_S x 2^attempt apart, before its fate is
+# judge_error.
+MAX_IN_FLIGHT, _CHUNK_PER_SLOT = 16, 4
+RETRIES, RETRY_DELAY_S = 2, 1.0
 
 
 def _crash_point(name: str) -> None:
@@ -105,24 +112,24 @@ def _sort_results(judge, rows, results, last: bool) -> tuple[list[list[Any]], li
 
 @task(cache_policy=NO_CACHE, task_run_name="judge-{label}")
 def judge_turns(config_path: str | None, turn_ids: list[str], label: str) -> dict[str, int]:
-    """Judge these turns (``[prm] max_in_flight`` at once) and append their records in two writes
-    per attempt. A turn whose judge failed or raised is judged again, alone, after an exponential
-    backoff (``retry_delay_s`` x 2^attempt), up to ``[prm] retries`` times; then it is recorded with
-    fate judge_error and its error. Returns the count of each fate (``already_judged``: turns that
+    """Judge these turns (``MAX_IN_FLIGHT`` at once) and append their records in two writes per
+    attempt. A turn whose judge failed or raised is judged again, alone, after an exponential backoff
+    (``RETRY_DELAY_S`` x 2^attempt), up to ``RETRIES`` times; then it is recorded with fate
+    judge_error and its error. Returns the count of each fate (``already_judged``: turns that
     had a fate under this config when the task started)."""
     log = get_run_logger()
     s, judge, rows = _pending_turns(config_path, turn_ids)
     fates = Counter({"already_judged": len(turn_ids) - len(rows)} if len(turn_ids) > len(rows) else {})
-    for attempt in range(s.prm.retries + 1):
-        results = runtime.run(_judge_rows(judge, rows, s.prm.max_in_flight))
-        done, rows, errors = _sort_results(judge, rows, results, last=attempt == s.prm.retries)
+    for attempt in range(RETRIES + 1):
+        results = runtime.run(_judge_rows(judge, rows, MAX_IN_FLIGHT))
+        done, rows, errors = _sort_results(judge, rows, results, last=attempt == RETRIES)
         _append_outcomes(s, done)
         fates.update(records[-1].fate for records in done)
         if not rows:
             break
-        delay = s.prm.retry_delay_s * 2 ** attempt
+        delay = RETRY_DELAY_S * 2 ** attempt
         log.warning("%d turns failed (attempt %d of %d), e.g. %s; judging them again in %.1f s", len(rows),
-                    attempt + 1, s.prm.retries + 1, errors[0], delay)
+                    attempt + 1, RETRIES + 1, errors[0], delay)
         time.sleep(delay)
     return dict(fates)
 
@@ -159,8 +166,8 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     if not (g.enabled and g.live_rollback):
         return None
     data_store(s).flush()
-    found = check_live(s.storage.data_root, judge_config_hash, tolerance=g.live_tolerance, alpha=g.alpha,
-                       min_n=g.live_min_turns)
+    found = check_live(s.storage.data_root, judge_config_hash, tolerance=LIVE_TOLERANCE, alpha=g.alpha,
+                       min_n=LIVE_MIN_TURNS)
     if found is None or not found["rollback"]:
         return found
     log = get_run_logger()
@@ -173,7 +180,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
         return found
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction.ROLLBACK, version=found["previous"],
                   source="live", reason=f"live score of version {found['champion']} {found['reason']}",
-                  mlflow_run_id=target["mlflow_run_id"], live={**found, "tolerance": g.live_tolerance, "alpha": g.alpha})
+                  mlflow_run_id=target["mlflow_run_id"], live={**found, "tolerance": LIVE_TOLERANCE, "alpha": g.alpha})
     set_policy_alias(s.storage.data_root, "champion", found["previous"], initial_weights=target["path"])
     log.warning("live rollback: serving version %s again, not %s: %s", found["previous"], found["champion"],
                 found["reason"])
@@ -223,11 +230,11 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
     log = get_run_logger()
     s = load_flow_settings(config_path)
     judge = judge_for(s)
-    turn_ids = find_turns(config_path, judge.config_hash, limit or s.prm.batch_limit)
+    turn_ids = find_turns(config_path, judge.config_hash, limit or max(64, 4 * s.ppo.rollout_batch_size))
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
     fates: Counter[str] = Counter()
-    size = _CHUNK_PER_SLOT * s.prm.max_in_flight
+    size = _CHUNK_PER_SLOT * MAX_IN_FLIGHT
     for i in range(0, len(turn_ids), size):  # one task per chunk: one catalog read and two writes for all
         chunk = turn_ids[i : i + size]
         label = f"{i + 1}-{i + len(chunk)}-of-{len(turn_ids)}"

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from prefect import serve
 from prefect.types.entrypoint import EntrypointType
 
+from clawrl.config import mlflow_ui_url
 from clawrl.flows.inprocess import InProcessRunner, preload
 from clawrl.flows.judge import ensure_judge_limit, judge_flow
 from clawrl.flows.replay import replay_flow
@@ -153,13 +154,13 @@ def relink_uis(config_path: str) -> None:
     s = load_flow_settings(config_path)
     try:
         runs = relink_to_prefect(s.storage.data_root, str(PREFECT_UI_URL.value()))
-        artifacts = relink_artifacts(s.storage.mlflow_ui_url)
+        artifacts = relink_artifacts(mlflow_ui_url())
     except Exception as e:  # noqa: BLE001 - links, not the flows: serve anyway and say so
         log.warning("the links between the Prefect and MLflow UIs were not updated: %s: %s", type(e).__name__, e)
         return
     if runs or artifacts:
         log.warning("links updated to the UIs now running: %d MLflow runs -> Prefect %s, %d Prefect artifacts -> "
-                    "MLflow %s", runs, PREFECT_UI_URL.value(), artifacts, s.storage.mlflow_ui_url)
+                    "MLflow %s", runs, PREFECT_UI_URL.value(), artifacts, mlflow_ui_url())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,7 +60,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from clawrl import trainer_service
-from clawrl.config import config_hash, dump_toml
+from clawrl.config import config_hash, dump_toml, mlflow_ui_url
+from clawrl.config_sections import GUARD_TOLERANCE
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
                                  load_flow_settings, local_trainer, push_canary, push_weights, serve_target,
                                  trainer_in_process)
@@ -197,7 +198,7 @@ def link_step(config_path: str | None, step: dict[str, Any], run_id: str, gate: 
     from prefect.runtime import flow_run
 
     s = load_flow_settings(config_path)
-    links = ui_links(s.storage.data_root, run_id, s.storage.mlflow_ui_url)
+    links = ui_links(s.storage.data_root, run_id, mlflow_ui_url())
     version = step["weight_version"]
     create_markdown_artifact(
         key=f"train-v{version}", description=f"MLflow run and model version of weight version {version}",
@@ -274,7 +275,7 @@ def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) 
         out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
                              adapter=eval_adapter(s, engine), eval_set=gate_eval_set(s, step["batch_id"]),
                              base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
-                             min_gain=s.gate.min_gain, guard=s.gate.guard, guard_tolerance=s.gate.guard_tolerance,
+                             min_gain=s.gate.min_gain, guard=s.gate.guard, guard_tolerance=GUARD_TOLERANCE,
                              state_dict=tr.state_dict() if tr is not None and tr.weight_version == version
                              and not s.gate.engine_url else None,  # in memory only into an engine in this process
                              mlflow_run_id=run_id)

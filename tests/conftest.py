@@ -48,12 +48,12 @@ def model_cache() -> Path:
 @pytest.fixture
 def make_settings(tmp_path, model_cache):
     """Settings with a temp data root and the shared model cache; keyword overrides as 'section.key'.
-    The promotion gate evaluates a small set (4 prompts, 1 answer of 8 tokens) unless a test says otherwise:
-    it runs in every train flow, and most tests are about something else."""
+    The promotion gate evaluates a small set (4 prompts, answers of 8 tokens: the serving budget) unless a
+    test says otherwise: it runs in every train flow, and most tests are about something else."""
 
     def make(overrides: dict | None = None, **kw):
         merged = {"storage.data_root": str(tmp_path / "data"), "storage.model_cache": str(model_cache),
-                  "model.name": "tiny", "gate.size": 4, "gate.samples": 1, "gate.max_tokens": 8}
+                  "model.name": "tiny", "gate.size": 4, "ppo.max_new_tokens": 8}
         merged.update(overrides or {})
         merged.update({k.replace("__", "."): v for k, v in kw.items()})
         return load_settings(env={}, overrides=merged)

@@ -57,7 +57,7 @@ def test_the_demo_refuses_an_unknown_name_before_it_starts(tmp_path, args, says)
     assert not run.exists()  # nothing written
 
 
-@pytest.mark.parametrize("command,key", [("serve", "[server] api_port"), ("engine", "[engine] port")])
+@pytest.mark.parametrize("command,key", [("serve", "[server] api_port"), ("engine", "--port")])
 def test_a_taken_port_is_told_before_the_model_loads(tmp_path, command, key):
     """Before, `clawrl serve` loaded the model, printed "gateway on http://..." and then uvicorn failed to bind
     (exit 3); an address that is not this machine's is named the same way."""

@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_defaults_load_with_source_design_values():
     s = load_settings(env={})
-    assert s.ppo.clip_range == 0.2 and s.ppo.clip_range_high == 0.28
     assert s.ppo.rollout_batch_size == 32 and s.ppo.max_new_tokens == 512
     assert s.ppo.advantage_estimator is Method.COMBINE
     assert s.prm.judge_samples == 3
@@ -51,11 +50,11 @@ def test_overlay_file_then_env_override(tmp_path):
 
 def test_unknown_key_names_key_file_and_valid_keys(tmp_path):
     f = tmp_path / "bad.toml"
-    f.write_text("[ppo]\nclip_rnage = 0.3\n")
+    f.write_text("[ppo]\nkl_coeff = 0.3\n")
     with pytest.raises(ConfigError) as e:
         load_settings(f, env={})
     msg = str(e.value)
-    assert "clip_rnage" in msg and str(f) in msg and "clip_range_high" in msg
+    assert "kl_coeff" in msg and str(f) in msg and "kl_coef" in msg
 
 
 def test_wrong_type_names_key_value_and_file(tmp_path):
@@ -68,8 +67,8 @@ def test_wrong_type_names_key_value_and_file(tmp_path):
 
 
 def test_env_error_names_the_variable():
-    with pytest.raises(ConfigError, match="env CLAWRL__PPO__CLIP_RANGE"):
-        load_settings(env={"CLAWRL__PPO__CLIP_RANGE": "wide"})
+    with pytest.raises(ConfigError, match="env CLAWRL__PPO__KL_COEF"):
+        load_settings(env={"CLAWRL__PPO__KL_COEF": "wide"})
     with pytest.raises(ConfigError, match="unknown section \\[nope\\]"):
         load_settings(env={"CLAWRL__NOPE__X": "1"})
 
@@ -108,14 +107,26 @@ def test_dump_toml_round_trips(tmp_path):
     assert config_hash(load_settings(env={})) != config_hash(s)
 
 
-def test_http_engine_requires_url():
-    with pytest.raises(ConfigError, match="engine.url"):
-        load_settings(env={"CLAWRL__ENGINE__KIND": "http"})
+def test_the_engine_is_http_exactly_when_a_url_names_it():
+    assert load_settings(env={}).engine.kind == "embedded"
+    assert load_settings(env={"CLAWRL__ENGINE__URL": "http://a:1/"}).engine.kind == "http"
+
+
+def test_at_most_60_settings_and_the_engine_ports_follow_the_gateways():
+    """What a user sets fits in their head; the engines `clawrl up` starts take ports from [server] api_port."""
+    from clawrl.config import Settings
+
+    assert sum(len(f.annotation.model_fields) for f in Settings.model_fields.values()) <= 60
+    s = load_settings(env={"CLAWRL__SERVER__API_PORT": "41000"})
+    assert [s.port(p) for p in ("engine", "judge-engine", "eval-engine", "canary-engine")] == [41010, 41021, 41022,
+                                                                                               41023]
 
 
 @pytest.mark.parametrize("section, key, replacement", [
     ("engine", "urls", "router in front of the engines and name it in \\[engine\\] url"),
-    ("engine", "sync_waves", "one at a time"), ("prm", "engine_urls", "name it in \\[prm\\] engine_url")])
+    ("engine", "sync_waves", "one at a time"), ("prm", "engine_urls", "name it in \\[prm\\] engine_url"),
+    ("ppo", "lr_schedule", "lr_decay_steps > 0 decays lr"), ("gate", "replay_scorer", "\\[gate\\] evaluator"),
+    ("server", "session_idle_timeout_s", "15 minutes"), ("engine", "kind", "an \\[engine\\] url makes it")])
 def test_a_removed_key_says_what_took_its_place(tmp_path, section, key, replacement):
     f = tmp_path / "old.toml"
     f.write_text(f"[{section}]\n{key} = 2\n")

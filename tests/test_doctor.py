@@ -391,7 +391,7 @@ def test_judge_calls_without_a_timeout_and_placeholder_keys(tmp_path, monkeypatc
                                          "placeholder_keys": ["CLAWRL_PROVIDER_API_KEY"]}
     monkeypatch.setenv("CLAWRL_PROVIDER_API_KEY", "sk-live-1234")
     assert settings_checks(provider)["placeholder_keys"] == []
-    rule = make_settings({"prm.backend": "rule", "ppo.group_norm": True, "ppo.advantage_estimator": "grpo"})
+    rule = make_settings({"prm.backend": "rule", "ppo.group_by": "prompt", "ppo.advantage_estimator": "grpo"})
     assert settings_checks(rule) == {"group_by_prompt": True, "judge_timeout_s": None, "placeholder_keys": []}
     hook = make_settings({"prm.backend": "rule", "hooks.reward": "tests.utils.gate_eval:reward"})
     assert settings_checks(hook)["judge_timeout_s"] == 120.0  # a reward hook is bounded by the same timeout

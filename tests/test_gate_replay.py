@@ -105,11 +105,11 @@ def test_replay_with_the_rule_judge_is_a_config_error(make_settings):
         make_settings({"gate.eval_set": "replay"})  # prm.backend defaults to the rule judge
     msg = str(e.value)
     assert "[gate] eval_set = 'replay' with [prm] backend = 'rule'" in msg
-    assert "set [prm] backend to a model judge (engine, sglang or provider)" in msg
-    assert "[gate] replay_scorer to an import path of fn(messages, answer) -> score in [0, 1]" in msg
+    assert "set [prm] backend to a model judge (engine or provider)" in msg
+    assert "[gate] evaluator to an import path of fn(messages, answer) -> score in [0, 1]" in msg
     assert make_settings({"gate.eval_set": "replay", "prm.backend": "engine"}).gate.eval_set == "replay"
-    ok = make_settings({"gate.eval_set": "replay", "gate.replay_scorer": "tests.utils.gate_eval:rate"})
-    assert ok.gate.replay_scorer == "tests.utils.gate_eval:rate"
+    ok = make_settings({"gate.eval_set": "replay", "gate.evaluator": "tests.utils.gate_eval:rate"})
+    assert ok.gate.evaluator == "tests.utils.gate_eval:rate"
     assert make_settings().gate.eval_set == "validation"
 
 

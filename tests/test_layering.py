@@ -17,7 +17,7 @@ PACKAGES = {"clawrl": ROOT / "clawrl", "clawrl.flows": ROOT / "flows", "clawrl.s
 # Lowest floor first. A module may import from its own floor and the floors below, never above.
 FLOORS: list[tuple[str, ...]] = [
     ("clawrl.records", "clawrl.ids", "clawrl.config", "clawrl.config_defaults",
-     "clawrl.config_sections"),
+     "clawrl.config_sections", "clawrl.config_removed"),
     ("clawrl.storage",),
     ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.gate", "clawrl.chat", "clawrl.checkpoint", "clawrl.mix",
      "clawrl.hooks", "clawrl.runtime"),

@@ -210,11 +210,11 @@ def test_the_tools_demo_gates_with_the_tools_evaluator_when_the_config_names_it(
     gated.write_text((ROOT / "conf" / "demo-tools.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
                      .replace("rollout_batch_size = 24", "rollout_batch_size = 3")  # one step from 3 users
                      + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n\n[gate]\n'
-                     'evaluator = "clawrl.sim.validation:tools"\nsize = 6\nsamples = 1\nguard = ["plain"]\n')
+                     'evaluator = "clawrl.sim.validation:tools"\nsize = 6\nguard = ["plain"]\n')
     # ungated: no canary either (a canary share needs the gate)
     assert _gate_overrides(load_settings(ROOT / "conf" / "demo-tools.toml"), "tools", "concise", 3, 64) == \
         {"gate.enabled": False, "gate.canary_share": 0.0}
-    assert _gate_overrides(load_settings(gated), "tools", "concise", 3, 64) == {"gate.seed": 3, "gate.max_tokens": 64}
+    assert _gate_overrides(load_settings(gated), "tools", "concise", 3, 64) == {"gate.seed": 3, "ppo.max_new_tokens": 64}
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(gated),
                           "--steps", "1", "--users", "3", "--heldout", "2", "--eval-samples", "1",
@@ -226,7 +226,7 @@ def test_the_tools_demo_gates_with_the_tools_evaluator_when_the_config_names_it(
     from clawrl.storage.catalog import run_query
 
     [promo] = run_query(run, "select eval_key, n, source, reason from promotions").to_pylist()
-    want = load_eval_set("clawrl.sim.validation:tools", size=6, samples=1, seed=0, max_tokens=64, temperature=0.3)
+    want = load_eval_set("clawrl.sim.validation:tools", size=6, samples=2, seed=0, max_tokens=64, temperature=0.3)
     assert promo["eval_key"] == want.key and promo["n"] == 6 and promo["source"] == "gate"
     assert want.groups == ("tools",) * 3 + ("plain",) * 3
     evals = run_query(run, "select weight_version, scores from evaluations order by weight_version").to_pylist()

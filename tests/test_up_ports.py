@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from clawrl import supervisor
 from clawrl.cli import app
 from clawrl.config import dump_toml
-from clawrl.serving import free_ports
+from clawrl.serving import free_api_port, free_ports
 
 ALL_ENGINES = {"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "gate.canary_share": 0.25}
 
@@ -30,31 +30,32 @@ def test_every_service_up_starts_listens_on_a_port_whose_key_is_known(make_setti
     assert set(listening) == {"prefect", "mlflow", "trainer", "gateway", "judge-engine", "eval-engine",
                               "canary-engine"} and set(listening) <= set(supervisor.PORT_KEYS)
     assert listening["eval-engine"] == ("127.0.0.1", 30022) and listening["judge-engine"][1] == 30021
+    assert supervisor.PORT_KEYS["eval-engine"].startswith("[server] api_port")
 
 
 def test_taken_and_doubled_ports_are_named_by_their_own_keys(make_settings):
-    ports = free_ports(7)
-    s = make_settings({**ALL_ENGINES, "server.api_port": ports[0], "prm.engine_port": ports[1],
-                       "gate.engine_port": ports[2], "gate.canary_port": ports[3]})
-    services = supervisor.plan(s, Path("/conf/up.toml"), prefect_port=ports[4], mlflow_port=ports[5],
-                               trainer_port=ports[4])  # the trainer on the Prefect port
+    api = free_api_port()
+    ports = free_ports(2, avoid=[api + 10, api + 21, api + 22, api + 23])
+    s = make_settings({**ALL_ENGINES, "server.api_port": api})
+    services = supervisor.plan(s, Path("/conf/up.toml"), prefect_port=ports[0], mlflow_port=ports[1],
+                               trainer_port=ports[0])  # the trainer on the Prefect port
     with ExitStack() as stack:
         assert supervisor.port_problems(services) == [
-            f"port {ports[4]} is set for both prefect and trainer: choose another with --trainer-port"]
-        _listening(stack, ports[2])
-        _listening(stack, ports[0])
+            f"port {ports[0]} is set for both prefect and trainer: choose another with --trainer-port"]
+        _listening(stack, api + 22)
+        _listening(stack, api)
         problems = supervisor.port_problems(services)
-    assert f"eval-engine: port {ports[2]} on 127.0.0.1 is in use by another process: choose another with " \
-           "[gate] engine_port" in problems
-    assert f"gateway: port {ports[0]} on 127.0.0.1 is in use by another process: choose another with " \
+    assert f"eval-engine: port {api + 22} on 127.0.0.1 is in use by another process: choose another with " \
+           "[server] api_port (the engines' ports are api_port + 10, 21, 22, 23)" in problems
+    assert f"gateway: port {api} on 127.0.0.1 is in use by another process: choose another with " \
            "[server] api_port" in problems
     assert len(problems) == 3
 
 
 def test_clawrl_up_with_a_taken_port_starts_nothing_and_names_the_key(make_settings, tmp_path):
-    ports = free_ports(5)
-    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "server.api_port": ports[0],
-                       "gate.engine_port": ports[1]})
+    api = free_api_port()
+    ports = [api, api + 22, *free_ports(3, avoid=[api + 10, api + 21, api + 22, api + 23])]
+    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "server.api_port": api})
     conf = tmp_path / "up.toml"
     conf.write_text(dump_toml(s))
     with ExitStack() as stack:
@@ -62,5 +63,5 @@ def test_clawrl_up_with_a_taken_port_starts_nothing_and_names_the_key(make_setti
         res = CliRunner().invoke(app, ["up", "-c", str(conf), "--prefect-port", str(ports[2]), "--mlflow-port",
                                        str(ports[3]), "--trainer-port", str(ports[4])])
     assert res.exit_code == 1, res.output
-    assert "nothing started" in res.stderr and "choose another with [gate] engine_port" in res.stderr, res.stderr
+    assert "nothing started" in res.stderr and "choose another with [server] api_port" in res.stderr, res.stderr
     assert not (s.storage.data_root / "logs").exists() and not (s.storage.data_root / "mlflow").exists()

@@ -140,7 +140,7 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
     for topology in TOPOLOGIES:
         eport, gport = free_ports(2)
         engine_url, gateway_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
-        gw_env = {} if topology == "embedded" else {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": engine_url}
+        gw_env = {} if topology == "embedded" else {"CLAWRL__ENGINE__URL": engine_url}
         engine = gateway = None
         try:
             if topology == "http":

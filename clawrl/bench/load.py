@@ -56,7 +56,7 @@ from clawrl.bench.common import (
     wait_healthy,
 )
 from clawrl.bench.load_up import drive_up, task_seconds
-from clawrl.serving import free_port, free_ports
+from clawrl.serving import free_api_port, free_ports
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
 
@@ -264,7 +264,7 @@ def run_load_bench(*, model_cache: Path, sessions: int = 64, duration_s: float =
     if up and engines:
         raise ValueError("the up mode serves from the gateway's embedded engine: engines must be 0")
     root = Path(data_root or tempfile.mkdtemp(prefix="clawrl-loadbench-"))
-    port, dtype = free_port(), bench_dtype(device)
+    port, dtype = free_api_port(), bench_dtype(device)
     # turns per judge run: a bounded bite (each turn is a task), so the next train step starts soon
     judge_limit = max(16, 2 * rollout_batch_size)
     write = functools.partial(_write_config, root, model_cache, port, rollout_batch_size, max_tokens, device, dtype,

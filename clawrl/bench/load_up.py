@@ -15,34 +15,30 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.bench.common import load_average, start_clawrl, stop_clawrl, wait_healthy
+from clawrl.config import PORT_OFFSETS
 from clawrl.serving import free_ports
 
 
 @dataclass(frozen=True)
 class UpPorts:
-    """The ports of the services `clawrl up` starts besides the gateway."""
+    """The ports of `clawrl up`'s options (its engines' follow the gateway's: [server] api_port + 21, 22)."""
 
     prefect: int
     mlflow: int
     trainer: int
-    judge_engine: int
-    eval_engine: int
 
     @classmethod
     def free(cls, avoid: tuple[int, ...] = ()) -> UpPorts:
-        """Five distinct free ports, none of ``avoid`` (the gateway's, drawn before)."""
-        return cls(*free_ports(5, avoid))
+        """Three distinct free ports, none of ``avoid`` (the gateway's and its engines', drawn before)."""
+        return cls(*free_ports(3, avoid))
 
     @property
     def prefect_api(self) -> str:
         return f"http://127.0.0.1:{self.prefect}/api"
 
 
-def up_overrides(ports: UpPorts, max_tokens: int, judge_limit: int) -> dict[str, Any]:
-    """Config keys the up mode adds: its engines' ports, a small promotion-gate evaluation set
-    (16 prompts, one answer of ``max_tokens`` each) and ``judge_limit`` turns per judge run."""
-    return {"prm.engine_port": ports.judge_engine, "gate.engine_port": ports.eval_engine, "gate.size": 16,
-            "gate.samples": 1, "gate.max_tokens": max_tokens, "prm.batch_limit": judge_limit}
+# The up mode's promotion gate evaluates 16 prompts (its default), two answers each within the bench's budget.
+UP_OVERRIDES: dict[str, Any] = {"gate.size": 16}
 
 
 def start_up(conf: str, root: Path, ports: UpPorts, gateway_url: str, *, judge_every_s: float,
@@ -70,8 +66,9 @@ def drive_up(write, root: Path, gw: str, new_run, start_users, *, max_tokens: in
     window's ``min_syncs``. After the window, the train tasks' seconds from up's Prefect API, then up
     stopped (the gateway flushes its store), then the steps from the data root (:func:`read_steps`).
     Returns the turns judged, the run, and (wall seconds, load average before, after)."""
-    ports = UpPorts.free(avoid=(int(gw.rsplit(":", 1)[1]),))
-    conf = write(extra=up_overrides(ports, max_tokens, judge_limit))
+    api_port = int(gw.rsplit(":", 1)[1])
+    ports = UpPorts.free(avoid=(api_port, *(api_port + o for o in PORT_OFFSETS.values())))
+    conf = write(extra=UP_OVERRIDES)
     proc = start_up(conf, root, ports, gw, judge_every_s=judge_every_s, train_every_s=train_every_s)
     try:
         load_before, run = load_average(), new_run()

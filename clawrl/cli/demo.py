@@ -66,7 +66,7 @@ def demo(
     if scenario == "persona" and heldout >= len(QUESTIONS):
         raise typer.BadParameter(f"{heldout} held-out questions leave none of the {len(QUESTIONS)} to train on",
                                  param_hint="--heldout")
-    if s.gate.enabled and s.gate.evaluator.startswith("clawrl.sim.validation:") and \
+    if s.gate.enabled and s.gate.validation_evaluator.startswith("clawrl.sim.validation:") and \
             s.gate.size > len(VALIDATION_QUESTIONS):
         raise typer.BadParameter(f"[gate] size = {s.gate.size}: the demo has {len(VALIDATION_QUESTIONS)} validation "
                                  "questions", param_hint="--config")
@@ -120,13 +120,14 @@ def _gate_overrides(base: Settings, scenario: str, persona: str, seed: int, max_
     """The demos' gates score their own validation prompts with the demo's seed and answer budget: the
     persona demo's as its user would, the tools demo's with ``clawrl.sim.validation:tools`` when the
     config names it (a persona evaluator cannot judge tool calls: the tools demo is then ungated)."""
-    if not base.gate.enabled or not base.gate.evaluator.startswith("clawrl.sim.validation:"):
+    budget = {"gate.seed": seed, "ppo.max_new_tokens": max_tokens}  # the gate answers within the users' budget
+    if not base.gate.enabled or not base.gate.validation_evaluator.startswith("clawrl.sim.validation:"):
         return {}  # an evaluator of the user's own is left as it is
     if scenario == "tools":
         if base.gate.evaluator != TOOLS_EVALUATOR:
             return {"gate.enabled": False, "gate.canary_share": 0.0}
-        return {"gate.seed": seed, "gate.max_tokens": max_tokens}
-    return {"gate.evaluator": f"clawrl.sim.validation:{persona}", "gate.seed": seed, "gate.max_tokens": max_tokens}
+        return budget
+    return {"gate.evaluator": f"clawrl.sim.validation:{persona}", **budget}
 
 
 def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:

@@ -71,7 +71,7 @@ def limits_line(s, engine) -> str:
 @app.command("engine")
 def engine(
     model: Annotated[Optional[str], typer.Option(help="Model name or HF directory (default: model.name).")] = None,
-    port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Port (default: engine.port).")] = None,
+    port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Port (default: [server] api_port + 10).")] = None,
     host: Annotated[Optional[str], typer.Option(help="Bind address (default: server.host).")] = None,
     config: ConfigOpt = None,
     resume: Annotated[bool, typer.Option(
@@ -87,9 +87,10 @@ def engine(
     from clawrl.models import ModelNotFoundError, resolve_model_dir
     from clawrl.serving import freeze_startup_heap, listen_problem
 
-    s = settings_or_exit(config, {"model.name": model, "engine.port": port, "server.host": host})
-    if problem := listen_problem(s.server.host, s.engine.port):
-        fail(f"{problem}: choose another with --port / [engine] port, or --host / [server] host")
+    s = settings_or_exit(config, {"model.name": model, "server.host": host})
+    port = port or s.port("engine")
+    if problem := listen_problem(s.server.host, port):
+        fail(f"{problem}: choose another with --port, or --host / [server] host")
     device, device_reason = resolve_device(s.model.device)
     try:
         model_dir = resolve_model_dir(s.model.name, s.storage.models_dir, seed=s.model.seed)
@@ -116,12 +117,12 @@ def engine(
                              served_model_name=s.server.served_model_name, **s.engine.model_dump(include=LIMIT_KEYS))
     except ConfigError as e:
         fail(f"config error: {e}")
-    console.print(f"engine on http://{s.server.host}:{s.engine.port} (SGLang API; model: {model_dir}, "
+    console.print(f"engine on http://{s.server.host}:{port} (SGLang API; model: {model_dir}, "
                   f"weight_version {version}, device: {device} [{device_reason}], dtype: {dtype} [{s.model.dtype}])",
                   markup=False, soft_wrap=True)
     console.print(limits_line(s, eng), markup=False, soft_wrap=True)
     freeze_startup_heap()  # model loaded: keep it out of full GC passes
-    serve_engine(eng, s.server.host, s.engine.port, model_path=str(model_dir),
+    serve_engine(eng, s.server.host, port, model_path=str(model_dir),
                  served_model_name=s.server.served_model_name, max_context_len=eng.max_context_len,
                  max_running_requests=s.engine.max_batch_size, log_level="warning")
 

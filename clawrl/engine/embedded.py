@@ -58,8 +58,10 @@ from clawrl.models import load_causal_lm, load_tokenizer
 
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 # the [engine] keys that are EmbeddedEngine's keyword arguments too
-LIMIT_KEYS = {"max_batch_size", "max_context_len", "chunked_prefill_size", "max_total_tokens", "max_queued_requests",
-              "prefix_cache_tokens", "cuda_graphs"}
+LIMIT_KEYS = {"max_batch_size", "max_context_len", "max_total_tokens"}
+# Requests waiting beyond this many are refused with 503 (the gateway answers 503 with Retry-After):
+# a queue this long already waits minutes; a client retries sooner than it would be served.
+MAX_QUEUED_REQUESTS = 1024
 
 
 class EmbeddedEngine:
@@ -67,7 +69,8 @@ class EmbeddedEngine:
 
     def __init__(self, model_dir: Path, *, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 16,
                  max_context_len: int = 0, weight_version: str = "0", served_model_name: str | None = None,
-                 chunked_prefill_size: int = 0, max_total_tokens: int = 0, max_queued_requests: int = 0,
+                 chunked_prefill_size: int = 0, max_total_tokens: int = 0,
+                 max_queued_requests: int = MAX_QUEUED_REQUESTS,
                  prefix_cache_tokens: int = -1, cuda_graphs: bool = True):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")

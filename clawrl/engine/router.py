@@ -140,8 +140,14 @@ class RoutedEngines:
                 "workers": [{"url": w.base_url, "weight_version": v} for w, v in zip(workers, versions)]}
 
     async def learn_context_len(self) -> int | None:
-        """The smallest context any worker serves (the router's own /server_info does not say)."""
-        lens = [await w.learn_context_len() for w in await self.workers()]
+        """The smallest context any worker serves (the router's own /server_info does not say); None when
+        nothing answers yet (the engine's own refusal still comes per request)."""
+        try:
+            workers = await self.workers()
+        except EngineError as e:
+            log.warning("no context length from %s yet: %s", self.url, e)
+            return None
+        lens = [await w.learn_context_len() for w in workers]
         self.max_context_len = min((n for n in lens if n), default=None)
         return self.max_context_len
 

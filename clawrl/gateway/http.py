@@ -98,7 +98,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
         (400, "Invalid request: the message names the field or header."),
         (401, "Missing or invalid API key."),
-        (413, "Request body larger than server.max_body_bytes."),
+        (413, "Request body larger than 4 MiB."),
         (502, "The engine is unreachable or answered something unusable."),
         (503, "Paused by an administrator: retry after Retry-After seconds."),
         (504, "The engine sent nothing for [engine] stall_timeout_s."),

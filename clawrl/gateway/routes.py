@@ -37,6 +37,11 @@ from clawrl.hooks import load_hook
 log = logging.getLogger("clawrl.gateway")
 
 
+# Larger request bodies get 413 before they are read: an agent's request with its whole context and tools
+# is tens of KB (Codex CLI ~40 KB, OpenClaw ~50 KB); 4 MiB leaves room for long conversations.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
 class BodyLimitMiddleware:
     """413 for bodies over the limit: on Content-Length before a byte is read, and on the bytes
     actually received (an HTTPException from ``receive``, which FastAPI's body reading passes on to
@@ -263,7 +268,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
     app.add_middleware(ApiKeyGuard, api_keys=api_keys)
     if api_keys:
         document_api_key(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     return app
 
 

@@ -61,6 +61,14 @@ log = logging.getLogger("clawrl.gateway")
 # Next-state records that could not be written (full disk) wait in memory for the next write;
 # beyond this many the oldest are dropped (logged) rather than growing without bound.
 MAX_UNWRITTEN_NEXT_STATES = 100_000
+# Most choices (OpenAI's n) one request may ask for: each is a sample and a logged turn of its own.
+MAX_N = 8
+# An agent's own maintenance calls, made side turns when a request names no turn type (the system or last
+# message matches, case-insensitive): OpenClaw's compaction summariser and its pre-compaction memory flush.
+SIDE_TURN_PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
+    r"you are a context summari[sz]ation assistant",
+    r"the messages above are (a conversation|new conversation messages) to (summari[sz]e|incorporate)",
+    r"^pre-compaction memory flush\b")]
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,7 @@ class ChatService:
         self.engine = engine
         self.adapter = ChatAdapter(tokenizer)
         self.store = store
-        self.tracker = tracker = SessionTracker(idle_timeout_s=settings.server.session_idle_timeout_s,
-                                                max_sessions=settings.server.max_sessions)
+        self.tracker = tracker = SessionTracker()
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
         self.generate_hook = generate_hook  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
@@ -108,8 +115,6 @@ class ChatService:
         self._unwritten_next_states: list[NextStateRecord] = []
         self.paused = False  # POST /admin/pause: new turns get 503, turns in flight finish
         self._decode = lru_cache(maxsize=65536)(lambda tid: tokenizer.decode([tid]))
-        self._side_patterns = [re.compile(p, re.IGNORECASE) for p in settings.server.side_turn_patterns]
-        self._boundary = re.compile(settings.server.prompt_cache_key_boundary) if settings.server.prompt_cache_key_boundary else None
         # Read when /metrics is scraped: counting pending turns walks every open session, which
         # per request would cost O(open sessions) (~0.3 ms at a few thousand).
         metrics.pending_turns.set_function(lambda: tracker.pending_turns)
@@ -123,10 +128,8 @@ class ChatService:
         of the response. ``default_turn_type`` stands for the server's when the request names none;
         ``params`` are logged in the turn's request_params (which API it came through, say);
         ``score_prompt``: the engine returns the prompt's log-probs too (not recorded)."""
-        max_n = self.settings.server.max_n
-        if not 1 <= req.n <= max_n:
-            raise GatewayError(400, f"n: expected an integer from 1 to {max_n} (this server's max_n), "
-                                    f"got {req.n}", param="n")
+        if not 1 <= req.n <= MAX_N:
+            raise GatewayError(400, f"n: expected an integer from 1 to {MAX_N}, got {req.n}", param="n")
         if req.top_logprobs and not req.logprobs:
             raise GatewayError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -141,7 +144,7 @@ class ChatService:
             where = "X-Session-Id header" if ctx.session_id is not None else "session_id"
             raise GatewayError(400, f"{where}: {e}", param="session_id") from None
         maintenance = self._maintenance(req.messages)
-        session_id = (session_id or explicit_session_id(req.prompt_cache_key, req.user, req.metadata, self._boundary)
+        session_id = (session_id or explicit_session_id(req.prompt_cache_key, req.user, req.metadata)
                       or self.tracker.find(ctx.namespace, messages, maintenance))
         turn_type = req.turn_type or ctx.turn_type or default_turn_type or (
             TurnType.SIDE.value if maintenance else self.settings.server.default_turn_type)
@@ -184,12 +187,12 @@ class ChatService:
 
     def _maintenance(self, messages: list[ChatMessage]) -> bool:
         """An agent's own call, made a side turn when the request names no turn type: it adds no
-        user or tool message, or a system message or its last message matches [server]
-        side_turn_patterns (an agent's compaction summariser, say)."""
+        user or tool message, or a system message or its last message matches ``SIDE_TURN_PATTERNS``
+        (an agent's compaction summariser, say)."""
         if messages[-1].role not in ("user", "tool"):
             return True
         texts = [m.text() for m in messages if m.role in ("system", "developer")] + [messages[-1].text()]
-        return any(p.search(t) for p in self._side_patterns for t in texts)
+        return any(p.search(t) for p in SIDE_TURN_PATTERNS for t in texts)
 
     async def complete(self, turn: Turn) -> tuple[dict[str, Any], float]:
         """The chat.completion body (schemas.ChatCompletion's shape, built as a plain dict: the
@@ -295,7 +298,7 @@ class ChatService:
         (The WAL of a killed predecessor was recovered when the store opened.)"""
         from clawrl.storage.queries import session_states
 
-        rows = self.read(session_states, 10 * self.settings.server.max_sessions)  # as many as the tracker remembers
+        rows = self.read(session_states, 10 * self.tracker.max_sessions)  # as many as the tracker remembers
         for row in reversed(rows):  # oldest first: the tracker's order is its recency order
             pending = None if row["pending_turn_id"] is None else PendingTurn(
                 row["pending_turn_id"], row["pending_turn_index"], row["pending_message_count"],

@@ -9,8 +9,8 @@ a request, or when evicted to keep at most ``max_sessions`` in memory; its pendi
 recorded as having no next state. Nothing waits forever.
 
 Which session a request belongs to: the first id the client gives - the ``X-Session-Id`` header,
-the body's ``session_id``, OpenAI's ``prompt_cache_key`` (less the suffix ``[server]
-prompt_cache_key_boundary`` matches: OpenClaw sends ``<session id>:<compactions so far>``) and
+the body's ``session_id``, OpenAI's ``prompt_cache_key`` (less the suffix
+``PROMPT_CACHE_KEY_BOUNDARY`` matches: OpenClaw sends ``<session id>:<compactions so far>``) and
 ``user`` fields, ``metadata.session_id`` (:func:`explicit_session_id`; agents such as OpenClaw cannot
 send per-session headers but send their session id as ``prompt_cache_key``); else the session whose
 last answer (and the message that asked for it, or - an answer of at least ``QUOTE_MIN_CHARS`` -
@@ -80,14 +80,22 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(_ID_ENCODER.encode(list(parts)).encode()).hexdigest()[:20]
 
 
-def explicit_session_id(prompt_cache_key: Any, user: Any, metadata: Any, boundary: re.Pattern | None = None) -> str | None:
+# The suffix an agent adds to prompt_cache_key at each context boundary, left out of the session id:
+# OpenClaw sends "<session id>:<compactions so far>" and its compaction summariser the bare id. Other
+# clients' keys ending in ':<digits>' lose that part too.
+PROMPT_CACHE_KEY_BOUNDARY = re.compile(r":\d+$")
+# A session idle this long is closed (its pending turn recorded without a next state); at most this many
+# open sessions are held in memory, the least recently used closed beyond.
+SESSION_IDLE_TIMEOUT_S, MAX_SESSIONS = 900.0, 10_000
+
+
+def explicit_session_id(prompt_cache_key: Any, user: Any, metadata: Any) -> str | None:
     """The session id an OpenAI field carries (``prompt_cache_key``, ``user``, ``metadata.session_id``,
     in that order), as it is when it is a valid id, else as a stable hash of it; None if none is set.
-    ``boundary`` matches the suffix an agent adds to ``prompt_cache_key`` at each context boundary,
-    which is left out (OpenClaw sends ``<session id>:<compactions so far>``, and its compaction
-    summariser the bare session id)."""
-    if isinstance(prompt_cache_key, str) and boundary is not None:
-        prompt_cache_key = boundary.sub("", prompt_cache_key) or prompt_cache_key
+    The suffix an agent adds to ``prompt_cache_key`` at each context boundary is left out
+    (``PROMPT_CACHE_KEY_BOUNDARY``)."""
+    if isinstance(prompt_cache_key, str):
+        prompt_cache_key = PROMPT_CACHE_KEY_BOUNDARY.sub("", prompt_cache_key) or prompt_cache_key
     meta = metadata.get("session_id") if isinstance(metadata, dict) else None
     value = next((v for v in (prompt_cache_key, user, meta) if isinstance(v, str) and v), None)
     if value is None or (SESSION_ID_RE.match(value) and value.strip(".")):
@@ -181,9 +189,9 @@ class SessionState:
 
 
 class SessionTracker:
-    def __init__(self, *, idle_timeout_s: float, max_sessions: int, clock=time.monotonic):
-        self.idle_timeout_s = idle_timeout_s
-        self.max_sessions = max_sessions
+    def __init__(self, *, idle_timeout_s: float | None = None, max_sessions: int | None = None, clock=time.monotonic):
+        self.idle_timeout_s = SESSION_IDLE_TIMEOUT_S if idle_timeout_s is None else idle_timeout_s
+        self.max_sessions = MAX_SESSIONS if max_sessions is None else max_sessions
         self.clock = clock
         self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()
         # Next turn index of sessions no longer in memory, so a returning session never reuses an

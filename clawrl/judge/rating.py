@@ -9,8 +9,8 @@ votes take the PRM's path (``parse_score`` on each, ``majority_vote`` over them)
 majority: 0, i.e. 0.5). When every vote failed (backend errors) the rating raises: an answer the
 judge could not rate is no evidence for either version.
 
-Only a model judge can do this; the rule judge reads reactions and nothing else (``[gate]
-replay_scorer`` replaces the judge instead, and the configuration refuses the rule judge without it).
+Only a model judge can do this; the rule judge reads reactions and nothing else (a replay set's ``[gate]
+evaluator`` replaces the judge instead, and the configuration refuses the rule judge without one).
 """
 
 from __future__ import annotations

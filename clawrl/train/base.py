@@ -48,10 +48,20 @@ if TYPE_CHECKING:
 _NOT_COPIED = {"config.json", ".complete", TRAINER_FILE, OPTIMIZER_FILE, MASTER_FILE}
 
 
+# The PPO values no user of this system changes, so not settings: the clip range 0.2 below and, clip-higher
+# (DAPO), 0.28 above; AdamW's betas with no weight decay; gradients clipped at norm 1; one optimizer pass a
+# batch (the ratio moves only through staleness); the k3 KL estimator; the token mean; no entropy bonus, no
+# dual clip; truncated importance sampling against the engine's log-probs capped at 2; no warm-up; the judge
+# reward's weight 1 in combine ([ppo] w_opd sets the balance).
+FIXED = {"clip_range": 0.2, "clip_range_high": 0.28, "adam_beta1": 0.9, "adam_beta2": 0.98, "weight_decay": 0.0,
+         "grad_clip": 1.0, "ppo_epochs": 1, "kl_type": "k3", "loss_agg": "token-mean", "entropy_coef": 0.0,
+         "dual_clip": 0.0, "tis_cap": 2.0, "lr_warmup_steps": 0, "w_rl": 1.0}
+
+
 @dataclass(frozen=True)
 class PPOHyperParams:
-    """The ``[ppo]`` values a backend reads, under their ``PPOSettings`` names (documented there),
-    and ``[model] seed``: plain values copied at the entry point, so backends never see Settings."""
+    """The values a backend reads - the ``[ppo]`` settings under their names, ``FIXED`` for the rest - and
+    ``[model] seed``: plain values copied at the entry point, so backends never see Settings."""
 
     advantage_estimator: Method
     lr: float
@@ -82,11 +92,13 @@ class PPOHyperParams:
 
     @classmethod
     def from_settings(cls, ppo: PPOSettings, seed: int, opd: OPDSettings | None = None) -> PPOHyperParams:
-        """``opd``: where ``opd_clip`` comes from ([opd] advantage_clip; unset: 1.0 with top_k > 0)."""
-        clip = 0.0 if opd is None else opd.advantage_clip if opd.advantage_clip is not None else (
-            1.0 if opd.top_k > 0 else 0.0)
-        return cls(seed=seed, opd_clip=clip,
-                   **{f.name: getattr(ppo, f.name) for f in fields(cls) if f.name not in ("seed", "opd_clip")})
+        """The ``[ppo]`` settings, ``FIXED`` for the rest; ``opd``: top-k OPD clips its per-token term to
+        [-1, 1] (an average over k tokens can be large where the teacher and policy disagree)."""
+        derived = {"lr_schedule": "cosine" if ppo.lr_decay_steps else "constant", "group_norm": ppo.group_by != "none",
+                   "group_by": "prompt" if ppo.group_by == "none" else ppo.group_by,
+                   "opd_clip": 1.0 if opd is not None and opd.top_k > 0 else 0.0, "seed": seed}
+        return cls(**FIXED, **derived, **{f.name: getattr(ppo, f.name) for f in fields(cls)
+                                          if f.name not in FIXED and f.name not in derived})
 
 
 def lr_at(hp: PPOHyperParams, step: int) -> float:

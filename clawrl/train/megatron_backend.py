@@ -240,9 +240,9 @@ def synthetic_hyperparams(*, lr: float, micro_batch_size: int, ppo_epochs: int =
     """The hyper-parameters of the standalone step: GRPO, the default ``[ppo]`` clip and TIS settings."""
     from clawrl.config import PPOSettings
 
-    return PPOHyperParams.from_settings(PPOSettings(
-        advantage_estimator="grpo", lr=lr, micro_batch_size=micro_batch_size, ppo_epochs=ppo_epochs,
-        kl_coef=kl_coef, entropy_coef=entropy_coef), seed=0)
+    hp = PPOHyperParams.from_settings(PPOSettings(advantage_estimator="grpo", lr=lr, micro_batch_size=micro_batch_size,
+                                                  kl_coef=kl_coef), seed=0)
+    return dataclasses.replace(hp, ppo_epochs=ppo_epochs, entropy_coef=entropy_coef)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -311,6 +311,6 @@ def trainer_from_settings(settings, samples_of: SamplesOf | None = None) -> Trai
                    hp=PPOHyperParams.from_settings(ppo, settings.model.seed, settings.opd),
                    pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                    backend=ppo.backend, dtype=resolve_dtype(settings.model.dtype, device), device=device,
-                   tp_size=settings.model.tensor_parallel, lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha,
-                   deterministic=ppo.deterministic, loss_fn=load_hook("loss", settings.hooks.loss) or default_loss,
+                   tp_size=settings.model.tensor_parallel, lora_rank=ppo.lora_rank,
+                   loss_fn=load_hook("loss", settings.hooks.loss) or default_loss,
                    samples_of=samples_of)

@@ -165,7 +165,7 @@ def test_two_engines_behind_the_router_kill_and_sync_under_traffic(tmp_path, mod
     for e in engines:
         e.wait_ready()
     router, router_url = _router(tmp_path, urls)
-    gw = gateway_process(tmp_path, {**base, "CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": router_url,
+    gw = gateway_process(tmp_path, {**base, "CLAWRL__ENGINE__URL": router_url,
                                     "CLAWRL__ENGINE__STALL_TIMEOUT_S": "60"})
     gw.start()
     gw.wait_ready()

@@ -29,7 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clawrl.serving import free_ports
+from clawrl.config import PORT_OFFSETS
+from clawrl.serving import free_api_port, free_ports
 from tests.utils.demo_config import tiny_demo_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,11 +95,11 @@ def demo_ui(demo_run, tmp_path_factory):
     default while this test holds the defaults: (run dir, Prefect URL, MLflow URL). No further training
     while the pages are read: the batch size is set out of reach, so the versions the test names stay."""
     run, _ = demo_run
-    api, judge, gate, canary, pf, ml, tr = free_ports(7, avoid=DEFAULT_PORTS)
+    api = free_api_port()  # its engines' ports (api + 10, 21, 22, 23) are free too
+    pf, ml, tr = free_ports(3, avoid=[*DEFAULT_PORTS, api, *(api + o for o in PORT_OFFSETS.values())])
     prefect_url, mlflow_url = f"http://127.0.0.1:{pf}", f"http://127.0.0.1:{ml}"
     up_env = {**os.environ, "PYTHONPATH": str(REPO), "CLAWRL__SERVER__API_PORT": str(api),
-              "CLAWRL__PRM__ENGINE_PORT": str(judge), "CLAWRL__GATE__ENGINE_PORT": str(gate),
-              "CLAWRL__GATE__CANARY_PORT": str(canary), "CLAWRL__PPO__ROLLOUT_BATCH_SIZE": "1000000"}
+              "CLAWRL__PPO__ROLLOUT_BATCH_SIZE": "1000000"}
     up_env.pop("CLAWRL__STORAGE__DATA_ROOT", None)  # the run's config names its data root
     log = tmp_path_factory.mktemp("up") / "up.log"
     with ExitStack() as stack:

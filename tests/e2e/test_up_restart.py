@@ -35,17 +35,9 @@ rollout_batch_size = 2
 max_new_tokens = 6
 lr = 1e-4
 max_staleness = 100
-[prm]
-# short judge runs: the users below log tens of turns a second, and a judge run of the default 512
-# turns takes minutes on two cores before it leaves a full batch and starts a training step
-batch_limit = 64
-# the judge engine (the combine method's frozen teacher), on a free port
-engine_port = {ports[4]}
 [gate]
 # a small evaluation set: the gate is not what this test is about
 size = 4
-samples = 1
-max_tokens = 8
 """)
     log = tmp_path / "up.log"
     base = f"http://127.0.0.1:{ports[0]}/v1"

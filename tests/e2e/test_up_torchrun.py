@@ -82,11 +82,8 @@ lr = {LR}
 max_staleness = 100
 [prm]
 backend = "rule"
-batch_limit = 64
 [gate]
 size = 4
-samples = 1
-max_tokens = 8
 """)
     log = tmp_path / "up.log"
     base = f"http://127.0.0.1:{p[0]}/v1"

@@ -32,16 +32,19 @@ def broken_run(prefect_harness, make_settings, tiny_engine, tmp_path):
     ``talk(client)`` plays the clients against a gateway on the run's data root, then one judge flow run
     judges what they left."""
 
-    def run(talk, **overrides):
+    def run(talk, idle_timeout_s: float | None = None, **overrides):
         s = make_settings({"server.open_mode": True, "ppo.rollout_batch_size": 64, **overrides})
         conf = tmp_path / "run.toml"
         conf.write_text(dump_toml(s))
         store = DataStore(s.storage.data_root)
         app = create_app(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store)
-        with running_gateway(app) as gw:
-            talk(OpenAI(base_url=gw.base_url, api_key="x", max_retries=0))
-            if s.server.session_idle_timeout_s < 1:  # a short idle timeout: let the sweeper close the sessions
-                time.sleep(3 * s.server.session_idle_timeout_s)
+        with pytest.MonkeyPatch.context() as mp:
+            if idle_timeout_s is not None:  # a short idle timeout: the sweeper closes the sessions while we wait
+                mp.setattr("clawrl.gateway.sessions.SESSION_IDLE_TIMEOUT_S", idle_timeout_s)
+            with running_gateway(app) as gw:
+                talk(OpenAI(base_url=gw.base_url, api_key="x", max_retries=0))
+                if idle_timeout_s is not None:
+                    time.sleep(3 * idle_timeout_s)
         store.close()
         from clawrl.flows.judge import judge_flow
 
@@ -73,7 +76,7 @@ def test_a_client_that_sends_each_message_alone_starts_a_session_per_request(bro
             client.chat.completions.create(model="m", max_tokens=2,
                                            messages=[{"role": "user", "content": f"thanks, that answers {i}!"}])
 
-    s, text, found = broken_run(talk, **{"server.session_idle_timeout_s": 0.5})
+    s, text, found = broken_run(talk, idle_timeout_s=0.5)
     assert fates(s) == {"no_next_state": 12}
     assert failing(found) == ["next_states"]
     f = found["next_states"]
@@ -119,7 +122,7 @@ def test_a_hint_model_that_never_writes_a_usable_hint(broken_run, tmp_path, mode
         s, text, found = broken_run(talk, **{"ppo.advantage_estimator": "on_policy_distillation",
                                              "prm.backend": "provider", "provider.base_url": judge.url + "/v1",
                                              "provider.model": "tiny", "prm.judge_samples": 3,
-                                             "prm.max_new_tokens": 24, "prm.budget_chars": 1500})
+                                             "prm.max_new_tokens": 24})
     finally:
         judge.stop()
     assert fates(s) == {"no_hint": 6, "no_next_state": 6}

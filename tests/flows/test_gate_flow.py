@@ -38,7 +38,7 @@ def gate_confs(make_settings, tmp_path):
     """Two configs over one data root: the users' reward, and the same reward with its sign flipped."""
     base = {"server.open_mode": True, "ppo.rollout_batch_size": 2, "ppo.advantage_estimator": "grpo",
             "ppo.temperature": 0.0, "ppo.lr": 1e-2, "prm.backend": "rule", "ppo.micro_batch_size": 2,
-            "gate.evaluator": EVALUATOR, "gate.size": 4, "gate.samples": 1, "gate.max_tokens": 8,
+            "gate.evaluator": EVALUATOR, "gate.size": 4, "ppo.max_new_tokens": 8,
             "gate.tolerance": 0.05, "gate.alpha": 0.05}
     confs = {}
     for name, hook in (("helpful", "tests.utils.gate_eval:reward"), ("harmful", "tests.utils.gate_eval:flipped_reward")):
@@ -51,7 +51,7 @@ def gate_confs(make_settings, tmp_path):
 def _fill_reference(tiny_dir):
     """The initial model's greedy answers to the evaluation prompts: the answers the users liked."""
     engine = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
-    eval_set = load_eval_set(EVALUATOR, size=4, samples=1, seed=0, max_tokens=8, temperature=0.0)
+    eval_set = load_eval_set(EVALUATOR, size=4, samples=2, seed=0, max_tokens=8, temperature=0.0)
     answers = runtime.run(answer_prompts(engine, ChatAdapter(engine.tokenizer), eval_set))
     runtime.run(engine.close())
     gate_eval.REFERENCE.update({i: a[0] for i, a in enumerate(answers)})
@@ -116,7 +116,7 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
     from clawrl.promotion import score_version
 
     fresh = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
-    eval_set = load_eval_set(EVALUATOR, size=4, samples=1, seed=0, max_tokens=8, temperature=0.0)
+    eval_set = load_eval_set(EVALUATOR, size=4, samples=2, seed=0, max_tokens=8, temperature=0.0)
     again = {v: score_version(s.storage.data_root, fresh, ChatAdapter(fresh.tokenizer), eval_set, v, tiny_dir)
              for v in ("2", "1")}
     runtime.run(fresh.close())
@@ -228,9 +228,9 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
     from tests.utils.engine_server import CONTEXT, PROMPT, make_tiny_engine, running_engine_server
 
     with running_engine_server(lambda: make_tiny_engine(tiny_dir), max_context_len=CONTEXT) as srv:
-        s = make_settings({"engine.kind": "http", "engine.url": srv.url, "ppo.rollout_batch_size": 2,
-                           "ppo.advantage_estimator": "grpo", "ppo.lr": 1e-3, "gate.size": 2, "gate.samples": 1,
-                           "gate.max_tokens": 4})
+        s = make_settings({"engine.url": srv.url, "ppo.rollout_batch_size": 2,
+                           "ppo.advantage_estimator": "grpo", "ppo.lr": 1e-3, "gate.size": 2, 
+                           "ppo.max_new_tokens": 4})
         conf = tmp_path / "http.toml"
         conf.write_text(dump_toml(s))
         _write_samples(s, 4)
@@ -313,7 +313,7 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     assert "promotion: champion version" in out.stdout and "gate" in out.stdout
     assert "by the gate on the validation set (" in out.stdout or "refused on the validation set (" in out.stdout
     run_conf = (run / "config.toml").read_text()
-    assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_tokens = 8" in run_conf
+    assert 'evaluator = "clawrl.sim.validation:lowercase"' in run_conf and "max_new_tokens = 8" in run_conf
     evals = run_query(run, "select weight_version, n from evaluations order by weight_version").to_pylist()
     assert [(r["weight_version"], r["n"]) for r in evals] == [("0", 4), ("1", 4), ("2", 4)]
     import hashlib
@@ -405,9 +405,9 @@ def test_the_gate_replays_recent_judged_turns_scored_by_the_judge(prefect_harnes
             for r in rows] == [("promote", "1", "gate", "replay", expected, 3)]
     assert [(r["weight_version"], r["eval_key"], r["n"]) for r in evals] == [("0", rows[0]["eval_key"], 3),
                                                                             ("1", rows[0]["eval_key"], 3)]
-    # 3 prompts x 1 answer x 2 versions, each rated from the conversation alone by the judge's rating prompt
-    assert len(judge.prompts) == 6 and {p[0]["content"] for p in judge.prompts} == {RATING_SYSTEM}
-    assert sum("Weather in Paris?" in p[1]["content"] for p in judge.prompts) == 2
+    # 3 prompts x 2 answers x 2 versions, each rated from the conversation alone by the judge's rating prompt
+    assert len(judge.prompts) == 12 and {p[0]["content"] for p in judge.prompts} == {RATING_SYSTEM}
+    assert sum("Weather in Paris?" in p[1]["content"] for p in judge.prompts) == 4
 
 
 def test_the_gate_scores_candidates_in_the_evaluation_engine_up_starts(prefect_harness, make_settings, tmp_path,
@@ -420,14 +420,11 @@ def test_the_gate_scores_candidates_in_the_evaluation_engine_up_starts(prefect_h
     from clawrl.engine.sglang_client import SGLangClient
     from clawrl.flows.train import train_flow
     from clawrl.promotion import score_version
-    from tests.utils.gateway_server import free_socket
+    from clawrl.serving import free_api_port
 
     _fill_reference(tiny_dir)
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    s = make_settings({"gate.engine_port": port, "gate.evaluator": EVALUATOR, "gate.size": 4, "gate.samples": 1,
-                       "gate.max_tokens": 8, "ppo.temperature": 0.0, "ppo.rollout_batch_size": 2, "ppo.lr": 1e-2,
+    s = make_settings({"server.api_port": free_api_port(), "gate.evaluator": EVALUATOR, "gate.size": 4,
+                       "ppo.max_new_tokens": 8, "ppo.temperature": 0.0, "ppo.rollout_batch_size": 2, "ppo.lr": 1e-2,
                        "ppo.advantage_estimator": "grpo", "prm.backend": "rule", "engine.max_batch_size": 8,
                        "engine.max_context_len": 1024, "model.dtype": "float32", "model.device": "cpu"})
     conf = tmp_path / "up.toml"
@@ -458,7 +455,7 @@ def test_the_gate_scores_candidates_in_the_evaluation_engine_up_starts(prefect_h
                       "order by weight_version").to_pylist()
     assert [r["weight_version"] for r in evals] == ["0", "1"]
     fresh = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
-    eval_set = load_eval_set(EVALUATOR, size=4, samples=1, seed=0, max_tokens=8, temperature=0.0)
+    eval_set = load_eval_set(EVALUATOR, size=4, samples=2, seed=0, max_tokens=8, temperature=0.0)
     again = {v: score_version(s.storage.data_root, fresh, ChatAdapter(fresh.tokenizer), eval_set, v, tiny_dir)
              for v in ("0", "1")}
     runtime.run(fresh.close())

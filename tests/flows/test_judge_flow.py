@@ -129,8 +129,9 @@ def test_a_failing_turn_is_retried_alone_and_ends_judge_error_when_it_keeps_fail
         prefect_harness, make_settings, tiny_engine, tmp_path, monkeypatch, times, fate):
     import flows.judge as fj
 
-    s = make_settings({"server.open_mode": True, "prm.backend": "rule", "prm.retries": 2, "prm.retry_delay_s": 0.01,
-                       "prm.max_in_flight": 2, "ppo.rollout_batch_size": 2})
+    monkeypatch.setattr(fj, "RETRY_DELAY_S", 0.01)  # retried twice (RETRIES), quickly
+    monkeypatch.setattr(fj, "MAX_IN_FLIGHT", 2)
+    s = make_settings({"server.open_mode": True, "prm.backend": "rule", "ppo.rollout_batch_size": 2})
     conf = tmp_path / "flaky.toml"
     conf.write_text(dump_toml(s))
     store = DataStore(s.storage.data_root)

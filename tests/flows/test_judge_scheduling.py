@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from clawrl.serving import free_api_port
 from clawrl import supervisor
 from clawrl.config import dump_toml
 from clawrl.gateway.routes import create_app
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
-from tests.utils.gateway_server import free_socket, running_gateway
+from tests.utils.gateway_server import running_gateway
 from tests.utils.samples import two_turn_session
 
 
@@ -31,13 +32,10 @@ def _plan(settings, conf: Path = Path("/conf/up.toml")):
     ({"prm.backend": "rule", "ppo.advantage_estimator": "combine", "opd.teacher": "frozen"}, True),
     ({"prm.backend": "rule", "ppo.advantage_estimator": "on_policy_distillation", "opd.teacher": "policy"}, False),
     ({"prm.backend": "rule", "ppo.advantage_estimator": "grpo"}, False),
-    ({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.reference_logprobs": "judge"}, True),
-    ({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.reference_logprobs": "judge",
-      "ppo.kl_coef": 0.0}, False),
     ({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_url": "http://10.0.0.5:9000"}, False),
 ])
 def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(make_settings, overrides, starts):
-    services = _plan(make_settings({**overrides, "prm.engine_port": 30555, "gate.enabled": False}))
+    services = _plan(make_settings({**overrides, "server.api_port": 30534, "gate.enabled": False}))  # judge: +21
     _check_engine_service(services, "judge-engine", 30555, "CLAWRL__PRM__ENGINE_URL", starts)
 
 
@@ -47,7 +45,7 @@ def test_up_plans_a_judge_engine_only_when_the_judge_uses_the_initial_weights(ma
     ({"gate.engine_url": "http://10.0.0.7:9100"}, False),
 ])
 def test_up_plans_an_evaluation_engine_for_the_gate_unless_it_is_off_or_named(make_settings, overrides, starts):
-    services = _plan(make_settings({**overrides, "gate.engine_port": 30666, "prm.backend": "rule",
+    services = _plan(make_settings({**overrides, "server.api_port": 30644, "prm.backend": "rule",  # evaluation: +22
                                     "ppo.advantage_estimator": "grpo"}))
     _check_engine_service(services, "eval-engine", 30666, "CLAWRL__GATE__ENGINE_URL", starts)
 
@@ -58,7 +56,7 @@ def test_up_plans_an_evaluation_engine_for_the_gate_unless_it_is_off_or_named(ma
     ({"gate.canary_share": 0.25, "gate.canary_url": "http://10.0.0.8:9200"}, False),
 ])
 def test_up_plans_a_canary_engine_for_a_canary_share_unless_one_is_named(make_settings, overrides, starts):
-    services = _plan(make_settings({**overrides, "gate.canary_port": 30777, "gate.engine_url": "http://10.0.0.7:9100",
+    services = _plan(make_settings({**overrides, "server.api_port": 30754, "gate.engine_url": "http://10.0.0.7:9100",
                                     "prm.backend": "rule", "ppo.advantage_estimator": "grpo"}))
     _check_engine_service(services, "canary-engine", 30777, "CLAWRL__GATE__CANARY_URL", starts)
     # the gateway sends canary sessions to it, the train runs load each new version into it
@@ -178,7 +176,7 @@ def test_an_idle_up_creates_no_runs_and_judges_when_turns_arrive(prefect_harness
     make the next tick create one."""
     from prefect.client.orchestration import get_client
 
-    from clawrl.flows.serve import JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT, build_deployments, ticker, work_waiting
+    from clawrl.flows.serve import JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT, ticker, work_waiting
     from tests.utils.samples import write_samples
     from tests.utils.turns import build_turn
 
@@ -265,8 +263,9 @@ def test_overlapping_exclusive_judge_runs_skip_completed_not_cancelled(prefect_h
             "judged": 0, "fates": {}, "skipped": f"judge run {first['name']} is still going"}
     assert first["name"] == "judge-overlap-0" and "skipped" not in first["out"] and first["out"]["judged"] == 0
     assert "skipped" not in unguarded and "skipped" not in after
-    by_name, limit = _runs_by_name([f"judge-overlap-{i}" for i in range(5)])
-    assert by_name == {f"judge-overlap-{i}": "COMPLETED" for i in range(5)}  # none Cancelled
+    # each found nothing to judge, so each is named for it (judge-idle-...): none Cancelled
+    by_name, limit = _runs_by_name([f"judge-idle-overlap-{i}" for i in range(5)])
+    assert by_name == {f"judge-idle-overlap-{i}": "COMPLETED" for i in range(5)}
     assert limit.limit == 1 and limit.active and limit.active_slots == 0  # no slot left held
 
 
@@ -292,10 +291,7 @@ def test_a_train_run_that_finds_the_trainer_slot_taken_skips_completed(prefect_h
 @pytest.fixture
 def judge_engine(make_settings, tmp_path):
     """`clawrl up`'s judge engine service (tiny model), started as `up` starts it: (settings, flows env)."""
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    s = make_settings({"prm.backend": "engine", "prm.engine_port": port, "engine.max_batch_size": 8,
+    s = make_settings({"prm.backend": "engine", "server.api_port": free_api_port(), "engine.max_batch_size": 8,
                        "engine.max_context_len": 2048, "model.dtype": "float32", "model.device": "cpu"})
     conf = tmp_path / "up.toml"
     conf.write_text(dump_toml(s))
@@ -338,7 +334,7 @@ def test_judge_runs_use_the_judge_engine_over_http_without_loading_weights(
                           "ppo.advantage_estimator": "grpo"},  # PRM votes from the judge engine
                "teacher": {"prm.backend": "rule", "ppo.advantage_estimator": "combine"}}  # its teacher log-probs
     for name, over in configs.items():
-        s = make_settings({"prm.engine_port": base.prm.engine_port, "engine.max_context_len": 2048, **over})
+        s = make_settings({"server.api_port": base.server.api_port, "engine.max_context_len": 2048, **over})
         conf = tmp_path / f"{name}.toml"
         conf.write_text(dump_toml(s))  # without engine_url: it comes from the environment, as under `up`
         outs[name] = judge_flow(config_path=str(conf))

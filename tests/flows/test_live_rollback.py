@@ -30,7 +30,7 @@ def _live_turns(chash: str, version: str, scores: list[int], start: int) -> list
 
 
 def test_a_live_score_drop_rolls_serving_back_to_the_previous_champion(prefect_harness, make_settings, tmp_path,
-                                                                        tiny_dir):
+                                                                        tiny_dir, monkeypatch):
     from clawrl.flows.judge import judge_flow
     from clawrl.flows.train import train_flow
     from clawrl.judge.runner import build_judge_config_hash
@@ -38,9 +38,10 @@ def test_a_live_score_drop_rolls_serving_back_to_the_previous_champion(prefect_h
     from tests.utils.engine_server import CONTEXT, PROMPT, make_tiny_engine, running_engine_server
 
     with running_engine_server(lambda: make_tiny_engine(tiny_dir), max_context_len=CONTEXT) as srv:
-        s = make_settings({"engine.kind": "http", "engine.url": srv.url, "ppo.rollout_batch_size": 2,
+        s = make_settings({"engine.url": srv.url, "ppo.rollout_batch_size": 2,
                            "ppo.advantage_estimator": "grpo", "ppo.lr": 1e-3, "prm.backend": "rule",
-                           "gate.size": 2, "gate.samples": 1, "gate.max_tokens": 4, "gate.live_min_turns": 8})
+                           "gate.size": 2, "ppo.max_new_tokens": 4})
+        monkeypatch.setattr("clawrl.flows.judge.LIVE_MIN_TURNS", 8)
         conf = tmp_path / "live.toml"
         conf.write_text(dump_toml(s))
         _write_samples(s, 4)

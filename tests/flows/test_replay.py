@@ -45,12 +45,11 @@ def _samples(s, n, rng, sessions=None):
 
 
 def _train(prefect_harness, make_settings, tmp_path, sessions=None):
-    """Three PPO steps of 3 samples each (kl on, combine, a linearly decaying lr), trained through
-    the train flow."""
+    """Three PPO steps of 3 samples each (kl on, combine, a decaying lr), trained through the train flow."""
     from clawrl.flows.train import train_flow
 
     s = make_settings({"ppo.rollout_batch_size": 3, "ppo.lr": 1e-3, "ppo.kl_coef": 0.05, "ppo.micro_batch_size": 2,
-                       "ppo.max_staleness": 10, "ppo.lr_schedule": "linear", "ppo.lr_decay_steps": 3,
+                       "ppo.max_staleness": 10, "ppo.lr_decay_steps": 3,
                        "ppo.lr_min": 1e-4})
     conf = tmp_path / "loop.toml"
     conf.write_text(dump_toml(s))
@@ -90,7 +89,8 @@ def test_replay_reproduces_checkpoint_bytes(trained_loop):
     from clawrl.checkpoint import read_step_result
 
     lrs = [read_step_result(s.storage.data_root / "checkpoints" / f"v{v:06d}").metrics["lr"] for v in (1, 2, 3)]
-    assert lrs == pytest.approx([1e-3, 7e-4, 4e-4])  # 1e-3 - 9e-4 * k/3: the schedule the replay re-ran
+    # cosine from 1e-3 to 1e-4 over 3 steps: 1e-4 + 9e-4 (1 + cos(pi k / 3)) / 2 = 1e-3, 7.75e-4, 3.25e-4
+    assert lrs == pytest.approx([1e-3, 7.75e-4, 3.25e-4])  # the schedule the replay re-ran
     replay_run = client(s.storage.data_root).get_run(report["mlflow_run_id"])
     assert replay_run.data.tags["kind"] == "exact" and replay_run.data.tags["identical"] == "True"
     assert replay_run.data.tags["replay_of_run"] == report["steps"][-1]["original_run_id"]

@@ -60,7 +60,7 @@ def test_up_with_a_work_pool_registers_the_flows_there_and_starts_a_worker_unles
 
     from clawrl import supervisor
 
-    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_port": 30555})
+    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "server.api_port": 30534})
     services = {sv.name: sv for sv in supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000,
                                                       trainer_port=30020, work_pool="gpu-pool",
                                                       local_worker=local_worker)}
@@ -75,7 +75,7 @@ def test_up_with_a_work_pool_registers_the_flows_there_and_starts_a_worker_unles
     assert worker.health_url == "http://127.0.0.1:4200/api/work_pools/gpu-pool" and worker.ready_only_on_200
     # the runs reach the judge engine and the gate's evaluation engine
     assert worker.env == {"CLAWRL__PRM__ENGINE_URL": "http://127.0.0.1:30555",
-                          "CLAWRL__GATE__ENGINE_URL": "http://127.0.0.1:30022"}
+                          "CLAWRL__GATE__ENGINE_URL": "http://127.0.0.1:30556"}
 
 
 def test_up_with_a_host_binds_and_hands_the_flows_that_address(make_settings):
@@ -85,8 +85,8 @@ def test_up_with_a_host_binds_and_hands_the_flows_that_address(make_settings):
 
     from clawrl import supervisor
 
-    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_port": 30555,
-                       "gate.engine_port": 30556, "server.host": "0.0.0.0", "server.api_port": 8111})
+    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "server.host": "0.0.0.0",
+                       "server.api_port": 8111})
     services = {sv.name: sv for sv in supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000,
                                                       trainer_port=30020, work_pool="gpu-pool", host="10.1.2.3")}
     for name in ("prefect", "mlflow", "trainer", "judge-engine", "eval-engine"):
@@ -96,8 +96,8 @@ def test_up_with_a_host_binds_and_hands_the_flows_that_address(make_settings):
     flows = services["flows"].argv
     assert flows[flows.index("--trainer-url") + 1] == "http://10.1.2.3:30020"
     assert flows[flows.index("--engine-url") + 1] == "http://10.1.2.3:8111/engine"  # the gateway binds every address
-    assert services["worker"].env == services["flows"].env == {"CLAWRL__PRM__ENGINE_URL": "http://10.1.2.3:30555",
-                                                               "CLAWRL__GATE__ENGINE_URL": "http://10.1.2.3:30556"}
+    assert services["worker"].env == services["flows"].env == {"CLAWRL__PRM__ENGINE_URL": "http://10.1.2.3:8132",
+                                                               "CLAWRL__GATE__ENGINE_URL": "http://10.1.2.3:8133"}
     assert services["worker"].health_url == "http://10.1.2.3:4200/api/work_pools/gpu-pool"
 
     assert supervisor.host_problem(s, "10.1.2.3") is None
@@ -127,15 +127,14 @@ def test_up_with_several_engines_puts_sglangs_router_in_front_of_them(make_setti
 
     from clawrl import supervisor
 
-    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "prm.engine_port": 30555,
-                       "engine.port": 30510})
+    s = make_settings({"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "server.api_port": 30500})
     plan = supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000, trainer_port=30020,
                            engines=2, judge_engines=2)
     services = {sv.name: sv for sv in plan}
     names = list(services)
     assert names.index("engine-router") < names.index("gateway") and services["gateway"].after_others
     router, judges = services["engine-router"], services["judge-engine-router"]
-    assert router.url == "http://127.0.0.1:30510" and judges.url == "http://127.0.0.1:30555"
+    assert router.url == "http://127.0.0.1:30510" and judges.url == "http://127.0.0.1:30521"
     assert router.health_url == "http://127.0.0.1:30510/readiness" and router.ready_only_on_200
     workers = [services["engine-0"], services["engine-1"]]
     assert all(w.argv[-1] == "--resume" for w in workers)
@@ -144,8 +143,8 @@ def test_up_with_several_engines_puts_sglangs_router_in_front_of_them(make_setti
     assert argv[1:3] == ["-m", "sglang_router.launch_router"] and argv[argv.index("--port") + 1] == "30510"
     assert argv[argv.index("--worker-urls") + 1:argv.index("--worker-urls") + 3] == [w.url for w in workers]
     assert argv[argv.index("--policy") + 1] == "manual"
-    assert services["gateway"].env == {"CLAWRL__ENGINE__KIND": "http", "CLAWRL__ENGINE__URL": "http://127.0.0.1:30510"}
-    assert services["flows"].env["CLAWRL__PRM__ENGINE_URL"] == "http://127.0.0.1:30555"
+    assert services["gateway"].env == {"CLAWRL__ENGINE__URL": "http://127.0.0.1:30510"}
+    assert services["flows"].env["CLAWRL__PRM__ENGINE_URL"] == "http://127.0.0.1:30521"
     one = {sv.name: sv for sv in supervisor.plan(s, Path("/conf/up.toml"), prefect_port=4200, mlflow_port=5000,
                                                  trainer_port=30020, engines=1)}
     assert one["engine"].url == "http://127.0.0.1:30510" and "engine-router" not in one

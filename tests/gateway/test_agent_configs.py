@@ -11,8 +11,7 @@ from typer.testing import CliRunner
 
 from clawrl.cli import app
 
-ENV = {"CLAWRL__ENGINE__MAX_CONTEXT_LEN": "8192", "CLAWRL__SERVER__SERVED_MODEL_NAME": "my-policy",
-       "CLAWRL__PPO__MAX_NEW_TOKENS": "300"}
+ENV = {"CLAWRL__ENGINE__MAX_CONTEXT_LEN": "8192", "CLAWRL__PPO__MAX_NEW_TOKENS": "300"}
 
 
 def printed(agent: str, *args: str) -> str:
@@ -23,7 +22,7 @@ def printed(agent: str, *args: str) -> str:
 
 def test_codex_config_is_toml_naming_this_gateway():
     config = tomllib.loads(printed("codex", "--port", "31234", "--host", "0.0.0.0"))
-    assert (config["model"], config["model_provider"], config["model_context_window"]) == ("my-policy", "clawrl", 8192)
+    assert (config["model"], config["model_provider"], config["model_context_window"]) == ("clawrl-policy", "clawrl", 8192)
     assert config["model_providers"]["clawrl"] == {"name": "clawrl", "base_url": "http://127.0.0.1:31234/v1",
                                                    "env_key": "CLAWRL_API_KEY", "wire_api": "responses"}
 
@@ -33,15 +32,15 @@ def test_openclaw_config_is_json_naming_this_gateway():
     provider = config["models"]["providers"]["clawrl"]
     assert provider["baseUrl"] == "http://127.0.0.1:31235/v1" and provider["apiKey"] == "${CLAWRL_API_KEY}"
     [model] = provider["models"]
-    assert (model["id"], model["contextWindow"], model["maxTokens"]) == ("my-policy", 8192, 300)
+    assert (model["id"], model["contextWindow"], model["maxTokens"]) == ("clawrl-policy", 8192, 300)
     assert model["compat"]["supportsPromptCacheKey"] is True
-    assert config["agents"]["defaults"]["model"]["primary"] == "clawrl/my-policy"
+    assert config["agents"]["defaults"]["model"]["primary"] == "clawrl/clawrl-policy"
 
 
 def test_openai_snippet_is_python_naming_this_gateway():
     code = printed("openai")
     compile(code, "snippet", "exec")
-    assert 'base_url="http://127.0.0.1:30000/v1"' in code and 'model="my-policy"' in code
+    assert 'base_url="http://127.0.0.1:30000/v1"' in code and 'model="clawrl-policy"' in code
 
 
 def test_an_unknown_agent_is_refused_with_the_choices():

@@ -36,7 +36,7 @@ def test_sglangs_two_refusals_become_openais_error():
 def test_http_engine_overflow_reaches_the_client_as_context_length_exceeded(make_settings, tiny_dir):
     with running_engine_server(lambda: make_tiny_engine(tiny_dir), model_path=str(tiny_dir),
                                max_context_len=CONTEXT) as srv:
-        s = make_settings({"engine.kind": "http", "engine.url": srv.url, "server.open_mode": True,
+        s = make_settings({"engine.url": srv.url, "server.open_mode": True,
                            "ppo.max_new_tokens": 4})
         store = DataStore(s.storage.data_root)
         app = create_app(s, store=store)

@@ -89,8 +89,9 @@ def test_streamed_choices_carry_their_index_and_match_the_non_streamed_ones(gate
         (0, "main", text[0]), (1, "side", text[1])]
 
 
-def test_n_is_capped_by_max_n(gateway):
-    s, store, ctx = gateway(server__max_n=4)
+def test_n_is_capped_by_max_n(gateway, monkeypatch):
+    monkeypatch.setattr("clawrl.gateway.service.MAX_N", 4)
+    s, store, ctx = gateway()
     with ctx as gw:
         client = OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:

@@ -227,8 +227,9 @@ def test_an_agent_without_session_headers_keeps_one_session(gateway):
     assert json.loads(links[1]["messages"]) == [{"role": "user", "content": "thanks!"}]
 
 
-def test_errors_are_openai_shaped(gateway):
-    s, store, ctx = gateway(server__max_body_bytes=2048)
+def test_errors_are_openai_shaped(gateway, monkeypatch):
+    monkeypatch.setattr("clawrl.gateway.routes.MAX_BODY_BYTES", 2048)
+    s, store, ctx = gateway()
     with ctx as gw:
         url = gw.base_url + "/chat/completions"
         bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})

@@ -22,7 +22,7 @@ def rss_mb(pid: int) -> int:
 def test_a_long_prompt_keeps_memory_bounded_and_a_gone_client_frees_the_engine(tmp_path, model_cache):
     port = free_port()
     env = serve_env(tmp_path / "data", model_cache, model__name="tiny-long", engine__max_context_len=16384,
-                    engine__max_batch_size=64, engine__chunked_prefill_size=2048, ppo__max_new_tokens=8)
+                    engine__max_batch_size=64, ppo__max_new_tokens=8)
     server = ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / "serve.log")
     server.start()
     try:

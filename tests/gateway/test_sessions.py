@@ -1,5 +1,4 @@
 import json
-import re
 
 import pytest
 
@@ -211,12 +210,10 @@ def test_a_request_continues_the_answer_even_after_per_request_context():
 
 def test_an_agent_boundary_suffix_on_prompt_cache_key_is_left_out():
     """OpenClaw's prompt_cache_key is '<session>:<compactions>' (its summariser's the bare session)."""
-    boundary = re.compile(r":\d+$")
-    assert [explicit_session_id(k, None, None, boundary) for k in ("s1:0", "s1:12", "s1", "a:b:3")] == \
+    assert [explicit_session_id(k, None, None) for k in ("s1:0", "s1:12", "s1", "a:b:3")] == \
         ["s1", "s1", "s1", "a:b"]
-    assert explicit_session_id(":7", None, None, boundary) == ":7"  # nothing left: the key as sent
-    assert explicit_session_id("s1:0", None, None) == "s1:0"  # no boundary configured
-    assert explicit_session_id(None, "alice:2", None, boundary) == "alice:2"  # only prompt_cache_key
+    assert explicit_session_id(":7", None, None) == ":7"  # nothing left: the key as sent
+    assert explicit_session_id(None, "alice:2", None) == "alice:2"  # only prompt_cache_key
 
 
 def test_an_answer_kept_after_a_summary_finds_its_session():

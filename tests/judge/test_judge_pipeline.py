@@ -415,10 +415,8 @@ def test_a_reference_engine_that_fails_costs_the_sample_nothing(session, tiny_en
 
 @pytest.mark.parametrize("overrides, expected", [
     ({}, "teacher"),  # combine with the frozen teacher: it holds the initial weights
-    ({"ppo.reference_logprobs": "trainer"}, None),
     ({"ppo.kl_coef": 0.0}, None),  # no KL term: nothing to score
     ({"ppo.advantage_estimator": "grpo"}, None),  # the rule judge holds no model: auto leaves it to the trainer
-    ({"ppo.advantage_estimator": "grpo", "ppo.reference_logprobs": "judge"}, "frozen"),
     ({"ppo.advantage_estimator": "grpo", "prm.backend": "engine"}, "frozen"),
 ])
 def test_who_scores_the_reference_logprobs(make_settings, tiny_engine, overrides, expected):

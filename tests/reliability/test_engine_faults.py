@@ -53,7 +53,7 @@ def test_engine_hung_dead_and_back_without_a_gateway_restart(tmp_path, model_cac
     data = tmp_path / "data"
     eng_port = free_port()
     eng_url = f"http://127.0.0.1:{eng_port}"
-    env = serve_env(data, model_cache, engine__kind="http", engine__url=eng_url,
+    env = serve_env(data, model_cache, engine__url=eng_url,
                     engine__stall_timeout_s=str(TIMEOUT_S))
     engine = engine_process(tmp_path, env, port=eng_port)
     gw = gateway_process(tmp_path, env)
@@ -140,8 +140,8 @@ def _write_judgeable_turns(s, names: list[str]) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_judge_backend_down_ends_turns_as_judge_error_and_training_goes_on(prefect_harness, make_settings,
-                                                                             tmp_path, tiny_dir):
-    """[prm] backend = "sglang" at a judge server that dies: the turns judged before it died train;
+                                                                             tmp_path, tiny_dir, monkeypatch):
+    """[prm] backend = "engine" at a judge server (`[prm] engine_url`) that dies: the turns judged before it died train;
     the turns after it end with fate judge_error (the connection error kept in the verdict), are
     not judged again by a rerun under the same judge config, and block nothing."""
     from clawrl.flows.judge import judge_flow
@@ -158,8 +158,10 @@ def test_judge_backend_down_ends_turns_as_judge_error_and_training_goes_on(prefe
         return scripted
 
     with running_engine_server(judge_model) as judge_server:
-        s = make_settings({"prm.backend": "sglang", "prm.url": judge_server.url, "prm.judge_samples": 1,
-                           "prm.max_new_tokens": 16, "prm.retries": 1, "prm.retry_delay_s": 0.2,
+        monkeypatch.setattr("clawrl.flows.judge.RETRIES", 1)
+        monkeypatch.setattr("clawrl.flows.judge.RETRY_DELAY_S", 0.2)
+        s = make_settings({"prm.backend": "engine", "prm.engine_url": judge_server.url, "prm.judge_samples": 1,
+                           "prm.max_new_tokens": 16,
                            "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 2, "ppo.lr": 1e-4,
                            "ppo.micro_batch_size": 2, "engine.stall_timeout_s": 10.0})
         conf = tmp_path / "judge-down.toml"
@@ -167,7 +169,7 @@ def test_judge_backend_down_ends_turns_as_judge_error_and_training_goes_on(prefe
         before = _write_judgeable_turns(s, ["early-a", "early-b"])
         first = judge_flow(config_path=str(conf))
         assert first["fates"] == {"sample": 2}
-    # The judge server is gone; nothing listens at prm.url any more.
+    # The judge server is gone; nothing listens at prm.engine_url any more.
     after = _write_judgeable_turns(s, ["late-a", "late-b", "late-c"])
     t0 = time.monotonic()
     second = judge_flow(config_path=str(conf))

@@ -74,7 +74,7 @@ def _settings(root: Path, model_cache: Path):
     s = load_settings(env={}, overrides={
         "storage.data_root": str(root), "storage.model_cache": str(model_cache), "model.name": "tiny",
         "ppo.rollout_batch_size": 2, "ppo.advantage_estimator": "grpo", "ppo.lr": 1e-3, "ppo.micro_batch_size": 2,
-        "prm.backend": "rule", "prm.retries": 0, "prm.max_in_flight": 4})
+        "prm.backend": "rule"})
     conf = root / "clawrl.toml"
     conf.write_text(dump_toml(s))
     return s, conf

@@ -62,9 +62,11 @@ def gw(tmp_path_factory, model_cache):
     s = load_settings(env={}, overrides={
         "storage.data_root": str(tmp_path_factory.mktemp("hostile") / "data"), "storage.model_cache": str(model_cache),
         "model.name": "tiny", "model.device": "cpu", "server.open_mode": True, "engine.max_context_len": CONTEXT,
-        "ppo.max_new_tokens": 4, "server.max_body_bytes": MAX_BODY})
+        "ppo.max_new_tokens": 4})
     store = DataStore(s.storage.data_root)
-    handle = serve_in_thread(create_app(s, store=store))  # its own tiny engine, built from the settings
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("clawrl.gateway.routes.MAX_BODY_BYTES", MAX_BODY)
+        handle = serve_in_thread(create_app(s, store=store))  # its own tiny engine, built from the settings
     try:
         yield Gateway(s, store, handle)
     finally:

@@ -114,7 +114,8 @@ def _fuzz_operation(run: FuzzRun, op, mode: GenerationMode, n: int, base_url: st
 def test_gateway_schema_fuzz_has_no_5xx_and_keeps_serving(make_settings, monkeypatch):
     monkeypatch.setenv("CLAWRL_FUZZ_KEYS", API_KEY)
     s = make_settings({"server.api_keys_env": "CLAWRL_FUZZ_KEYS", "engine.max_context_len": GATEWAY_CONTEXT,
-                       "ppo.max_new_tokens": 4, "model.device": "cpu", "server.max_body_bytes": 256 * 1024})
+                       "ppo.max_new_tokens": 4, "model.device": "cpu"})
+    monkeypatch.setattr("clawrl.gateway.routes.MAX_BODY_BYTES", 256 * 1024)
     handle = serve_in_thread(create_app(s))  # its own tiny engine, built from the settings
     try:
         spec = httpx.get(handle.url + "/openapi.json", timeout=30).json()

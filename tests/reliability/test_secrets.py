@@ -104,7 +104,7 @@ def test_keys_never_reach_logs_parquet_mlflow_or_error_messages(prefect_harness,
     monkeypatch.setenv("CLAWRL_WRONG_PROVIDER_KEY", WRONG_KEY)
     base = {"server.open_mode": False, "ppo.rollout_batch_size": 2, "ppo.advantage_estimator": "grpo",
             "ppo.temperature": 1.0, "ppo.lr": 1e-3, "ppo.micro_batch_size": 2, "prm.backend": "rule",
-            "prm.retries": 0, "prm.judge_samples": 1, "prm.max_new_tokens": 8}
+            "prm.judge_samples": 1, "prm.max_new_tokens": 8}
     s = make_settings(base)
     confs = {}
     for name, extra in (("rule", {}),

@@ -137,7 +137,7 @@ def sync_env(prefect_harness, tmp_path_factory, model_cache):
     port = _free_port()
     s = load_settings(env={}, overrides={
         "storage.data_root": str(base / "data"), "storage.model_cache": str(model_cache), "model.name": "tiny",
-        "engine.kind": "http", "engine.url": f"http://127.0.0.1:{port}", "engine.max_context_len": 512,
+        "engine.url": f"http://127.0.0.1:{port}", "engine.max_context_len": 512,
         "engine.stall_timeout_s": 60, "ppo.rollout_batch_size": 2, "ppo.advantage_estimator": "grpo",
         "ppo.kl_coef": 0.0, "ppo.lr": 1e-3})
     conf = base / "clawrl.toml"

@@ -43,18 +43,16 @@ def test_cosine_decay_after_warmup():
         lr_at(hp, -1)
 
 
-def test_config_rejects_a_decay_without_steps_and_a_floor_above_the_peak(monkeypatch):
-    monkeypatch.setenv("CLAWRL__PPO__LR_SCHEDULE", "cosine")
-    with pytest.raises(ConfigError, match="lr_decay_steps"):
-        load_settings()
+def test_decay_steps_make_the_schedule_cosine_and_a_floor_above_the_peak_is_refused(monkeypatch):
+    assert PPOHyperParams.from_settings(load_settings(env={}).ppo, seed=0).lr_schedule == "constant"
     monkeypatch.setenv("CLAWRL__PPO__LR_DECAY_STEPS", "8")
     monkeypatch.setenv("CLAWRL__PPO__LR_MIN", "1")
     with pytest.raises(ConfigError, match="lr_min"):
         load_settings()
     monkeypatch.setenv("CLAWRL__PPO__LR_MIN", "1e-6")
     s = load_settings()
-    assert (s.ppo.lr_schedule, s.ppo.lr_decay_steps, s.ppo.lr_min) == ("cosine", 8, 1e-6)
-    assert PPOHyperParams.from_settings(s.ppo, seed=0).lr_decay_steps == 8
+    hp = PPOHyperParams.from_settings(s.ppo, seed=0)
+    assert (hp.lr_schedule, hp.lr_decay_steps, hp.lr_min) == ("cosine", 8, 1e-6)
 
 
 def _samples(step: int) -> list[SampleRecord]:

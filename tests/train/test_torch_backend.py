@@ -200,21 +200,23 @@ def test_group_norm_subtracts_the_prompt_group_mean(tiny_dir):
     assert metrics["num_groups"] == 2
 
 
-def test_hyperparams_from_settings_copy_plain_values_under_the_settings_names():
-    ppo = PPOSettings(clip_range=0.1, clip_range_high=0.3, adam_beta2=0.95, advantage_estimator="grpo")
+def test_hyperparams_are_the_settings_and_the_fixed_values():
+    from clawrl.train.base import FIXED
+
+    ppo = PPOSettings(lr=3e-5, lr_decay_steps=8, group_by="batch", advantage_estimator="grpo")
     hp = PPOHyperParams.from_settings(ppo, seed=7)
-    assert (hp.clip_range, hp.clip_range_high, hp.adam_beta1, hp.adam_beta2, hp.advantage_estimator, hp.seed) == (
-        0.1, 0.3, 0.9, 0.95, Method.GRPO, 7)
     values = dataclasses.asdict(hp)
-    assert values.pop("seed") == 7 and values.pop("opd_clip") == 0.0
-    assert values == {k: getattr(ppo, k) for k in values}  # every other field: [ppo]
-    # the OPD advantage clip comes from [opd]: unset -> 1.0 with top-k OPD, off without
+    assert (values.pop("seed"), values.pop("opd_clip"), values.pop("lr_schedule"), values.pop("group_norm")) == (
+        7, 0.0, "cosine", True)  # derived: decay steps make a cosine schedule, a baseline group centres rewards
+    assert values == {**FIXED, **{k: getattr(ppo, k) for k in values if k not in FIXED}}
+    assert (hp.clip_range, hp.clip_range_high, hp.kl_type) == (0.2, 0.28, "k3")
+    plain = PPOHyperParams.from_settings(PPOSettings(), seed=0)
+    assert (plain.lr_schedule, plain.group_norm) == ("constant", False)
+    # top-k OPD clips its per-token term to [-1, 1]; the sampled-token term is not clipped
     from clawrl.config import OPDSettings
 
     assert PPOHyperParams.from_settings(ppo, 7, OPDSettings(top_k=4)).opd_clip == 1.0
     assert PPOHyperParams.from_settings(ppo, 7, OPDSettings()).opd_clip == 0.0
-    assert PPOHyperParams.from_settings(ppo, 7, OPDSettings(top_k=4, advantage_clip=0.0)).opd_clip == 0.0
-    assert PPOHyperParams.from_settings(ppo, 7, OPDSettings(advantage_clip=2.5)).opd_clip == 2.5
 
 
 @pytest.mark.parametrize("backend", ["torch", "megatron"])

@@ -24,5 +24,5 @@ async def flipped_reward(*, turn, next_state):
 
 
 def rate(messages, answer):
-    """A ``[gate] replay_scorer``: 1 for an answer with any text in it."""
+    """A replay set's ``[gate] evaluator``: 1 for an answer with any text in it."""
     return float(bool(answer.strip()))

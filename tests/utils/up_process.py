@@ -9,17 +9,18 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from tests.utils.gateway_server import free_socket
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def ports(n):
-    socks = [free_socket() for _ in range(n)]
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """``n`` free ports, the first for the gateway: its engines' ports ([server] api_port + 10, 21, 22, 23) are
+    free too and none of the others."""
+    from clawrl.config import PORT_OFFSETS
+    from clawrl.serving import free_api_port, free_ports
+
+    api = free_api_port()
+    return [api, *free_ports(n - 1, avoid=[api + o for o in PORT_OFFSETS.values()])]
 
 
 def up(conf: Path, ports, log: Path, *extra: str) -> subprocess.Popen:
