@@ -27,7 +27,6 @@ from clawrl.sim.bfcl import BFCL_VERSION, PLUGIN, REGISTRY_NAME, bfcl_env, bfcl_
 # BFCL's single-turn categories that need no executable backend and no network (its "AST" categories)
 OFFLINE_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple",
                       "live_multiple", "live_parallel", "live_irrelevance")
-CONTEXT = 8192  # SmolLM2's max_position_embeddings: live_multiple's longest prompts need ~4k tokens
 Z95 = 1.959964  # the standard normal's 97.5% quantile
 
 
@@ -77,13 +76,19 @@ def _answered(results: Path) -> int:
 def run_side(settings, model_dir: Path, root: Path, label: str, ids: dict[str, list[str]], *,
              progress: Callable[[int], None] = lambda n: None) -> dict[str, dict[str, bool]]:
     """BFCL's verdict on each prompt of ``ids`` answered by ``model_dir``: ``{category: {id: valid}}``;
-    the answers and scores stay in ``root / label`` and ``root / f"score_{label}"``."""
+    the answers and scores stay in ``root / label`` and ``root / f"score_{label}"``. A side already done
+    there on the same prompts (``done.json``) is read again, not run again."""
+    done = root / label / "done.json"
+    if done.exists() and json.loads(done.read_text()) == {"model": str(model_dir), "ids": ids}:
+        return read_verdicts(root / label, root / f"score_{label}", list(ids))
     (root / "test_case_ids_to_generate.json").write_text(json.dumps(ids))
     log = root / f"{label}.log"
-    with gateway_on(settings, model_dir, max_context_len=CONTEXT) as url:
+    # the model's whole context (live_multiple's longest prompts need ~4k tokens): a prompt beyond it is an error
+    context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
+    with gateway_on(settings, model_dir, max_context_len=context) as url:
         proc = _bfcl(root, log, "generate", "--model", REGISTRY_NAME, "--run-ids", "--result-dir", label,
                      "--temperature", str(TEMPERATURE), "--num-threads", str(settings.engine.max_batch_size),
-                     base_url=url + "/v1")
+                     "--allow-overwrite", base_url=url + "/v1")
         while proc.poll() is None:
             progress(_answered(root / label))
             time.sleep(1.0)
@@ -94,7 +99,9 @@ def run_side(settings, model_dir: Path, root: Path, label: str, ids: dict[str, l
                "--score-dir", f"score_{label}", "--partial-eval")
     if ev.wait():
         raise RuntimeError(f"BFCL evaluate failed (exit {ev.returncode}); its log: {log}")
-    return read_verdicts(root / label, root / f"score_{label}", list(ids))
+    verdicts = read_verdicts(root / label, root / f"score_{label}", list(ids))
+    done.write_text(json.dumps({"model": str(model_dir), "ids": ids}))
+    return verdicts
 
 
 def read_verdicts(results: Path, scores: Path, categories: list[str]) -> dict[str, dict[str, bool]]:
@@ -135,16 +142,9 @@ def compare(first: dict[str, dict[str, bool]], second: dict[str, dict[str, bool]
     return rows
 
 
-def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, machine: str, pins: str,
-                   per_category: int, seed: int, tolerance: float, alpha: float,
-                   errors: dict[str, tuple[int, ...]]) -> str:
-    """The markdown section ``clawrl bench bfcl`` writes."""
-    sample = "every prompt" if per_category == 0 else f"{per_category} prompts per category drawn with seed {seed}"
-    head = ["## BFCL: two versions on the Berkeley Function Calling Leaderboard", "", machine,
-            f"`clawrl bench bfcl`: bfcl-eval {BFCL_VERSION}, {sample}; {pins}. `{labels[0]}` vs `{labels[1]}`, "
-            "the same prompts; accuracy with its Wilson 95% interval; `worse`: the promotion gate's rule on the "
-            f"paired per-prompt verdicts (tolerance {tolerance:g}, alpha {alpha:g}; `p`: one-sided, of a drop).", "",
-            f"| category | n | {labels[0]} | {labels[1]} | diff | p | worse | errors |", "|---" * 8 + "|"]
+def format_table(rows: list[dict[str, Any]], labels: tuple[str, str], errors: dict[str, tuple[int, int]]) -> str:
+    """One comparison as a markdown table; ``errors``: per category, each side's inference errors."""
+    head = [f"| category | n | {labels[0]} | {labels[1]} | diff | p | worse | errors |", "|---" * 8 + "|"]
     for r in rows:
         e = errors.get(r["category"], (0, 0))
         head.append(f"| {r['category']} | {r['n']} | {r['first']:.3f} ({r['first_ci'][0]:.2f}-{r['first_ci'][1]:.2f}) "
@@ -153,13 +153,25 @@ def format_section(rows: list[dict[str, Any]], labels: tuple[str, str], *, machi
     return "\n".join(head)
 
 
+def format_section(tables: list[str], *, machine: str, pins: str, per_category: int, seed: int, tolerance: float,
+                   alpha: float) -> str:
+    """The markdown section ``clawrl bench bfcl`` writes: ``tables`` (:func:`format_table`) under what they used."""
+    sample = "every prompt" if per_category == 0 else f"{per_category} prompts per category drawn with seed {seed}"
+    head = ["## BFCL: the base model and trained versions on the Berkeley Function Calling Leaderboard", "", machine,
+            f"`clawrl bench bfcl`: bfcl-eval {BFCL_VERSION}, {sample}; {pins}. Every version answers the same prompts; "
+            "accuracy with its Wilson 95% interval; `worse`: the promotion gate's rule on the paired per-prompt "
+            f"verdicts (tolerance {tolerance:g}, alpha {alpha:g}; `p`: one-sided, of a drop); `errors`: requests the "
+            "gateway refused (BFCL scores them as answers without a call)."]
+    return "\n".join(head + [x for t in tables for x in ("", t)])
+
+
 def run_bfcl_bench(settings, sides: list[tuple[str, Path]], root: Path, *, categories: tuple[str, ...],
                    per_category: int, seed: int, progress: Callable[[str, int, int], None]) -> dict[str, Any]:
-    """Both sides on the same prompts: ``{"ids", "verdicts": {label: ...}, "errors": {category: (first, second)}}``."""
+    """Every side on the same prompts: ``{"ids", "verdicts": {label: ...}, "errors": {label: {category: n}}}``."""
     root.mkdir(parents=True, exist_ok=True)
     ids = choose_ids(categories, per_category, seed)
     total = sum(map(len, ids.values()))
     verdicts = {label: run_side(settings, model_dir, root, label, ids, progress=lambda n, lb=label: progress(lb, n, total))
                 for label, model_dir in sides}
-    errors = {c: tuple(errors_in(root / label, c) for label, _ in sides) for c in ids}
+    errors = {label: {c: errors_in(root / label, c) for c in ids} for label, _ in sides}
     return {"ids": ids, "verdicts": verdicts, "errors": errors}

@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from clawrl.bench.bfcl import compare, format_section, read_verdicts, wilson
+from clawrl.bench.bfcl import compare, format_section, format_table, read_verdicts, wilson
 from clawrl.cli import app
 
 
@@ -63,9 +63,10 @@ def test_a_category_is_worse_by_the_gates_rule_on_paired_verdicts():
     assert irr_row["worse"] and irr_row["p"] == pytest.approx(0.00508, abs=1e-5)
     assert not simple_row["worse"] and simple_row["diff"] == pytest.approx(0.25)
     assert simple_row["second_ci"] == pytest.approx(wilson(5, 20))
-    section = format_section(list(rows.values()), ("smollm2-135m", "v000016"), machine="Machine: m.", pins="pins",
-                             per_category=20, seed=0, tolerance=0.05, alpha=0.05,
-                             errors={"irrelevance": (0, 2)})
+    table = format_table(list(rows.values()), ("smollm2-135m", "run/v000016"), {"irrelevance": (0, 2)})
+    section = format_section([table, table], machine="Machine: m.", pins="pins", per_category=20, seed=0,
+                             tolerance=0.05, alpha=0.05)
+    assert section.count("| category | n | smollm2-135m | run/v000016 |") == 2
     assert "| irrelevance | 20 | 1.000 (0.84-1.00) | 0.700 (0.48-0.85) | -0.300 | 0.00508 | **yes** | 0 / 2 |" in section
     assert "| simple_python | 20 | 0.000 (0.00-0.16) | 0.250 (0.11-0.47) | +0.250 | 0.99 | no | 0 / 0 |" in section
     assert "20 prompts per category drawn with seed 0; pins." in section
@@ -79,3 +80,16 @@ def test_the_bench_says_how_to_get_bfcl_when_it_is_missing(tmp_path, monkeypatch
     text = " ".join(res.output.split())
     assert res.exit_code == 2, res.output
     assert "BFCL is not installed" in text and "`make bfcl` installs bfcl-eval==2026.3.23" in text, text
+
+
+def test_a_side_done_on_the_same_prompts_is_read_again_not_run(tmp_path):
+    from clawrl.bench.bfcl import errors_in, run_side
+
+    ids = {"irrelevance": ["irrelevance_0", "x"]}
+    _side(tmp_path, "base", "irrelevance", ids["irrelevance"], failed=[])
+    (tmp_path / "base" / "done.json").write_text(json.dumps({"model": "/m", "ids": ids}))
+    # no settings, no gateway, no BFCL: the stored verdicts are the answer
+    assert run_side(None, "/m", tmp_path, "base", ids) == {"irrelevance": {"irrelevance_0": True, "x": True}}
+    assert errors_in(tmp_path / "base", "irrelevance") == 1  # "x" was refused by the gateway
+    with pytest.raises(FileNotFoundError):  # other prompts: it would have to run (here: reads /m/config.json)
+        run_side(None, "/m", tmp_path, "base", {"irrelevance": ["irrelevance_0"]})
