@@ -161,3 +161,22 @@ def test_bfcls_own_checker_through_the_plugin():
         assert w.describe()["handler"] == "ClawrlHandler(OpenAICompletionsHandler)"
     finally:
         w.close()
+
+
+def test_the_demo_says_how_to_get_bfcl_when_its_config_names_the_bfcl_evaluator(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from clawrl.cli import app
+
+    monkeypatch.setattr(bfcl, "BFCL_ENV", tmp_path / "nowhere")
+    conf = tmp_path / "gated.toml"
+    conf.write_text((Path(__file__).resolve().parents[1] / "conf" / "demo-tools.toml").read_text()
+                    + '\n[gate]\nevaluator = "clawrl.sim.validation:tools_bfcl"\nguard = ["plain", "bfcl_irrelevance"]\n')
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["demo", "--scenario", "tools", "-c", str(conf), "--run-dir", str(run)])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "[gate] evaluator = 'clawrl.sim.validation:tools_bfcl': BFCL is not installed" in text, text
+    assert "`make bfcl`" in text and not run.exists()
