@@ -162,18 +162,19 @@ def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) ->
     judge's finishing order must not matter (its turns run concurrently, and a turn re-judged after a
     crash gets a later sample row). ``take_order`` does not depend on time at all: the oldest weight
     version first, then an order fixed by the turn itself (a hash of its namespace, session, index and
-    version; a turn's own sample and the demonstration of it by their tokens). Which samples a batch
-    takes must not depend on the order the gateway happened to complete concurrent turns in either
-    (the tools demo's users send their second turn as soon as their first is answered, and a round
-    yields more samples than a batch takes): the same turns give the same batches. Within a version
+    version; a turn's own sample and the demonstration of it by their tokens; samples with no turn row
+    first, by their time as before). Which samples a batch takes must not depend on the order the
+    gateway happened to complete concurrent turns in either (the tools demo's users send their second
+    turn as soon as their first is answered, and a round yields more samples than a batch takes): the
+    same turns give the same batches. Within a version
     staleness is equal; the hash takes an unbiased share when more wait than a batch takes, with the
     version in it so that no session always comes last."""
     sql = f"""
         WITH u AS ({_USABLE_SAMPLES}), t AS ({_TURN_NAMESPACE})
         SELECT {_namespaced(con, "u")}, row_number() OVER (ORDER BY
-                   coalesce(TRY_CAST(u.weight_version AS BIGINT), 0),
-                   md5(concat_ws('|', coalesce(t.turn_namespace, ''), u.session_id, coalesce(t.turn_index, -1),
-                                 u.weight_version)),
+                   coalesce(TRY_CAST(u.weight_version AS BIGINT), 0), t.turn_at IS NOT NULL,
+                   CASE WHEN t.turn_at IS NULL THEN u.created_at END, CASE WHEN t.turn_at IS NULL THEN u.sample_id END,
+                   md5(concat_ws('|', t.turn_namespace, u.session_id, t.turn_index, u.weight_version)),
                    u.output_ids, u.sample_id) AS take_order
         FROM u LEFT JOIN t USING (turn_id)
         WHERE u.sample_id NOT IN ({_CONSUMED})

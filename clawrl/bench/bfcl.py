@@ -125,7 +125,7 @@ def read_verdicts(results: Path, scores: Path, categories: list[str]) -> dict[st
 
 
 def errors_in(results: Path, category: str) -> int:
-    """Answers BFCL recorded as an inference error (a request the gateway refused, e.g. too long)."""
+    """Answers BFCL recorded as an inference error (a request refused or timed out)."""
     (result,) = results.rglob(f"BFCL_v4_{category}_result.json")
     return sum(str(json.loads(line)["result"]).startswith("Error during inference") for line in result.open())
 
@@ -164,8 +164,8 @@ def format_section(tables: list[str], *, machine: str, pins: str, per_category: 
     head = ["## BFCL: the base model and trained versions on the Berkeley Function Calling Leaderboard", "", machine,
             f"`clawrl bench bfcl`: bfcl-eval {BFCL_VERSION}, {sample}; {pins}. Every version answers the same prompts; "
             "accuracy with its Wilson 95% interval; `worse`: the promotion gate's rule on the paired per-prompt "
-            f"verdicts (tolerance {tolerance:g}, alpha {alpha:g}; `p`: one-sided, of a drop); `errors`: requests the "
-            "gateway refused (BFCL scores them as answers without a call)."]
+            f"verdicts (tolerance {tolerance:g}, alpha {alpha:g}; `p`: one-sided, of a drop); `errors`: requests that got "
+            "no answer, refused or timed out (BFCL scores them as answers without a call)."]
     return "\n".join(head + [x for t in tables for x in ("", t)])
 
 

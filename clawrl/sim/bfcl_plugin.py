@@ -38,7 +38,13 @@ MAX_TOKENS = 256  # the longest right answer of the AST categories (a parallel c
 
 
 class ClawrlHandler(OpenAICompletionsHandler):
-    """BFCL's chat-completions handler, asking with a fixed seed and answer budget."""
+    """BFCL's chat-completions handler, asking with a fixed seed and answer budget, waiting as long as
+    the gateway does (``clawrl.bench.bfcl.REQUEST_TIMEOUT_S``) and never asking twice: the OpenAI client's
+    600 s and two retries turned slow answers on a busy CPU into "Request timed out" after sending each
+    request three times."""
+
+    def _build_client_kwargs(self):
+        return {**super()._build_client_kwargs(), "timeout": 1800.0, "max_retries": 0}
 
     def generate_with_backoff(self, **kwargs):
         kwargs.pop("store", None)  # the Responses API's flag; nothing is stored by a chat completion
