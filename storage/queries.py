@@ -43,8 +43,8 @@ def _namespaced(con: duckdb.DuckDBPyConnection, alias: str, exclude: Sequence[st
 
 
 # one row per turn id with its API-key namespace, to join to samples
-_TURN_NAMESPACE = ("SELECT turn_id, any_value(namespace) AS turn_namespace, min(created_at) AS turn_at "
-                   "FROM turns GROUP BY turn_id")
+_TURN_NAMESPACE = ("SELECT turn_id, any_value(namespace) AS turn_namespace, min(created_at) AS turn_at, "
+                   "min(turn_index) AS turn_index FROM turns GROUP BY turn_id")
 
 
 def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (date)",
@@ -157,13 +157,26 @@ def pending_counts(
 
 def trainable_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str) -> pa.Table:
     """Usable samples under this judge config (see ``_USABLE_SAMPLES``) not yet consumed by a batch,
-    oldest turn first (ties by sample id). Ordered by the turn's time, not the sample's: which
-    samples share a batch must not depend on the order the judge happened to finish them in (its
-    turns run concurrently, and a turn re-judged after a crash gets a later sample row), or a run
-    with a crash would train other batches than one without."""
+    oldest turn first (ties by sample id), each with ``take_order``: the order a batch takes them in
+    (``clawrl.storage.selection.select_batch``). Ordered by the turn's time, not the sample's: the
+    judge's finishing order must not matter (its turns run concurrently, and a turn re-judged after a
+    crash gets a later sample row). ``take_order`` does not depend on time at all: the oldest weight
+    version first, then an order fixed by the turn itself (a hash of its namespace, session, index and
+    version; a turn's own sample and the demonstration of it by their tokens; samples with no turn row
+    first, by their time as before). Which samples a batch takes must not depend on the order the
+    gateway happened to complete concurrent turns in either (the tools demo's users send their second
+    turn as soon as their first is answered, and a round yields more samples than a batch takes): the
+    same turns give the same batches. Within a version
+    staleness is equal; the hash takes an unbiased share when more wait than a batch takes, with the
+    version in it so that no session always comes last."""
     sql = f"""
         WITH u AS ({_USABLE_SAMPLES}), t AS ({_TURN_NAMESPACE})
-        SELECT {_namespaced(con, "u")} FROM u LEFT JOIN t USING (turn_id)
+        SELECT {_namespaced(con, "u")}, row_number() OVER (ORDER BY
+                   coalesce(TRY_CAST(u.weight_version AS BIGINT), 0), t.turn_at IS NOT NULL,
+                   CASE WHEN t.turn_at IS NULL THEN u.created_at END, CASE WHEN t.turn_at IS NULL THEN u.sample_id END,
+                   md5(concat_ws('|', t.turn_namespace, u.session_id, t.turn_index, u.weight_version)),
+                   u.output_ids, u.sample_id) AS take_order
+        FROM u LEFT JOIN t USING (turn_id)
         WHERE u.sample_id NOT IN ({_CONSUMED})
         ORDER BY coalesce(t.turn_at, u.created_at), u.sample_id
     """

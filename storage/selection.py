@@ -30,7 +30,9 @@ def select_batch(samples: list[dict[str, Any]], *, current_version: int, batch_s
                  serving_version: int | None = None) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
     """(the batch or None when fewer than ``batch_size`` fresh samples wait, the too-stale samples).
 
-    ``samples`` must be oldest first; the batch is the oldest ``batch_size`` fresh ones. Samples of
+    ``samples`` must be oldest first; the batch is the first ``batch_size`` fresh ones by ``take_order``
+    where samples have one (``clawrl.storage.queries.trainable_samples``: the oldest weight version
+    first, never by time), else by their order, and keeps their order. Samples of
     ``serving_version`` (the champion serving now) are fresh whatever their staleness.
     """
     def fresh(s: dict[str, Any]) -> bool:
@@ -39,4 +41,7 @@ def select_batch(samples: list[dict[str, Any]], *, current_version: int, batch_s
 
     ok = [s for s in samples if fresh(s)]
     stale = [s for s in samples if not fresh(s)]
-    return (ok[:batch_size] if len(ok) >= batch_size else None), stale
+    if len(ok) < batch_size:
+        return None, stale
+    taken = {id(s) for s in sorted(ok, key=lambda s: s.get("take_order", 0))[:batch_size]}  # stable: ties keep order
+    return [s for s in ok if id(s) in taken], stale

@@ -231,3 +231,49 @@ def test_the_tools_demo_gates_with_the_tools_evaluator_when_the_config_names_it(
     assert want.groups == ("tools",) * 3 + ("plain",) * 3
     evals = run_query(run, "select weight_version, scores from evaluations order by weight_version").to_pylist()
     assert [e["weight_version"] for e in evals] == ["0", "1"] and all(len(e["scores"]) == 6 for e in evals)
+
+
+def _run_summary(run: Path) -> dict:
+    """What a run did, without its random ids: each turn's output by (session, turn index), each batch as
+    the sorted (session, turn index, output) of its samples, and the curve's rates."""
+    from clawrl.storage.catalog import run_query
+
+    turns = {(r["session_id"], r["turn_index"]): list(r["output_ids"])
+             for r in run_query(run, "select session_id, turn_index, output_ids from turns").to_pylist()}
+    batches = run_query(run, """select b.step, t.session_id, t.turn_index, s.output_ids
+                                from (select step, unnest(sample_ids) as sample_id from batches) b
+                                join samples s using (sample_id) join turns t using (turn_id)""").to_pylist()
+    by_step: dict = {}
+    for r in batches:
+        by_step.setdefault(r["step"], []).append((r["session_id"], r["turn_index"], list(r["output_ids"])))
+    rows = json.loads((run / "reports" / "learning_curve.json").read_text())
+    rates = [{k: r.get(k) for k in ("step", "tool_use", "call_rate", "solved", "plain_quality", "false_call_rate",
+                                "samples", "weight_version")} for r in rows]
+    return {"turns": turns, "batches": {k: sorted(v) for k, v in by_step.items()}, "rates": rates,
+            "loss": [r.get("loss") for r in rows]}
+
+
+@pytest.mark.slow
+def test_the_tools_demo_reproduces_its_run_with_the_same_config_and_seed(tmp_path, model_cache):
+    """Two runs at once (so their turns complete in different orders): the same turns, the same batches,
+    the same rates. A round yields more samples than a batch takes (6 users: 6 replies + 4 demonstrations,
+    batches of 4): which ones a batch takes used to follow the order the gateway completed the turns in.
+    Not bit for bit: the CPU engine's logprobs depend at ~1e-6 on which requests share a decode step, and
+    they enter the loss (truncated importance sampling), so losses agree to ~1e-6, not exactly."""
+    conf = tmp_path / "tiny.toml"
+    conf.write_text((ROOT / "conf" / "demo-tools.toml").read_text().replace('name = "smollm2-135m"', 'name = "tiny"')
+                    .replace("rollout_batch_size = 24", "rollout_batch_size = 4")
+                    + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n')
+    runs = [tmp_path / "a", tmp_path / "b"]
+    procs = [subprocess.Popen([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(conf),
+                               "--steps", "2", "--users", "6", "--heldout", "2", "--eval-samples", "1",
+                               "--run-dir", str(run)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for run in runs]
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, out[-3000:]
+    a, b = (_run_summary(run) for run in runs)
+    assert len(a["turns"]) > 20 and a["turns"] == b["turns"]
+    assert sorted(a["batches"]) == [1, 2] and all(len(v) == 4 for v in a["batches"].values())
+    assert a["batches"] == b["batches"] and a["rates"] == b["rates"]
+    assert a["loss"][1:] == pytest.approx(b["loss"][1:], rel=1e-4)

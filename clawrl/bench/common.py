@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import tempfile
 import os
 import re
 import signal
@@ -37,6 +39,30 @@ def machine_line(device: str, dtype: str) -> str:
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"Machine: {os.cpu_count()} cores, {cpu_model()}; torch {torch.__version__} "
             f"({torch.get_num_threads()} threads); device {device} ({name}), {dtype}; {date}.")
+
+
+@contextlib.contextmanager
+def gateway_on(settings, model_dir: Path, **engine: Any):
+    """A gateway on an embedded engine of ``model_dir`` itself (no checkpoint of a run: a throwaway data
+    root, where the answers are logged like any turns, then dropped), ``engine`` on top of the config's
+    ``[engine]``; yields its URL."""
+    from clawrl.gateway.routes import build_engine, create_app
+    from clawrl.serving import serve_in_thread
+    from clawrl.storage.writer import DataStore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        s = settings.model_copy(update={
+            "model": settings.model.model_copy(update={"name": str(model_dir)}),
+            "engine": settings.engine.model_copy(update={"kind": "embedded", **engine}),  # these weights, in process
+            "storage": settings.storage.model_copy(update={"data_root": Path(tmp)})})
+        served, tokenizer = build_engine(s)
+        store = DataStore(tmp)
+        gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store))
+        try:
+            yield gw.url
+        finally:
+            gw.stop()
+            store.close()
 
 
 def load_average() -> float:

@@ -187,7 +187,7 @@ def _write_config(data_root: Path, model_cache: Path, port: int, rollout_batch_s
     """The bench's config file under ``data_root``; ``extra``: more 'section.key' overrides."""
     from clawrl.config import dump_toml, load_settings
 
-    engines = {"engine.kind": "http", "engine.url": engine_url} if engine_url else {}
+    engines = {"engine.url": engine_url} if engine_url else {}
     s = load_settings(env={}, overrides={**engines, **BENCH_GATE, **(extra or {}),
         "model.name": model, "model.device": device, "model.dtype": dtype,
         "storage.data_root": str(data_root), "storage.model_cache": str(model_cache),

@@ -25,7 +25,8 @@ def format_load_section(r: dict[str, Any]) -> str:
         "claim_batch"), "gate_task_s": st["tasks_s"].get("gate_checkpoint")}
              for st in r["steps"] if st.get("loop_s") is not None]
     loop_keys += [k for k in ("claim_task_s", "gate_task_s") if any(row[k] is not None for row in loops)]
-    tasks = [{"version": st["weight_version"], **st["tasks_s"]} for st in r["steps"] if st.get("tasks_s")]
+    tasks = [{"version": st["weight_version"], **st["tasks_s"]} for st in r["steps"]
+             if st.get("tasks_s") and st["synced"] and st["sync_s"] is not None]  # the steps a sync served
     task_names = list(dict.fromkeys(k for t in tasks for k in t if k != "version"))
     evals = [st["eval_s"] for st in r["steps"] if st["eval_s"]]
     eval_line = (f"The promotion gate's evaluation (an evaluation engine on the same device) took {median(evals):.2f} s "
@@ -56,8 +57,8 @@ def format_load_section(r: dict[str, Any]) -> str:
         "",
         markdown_table(loops, ["version", *loop_keys]) if loops
         else "No step's version reached a client inside the window.",
-        "", f"{eval_line} Seconds each task of the train flow took, per step (Prefect's task run times; the path to "
-        "the sync ends with `sync_weights`):", "",
+        "", f"{eval_line} Seconds each task of the train flow took, per synced step (Prefect's task run times; the "
+        "path to the sync ends with `sync_weights`):", "",
         markdown_table(tasks, ["version", *task_names]) if tasks else "No train step.",
     ])
 

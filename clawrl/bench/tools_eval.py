@@ -14,7 +14,6 @@ quality is also measured on ``unseen`` plain questions the scenario never asks
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,27 +34,14 @@ def answer_rows(settings, model_dir: Path, *, samples: int, heldout: int, seed: 
                 unseen: int = 0) -> list[dict]:
     """Each held-out task, and the first ``unseen`` unseen plain questions, asked ``samples`` times of
     ``model_dir`` behind a gateway: one row per answer."""
+    from clawrl.bench.common import gateway_on
     from clawrl.flows.loop import talk
-    from clawrl.gateway.routes import build_engine, create_app
-    from clawrl.serving import serve_in_thread
-    from clawrl.storage.writer import DataStore
 
     _, held, _, plain = split_tasks(seed, n_heldout=heldout // 2, plain_heldout=heldout // 2)
     new = unseen_plain_tasks()[:unseen]
-    with tempfile.TemporaryDirectory() as tmp:  # the answers are logged like any turns, then dropped
-        s = settings.model_copy(update={
-            "model": settings.model.model_copy(update={"name": str(model_dir)}),
-            "engine": settings.engine.model_copy(update={"kind": "embedded"}),  # these weights, in process
-            "storage": settings.storage.model_copy(update={"data_root": Path(tmp)})})
-        engine, tokenizer = build_engine(s)  # a fresh data root: the model itself, no checkpoint of a run
-        store = DataStore(tmp)
-        gw = serve_in_thread(create_app(s, engine=engine, tokenizer=tokenizer, store=store))
-        try:
-            xs = talk(gw.url, tool_round, (held + plain + new) * samples, round_id="compare", train=False,
-                      max_tokens=max_tokens, temperature=settings.ppo.temperature, seed=seed * 7919 + 1)
-        finally:
-            gw.stop()
-            store.close()
+    with gateway_on(settings, model_dir) as url:
+        xs = talk(url, tool_round, (held + plain + new) * samples, round_id="compare", train=False,
+                  max_tokens=max_tokens, temperature=settings.ppo.temperature, seed=seed * 7919 + 1)
     unseen_q = {t.question for t in new}
     return [{"question": x.task.question, "needs_tool": x.task.needs_tool, "unseen": x.task.question in unseen_q,
              "correct_call": bool(x.correct_call), "calls": bool(x.calls), "solved": bool(x.solved)} for x in xs]

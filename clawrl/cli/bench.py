@@ -291,3 +291,64 @@ def bench_tools(
     section = format_section(rows, (s.model.name, versus.name), samples=samples,
                              machine=machine_line(device, resolve_dtype(s.model.dtype, device)))
     _write("tools-eval", section, out)
+
+
+@bench_app.command("bfcl")
+def bench_bfcl(
+    versus: Annotated[list[Path], typer.Option(help="A checkpoint (an HF directory, e.g. <run>/checkpoints/v000016) or "
+                                                    "model directory compared with the config's model; repeat it to "
+                                                    "compare several.")],
+    categories: Annotated[str, typer.Option(help="Comma-separated BFCL categories (default: every offline one).")] = "",
+    per_category: Annotated[int, typer.Option(min=0, help="Prompts per category, drawn with --seed; 0: all.")] = 0,
+    seed: Annotated[int, typer.Option(help="Which prompts --per-category draws.")] = 0,
+    root: Annotated[Optional[Path], typer.Option(help="Folder for BFCL's answers and scores (default: a new one under "
+                                                      "the data root); a model already answered there on the same "
+                                                      "prompts is read again, not asked again.")] = None,
+    out: OutOpt = REPORT,
+    config: ConfigOpt = None,
+) -> None:
+    """The config's model and each VERSUS on BFCL's offline categories, generated and scored by BFCL
+    itself in its own environment (`make bfcl`); per category each one's accuracy and whether it is
+    worse than the config's model by the promotion gate's rule."""
+    import datetime as dt
+
+    from rich.progress import Progress
+
+    from clawrl.bench.bfcl import OFFLINE_CATEGORIES, compare, format_section, format_table, pinned, run_bfcl_bench
+    from clawrl.bench.common import machine_line
+    from clawrl.models import resolve_device, resolve_dtype, resolve_model_dir
+    from clawrl.sim.bfcl import BfclMissing, bfcl_python
+
+    s = settings_or_exit(config)
+    try:
+        bfcl_python()
+    except BfclMissing as e:
+        fail(str(e))
+    for v in versus:
+        if not (v / "config.json").is_file():
+            fail(f"--versus {v}: not an HF model directory (no config.json)")
+    chosen = _split(categories) or OFFLINE_CATEGORIES
+    if unknown := [c for c in chosen if c not in OFFLINE_CATEGORIES]:
+        fail(f"--categories: {', '.join(unknown)} not among BFCL's offline categories ({', '.join(OFFLINE_CATEGORIES)})")
+    names = {"base": s.model.name, **{f"versus{i}": _version_name(v) for i, v in enumerate(versus, 1)}}
+    sides = [("base", resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)),
+             *((f"versus{i}", v.resolve()) for i, v in enumerate(versus, 1))]
+    root = root or s.storage.data_root / "bench" / dt.datetime.now().strftime("bfcl-%Y%m%d-%H%M%S")
+    with Progress(console=console) as bar:
+        tasks = {label: bar.add_task(f"BFCL {names[label]}", total=None) for label, _ in sides}
+        got = run_bfcl_bench(s, sides, root, categories=chosen, per_category=per_category, seed=seed,
+                             progress=lambda label, n, total: bar.update(tasks[label], completed=n, total=total))
+    kw = dict(tolerance=s.gate.tolerance, alpha=s.gate.alpha)
+    tables = [format_table(compare(got["verdicts"]["base"], got["verdicts"][label], **kw), (names["base"], names[label]),
+                           {c: (got["errors"]["base"][c], got["errors"][label][c]) for c in got["ids"]})
+              for label, _ in sides[1:]]
+    device, _ = resolve_device(s.model.device)
+    _write("bfcl", format_section(tables, machine=machine_line(device, resolve_dtype(s.model.dtype, device)),
+                                  pins=pinned(), per_category=per_category, seed=seed, **kw), out)
+    console.print(f"BFCL's answers and scores: {root}", markup=False)
+
+
+def _version_name(model_dir: Path) -> str:
+    """How a table names a model directory: ``<run>/v000016`` for a checkpoint of a run, else its name."""
+    d = model_dir.resolve()
+    return f"{d.parent.parent.name}/{d.name}" if d.parent.name == "checkpoints" else d.name

@@ -19,7 +19,7 @@ from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
 from clawrl.sim.tools import PLAIN_SHARE
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-TOOLS_EVALUATOR = "clawrl.sim.validation:tools"
+TOOLS_EVALUATORS = ("clawrl.sim.validation:tools", "clawrl.sim.validation:tools_bfcl")  # tool calls judged
 DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml"}
 
 
@@ -70,6 +70,13 @@ def demo(
             s.gate.size > len(VALIDATION_QUESTIONS):
         raise typer.BadParameter(f"[gate] size = {s.gate.size}: the demo has {len(VALIDATION_QUESTIONS)} validation "
                                  "questions", param_hint="--config")
+    if s.gate.enabled and s.gate.validation_evaluator == TOOLS_EVALUATORS[1]:
+        from clawrl.sim.bfcl import BfclMissing, bfcl_python
+
+        try:
+            bfcl_python()
+        except BfclMissing as e:
+            raise typer.BadParameter(f"[gate] evaluator = {s.gate.evaluator!r}: {e}", param_hint="--config") from None
     root = s.storage.data_root  # absolute: the commands printed work from any directory
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
@@ -119,12 +126,13 @@ def _run_root(base: Settings, conf: Path, run_dir: Path | None) -> Path:
 def _gate_overrides(base: Settings, scenario: str, persona: str, seed: int, max_tokens: int) -> dict:
     """The demos' gates score their own validation prompts with the demo's seed and answer budget: the
     persona demo's as its user would, the tools demo's with ``clawrl.sim.validation:tools`` when the
-    config names it (a persona evaluator cannot judge tool calls: the tools demo is then ungated)."""
+    config names it, or with its BFCL variant ``tools_bfcl`` (a persona evaluator cannot judge tool calls:
+    the tools demo is then ungated)."""
     budget = {"gate.seed": seed, "ppo.max_new_tokens": max_tokens}  # the gate answers within the users' budget
     if not base.gate.enabled or not base.gate.validation_evaluator.startswith("clawrl.sim.validation:"):
         return {}  # an evaluator of the user's own is left as it is
     if scenario == "tools":
-        if base.gate.evaluator != TOOLS_EVALUATOR:
+        if base.gate.evaluator not in TOOLS_EVALUATORS:
             return {"gate.enabled": False, "gate.canary_share": 0.0}
         return budget
     return {"gate.evaluator": f"clawrl.sim.validation:{persona}", **budget}

@@ -5,7 +5,8 @@ offered (``tool_choice: "auto"``). When the reply calls tools, the user's client
 the results back (the tool messages are that turn's next state); the model's answer to them is the
 final answer. The user then reacts to the final answer - thanks when it states the task's answer
 (a plain question: when it is on topic), "that's wrong." otherwise - which is the final answer's
-next state; that last message asks for a single token, since nobody reads its answer.
+next state; that last message asks for a single token, since nobody reads its answer (seeded like the
+others: a rerun logs the same turns).
 
 Evaluation asks held-out tasks the same way as ``side`` turns (served and logged, never trained on)
 and scores, per task: the first reply calls the right tool with arguments whose result is the
@@ -68,7 +69,7 @@ async def ask_task(client, task: ToolTask, *, session_id: str, train: bool, max_
     if train:
         messages += [{"role": "assistant", "content": final}, {"role": "user", "content": reaction}]
         await client.chat.completions.create(model="clawrl-policy", messages=messages, tools=TOOLS, max_tokens=1,
-                                             extra_body={"session_id": session_id, "session_done": True})
+                                             seed=seed, extra_body={"session_id": session_id, "session_done": True})
     shown = " ".join([first.content or ""] + [f"{c.function.name}({c.function.arguments})" for c in calls]).strip()
     return ToolInteraction(session_id, task, shown, len(calls), correct, final, solved, reaction)
 

@@ -45,7 +45,7 @@ async def user_round(client, persona: Persona, questions: list[tuple[str, tuple[
         if not train:
             return Interaction(sid, question, answer, liked, topical, "")
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": reaction}]
-        await client.chat.completions.create(model="clawrl-policy", messages=messages, max_tokens=1,
+        await client.chat.completions.create(model="clawrl-policy", messages=messages, max_tokens=1, seed=seed + i,
                                              extra_body={"session_id": sid, "session_done": True})
         return Interaction(sid, question, answer, liked, topical, reaction)
 

@@ -9,6 +9,13 @@ an answer 1 when it satisfies the persona AND is on topic (the held-out score's 
 in two groups for ``[gate] guard``: ``tools`` (1 when the reply calls a tool whose result is the
 task's answer and no call fails: the held-out ``tool_use`` rule) and ``plain`` (1 when the reply is
 on topic and calls no tool: ``plain_quality``).
+
+``clawrl.sim.validation:tools_bfcl`` is that set and, beside it, ``size // 2`` prompts of BFCL (the
+Berkeley Function Calling Leaderboard, ``clawrl.sim.bfcl``), tools the scenario never offers: half of
+them irrelevance prompts (group ``bfcl_irrelevance``: 1 when the reply calls none of the offered tools),
+half simple_python and multiple (group ``bfcl_ast``: 1 when BFCL's checker takes the call), drawn with
+the seed and scored by BFCL's own checker in its own environment (`make bfcl`). ``[gate] guard =
+["plain", "bfcl_irrelevance"]`` keeps general tool calling from getting worse than the initial model's.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from clawrl.chat import TOOL_CALL_OPEN, tool_calls_in
+from clawrl.sim import bfcl
 from clawrl.sim.personas import get_persona, on_topic
 from clawrl.sim.prompts import validation_questions
 from clawrl.sim.tools import SYSTEM_PROMPT, TOOLS, ToolTask, gate_tasks, run_tool
@@ -70,3 +78,33 @@ def tools(*, size: int, seed: int):
     prompts = [{"messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": t.question}],
                 "tools": TOOLS, "group": "tools" if t.needs_tool else "plain"} for t in every]
     return prompts, lambda i, answer: tool_task_score(every[i], answer)
+
+
+# BFCL categories of the gate's sample, by group: none is ever asked of the demos' users
+BFCL_GROUPS = {"bfcl_irrelevance": ("irrelevance",), "bfcl_ast": ("simple_python", "multiple")}
+
+
+def bfcl_counts(n: int) -> dict[str, int]:
+    """How many of ``n`` BFCL prompts each category gives: half irrelevance, the rest split over the others."""
+    irrelevant = n // 2
+    ast = BFCL_GROUPS["bfcl_ast"]
+    return {"irrelevance": irrelevant, **{c: (n - irrelevant) // len(ast) + (i < (n - irrelevant) % len(ast))
+                                           for i, c in enumerate(ast)}}
+
+
+def tools_bfcl(*, size: int, seed: int):
+    """The tools scenario's gate set (:func:`tools`) and ``size // 2`` BFCL prompts after it (module
+    docstring); BfclMissing when BFCL's environment is not there."""
+    prompts, score_tools = tools(size=size, seed=seed)
+    group_of = {c: g for g, cats in BFCL_GROUPS.items() for c in cats}
+    drawn = bfcl.worker().sample(bfcl_counts(size // 2), seed)
+    offset = len(prompts)
+
+    def score(i: int, answer: str) -> float:
+        if i < offset:
+            return score_tools(i, answer)
+        entry = drawn[i - offset]
+        return float(bfcl.worker().check(entry["id"], bfcl.as_result(answer, entry["tools"])))
+
+    return prompts + [{"messages": e["messages"], "tools": e["tools"], "group": group_of[e["category"]]}
+                      for e in drawn], score

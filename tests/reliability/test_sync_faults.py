@@ -125,7 +125,7 @@ def test_sync_without_any_engine_is_a_skipped_failure_that_says_why():
 
     rep = asyncio.run(sync_checkpoint("3", "/no/such/checkpoint", "0" * 64))
     assert (rep.success, rep.skipped, rep.target, rep.weight_version) == (False, True, None, None)
-    assert rep.message == ("no serving engine to sync (none in this process, engine.kind is not 'http' and no "
+    assert rep.message == ("no serving engine to sync (none in this process, no [engine] url and no "
                            "`clawrl serve` is running on this data root)")
 
 

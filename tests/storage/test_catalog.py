@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import duckdb
@@ -19,6 +20,7 @@ from clawrl.storage.catalog import VIEWS, open_catalog, refresh_views, run_query
 from clawrl.storage.queries import pending_counts, turns_to_judge
 from clawrl.storage.schemas import TABLES
 from clawrl.storage.writer import DataStore
+from tests.storage.conftest import T0, _make_turn
 
 
 @pytest.mark.parametrize("view", sorted(VIEWS))
@@ -155,3 +157,32 @@ def test_a_catalog_connection_is_closed_when_its_block_ends(tmp_path):
         assert con.sql("SELECT count(*) FROM turns").fetchall() == [(0,)]
     with pytest.raises(duckdb.ConnectionException):
         con.sql("SELECT 1")
+
+
+def _turns_completed_in(root, order: list[int]):
+    """Six turns of three sessions (two each, turn index 0 and 1) whose completion times follow ``order``,
+    each with a sample; the tools demo's users complete theirs in whatever order the engine finishes."""
+    from clawrl.storage.queries import trainable_samples
+
+    recs = []
+    for rank, i in enumerate(order):
+        turn = replace(_make_turn(i, session=f"u{i // 2}", created_at=T0 + timedelta(seconds=rank)), turn_index=i % 2,
+                       turn_id=f"{root.name}-{i}")  # turn ids are random per run: never part of the order
+        recs += [turn, SampleRecord(f"{root.name}-s{i}", turn.turn_id, turn.session_id, "h", prompt_ids=[1],
+                                    output_ids=[i], rollout_logprobs=[-0.5], reward=1.0, has_teacher=False,
+                                    teacher_logprobs=None, weight_version="1" if i < 4 else "0", method="grpo")]
+    with DataStore(root, background=False) as store:
+        store.append(recs)
+    with open_catalog(root) as con:
+        rows = trainable_samples(con, "h").to_pylist()
+    return [int(r["turn_id"].rsplit("-", 1)[1]) for r in rows], {int(r["turn_id"].rsplit("-", 1)[1]): r["take_order"]
+                                                                  for r in rows}
+
+
+def test_take_order_depends_on_the_turns_not_on_when_they_completed(tmp_path):
+    by_time_a, take_a = _turns_completed_in(tmp_path / "a", [0, 1, 2, 3, 4, 5])
+    by_time_b, take_b = _turns_completed_in(tmp_path / "b", [5, 2, 0, 4, 3, 1])
+    assert by_time_a == [0, 1, 2, 3, 4, 5] and by_time_b == [5, 2, 0, 4, 3, 1]  # rows stay oldest first
+    assert take_a == take_b  # the same turns: the same order to take them in
+    # version 0 (turns 4, 5) before version 1, whatever their time
+    assert sorted(take_a, key=take_a.get)[:2] in ([4, 5], [5, 4])

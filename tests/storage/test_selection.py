@@ -33,3 +33,13 @@ def test_samples_of_the_serving_champion_are_never_too_stale():
     assert [x["sample_id"] for x in batch] == ["s1", "s2"] and [x["sample_id"] for x in stale] == ["s0"]
     batch, stale = select_batch(samples, current_version=5, batch_size=2, max_staleness=1)  # without it: all stale
     assert batch is None and len(stale) == 3
+
+
+def test_take_order_picks_the_batch_and_the_batch_keeps_the_given_order():
+    # given oldest first by time; take_order (the turns' own order, not their time) picks s3, s0, s2
+    samples = [{**s(i, "1"), "take_order": r} for i, r in enumerate([2, 5, 3, 1, 4])]
+    batch, stale = select_batch(samples, current_version=1, batch_size=3, max_staleness=1)
+    assert [x["sample_id"] for x in batch] == ["s0", "s2", "s3"] and stale == []
+    # samples without a take_order (a [hooks] sample_source's) are taken in their order
+    batch, _ = select_batch([s(i, "1") for i in range(5)], current_version=1, batch_size=3, max_staleness=1)
+    assert [x["sample_id"] for x in batch] == ["s0", "s1", "s2"]
