@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from clawrl.gateway.agents import codex_config
-from tests.utils.gateway_process import REPO, ServerProcess, free_port, serve_env
+from tests.utils.gateway_process import REPO, agent_serve
 
 CODEX = REPO / ".tools/codex/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
 CONTEXT = 32768
@@ -36,17 +36,8 @@ pytestmark = pytest.mark.skipif(not CODEX.is_file(), reason=(
 
 @pytest.fixture
 def clawrl_serve(tmp_path, model_cache):
-    port = free_port()
-    env = serve_env(tmp_path / "data", model_cache, model__name="tiny-long", engine__max_context_len=CONTEXT,
-                    hooks__generate="tests.utils.codex_hook:generate", ppo__max_new_tokens=64,
-                    engine__stall_timeout_s=120)
-    server = ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / "serve.log")
-    server.start()
-    try:
-        server.wait_ready()
+    with agent_serve(tmp_path, model_cache, "tests.utils.codex_hook:generate", CONTEXT) as server:
         yield server
-    finally:
-        server.kill()
 
 
 def run_codex(url: str, tmp_path, *config: str) -> list[dict]:

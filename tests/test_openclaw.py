@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from clawrl.gateway.agents import openclaw_config
-from tests.utils.gateway_process import REPO, ServerProcess, free_port, serve_env
+from tests.utils.gateway_process import REPO, agent_serve
 
 TOOLS = REPO / ".tools"
 OPENCLAW = TOOLS / "openclaw/node_modules/openclaw/openclaw.mjs"
@@ -56,17 +56,8 @@ def openclaw_test_config(base_url: str, workspace: Path, cache_key: bool, api: s
 
 @pytest.fixture
 def clawrl_serve(tmp_path, model_cache):
-    port = free_port()
-    env = serve_env(tmp_path / "data", model_cache, model__name="tiny-long", engine__max_context_len=CONTEXT,
-                    hooks__generate="tests.utils.openclaw_hook:generate", ppo__max_new_tokens=64,
-                    engine__stall_timeout_s=120)
-    server = ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / "serve.log")
-    server.start()
-    try:
-        server.wait_ready()
+    with agent_serve(tmp_path, model_cache, "tests.utils.openclaw_hook:generate", CONTEXT) as server:
         yield server
-    finally:
-        server.kill()
 
 
 @pytest.mark.parametrize(("cache_key", "api"), [(True, "openai-completions"), (False, "openai-completions"),

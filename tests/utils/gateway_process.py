@@ -10,7 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,3 +126,20 @@ def engine_process(tmp_path: Path, env: dict[str, str], *, port: int | None = No
     port = port or free_port()
     return ServerProcess(["engine", "--port", str(port)], port, env, tmp_path / f"{name}.log",
                          ready_path="/health", **kw)
+
+
+@contextmanager
+def agent_serve(tmp_path: Path, model_cache: Path, hook: str, context: int) -> Iterator[ServerProcess]:
+    """`clawrl serve` for a real agent's test: the tiny model with a ``context``-token window, its
+    answers scripted by the generate hook ``hook`` (the agent drives a conversation a random model
+    cannot), a stall timeout long enough for the agent's slowest request."""
+    port = free_port()
+    env = serve_env(tmp_path / "data", model_cache, model__name="tiny-long", engine__max_context_len=context,
+                    hooks__generate=hook, ppo__max_new_tokens=64, engine__stall_timeout_s=120)
+    server = ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / "serve.log")
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
