@@ -24,7 +24,6 @@ from clawrl.engine.schemas import (
     TokenizeBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightVersionBody,
-    WeightUpdateSessionBody,
     split_batch,
 )
 from clawrl.engine.types import (
@@ -75,7 +74,6 @@ class Served:
     tokenizer: Any  # a private copy: an HF fast tokenizer must not be used from two threads at once
     started_at: float = field(default_factory=time.time)
     paused: bool = False
-    update_session_open: bool = False
     running: int = 0  # /generate calls in flight through this server (for /v1/loads)
 
     def stats(self) -> Mapping[str, Any]:
@@ -308,24 +306,6 @@ async def update_weights_from_disk(srv: Srv, body: UpdateWeightsFromDiskBody) ->
     content = {"success": result.success, "message": result.message, "num_paused_requests": 0,
                **({"workers": list(result.workers)} if result.workers else {})}
     return json_response(content, 200 if result.success else 400)
-
-
-@router.post("/begin_weight_update")
-async def begin_weight_update(srv: Srv, body: WeightUpdateSessionBody = WeightUpdateSessionBody()) -> Response:
-    if srv.update_session_open:
-        return json_response({"success": False, "message": "A weight update session is already open; "
-                              "call /end_weight_update first."}, 400)
-    srv.update_session_open = True
-    return json_response({"success": True, "message": "Weight update session opened."})
-
-
-@router.post("/end_weight_update")
-async def end_weight_update(srv: Srv) -> Response:
-    if not srv.update_session_open:
-        return json_response({"success": False, "message": "No weight update session is open; "
-                              "call /begin_weight_update first."}, 400)
-    srv.update_session_open = False
-    return json_response({"success": True, "message": "Weight update session closed."})
 
 
 @relabel_router.post("/update_weight_version")

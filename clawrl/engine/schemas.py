@@ -41,10 +41,6 @@ class UpdateWeightVersionBody(BaseModel):
     abort_all_requests: bool = True  # SGLang's default: relabelling aborts everything in flight
 
 
-class WeightUpdateSessionBody(BaseModel):
-    selector: Literal["all", "target", "draft"] = "all"
-
-
 class AbortRequestBody(BaseModel):
     rid: str = ""
     abort_all: bool = False

@@ -15,8 +15,6 @@ Where we knowingly differ from SGLang:
     with 400 (SGLang interleaves the streams with an ``index`` field).
   * ``/update_weights_from_disk`` ignores ``flush_cache``: the engine flushes its own cache on every
     successful swap. ``load_format``, ``recapture_cuda_graph`` & co. are accepted and ignored.
-  * ``/begin_weight_update`` / ``/end_weight_update`` only keep session bookkeeping (a tensor update
-    path that needs them is not served here).
   * ``/release_memory_occupation`` / ``/resume_memory_occupation`` answer ``null`` and do nothing.
   * ``/v1/loads`` reports only ``num_running_reqs`` / ``num_waiting_reqs`` per load entry (no KV
     token usage or throughput); ``/server_info`` is a subset of SGLang's server args.

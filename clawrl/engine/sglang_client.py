@@ -95,7 +95,6 @@ class SGLangClient:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._session: aiohttp.ClientSession | None = None
-        self._has_update_session: bool | None = None  # False once /begin_weight_update answered 404
         self.max_context_len: int | None = None  # set by learn_context_len
 
     def _http(self) -> aiohttp.ClientSession:
@@ -277,26 +276,6 @@ class SGLangClient:
                                      {"new_version": str(new_version), "abort_all_requests": abort_all_requests},
                                      accept=(400,))
         return _update_result(*answer, new_version)
-
-    async def begin_weight_update(self, selector: str = "all") -> UpdateResult:
-        """Open an update session (SGLang >= 0.5.21). On 404 the server predates sessions: remember
-        it and make this and :meth:`end_weight_update` no-ops from then on."""
-        return await self._update_session("/begin_weight_update", {"selector": selector})
-
-    async def end_weight_update(self) -> UpdateResult:
-        return await self._update_session("/end_weight_update", {})
-
-    async def _update_session(self, path: str, body: dict[str, Any]) -> UpdateResult:
-        skipped = UpdateResult(True, f"skipped {path}: the server predates weight update sessions (SGLang < 0.5.21)")
-        if self._has_update_session is False:
-            return skipped
-        status, content = await self._request("POST", path, body, accept=(400, 404))
-        if status == 404:
-            self._has_update_session = False
-            log.info("engine at %s has no %s: treating it as SGLang < 0.5.21", self.base_url, path)
-            return skipped
-        self._has_update_session = True
-        return _update_result(status, content, None)
 
     async def sync_weights_from_disk(
         self, model_path: str, weight_version: str, pause_mode: PauseMode = "retract"

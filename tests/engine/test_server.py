@@ -360,16 +360,6 @@ def test_client_hanging_up_a_stream_closes_it_in_the_engine():
         assert s.engine.running == 0 and s.engine.tokens_out < 100, s.engine.tokens_out
 
 
-def test_weight_update_session_bookkeeping(http):
-    end_first = http.post("/end_weight_update", json={})
-    assert end_first.status_code == 400 and end_first.json()["success"] is False
-    assert http.post("/begin_weight_update", json={}).json()["success"] is True
-    twice = http.post("/begin_weight_update", json={})
-    assert twice.status_code == 400 and "already open" in twice.json()["message"]
-    end = http.post("/end_weight_update", json={})
-    assert end.json() == {"success": True, "message": "Weight update session closed."}
-
-
 def test_tokenize_and_detokenize(http, tokenizer):
     r = http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert r["tokens"] == tokenizer.encode("Hello world")

@@ -215,17 +215,6 @@ def test_bad_input_raises_bad_request_and_the_server_keeps_serving(server, name,
     assert len(ok.output_ids) == 2 and healthy
 
 
-def test_update_session_calls_follow_sglang_errors(server):
-    async def main():
-        async with SGLangClient(server.url) as client:
-            return [await client.end_weight_update(), await client.begin_weight_update(),
-                    await client.begin_weight_update(), await client.end_weight_update()]
-
-    end_first, begin, begin_again, end = run(main())
-    assert [r.success for r in (end_first, begin, begin_again, end)] == [False, True, False, True]
-    assert "already open" in begin_again.message
-
-
 def test_update_weight_version_relabels_without_aborting(server):
     async def main():
         async with SGLangClient(server.url) as client:
@@ -527,24 +516,6 @@ def test_flush_cache_retries_while_busy():
     first, n_first, second = run(main())
     assert (first, n_first) == (True, 3)  # 400, 400, 200
     assert second is False and len(calls) == 3 + 10 + 3  # 1 try + 2 retries
-
-
-def test_begin_weight_update_404_means_old_sglang_and_is_skipped_afterwards():
-    seen: list[str] = []
-
-    def handler(request: web.Request) -> web.Response:
-        seen.append(request.path)
-        return web.json_response({"detail": "Not Found"}, status=404)
-
-    async def main():
-        async with scripted_server(handler) as url, SGLangClient(url) as client:
-            return [await client.begin_weight_update(), await client.end_weight_update(),
-                    await client.begin_weight_update()]
-
-    results = run(main())
-    assert all(r.success for r in results)
-    assert "SGLang < 0.5.21" in results[0].message
-    assert seen == ["/begin_weight_update"]  # asked once, remembered after
 
 
 def test_sync_resumes_generation_even_when_the_update_call_blows_up():

@@ -157,7 +157,7 @@ def test_gateway_schema_fuzz_has_no_5xx_and_keeps_serving(make_settings, monkeyp
 ENGINE_BUDGET = {
     "POST /generate": 60, "PUT /generate": 5, "POST /tokenize": 15, "POST /v1/tokenize": 3,
     "POST /detokenize": 15, "POST /v1/detokenize": 3, "POST /update_weights_from_disk": 10,
-    "POST /pause_generation": 5, "POST /continue_generation": 5, "POST /begin_weight_update": 5,
+    "POST /pause_generation": 5, "POST /continue_generation": 5,
     "POST /update_weight_version": 5, "POST /abort_request": 5,
 }
 PROBE = {"input_ids": [1, 42, 7, 99], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
@@ -177,9 +177,8 @@ def test_engine_schema_fuzz_has_no_5xx_and_changes_no_weights(tiny_dir):
 
         def restore(label: str) -> None:
             # a paused engine holds every later /generate: resume after each pause case
-            if label in ("POST /pause_generation", "POST /begin_weight_update"):
+            if label == "POST /pause_generation":
                 assert http.post("/continue_generation").status_code == 200
-                http.post("/end_weight_update")
 
         t0 = time.monotonic()
         run = fuzz(schema, srv.url, ENGINE_BUDGET, 1, after_case=restore)
