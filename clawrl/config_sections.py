@@ -15,21 +15,25 @@ class Section(BaseModel):  # allow_inf_nan=False: TOML's inf and nan mean nothin
 
 
 class EngineSettings(Section):
-    url: Url = Field("", description="The serving engine: '' runs clawrl's embedded torch engine in the gateway's "
-                     "process; a URL names an SGLang server, a `clawrl engine`, or SGLang's router in front of "
-                     "several (each weight sync reaches every worker the router lists), over SGLang's native HTTP API.")
+    url: Url = Field("", description="The serving engine ('': the embedded one). A URL names an SGLang server, a "
+                                     "`clawrl engine`, or SGLang's router in front of several (each weight sync "
+                                     "reaches every worker the router lists), over SGLang's native HTTP API; '' runs "
+                                     "clawrl's embedded torch engine in the gateway's process.")
     max_batch_size: int = Field(16, ge=1, description="Sequences decoded together: more throughput, more KV memory.")
-    max_context_len: int = Field(0, ge=0, description="Prompt + output tokens per sequence. 0: the model's own "
-                                 "limit (max_position_embeddings in its config.json; SmolLM2: 8192), which `clawrl "
-                                 "serve` prints at start; above that limit is a config error.")
-    max_total_tokens: int = Field(0, ge=0, description="KV token slots (rows x positions) the embedded engine may "
-                                  "hold; requests wait until they fit. 0: 1/4 of RAM (CPU) or 1/2 of free GPU "
-                                  "memory, at most a full batch. `clawrl serve` prints the bound at start.")
-    stall_timeout_s: float = Field(120.0, gt=0, description="An engine call fails (504 engine_timeout at the "
-                                   "gateway) when the engine sends nothing for this long: to the first token, and "
-                                   "between tokens of a stream, however long a stream that keeps sending runs. A "
-                                   "non-streamed answer comes whole; while it is awaited the engine must answer "
-                                   "its health probe every this often.")
+    max_context_len: int = Field(0, ge=0, description="Prompt + output tokens per sequence (0: the model's own limit). "
+                                                      "That limit is max_position_embeddings in the model's "
+                                                      "config.json (SmolLM2: 8192); `clawrl serve` prints it at start, "
+                                                      "and a value above it is a config error.")
+    max_total_tokens: int = Field(0, ge=0, description="KV token slots the embedded engine may hold (0: 1/4 of RAM or "
+                                                       "1/2 of free GPU memory). Slots are rows x positions, 0 gives "
+                                                       "at most a full batch, and requests wait until they fit; "
+                                                       "`clawrl serve` prints the bound at start.")
+    stall_timeout_s: float = Field(120.0, gt=0, description="Seconds an engine call may go without a token before it "
+                                                            "fails (504 engine_timeout). It counts to the first token "
+                                                            "and between tokens of a stream, however long a stream "
+                                                            "that keeps sending runs; a non-streamed answer comes "
+                                                            "whole, and while it is awaited the engine must answer its "
+                                                            "health probe every this often.")
 
     @property
     def kind(self) -> Literal["embedded", "http"]:
@@ -40,14 +44,14 @@ class EngineSettings(Section):
 class PRMSettings(Section):
     judge_samples: int = Field(3, ge=1, description="Independent judge votes per turn (majority wins).")
     backend: Literal["rule", "engine", "provider"] = Field(
-        "rule", description="'rule': deterministic rule-based judge (tests, CPU demo). 'engine': the policy's "
-        "frozen initial weights (in the judging process, or the `clawrl engine` at engine_url). 'provider': any "
-        "OpenAI-compatible API in [provider] (an external model, or an SGLang server of another judge model at "
-        "its /v1).")
-    engine_url: Url = Field("", description="A `clawrl engine` holding the policy's initial weights, used over HTTP "
-                            "by the 'engine' judge and the 'frozen' OPD teacher instead of loading the model in the "
-                            "judging process ('': load it there), or SGLang's router in front of several. "
-                            "`clawrl up` points its flows at its judge engine(s).")
+        "rule", description="The judge: 'rule', 'engine' or 'provider'. 'rule': a deterministic rule-based judge "
+                            "(tests, CPU demo); 'engine': the policy's frozen initial weights (in the judging process, "
+                            "or the `clawrl engine` at engine_url); 'provider': any OpenAI-compatible API in "
+                            "[provider] (an external model, or an SGLang server of another judge model at its /v1).")
+    engine_url: Url = Field("", description="The judge's `clawrl engine` (or SGLang's router in front of several) with "
+                                            "the initial weights ('': load them in the judging process). The 'engine' "
+                                            "judge and the 'frozen' OPD teacher use it over HTTP; `clawrl up` points "
+                                            "its flows at its judge engine(s).")
     max_new_tokens: int = Field(512, ge=1, description="Judge completion budget (reasoning + boxed score).")
 
 
@@ -70,49 +74,57 @@ class GateSettings(Section):
 
     enabled: bool = Field(True, description="Gate every new checkpoint; false serves each one as soon as it exists.")
     eval_set: Literal["validation", "replay"] = Field(
-        "validation", description="'validation': the fixed prompts and scorer `evaluator` returns, the same for every "
-        "candidate. 'replay': the request messages (and tools) of the `size` newest judged main turns, newest "
-        "session first, judged before the candidate's batch was claimed; each answer is rated from the "
-        "conversation alone (there is no user reaction to it yet) by the [prm] model judge, or by `evaluator`. "
-        "The promotion row names the set and its turn ids.")
-    evaluator: str = Field("", description="eval_set 'validation': import path of fn(size, seed) -> (prompts, "
-                           "score): chat message lists (or dicts of 'messages' with the request's 'tools' and the "
-                           "prompt's 'group'), and score(index, answer) in [0, 1]; '': the demo's validation "
-                           "questions, scored as its 'concise' user would (satisfied AND on topic). eval_set "
-                           "'replay': import path of fn(messages, answer) -> score in [0, 1]; '': the [prm] judge "
-                           "rates the answers (the rule judge cannot: it only reads a user's reaction).")
+        "validation", description="What the gate evaluates on: 'validation' or 'replay'. 'validation': the fixed "
+                                  "prompts and scorer `evaluator` returns, the same for every candidate. 'replay': the "
+                                  "request messages (and tools) of the `size` newest judged main turns, newest session "
+                                  "first, judged before the candidate's batch was claimed; each answer is rated from "
+                                  "the conversation alone (there is no user reaction to it yet) by the [prm] model "
+                                  "judge, or by `evaluator`. The promotion row names the set and its turn ids.")
+    evaluator: str = Field("", description="Import path of the evaluation's prompts and scorer ('': the defaults "
+                                           "below). With eval_set 'validation': fn(size, seed) -> (prompts, score): "
+                                           "chat message lists (or dicts of 'messages' with the request's 'tools' and the "
+                                           "prompt's 'group'), and score(index, answer) in [0, 1]; '': the demo's "
+                                           "validation questions, scored as its 'concise' user would (satisfied AND on "
+                                           "topic). eval_set 'replay': fn(messages, answer) -> score in [0, 1]; '': "
+                                           "the [prm] judge rates the answers (the rule judge cannot: it only reads a "
+                                           "user's reaction).")
     size: int = Field(16, ge=1, description="Evaluation prompts: more resolve smaller differences, at more engine time.")
-    seed: int = Field(0, description="Seed of the evaluation set and of its answers (two a prompt, at the serving "
-                      "temperature; their mean scores the prompt): decisions replay identically.")
-    tolerance: float = Field(0.05, ge=0, le=1, description="The largest drop in mean score a candidate may show "
-                             "and still be promoted, against the champion and against the best promoted score.")
-    alpha: float = Field(0.05, gt=0, lt=1, description="Level of the one-sided paired t-test: a candidate "
-                         "significantly worse than the champion is refused even within the tolerance (the live "
-                         "check uses it too).")
-    min_gain: float | None = Field(None, ge=0, le=1, description="Unset: a candidate not worse beyond the tolerance "
-                                   "is promoted. Set: it must also beat the champion's mean score by more than "
-                                   "this (0: any gain; a tie keeps the champion), so serving changes only for a "
-                                   "measured gain.")
-    guard: list[str] = Field([], description="Groups of the evaluation prompts that must not get worse (an "
-                             "evaluator tags each prompt with a group; e.g. 'plain' in clawrl.sim.validation:tools): "
-                             "on each, a candidate scoring below the initial model's mean is refused, whatever it "
-                             "gained elsewhere.")
-    engine_url: str = Field("", description="A `clawrl engine` of the policy's model that the gate loads each "
-                            "candidate (and champion) into over HTTP: its own engine, never one that serves users. "
-                            "'': the train flow loads an evaluation engine in its own process. `clawrl up` starts "
-                            "one on [server] api_port + 22 and points its flows at it.")
-    canary_share: float = Field(0.0, ge=0, lt=1, description="Share of sessions (picked by a hash of the session, "
-                                "so each stays on its side) served by the newest trained version while the gate "
-                                "keeps a champion for the others: the learner then also trains on its own answers "
-                                "(their mistakes get a reward to unlearn them) while most users get the champion. "
-                                "0: everyone gets the champion.")
-    canary_url: str = Field("", description="canary_share > 0: the `clawrl engine` (or SGLang) the train flow loads "
-                            "each new version into and the gateway sends canary sessions to. '': one in the "
-                            "process (`clawrl demo`), or the one `clawrl up` starts on [server] api_port + 23.")
-    live_rollback: bool = Field(True, description="After each judge run, compare the judged score of live turns "
-                                "the champion served with the previous champion's: a significant drop of more than "
-                                "0.1 (scores -1..1, each version with 32 judged turns or more) serves the previous "
-                                "champion again.")
+    seed: int = Field(0, description="Seed of the evaluation set and of its answers: decisions replay identically. Two "
+                                     "answers a prompt, at the serving temperature; their mean scores the prompt.")
+    tolerance: float = Field(0.05, ge=0, le=1, description="The largest drop in mean score a promoted candidate may "
+                                                           "show. It holds against the champion and against the best "
+                                                           "promoted score.")
+    alpha: float = Field(0.05, gt=0, lt=1, description="Level of the one-sided paired t-test. A candidate "
+                                                       "significantly worse than the champion is refused even within "
+                                                       "the tolerance (the live check uses it too).")
+    min_gain: float | None = Field(None, ge=0, le=1, description="The gain over the champion a candidate needs (unset: "
+                                                                 "not worse is enough). Set, it must beat the "
+                                                                 "champion's mean score by more than this (0: any "
+                                                                 "gain; a tie keeps the champion), so serving changes "
+                                                                 "only for a measured gain.")
+    guard: list[str] = Field([], description="Groups of evaluation prompts that must not fall below the initial model. "
+                                             "An evaluator tags each prompt with a group (e.g. 'plain' in "
+                                             "clawrl.sim.validation:tools); on each, a candidate scoring below the "
+                                             "initial model's mean is refused, whatever it gained elsewhere.")
+    engine_url: str = Field("", description="The `clawrl engine` the gate evaluates candidates in ('': one in the "
+                                            "train flow's process). It is an engine of its own, never one that serves "
+                                            "users, loaded with each candidate (and champion) over HTTP; `clawrl up` "
+                                            "starts one on [server] api_port + 22 and points its flows at it.")
+    canary_share: float = Field(0.0, ge=0, lt=1, description="Share of sessions the newest trained version serves "
+                                                             "while the gate keeps a champion for the rest. A hash of "
+                                                             "the session picks them, so each stays on its side; the "
+                                                             "learner then also trains on its own answers (their "
+                                                             "mistakes get a reward to unlearn them) while most users "
+                                                             "get the champion. 0: everyone gets the champion.")
+    canary_url: str = Field("", description="The canary's engine ('': one in the process, or the one `clawrl up` "
+                                            "starts on [server] api_port + 23). With canary_share > 0 the train flow "
+                                            "loads each new version into it and the gateway sends canary sessions to "
+                                            "it.")
+    live_rollback: bool = Field(True, description="Serve the previous champion again after a live drop. After each "
+                                                  "judge run the judged score of live turns the champion served is "
+                                                  "compared with the previous champion's: a significant drop of more "
+                                                  "than 0.1 (scores -1..1, each version with 32 judged turns or more) "
+                                                  "rolls back.")
 
     @property
     def canary(self) -> bool:

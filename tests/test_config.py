@@ -144,12 +144,29 @@ def test_api_keys_from_named_env(monkeypatch):
         read_api_keys("MY_KEYS")
 
 
-def test_conf_default_toml_is_config_show_defaults():
-    result = CliRunner().invoke(app, ["config", "show", "--defaults"])
+def test_conf_default_toml_is_config_show_defaults_full():
+    result = CliRunner().invoke(app, ["config", "show", "--defaults", "--full"])
     assert result.exit_code == 0, result.output
-    assert result.stdout == dump_defaults() == (REPO / "conf" / "default.toml").read_text()
+    assert result.stdout == dump_defaults(full=True) == (REPO / "conf" / "default.toml").read_text()
     assert "# Trainable samples that trigger one PPO step.\nrollout_batch_size = 32\n" in result.stdout
     assert 'data_root = "~/.clawrl"' in result.stdout  # as written, not this machine's home directory
+
+
+def test_config_show_defaults_is_a_line_a_key_on_two_screens():
+    result = CliRunner().invoke(app, ["config", "show", "--defaults"])
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 0 and len(lines) <= 100 and max(map(len, lines)) <= 100
+    assert "rollout_batch_size = 32  # Trainable samples that trigger one PPO step." in lines
+    assert "max_context_len = 0  # Prompt + output tokens per sequence (0: the model's own limit)." in lines
+    assert 'base_url = ""  # External OpenAI-compatible API, e.g. https://host/v1.' in lines  # "e.g." ends nothing
+    assert "# min_gain is unset  # The gain over the champion a candidate needs (unset: not worse is enough)." in lines
+    keys = [ln for ln in lines if ln[:1].isalpha() and " = " in ln or " is unset  # " in ln]
+    assert len(keys) == 60  # every setting, each on its own line
+
+
+def test_config_show_defaults_loads_to_the_code_defaults(tmp_path):
+    (tmp_path / "brief.toml").write_text(dump_defaults())
+    assert load_settings(tmp_path / "brief.toml", env={}) == load_settings(env={})
 
 
 def test_conf_default_toml_loads_to_the_code_defaults():

@@ -170,8 +170,10 @@ def chatter_to_log(path: Path) -> Iterator[Path]:
 @config_app.command("show")
 def config_show(
     config: ConfigOpt = None,
-    defaults: Annotated[bool, typer.Option("--defaults", help="The defaults, each key under its description "
-                                                              "(conf/default.toml is this output).")] = False,
+    defaults: Annotated[bool, typer.Option("--defaults", help="The defaults, each key with the first sentence "
+                                                              "of its description.")] = False,
+    full: Annotated[bool, typer.Option("--full", help="With --defaults: each key under its whole description "
+                                                      "(conf/default.toml is this output).")] = False,
 ) -> None:
     """Print the effective configuration (defaults + --config + CLAWRL__SECTION__KEY env)."""
-    typer.echo(dump_defaults() if defaults else dump_toml(settings_or_exit(config)), nl=False)
+    typer.echo(dump_defaults(full) if defaults else dump_toml(settings_or_exit(config)), nl=False)
