@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import pytest
 from clawrl.config import PORT_OFFSETS
 from clawrl.serving import free_api_port, free_ports
 from tests.utils.demo_config import tiny_demo_config
+from tests.utils.up_process import stop
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
@@ -114,11 +114,7 @@ def demo_ui(demo_run, tmp_path_factory):
                 time.sleep(1.0)
             yield run, prefect_url, mlflow_url
         finally:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(90)
-            except subprocess.TimeoutExpired:
-                up.kill()
+            stop(up)
 
 
 def test_the_demo_keeps_one_data_root_and_prints_commands_that_work_from_anywhere(demo_run, tmp_path):

@@ -4,13 +4,12 @@ lost, no batch is consumed twice, and training resumes from the last checkpoint.
 import json
 import os
 import signal
-import subprocess
 
 import httpx
 import pytest
 
 from clawrl.storage.catalog import run_query
-from tests.utils.up_process import Traffic
+from tests.utils.up_process import Traffic, stop
 from tests.utils.up_process import ports as _ports
 from tests.utils.up_process import up as _up
 from tests.utils.up_process import wait_for as _wait_for
@@ -67,11 +66,7 @@ size = 4
                       or pair["served"] == pair["champion"], 120, "the champion served", up, log)
             served, champion = pair["served"], pair["champion"]
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(90)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        stop(up)
     acked = before.acked + after.acked
     assert len(before.acked) >= 2 and len(after.acked) >= 2
     rows = run_query(data, "select session_id, turn_index, count(*) as n from turns group by all").to_pylist()

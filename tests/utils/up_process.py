@@ -1,6 +1,7 @@
 """`clawrl up` as a subprocess for end-to-end tests: free ports, the command, waiting, simulated users."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +30,15 @@ def up(conf: Path, ports, log: Path, *extra: str) -> subprocess.Popen:
         [sys.executable, "-m", "clawrl.cli", "up", "-c", str(conf), "--prefect-port", str(pf), "--mlflow-port",
          str(ml), "--trainer-port", str(tr), "--judge-every", "8", "--train-every", "15", *extra],
         cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops `clawrl up`; SIGKILL if it has not stopped within 90 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def wait_for(pred, timeout_s, what, proc=None, log=None):
