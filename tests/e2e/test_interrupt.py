@@ -16,6 +16,7 @@ import time
 
 import httpx
 
+from tests.utils.demo_config import tiny_demo_config
 from tests.utils.gateway_process import REPO
 
 
@@ -45,7 +46,9 @@ def _wait_for(log, pattern: str, proc: subprocess.Popen, timeout_s: float) -> re
 
 def test_ctrl_c_stops_the_demo_and_its_prefect_server(tmp_path, model_cache):
     run = tmp_path / "run"
-    proc, log = _clawrl(["demo", "--model", "tiny", "--steps", "16", "--run-dir", str(run)], tmp_path, model_cache)
+    conf = tiny_demo_config(tmp_path, model_cache)  # small steps: the Ctrl-C comes in the second
+    proc, log = _clawrl(["demo", "-c", str(conf), "--steps", "16", "--users", "4", "--heldout", "4", "--eval-samples",
+                         "1", "--max-tokens", "8", "--run-dir", str(run)], tmp_path, model_cache)
     try:
         ui = _wait_for(log, r"Prefect UI of this run while it runs: (http://127\.0\.0\.1:\d+)", proc, 240).group(1)
         _wait_for(log, r"step  1: score", proc, 240)  # a step done, the next one under way
