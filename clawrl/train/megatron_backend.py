@@ -16,19 +16,11 @@ Precision is the torch backend's (see :mod:`clawrl.train.base`), so the two agre
 a world of ``tp_size x dp`` ranks holds ``dp`` replicas; each backpropagates its block of the batch's
 rows (losses normalised by the whole batch's counts) and the gradients are summed over replicas, so a
 step equals the one at world size 1 up to the order of float sums.
-
-Multi-GPU, PPO steps on a synthetic batch (the entry point at the bottom of this file)::
-
-    torchrun --nproc-per-node 4 -m clawrl.train.megatron_backend --model DIR --tp 4 --dtype bfloat16
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import math
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,10 +31,9 @@ from torch import Tensor
 
 from clawrl.checkpoint import trainer_weights
 from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss
-from clawrl.train.batch import TokenBatch, synthetic_batch
+from clawrl.train.batch import TokenBatch
 from clawrl.train.convert import hf_to_megatron, is_tp_sharded, megatron_config_from_hf, megatron_to_hf
 from clawrl.train.megatron_model import (
-    ATTENTION_KINDS,
     build_gpt_model,
     compute_vocab_parallel_logprobs,
     load_hf_state_dict,
@@ -224,66 +215,3 @@ class MegatronBackend(TrainBackend):
     def _barrier(self) -> None:
         if self.runtime.world_size > 1:
             dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)
-
-
-# standalone multi-GPU step: torchrun --nproc-per-node N -m clawrl.train.megatron_backend ...
-def with_own_rollout_logprobs(backend, batch: TokenBatch) -> TokenBatch:
-    """``batch`` as if the trainer's current weights had sampled it (on-policy): rollout log-probs
-    are the backend's own, so TIS weights are 1 and the gradients have a realistic size (random
-    rollout log-probs make every TIS weight ~e^-8 and the gradients vanish). Collective under TP."""
-    own = backend.compute_logprobs(batch).cpu() * batch.response_mask
-    return dataclasses.replace(batch, rollout_logprobs=own)
-
-
-def synthetic_hyperparams(*, lr: float, micro_batch_size: int, ppo_epochs: int = 1, kl_coef: float = 0.0,
-                          entropy_coef: float = 0.0) -> PPOHyperParams:
-    """The hyper-parameters of the standalone step: GRPO, the default ``[ppo]`` clip and TIS settings."""
-    from clawrl.config import PPOSettings
-
-    hp = PPOHyperParams.from_settings(PPOSettings(advantage_estimator="grpo", lr=lr, micro_batch_size=micro_batch_size,
-                                                  kl_coef=kl_coef), seed=0)
-    return dataclasses.replace(hp, ppo_epochs=ppo_epochs, entropy_coef=entropy_coef)
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Run PPO steps of the Megatron backend on a synthetic batch "
-                                             "(launch with torchrun, one process per tensor-parallel rank).")
-    ap.add_argument("--model", required=True, help="local HF model directory (config.json + safetensors)")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--attention", default="sdpa", choices=ATTENTION_KINDS)
-    for flag, default in (("--steps", 1), ("--batch-size", 8), ("--prompt-len", 256), ("--output-len", 256),
-                          ("--micro-batch-size", 4), ("--lr", 1e-6), ("--ppo-epochs", 1), ("--kl-coef", 0.0),
-                          ("--entropy-coef", 0.0)):
-        ap.add_argument(flag, type=type(default), default=default)
-    ap.add_argument("--save", type=Path, default=None, help="write an HF checkpoint here after the steps")
-    a = ap.parse_args(argv)
-
-    if dist.is_torchelastic_launched() and not dist.is_initialized():
-        # torchrun exports RANK/WORLD_SIZE/MASTER_ADDR; torch's env:// rendezvous reads them.
-        # Without torchrun, MegatronBackend starts a world of one process itself.
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    hp = synthetic_hyperparams(lr=a.lr, micro_batch_size=a.micro_batch_size, ppo_epochs=a.ppo_epochs,
-                               kl_coef=a.kl_coef, entropy_coef=a.entropy_coef)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = MegatronBackend(a.model, hp, dtype=a.dtype, device=device, tp_size=a.tp, attention=a.attention,
-                              deterministic=False)
-    batch = synthetic_batch(backend.args.vocab_size, batch_size=a.batch_size, prompt_len=a.prompt_len,
-                            output_len=a.output_len)
-    batch = with_own_rollout_logprobs(backend, batch)
-    for step in range(a.steps):
-        t0 = time.perf_counter()
-        metrics = backend.train_step(batch)
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize()
-        metrics["step_s"] = time.perf_counter() - t0
-        if backend.runtime.rank == 0:
-            print(json.dumps({"step": step, "tp": a.tp, **metrics}), flush=True)
-    if a.save is not None:
-        backend.save_checkpoint(a.save)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

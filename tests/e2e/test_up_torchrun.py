@@ -9,7 +9,7 @@ process that knows only that address runs the judge and train runs.
 
 Tensor parallel under torchrun is held to one process by tests/train/test_trainer_distributed.py (the
 trainer service `clawrl up` starts, TP2 and DP2 against world size 1, and the torchrun command `clawrl up`
-builds for each layout) and by tests/train/test_megatron_backend.py."""
+builds for each layout)."""
 
 import json
 import os

@@ -1,15 +1,11 @@
 """The Megatron backend against the torch backend (same batch, same seed: same loss, same updated
-weights), tensor parallel 2 against 1 (two gloo processes under torchrun), the CPU shims, the
-SDPA core attention, vocab-parallel log-probs by hand, and checkpoints that transformers loads."""
+weights), the CPU shims, the SDPA core attention, vocab-parallel log-probs by hand, and checkpoints
+that transformers loads. Tensor and data parallel 2 against one process: tests/train/test_trainer_distributed.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,9 +18,6 @@ from clawrl.train.batch import collate_samples
 # megatron-core 0.16.1 warns about Transformer Engine/Apex being absent and deprecated arguments
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron", "ignore::UserWarning:megatron",
                                         "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def _hp(**overrides) -> PPOHyperParams:
     ppo = PPOSettings(advantage_estimator="combine", lr=1e-3, micro_batch_size=2, kl_coef=0.1, w_opd=0.5)
@@ -268,45 +261,3 @@ def test_cpu_shims_are_idempotent_and_fork_the_cpu_generator():
     assert torch.cuda.current_device() == torch.device("cpu")  # shim B
     assert fused_softmax.get_default_causal_mask(3).tolist() == [  # shim C, True = masked
         [False, True, True], [False, False, True], [False, False, False]]
-
-
-# --------------------------------------------------------------------------------------------
-# tensor parallel 2 == tensor parallel 1
-
-
-@pytest.mark.slow
-def test_tensor_parallel_2_matches_1_on_cpu(megatron_tp1, tiny_qwen3_dir, tmp_path):
-    """Two gloo processes under torchrun run the documented multi-GPU entry point on CPU.
-
-    tiny-qwen3 exercises every sharding (grouped qkv, gate/up halves, row-parallel proj/fc2,
-    untied vocab-parallel embedding and output) and the q/k-norm gradients that must be summed
-    over ranks."""
-    from safetensors.torch import load_file
-
-    from clawrl.train.batch import synthetic_batch
-    from clawrl.train.megatron_backend import MegatronBackend, synthetic_hyperparams, with_own_rollout_logprobs
-
-    cli = ["--model", str(tiny_qwen3_dir), "--dtype", "float32", "--attention", "local", "--steps", "1",
-           "--batch-size", "4", "--prompt-len", "5", "--output-len", "7", "--micro-batch-size", "2",
-           "--lr", "1e-3", "--ppo-epochs", "2", "--kl-coef", "0.1", "--entropy-coef", "0.01"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "clawrl.train.megatron_backend", "--tp", "2", "--save", str(tmp_path / "tp2"), *cli],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tp2 = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-
-    hp = synthetic_hyperparams(lr=1e-3, micro_batch_size=2, ppo_epochs=2, kl_coef=0.1, entropy_coef=0.01)
-    mb = MegatronBackend(tiny_qwen3_dir, hp)
-    batch = synthetic_batch(mb.args.vocab_size, batch_size=4, prompt_len=5, output_len=7)  # the entry point's
-    tp1 = mb.train_step(with_own_rollout_logprobs(mb, batch))  # what the entry point trains on
-    assert tp2["tp"] == 2
-    assert tp1["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy: old == rollout
-    for key in ("loss", "kl", "entropy"):
-        assert abs(tp1[key] - tp2[key]) < 1e-5, (key, tp1[key], tp2[key])
-    assert tp1["grad_norm"] == pytest.approx(tp2["grad_norm"], rel=1e-4)
-    assert tp1["grad_norm"] > 1.0  # clipped (grad_clip 1.0), so the TP-aware norm decides the step
-    tp2_weights, tp1_weights = load_file(str(tmp_path / "tp2" / "model.safetensors")), mb.hf_state_dict()
-    assert "lm_head.weight" in tp2_weights  # untied: gathered from both vocab shards
-    _assert_same_updated_weights(tp2_weights, tp1_weights)

@@ -1,7 +1,11 @@
 """The trainer service under torchrun, as `clawrl up` starts it when [model] tensor_parallel x data_parallel
 > 1: two gloo processes on CPU, rank 0 serving the trainer API and the other rank following its steps.
-One step on the same claimed batch at world size 1, TP2 and DP2 writes the same checkpoint (float32: every
-weight within lr / 20 and at most 1 element in 100,000 more than 1e-6 apart, as for TP2 vs TP1), and asking again for the same batch trains nothing (exactly once)."""
+One step on the same claimed batch at world size 1, TP2 and DP2 gives the same loss, KL, entropy and
+pre-clip gradient norm and writes the same checkpoint (float32: every weight within lr / 20 and at most 1
+element in 100,000 more than 1e-6 apart, as for Megatron vs torch), and asking again for the same batch
+trains nothing (exactly once). tiny-qwen3 exercises every sharding (grouped qkv, gate/up halves,
+row-parallel proj/fc2, untied vocab-parallel embedding and output) and the q/k-norm gradients that must be
+summed over ranks."""
 
 from __future__ import annotations
 
@@ -102,12 +106,14 @@ def test_tp2_and_dp2_trainers_step_like_one_process(make_settings, tmp_path):
         ckpt = root / "checkpoints" / "v000001"
         assert sorted(p.name for p in ckpt.glob("*.pt")) == ["optimizer.pt"]  # one file, written by rank 0
         weights[name], metrics[name] = load_file(str(ckpt / "model.safetensors")), step["metrics"]
+    assert metrics["world1"]["grad_norm"] > 1.0  # clipped ([ppo] gradients are clipped at norm 1), so the TP-aware norm decides the step
+    assert metrics["world1"]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step starts at the reference
+    assert "lm_head.weight" in weights["tp2"]  # untied: gathered from both vocab shards
     for name in ("tp2", "dp2"):
-        for key in ("loss", "kl", "entropy", "pg_loss"):
-            if key in metrics["world1"]:
-                assert metrics[name][key] == pytest.approx(metrics["world1"][key], abs=1e-5), (name, key)
+        for key in ("loss", "policy_loss", "kl", "entropy", "tis_weight_mean"):
+            assert metrics[name][key] == pytest.approx(metrics["world1"][key], abs=1e-5), (name, key)
         assert metrics[name]["grad_norm"] == pytest.approx(metrics["world1"]["grad_norm"], rel=1e-4)
-        # the tolerance of TP2 vs TP1 in tests/train/test_megatron_backend.py: float32 rounding through AdamW
+        # the tolerance of Megatron vs torch in tests/train/test_megatron_backend.py: float32 rounding through AdamW
         _assert_same_updated_weights(weights[name], weights["world1"])
     from clawrl.models import resolve_model_dir
 
