@@ -2,7 +2,7 @@
 
     GRPO     A_t = R                                          (judge score, broadcast)
     OPD      A_t = clip(G_t)                                  (per token)
-    COMBINE  A_t = w_rl * R + w_opd * clip(G_t)
+    COMBINE  A_t = R + w_opd * clip(G_t)                      (``[ppo] w_opd`` sets the balance)
 
 with the per-token OPD gap G_t, for a sample with a teacher (0 for one without):
 
@@ -23,11 +23,10 @@ Shapes: B samples, T = L-1 next-token positions; per-token tensors are (B, T) al
 ``input_ids[:, 1:]`` and zero outside ``mask`` (the response tokens).
 
 Where we depart from textbook GRPO / the reference (OpenClaw-RL):
-  1. No std division by default. Rewards are -1/0/+1 and a group is often 1-3 samples: dividing
-     by the group std turns a 7:1 split into a -2.6 advantage for the odd one out, is undefined
-     for a uniform group, and weights prompts by how (un)certain the policy is (the
-     "question-level difficulty bias" of Dr. GRPO, Liu et al. 2025, arXiv:2503.20783).
-     ``std_normalize=True`` restores it.
+  1. No std division. Rewards are -1/0/+1 and a group is often 1-3 samples: dividing by the
+     group std turns a 7:1 split into a -2.6 advantage for the odd one out, is undefined for a
+     uniform group, and weights prompts by how (un)certain the policy is (the "question-level
+     difficulty bias" of Dr. GRPO, Liu et al. 2025, arXiv:2503.20783).
   2. Group-mean subtraction is optional (off by default): live traffic rarely repeats a prompt,
      and a sample alone in its group would get A = 0. Groups are identical prompt ids.
   3. The OPD term is masked to zero for samples without a teacher. The reference fills their
@@ -47,21 +46,12 @@ from torch import Tensor
 from clawrl.records import Method
 
 
-def normalize_group_rewards(reward: Tensor, group_ids: Tensor, *, std_normalize: bool = False,
-                            eps: float = 1e-6) -> Tensor:
-    """R_i - mean_{j in g(i)} R_j  (optionally / (std_{j in g(i)} R_j + eps)).
-
-    reward: (B,) float; group_ids: (B,) long. Returns (B,). The std is the population std (a
-    group of one has std 0, so its advantage is 0 either way)."""
+def normalize_group_rewards(reward: Tensor, group_ids: Tensor) -> Tensor:
+    """R_i - mean_{j in g(i)} R_j. reward: (B,) float; group_ids: (B,) long. Returns (B,)."""
     # one-hot sums instead of index_add_/scatter: B is small, and this is deterministic on every device
     onehot = (group_ids[:, None] == torch.unique(group_ids)[None, :]).to(reward.dtype)  # (B, G)
-    count = onehot.sum(0)  # (G,)
-    mean = (onehot * reward[:, None]).sum(0) / count  # mean_g  (G,)
-    centered = reward - onehot @ mean  # R_i - mean_g(i)  (B,)
-    if not std_normalize:
-        return centered
-    std = ((onehot * centered[:, None] ** 2).sum(0) / count).sqrt()  # population std_g  (G,)
-    return centered / (onehot @ std + eps)  # (R_i - mean_g) / (std_g + eps)  (B,)
+    mean = (onehot * reward[:, None]).sum(0) / onehot.sum(0)  # mean_g  (G,)
+    return reward - onehot @ mean  # R_i - mean_g(i)  (B,)
 
 
 def compute_grpo_advantages(reward: Tensor, mask: Tensor) -> Tensor:
@@ -101,13 +91,13 @@ def compute_opd_advantages(teacher_logprobs: Tensor, old_logprobs: Tensor, mask:
 
 
 def compute_combine_advantages(reward: Tensor, teacher_logprobs: Tensor, old_logprobs: Tensor,
-                               mask: Tensor, has_teacher: Tensor, w_rl: float, w_opd: float, *,
+                               mask: Tensor, has_teacher: Tensor, w_opd: float, *,
                                topk: tuple | None = None, opd_clip: float = 0.0) -> Tensor:
-    """A_t = w_rl*R + w_opd*clip(G_t), the OPD term only where has_teacher.
+    """A_t = R + w_opd*clip(G_t), the OPD term only where has_teacher.
 
     reward, has_teacher: (B,); *_logprobs, mask: (B, T). Returns (B, T)."""
     opd = _opd_gap(teacher_logprobs, old_logprobs, has_teacher, topk, opd_clip)  # (B, T)
-    return (w_rl * reward[:, None] + w_opd * opd) * mask  # w_rl*R + w_opd*clip(G_t)  (B, T)
+    return (reward[:, None] + w_opd * opd) * mask  # R + w_opd*clip(G_t)  (B, T)
 
 
 _ESTIMATORS: dict[Method, Callable[..., Tensor]] = {
@@ -121,7 +111,7 @@ _ESTIMATORS: dict[Method, Callable[..., Tensor]] = {
 
 def compute_advantages(method: Method | str, *, reward: Tensor, teacher_logprobs: Tensor,
                        old_logprobs: Tensor, mask: Tensor, has_teacher: Tensor,
-                       w_rl: float = 1.0, w_opd: float = 1.0, topk: tuple | None = None,
+                       w_opd: float = 1.0, topk: tuple | None = None,
                        opd_clip: float = 0.0) -> Tensor:
     """Dispatch to the estimator of ``method``; unknown names raise listing the valid ones.
 
@@ -135,4 +125,4 @@ def compute_advantages(method: Method | str, *, reward: Tensor, teacher_logprobs
         valid = ", ".join(m.value for m in _ESTIMATORS)
         raise ValueError(f"unknown advantage method {method!r}; valid: {valid}") from None
     return estimator(reward=reward, teacher_logprobs=teacher_logprobs, old_logprobs=old_logprobs,
-                     mask=mask, has_teacher=has_teacher, w_rl=w_rl, w_opd=w_opd, topk=topk, opd_clip=opd_clip)
+                     mask=mask, has_teacher=has_teacher, w_opd=w_opd, topk=topk, opd_clip=opd_clip)

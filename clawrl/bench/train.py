@@ -28,7 +28,7 @@ import torch
 from clawrl.bench.common import bench_dtype, interleaved_times, machine_line, markdown_table
 from clawrl.bench.mfu import PEAK_TFLOPS, compute_flops_per_sequence
 from clawrl.config import PPOSettings
-from clawrl.train.base import PPOHyperParams, TrainBackend
+from clawrl.train.base import ADAM_BETAS, GRAD_CLIP, WEIGHT_DECAY, PPOHyperParams, TrainBackend
 from clawrl.train.batch import TokenBatch, synthetic_batch
 
 BENCH_HP = PPOHyperParams.from_settings(PPOSettings(), seed=0)  # the default config (combine, KL on)
@@ -41,7 +41,7 @@ def _plain_step(model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) ->
 
     model = load_causal_lm(model_dir, "float32", device)
     params, compute_dtype = list(model.parameters()), torch_dtype(dtype)
-    optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=(hp.adam_beta1, hp.adam_beta2), weight_decay=hp.weight_decay,
+    optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY,
                                   fused=torch.device(device).type == "cuda")
 
     def step(batch: TokenBatch) -> None:
@@ -50,7 +50,7 @@ def _plain_step(model_dir: Path, hp: PPOHyperParams, device: str, dtype: str) ->
         with torch.autocast(torch.device(device).type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
             loss = model(input_ids=batch.input_ids, labels=labels, use_cache=False).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, hp.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

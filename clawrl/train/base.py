@@ -6,11 +6,12 @@ rate, the optimizer state and checkpoint writing live here, in :class:`TrainBack
 and Megatron backends cannot drift apart. A backend supplies the forward (:meth:`_logprobs`), the
 gradient clipping, its weights under HF names and the conversion of AdamW moments.
 
-Old log-probs cost no extra forward: an "epoch" is one optimizer step over the whole batch
-(gradient accumulation over micro-batches), so every micro-batch of epoch 0 runs at exactly the
-weights the batch started from, and its detached log-probs *are* the old log-probs. Later epochs
-reuse them. Only the KL reference needs a forward of its own (``compute_logprobs(reference=True)``).
-This needs a deterministic forward: the models run in eval mode (dropout off) while they train.
+Old log-probs cost no extra forward: a step is one optimizer step over the whole batch (gradient
+accumulation over micro-batches), so every micro-batch runs at exactly the weights the batch started
+from, and its detached log-probs *are* the old log-probs (the ratio is 1; the gap to the engine that
+sampled the batch is weighted by truncated importance sampling). Only the KL reference needs a forward
+of its own (``compute_logprobs(reference=True)``). This needs a deterministic forward: the models run
+in eval mode (dropout off) while they train.
 
 Precision: weights, gradients and AdamW state are float32; ``dtype="bfloat16"``/``"float16"`` runs
 the forward under autocast. Pure bf16 weights would drop updates smaller than ~1/256 of a weight,
@@ -23,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
@@ -48,78 +48,49 @@ if TYPE_CHECKING:
 _NOT_COPIED = {"config.json", ".complete", TRAINER_FILE, OPTIMIZER_FILE, MASTER_FILE}
 
 
-# The PPO values no user of this system changes, so not settings: the clip range 0.2 below and, clip-higher
-# (DAPO), 0.28 above; AdamW's betas with no weight decay; gradients clipped at norm 1; one optimizer pass a
-# batch (the ratio moves only through staleness); the k3 KL estimator; the token mean; no entropy bonus, no
-# dual clip; truncated importance sampling against the engine's log-probs capped at 2; no warm-up; the judge
-# reward's weight 1 in combine ([ppo] w_opd sets the balance).
-FIXED = {"clip_range": 0.2, "clip_range_high": 0.28, "adam_beta1": 0.9, "adam_beta2": 0.98, "weight_decay": 0.0,
-         "grad_clip": 1.0, "ppo_epochs": 1, "kl_type": "k3", "loss_agg": "token-mean", "entropy_coef": 0.0,
-         "dual_clip": 0.0, "tis_cap": 2.0, "lr_warmup_steps": 0, "w_rl": 1.0}
+# Values no user of this system changes (settings once): AdamW with betas 0.9 / 0.98 and no weight decay,
+# gradients clipped at global norm 1. The PPO loss's own are in clawrl.algo.losses.
+ADAM_BETAS, WEIGHT_DECAY, GRAD_CLIP = (0.9, 0.98), 0.0, 1.0
 
 
 @dataclass(frozen=True)
 class PPOHyperParams:
-    """The values a backend reads - the ``[ppo]`` settings under their names, ``FIXED`` for the rest - and
-    ``[model] seed``: plain values copied at the entry point, so backends never see Settings."""
+    """The values a backend reads - the ``[ppo]`` settings under their names - and ``[model] seed``: plain
+    values copied at the entry point, so backends never see Settings."""
 
     advantage_estimator: Method
     lr: float
-    lr_schedule: str  # constant | linear | cosine (see lr_at)
-    lr_warmup_steps: int
-    lr_decay_steps: int
+    lr_decay_steps: int  # 0: constant lr; else a cosine from lr to lr_min (see lr_at)
     lr_min: float
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    grad_clip: float  # global grad-norm clip; 0 = off
     micro_batch_size: int  # sequences per forward/backward
-    ppo_epochs: int  # optimizer steps per batch
-    clip_range: float  # epsilon_low: ratio clipped below at 1 - clip_range
-    clip_range_high: float  # epsilon_high: ratio clipped above at 1 + clip_range_high
-    dual_clip: float
     kl_coef: float
-    kl_type: str
-    entropy_coef: float
-    loss_agg: str
-    tis_cap: float
-    w_rl: float
     w_opd: float
     group_norm: bool
     group_by: str  # baseline group when group_norm: prompt | batch
     seed: int
-    opd_clip: float = 0.0  # [opd] advantage_clip resolved: the per-token OPD advantage clip, 0 = off
+    opd_clip: float = 0.0  # the per-token OPD advantage clip, 0 = off
 
     @classmethod
     def from_settings(cls, ppo: PPOSettings, seed: int, opd: OPDSettings | None = None) -> PPOHyperParams:
-        """The ``[ppo]`` settings, ``FIXED`` for the rest; ``opd``: top-k OPD clips its per-token term to
-        [-1, 1] (an average over k tokens can be large where the teacher and policy disagree)."""
-        derived = {"lr_schedule": "cosine" if ppo.lr_decay_steps else "constant", "group_norm": ppo.group_by != "none",
-                   "group_by": "prompt" if ppo.group_by == "none" else ppo.group_by,
+        """The ``[ppo]`` settings; ``opd``: top-k OPD clips its per-token term to [-1, 1] (an average over
+        k tokens can be large where the teacher and policy disagree)."""
+        derived = {"group_norm": ppo.group_by != "none", "group_by": "prompt" if ppo.group_by == "none" else ppo.group_by,
                    "opd_clip": 1.0 if opd is not None and opd.top_k > 0 else 0.0, "seed": seed}
-        return cls(**FIXED, **derived, **{f.name: getattr(ppo, f.name) for f in fields(cls)
-                                          if f.name not in FIXED and f.name not in derived})
+        return cls(**derived, **{f.name: getattr(ppo, f.name) for f in fields(cls) if f.name not in derived})
 
 
 def lr_at(hp: PPOHyperParams, step: int) -> float:
     """The learning rate of training step ``step`` (0 = the first step from the base weights; the
     step that makes weight version v+1 is step v, so a resumed or replayed run gets the same lr).
 
-    Warm-up: lr * (step + 1) / (warmup + 1) for step < warmup. Then, over ``lr_decay_steps`` steps,
-    linear or cosine from lr to lr_min (decay step k of D: linear lr - (lr - lr_min) k / D, cosine
+    ``lr``, or with ``lr_decay_steps`` D > 0 a cosine from lr to lr_min (step k < D:
     lr_min + (lr - lr_min)(1 + cos(pi k / D)) / 2), and lr_min from then on."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    if step < hp.lr_warmup_steps:
-        return hp.lr * (step + 1) / (hp.lr_warmup_steps + 1)
-    if hp.lr_schedule == "constant":
+    if not hp.lr_decay_steps:
         return hp.lr
-    frac = min(step - hp.lr_warmup_steps, hp.lr_decay_steps) / hp.lr_decay_steps
-    if hp.lr_schedule == "linear":
-        return hp.lr - (hp.lr - hp.lr_min) * frac
-    if hp.lr_schedule == "cosine":
-        return hp.lr_min + (hp.lr - hp.lr_min) * (1 + math.cos(math.pi * frac)) / 2
-    raise ValueError(f"unknown lr_schedule {hp.lr_schedule!r}")
+    frac = min(step, hp.lr_decay_steps) / hp.lr_decay_steps
+    return hp.lr_min + (hp.lr - hp.lr_min) * (1 + math.cos(math.pi * frac)) / 2
 
 
 def default_loss(mb: TokenBatch, *, logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None,
@@ -127,16 +98,14 @@ def default_loss(mb: TokenBatch, *, logprobs: Tensor, old_logprobs: Tensor, ref_
                  num_seqs: float) -> tuple[Tensor, dict[str, float]]:
     """The advantage + loss of one micro-batch: ``compute_advantages`` for ``hp.advantage_estimator``,
     then the clipped PPO objective. This is the function the ``[hooks] loss`` setting replaces; a
-    replacement takes the same keyword arguments and returns ``(scalar loss, metrics)``."""
+    replacement takes the same keyword arguments and returns ``(scalar loss, metrics)``. ``entropy``
+    (no grad) is reported; ``num_seqs``, the batch's sequence count, is for a replacement."""
     advantages = compute_advantages(hp.advantage_estimator, reward=reward, teacher_logprobs=mb.teacher_logprobs,
                                     old_logprobs=old_logprobs, mask=mb.response_mask, has_teacher=mb.has_teacher,
-                                    w_rl=hp.w_rl, w_opd=hp.w_opd, opd_clip=hp.opd_clip,
+                                    w_opd=hp.w_opd, opd_clip=hp.opd_clip,
                                     topk=(mb.student_topk_logprobs, mb.teacher_topk_logprobs, mb.has_topk))
     return compute_ppo_loss(logprobs, old_logprobs, advantages, mb.response_mask, rollout_logprobs=mb.rollout_logprobs,
-                            ref_logprobs=ref_logprobs, entropy=entropy, clip_low=hp.clip_range,
-                            clip_high=hp.clip_range_high, dual_clip=hp.dual_clip, tis_cap=hp.tis_cap,
-                            kl_coef=hp.kl_coef, kl_type=hp.kl_type, entropy_coef=hp.entropy_coef,
-                            loss_agg=hp.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+                            ref_logprobs=ref_logprobs, entropy=entropy, kl_coef=hp.kl_coef, num_tokens=num_tokens)
 
 
 LossFn = Callable[..., tuple[Tensor, dict[str, float]]]
@@ -177,19 +146,18 @@ class TrainBackend:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.hp.lr, betas=(self.hp.adam_beta1, self.hp.adam_beta2),
-                                           weight_decay=self.hp.weight_decay, fused=self.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.hp.lr, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY,
+                                           fused=self.device.type == "cuda")
         self.lr = self.hp.lr  # set_lr: the trainer's schedule
         self.steps_done = 0
 
-    def _logprobs(self, model: torch.nn.Module, mb: TokenBatch,
-                  entropy_grad: bool | None) -> tuple[Tensor, Tensor | None]:
-        """(log-probs, entropy), each (b, l-1), of a micro-batch; the entropy carries grad only when
-        ``entropy_grad``, and None means it is not needed."""
+    def _logprobs(self, model: torch.nn.Module, mb: TokenBatch, entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """(log-probs, entropy without grad), each (b, l-1), of a micro-batch; a backend may return None for
+        the entropy when ``entropy`` is False (not needed)."""
         raise NotImplementedError
 
     def _clip_gradients(self) -> float:
-        """Clip the global gradient norm to ``hp.grad_clip`` (0 = off); returns the pre-clip norm."""
+        """Clip the global gradient norm to ``GRAD_CLIP``; returns the pre-clip norm."""
         raise NotImplementedError
 
     def hf_state_dict(self) -> dict[str, Tensor]:
@@ -248,7 +216,7 @@ class TrainBackend:
         with self._reference_model() if reference else nullcontext(self.model) as model:
             for s in range(0, len(batch), self.hp.micro_batch_size):
                 mb = batch.slice(s, s + self.hp.micro_batch_size)
-                lp, _ = self._logprobs(model, mb, None)
+                lp, _ = self._logprobs(model, mb, False)
                 out[s : s + len(mb), : lp.shape[1]] = lp * mb.attention_mask[:, 1:]
         return out
 
@@ -277,13 +245,11 @@ class TrainBackend:
         self.lr = lr
 
     def train_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One PPO step on ``batch``: ``hp.ppo_epochs`` optimizer steps, each accumulating the
-        gradients of every micro-batch.
+        """One PPO step on ``batch``: one optimizer step, accumulating the gradients of every micro-batch.
 
-        Every micro-batch's loss is normalised by the token/sequence counts of the *whole* batch, so
-        the accumulated gradient equals the gradient of the full-batch aggregate whatever the
-        micro-batch size. Returned metrics are full-batch values averaged over epochs (``*_min`` /
-        ``*_max`` taken over all of them), plus ``grad_norm``, ``num_tokens``, ``num_seqs``,
+        Every micro-batch's loss is normalised by the token count of the *whole* batch, so the
+        accumulated gradient equals the gradient of the full-batch token mean whatever the micro-batch
+        size. Returned metrics are full-batch values, plus ``grad_norm``, ``num_tokens``, ``num_seqs``,
         ``rollout_logprob_abs_diff`` and ``lr``.
         """
         hp, batch = self.hp, batch.to(self.device)
@@ -298,43 +264,31 @@ class TrainBackend:
         full, (lo, hi) = batch, self._data_parallel_rows(len(batch))
         batch, reward = batch.slice(lo, hi), reward[lo:hi]  # this data-parallel rank's rows (all of them at DP 1)
         ref_logprobs = self.reference_logprobs(batch) if hp.kl_coef > 0 else None
-        spans = [(s, min(s + hp.micro_batch_size, len(batch))) for s in range(0, len(batch), hp.micro_batch_size)]
-        old_logprobs: list[Tensor] = []
-        epoch_metrics: list[dict[str, float]] = []
-        for epoch in range(hp.ppo_epochs):
-            parts: list[dict[str, float]] = []
-            for i, (s, e) in enumerate(spans):
-                mb = batch.slice(s, e)
-                width = mb.response_mask.shape[1]  # the micro-batch is trimmed to its own length
-                logprobs, entropy = self._logprobs(self.model, mb, hp.entropy_coef != 0)
-                if epoch == 0:  # still the weights the batch started from: these are the old logprobs
-                    old_logprobs.append(logprobs.detach())
-                old = old_logprobs[i]
-                loss, metrics = self.loss_fn(mb, logprobs=logprobs, old_logprobs=old,
-                                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[s:e, :width],
-                                             entropy=entropy, reward=reward[s:e], hp=hp, num_tokens=num_tokens,
-                                             num_seqs=num_seqs)
-                loss.backward()
-                if epoch == 0:  # drift between the serving engine and the trainer, per token
-                    drift = ((old - mb.rollout_logprobs).abs() * mb.response_mask).sum() / num_tokens
-                    metrics["rollout_logprob_abs_diff"] = float(drift)
-                parts.append(metrics)
-            self._reduce_gradients()  # data parallel: the sum over ranks is the whole batch's gradient
-            norm = self._clip_gradients()
-            if not math.isfinite(norm):
-                self.optimizer.zero_grad(set_to_none=True)  # weights stay as they were
-                raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.steps_done}; "
-                                         "update skipped")
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            epoch_metrics.append({**self._reduce_metrics(merge_metrics(parts)), "grad_norm": norm})
+        parts: list[dict[str, float]] = []
+        for s in range(0, len(batch), hp.micro_batch_size):
+            e = min(s + hp.micro_batch_size, len(batch))
+            mb = batch.slice(s, e)
+            width = mb.response_mask.shape[1]  # the micro-batch is trimmed to its own length
+            logprobs, entropy = self._logprobs(self.model, mb, True)
+            old = logprobs.detach()  # still the weights the batch started from: these are the old logprobs
+            loss, metrics = self.loss_fn(mb, logprobs=logprobs, old_logprobs=old,
+                                         ref_logprobs=None if ref_logprobs is None else ref_logprobs[s:e, :width],
+                                         entropy=entropy, reward=reward[s:e], hp=hp, num_tokens=num_tokens,
+                                         num_seqs=num_seqs)
+            loss.backward()
+            drift = ((old - mb.rollout_logprobs).abs() * mb.response_mask).sum() / num_tokens  # engine vs trainer
+            parts.append({**metrics, "rollout_logprob_abs_diff": float(drift)})
+        self._reduce_gradients()  # data parallel: the sum over ranks is the whole batch's gradient
+        norm = self._clip_gradients()
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)  # weights stay as they were
+            raise FloatingPointError(f"non-finite gradient norm {norm} at step {self.steps_done}; update skipped")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        counts = Counter(key for m in epoch_metrics for key in m)  # *_min / *_max: over all epochs
-        means = {k: v if k.endswith(("_min", "_max")) else v / counts[k]
-                 for k, v in merge_metrics(epoch_metrics).items()}
-        return {**means, "num_tokens": num_tokens, "num_seqs": num_seqs,
-                "num_groups": float(torch.unique(full.group_ids).numel()), "reward_mean": float(full.reward.mean()),
-                "teacher_fraction": float(full.has_teacher.float().mean()),
+        return {**self._reduce_metrics(merge_metrics(parts)), "grad_norm": norm, "num_tokens": num_tokens,
+                "num_seqs": num_seqs, "num_groups": float(torch.unique(full.group_ids).numel()),
+                "reward_mean": float(full.reward.mean()), "teacher_fraction": float(full.has_teacher.float().mean()),
                 "topk_fraction": float(full.has_topk.float().mean()),
                 "reference_from_judge": float(full.has_ref.float().mean()) if hp.kl_coef > 0 else 0.0, "lr": self.lr}
 

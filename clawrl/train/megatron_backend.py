@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from clawrl.checkpoint import trainer_weights
-from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss
+from clawrl.train.base import GRAD_CLIP, LossFn, PPOHyperParams, TrainBackend, default_loss
 from clawrl.train.batch import TokenBatch
 from clawrl.train.convert import hf_to_megatron, is_tp_sharded, megatron_config_from_hf, megatron_to_hf
 from clawrl.train.megatron_model import (
@@ -108,8 +108,7 @@ class MegatronBackend(TrainBackend):
         load_megatron_weights(model, self._to_megatron(load_hf_state_dict(model_dir) if state is None else state))
         return model.eval()  # dropout is 0 anyway; eval keeps Megatron off its training-only paths
 
-    def _logprobs(self, model: torch.nn.Module, mb: TokenBatch,
-                  entropy_grad: bool | None) -> tuple[Tensor, Tensor]:
+    def _logprobs(self, model: torch.nn.Module, mb: TokenBatch, entropy: bool) -> tuple[Tensor, Tensor]:
         """From vocab-parallel logits: the full-vocabulary logits never exist on one rank."""
         b, length = mb.input_ids.shape
         positions = torch.arange(length, device=mb.input_ids.device).expand(b, length)
@@ -118,7 +117,7 @@ class MegatronBackend(TrainBackend):
             logits = model(input_ids=mb.input_ids, position_ids=positions, attention_mask=None)
         return compute_vocab_parallel_logprobs(
             logits[:, :-1], mb.input_ids[:, 1:], vocab_start=self.vocab_start, vocab_size=self.args.vocab_size,
-            entropy_grad=bool(entropy_grad), group=self.tp_group)
+            group=self.tp_group)
 
     def _grad_norm(self) -> float:
         """Global L2 norm of the gradients: tensor-parallel shards summed over ranks, replicated
@@ -142,9 +141,9 @@ class MegatronBackend(TrainBackend):
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.tp_group)
         norm = self._grad_norm()
-        if self.hp.grad_clip > 0 and math.isfinite(norm):
+        if math.isfinite(norm):
             # torch.nn.utils.clip_grad_norm_'s rule, so both backends clip identically
-            coef = min(self.hp.grad_clip / (norm + 1e-6), 1.0)
+            coef = min(GRAD_CLIP / (norm + 1e-6), 1.0)
             torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coef)
         return norm
 

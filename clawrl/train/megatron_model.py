@@ -142,7 +142,7 @@ class _SumOverTP(torch.autograd.Function):
 
 
 def compute_vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, vocab_start: int, vocab_size: int,
-                                    entropy_grad: bool, group=None) -> tuple[Tensor, Tensor]:
+                                    group=None) -> tuple[Tensor, Tensor]:
     """log p(target) and the entropy H of the softmax over the real vocabulary, from this rank's
     slice of the logits.
 
@@ -153,8 +153,8 @@ def compute_vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, vocab_st
         S = sum_v e_v,   lp_t = (z_t - m) - log S,   H = log S - sum_v e_v (z_v - m) / S
     Each sum over v is a local sum then one all-reduce. Only these replicated totals are combined
     afterwards; feeding a replicated value back into a per-rank sum would need its gradient
-    all-reduced too. Returns (logprobs (b, t), entropy (b, t)); the entropy carries grad only
-    when ``entropy_grad``. With ``group`` None (or of size 1) no communication happens.
+    all-reduced too. Returns (logprobs (b, t), entropy (b, t) without grad). With ``group`` None (or
+    of size 1) no communication happens.
     """
     tp = group is not None and dist.get_world_size(group) > 1
     sum_tp = (lambda x: _SumOverTP.apply(x.contiguous(), group)) if tp else (lambda x: x)
@@ -172,8 +172,6 @@ def compute_vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, vocab_st
     mine = (local >= 0) & (local < width)
     picked = shifted.gather(-1, local.clamp(0, max(width - 1, 0))[..., None]).squeeze(-1)
     logprobs = sum_tp(torch.where(mine, picked, torch.zeros_like(picked))) - log_total  # (z_t - m) - log S
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        e, sh, s, ls = (exp, shifted, total, log_total) if entropy_grad else \
-            (exp.detach(), shifted.detach(), total.detach(), log_total.detach())
-        entropy = ls - sum_tp((e * sh).sum(-1)) / s  # H = log S - sum_v e_v (z_v - m) / S
-    return logprobs, entropy if entropy_grad else entropy.detach()
+    with torch.no_grad():
+        entropy = log_total - sum_tp((exp * shifted).sum(-1)) / total  # H = log S - sum_v e_v (z_v - m) / S
+    return logprobs, entropy

@@ -4,7 +4,6 @@ logic and every formula come from :class:`clawrl.train.base.TrainBackend` and ``
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from clawrl.checkpoint import MASTER_FILE, trainer_weights
-from clawrl.train.base import LossFn, PPOHyperParams, TrainBackend, default_loss
+from clawrl.train.base import GRAD_CLIP, LossFn, PPOHyperParams, TrainBackend, default_loss
 from clawrl.train.batch import TokenBatch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,8 +75,7 @@ class TorchBackend(TrainBackend):
         else:
             yield self.reference
 
-    def _logprobs(self, model: torch.nn.Module, mb: TokenBatch,
-                  entropy_grad: bool | None) -> tuple[Tensor, Tensor | None]:
+    def _logprobs(self, model: torch.nn.Module, mb: TokenBatch, entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Only response tokens are trained, so the vocabulary projection (the largest tensor of
         the step) starts at the micro-batch's first response position, via HF's
         ``logits_to_keep``: for agent turns (long prompts, short outputs) it skips most of it.
@@ -91,18 +89,14 @@ class TorchBackend(TrainBackend):
         logits = logits[:, :-1].float()  # position t predicts input_ids[t+1]
         lse = torch.logsumexp(logits, dim=-1)  # (b, w)
         logprobs = logits.gather(-1, mb.input_ids[:, start + 1 :, None]).squeeze(-1) - lse  # log softmax
-        if entropy_grad is None:
+        if not entropy:
             return F.pad(logprobs, (start, 0)), None
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            src = logits if entropy_grad else logits.detach()
-            entropy = lse - (torch.softmax(src, dim=-1) * src).sum(-1)  # H = logsumexp(z) - sum_v p_v z_v
-        if not entropy_grad:
-            entropy = entropy.detach()
-        return F.pad(logprobs, (start, 0)), F.pad(entropy, (start, 0))
+        with torch.no_grad():
+            h = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # H = logsumexp(z) - sum_v p_v z_v
+        return F.pad(logprobs, (start, 0)), F.pad(h, (start, 0))
 
     def _clip_gradients(self) -> float:
-        max_norm = self.hp.grad_clip if self.hp.grad_clip > 0 else math.inf
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return float(torch.nn.utils.clip_grad_norm_(self.params, GRAD_CLIP))
 
     def _export_moments(self, moments: dict[str, Tensor], keep_device: bool = False) -> dict[str, Tensor]:
         if keep_device:

@@ -1,5 +1,5 @@
 """PPO loss: hand-computed values, one property test per advantage sign, and the composed loss
-against a per-sample Python loop."""
+against a per-token Python loop."""
 
 from __future__ import annotations
 
@@ -9,23 +9,28 @@ import pytest
 import torch
 
 from clawrl.algo.losses import (
-    aggregate_loss,
+    CLIP_HIGH,
+    CLIP_LOW,
     compute_kl,
     compute_policy_loss,
     compute_ppo_loss,
     compute_tis_weights,
     merge_metrics,
+    token_mean,
 )
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
 
-def _pg(ratio: float, adv: float, dual_clip: float = 0.0):
+def test_the_fixed_clip_range_is_0_8_to_1_28():
+    assert (CLIP_LOW, CLIP_HIGH) == (EPS_LOW, EPS_HIGH)  # the values the hand computations below assume
+
+
+def _pg(ratio: float, adv: float):
     lp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    pg, r, clipped, dual = compute_policy_loss(lp, torch.zeros(1, 1), torch.tensor([[adv]]),
-                                               clip_low=EPS_LOW, clip_high=EPS_HIGH, dual_clip=dual_clip)
+    pg, r, clipped = compute_policy_loss(lp, torch.zeros(1, 1), torch.tensor([[adv]]))
     pg.sum().backward()
-    return pg.item(), lp.grad.item(), bool(clipped), bool(dual)
+    return pg.item(), lp.grad.item(), bool(clipped)
 
 
 def test_policy_loss_by_hand():
@@ -42,14 +47,14 @@ def test_policy_loss_by_hand():
 
 @pytest.mark.parametrize("ratio", [1.2801, 1.35, 2.0, 10.0])
 def test_policy_loss_clipped_for_high_ratio_with_positive_advantage(ratio):
-    loss, grad, clipped, _ = _pg(ratio, 0.7)
+    loss, grad, clipped = _pg(ratio, 0.7)
     assert loss == pytest.approx(-0.7 * (1 + EPS_HIGH))  # -A (1 + eps_high)
     assert grad == 0.0 and clipped  # no push beyond the trust region
 
 
 @pytest.mark.parametrize("ratio", [0.7999, 0.5, 0.1])
 def test_policy_loss_clipped_for_low_ratio_with_negative_advantage(ratio):
-    loss, grad, clipped, _ = _pg(ratio, -0.7)
+    loss, grad, clipped = _pg(ratio, -0.7)
     assert loss == pytest.approx(0.7 * (1 - EPS_LOW))  # -A (1 - eps_low)
     assert grad == 0.0 and clipped
 
@@ -60,98 +65,61 @@ def test_policy_loss_unclipped_inside_trust_region_or_unprofitable_side(ratio):
     for adv in (0.7, -0.7):
         if (adv > 0 and ratio > 1 + EPS_HIGH) or (adv < 0 and ratio < 1 - EPS_LOW):
             continue
-        loss, grad, clipped, _ = _pg(ratio, adv)
+        loss, grad, clipped = _pg(ratio, adv)
         assert loss == pytest.approx(-adv * ratio) and grad == pytest.approx(-adv * ratio) and not clipped
-
-
-@pytest.mark.parametrize("ratio", [3.0001, 5.0, 50.0, 1e6])
-def test_dual_clip_bounds_negative_advantage_loss(ratio):
-    loss, grad, clipped, dual = _pg(ratio, -0.5, dual_clip=3.0)
-    assert loss == pytest.approx(3.0 * 0.5)  # c |A| = 3 * 0.5
-    assert grad == 0.0 and dual and not clipped  # the dual bound binds, not the ratio clip
-    loss, _, _, dual = _pg(2.0, -0.5, dual_clip=3.0)
-    assert loss == pytest.approx(1.0) and not dual  # r=2 < c: -A r = 1.0, below the bound
-    loss, _, _, dual = _pg(50.0, 0.5, dual_clip=3.0)
-    assert loss == pytest.approx(-0.5 * 1.28) and not dual  # positive advantage: untouched
-
-
-def test_dual_clip_must_exceed_one():
-    with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        _pg(1.0, -1.0, dual_clip=0.9)
 
 
 def test_tis_weights_by_hand():
     old = torch.tensor([[-1.0, -2.0, -1.0]], requires_grad=True)
     rollout = torch.tensor([[-2.0, -1.0, -1.0]])
-    w = compute_tis_weights(old, rollout, cap=2.0)
-    # exp(1) = 2.718 -> capped 2.0; exp(-1) = 0.3679; exp(0) = 1
+    w = compute_tis_weights(old, rollout)
+    # exp(1) = 2.718 -> capped at 2.0; exp(-1) = 0.3679; exp(0) = 1
     assert w[0].tolist() == pytest.approx([2.0, 0.36788, 1.0], abs=1e-5)
     assert not w.requires_grad  # detached: a weight, not a path for gradients
-    assert compute_tis_weights(old, rollout, cap=0.0).tolist() == [[1.0, 1.0, 1.0]]  # off
 
 
-def test_kl_estimators_by_hand():
+def test_k3_kl_by_hand():
     lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
-    assert compute_kl(lp, ref, "k1").tolist() == [1.0, -1.0]  # lp - ref
-    assert compute_kl(lp, ref, "k2").tolist() == [0.5, 0.5]  # (+-1)^2 / 2
-    # k3: exp(-1) + 1 - 1 = 0.36788 ; exp(1) - 1 - 1 = 0.71828
-    assert compute_kl(lp, ref, "k3").tolist() == pytest.approx([0.36788, 0.71828], abs=1e-5)
-    with pytest.raises(ValueError, match="valid: k1, k2, k3"):
-        compute_kl(lp, ref, "k4")
+    # k3 = exp(ref - lp) - (ref - lp) - 1: exp(-1) + 1 - 1 = 0.36788 ; exp(1) - 1 - 1 = 0.71828
+    assert compute_kl(lp, ref).tolist() == pytest.approx([0.36788, 0.71828], abs=1e-5)
+    assert compute_kl(lp, lp).tolist() == [0.0, 0.0]  # the same distribution: no divergence
 
 
-def test_aggregations_by_hand():
+def test_token_mean_by_hand():
     v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
     m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert aggregate_loss(v, m, "token-mean").item() == 2.5  # (1+2+3+4)/4
-    assert aggregate_loss(v, m, "seq-mean-token-mean").item() == 3.0  # (6/3 + 4/1)/2
-    assert aggregate_loss(v, m, "seq-mean-token-sum").item() == 5.0  # (6 + 4)/2
-    assert aggregate_loss(v, m, "token-mean", num_tokens=8).item() == 1.25  # 10/8: share of a bigger batch
-    with pytest.raises(ValueError, match="valid: token-mean, seq-mean-token-mean, seq-mean-token-sum"):
-        aggregate_loss(v, m, "sum")
+    assert token_mean(v, m).item() == 2.5  # (1+2+3+4)/4
+    assert token_mean(v, m, num_tokens=8).item() == 1.25  # 10/8: share of a bigger batch
+    assert token_mean(v, torch.zeros_like(m)).item() == 0.0  # no token: 0, not 0/0
 
 
 def test_clip_frac_counts_tokens_where_clip_changed_objective():
     lp = torch.log(torch.tensor([[1.5, 0.5, 0.5, 1.0, 9.0]]))
     adv = torch.tensor([[1.0, 1.0, -1.0, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    _, m = compute_ppo_loss(lp, torch.zeros(1, 5), adv, mask, clip_low=EPS_LOW, clip_high=EPS_HIGH)
+    _, m = compute_ppo_loss(lp, torch.zeros(1, 5), adv, mask)
     # tokens 0 (A>0, r=1.5) and 2 (A<0, r=0.5) clipped; token 4 clipped but masked -> 2/4
     assert m["clip_frac"] == 0.5
     assert m["ratio_max"] == pytest.approx(1.5) and m["ratio_min"] == pytest.approx(0.5)  # masked 9.0 ignored
     assert m["ratio_mean"] == pytest.approx((1.5 + 0.5 + 0.5 + 1.0) / 4)
 
 
-def _loop_ppo_loss(lp, old, adv, mask, rollout, ref, ent, *, clip_low, clip_high, dual_clip, tis_cap,
-                   kl_coef, kl_type, entropy_coef, loss_agg):
-    """Independent reference: one sample, one token at a time, plain floats."""
-    seq_pg, seq_kl, seq_ent, seq_n = [], [], [], []
+def _loop_ppo_loss(lp, old, adv, mask, rollout, ref, *, kl_coef):
+    """Independent reference: one sample, one token at a time, plain floats; the token mean."""
+    total_pg = total_kl = 0.0
+    n = 0
     for i in range(len(lp)):
-        s_pg = s_kl = s_ent = 0.0
-        n = 0
         for t in range(len(lp[i])):
             if not mask[i][t]:
                 continue
             n += 1
             r = math.exp(lp[i][t] - old[i][t])
             a = adv[i][t]
-            loss = max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high))
-            if dual_clip and a < 0:
-                loss = min(loss, -a * dual_clip)
-            w = min(math.exp(old[i][t] - rollout[i][t]), tis_cap) if tis_cap else 1.0
+            loss = max(-a * r, -a * min(max(r, 1 - EPS_LOW), 1 + EPS_HIGH))
+            w = min(math.exp(old[i][t] - rollout[i][t]), 2.0)
             d = lp[i][t] - ref[i][t]
-            kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[kl_type]
-            s_pg, s_kl, s_ent = s_pg + w * loss, s_kl + kl, s_ent + ent[i][t]
-        seq_pg.append(s_pg), seq_kl.append(s_kl), seq_ent.append(s_ent), seq_n.append(n)
-
-    def agg(per_seq):
-        if loss_agg == "token-mean":
-            return sum(per_seq) / sum(seq_n)
-        if loss_agg == "seq-mean-token-mean":
-            return sum(s / n for s, n in zip(per_seq, seq_n) if n) / sum(1 for n in seq_n if n)
-        return sum(per_seq) / sum(1 for n in seq_n if n)
-
-    return agg(seq_pg) + kl_coef * agg(seq_kl) - entropy_coef * agg(seq_ent)
+            total_pg, total_kl = total_pg + w * loss, total_kl + math.exp(-d) + d - 1
+    return total_pg / n + kl_coef * total_kl / n
 
 
 def _random_inputs(seed, B=5, T=7):
@@ -167,32 +135,26 @@ def _random_inputs(seed, B=5, T=7):
     return lp, old, adv, mask, rollout, ref, ent
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
-def test_ppo_loss_matches_per_sample_loop(loss_agg, kl_type):
+def test_ppo_loss_matches_per_token_loop():
     lp, old, adv, mask, rollout, ref, ent = _random_inputs(3)
-    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, kl_type=kl_type,
-              entropy_coef=0.01, loss_agg=loss_agg)
     loss, metrics = compute_ppo_loss(lp.double(), old.double(), adv.double(), mask.double(),
                                      rollout_logprobs=rollout.double(), ref_logprobs=ref.double(),
-                                     entropy=ent.double(), **kw)
-    expected = _loop_ppo_loss(*(x.double().tolist() for x in (lp, old, adv, mask, rollout, ref, ent)), **kw)
+                                     entropy=ent.double(), kl_coef=0.05)
+    expected = _loop_ppo_loss(*(x.double().tolist() for x in (lp, old, adv, mask, rollout, ref)), kl_coef=0.05)
     assert loss.item() == pytest.approx(expected, rel=1e-9)
     assert metrics["loss"] == pytest.approx(expected, rel=1e-9)
+    # the entropy is reported (its token mean), never part of the loss
+    assert metrics["entropy"] == pytest.approx(float((ent * mask).sum() / mask.sum()), rel=1e-6)
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_micro_batches_with_global_counts_sum_to_full_batch(loss_agg):
+def test_micro_batches_with_global_counts_sum_to_full_batch():
     lp, old, adv, mask, rollout, ref, ent = _random_inputs(4, B=6)
-    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=2.0, kl_coef=0.05, entropy_coef=0.01,
-              loss_agg=loss_agg)
     full_loss, full = compute_ppo_loss(lp, old, adv, mask, rollout_logprobs=rollout, ref_logprobs=ref,
-                                       entropy=ent, **kw)
+                                       entropy=ent, kl_coef=0.05)
     parts, total = [], 0.0
     for s in (slice(0, 1), slice(1, 4), slice(4, 6)):
         loss, m = compute_ppo_loss(lp[s], old[s], adv[s], mask[s], rollout_logprobs=rollout[s],
-                                   ref_logprobs=ref[s], entropy=ent[s], num_tokens=float(mask.sum()),
-                                   num_seqs=6.0, **kw)
+                                   ref_logprobs=ref[s], entropy=ent[s], kl_coef=0.05, num_tokens=float(mask.sum()))
         total += loss.item()
         parts.append(m)
     merged = merge_metrics(parts)
@@ -204,24 +166,20 @@ def test_micro_batches_with_global_counts_sum_to_full_batch(loss_agg):
 def test_ppo_loss_gradient_sign_follows_advantage():
     old = torch.full((1, 2), -2.0)
     lp = old.clone().requires_grad_(True)
-    loss, _ = compute_ppo_loss(lp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2),
-                               clip_low=0.2, clip_high=0.28)
+    loss, _ = compute_ppo_loss(lp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
     loss.backward()
     # token-mean over 2 tokens at r=1: d/dlp (-A r)/2 = -A/2 -> [-0.5, +0.5]
     assert lp.grad.tolist() == [[-0.5, 0.5]]
 
 
-def test_ppo_loss_requires_inputs_its_coefficients_use():
+def test_ppo_loss_requires_the_reference_its_kl_coefficient_uses():
     x = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        compute_ppo_loss(x, x, x, x + 1, clip_low=0.2, clip_high=0.2, kl_coef=0.1)
-    with pytest.raises(ValueError, match="entropy"):
-        compute_ppo_loss(x, x, x, x + 1, clip_low=0.2, clip_high=0.2, entropy_coef=0.1)
+        compute_ppo_loss(x, x, x, x + 1, kl_coef=0.1)
 
 
 def test_diverged_masked_token_does_not_poison_loss():
     lp = torch.tensor([[-1.0, 0.0]])
     old = torch.tensor([[-1.0, -500.0]])  # masked position with a huge log-ratio
-    loss, m = compute_ppo_loss(lp, old, torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]),
-                               clip_low=0.2, clip_high=0.28)
+    loss, m = compute_ppo_loss(lp, old, torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(-1.0)  # only token 0: -A r = -1

@@ -210,7 +210,7 @@ def test_megatron_logits_and_logprobs_match_hf(megatron_tp1, model_dir, vocab_mu
         ref = hf_model(input_ids=ids).logits
         logits = model(input_ids=ids, position_ids=torch.arange(24).expand(2, 24), attention_mask=None)
         lp, ent = compute_vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], vocab_start=0,
-                                                  vocab_size=cfg.vocab_size, entropy_grad=False)
+                                                  vocab_size=cfg.vocab_size)
     assert logits.shape == (2, 24, args.padded_vocab_size)  # 49152, or 50000 with 848 padding columns
     assert (logits[..., : cfg.vocab_size] - ref).abs().max() < 1e-4
     ref_lp = torch.log_softmax(ref[:, :-1], -1)

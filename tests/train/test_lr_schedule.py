@@ -23,28 +23,23 @@ def sched(**kw) -> PPOHyperParams:
     return dataclasses.replace(HP, **kw)
 
 
-def test_constant_and_warmup():
+def test_constant_without_decay_steps():
+    assert HP.lr_decay_steps == 0
     assert [lr_at(HP, s) for s in (0, 5, 100)] == [1e-3, 1e-3, 1e-3]
-    hp = sched(lr_warmup_steps=2)
-    assert [lr_at(hp, s) for s in range(4)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
 
 
-def test_linear_decay_then_floor():
-    hp = sched(lr_schedule="linear", lr_decay_steps=4, lr_min=1e-4)
-    # 1e-3 - 0.9e-3 * k/4
-    assert [lr_at(hp, s) for s in range(7)] == pytest.approx([1e-3, 7.75e-4, 5.5e-4, 3.25e-4, 1e-4, 1e-4, 1e-4])
-
-
-def test_cosine_decay_after_warmup():
-    hp = sched(lr_schedule="cosine", lr_decay_steps=4, lr_min=1e-4, lr_warmup_steps=1)
-    half = 1e-4 + 0.9e-3 * (1 + math.cos(math.pi / 4)) / 2  # 8.682e-4
-    assert [lr_at(hp, s) for s in range(7)] == pytest.approx([5e-4, 1e-3, half, 5.5e-4, 1e-4 + 0.9e-3 * (1 - math.cos(math.pi / 4)) / 2, 1e-4, 1e-4])
+def test_cosine_decay_then_floor():
+    hp = sched(lr_decay_steps=4, lr_min=1e-4)
+    # lr_min + (lr - lr_min)(1 + cos(pi k / 4)) / 2, then lr_min
+    quarter, three_quarters = (1e-4 + 0.9e-3 * (1 + c) / 2 for c in (math.cos(math.pi / 4), -math.cos(math.pi / 4)))
+    assert quarter == pytest.approx(8.682e-4, rel=1e-4)
+    assert [lr_at(hp, s) for s in range(7)] == pytest.approx([1e-3, quarter, 5.5e-4, three_quarters, 1e-4, 1e-4, 1e-4])
     with pytest.raises(ValueError, match="step must be >= 0"):
         lr_at(hp, -1)
 
 
-def test_decay_steps_make_the_schedule_cosine_and_a_floor_above_the_peak_is_refused(monkeypatch):
-    assert PPOHyperParams.from_settings(load_settings(env={}).ppo, seed=0).lr_schedule == "constant"
+def test_decay_steps_come_from_the_settings_and_a_floor_above_the_peak_is_refused(monkeypatch):
+    assert PPOHyperParams.from_settings(load_settings(env={}).ppo, seed=0).lr_decay_steps == 0  # constant
     monkeypatch.setenv("CLAWRL__PPO__LR_DECAY_STEPS", "8")
     monkeypatch.setenv("CLAWRL__PPO__LR_MIN", "1")
     with pytest.raises(ConfigError, match="lr_min"):
@@ -52,7 +47,8 @@ def test_decay_steps_make_the_schedule_cosine_and_a_floor_above_the_peak_is_refu
     monkeypatch.setenv("CLAWRL__PPO__LR_MIN", "1e-6")
     s = load_settings()
     hp = PPOHyperParams.from_settings(s.ppo, seed=0)
-    assert (hp.lr_schedule, hp.lr_decay_steps, hp.lr_min) == ("cosine", 8, 1e-6)
+    assert (hp.lr_decay_steps, hp.lr_min) == (8, 1e-6)
+    assert lr_at(hp, 8) == 1e-6
 
 
 def _samples(step: int) -> list[SampleRecord]:
@@ -69,8 +65,8 @@ def _samples(step: int) -> list[SampleRecord]:
 
 
 def test_trainer_applies_the_schedule_per_version_across_a_restart(tiny_dir, tmp_path):
-    # linear 1e-3 -> 0 over 2 steps: v1 at 1e-3, v2 at 5e-4, v3 at 0 (the weights must not move)
-    hp = sched(lr_schedule="linear", lr_decay_steps=2, lr_min=0.0)
+    # cosine 1e-3 -> 0 over 2 steps: v1 at 1e-3, v2 at 5e-4, v3 at 0 (the weights must not move)
+    hp = sched(lr_decay_steps=2, lr_min=0.0)
     ckpts = tmp_path / "ckpt"
     t = Trainer(base_model_dir=tiny_dir, checkpoints=ckpts, hp=hp, pad_id=2)
     t.run("b1", _samples(1))
