@@ -74,7 +74,8 @@ class PPOHyperParams:
     def from_settings(cls, ppo: PPOSettings, seed: int, opd: OPDSettings | None = None) -> PPOHyperParams:
         """The ``[ppo]`` settings; ``opd``: top-k OPD clips its per-token term to [-1, 1] (an average over
         k tokens can be large where the teacher and policy disagree)."""
-        derived = {"group_norm": ppo.group_by != "none", "group_by": "prompt" if ppo.group_by == "none" else ppo.group_by,
+        derived = {"group_norm": ppo.group_by != "none",
+                   "group_by": "prompt" if ppo.group_by == "none" else ppo.group_by,
                    "opd_clip": 1.0 if opd is not None and opd.top_k > 0 else 0.0, "seed": seed}
         return cls(**derived, **{f.name: getattr(ppo, f.name) for f in fields(cls) if f.name not in derived})
 
