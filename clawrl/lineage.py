@@ -58,7 +58,7 @@ def _create_store(db: Path) -> None:
     artifacts.mkdir(exist_ok=True)
     for stale in db.parent.glob(f".{db.name}.*.tmp*"):  # left by a killed process (and its journal)
         with contextlib.suppress(ValueError, OSError):
-            if not _alive(int(stale.name.split(".")[-2].split("-")[0])):
+            if not pid_alive(int(stale.name.split(".")[-2].split("-")[0])):
                 stale.unlink()
     tmp = db.with_name(f".{db.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
@@ -76,7 +76,8 @@ def _create_store(db: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

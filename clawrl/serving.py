@@ -19,6 +19,8 @@ from typing import Any
 
 import uvicorn
 
+from clawrl.lineage import pid_alive
+
 
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive now (modules, model, tokenizer: ~450k objects
@@ -196,16 +198,6 @@ def remove_serve_record(data_root: Path) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, under another user
-        return True
-    return True
-
-
 def serving_gateway(data_root: Path) -> dict[str, Any] | None:
     """The serve record of the `clawrl serve` running on ``data_root`` (pid, gateway_url, engine_url,
     engine_kind), or None: no record, an unreadable one, or one whose process is gone (killed
@@ -217,4 +209,4 @@ def serving_gateway(data_root: Path) -> dict[str, Any] | None:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return rec if pid > 0 and _alive(pid) else None
+    return rec if pid > 0 and pid_alive(pid) else None

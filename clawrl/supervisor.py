@@ -194,10 +194,10 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
     gw = gateway_url(settings, host)
     prefect_api = f"{client_url(host, prefect_port)}/api"
     mlflow_db = store_uri(root)
-    policy = _engine_group("engine", config_path, host, settings.port("engine"), engines, resume=True)
+    policy = engine_group("engine", config_path, host, settings.port("engine"), engines, resume=True)
     from clawrl.judge.runner import uses_frozen_model
 
-    judge = _engine_group("judge-engine", config_path, host, settings.port("judge-engine"), judge_engines) \
+    judge = engine_group("judge-engine", config_path, host, settings.port("judge-engine"), judge_engines) \
         if uses_frozen_model(settings) and not settings.prm.engine_url else []
     gate_engine = _gate_engine(settings, config_path, host)
     canary = _canary_engine(settings, config_path, host)
@@ -267,7 +267,7 @@ def _trainer_launcher(settings) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
 
 
-def _engine_group(name: str, config_path: Path, host: str, port: int, n: int, resume: bool = False) -> list[Service]:
+def engine_group(name: str, config_path: Path, host: str, port: int, n: int, resume: bool = False) -> list[Service]:
     """``n`` `clawrl engine` processes: one on ``port``, or several on free ports behind SGLang's router
     on ``port`` (the last service: the URL the others use). ``resume``: each starts on the version last
     synced, as a restarted policy engine must; the judge engines hold the initial weights for good."""

@@ -143,6 +143,7 @@ def gate_eval_set(settings: Settings, batch_id: str | None = None) -> EvalSet:
 def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: float, budget: int) -> EvalSet:
     from clawrl.evaluation import replay_eval_set
     from clawrl.hooks import HookError, import_path
+    from clawrl.judge.pipeline import BUDGET_CHARS, TEMPERATURE
     from clawrl.judge.prompts import RATING_VERSION
     from clawrl.judge.rating import rate_answer
     from clawrl.judge.runner import build_judge_config_hash
@@ -163,8 +164,8 @@ def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: floa
         scorer = f"judge:{chash}:{RATING_VERSION}"
 
         def rate(messages: list[dict[str, Any]], answer: str):
-            return rate_answer(judge.backend, messages, answer, n=judge.judge_samples, temperature=judge.temperature,
-                               max_tokens=judge.max_tokens, budget_chars=judge.budget_chars)
+            return rate_answer(judge.backend, messages, answer, n=judge.judge_samples, temperature=TEMPERATURE,
+                               max_tokens=judge.max_tokens, budget_chars=BUDGET_CHARS)
     return replay_eval_set(turns, rate, scorer=scorer, samples=GATE_SAMPLES, seed=g.seed, max_tokens=budget,
                            temperature=temperature)
 
@@ -251,8 +252,8 @@ def serve_target(s: Settings, version: str) -> dict[str, Any]:
 def engine_url_for(s: Settings, engine_url: str | None = None) -> str | None:
     """The HTTP engine a sync from this process targets: ``engine_url`` when given, else ``[engine] url``
     when ``[engine] kind = "http"``, else the engine of the `clawrl serve` running on the data root
-    (``<data_root>/serve.json``: its embedded engine, or its several HTTP engines (``[engine] urls``),
-    at ``{gateway}/engine``); None when there is none."""
+    (``<data_root>/serve.json``: its HTTP engine or router, or its embedded engine at ``{gateway}/engine``);
+    None when there is none."""
     if engine_url:
         return engine_url
     if s.engine.kind == "http" and s.engine.url:

@@ -72,9 +72,7 @@ def test_a_judge_closes_the_sglang_clients_it_made():
         await server.start_server()
         client = SGLangClient(str(server.make_url("")))
         judge = Judge(backend=EngineJudge(client, tokenizer=None), backend_name="sglang", teacher=client,
-                      teacher_tokenizer=None, method="grpo", judge_samples=1, hint_samples=1, temperature=0.0,
-                      max_tokens=1, budget_chars=200, hint_policy="longest", hint_placement="system",
-                      config_hash="h")
+                      teacher_tokenizer=None, method="grpo", judge_samples=1, max_tokens=1, config_hash="h")
         try:
             assert client._session is None  # made on first use, inside the running loop
             assert (await client.generate(GenerateRequest(input_ids=[1]))).output_ids == [5]

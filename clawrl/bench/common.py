@@ -11,21 +11,23 @@ import datetime as dt
 import tempfile
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from clawrl.bench import cpu_model
 from clawrl.config import ServerSettings, child_env
 from clawrl.models import resolve_dtype
+from clawrl.supervisor import Service
+
+# SIGTERM lets a server finish open requests and flush its store (`clawrl up` stops its parts in turn): SIGKILL
+# only after a minute.
+STOP_TIMEOUT_S = 60.0
 
 
 def bench_dtype(device: str) -> str:
@@ -106,50 +108,17 @@ async def gather_bounded(concurrency: int, aws) -> list:
     return await asyncio.gather(*(one(aw) for aw in aws))
 
 
-def start_clawrl(args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
-    """``python -m clawrl.cli ARGS`` in its own process group, with ``env`` on top of this process's
-    environment and its output in ``log_path``. API keys set here are not passed on: the bench's
+def clawrl_service(name: str, args: list[str], health_url: str) -> Service:
+    """``python -m clawrl.cli ARGS`` as a service of :mod:`clawrl.supervisor` (``start`` it with
+    :func:`bench_env`, ``stop`` it with :data:`STOP_TIMEOUT_S`), up once ``health_url`` answers 200."""
+    return Service(name, [sys.executable, "-m", "clawrl.cli", *args], health_url, health_url, ready_only_on_200=True)
+
+
+def bench_env(**env: str) -> dict[str, str]:
+    """The environment of the bench's servers: this process's with ``env`` on top, less the API keys: the
     servers run open on loopback, and a key would turn every bench request into a 401."""
     server = ServerSettings()
-    env = {k: v for k, v in child_env(**env).items() if k not in (server.api_keys_env, server.admin_keys_env)}
-    with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "clawrl.cli", *args], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def start_router(worker_urls: list[str], port: int, metrics_port: int, log_path: Path) -> subprocess.Popen:
-    """SGLang's router on 127.0.0.1:``port`` in front of ``worker_urls``, as `clawrl up --engines N` starts it."""
-    from clawrl.engine.router import router_argv
-
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(router_argv(worker_urls, "127.0.0.1", port, metrics_port), env=child_env(),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300.0) -> None:
-    """Return once ``url`` answers 200; raise when ``proc`` exits or ``timeout_s`` passes first."""
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not up ({proc.args[3:]} exit code {proc.poll()}, after {timeout_s:g} s at most)")
-
-
-def stop_clawrl(proc: subprocess.Popen | None) -> None:
-    """SIGTERM to its process group: uvicorn finishes open requests and the lifespan closes (flushes)
-    the store; SIGKILL if it is still there after a minute."""
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    return {k: v for k, v in child_env(**env).items() if k not in (server.api_keys_env, server.admin_keys_env)}
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:

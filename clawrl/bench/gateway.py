@@ -25,15 +25,16 @@ import numpy as np
 import orjson
 
 from clawrl.bench.common import (
+    STOP_TIMEOUT_S,
     bench_dtype,
+    bench_env,
+    clawrl_service,
     load_average,
     machine_line,
     markdown_table,
-    start_clawrl,
-    stop_clawrl,
-    wait_healthy,
 )
 from clawrl.serving import free_ports
+from clawrl.supervisor import start, stop, wait_healthy
 
 TOPOLOGIES = ("embedded", "http")
 
@@ -141,13 +142,14 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
         eport, gport = free_ports(2)
         engine_url, gateway_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
         gw_env = {} if topology == "embedded" else {"CLAWRL__ENGINE__URL": engine_url}
-        engine = gateway = None
+        engine = clawrl_service("engine", ["engine", "--port", str(eport)], engine_url + "/health")
+        gateway = clawrl_service(f"gateway-{topology}", ["serve", "--port", str(gport)], gateway_url + "/healthz")
         try:
             if topology == "http":
-                engine = start_clawrl(["engine", "--port", str(eport)], root / "engine.log", **env)
-                wait_healthy(engine, engine_url + "/health")
-            gateway = start_clawrl(["serve", "--port", str(gport)], root / f"gateway-{topology}.log", **env, **gw_env)
-            wait_healthy(gateway, gateway_url + "/healthz")
+                start(engine, root, bench_env(**env))
+                wait_healthy(engine, timeout_s=300)
+            start(gateway, root, bench_env(**env, **gw_env))
+            wait_healthy(gateway, timeout_s=300)
             for c in concurrencies:
                 if progress:
                     progress(f"{topology} engine, concurrency {c}")
@@ -155,8 +157,8 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
                                            requests_at(n, c), max_tokens))
                 rows.append({"engine": topology, **row, "load_1m": load_average()})
         finally:
-            stop_clawrl(gateway)
-            stop_clawrl(engine)
+            stop(gateway, STOP_TIMEOUT_S)
+            stop(engine, STOP_TIMEOUT_S)
     if progress:
         progress("session-log append rate")
     append = run_append_bench(append_turns)

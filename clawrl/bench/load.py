@@ -47,16 +47,10 @@ from typing import Any
 import numpy as np
 import openai
 
-from clawrl.bench.common import (
-    bench_dtype,
-    load_average,
-    start_clawrl,
-    start_router,
-    stop_clawrl,
-    wait_healthy,
-)
+from clawrl.bench.common import STOP_TIMEOUT_S, bench_dtype, bench_env, clawrl_service, load_average
 from clawrl.bench.load_up import drive_up, task_seconds
-from clawrl.serving import free_api_port, free_ports
+from clawrl.serving import free_api_port
+from clawrl.supervisor import engine_group, start, stop, wait_healthy
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS
 
@@ -307,26 +301,22 @@ def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, 
     """`clawrl serve` (its embedded engine; one `clawrl engine` process; or several behind SGLang's router,
     as `clawrl up --engines N` runs them) in its own process, the users on a thread and the judge and train
     flows in a loop here: the turns judged, the run, and (wall seconds, load average before, after)."""
+    from clawrl.config import PORT_OFFSETS
     from clawrl.flows.common import load_flow_settings  # the Prefect layer: imported where the bench drives it
 
-    ports = free_ports(engines + 2, avoid=(int(gw.rsplit(":", 1)[1]),))  # the gateway's, drawn before
-    engine_urls = [f"http://127.0.0.1:{p}" for p in ports[:engines]]
-    router_url = f"http://127.0.0.1:{ports[engines]}" if engines > 1 else None
-    conf = write(engine_url=router_url or (engine_urls[0] if engines else None))
-    s = load_flow_settings(conf)
-    procs = [start_clawrl(["engine", "-c", conf, "--port", str(p)], root / f"engine{i}.log")
-             for i, p in enumerate(ports[:engines])]
-    health = [f"{u}/health" for u in engine_urls]
-    if router_url:
-        procs.append(start_router(engine_urls, ports[engines], ports[engines + 1], root / "router.log"))
-        health.append(f"{router_url}/readiness")  # 200 once every worker answers its health checks
+    port = int(gw.rsplit(":", 1)[1]) + PORT_OFFSETS["engine"]  # free: the gateway's is a free_api_port()
+    conf = write(engine_url=f"http://127.0.0.1:{port}" if engines else None)
+    s, env = load_flow_settings(conf), bench_env()
+    group = engine_group("engine", Path(conf), "127.0.0.1", port, engines)  # the engines, then their router
+    gateway = clawrl_service("gateway", ["serve", "-c", conf], f"{gw}/healthz")
     try:
-        for p, url in zip(procs, health):  # up before the gateway asks them what they serve
-            wait_healthy(p, url)
-        proc = start_clawrl(["serve", "-c", conf], root / "gateway.log")
-        procs.append(proc)
+        for svc in group:
+            start(svc, root, env)
+        for svc in group:  # up before the gateway asks them what they serve
+            wait_healthy(svc, timeout_s=300)
+        start(gateway, root, env)
         _warm_up(s, conf)  # while the gateway starts
-        wait_healthy(proc, f"{gw}/healthz")
+        wait_healthy(gateway, timeout_s=300)
         load_before, run = load_average(), new_run()
         thread = _start_users(gw, run, users)
         try:
@@ -335,10 +325,10 @@ def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, 
             thread.join()
             run.report()
         wall, load_after = time.monotonic() - run.t0, load_average()
-        run.engine_stats = [_engine_stats(u) for u in engine_urls]
+        run.engine_stats = [_engine_stats(svc.url) for svc in group[:engines]]
     finally:
-        for p in reversed(procs):  # the gateway first
-            stop_clawrl(p)
+        for svc in [gateway, *reversed(group)]:
+            stop(svc, STOP_TIMEOUT_S)
     return judged, run, (wall, load_before, load_after)
 
 

@@ -8,15 +8,15 @@ it is still running (the Prefect server stops with `clawrl up`)."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clawrl.bench.common import load_average, start_clawrl, stop_clawrl, wait_healthy
+from clawrl.bench.common import STOP_TIMEOUT_S, bench_env, clawrl_service, load_average
 from clawrl.config import PORT_OFFSETS
 from clawrl.serving import free_ports
+from clawrl.supervisor import Service, start, stop, wait_healthy
 
 
 @dataclass(frozen=True)
@@ -42,21 +42,23 @@ UP_OVERRIDES: dict[str, Any] = {"gate.size": 16}
 
 
 def start_up(conf: str, root: Path, ports: UpPorts, gateway_url: str, *, judge_every_s: float,
-             train_every_s: float) -> subprocess.Popen:
+             train_every_s: float) -> Service:
     """`clawrl up -c conf` (its log: ``root/up.log``), returned once the gateway answers and the flow
     server has registered the train deployment; stopped (and raised on) when either is not up in 600 s."""
     from clawrl.flows.slots import TRAIN_DEPLOYMENT
 
-    proc = start_clawrl(["up", "-c", conf, "--prefect-port", str(ports.prefect), "--mlflow-port", str(ports.mlflow),
-                         "--trainer-port", str(ports.trainer), "--judge-every", f"{judge_every_s:g}",
-                         "--train-every", f"{train_every_s:g}"], root / "up.log")
+    up = clawrl_service("up", ["up", "-c", conf, "--prefect-port", str(ports.prefect), "--mlflow-port",
+                               str(ports.mlflow), "--trainer-port", str(ports.trainer), "--judge-every",
+                               f"{judge_every_s:g}", "--train-every", f"{train_every_s:g}"], f"{gateway_url}/healthz")
+    start(up, root, bench_env())
     try:
-        wait_healthy(proc, f"{gateway_url}/healthz", timeout_s=600)
-        wait_healthy(proc, f"{ports.prefect_api}/deployments/name/{TRAIN_DEPLOYMENT}", timeout_s=600)
+        wait_healthy(up, timeout_s=600)
+        up.health_url = f"{ports.prefect_api}/deployments/name/{TRAIN_DEPLOYMENT}"
+        wait_healthy(up, timeout_s=600)
     except BaseException:
-        stop_clawrl(proc)
+        stop(up, STOP_TIMEOUT_S)
         raise
-    return proc
+    return up
 
 
 def drive_up(write, root: Path, gw: str, new_run, start_users, *, max_tokens: int, judge_limit: int,
@@ -69,7 +71,7 @@ def drive_up(write, root: Path, gw: str, new_run, start_users, *, max_tokens: in
     api_port = int(gw.rsplit(":", 1)[1])
     ports = UpPorts.free(avoid=(api_port, *(api_port + o for o in PORT_OFFSETS.values())))
     conf = write(extra=UP_OVERRIDES)
-    proc = start_up(conf, root, ports, gw, judge_every_s=judge_every_s, train_every_s=train_every_s)
+    up = start_up(conf, root, ports, gw, judge_every_s=judge_every_s, train_every_s=train_every_s)
     try:
         load_before, run = load_average(), new_run()
         thread = start_users(run)
@@ -78,15 +80,15 @@ def drive_up(write, root: Path, gw: str, new_run, start_users, *, max_tokens: in
                 thread.join(3.0)
                 run.synced_versions = synced_versions(root)
                 run.report()
-                if proc.poll() is not None:
+                if up.proc.poll() is not None:
                     run.stopped = True
-                    raise RuntimeError(f"clawrl up exited with code {proc.returncode}; see {root / 'up.log'}")
+                    raise RuntimeError(f"clawrl up exited with code {up.proc.returncode}; see {up.log_path}")
         finally:
             thread.join()
         wall, load_after = time.monotonic() - run.t0, load_average()
         tasks = train_task_seconds(ports.prefect_api, root)  # before up stops: its Prefect server goes with it
     finally:
-        stop_clawrl(proc)
+        stop(up, STOP_TIMEOUT_S)
     run.steps = read_steps(root, run.t0_wall, tasks)
     return turns_judged(root, session_prefix), run, (wall, load_before, load_after)
 

@@ -33,8 +33,7 @@ With ``top_k`` = k (top-k OPD), a sample with a teacher also carries, per output
 k most likely ids and their log-probs (the serving engine, ``policy``, scoring the turn's own prompt
 prefill-only at judge time: the weights that sampled the turn unless a sync came in between) and the
 teacher's log-probs of those ids under the hinted prompt (the same single teacher request that
-gives ``teacher_logprobs``). With ``hint_candidates`` = N > 0, at least N hint votes are asked for
-and the hint policy chooses among the first N usable ones.
+gives ``teacher_logprobs``).
 
 The teacher is checked against the turn before it is trusted: rendering the turn's own messages
 with ``teacher_tokenizer`` must give back the turn's ``prompt_ids`` exactly, otherwise the teacher
@@ -63,6 +62,12 @@ from clawrl.records import (Fate, FateRecord, JudgeVerdict, Method, NextStateRec
                             TurnType)
 
 ERROR_PREFIX = "[judge error] "  # how a failed vote appears among the raw outputs
+# How the judge asks, fixed: votes are sampled at 0.6 (they must differ to be votes), from the turn and its
+# context cut to 6,000 characters; one hint vote a turn (its hint, when usable, is appended to the last user
+# message). judge_config_hash hashes these, so changing one judges every stored turn afresh.
+TEMPERATURE = 0.6
+BUDGET_CHARS = 6000
+HINT_SAMPLES = 1
 
 
 @dataclass
@@ -78,25 +83,23 @@ class JudgeOutcome:
         return self.fate.fate == Fate.JUDGE_ERROR.value
 
 
-def judge_config_hash(*, backend: str, model: str, method: Method | str, judge_samples: int, hint_samples: int,
-                      temperature: float, max_tokens: int, budget_chars: int, hint_policy: str,
-                      hint_placement: str, teacher: str = "", prompts_version: str = PROMPTS_VERSION,
-                      demonstrations: bool = False, top_k: int = 0, hint_candidates: int = 0) -> str:
+def judge_config_hash(*, backend: str, model: str, method: Method | str, judge_samples: int, max_tokens: int,
+                      teacher: str = "", prompts_version: str = PROMPTS_VERSION, demonstrations: bool = False,
+                      top_k: int = 0) -> str:
     """A short stable hash of everything that changes what the judge decides; samples and verdicts
     are keyed by it, so a new configuration judges turns afresh and a rerun of the same one
     overwrites."""
     values = {
         "backend": backend, "model": model, "method": Method(method).value, "judge_samples": judge_samples,
-        "hint_samples": hint_samples, "temperature": float(temperature), "max_tokens": max_tokens,
-        "budget_chars": budget_chars, "hint_policy": hint_policy, "hint_placement": hint_placement,
-        "teacher": teacher, "prompts_version": prompts_version,
+        "hint_samples": HINT_SAMPLES, "temperature": TEMPERATURE, "max_tokens": max_tokens,
+        "budget_chars": BUDGET_CHARS, "teacher": teacher, "prompts_version": prompts_version,
+        # the hint choice and placement, settings once and fixed now: kept so that stored hashes stay valid
+        "hint_policy": "longest", "hint_placement": "append_last_user",
     }
     if demonstrations:  # a key only when on: hashes of configurations without it stay as they were
         values["demonstrations"] = True
     if top_k:  # likewise
         values["top_k"] = top_k
-    if hint_candidates:
-        values["hint_candidates"] = hint_candidates
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -127,14 +130,13 @@ def _stage_error(name: str, raw: list[str | Exception]) -> str | None:
     return None
 
 
-def _turn_rendering(turn: TurnRecord, tokenizer, placement: str) -> tuple[list, list | None, str | None]:
+def _turn_rendering(turn: TurnRecord, tokenizer) -> tuple[list, list | None, str | None]:
     """(messages, tools, tool_choice) that render back into the turn's prompt ids with ``tokenizer``."""
     messages = json.loads(turn.request_messages)
     tools = json.loads(turn.request_tools) if turn.request_tools else None
     # TurnRecord does not keep tool_choice; it only changes the rendering when tools are present.
     for tool_choice in ([None, "none", "required"] if tools else [None]):
-        if build_teacher_prompt_ids(tokenizer, messages, tools, None, placement,
-                                    tool_choice=tool_choice) == turn.prompt_ids:
+        if build_teacher_prompt_ids(tokenizer, messages, tools, None, tool_choice=tool_choice) == turn.prompt_ids:
             return messages, tools, tool_choice
     raise TeacherAlignmentError(
         "the teacher tokenizer does not reproduce the turn's prompt ids from its messages (different tokenizer "
@@ -148,12 +150,7 @@ class Judge:
     backend: JudgeBackend
     method: Method
     judge_samples: int
-    hint_samples: int
-    temperature: float
     max_tokens: int
-    budget_chars: int
-    hint_policy: str
-    hint_placement: str
     teacher: Engine | None  # needed by opd and combine
     teacher_tokenizer: Any
     config_hash: str
@@ -164,14 +161,10 @@ class Judge:
     policy: Engine | None = None  # scores a demonstration's behaviour log-probs (the teacher when None)
     reference: Engine | None = None  # the frozen initial weights: each sample's KL-reference log-probs
     top_k: int = 0  # [opd] top_k: > 0 scores the teacher at the policy's top-k ids too (needs ``policy``)
-    hint_candidates: int = 0  # [opd] hint_candidates: the hint policy chooses among the first N usable hints
 
     def __post_init__(self) -> None:
         self.method = Method(self.method)
         needs_hint = self.method in (Method.OPD, Method.COMBINE)
-        if self.judge_samples < 1 or (needs_hint and self.hint_samples < 1):
-            wanted = "judge_samples >= 1" + (" and hint_samples >= 1" if needs_hint else "")
-            raise ValueError(f"{self.method.value} needs {wanted}, got {self.judge_samples} and {self.hint_samples}")
         if needs_hint and (self.teacher is None or self.teacher_tokenizer is None):
             raise ValueError(f"{self.method.value} needs a teacher engine and its tokenizer")
         if needs_hint and self.top_k > 0 and self.policy is None:
@@ -199,17 +192,17 @@ class Judge:
         makes_sample = {Method.GRPO: score != 0, Method.OPD: use_teacher, Method.COMBINE: score != 0 or use_teacher}
         if not makes_sample[self.method]:
             if self.method == Method.OPD:
-                return outcome(Fate.NO_HINT, f"no usable hint among {self.hint_samples} votes", verdict)
+                return outcome(Fate.NO_HINT, f"no usable hint among {HINT_SAMPLES} votes", verdict)
             return outcome(Fate.SCORE_ZERO, f"score 0 ({verdict.score_reason}; votes {verdict.votes})", verdict)
         teacher_logprobs = rendering = None
         topk: dict[str, Any] = {}
         ref_task = asyncio.ensure_future(self._reference_logprobs(turn.prompt_ids, turn.output_ids))
         if use_teacher:
             try:
-                rendering = _turn_rendering(turn, self.teacher_tokenizer, self.hint_placement)
+                rendering = _turn_rendering(turn, self.teacher_tokenizer)
                 messages, tools, tool_choice = rendering
                 prompt_ids = build_teacher_prompt_ids(self.teacher_tokenizer, messages, tools, verdict.hint,
-                                                      self.hint_placement, tool_choice=tool_choice)
+                                                      tool_choice=tool_choice)
                 teacher_logprobs, topk = await self._teacher_scores(turn, prompt_ids)
             except (TeacherAlignmentError, EngineError, BadRequestError) as e:
                 ref_task.cancel()
@@ -288,9 +281,9 @@ class Judge:
         ctx = build_judge_context(turn, next_state)
         stages = {"prm": (build_prm_messages, self.judge_samples)}
         if self.method in (Method.OPD, Method.COMBINE):
-            stages["hint"] = (build_hint_messages, max(self.hint_samples, self.hint_candidates))
+            stages["hint"] = (build_hint_messages, HINT_SAMPLES)
         raws = dict(zip(stages, await asyncio.gather(*(
-            _complete(backend, build(ctx, self.budget_chars), n, self.temperature, self.max_tokens)
+            _complete(backend, build(ctx, BUDGET_CHARS), n, TEMPERATURE, self.max_tokens)
             for build, n in stages.values()))))
         votes = [parse_score(r) if isinstance(r, str) else None for r in raws["prm"]]
         score, reason = majority_vote(votes)
@@ -300,8 +293,7 @@ class Judge:
         return JudgeVerdict(
             turn_id=turn.turn_id, judge_config_hash=self.config_hash, judge_backend=self.backend_name, score=score,
             score_reason=reason, votes=votes, raw_outputs=json.dumps([_raw(r) for r in raws["prm"]]),
-            hint=select_hint([h for accepted, h in hints if accepted], self.hint_policy, problem=self._hint_problem(ctx),
-                             limit=self.hint_candidates, evidence="\n".join(text for _, text in ctx.next_state))
+            hint=select_hint([h for accepted, h in hints if accepted], problem=self._hint_problem(ctx))
             if hint_raw else None,
             hint_raw_outputs=None if hint_raw is None else json.dumps([_raw(r) for r in hint_raw]),
             error="; ".join(errors) or None)

@@ -21,13 +21,6 @@ from clawrl.models import resolve_device, resolve_dtype
 from clawrl.records import Fate, FateRecord, JudgeVerdict, Method, NextStateRecord, TurnRecord
 
 
-# How the judge asks (part of the judge config hash, so a change judges every turn afresh): votes sampled at
-# 0.6 (they must differ to be votes), the turn and its context cut to 6,000 characters, one hint vote, the
-# longest usable hint, appended to the last user message.
-JUDGING = {"temperature": 0.6, "budget_chars": 6000, "hint_samples": 1, "hint_policy": "longest",
-           "hint_placement": "append_last_user"}
-
-
 def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     """A new embedded engine holding the initial weights of model ``name`` (default: the policy's
     model), never synced: the frozen judge, and the frozen or local OPD teacher. With ``[prm]
@@ -77,7 +70,7 @@ def build_judge_config_hash(settings: Settings) -> str:
         backend=prm.backend, model=_judge_model_id(settings), method=method, judge_samples=prm.judge_samples,
         max_tokens=prm.max_new_tokens, teacher=_teacher_id(settings) if method in (Method.OPD, Method.COMBINE) else "",
         demonstrations=opd.hint_demonstrations and method == Method.COMBINE,
-        top_k=opd.top_k if method in (Method.OPD, Method.COMBINE) else 0, **JUDGING)
+        top_k=opd.top_k if method in (Method.OPD, Method.COMBINE) else 0)
 
 
 def _http_engine(settings: Settings, url: str) -> Engine:
@@ -152,7 +145,7 @@ def build_judge(settings: Settings, *, frozen: Callable[[str], Engine] | None = 
         teacher, teacher_tok = _teacher(settings, frozen, policy)
     return Judge(backend=_backend(settings, frozen), backend_name="hook" if settings.hooks.reward else prm.backend,
                  teacher=teacher, teacher_tokenizer=teacher_tok, method=method, judge_samples=prm.judge_samples,
-                 max_tokens=prm.max_new_tokens, config_hash=build_judge_config_hash(settings), **JUDGING,
+                 max_tokens=prm.max_new_tokens, config_hash=build_judge_config_hash(settings),
                  reward_hook=load_hook("reward", settings.hooks.reward),
                  hook_timeout_s=settings.engine.stall_timeout_s, hint_demonstrations=opd.hint_demonstrations,
                  reference=_reference(settings, frozen, teacher), top_k=opd.top_k,

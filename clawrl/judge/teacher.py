@@ -38,45 +38,26 @@ def _with_hint(text: str, hint: str) -> str:
     return f"{text}\n\n{HINT_LABEL} {hint}" if text else f"{HINT_LABEL} {hint}"
 
 
-def _place_append_last_user(msgs: list[ChatMessage], hint: str) -> list[ChatMessage]:
-    # The reference's placement: appended to the last user message, or to the last message when
-    # there is none (a tool loop started without a user turn).
+def _append_hint(msgs: list[ChatMessage], hint: str) -> list[ChatMessage]:
+    # The reference's placement, the only one: appended to the last user message, or to the last message
+    # when there is none (a tool loop started without a user turn).
     i = max((k for k, m in enumerate(msgs) if m.role == "user"), default=len(msgs) - 1)
     msgs[i] = msgs[i].model_copy(update={"content": _with_hint(msgs[i].text(), hint)})
     return msgs
 
 
-def _place_system(msgs: list[ChatMessage], hint: str) -> list[ChatMessage]:
-    if msgs and msgs[0].role in ("system", "developer"):
-        msgs[0] = msgs[0].model_copy(update={"content": _with_hint(msgs[0].text(), hint)})
-    else:
-        msgs.insert(0, ChatMessage(role="system", content=_with_hint("", hint)))
-    return msgs
-
-
-HINT_PLACEMENTS = {
-    "append_last_user": _place_append_last_user,
-    "system": _place_system,
-}
-
-
 def build_teacher_prompt_ids(tokenizer, messages: Sequence[ChatMessage | dict[str, Any]],
-                             tools: Sequence[ToolDef | dict[str, Any]] | None, hint: str | None,
-                             placement: str = "append_last_user", *,
+                             tools: Sequence[ToolDef | dict[str, Any]] | None, hint: str | None, *,
                              tool_choice: str | dict | None = None) -> list[int]:
-    """Prompt ids the teacher conditions on: the turn's messages with ``hint`` placed per
-    ``placement``, rendered exactly as the gateway renders a request. An empty or None hint
-    leaves the messages untouched, so the result equals the turn's own prompt ids."""
-    try:
-        place = HINT_PLACEMENTS[placement]
-    except KeyError:
-        raise ValueError(f"unknown hint placement {placement!r}; valid: {', '.join(sorted(HINT_PLACEMENTS))}") from None
+    """Prompt ids the teacher conditions on: the turn's messages with ``hint`` appended to the last
+    user message, rendered exactly as the gateway renders a request. An empty or None hint leaves the
+    messages untouched, so the result equals the turn's own prompt ids."""
     msgs = [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
     if not msgs:
         raise ValueError("the teacher prompt needs at least one message")
     tool_defs = [t if isinstance(t, ToolDef) else ToolDef.model_validate(t) for t in tools] if tools else None
     if hint and hint.strip():
-        msgs = place(list(msgs), hint.strip())
+        msgs = _append_hint(list(msgs), hint.strip())
     return ChatAdapter(tokenizer).render(msgs, tool_defs, tool_choice)
 
 

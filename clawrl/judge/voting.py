@@ -46,23 +46,6 @@ def majority_vote(votes: Sequence[int | None]) -> tuple[int, str]:
     return 0, "tie"
 
 
-def word_overlap(hint: str, evidence: str) -> int:
-    """Distinct words (``\\w+``, lower-cased) of ``hint`` that also occur in ``evidence``."""
-    return len({w.lower() for w in _WORD.findall(hint)} & {w.lower() for w in _WORD.findall(evidence)})
-
-
-# Each policy gets the usable hints (vote order, at least one) and the next state's text; max/min
-# return the first of equals, so ties go to the earlier vote.
-HINT_POLICIES: dict[str, Callable[[list[str], str], str]] = {
-    "longest": lambda hints, _: max(hints, key=len),  # the reference's: the most informative (first of equals)
-    "first": lambda hints, _: hints[0],
-    "shortest": lambda hints, _: min(hints, key=len),  # least room for the hint to leak the answer wholesale
-    # the hint most grounded in what actually came next: a hint naming what the user asked for shares its
-    # words (a model judge's hint may not copy COPY_WORDS consecutive words, so it cannot win by copying)
-    "overlap": lambda hints, evidence: max(hints, key=lambda h: word_overlap(h, evidence)),
-}
-
-
 def hint_problem(hint: str, *, user_texts: Sequence[str] = (), copy_check: bool = True) -> str | None:
     """Why ``hint`` (stripped) must not be used, or None (module docstring)."""
     if not MIN_HINT_CHARS <= len(hint) <= MAX_HINT_CHARS:
@@ -81,20 +64,11 @@ def hint_problem(hint: str, *, user_texts: Sequence[str] = (), copy_check: bool 
     return None
 
 
-def select_hint(candidates: Sequence[str | None], policy: str = "longest", *, min_chars: int = MIN_HINT_CHARS,
-                problem: Callable[[str], str | None] | None = None, limit: int = 0,
-                evidence: str = "") -> str | None:
-    """One hint among the accepted candidates (None = a vote without a usable hint), or None.
-
-    Candidates are stripped; those shorter than ``min_chars``, or in which ``problem`` (e.g.
-    :func:`hint_problem`) finds something, are not usable. ``limit`` > 0 keeps the first ``limit``
-    usable ones (vote order). ``evidence``: the next state's text, which the 'overlap' policy
-    compares against. Unknown ``policy`` raises ValueError naming the valid ones."""
-    try:
-        choose = HINT_POLICIES[policy]
-    except KeyError:
-        raise ValueError(f"unknown hint policy {policy!r}; valid: {', '.join(sorted(HINT_POLICIES))}") from None
-    stripped = [h.strip() for h in candidates if h is not None]
-    usable = [h for h in stripped if len(h) >= min_chars and (problem is None or problem(h) is None)]
-    usable = usable[:limit] if limit > 0 else usable
-    return choose(usable, evidence) if usable else None
+def select_hint(candidates: Sequence[str | None], *, min_chars: int = MIN_HINT_CHARS,
+                problem: Callable[[str], str | None] | None = None) -> str | None:
+    """The longest usable candidate (the reference's choice: the most informative; the earlier vote
+    of equals), or None. Candidates are stripped (None = a vote without a hint); those shorter than
+    ``min_chars``, or in which ``problem`` (e.g. :func:`hint_problem`) finds something, are not usable."""
+    usable = [h for h in (c.strip() for c in candidates if c is not None)
+              if len(h) >= min_chars and (problem is None or problem(h) is None)]
+    return max(usable, key=len, default=None)

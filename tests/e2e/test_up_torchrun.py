@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clawrl.bench.common import stop_clawrl
+from clawrl.supervisor import Service, start, stop
 from tests.train.test_megatron_backend import _assert_same_updated_weights
 from tests.utils.up_process import REPO, Traffic, ports, up, wait_for
 
@@ -31,14 +31,17 @@ POOL = "clawrl-elsewhere"
 HOST = "127.0.0.2"  # a loopback address other than 127.0.0.1: a service bound to the default is not reached
 
 
-def _worker(prefect_port: int, tmp_path: Path) -> subprocess.Popen:
-    """A process worker of POOL that knows nothing but the Prefect API at HOST (as on another machine)."""
+def _worker(prefect_port: int, tmp_path: Path) -> Service:
+    """A process worker of POOL that knows nothing but the Prefect API at HOST (as on another machine), started
+    in a process group of its own (its log: ``tmp_path/worker.log``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLAWRL__", "MLFLOW_", "PREFECT_"))}
     env.update(PREFECT_API_URL=f"http://{HOST}:{prefect_port}/api", PREFECT_HOME=str(tmp_path / "worker-home"),
                PREFECT_WORKER_QUERY_SECONDS="2", PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
-                             "--name", "elsewhere"], env=env, stdout=open(tmp_path / "worker.log", "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    api = f"http://{HOST}:{prefect_port}/api"
+    worker = Service("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type",
+                                "process", "--name", "elsewhere"], f"{api}/health", api)
+    start(worker, tmp_path, env)
+    return worker
 
 
 def _flow_runs(prefect_port: int, name: str) -> list[dict]:
@@ -112,7 +115,8 @@ size = 4
         [train_run] = _flow_runs(p[1], "train-v1")
         pids = json.loads((data / "up.pids.json").read_text())
     finally:
-        stop_clawrl(worker)  # with the runs it started (its process group)
+        if worker is not None:
+            stop(worker, 60)  # with the runs it started (its process group)
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(90)

@@ -39,9 +39,8 @@ def session(tiny_engine):
 
 
 def _judge(turn, next_state, method, engine, **overrides):
-    kw = dict(backend=RuleJudge(), method=method, judge_samples=3, hint_samples=2, temperature=0.6, max_tokens=64,
-              budget_chars=6000, hint_policy="longest", teacher=engine, teacher_tokenizer=engine.tokenizer,
-              hint_placement="append_last_user", config_hash=f"cfg-{Method(method).value}", backend_name="rule")
+    kw = dict(backend=RuleJudge(), method=method, judge_samples=3, max_tokens=64, teacher=engine,
+              teacher_tokenizer=engine.tokenizer, config_hash=f"cfg-{Method(method).value}", backend_name="rule")
     kw.update(overrides)
     return asyncio.run(Judge(**kw).judge(turn, next_state))
 
@@ -67,7 +66,7 @@ def test_opd_sample_carries_aligned_teacher_logprobs_under_the_hint(session, tin
     turn, ns = session["corrected"]
     out = _judge(turn, ns, Method.OPD, tiny_engine)
     assert out.fate.fate == "sample" and out.verdict.hint == "answer in one word"
-    assert len(json.loads(out.verdict.hint_raw_outputs)) == 2
+    assert len(json.loads(out.verdict.hint_raw_outputs)) == 1  # one hint vote a turn
     s = out.sample
     assert s.has_teacher and s.reward == 0.0  # OPD uses no scalar reward
     assert len(s.teacher_logprobs) == len(s.output_ids) == len(s.rollout_logprobs) == 8
@@ -95,7 +94,7 @@ def test_hostile_corrections_give_the_rule_judge_no_hint(tiny_engine, reply):
     out = _judge(turn, build_next_state(turn, [{"role": "user", "content": reply}]), Method.OPD, tiny_engine)
     assert out.verdict.score == -1 and out.verdict.hint is None
     assert out.fate.fate == "no_hint" and out.sample is None
-    assert len(json.loads(out.verdict.hint_raw_outputs)) == 2  # the raw votes are kept for the record
+    assert len(json.loads(out.verdict.hint_raw_outputs)) == 1  # the raw vote is kept for the record
 
 
 class _HintWriter:
@@ -221,21 +220,35 @@ def test_sample_id_is_deterministic_per_turn_and_config(session, tiny_engine):
 
 
 def test_judge_config_hash_covers_every_judge_setting():
-    base = dict(backend="engine", model="tiny", method=Method.COMBINE, judge_samples=3, hint_samples=1,
-                temperature=0.6, max_tokens=512, budget_chars=6000, hint_policy="longest",
-                hint_placement="append_last_user", teacher="frozen")
+    base = dict(backend="engine", model="tiny", method=Method.COMBINE, judge_samples=3, max_tokens=512,
+                teacher="frozen")
     h = judge_config_hash(**base)
-    assert len(h) == 16 and h == judge_config_hash(**{**base, "method": "combine"})
+    # the hash stored turns are keyed by: the fixed temperature, budget and hint choices still hash as when
+    # they were settings (0.6, 6000, one vote, the longest hint, appended to the last user message)
+    assert h == "bfe693a9ef016b04" and h == judge_config_hash(**{**base, "method": "combine"})
+    assert judge_config_hash(**base, demonstrations=True, top_k=4) == "9e87d9e42ac50cb5"
     changed = {"backend": "provider", "model": "smollm2-135m", "method": Method.GRPO, "judge_samples": 5,
-               "hint_samples": 3, "temperature": 0.7, "max_tokens": 256, "budget_chars": 4000,
-               "hint_policy": "first", "hint_placement": "system", "teacher": "policy", "prompts_version": "v-other",
-               "demonstrations": True, "top_k": 4, "hint_candidates": 3}
+               "max_tokens": 256, "teacher": "policy", "prompts_version": "v-other", "demonstrations": True,
+               "top_k": 4}
     hashes = {judge_config_hash(**{**base, k: v}) for k, v in changed.items()}
     assert len(hashes) == len(changed) and h not in hashes
 
-    # top_k and hint_candidates at their defaults leave the hashes of existing configurations as they were
-    assert judge_config_hash(**base, top_k=0, hint_candidates=0) == h
+    # top_k at its default leaves the hashes of existing configurations as they were
+    assert judge_config_hash(**base, top_k=0) == h
     assert judge_config_hash(**base, top_k=4) != judge_config_hash(**base, top_k=2)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({}, "3fc4b141d128e2b5"),  # combine, the rule judge, the frozen teacher: the defaults
+    ({"ppo.advantage_estimator": "grpo"}, "84fcb928d731f5bb"),
+    ({"ppo.advantage_estimator": "on_policy_distillation"}, "fea15f314c9e3b93"),
+    ({"prm.backend": "engine", "opd.top_k": 4, "opd.hint_demonstrations": True}, "41bc1dab582866b0"),
+])
+def test_the_judge_config_hash_of_settings_stays_what_stored_turns_are_keyed_by(make_settings, overrides, expected):
+    """A changed hash would judge every stored turn again after an upgrade."""
+    from clawrl.judge.runner import build_judge_config_hash
+
+    assert build_judge_config_hash(make_settings(overrides)) == expected
 
 
 def test_topk_combine_sample_carries_the_policys_topk_and_the_teachers_logprobs_of_them(session, tiny_engine):
@@ -259,12 +272,6 @@ def test_topk_combine_sample_carries_the_policys_topk_and_the_teachers_logprobs_
         _judge(turn, ns, Method.COMBINE, tiny_engine, top_k=3)
     grpo = _judge(turn, ns, Method.GRPO, tiny_engine, top_k=3)  # no teacher, no top-k
     assert grpo.sample.topk_ids is None
-
-
-def test_hint_candidates_ask_for_enough_hint_votes(session, tiny_engine):
-    turn, ns = session["corrected"]
-    out = _judge(turn, ns, Method.OPD, tiny_engine, hint_samples=1, hint_candidates=3, hint_policy="overlap")
-    assert len(json.loads(out.verdict.hint_raw_outputs)) == 3 and out.verdict.hint == "answer in one word"
 
 
 # ------------------------------------------------------------------------------ demonstrations
@@ -351,8 +358,7 @@ class _SleepyJudge:
 def test_turns_and_votes_are_judged_concurrently():
     judge = _SleepyJudge()
     turns = [build_turn([QUESTION], session_id=f"s{i}") for i in range(8)]
-    grpo = Judge(backend=judge, method=Method.GRPO, judge_samples=3, hint_samples=0, temperature=0.6, max_tokens=64,
-                 budget_chars=6000, hint_policy="longest", hint_placement="append_last_user", teacher=None,
+    grpo = Judge(backend=judge, method=Method.GRPO, judge_samples=3, max_tokens=64, teacher=None,
                  teacher_tokenizer=None, config_hash="cfg", backend_name="sleepy")
 
     async def run_all():
@@ -366,12 +372,10 @@ def test_turns_and_votes_are_judged_concurrently():
 def test_prm_and_hint_votes_of_one_turn_overlap(tiny_engine):
     judge = _SleepyJudge()
     turn = build_turn([QUESTION])
-    combine = Judge(backend=judge, method=Method.COMBINE, judge_samples=3, hint_samples=2, temperature=0.6,
-                    max_tokens=64, budget_chars=6000, hint_policy="longest", hint_placement="append_last_user",
-                    teacher=tiny_engine, teacher_tokenizer=tiny_engine.tokenizer, config_hash="cfg",
-                    backend_name="sleepy")
+    combine = Judge(backend=judge, method=Method.COMBINE, judge_samples=3, max_tokens=64, teacher=tiny_engine,
+                    teacher_tokenizer=tiny_engine.tokenizer, config_hash="cfg", backend_name="sleepy")
     asyncio.run(combine.judge(turn, build_next_state(turn, [PRAISE])))
-    assert judge.max_in_flight == 5  # 3 PRM votes + 2 hint votes in flight together
+    assert judge.max_in_flight == 4  # 3 PRM votes + 1 hint vote in flight together
 
 
 def test_a_sample_brings_the_frozen_references_logprobs_of_its_own_prompt(session, tiny_engine, tiny_dir):

@@ -109,19 +109,15 @@ def _decode(tokenizer, ids):
     return tokenizer.decode(ids)
 
 
-def test_hint_placements(tiny_engine):
+def test_the_hint_is_appended_to_the_last_user_message(tiny_engine):
     tok = tiny_engine.tokenizer
     hint = "Prefer warm colours."
-    last_user = _decode(tok, build_teacher_prompt_ids(tok, MESSAGES, None, hint, "append_last_user"))
+    last_user = _decode(tok, build_teacher_prompt_ids(tok, MESSAGES, None, f"  {hint} "))
     assert f"Another one?\n\n{HINT_LABEL} {hint}" in last_user
-    assert last_user.count(hint) == 1
-    system = _decode(tok, build_teacher_prompt_ids(tok, MESSAGES, None, hint, "system"))
-    assert f"You are terse.\n\n{HINT_LABEL} {hint}" in system
-    assert system.index(hint) < system.index("Name a colour.")
-    no_system = _decode(tok, build_teacher_prompt_ids(tok, MESSAGES[1:], None, hint, "system"))
-    assert no_system.index(f"{HINT_LABEL} {hint}") < no_system.index("Name a colour.")  # a system message is added
-    with pytest.raises(ValueError, match="append_last_user, system"):
-        build_teacher_prompt_ids(tok, MESSAGES, None, hint, "prepend")
+    assert last_user.count(hint) == 1 and last_user.index("Name a colour.") < last_user.index(hint)
+    # a tool loop started without a user turn: the hint goes to the last message
+    no_user = _decode(tok, build_teacher_prompt_ids(tok, MESSAGES[:1], None, hint))
+    assert f"You are terse.\n\n{HINT_LABEL} {hint}" in no_user
 
 
 def test_teacher_topk_logprobs_line_up_with_the_students_topk(tiny_engine, tiny_dir):

@@ -354,8 +354,7 @@ class EchoingJudge:
 
 
 def _judge(turn, next_state, backend) -> tuple[int, list]:
-    judge = Judge(backend=backend, method="grpo", judge_samples=3, hint_samples=1, temperature=0.6, max_tokens=64,
-                  budget_chars=6000, hint_policy="longest", hint_placement="append_last_user", teacher=None,
+    judge = Judge(backend=backend, method="grpo", judge_samples=3, max_tokens=64, teacher=None,
                   teacher_tokenizer=None, config_hash="cfg", backend_name="echo")
     out = asyncio.run(judge.judge(turn, next_state))
     return out.verdict.score, out.verdict.votes
