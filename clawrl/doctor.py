@@ -236,7 +236,7 @@ def _hints(con: duckdb.DuckDBPyConnection, chash: str, method: str) -> Finding:
                        "the hint model writes no usable hindsight hint, so on-policy distillation gets no "
                        "teacher signal"
                        + (" and its turns are dropped (no_hint)" if method == Method.OPD.value else ""),
-                       "a stronger hint model (the judge's, [prm] backend), more [opd] hint_samples, or "
+                       "a stronger hint model (the judge's, [prm] backend), or "
                        + ("advantage_estimator = grpo / combine, which learn from the score alone"
                           if method == Method.OPD.value else "advantage_estimator = grpo, which needs no hints"), sql)
     return Finding("hints", True, summary)

@@ -128,7 +128,7 @@ def base_model_dir(settings: Settings):
 def gate_eval_set(settings: Settings, batch_id: str | None = None) -> EvalSet:
     """The ``[gate]`` evaluation set of the candidate trained on ``batch_id``: the validation set, loaded
     once per configuration; or the replay set of the turns judged before that batch was claimed (all
-    judged turns without a batch), scored by ``[gate] replay_scorer`` or the judge's rating."""
+    judged turns without a batch), scored by ``[gate] evaluator`` or the judge's rating."""
     from clawrl.evaluation import load_eval_set
 
     g, temperature = settings.gate, settings.ppo.temperature
@@ -251,7 +251,7 @@ def serve_target(s: Settings, version: str) -> dict[str, Any]:
 
 def engine_url_for(s: Settings, engine_url: str | None = None) -> str | None:
     """The HTTP engine a sync from this process targets: ``engine_url`` when given, else ``[engine] url``
-    when ``[engine] kind = "http"``, else the engine of the `clawrl serve` running on the data root
+    when it is set, else the engine of the `clawrl serve` running on the data root
     (``<data_root>/serve.json``: its HTTP engine or router, or its embedded engine at ``{gateway}/engine``);
     None when there is none."""
     if engine_url:

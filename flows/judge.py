@@ -1,7 +1,7 @@
 """Prefect flow `judge`: turns with a next state -> verdicts, samples and fates, exactly once.
 
 Thin orchestration over clawrl.judge.runner and storage/. The turns are judged in chunks, one task
-each (4 x ``[prm] max_in_flight`` turns, judged ``max_in_flight`` at once, no global lock): one
+each (4 x ``MAX_IN_FLIGHT`` turns, judged ``MAX_IN_FLIGHT`` = 16 at once, no global lock): one
 catalog read and two writes per chunk, not per turn, which is what lets the judge keep up with live
 traffic. A turn whose judge failed is judged again, alone, with exponential backoff, up to ``[prm]
 retries`` times; one that still fails is recorded with fate ``judge_error`` (raw outputs kept) and
@@ -213,7 +213,7 @@ def _start_training() -> None:
 
 @flow(name="judge", flow_run_name=_judge_run_name, log_prints=True)
 def judge_flow(config_path: str | None = None, limit: int | None = None, exclusive: bool = False) -> dict[str, Any]:
-    """Judge every turn that is ready (at most ``limit``, default ``[prm] batch_limit``). With
+    """Judge every turn that is ready (at most ``limit``, default 4 x ``[ppo] rollout_batch_size``, at least 64). With
     ``exclusive``, only while no other exclusive judge run is going; else it skips, Completed."""
     if not exclusive:
         return _judge_ready(config_path, limit)

@@ -84,3 +84,18 @@ def test_the_readme_stays_short():
 def test_the_results_page_stays_short():
     lines = (REPO / "docs" / "benchmarks.md").read_text().count("\n")
     assert lines <= RESULTS_MAX_LINES, f"docs/benchmarks.md has {lines} lines, over {RESULTS_MAX_LINES}"
+
+
+def test_no_page_help_text_or_message_names_a_removed_setting():
+    """What a user reads - the docs, the config files, the CLI's help and every message and docstring of the
+    library - names only settings that exist: a key clawrl/config_removed.py lists is an error in a config
+    file, so text that tells a user to set it is wrong."""
+    from clawrl.config_removed import REMOVED_KEYS
+
+    sources = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "conf").glob("*.toml")),
+               *sorted(p for d in ("clawrl", "flows", "storage") for p in (REPO / d).rglob("*.py")
+                       if p.name != "config_removed.py")]
+    named = [f"{p.relative_to(REPO)}:{i}: {m.group(0)}" for p in sources
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             for m in re.finditer(r"\[(\w+)\]`*\s+`*(\w+)", line) if m.groups() in REMOVED_KEYS]
+    assert named == []

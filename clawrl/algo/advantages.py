@@ -16,7 +16,7 @@ policy's top-k probabilities renormalised. G_t is minus a reverse KL(policy || t
 K_t: it is 0 where the teacher agrees with the policy on its likely tokens, negative where the
 teacher (given the hint) gives them less mass. With k = 1 and the sampled token the policy's top-1
 it is the sampled-token gap, with the judge-time policy log-prob in place of old_lp.
-``clip(G) = clamp(G, -c, c)`` with c = ``opd_clip`` (``[opd] advantage_clip``; 0 = no clip) bounds
+``clip(G) = clamp(G, -c, c)`` with c = ``opd_clip`` (1 with top-k OPD, else 0 = no clip) bounds
 one token's OPD advantage (before ``w_opd``); the reward term is never clipped.
 
 Shapes: B samples, T = L-1 next-token positions; per-token tensors are (B, T) aligned with

@@ -5,7 +5,7 @@ cross-entropy loss on the output tokens, grad-norm clip, one AdamW step. A PPO s
 same work plus what the objective needs on top:
 
   * a no-grad forward of the frozen reference when ``kl_coef > 0`` (the KL term), unless the samples
-    brought the reference's log-probs from the judge (``ppo_step_judge_ref``: ``[ppo] reference_logprobs``);
+    brought the reference's log-probs from the judge (``ppo_step_judge_ref``: the judge holds the initial weights);
   * entropy and the PPO metrics (one extra pass over the logits, no grad).
 
 The old log-probs cost nothing: they are read from the training forward itself (see
@@ -97,7 +97,7 @@ def run_train_bench(model_names: tuple[str, ...] = ("tiny", "smollm2-135m"), *, 
         with_ref = _backend(backend, model_dir, hp, device, dtype)
         no_ref = _backend(backend, model_dir, dataclasses.replace(hp, kl_coef=0.0), device, dtype)
         flops = batch_size * compute_flops_per_sequence(AutoConfig.from_pretrained(str(model_dir)), seq_len)
-        # what samples judged by an engine holding the initial weights bring ([ppo] reference_logprobs)
+        # what samples judged by an engine holding the initial weights bring
         judged = dataclasses.replace(batch, ref_logprobs=with_ref.compute_logprobs(batch, reference=True),
                                      has_ref=torch.ones(batch_size, dtype=torch.bool, device=device))
         results = interleaved_times({
@@ -136,7 +136,7 @@ def format_train_section(train_rows: list[dict[str, Any]], sync_rows: list[dict[
             f"(a) One PPO step (the backend's `train_step`, {train_rows[0]['batch']} x {train_rows[0]['seq_len']} "
             "tokens, one micro-batch) vs a plain HF forward + backward + AdamW step of the same batch (the bound;",
             "target vs_bound >= 0.8). `ppo_step` computes the KL reference log-probs itself, `ppo_step_judge_ref` gets "
-            "them from the judge's engine (`[ppo] reference_logprobs`),",
+            "them from the judge's engine when it holds the initial weights,",
             "`ppo_step_no_ref` has no KL term; `mfu` (GPU): training FLOP/s over the 790 TFLOP/s bf16 peak.", "",
             markdown_table(train_rows, ["model", "what", "backend", "threads", "seconds", "seconds_median",
                                         "tokens_per_s", "vs_bound", "mfu"]), ""]

@@ -165,11 +165,11 @@ def up(
                                            "the flows reach them at: this machine's address on a private network "
                                            "when Prefect workers on other machines run the flows.")] = "127.0.0.1",
     engines: Annotated[int, typer.Option(min=0, help="`clawrl engine` processes serving the policy (several: behind "
-                                                     "SGLang's router on [engine] port); 0: the gateway's embedded "
-                                                     "engine.")] = 0,
+                                                     "SGLang's router on [server] api_port + 10); 0: the gateway's "
+                                                     "embedded engine.")] = 0,
     judge_engines: Annotated[int, typer.Option(min=1, help="`clawrl engine` processes holding the initial weights for "
                                                            "the judge and teacher (several: behind SGLang's router on "
-                                                           "[prm] engine_port), when they use them.")] = 1,
+                                                           "[server] api_port + 21), when they use them.")] = 1,
 ) -> None:
     """Everything at once: gateway + engine, Prefect server and deployments, trainer, MLflow UI."""
     from clawrl.storage.writer import DataRootError, check_data_root

@@ -26,7 +26,7 @@ ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promoti
 def judge(
     config: ConfigOpt = None,
     limit: Annotated[Optional[int], typer.Option(
-        min=1, help="Most turns to judge (default [prm] batch_limit).")] = None,
+        min=1, help="Most turns to judge (default 4 x [ppo] rollout_batch_size, at least 64).")] = None,
 ) -> None:
     """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
     with data_root_prefect(settings_or_exit(config)):
@@ -72,7 +72,7 @@ def waiting_after_sync(s, config, sync: dict) -> None:
     url = url if url and url.startswith("http") else None  # None: in this process
     if sync["message"] == NO_ENGINE:
         warn(f"checkpoint v{v} is WAITING: nothing serves it (no `clawrl serve` is running on {s.storage.data_root} "
-             f"and [engine] kind is not 'http'). With the gateway running, serve it with: "
+             f"and no [engine] url). With the gateway running, serve it with: "
              f"{sync_command(config, v, gateway_engine_url(s))}")
     else:
         warn(f"weight sync FAILED: {sync['message']}; the engine serves version {sync['weight_version']} and "
@@ -104,7 +104,7 @@ def sync(
     url = engine_url_for(s, engine_url)
     if not url:
         fail(f"checkpoint v{ck['weight_version']} is WAITING: no engine to sync (no `clawrl serve` is running on "
-             f"{s.storage.data_root} and [engine] kind is not 'http'). Start `clawrl serve`, or name the engine: "
+             f"{s.storage.data_root} and no [engine] url). Start `clawrl serve`, or name the engine: "
              f"{sync_command(config, ck['weight_version'], gateway_engine_url(s))}")
     # the train flow's sync path, recorded like its attempts (flushed: `clawrl status` and MLflow show it at once)
     rep = push_weights(s, ck, url)
@@ -122,8 +122,8 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
 
     url = engine_url_for(s, engine_url)
     if not url:
-        fail(f"no engine to serve it: no `clawrl serve` is running on {s.storage.data_root} and [engine] kind is "
-             f"not 'http'; start `clawrl serve`, or pass --engine-url (e.g. {gateway_engine_url(s)})")
+        fail(f"no engine to serve it: no `clawrl serve` is running on {s.storage.data_root} and no [engine] url is "
+             f"set; start `clawrl serve`, or pass --engine-url (e.g. {gateway_engine_url(s)})")
     from clawrl.lineage import set_policy_alias
     from clawrl.promotion import GateError, record_manual
     from clawrl.records import PromotionAction

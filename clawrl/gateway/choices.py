@@ -2,7 +2,7 @@
 their engine streams. A request with ``n`` choices runs ``n`` samples (GenerateRequest.samples:
 sample i is seeded ``seed + i``); choice i is sample i.
 
-Choices (OpenAI's ``n``, at most ``[server] max_n``): each choice is a sample of its own - the
+Choices (OpenAI's ``n``, at most ``MAX_N`` = 8 a request): each choice is a sample of its own - the
 engine gets ``n`` requests of one prompt (choice i seeded ``seed + i``, so choice 0 is what ``n =
 1`` would answer; the embedded engine prefills the prompt once for all of them) - with its own
 output ids, rollout log-probs, parsed tool calls and finish reason. All ``n`` turns are appended in

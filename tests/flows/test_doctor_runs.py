@@ -138,4 +138,4 @@ def test_a_hint_model_that_never_writes_a_usable_hint(broken_run, tmp_path, mode
     assert failing(found) == ["hints"]
     assert found["hints"]["summary"] == "0 usable hints of 6 asked (0% accepted)"
     assert "no usable hindsight hint" in found["hints"]["cause"] and "dropped (no_hint)" in found["hints"]["cause"]
-    assert "hint_samples" in found["hints"]["fix"] and "1 problem found" in text
+    assert "[prm] backend" in found["hints"]["fix"] and "hint_samples" not in found["hints"]["fix"] and "1 problem found" in text
