@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -81,16 +84,13 @@ def demo(
     root.mkdir(parents=True, exist_ok=True)
     run_conf = root / "config.toml"  # the flows read this; replay re-reads it
     run_conf.write_text(dump_toml(s))
-    try:  # the run's own Prefect home: `clawrl up -c <run>/config.toml` shows the same flow runs
-        with data_root_prefect(s) as prefect_api:
-            console.print(f"Prefect UI of this run while it runs: {prefect_api.removesuffix('/api')}", markup=False)
-            out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens,
-                            seed=seed, heldout=heldout, eval_samples=eval_samples, group_size=group_size,
-                            scenario=scenario, plain_share=plain_share)
-    except KeyboardInterrupt:
-        console.print(f"interrupted: the steps so far are kept in {root} (`{clawrl_command()} status -c {run_conf}`)",
-                      markup=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+    # the run's own Prefect home: `clawrl up -c <run>/config.toml` shows the same flow runs
+    with ctrl_c_exits(f"interrupted: the steps so far are kept in {root} (`{clawrl_command()} status -c {run_conf}`)"), \
+            data_root_prefect(s) as prefect_api:
+        console.print(f"Prefect UI of this run while it runs: {prefect_api.removesuffix('/api')}", markup=False)
+        out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens,
+                        seed=seed, heldout=heldout, eval_samples=eval_samples, group_size=group_size,
+                        scenario=scenario, plain_share=plain_share)
     _print_rows(out["rows"], scenario, persona)
     console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False,
                   soft_wrap=True)
@@ -155,6 +155,29 @@ def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
     lines = ", ".join(f"{label} {first[k]:.3f} -> {last[k]:.3f} (best {max(r[k] for r in rows):.3f})"
                       for k, label in cols[:2])
     console.print(f"after {len(rows) - 1} steps: {lines}", markup=False)
+
+
+@contextmanager
+def ctrl_c_exits(message: str) -> Iterator[None]:
+    """Ctrl-C ends the block with ``message`` and exit code 130 (what a shell reports for SIGINT), not a
+    traceback. DuckDB catches the KeyboardInterrupt a Ctrl-C raises mid-query and raises RuntimeError("Query
+    interrupted") instead, so whatever the block raises after a SIGINT counts as the interruption."""
+    seen: list[int] = []
+
+    def on_sigint(signum, frame) -> None:
+        seen.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    except BaseException as e:
+        if not (isinstance(e, KeyboardInterrupt) or seen):
+            raise
+        console.print(message, markup=False, soft_wrap=True)
+        raise typer.Exit(130) from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:

@@ -12,9 +12,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
+import pytest
 
 from tests.utils.demo_config import tiny_demo_config
 from tests.utils.gateway_process import REPO
@@ -61,7 +63,8 @@ def test_ctrl_c_stops_the_demo_and_its_prefect_server(tmp_path, model_cache):
     out = log.read()
     assert rc == 130, out[-3000:]
     assert f"interrupted: the steps so far are kept in {run}" in " ".join(out.split())
-    assert "Flow run 'learning-loop-persona-16-steps' - Finished in state Crashed" in out  # reported, server up
+    # reported while the server is up: Crashed, or Failed when the Ctrl-C landed in a DuckDB query (its RuntimeError)
+    assert re.search(r"Flow run 'learning-loop-persona-16-steps' - Finished in state (Crashed|Failed)", out), out[-3000:]
     assert "Error logging to API" not in out and "Connection refused" not in out
     assert (run / "checkpoints" / "v000001" / "trainer.json").is_file()  # what was done is kept
     try:
@@ -69,3 +72,22 @@ def test_ctrl_c_stops_the_demo_and_its_prefect_server(tmp_path, model_cache):
         raise AssertionError(f"the run's Prefect server at {ui} still answers")
     except httpx.ConnectError:
         pass
+
+
+def test_ctrl_c_in_the_middle_of_a_duckdb_query_exits_130_with_the_message(capsys):
+    """DuckDB catches the KeyboardInterrupt of a Ctrl-C that lands mid-query and raises RuntimeError("Query
+    interrupted"): the demo still ends with its message and 130, and any other error is still an error."""
+    import duckdb
+    import typer
+
+    from clawrl.cli.demo import ctrl_c_exits
+
+    before = signal.getsignal(signal.SIGINT)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(typer.Exit) as e, ctrl_c_exits("interrupted: the steps so far are kept"):
+        duckdb.connect().sql("SELECT count(*) FROM range(100000000000) t(i) WHERE i % 7 = 3").fetchall()
+    assert e.value.exit_code == 130
+    assert capsys.readouterr().out.strip() == "interrupted: the steps so far are kept"
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(RuntimeError, match="boom"), ctrl_c_exits("interrupted"):
+        raise RuntimeError("boom")

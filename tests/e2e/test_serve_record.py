@@ -99,8 +99,8 @@ def test_train_syncs_the_running_gateway_and_status_shows_what_waits_once_it_is_
     assert res.exit_code == 0, res.output
     command = f"clawrl sync 2 -c {conf} --engine-url http://127.0.0.1:{port}/engine"
     assert res.stderr.strip() == (
-        f"checkpoint v2 is WAITING: nothing serves it (no `clawrl serve` is running on {root} and [engine] kind "
-        f"is not 'http'). With the gateway running, serve it with: {command}")
+        f"checkpoint v2 is WAITING: nothing serves it (no `clawrl serve` is running on {root} and no [engine] "
+        f"url). With the gateway running, serve it with: {command}")
     lines = _status(conf)
     assert _row(lines, "latest checkpoint") == "latest checkpoint weight_version 2 (step 2)"
     assert _row(lines, "served version") == "served version 1 (as the last sync saw it; no `clawrl serve` answers)"
@@ -109,8 +109,8 @@ def test_train_syncs_the_running_gateway_and_status_shows_what_waits_once_it_is_
     res = CliRunner().invoke(app, ["sync", "--config", str(conf)])
     assert res.exit_code == 2
     assert res.stderr.strip() == (
-        f"checkpoint v2 is WAITING: no engine to sync (no `clawrl serve` is running on {root} and [engine] kind "
-        f"is not 'http'). Start `clawrl serve`, or name the engine: {command}")
+        f"checkpoint v2 is WAITING: no engine to sync (no `clawrl serve` is running on {root} and no [engine] "
+        f"url). Start `clawrl serve`, or name the engine: {command}")
 
 
 def test_status_ignores_a_stale_serve_record_and_shows_the_waiting_checkpoint(tmp_path):
