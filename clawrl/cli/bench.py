@@ -256,6 +256,16 @@ def bench_train(
     _write("train", format_train_section(train_rows, sync_rows), out)
 
 
+def _model_dir_or_fail(path: Path) -> None:
+    """``--versus`` must hold a model: an HF config and its weights (training prunes the weights of
+    older checkpoints; their trainer.json stays)."""
+    if not (path / "config.json").is_file():
+        fail(f"--versus {path}: not an HF model directory (no config.json)")
+    if not any(path.glob("*.safetensors")) and not (path / "pytorch_model.bin").is_file():
+        fail(f"--versus {path}: no weights in it (no *.safetensors): the trainer keeps the weights of the newest 3 "
+             f"checkpoints and of those the promotion gate serves or may roll back to; older ones keep only trainer.json")
+
+
 @bench_app.command("tools")
 def bench_tools(
     versus: Annotated[Path, typer.Option(help="The checkpoint (an HF directory, e.g. <run>/checkpoints/v000016) "
@@ -277,8 +287,7 @@ def bench_tools(
     from clawrl.models import resolve_device, resolve_dtype, resolve_model_dir
 
     s = settings_or_exit(config)
-    if not (versus / "config.json").is_file():
-        fail(f"--versus {versus}: not an HF model directory (no config.json)")
+    _model_dir_or_fail(versus)
     base = resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed)
     answers = []
     with _status("tools comparison") as progress:
@@ -325,8 +334,7 @@ def bench_bfcl(
     except BfclMissing as e:
         fail(str(e))
     for v in versus:
-        if not (v / "config.json").is_file():
-            fail(f"--versus {v}: not an HF model directory (no config.json)")
+        _model_dir_or_fail(v)
     chosen = _split(categories) or OFFLINE_CATEGORIES
     if unknown := [c for c in chosen if c not in OFFLINE_CATEGORIES]:
         fail(f"--categories: {', '.join(unknown)} not among BFCL's offline categories ({', '.join(OFFLINE_CATEGORIES)})")

@@ -93,3 +93,19 @@ def test_a_side_done_on_the_same_prompts_is_read_again_not_run(tmp_path):
     assert errors_in(tmp_path / "base", "irrelevance") == 1  # "x" was refused by the gateway
     with pytest.raises(FileNotFoundError):  # other prompts: it would have to run (here: reads /m/config.json)
         run_side(None, "/m", tmp_path, "base", {"irrelevance": ["irrelevance_0"]})
+
+
+def test_a_checkpoint_whose_weights_were_pruned_is_named_before_anything_starts(tmp_path):
+    """Training keeps only the newest checkpoints' weights (and the gate's); an older one holds trainer.json
+    and config.json: `--versus` on it is one line naming it, not a loader's traceback minutes later."""
+    ckpt = tmp_path / "checkpoints" / "v000008"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "trainer.json").write_text("{}")
+    res = CliRunner().invoke(app, ["bench", "tools", "--versus", str(ckpt)])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert f"--versus {ckpt}: no weights in it (no *.safetensors)" in text and "Traceback" not in text, text
+    (ckpt / "model.safetensors").write_bytes(b"")
+    res = CliRunner().invoke(app, ["bench", "tools", "--versus", str(tmp_path / "elsewhere")])
+    assert res.exit_code == 2 and "not an HF model directory (no config.json)" in " ".join(res.output.split())
