@@ -76,7 +76,7 @@ $(OPENCLAW_BIN): $(NODE_BIN)
 	PATH=$(abspath $(dir $(NODE_BIN))):$$PATH npm install -q --no-audit --no-fund --ignore-scripts --prefix $(TOOLS)/openclaw $(OPENCLAW_PKG)
 
 # `clawrl bench bfcl` and the gate evaluator clawrl.sim.validation:tools_bfcl run BFCL from here, offline
-bfcl: $(BFCL_STAMP)
+bfcl: install $(BFCL_STAMP)  # clawrl itself too: `clawrl bench bfcl` is what runs BFCL
 
 $(BFCL_STAMP):
 	@command -v uv >/dev/null || python3 -m pip install -q uv
