@@ -9,6 +9,7 @@ import errno
 import gc
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -127,17 +128,45 @@ def free_api_port() -> int:
     from clawrl.config import PORT_OFFSETS
 
     while True:
-        port = free_port()
+        [port] = free_ports(1, span=max(PORT_OFFSETS.values()))
         derived = [port + offset for offset in PORT_OFFSETS.values()]
-        if derived[-1] < 65536 and all(listen_problem("127.0.0.1", p) is None for p in derived):
+        if all(listen_problem("127.0.0.1", p) is None for p in derived):
             return port
 
 
-def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
+# Ports a server is given to bind later come from below the kernel's ephemeral range (what outgoing
+# connections get: Linux's default 32768-60999); a port from that range can be taken by any process's
+# outgoing connection between the draw and the server's bind ("address already in use").
+PORT_FLOOR = 10000
+EPHEMERAL_LOW_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_LOW_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, avoid: Iterable[int] = (), span: int = 0) -> list[int]:
     """``n`` distinct TCP ports on 127.0.0.1 that nothing listens on now, none of ``avoid`` (ports
-    handed out before and not bound yet: a port is free again once its probe closes, so ports drawn
-    one at a time can repeat)."""
-    avoid, socks, ports = set(avoid), [], []
+    handed out before and not bound yet), drawn at random below the ephemeral range; with ``span``,
+    ``port + span`` stays below it too."""
+    high = _ephemeral_low() - span
+    if high - PORT_FLOOR < 4 * n:  # an ephemeral range starting low: draw from above it
+        return _kernel_ports(n, set(avoid))
+    taken, ports, rng = set(avoid), [], random.SystemRandom()
+    while len(ports) < n:
+        port = rng.randrange(PORT_FLOOR, high)
+        if port not in taken:
+            taken.add(port)
+            if listen_problem("127.0.0.1", port) is None:
+                ports.append(port)
+    return ports
+
+
+def _kernel_ports(n: int, avoid: set[int]) -> list[int]:
+    socks, ports = [], []
     try:
         while len(ports) < n:  # every probe stays open until all are drawn, so none comes twice
             s = socket.socket()
