@@ -19,7 +19,7 @@ def test_ports_come_from_below_the_ephemeral_range_and_skip_ports_in_use(monkeyp
     gone by the time its server binds it (seen as "address already in use" under two test processes)."""
     import socket
 
-    import clawrl.serving as serving
+    from clawrl import serving
 
     low = serving._ephemeral_low()
     assert all(serving.PORT_FLOOR <= p < low - 22 for p in free_ports(50, span=22))
