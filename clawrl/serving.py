@@ -130,7 +130,7 @@ def free_api_port() -> int:
     while True:
         [port] = free_ports(1, span=max(PORT_OFFSETS.values()))
         derived = [port + offset for offset in PORT_OFFSETS.values()]
-        if all(listen_problem("127.0.0.1", p) is None for p in derived):
+        if derived[-1] < 65536 and all(listen_problem("127.0.0.1", p) is None for p in derived):
             return port
 
 
