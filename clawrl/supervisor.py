@@ -37,7 +37,7 @@ import httpx
 from clawrl.config import MLFLOW_UI_ENV, child_env, mlflow_ui_url
 from clawrl.lineage import client as mlflow_client, store_path, store_uri
 from clawrl.engine.router import router_argv
-from clawrl.serving import WILDCARD_HOSTS, client_url, free_port, free_ports
+from clawrl.ports import WILDCARD_HOSTS, client_url, free_port, free_ports
 
 # Prefect keeps concurrency-slot leases in memory by default: a Prefect server killed while a flow run
 # held the trainer or judge slot comes back with the slot counted as taken and no lease to expire it,
@@ -75,7 +75,7 @@ PORT_KEYS = {"prefect": "--prefect-port", "mlflow": "--mlflow-port", "trainer": 
 def port_problems(services: list[Service]) -> list[str]:
     """Why each service could not listen where it should (its port taken, or given to two of them), each
     naming the key that moves it; empty when all can. Checked before any of them starts."""
-    from clawrl.serving import listen_problem
+    from clawrl.ports import listen_problem
 
     problems, seen = [], {}
     for svc in services:

@@ -4,7 +4,7 @@ after the other can give the same port, and two servers then share it)."""
 
 from __future__ import annotations
 
-from clawrl.serving import free_ports
+from clawrl.ports import free_ports
 
 
 def test_ports_drawn_together_are_distinct_and_avoid_those_handed_out():
@@ -19,10 +19,10 @@ def test_ports_come_from_below_the_ephemeral_range_and_skip_ports_in_use(monkeyp
     gone by the time its server binds it (seen as "address already in use" under two test processes)."""
     import socket
 
-    from clawrl import serving
+    from clawrl import ports
 
-    low = serving._ephemeral_low()
-    assert all(serving.PORT_FLOOR <= p < low - 22 for p in free_ports(50, span=22))
+    low = ports._ephemeral_low()
+    assert all(ports.PORT_FLOOR <= p < low - 22 for p in free_ports(50, span=22))
     [base] = free_ports(1, span=40)
     listening = []
     for port in (base, base + 1):
@@ -32,8 +32,8 @@ def test_ports_come_from_below_the_ephemeral_range_and_skip_ports_in_use(monkeyp
         listening.append(s)
     fake = tmp_path / "ip_local_port_range"
     fake.write_text(f"{base + 40}\t60999\n")
-    monkeypatch.setattr(serving, "EPHEMERAL_LOW_FILE", fake)
-    monkeypatch.setattr(serving, "PORT_FLOOR", base)
+    monkeypatch.setattr(ports, "EPHEMERAL_LOW_FILE", fake)
+    monkeypatch.setattr(ports, "PORT_FLOOR", base)
     try:
         drawn = free_ports(10)
         assert len(set(drawn)) == 10 and all(base + 2 <= p < base + 40 for p in drawn)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from clawrl import supervisor
 from clawrl.cli import app
 from clawrl.config import dump_toml
-from clawrl.serving import free_api_port, free_ports
+from clawrl.ports import free_api_port, free_ports
 
 ALL_ENGINES = {"prm.backend": "engine", "ppo.advantage_estimator": "grpo", "gate.canary_share": 0.25}
 

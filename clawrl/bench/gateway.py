@@ -33,7 +33,7 @@ from clawrl.bench.common import (
     machine_line,
     markdown_table,
 )
-from clawrl.serving import free_ports
+from clawrl.ports import free_ports
 from clawrl.supervisor import start, stop, wait_healthy
 
 TOPOLOGIES = ("embedded", "http")

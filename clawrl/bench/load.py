@@ -49,7 +49,7 @@ import openai
 
 from clawrl.bench.common import STOP_TIMEOUT_S, bench_dtype, bench_env, clawrl_service, load_average
 from clawrl.bench.load_up import drive_up, task_seconds
-from clawrl.serving import free_api_port
+from clawrl.ports import free_api_port
 from clawrl.supervisor import engine_group, start, stop, wait_healthy
 from clawrl.sim.personas import PERSONAS, react
 from clawrl.sim.prompts import QUESTIONS

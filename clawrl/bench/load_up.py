@@ -15,7 +15,7 @@ from typing import Any
 
 from clawrl.bench.common import STOP_TIMEOUT_S, bench_env, clawrl_service, load_average
 from clawrl.config import PORT_OFFSETS
-from clawrl.serving import free_ports
+from clawrl.ports import free_ports
 from clawrl.supervisor import Service, start, stop, wait_healthy
 
 

@@ -49,7 +49,7 @@ def sync_command(config: Path | None, version: str, engine_url: str | None = Non
 
 def gateway_engine_url(s: Settings) -> str:
     """The embedded engine of the gateway `clawrl serve` starts with these settings."""
-    from clawrl.serving import client_url
+    from clawrl.ports import client_url
 
     return f"{client_url(s.server.host, s.server.api_port)}/engine"
 

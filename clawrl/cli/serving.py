@@ -25,7 +25,8 @@ def serve(
     import uvicorn
 
     from clawrl.gateway.routes import create_app
-    from clawrl.serving import client_url, freeze_startup_heap, listen_problem, record_where_it_serves
+    from clawrl.ports import client_url, listen_problem
+    from clawrl.serving import freeze_startup_heap, record_where_it_serves
     from clawrl.storage.writer import DataRootError
 
     settings = settings_or_exit(config, {"server.host": host, "server.api_port": port})
@@ -85,7 +86,8 @@ def engine(
     from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
     from clawrl.engine.server import serve_engine
     from clawrl.models import ModelNotFoundError, resolve_model_dir
-    from clawrl.serving import freeze_startup_heap, listen_problem
+    from clawrl.ports import listen_problem
+    from clawrl.serving import freeze_startup_heap
 
     s = settings_or_exit(config, {"model.name": model, "server.host": host})
     port = port or s.port("engine")

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from clawrl.config import PORT_OFFSETS
-from clawrl.serving import free_api_port, free_ports
+from clawrl.ports import free_api_port, free_ports
 from tests.utils.demo_config import tiny_demo_config
 from tests.utils.up_process import stop
 

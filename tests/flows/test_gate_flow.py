@@ -420,7 +420,7 @@ def test_the_gate_scores_candidates_in_the_evaluation_engine_up_starts(prefect_h
     from clawrl.engine.sglang_client import SGLangClient
     from clawrl.flows.train import train_flow
     from clawrl.promotion import score_version
-    from clawrl.serving import free_api_port
+    from clawrl.ports import free_api_port
 
     _fill_reference(tiny_dir)
     s = make_settings({"server.api_port": free_api_port(), "gate.evaluator": EVALUATOR, "gate.size": 4,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from clawrl.serving import free_api_port
+from clawrl.ports import free_api_port
 from clawrl import supervisor
 from clawrl.config import dump_toml
 from clawrl.gateway.routes import create_app

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from clawrl.serving import free_port
+from clawrl.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

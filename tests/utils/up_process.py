@@ -18,7 +18,7 @@ def ports(n):
     """``n`` free ports, the first for the gateway: its engines' ports ([server] api_port + 10, 21, 22, 23) are
     free too and none of the others."""
     from clawrl.config import PORT_OFFSETS
-    from clawrl.serving import free_api_port, free_ports
+    from clawrl.ports import free_api_port, free_ports
 
     api = free_api_port()
     return [api, *free_ports(n - 1, avoid=[api + o for o in PORT_OFFSETS.values()])]
