@@ -1,5 +1,5 @@
-"""The docs run as tests. Sybil collects every fenced python, bash, toml and json5 block of README.md and
-docs/*.md as a pytest item named by its page and line; the blocks of a page run in order, in one namespace,
+"""The docs run as tests. Sybil collects every fenced python, bash, console, toml and json5 block of README.md
+and docs/*.md as a pytest item named by its page and line; the blocks of a page run in order, in one namespace,
 against one temporary HOME and data root (the tiny model), as a user who pastes them one after another:
 
 - python: executed in the page's namespace; what it printed is ``printed`` there, so the page's next block -
