@@ -35,7 +35,7 @@ def serve(
 
         s = settings
         print(AGENT_CONFIGS[print_config.value](client_url(s.server.host, s.server.api_port), s.server.served_model_name,
-                                          s.engine.max_context_len, s.ppo.max_new_tokens))
+                                                served_context_len(s), s.ppo.max_new_tokens))
         return
     if problem := listen_problem(settings.server.host, settings.server.api_port):
         fail(f"{problem}: choose another with --port / [server] api_port, or --host / [server] host")
@@ -57,6 +57,40 @@ def serve(
     engine_url = settings.engine.url if settings.engine.kind == "http" else f"{gateway}/engine"
     record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
+
+
+def served_context_len(s) -> int:
+    """The context the gateway serves with settings ``s``, as its engine resolves it: [engine]
+    max_context_len, or 0 for the model's own limit (the embedded engine; read from the model's
+    config, nothing loaded); an HTTP engine's own, asked (it must be running). A client told less
+    compacts early; told more, it sends what the gateway refuses."""
+    if s.engine.kind == "http":
+        import asyncio
+
+        from clawrl.engine.router import RoutedEngines
+        from clawrl.engine.types import EngineError
+
+        async def ask() -> int | None:
+            engines = RoutedEngines(s.engine.url, timeout_s=10.0)
+            try:
+                await engines.workers()  # unreachable: its reason, in one line
+                return await engines.learn_context_len()
+            except EngineError as e:
+                fail(f"no context to print: {e}; start the engine, then print the config again")
+            finally:
+                await engines.close()
+
+        if (context := asyncio.run(ask())) is None:
+            fail(f"the engine at {s.engine.url} did not say its context (/server_info): start it, then print the "
+                 "config again")
+        return context
+    from clawrl.models import ModelNotFoundError, resolve_context_len, resolve_model_dir
+
+    try:
+        return resolve_context_len(resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed),
+                                   s.engine.max_context_len)
+    except (ModelNotFoundError, ConfigError) as e:
+        fail(f"config error: {e}")
 
 
 def limits_line(s, engine) -> str:
