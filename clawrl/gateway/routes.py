@@ -28,7 +28,7 @@ from clawrl.gateway.schemas import (
     SessionLog,
     SessionTurn,
 )
-from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.errors import GatewayError, field_error
 from clawrl.gateway.http import ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, serve_turn
 from clawrl.gateway.service import ChatService
 from clawrl.gateway.sessions import validate_session_id
@@ -159,7 +159,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         return GatewayError(400, "request body is not valid JSON: it is empty").response()
     msg = _JSON_TYPE_MESSAGES.get(first.get("type"), first.get("msg", "invalid request"))
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None).response()
+    if not loc:  # the body itself (not an object)
+        return GatewayError(400, f"request body: {msg}{more}", code="invalid_type").response()
+    err = field_error(loc, first.get("type", ""), msg)
+    err.message += more
+    return err.response()
 
 
 async def _error(request: Request, exc: Exception) -> JSONResponse:
