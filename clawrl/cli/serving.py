@@ -183,6 +183,9 @@ def trainer_service(
 @app.command("up")
 def up(
     config: ConfigOpt = None,
+    api_port: Annotated[Optional[int], typer.Option(
+        min=1, max=65535, help="The gateway's OpenAI API port (default [server] api_port, 30000); the engines' "
+                               "ports follow it (+10, +21, +22, +23).")] = None,
     prefect_port: Annotated[int, typer.Option(min=1, max=65535, help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow UI port.")] = 5000,
     trainer_port: Annotated[int, typer.Option(min=1, max=65535, help="Trainer service port.")] = 30020,
@@ -211,7 +214,7 @@ def up(
     from clawrl.storage.writer import DataRootError, check_data_root
     from clawrl.supervisor import host_problem, run_up
 
-    s = settings_or_exit(config)
+    s = settings_or_exit(config, {"server.api_port": api_port})
     if problem := host_problem(s, host):
         fail(problem)
     if not (host.startswith("127.") or host in ("localhost", "::1")):
