@@ -43,12 +43,16 @@ from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
 # Turns judged at once (each a few engine calls; no global lock), and per judging task this many times
-# that (one catalog read and two writes a task). A judge run takes at most four training batches' worth
-# of turns (at least 64): a backlog is taken in bites, so the next train step starts soon. A turn whose
-# judge failed is judged again up to RETRIES times, RETRY_DELAY_S x 2^attempt apart, before its fate is
-# judge_error.
+# that (one catalog read and two writes a task). A turn whose judge failed is judged again up to RETRIES
+# times, RETRY_DELAY_S x 2^attempt apart, before its fate is judge_error.
 MAX_IN_FLIGHT, _CHUNK_PER_SLOT = 16, 4
 RETRIES, RETRY_DELAY_S = 2, 1.0
+# An exclusive run (`clawrl up`'s, which starts a train run when it leaves a full batch) takes at most
+# BITE_BATCHES training batches' worth of turns (at least MIN_BITE): a backlog is taken in bites, so the
+# next train step starts soon, and the next run takes the next bite. A direct run (`clawrl judge`, the
+# demo's loop, which trains right after it) takes every ready turn: a bite there leaves part of a round
+# unjudged, the next step trains on older samples than its users just made, and the lag grows each round.
+BITE_BATCHES, MIN_BITE = 4, 64
 
 
 def _crash_point(name: str) -> None:
@@ -69,7 +73,7 @@ def _append_outcomes(s, outcomes: list[list[Any]]) -> None:
 
 
 @task(cache_policy=NO_CACHE)
-def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> list[str]:
+def find_turns(config_path: str | None, judge_config_hash: str, limit: int | None) -> list[str]:
     with open_catalog(load_flow_settings(config_path).storage.data_root) as con:
         return turns_to_judge(con, judge_config_hash, limit=limit).column("turn_id").to_pylist()
 
@@ -213,8 +217,9 @@ def _start_training() -> None:
 
 @flow(name="judge", flow_run_name=_judge_run_name, log_prints=True)
 def judge_flow(config_path: str | None = None, limit: int | None = None, exclusive: bool = False) -> dict[str, Any]:
-    """Judge every turn that is ready (at most ``limit``, default 4 x ``[ppo] rollout_batch_size``, at least 64). With
-    ``exclusive``, only while no other exclusive judge run is going; else it skips, Completed."""
+    """Judge every turn that is ready, at most ``limit`` (an ``exclusive`` run's default: a bite, ``BITE_BATCHES``
+    x ``[ppo] rollout_batch_size``, at least ``MIN_BITE``). With ``exclusive``, only while no other exclusive judge
+    run is going; else it skips, Completed."""
     if not exclusive:
         return _judge_ready(config_path, limit)
     with leased_slot(JUDGE_LIMIT) as held:
@@ -230,7 +235,8 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
     log = get_run_logger()
     s = load_flow_settings(config_path)
     judge = judge_for(s)
-    turn_ids = find_turns(config_path, judge.config_hash, limit or max(64, 4 * s.ppo.rollout_batch_size))
+    bite = max(MIN_BITE, BITE_BATCHES * s.ppo.rollout_batch_size) if start_training else None
+    turn_ids = find_turns(config_path, judge.config_hash, limit or bite)
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
     fates: Counter[str] = Counter()

@@ -26,7 +26,7 @@ ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promoti
 def judge(
     config: ConfigOpt = None,
     limit: Annotated[Optional[int], typer.Option(
-        min=1, help="Most turns to judge (default 4 x [ppo] rollout_batch_size, at least 64).")] = None,
+        min=1, help="Most turns to judge (default: every ready turn).")] = None,
 ) -> None:
     """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
     with data_root_prefect(settings_or_exit(config)):
