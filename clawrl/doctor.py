@@ -295,9 +295,16 @@ def _serving(con: duckdb.DuckDBPyConnection) -> Finding:
         return Finding("serving", False, summary, "checkpoints were trained but never pushed to the engine: users "
                        "are still served the initial weights", "`clawrl sync`, or run training through the "
                        "train flow (`clawrl up` / `clawrl train`), which syncs after each step", sql)
-    if st["waiting"] and st["last"] is not None and not st["last"]["ok"]:
-        return Finding("serving", False, summary + f"; versions {', '.join(st['waiting'])} not served",
-                       f"the last sync failed: {(st['last']['error'] or '')[:200]}",
+    if st["failures"]:
+        failed, recovered = st["last_failed"], st["last"]["ok"]
+        waiting = f"; versions {', '.join(st['waiting'])} not served" if st["waiting"] else ""
+        what = (f"({failed['created_at']:%Y-%m-%d %H:%M:%S} UTC, version {failed['weight_version']} -> "
+                f"{failed['target']}): {(failed['error'] or '')[:200]}")
+        if recovered:
+            return Finding("serving", False, summary + waiting, f"the newest failed sync {what}; the syncs after it "
+                           "went through", "nothing waits for a sync now; if failures recur, check the engine (is it "
+                           "up, can it read the checkpoint path?) before one leaves a checkpoint unserved", sql)
+        return Finding("serving", False, summary + waiting, f"the last sync failed {what}",
                        "fix the engine side (is it up, can it read the checkpoint path?), then `clawrl sync`", sql)
     return Finding("serving", True, summary)
 

@@ -420,7 +420,8 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     """Where weight sync stands, for ``clawrl status``.
 
     Keys: attempts, failures (rows of ``syncs``); last (the newest attempt as a ``syncs`` row, or
-    None); last_ok (the newest successful attempt, or None); serving (the version the engine
+    None); last_ok (the newest successful attempt, or None); last_failed (the newest failed attempt,
+    or None); serving (the version the engine
     reported after the newest attempt; None when it did not answer); last_seen_serving (the newest
     version any attempt saw served); latest_checkpoint (newest trained version, 0 before any step);
     waiting (trained versions newer than ``last_seen_serving``; every trained version when no sync
@@ -436,6 +437,7 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     waiting = [str(v) for v in range((0 if seen is None else parse_version(seen)) + 1, latest + 1)
                if str(v) not in unserved]
     return {"attempts": len(rows), "failures": sum(not r["ok"] for r in rows), "last": last, "last_ok": last_ok,
+            "last_failed": next((r for r in rows if not r["ok"]), None),
             "serving": None if last is None else last["serving_version"], "last_seen_serving": seen,
             "latest_checkpoint": latest, "waiting": waiting}
 

@@ -142,7 +142,25 @@ def test_trained_but_never_synced_and_a_failing_sync_are_stale_serving(tmp_path)
                                 created_at=T0 + timedelta(seconds=6))])
     serving = findings(tmp_path)["serving"]
     assert not serving.ok and serving.summary.endswith("versions 2 not served")
-    assert serving.cause == "the last sync failed: engine refused: out of memory"
+    assert serving.cause == "the last sync failed (2026-12-01 12:00:06 UTC, version 2 -> http://e): engine refused: " \
+                            "out of memory"
+
+
+def test_failed_syncs_stay_a_finding_after_a_later_sync_went_through(tmp_path):
+    """A failed attempt (a rollback to pruned weights, an engine that was down) is not 'no problems'
+    once the next sync serves: the doctor says how many failed and the newest one's reason."""
+    sync = lambda i, v, ok, error, serving: SyncRecord(  # noqa: E731
+        f"y{i}", v, "http://e", ok, False, error, serving, f"/c/v{int(v):06d}", None, T0, 0.5,
+        created_at=T0 + timedelta(seconds=i))
+    write(tmp_path, [turn(0, "s", 0), CheckpointRecord("1", 1, "b1", "0", "/c/v000001", "ab", None),
+                     CheckpointRecord("2", 2, "b2", "1", "/c/v000002", "cd", None),
+                     sync(1, "1", True, None, "1"), sync(2, "2", False, "engine stopped answering", "1"),
+                     sync(3, "2", True, None, "2")])
+    serving = findings(tmp_path)["serving"]
+    assert not serving.ok and serving.summary == "newest checkpoint v2, serving 2; 1 of 3 syncs failed"
+    assert serving.cause == ("the newest failed sync (2026-12-01 12:00:02 UTC, version 2 -> http://e): engine stopped "
+                             "answering; the syncs after it went through")
+    assert "nothing waits for a sync now" in serving.fix
 
 
 def test_batches_whose_rewards_are_all_equal_carry_no_signal(tmp_path):

@@ -116,8 +116,10 @@ def sync(
 def _serve_by_hand(config, version: str | None, action: str, reason: str, engine_url: str | None) -> None:
     """Serve ``version`` (None: the champion before the current one) through the same sync path as the
     train flow, then record it as a ``promotions`` row and move the MLflow ``champion`` alias.
-    Nothing is recorded when the engine did not take the weights."""
+    Nothing is recorded when the engine did not take the weights, and nothing is tried (no sync
+    attempt recorded) for a version whose weights were pruned."""
     s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     from clawrl.flows.common import data_store, engine_url_for, push_weights, serve_target
 
     url = engine_url_for(s, engine_url)
@@ -125,7 +127,7 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
         fail(f"no engine to serve it: no `clawrl serve` is running on {s.storage.data_root} and no [engine] url is "
              f"set; start `clawrl serve`, or pass --engine-url (e.g. {gateway_engine_url(s)})")
     from clawrl.lineage import set_policy_alias
-    from clawrl.promotion import GateError, record_manual
+    from clawrl.promotion import ROLLBACK_DEPTH, GateError, WeightsPruned, record_manual, servable_versions
     from clawrl.records import PromotionAction
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import current_champion, previous_champion
@@ -138,6 +140,11 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
                 fail(f"nothing to roll back to: the champion is version {champion}, the initial weights")
     try:
         target = serve_target(s, version)
+    except WeightsPruned:
+        reach = (f" (kept besides the newest checkpoints: the champion's and the {ROLLBACK_DEPTH} champions' before "
+                 "it)" if action == "rollback" else "")
+        fail(f"cannot {'roll back to' if action == 'rollback' else 'promote'} version {version}: its weights were pruned{reach}; still servable: "
+             f"{', '.join(servable_versions(s.storage.data_root))} (`clawrl promote VERSION`); serving is unchanged")
     except GateError as e:
         fail(f"{e} in {s.storage.data_root}")
     rep = push_weights(s, target, url)  # the train flow's sync path, recorded like its attempts
@@ -146,8 +153,7 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
              code=1)
     v = target["weight_version"]
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction(action), version=v,
-                  reason=reason or f"by hand (clawrl {'promote' if action == 'promote' else 'rollback'})",
-                  mlflow_run_id=target["mlflow_run_id"])
+                  reason=reason or f"clawrl {action}", mlflow_run_id=target["mlflow_run_id"])
     data_store(s).flush()
     set_policy_alias(s.storage.data_root, "champion", v, initial_weights=target["path"])
     verb = "promoted" if action == "promote" else f"rolled back from version {champion} to"
