@@ -109,7 +109,8 @@ def pending_counts(
     Keys: turns (distinct turn ids), main_turns, side_turns; awaiting_next_state (main, no next
     state row and no fate yet); pending_judgment (main, next state arrived, no fate);
     pending_no_next_state (main, told no next state will come, no fate yet: the judge flow's next
-    'no_next_state' fates); judged (turns with a fate); fates ({fate: turns} for every Fate, 0
+    'no_next_state' fates); side_unmarked (side, no fate yet: the judge flow's next 'side_turn'
+    fates); judged (turns with a fate): every turn is in one of these five; fates ({fate: turns} for every Fate, 0
     when none); excluded (judged turns whose fate is not 'sample'); samples (distinct usable
     sample ids under this config, as ``trainable_samples`` counts them); consumed (of those, listed
     in some batch); trainable (not consumed); batches (rows of ``batches``); rollout_batch_size;
@@ -133,6 +134,7 @@ def pending_counts(
               WHERE t.turn_type = '{_MAIN}' AND ns.turn_id IS NULL) AS awaiting_next_state,
             (SELECT count(*) {waiting} ns.has_next) AS pending_judgment,
             (SELECT count(*) {waiting} NOT ns.has_next) AS pending_no_next_state,
+            (SELECT count(*) FROM t ANTI JOIN f USING (turn_id) WHERE t.turn_type = '{_SIDE}') AS side_unmarked,
             (SELECT count(*) FROM f) AS judged,
             (SELECT count(*) FROM s) AS samples,
             (SELECT count(*) FROM s SEMI JOIN used USING (sample_id)) AS consumed,

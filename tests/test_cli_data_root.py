@@ -10,9 +10,11 @@ import typer
 from typer.testing import CliRunner
 
 from clawrl.cli import app
-from clawrl.config import load_settings
-from clawrl.records import CheckpointRecord
+from clawrl.config import dump_toml, load_settings
+from clawrl.judge.runner import build_judge_config_hash
+from clawrl.records import CheckpointRecord, FateRecord
 from clawrl.storage.writer import DataStore
+from tests.utils.turns import build_turn
 
 READERS = [["status"], ["doctor"], ["lineage", "0"], ["sql", "select 1 as one"]]
 
@@ -86,3 +88,45 @@ def test_the_demo_runs_where_the_environment_puts_the_data_root(tmp_path, monkey
     assert _run_root(base, conf, tmp_path / "X") == tmp_path / "X"
     with pytest.raises(typer.BadParameter, match="CLAWRL__STORAGE__DATA_ROOT = .* sets the data root of every command"):
         _run_root(base, conf, tmp_path / "elsewhere")
+
+
+def test_reading_commands_take_the_runs_own_config_from_the_data_root(tmp_path):
+    """A demo writes its settings to <data_root>/config.toml. With the data root named only in the
+    environment, status and doctor read them (the run's judge config, its model) and say so; without
+    them, the turns judged under another judge config are said to be, not counted as never judged."""
+    root = tmp_path / "run"
+    root.mkdir()
+    run = load_settings(env={}, overrides={"storage.data_root": str(root), "model.name": "tiny",
+                                           "prm.backend": "rule", "ppo.advantage_estimator": "grpo"})
+    (root / "config.toml").write_text(dump_toml(run))
+    chash = build_judge_config_hash(run)
+    turns = [build_turn([{"role": "user", "content": "hi"}], session_id=f"s{i}") for i in range(3)]
+    with DataStore(root, background=False) as store:
+        store.append([*turns, *(FateRecord(t.turn_id, t.session_id, chash, "no_next_state") for t in turns)])
+        store.flush()
+    env, cli = {"CLAWRL__STORAGE__DATA_ROOT": str(root)}, CliRunner()
+    res = cli.invoke(app, ["status"], env=env)
+    assert res.exit_code == 0, res.output
+    assert [line.rstrip() for line in res.stdout.splitlines()[:2]] == [
+        f"data root {root} (from env CLAWRL__STORAGE__DATA_ROOT; settings from its config.toml)",
+        f"clawrl status (judge config {chash})"]
+    assert "judge config mismatch" not in res.stderr
+    doctor = json.loads(cli.invoke(app, ["doctor", "--json"], env=env).stdout)
+    assert doctor["judge_config_hash"] == chash
+    assert doctor["findings"][1] == {"name": "judge_config", "ok": True, "summary": f"3 turns judged under this "
+                                     f"judge config {chash}", "cause": "", "fix": "", "sql": ""}
+    assert "initial weights of tiny" in cli.invoke(app, ["lineage", "0"], env=env).stdout
+    (root / "config.toml").rename(root / "elsewhere.toml")  # read with the defaults: another judge config
+    default = build_judge_config_hash(load_settings(env=env))
+    res = cli.invoke(app, ["status"], env=env)
+    assert res.exit_code == 0 and res.stdout.splitlines()[0] == f"data root {root} (from env " \
+                                                                 "CLAWRL__STORAGE__DATA_ROOT)", res.output
+    assert res.stderr.splitlines() == [
+        f"judge config mismatch: 0 turns judged under this judge config {default}; under others: {chash} (3 turns); "
+        "read with the config the run used (-c FILE; a demo's is <data_root>/config.toml), or judge the turns "
+        "again under this one (`clawrl judge`)"]
+    res = cli.invoke(app, ["doctor"], env=env)
+    assert f"FAIL judge_config: 0 turns judged under this judge config {default}; under others: {chash} (3 turns)" \
+        in res.stdout.splitlines()
+    res = cli.invoke(app, ["status", "-c", str(root / "elsewhere.toml")], env=env)
+    assert f"clawrl status (judge config {chash})" in res.stdout and not res.stderr

@@ -28,6 +28,25 @@ err = Console(stderr=True)
 ConfigOpt = Annotated[
     Optional[Path], typer.Option("--config", "-c", help="TOML overlay on the defaults (`clawrl config show --defaults`).")
 ]
+RUN_CONFIG = "config.toml"  # in a data root: the settings of the run that wrote it (`clawrl demo` writes one)
+
+
+def run_config(config: Path | None) -> Path | None:
+    """``config`` when given; else the run's own settings in the data root that the defaults and the
+    environment name (``<data_root>/config.toml``) when it holds them: read with other settings, the
+    data would be counted under another judge config and model. None: the defaults."""
+    if config is not None:
+        return config
+    found = settings_or_exit(None).storage.data_root / RUN_CONFIG
+    return found if found.is_file() else None
+
+
+# the commands that read or act on a data root's records: without -c they read the run's own settings
+RunConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", callback=run_config, help=(
+        "TOML overlay on the defaults (`clawrl config show --defaults`); default: the data root's own config.toml "
+        "when it has one (a demo's run)."))
+]
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -70,6 +89,9 @@ def data_root_line(s: Settings, config: Path | None) -> str:
     origin = setting_origin(config, "storage", "data_root")
     where = ("the default; -c CONFIG or CLAWRL__STORAGE__DATA_ROOT reads another" if origin == "defaults" else
              f"from {origin}")
+    own = s.storage.data_root / RUN_CONFIG
+    if config is not None and Path(config).expanduser().resolve() == own and origin != str(own):
+        where += f"; settings from its {RUN_CONFIG}"
     return f"data root {s.storage.data_root} ({where})"
 
 
@@ -169,7 +191,7 @@ def chatter_to_log(path: Path) -> Iterator[Path]:
 
 @config_app.command("show")
 def config_show(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     defaults: Annotated[bool, typer.Option("--defaults", help="The defaults, each key with the first sentence "
                                                               "of its description.")] = False,
     full: Annotated[bool, typer.Option("--full", help="With --defaults: each key under its whole description "

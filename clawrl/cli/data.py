@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url, settings_or_exit,
-                               sync_command)
+from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url,
+                               settings_or_exit, sync_command, warn)
 
 
 @app.command("sql")
@@ -23,7 +23,7 @@ def sql(
     fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
                                                                            help="parquet needs --out.")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
 ) -> None:
     """Query the recorded data with DuckDB, read-only: queries only, no file access outside the tables."""
     import duckdb
@@ -60,14 +60,14 @@ def sql(
 
 
 @app.command("status")
-def status(config: ConfigOpt = None) -> None:
+def status(config: RunConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons, the
     latest checkpoint, the version served, the last weight sync and the checkpoint waiting to be served."""
     s = settings_or_exit(config)
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
-    from clawrl.doctor import learning_by_version
+    from clawrl.doctor import judge_config_finding, learning_by_version
     from clawrl.storage.promotions import consecutive_refusals, promotion_log
 
     chash = build_judge_config_hash(s)
@@ -75,17 +75,21 @@ def status(config: ConfigOpt = None) -> None:
         c = pending_counts(con, chash, s.ppo.rollout_batch_size)
         latest = find_checkpoint(con)
         st = sync_state(con)
-        versions = learning_by_version(con, chash)[-3:]
+        versions = learning_by_version(con, chash)
         log, consecutive = promotion_log(con), consecutive_refusals(con)
+        judged_under = judge_config_finding(con, chash)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    if not judged_under.ok:
+        warn(f"judge config mismatch: {judged_under.summary}; {judged_under.fix}")
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
-    rows = [
+    rows = [  # every turn is counted in one of the four rows after the first
         ("turns (main / side)", f"{c['turns']} ({c['main_turns']} / {c['side_turns']})"),
-        ("awaiting next state", c["awaiting_next_state"]),
-        ("pending judgment", c["pending_judgment"] + c["pending_no_next_state"]),
         ("judged", c["judged"]),
+        ("main, awaiting next state", c["awaiting_next_state"]),
+        ("main, pending judgment", c["pending_judgment"] + c["pending_no_next_state"]),
+        ("side, not yet marked by the judge", c["side_unmarked"]),
         ("trainable samples waiting", f"{c['trainable']} / rollout_batch_size {c['rollout_batch_size']}"),
         ("samples consumed by batches", f"{c['consumed']} in {c['batches']} batches"),
     ]
@@ -96,9 +100,10 @@ def status(config: ConfigOpt = None) -> None:
     served = served_version(s, st)
     rows.append(("served version", f"{served['version']} ({served['source']})"))
     rows += [(f"  excluded: {fate}", n) for fate, n in sorted(c["fates"].items()) if fate != "sample"]
-    if versions:  # learning as users see it (clawrl doctor has the rest)
-        rows.append(("live judged score by version", ", ".join(f"v{r['weight_version']} {r['mean_score']:+.2f} "
-                                                               f"(n={r['n']})" for r in versions)))
+    if versions:  # learning as users see it: the first version and the newest three (clawrl doctor has all)
+        shown = [f"v{r['weight_version']} {r['mean_score']:+.2f} (n={r['n']})" for r in versions]
+        rows.append(("live judged score by version", ", ".join(shown if len(shown) <= 4 else
+                                                               [shown[0], "...", *shown[-3:]])))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
@@ -201,7 +206,7 @@ DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live c
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="The findings and the per-version scores as JSON.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the per-version scores into this PNG.")] = None,
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
 ) -> None:
     """Why the run is or is not learning: each stage from logged turns to served weights checked,
     with the cause and the fix of each problem, and the judged score of live turns per weight version."""
@@ -248,7 +253,7 @@ def doctor(
 @app.command("lineage")
 def lineage(
     version: Annotated[str, typer.Argument(help="A weight version, e.g. 3, or 'latest'.")],
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     replay: Annotated[Optional[str], typer.Option(help="A version of this replay (its id, as `clawrl replay` "
                                                        "printed it), not of the training run.")] = None,
 ) -> None:

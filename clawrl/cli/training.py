@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
-from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, data_root_prefect, fail, gateway_engine_url,
+from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, data_root_prefect, fail, gateway_engine_url,
                                settings_or_exit, sync_command, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
@@ -24,7 +24,7 @@ ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promoti
 
 @app.command("judge")
 def judge(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     limit: Annotated[Optional[int], typer.Option(
         min=1, help="Most turns to judge (default 4 x [ppo] rollout_batch_size, at least 64).")] = None,
 ) -> None:
@@ -39,7 +39,7 @@ def judge(
 
 @app.command("train")
 def train(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     steps: Annotated[int, typer.Option(min=1, help="Most PPO steps to run (one per full batch).")] = 1,
     trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here).")] = None,
     engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http, "
@@ -91,7 +91,7 @@ def _checkpoint_row(s, version: str) -> dict | None:
 @app.command("sync")
 def sync(
     version: Annotated[str, typer.Argument(help="Weight version to push (default: the latest checkpoint).")] = "latest",
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
 ) -> None:
     """Push a checkpoint to an HTTP engine (default: the `clawrl serve` running on the data root):
@@ -143,7 +143,8 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
     except WeightsPruned:
         reach = (f" (kept besides the newest checkpoints: the champion's and the {ROLLBACK_DEPTH} champions' before "
                  "it)" if action == "rollback" else "")
-        fail(f"cannot {'roll back to' if action == 'rollback' else 'promote'} version {version}: its weights were pruned{reach}; still servable: "
+        verb = "roll back to" if action == "rollback" else "promote"
+        fail(f"cannot {verb} version {version}: its weights were pruned{reach}; still servable: "
              f"{', '.join(servable_versions(s.storage.data_root))} (`clawrl promote VERSION`); serving is unchanged")
     except GateError as e:
         fail(f"{e} in {s.storage.data_root}")
@@ -164,7 +165,7 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
 @app.command("promote")
 def promote(
     version: Annotated[str, typer.Argument(help="Weight version to serve as the champion (0: the initial weights).")],
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
     reason: ReasonOpt = "",
 ) -> None:
@@ -174,7 +175,7 @@ def promote(
 
 @app.command("rollback")
 def rollback(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
     reason: ReasonOpt = "",
 ) -> None:
@@ -185,7 +186,7 @@ def rollback(
 @app.command("replay")
 def replay_cmd(
     version: Annotated[str, typer.Argument(help="Weight version to rebuild (1..N), 'latest', or an MLflow run id.")],
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     exclude_session: Annotated[Optional[list[str]], typer.Option(
         "--exclude-session", metavar="NAMESPACE:SESSION_ID",
         help="Leave this session's samples out (repeatable). NAMESPACE is the API-key namespace ('open' without "
@@ -270,7 +271,7 @@ def mix(
                                                                 "the base model's.")],
     base: Annotated[Optional[Path], typer.Option(help="Model directory to mix with (default: the config's "
                                                       "[model], the weights training started from).")] = None,
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
 ) -> None:
     """Write a model whose weights are ALPHA x CHECKPOINT + (1 - ALPHA) x the base model's: less of what
     training changed, gains and losses alike (serve it with `[model] name = "OUT"`, or

@@ -259,6 +259,7 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
             assert res.exit_code == 2 and "nothing to roll back to: the champion is version 0" in res.output
             res = cli.invoke(app, ["promote", "2", "--config", str(conf)])
             assert res.exit_code == 0 and "promoted version 2" in res.output and serving() == "2", res.output
+            assert res.stdout.splitlines()[0] == f"data root {s.storage.data_root} (from {conf})"
             res = cli.invoke(app, ["promote", "9", "--config", str(conf)])
             assert res.exit_code == 2 and "no checkpoint of weight version '9'" in res.output
     assert failures == [] and len(served) >= 4
@@ -275,7 +276,7 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
     assert alias.tags["weight_version"] == "2"
     res = CliRunner().invoke(app, ["status", "--config", str(conf)])
     line = next(x for x in res.output.splitlines() if x.startswith("promotion:"))
-    assert line.startswith("promotion: champion version 2, promoted by hand ("), line
+    assert line == "promotion: champion version 2, promoted by hand (clawrl promote)", line
 
 
 def test_rollbacks_reach_back_as_far_as_the_weights_are_kept(prefect_harness, make_settings, tmp_path, tiny_dir):
@@ -312,6 +313,7 @@ def test_rollbacks_reach_back_as_far_as_the_weights_are_kept(prefect_harness, ma
         for back_to in ("5", "4", "3", "2"):
             res = cli.invoke(app, ["rollback", "--config", str(conf)])
             assert res.exit_code == 0 and f"to version {back_to}:" in res.stdout and serving() == back_to, res.output
+            assert res.stdout.splitlines()[0] == f"data root {s.storage.data_root} (from {conf})"
         syncs, promotions = count("syncs"), count("promotions")
         res = cli.invoke(app, ["rollback", "--config", str(conf)])
         assert res.exit_code == 2, res.output
