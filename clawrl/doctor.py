@@ -202,8 +202,8 @@ def _next_states(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, in
 def _judge(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) -> list[Finding]:
     v = _one(con, """SELECT count(*) AS verdicts, coalesce(sum(len(votes)), 0) AS votes,
                      coalesce(sum(len(list_filter(votes, lambda x: x IS NULL))), 0) AS unparsed,
-                     count(*) FILTER (WHERE score = 0) AS zero FROM judgments WHERE judge_config_hash = $h""", h=chash)
-    sql = f"SELECT score, score_reason, votes, raw_outputs FROM judgments WHERE judge_config_hash = '{chash}'"
+                     count(*) FILTER (WHERE score = 0) AS zero FROM verdicts WHERE judge_config_hash = $h""", h=chash)
+    sql = f"SELECT score, score_reason, votes, raw_outputs FROM verdicts WHERE judge_config_hash = '{chash}'"
     out = []
     unparsed = _share(v["unparsed"], v["votes"])
     summary = f"{v['unparsed']} of {v['votes']} judge votes unparseable ({unparsed:.0%}) over {v['verdicts']} verdicts"
@@ -233,7 +233,7 @@ def _judge(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) ->
 
 def _top_outputs(con: duckdb.DuckDBPyConnection, chash: str, k: int = 2) -> str:
     outputs = Counter()
-    for (raw,) in con.sql("SELECT raw_outputs FROM judgments WHERE judge_config_hash = $h LIMIT 200",
+    for (raw,) in con.sql("SELECT raw_outputs FROM verdicts WHERE judge_config_hash = $h LIMIT 200",
                           params={"h": chash}).fetchall():
         outputs.update(str(o).strip()[:60] for o in json.loads(raw or "[]"))
     return "; ".join(f"{text!r} x{n}" for text, n in outputs.most_common(k)) or "(none recorded)"

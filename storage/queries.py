@@ -94,7 +94,7 @@ _USABLE_SAMPLES = f"""
     WHERE s.judge_config_hash = $hash
       AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id AND f.judge_config_hash = $hash
                       AND f.fate <> '{_SAMPLE}')
-      AND NOT (EXISTS (SELECT 1 FROM judgment_attempts j WHERE j.turn_id = s.turn_id
+      AND NOT (EXISTS (SELECT 1 FROM verdict_attempts j WHERE j.turn_id = s.turn_id
                        AND j.judge_config_hash = $hash)
                AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id
                                AND f.judge_config_hash = $hash))

@@ -130,3 +130,37 @@ def test_reading_commands_take_the_runs_own_config_from_the_data_root(tmp_path):
         in res.stdout.splitlines()
     res = cli.invoke(app, ["status", "-c", str(root / "elsewhere.toml")], env=env)
     assert f"clawrl status (judge config {chash})" in res.stdout and not res.stderr
+
+
+def test_lineage_says_what_the_gate_made_of_the_version(tmp_path):
+    """`clawrl lineage latest` on a refused candidate says it was refused and is not served."""
+    from datetime import datetime, timedelta, timezone
+
+    from clawrl.records import BatchRecord, PromotionRecord
+
+    t0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+    def decided(i: int, action: str, version: str, champion: str, reason: str) -> PromotionRecord:
+        return PromotionRecord(f"p{i}", action, version, champion, "gate", reason, "k", 4, None, None, None, None,
+                               None, None, 0.05, 0.05, None, created_at=t0 + timedelta(seconds=i))
+
+    with DataStore(tmp_path, background=False) as store:
+        store.append([*(BatchRecord(f"b{v}", v, [], [], "grpo", "c", str(v - 1)) for v in (1, 2, 3)),
+                      *(CheckpointRecord(str(v), v, f"b{v}", str(v - 1), f"/c/v00000{v}", "ab", None)
+                        for v in (1, 2, 3)),
+                      decided(1, "promote", "1", "0", "not worse beyond the tolerance 0.05: candidate 0.5 ..."),
+                      decided(2, "promote", "2", "1", "not worse beyond the tolerance 0.05: candidate 0.6 ..."),
+                      decided(3, "refuse", "3", "2", "worse by more than the tolerance 0.05: candidate 0.4 ...")])
+        store.flush()
+    env, cli = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path), "CLAWRL__MODEL__NAME": "tiny", "COLUMNS": "300"}, \
+        CliRunner()
+
+    def head(version: str) -> str:
+        res = cli.invoke(app, ["lineage", version], env=env)
+        assert res.exit_code == 0, res.output
+        return res.stdout.splitlines()[1]
+
+    assert head("latest") == ("weight_version 3 (from version 0 = tiny): refused by the gate (worse by more than the "
+                              "tolerance 0.05), not served; the champion is version 2")
+    assert head("2") == "weight_version 2 (from version 0 = tiny): the champion (promoted by the gate)"
+    assert head("1") == "weight_version 1 (from version 0 = tiny): served as champion before; the champion is version 2"

@@ -16,9 +16,9 @@ from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, err, 
 
 @app.command("sql")
 def sql(
-    query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
+    query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, verdicts, samples, "
                                                "turn_fate, batches, checkpoints, syncs, evaluations, promotions, "
-                                               "judgment_attempts, turn_outcomes, learning_by_version "
+                                               "verdict_attempts, turn_outcomes, learning_by_version "
                                                "(storage/catalog.py).")],
     fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
                                                                            help="parquet needs --out.")] = "table",
@@ -32,19 +32,22 @@ def sql(
 
     if fmt == "parquet" and out is None:
         fail("--format parquet needs --out FILE")
+    if not query.strip():
+        fail('no query: give one, e.g. clawrl sql "select count(*) from turns"')
     s = settings_or_exit(config)
     data_root = s.storage.data_root
     err.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)  # stdout: the result only
     try:
         result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
     except (duckdb.Error, ReadOnlyQueryError) as e:
-        fail(str(e))
+        renamed = [f"{old} is now {new}" for old, new in RENAMED_VIEWS.items() if f"name {old} does" in str(e)]
+        fail(one_line(str(e)) + "".join(f" (the view {x})" for x in renamed))
     if fmt != "table":
         text = export_table(result, fmt, out)
         if text is not None:
             typer.echo(text, nl=False)
         return
-    view = Table(caption=f"{result.num_rows} rows")
+    view = Table(caption=f"{result.num_rows} row{'' if result.num_rows == 1 else 's'}")
     for name in result.column_names:
         view.add_column(Text(name))
     for row in result.to_pylist():
@@ -57,6 +60,16 @@ def sql(
     else:
         with out.open("w") as f:
             Console(file=f, width=200).print(view)
+
+
+RENAMED_VIEWS = {"judgments": "verdicts", "judgment_attempts": "verdict_attempts"}  # named as their table now
+
+
+def one_line(message: str) -> str:
+    """DuckDB's error on one line: its query echo ('LINE 1: ...') and the caret under it left out, the
+    rest (the error, 'Did you mean "verdicts"?') joined."""
+    lines = [x.strip() for x in message.splitlines()]
+    return " ".join(x for x in lines if x and not x.startswith("LINE ") and set(x) != {"^"})
 
 
 @app.command("status")
@@ -197,6 +210,25 @@ def promotion_line(log: list[dict], consecutive: int) -> str:
     return f"{head}, {verb} {DECIDED_BY.get(last['source'], 'by ' + last['source'])}{on} ({last['reason']})"
 
 
+def promotion_note(log: list[dict], line: list[str], unserved: set[str], version: str) -> str:
+    """What the gate and the promotions (``log``, the champion ``line``, the ``unserved`` versions) made
+    of ``version``, e.g. 'refused by the gate (worse by more than the tolerance 0.05), not served; the
+    champion is version 3'."""
+    rows = [r for r in log if str(r["weight_version"]) == version]
+    if version == line[-1]:
+        how = f" ({rows[-1]['action']}d {DECIDED_BY.get(rows[-1]['source'], 'by ' + rows[-1]['source'])})" \
+            if rows else ""
+        return f"the champion{how}"
+    champion = f"the champion is version {line[-1]}"
+    if rows and rows[-1]["action"] == "refuse" and version in unserved:
+        return f"refused by the gate ({rows[-1]['reason'].split(':')[0]}), not served; {champion}"
+    if version in unserved:
+        return f"rolled back from, not served; {champion}"
+    if not rows:
+        return f"no promotion decision recorded yet, not served; {champion}"
+    return f"served as champion before; {champion}"
+
+
 # a promotions row's source, as the status line says who decided
 DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live check",
               "ungated": "without the gate"}
@@ -264,6 +296,7 @@ def lineage(
 
     from clawrl.checkpoint import short_digest
     from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
     from clawrl.storage.queries import latest_version, lineage_chain
 
     root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
@@ -278,6 +311,7 @@ def lineage(
         chain = lineage_chain(con, version)
         children = [r[0] for r in con.execute("SELECT DISTINCT weight_version FROM checkpoints WHERE "
                                               "parent_version = '0' ORDER BY step").fetchall()]
+        notes = (promotion_log(con), champion_stack(con), unserved_versions(con)) if replay is None else None
     if version == "0":  # no checkpoint: the weights every run starts from
         trained = f"versions trained from it: {', '.join(children)}" if children else "no version trained from it yet"
         console.print(f"weight_version 0{'' if replay is None else f' of replay {replay}'} = the initial weights of "
@@ -287,7 +321,8 @@ def lineage(
     if not chain:
         fail(f"no checkpoint with weight_version {version!r} in {root}")
     what = "" if replay is None else f" of replay {replay}"
-    tree = Tree(f"weight_version {version}{what} (from version 0 = {s.model.name})")
+    note = "" if notes is None else f": {promotion_note(*notes, version)}"  # a replay's versions serve nobody
+    tree = Tree(f"weight_version {version}{what} (from version 0 = {s.model.name}){note}")
     for c in chain:
         source = f" re-training batch {c['source_batch_id']}" if c["source_batch_id"] else ""
         node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']}{source} "
