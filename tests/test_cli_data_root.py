@@ -30,14 +30,37 @@ def _first_line(res) -> str:
 def test_a_reading_command_names_the_data_root_and_where_it_came_from(tmp_path, args):
     conf, root = tmp_path / "c.toml", tmp_path / "from-file"
     conf.write_text(f'[storage]\ndata_root = "{root}"\n')
+    for made in (root, tmp_path / "from-env"):
+        made.mkdir()
     cli = CliRunner()
     assert _first_line(cli.invoke(app, [*args, "-c", str(conf)])) == f"data root {root} (from {conf})"
     env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path / "from-env")}
     assert _first_line(cli.invoke(app, [*args, "-c", str(conf)], env=env)) == \
         f"data root {tmp_path / 'from-env'} (from env CLAWRL__STORAGE__DATA_ROOT)"
-    default = load_settings(env={}).storage.data_root  # ~/.clawrl, only read
-    assert _first_line(cli.invoke(app, args, env={"CLAWRL__STORAGE__DATA_ROOT": None})) == \
-        f"data root {default} (the default; -c CONFIG or CLAWRL__STORAGE__DATA_ROOT reads another)"
+    default = load_settings(env={}).storage.data_root  # ~/.clawrl, only read; on a fresh machine it may not exist,
+    res = cli.invoke(app, args, env={"CLAWRL__STORAGE__DATA_ROOT": None})  # and the line says so after the name
+    named = next(x for x in res.stdout.splitlines() + res.stderr.splitlines() if x.startswith("data root "))
+    assert named.startswith(f"data root {default} (the default; -c CONFIG or CLAWRL__STORAGE__DATA_ROOT reads "
+                            "another)")
+
+
+@pytest.mark.parametrize("args", READERS, ids=lambda a: a[0])
+def test_a_reading_command_on_a_data_root_that_does_not_exist_says_so_in_one_line(tmp_path, args):
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path / "typo")}
+    res = CliRunner().invoke(app, args, env=env)
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr == f"data root {tmp_path / 'typo'} (from env CLAWRL__STORAGE__DATA_ROOT) does not exist: " \
+                         "nothing was recorded there\n"
+    assert not (tmp_path / "typo").exists()  # reading made nothing
+
+
+def test_a_flow_command_on_a_data_root_it_cannot_make_says_so_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path / "a-file" / "root")}
+    res = CliRunner().invoke(app, ["train"], env=env)
+    assert res.exit_code == 2 and res.exception is None or isinstance(res.exception, SystemExit)
+    assert res.stderr.splitlines() == [f"storage error: data root {tmp_path / 'a-file' / 'root'} is not usable: cannot "
+                                       f"create directory {tmp_path / 'a-file' / 'root' / 'tables'}: Not a directory"]
 
 
 def test_train_says_which_data_root_has_no_full_batch(tmp_path):

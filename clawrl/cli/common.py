@@ -95,6 +95,13 @@ def data_root_line(s: Settings, config: Path | None) -> str:
     return f"data root {s.storage.data_root} ({where})"
 
 
+def require_data_root(s: Settings, config: Path | None) -> None:
+    """Exit with one line when the data root a reading command would read does not exist (a mistyped
+    path, the default where the run wrote elsewhere): its counts would all be zeros."""
+    if not Path(s.storage.data_root).is_dir():
+        fail(f"{data_root_line(s, config)} does not exist: nothing was recorded there")
+
+
 def use_data_root_prefect(s: Settings) -> str:
     """Point this command's Prefect flows at the data root's Prefect, before Prefect is imported:
     the API of a `clawrl up` running on this data root when it answers (no server of this command's
@@ -130,6 +137,12 @@ def data_root_prefect(s: Settings) -> Iterator[str]:
     Yields the Prefect API URL the flows report to."""
     import os
 
+    from clawrl.storage.writer import DataRootError, check_data_root
+
+    try:  # a data root that cannot be made or written: one line, not a traceback from Prefect's home
+        check_data_root(s.storage.data_root)
+    except DataRootError as e:
+        fail(f"storage error: {e}")
     where = use_data_root_prefect(s)
     with contextlib.ExitStack() as stack:
         if not os.environ.get("PREFECT_API_URL"):

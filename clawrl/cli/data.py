@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url,
-                               settings_or_exit, sync_command, warn)
+                               require_data_root, settings_or_exit, sync_command, warn)
 
 
 @app.command("sql")
@@ -36,6 +36,7 @@ def sql(
         fail('no query: give one, e.g. clawrl sql "select count(*) from turns"')
     s = settings_or_exit(config)
     data_root = s.storage.data_root
+    require_data_root(s, config)
     err.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)  # stdout: the result only
     try:
         result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
@@ -77,6 +78,7 @@ def status(config: RunConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons, the
     latest checkpoint, the version served, the last weight sync and the checkpoint waiting to be served."""
     s = settings_or_exit(config)
+    require_data_root(s, config)
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
@@ -245,6 +247,7 @@ def doctor(
     import json
 
     s = settings_or_exit(config)
+    require_data_root(s, config)
     from clawrl.doctor import plot_learning_by_version, report, settings_checks
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
@@ -292,6 +295,7 @@ def lineage(
     """What trained a version: its batches -> sessions (NAMESPACE:SESSION_ID) -> turns, with MLflow runs and
     checkpoint hashes."""
     s = settings_or_exit(config)
+    require_data_root(s, config)
     from rich.tree import Tree
 
     from clawrl.checkpoint import short_digest

@@ -124,6 +124,7 @@ def test_the_verdicts_view_is_named_as_its_table(tmp_path):
 def test_views_answer_on_a_fresh_data_root(tmp_path):
     conf = tmp_path / "conf.toml"
     conf.write_text(f'[storage]\ndata_root = "{tmp_path / "empty"}"\n')
+    (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(app, ["sql", "SELECT count(*) AS n FROM turns", "-f", "csv", "-c", str(conf)])
     assert result.exit_code == 0, result.output
     assert result.stdout == "n\n0\n"
