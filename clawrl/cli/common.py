@@ -6,7 +6,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -108,10 +108,7 @@ def use_data_root_prefect(s: Settings) -> str:
     own), else a temporary server on the data root's Prefect home (``<data_root>/prefect``, the
     database `clawrl up` and `clawrl demo` use too). A ``PREFECT_API_URL`` already set wins.
     Returns the API or home used, for the user."""
-    import json
     import os
-
-    import httpx
 
     from clawrl.config import use_prefect_home
 
@@ -119,14 +116,52 @@ def use_data_root_prefect(s: Settings) -> str:
     use_prefect_home(root / "prefect")
     if os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"]
+    if api := up_prefect_api(root):
+        os.environ["PREFECT_API_URL"] = api
+        return api
+    return str(root / "prefect")  # no `clawrl up` here, or it is gone: this command's own temporary server
+
+
+def up_prefect_api(data_root: Path) -> str | None:
+    """The Prefect API of the `clawrl up` running on ``data_root`` (its ``up.pids.json``), when it answers."""
+    import json
+
+    import httpx
+
     try:
-        api = json.loads((root / "up.pids.json").read_text())["prefect_api_url"]
-        if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-            os.environ["PREFECT_API_URL"] = api
-            return api
+        api = json.loads((Path(data_root) / "up.pids.json").read_text())["prefect_api_url"]
+        return api if httpx.get(f"{api}/health", timeout=2).status_code == 200 else None
     except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
-        pass  # no `clawrl up` here, or it is gone: this command's own temporary server
-    return str(root / "prefect")
+        return None
+
+
+def run_in_up(s: Settings, deployment: str, parameters: dict) -> Any | None:
+    """When a `clawrl up` runs on the data root (and ``PREFECT_API_URL`` names no other server): a run of its
+    ``deployment`` (``clawrl.flows.slots``) with ``parameters`` on top of the deployment's, which `up`'s
+    flow server executes with the models it holds; waited for, where to watch it printed first. Returns
+    the finished flow run; None when no `clawrl up` answers (the caller runs the flow itself)."""
+    import os
+
+    api, other = up_prefect_api(Path(s.storage.data_root)), os.environ.get("PREFECT_API_URL")
+    if api is None or (other and other.rstrip("/") != api.rstrip("/")):
+        return None
+    use_data_root_prefect(s)  # PREFECT_API_URL: up's
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(deployment, parameters=parameters, timeout=0)  # created; waited for below
+    console.print(f"submitted a run of {deployment} to the `clawrl up` running on {s.storage.data_root}, with its "
+                  f"settings ({run.parameters.get('config_path')}); watch it at "
+                  f"{api.removesuffix('/api')}/runs/flow-run/{run.id}", markup=False, highlight=False, soft_wrap=True)
+    with err.status(f"waiting for the {deployment} run"), get_client(sync_client=True) as client:
+        while not (run := client.read_flow_run(run.id)).state.is_final():
+            time.sleep(UP_POLL_S)
+    return run
+
+
+UP_POLL_S = 1.0  # how often a command waiting for a run in `clawrl up` asks how it stands
 
 
 @contextlib.contextmanager

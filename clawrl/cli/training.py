@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 import typer
 
 from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, data_root_prefect, fail, gateway_engine_url,
-                               settings_or_exit, sync_command, warn)
+                               run_in_up, settings_or_exit, sync_command, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
@@ -28,26 +28,73 @@ def judge(
     limit: Annotated[Optional[int], typer.Option(
         min=1, help="Most turns to judge (default 4 x [ppo] rollout_batch_size, at least 64).")] = None,
 ) -> None:
-    """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
-    with data_root_prefect(settings_or_exit(config)):
-        from clawrl.flows.judge import judge_flow
+    """Judge every ready turn now, then print the status: a run of the `judge` deployment of the `clawrl up`
+    running on the data root, else the Prefect flow `judge` run here."""
+    from clawrl.flows.slots import JUDGE_DEPLOYMENT
 
-        out = judge_flow(config_path=str(config) if config else None, limit=limit)
-    console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
+    s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    before = _counts(s)
+    run = run_in_up(s, JUDGE_DEPLOYMENT, {"limit": limit} if limit else {})
+    if run is None:
+        with data_root_prefect(s):
+            from clawrl.flows.judge import judge_flow
+
+            judge_flow(config_path=str(config) if config else None, limit=limit)
+    elif not run.state.is_completed():
+        fail(f"{run.name} ended {run.state.name}: its logs are in the Prefect UI", code=1)
+    console.print(judged_line(before, _counts(s)), markup=False, highlight=False, soft_wrap=True)
     status(config)
+
+
+def _counts(s) -> dict:
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import pending_counts
+
+    with open_catalog(s.storage.data_root) as con:
+        return pending_counts(con, build_judge_config_hash(s), s.ppo.rollout_batch_size)
+
+
+def judged_line(before: dict, after: dict) -> str:
+    """What a judge run did, from ``pending_counts`` before and after it: the fates it wrote, or why it
+    wrote none (nothing ready: the turns wait for their next state; or another run judges them)."""
+    judged = after["judged"] - before["judged"]
+    if judged:
+        fates = {f: n - before["fates"].get(f, 0) for f, n in after["fates"].items()}
+        return f"judged {judged} turn{'s' if judged != 1 else ''}: " + ", ".join(
+            f"{n} {fate}" for fate, n in sorted(fates.items()) if n)
+    ready = after["pending_judgment"] + after["pending_no_next_state"] + after["side_unmarked"]
+    if ready:
+        return f"judged 0 turns: {ready} ready, taken by another judge run (`clawrl up` judges every few seconds)"
+    waiting = after["awaiting_next_state"]
+    return (f"judged 0 turns: none is ready; {waiting} main turn{'s wait' if waiting != 1 else ' waits'} for its next "
+            f"state (the next message of its session), {after['judged']} judged before")
 
 
 @app.command("train")
 def train(
     config: RunConfigOpt = None,
     steps: Annotated[int, typer.Option(min=1, help="Most PPO steps to run (one per full batch).")] = 1,
-    trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here).")] = None,
+    trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here, or "
+                                                            "in the `clawrl up` running on the data root).")] = None,
     engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http, "
                                                            "else the `clawrl serve` running on the data root).")] = None,
 ) -> None:
-    """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
+    """Claim a full batch, step, checkpoint, log lineage, gate, sync: a run of the `train` deployment of the
+    `clawrl up` running on the data root, else the Prefect flow `train` run here."""
+    from clawrl.flows.slots import TRAIN_DEPLOYMENT
+
     s = settings_or_exit(config)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    newest = max((c["step"] for c in _checkpoints(s)), default=0)
+    run = run_in_up(s, TRAIN_DEPLOYMENT, {"max_steps": steps, **({"trainer_url": trainer_url} if trainer_url else {}),
+                                          **({"engine_url": engine_url} if engine_url else {})})
+    if run is not None:
+        if not run.state.is_completed():
+            fail(f"{run.name} ended {run.state.name}: its logs are in the Prefect UI", code=1)
+        _print_steps_in_up(s, [c for c in _checkpoints(s) if c["step"] > newest])
+        return
     with data_root_prefect(s):
         from clawrl.flows.train import train_flow
 
@@ -62,6 +109,31 @@ def train(
                       markup=False)
         if not st["sync"]["success"]:
             waiting_after_sync(s, config, st["sync"])
+
+
+def _checkpoints(s) -> list[dict]:
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import recorded_checkpoints
+
+    with open_catalog(s.storage.data_root) as con:
+        return recorded_checkpoints(con)
+
+
+def _print_steps_in_up(s, made: list[dict]) -> None:
+    """The steps a train run in `clawrl up` made, from the tables: each checkpoint and what the gate made of it."""
+    from clawrl.cli.data import promotion_note
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
+
+    if not made:
+        console.print("no full batch of trainable samples yet (see `clawrl status`)")
+        return
+    with open_catalog(s.storage.data_root) as con:
+        notes = promotion_log(con), champion_stack(con), unserved_versions(con)
+    for c in made:
+        console.print(f"step {c['step']}: weight_version {c['weight_version']}, checkpoint {c['path']}: "
+                      f"{promotion_note(*notes, str(c['weight_version']))}", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 def waiting_after_sync(s, config, sync: dict) -> None:
