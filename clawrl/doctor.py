@@ -62,10 +62,10 @@ def diagnose(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: 
     ``judge_timeout_s`` (what bounds a judge call; None: the judge calls nothing that can hang) and
     ``placeholder_keys`` (key variables holding a placeholder)."""
     fates = _fate_counts(con, judge_config_hash)
-    return [_traffic(con), judge_config_finding(con, judge_config_hash), _next_states(con, judge_config_hash, fates), *_judge(con, judge_config_hash, fates),
-            _judge_timeout(judge_timeout_s), _keys(placeholder_keys), _hints(con, judge_config_hash, method),
-            _staleness(fates), _signal(con, method), _groups(con, method, group_by_prompt), _training(checkpoints),
-            _serving(con), _promotion(con)]
+    return [_traffic(con), judge_config_finding(con, judge_config_hash), _next_states(con, judge_config_hash, fates),
+            *_judge(con, judge_config_hash, fates), _judge_timeout(judge_timeout_s), _keys(placeholder_keys),
+            _hints(con, judge_config_hash, method), _staleness(fates), _signal(con, method),
+            _groups(con, method, group_by_prompt), _training(checkpoints), _serving(con), _promotion(con)]
 
 
 def settings_checks(s: Any) -> dict[str, Any]:
@@ -162,8 +162,9 @@ def judge_config_finding(con: duckdb.DuckDBPyConnection, chash: str) -> Finding:
     if not judged or mine:
         return Finding("judge_config", True, summary)
     return Finding("judge_config", False, summary,
-                   "the turns were judged under other judge settings than the ones read ([prm], [opd], "
-                   "[ppo] advantage_estimator or the model): every count here is for this config's judge, which judged none",
+                   "the turns were judged under other judge settings than the ones read ([prm], [opd], [ppo] "
+                   "advantage_estimator or the model): every count here is for this config's judge, which judged "
+                   "none",
                    "read with the config the run used (-c FILE; a demo's is <data_root>/config.toml), or judge "
                    "the turns again under this one (`clawrl judge`)",
                    "SELECT judge_config_hash, count(DISTINCT turn_id) FROM turn_fate GROUP BY 1")

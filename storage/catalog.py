@@ -20,7 +20,8 @@ hold JSON (request_messages, tool_calls, messages, raw_outputs, ...) are JSON te
 ``CheckpointRecord``, ``SyncRecord``, ``EvaluationRecord``, ``PromotionRecord``). ``verdicts``: the
 judge's verdicts (``JudgeVerdict``), one per (turn_id, judge_config_hash): the newest, i.e. the one of
 the attempt that wrote the fate (an attempt killed before its fate is judged again).
-``verdict_attempts``: every verdict ever written. ``samples`` (``SampleRecord``): one row per sample_id, the newest write.
+``verdict_attempts``: every verdict ever written. ``samples`` (``SampleRecord``): one row per
+sample_id, the newest write.
 
 A view is bound to the files at query time, so a long-lived connection sees new files, except
 that a table with no file at all when the connection was opened stays an empty view until

@@ -35,8 +35,7 @@ def sql(
     if not query.strip():
         fail('no query: give one, e.g. clawrl sql "select count(*) from turns"')
     s = settings_or_exit(config)
-    data_root = s.storage.data_root
-    require_data_root(s, config)
+    data_root = s.storage.data_root  # one that does not exist answers with empty views, under its name
     err.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)  # stdout: the result only
     try:
         result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
@@ -218,8 +217,9 @@ def promotion_note(log: list[dict], line: list[str], unserved: set[str], version
     champion is version 3'."""
     rows = [r for r in log if str(r["weight_version"]) == version]
     if version == line[-1]:
-        how = f" ({rows[-1]['action']}d {DECIDED_BY.get(rows[-1]['source'], 'by ' + rows[-1]['source'])})" \
-            if rows else ""
+        done = {"promote": "promoted", "rollback": "rolled back to"}
+        how = f" ({done[rows[-1]['action']]} {DECIDED_BY.get(rows[-1]['source'], 'by ' + rows[-1]['source'])})" \
+            if rows and rows[-1]["action"] in done else ""
         return f"the champion{how}"
     champion = f"the champion is version {line[-1]}"
     if rows and rows[-1]["action"] == "refuse" and version in unserved:
