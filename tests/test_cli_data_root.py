@@ -193,3 +193,14 @@ def test_lineage_says_what_the_gate_made_of_the_version(tmp_path):
         store.flush()
     assert head("1") == "weight_version 1 (from version 0 = tiny): the champion (rolled back to by hand)"
     assert head("2") == "weight_version 2 (from version 0 = tiny): rolled back from, not served; the champion is version 1"
+
+
+@pytest.mark.parametrize("args", [["sync", "3"], ["mix", "3", "--alpha", "0.5", "--out", "m"], ["replay", "3"],
+                                  ["replay", "3", "--format", "json"], ["promote", "3", "--engine-url", "http://x"]],
+                         ids=lambda a: " ".join(a[:3:2]))
+def test_commands_that_act_on_the_data_name_it_first_also_when_they_refuse(tmp_path, args):
+    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)}
+    res = CliRunner().invoke(app, args, env=env)
+    assert res.exit_code == 2, res.output  # no checkpoint 3 here
+    shown = res.stderr if "json" in args else res.stdout  # json: stdout is the report alone
+    assert shown.splitlines()[0] == f"data root {tmp_path} (from env CLAWRL__STORAGE__DATA_ROOT)"

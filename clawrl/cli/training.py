@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
-from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, data_root_prefect, fail, gateway_engine_url,
-                               run_in_up, settings_or_exit, sync_command, warn)
+from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, data_root_prefect, err, fail,
+                               gateway_engine_url, run_in_up, settings_or_exit, sync_command, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
@@ -169,6 +169,7 @@ def sync(
     """Push a checkpoint to an HTTP engine (default: the `clawrl serve` running on the data root):
     pause -> update_weights_from_disk -> continue."""
     s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     from clawrl.flows.common import engine_url_for, push_weights
 
     if (ck := _checkpoint_row(s, version)) is None:
@@ -274,6 +275,8 @@ def replay_cmd(
     from clawrl.replay import check_replay
 
     s = settings_or_exit(config)
+    (err if fmt == "json" else console).print(data_root_line(s, config), markup=False, highlight=False,
+                                              soft_wrap=True)  # --format json: stdout is the report alone
     try:  # a bad version, session or --set is told before the flow starts
         check_replay(s, version, tuple(exclude_session or []), dict(parse_override(x) for x in set_ or []))
     except (ValueError, FileNotFoundError, ConfigError) as e:
@@ -349,6 +352,7 @@ def mix(
     training changed, gains and losses alike (serve it with `[model] name = "OUT"`, or
     CLAWRL__MODEL__NAME=OUT clawrl serve)."""
     s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     from clawrl.mix import mix_weights
     from clawrl.models import resolve_model_dir
 
