@@ -315,7 +315,7 @@ def _format_validation_error(err: ValidationError, merged: dict[str, dict[str, A
             lines.append(f"{origin}: [{section}] {key} = {_shown(value)}: {e['msg']}")
         else:
             lines.append(f"{origin}: [{section}]: {e['msg']}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    return "; ".join(lines)  # one line: a command prints it as "config error: ..."
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None,
@@ -346,7 +346,7 @@ def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, merged, origins)) from None
     if (problem := replay_scorer_problem(settings.gate, settings.prm.backend)) is not None:
-        raise ConfigError(f"invalid configuration:\n  {origins.get(('gate', 'eval_set'), 'defaults')}: "
+        raise ConfigError(f"{origins.get(('gate', 'eval_set'), 'defaults')}: "
                           f"[gate] eval_set = 'replay' with [prm] backend = 'rule': {problem}")
     return settings
 

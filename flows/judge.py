@@ -162,7 +162,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     significantly below the previous champion's, serve the previous one again (the usual sync, no
     request refused) and record the rollback with its evidence."""
     from clawrl.lineage import set_policy_alias
-    from clawrl.promotion import check_live, record_manual
+    from clawrl.promotion import GateError, check_live, record_manual
     from clawrl.records import PromotionAction
 
     s = load_flow_settings(config_path)
@@ -175,7 +175,11 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     if found is None or not found["rollback"]:
         return found
     log = get_run_logger()
-    target = serve_target(s, found["previous"])
+    try:
+        target = serve_target(s, found["previous"])
+    except GateError as e:  # its weights were pruned: nothing is tried, serving stays as it is
+        log.error("live rollback from version %s to %s not possible: %s", found["champion"], found["previous"], e)
+        return found
     synced = push_weights(s, target, None)
     found["sync"] = synced
     if not synced["success"]:

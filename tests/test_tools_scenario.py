@@ -168,7 +168,7 @@ def test_one_step_of_the_tools_demo_end_to_end(tmp_path, model_cache):
 
     with open_catalog(run) as con:
         verdicts = con.execute("""
-            select t.request_messages, t.tool_calls, v.score, v.hint from turns t join judgments v using (turn_id)
+            select t.request_messages, t.tool_calls, v.score, v.hint from turns t join verdicts v using (turn_id)
             where t.turn_type = 'main'""").fetchall()
         demos = con.execute("""
             select s.output_ids, s.reward, s.has_teacher from samples s join turns t using (turn_id)

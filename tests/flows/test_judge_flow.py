@@ -52,7 +52,7 @@ def test_rule_judge_flow_scores_correction_and_thanks(judged, tiny_engine):
     # 2 first turns with a next state, 2 final turns closed by session_done, 1 side turn
     assert out["judged"] == 5
     assert out["fates"] == {"sample": 2, "no_next_state": 2, "side_turn": 1}
-    verdicts = {r["session_id"]: r for r in q(s, "select j.*, t.session_id from judgments j join turns t using (turn_id)")}
+    verdicts = {r["session_id"]: r for r in q(s, "select j.*, t.session_id from verdicts j join turns t using (turn_id)")}
     assert verdicts["corrected"]["score"] == -1 and verdicts["thanked"]["score"] == 1
     assert verdicts["corrected"]["hint"] == "answer in one word" and verdicts["thanked"]["hint"] is None
     assert all(len(json.loads(v["raw_outputs"])) == s.prm.judge_samples for v in verdicts.values())

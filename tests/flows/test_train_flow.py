@@ -98,7 +98,7 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     assert run.data.metrics["doctor_problems"] == sum(v == 0.0 for k, v in run.data.metrics.items()
                                                       if k.startswith("doctor_ok_"))
     report = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "doctor.json").read_text())
-    assert [f["name"] for f in report["findings"]][:2] == ["traffic", "next_states"]
+    assert [f["name"] for f in report["findings"]][:3] == ["traffic", "judge_config", "next_states"]
     assert report["learning_by_version"][0]["weight_version"] == "0"  # the two judged turns v0 served
     png = Path(run.info.artifact_uri.removeprefix("file://")) / "learning_by_version.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -183,7 +183,7 @@ def test_judge_backend_down_ends_turns_as_judge_error_and_training_goes_on(prefe
                                                            "FROM turn_fate GROUP BY turn_id")}
     assert {t: fates[t] for t in before} == {t: ("sample", 1) for t in before}
     assert {t: fates[t] for t in after} == {t: ("judge_error", 1) for t in after}
-    errors = q(f"SELECT turn_id, error, score_reason, raw_outputs FROM judgments WHERE turn_id IN "
+    errors = q(f"SELECT turn_id, error, score_reason, raw_outputs FROM verdicts WHERE turn_id IN "
                f"({', '.join(repr(t) for t in after)})")
     assert len(errors) == 3
     assert all(judge_server.url in e["error"] and "connection refused" in e["error"] for e in errors)
