@@ -16,8 +16,9 @@ directories. Times are TIMESTAMP WITH TIME ZONE (UTC), id lists INTEGER[], log-p
 hold JSON (request_messages, tool_calls, messages, raw_outputs, ...) are JSON text.
 
 ``turns``, ``next_states``, ``turn_fate``, ``batches``, ``checkpoints``, ``syncs``, ``evaluations``,
-``promotions``: every row written (``TurnRecord``, ``NextStateRecord``, ``FateRecord``, ``BatchRecord``,
-``CheckpointRecord``, ``SyncRecord``, ``EvaluationRecord``, ``PromotionRecord``). ``judgments``: the judge's verdicts (``JudgeVerdict``, table ``verdicts``), one per
+``promotions``, ``adapters``, ``adapter_serving``: every row written (``TurnRecord``, ``NextStateRecord``,
+``FateRecord``, ``BatchRecord``, ``CheckpointRecord``, ``SyncRecord``, ``EvaluationRecord``, ``PromotionRecord``,
+``AdapterRecord``, ``AdapterServeRecord``). ``judgments``: the judge's verdicts (``JudgeVerdict``, table ``verdicts``), one per
 (turn_id, judge_config_hash): the newest, i.e. the one of the attempt that wrote the fate (an
 attempt killed before its fate is judged again). ``judgment_attempts``: every verdict ever
 written. ``samples`` (``SampleRecord``): one row per sample_id, the newest write.
