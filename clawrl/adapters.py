@@ -110,6 +110,7 @@ def read_served(checkpoints: Path, namespace: str) -> ServedAdapter | None:
 def write_served(checkpoints: Path, served: ServedAdapter) -> None:
     """Serve ``served`` to its namespace from now on (written to a temporary name, then renamed)."""
     path = serving_file(checkpoints, served.namespace)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{SERVING_FILE}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(served), indent=1))
     os.replace(tmp, path)
