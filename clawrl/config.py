@@ -367,6 +367,10 @@ def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
     if (problem := replay_scorer_problem(settings.gate, settings.prm.backend)) is not None:
         raise ConfigError(f"invalid configuration:\n  {origins.get(('gate', 'eval_set'), 'defaults')}: "
                           f"[gate] eval_set = 'replay' with [prm] backend = 'rule': {problem}")
+    if settings.ppo.adapters == "namespace" and settings.gate.canary:
+        where = ", ".join(origins.get(k, "defaults") for k in (("ppo", "adapters"), ("gate", "canary_share")))
+        raise ConfigError(f"invalid configuration:\n  {where}: [gate] canary_share serves a share of sessions the "
+                          "newest shared version; with [ppo] adapters = 'namespace' there is none: set canary_share = 0")
     return settings
 
 

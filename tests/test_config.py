@@ -215,3 +215,6 @@ def test_per_namespace_adapters_switch_from_the_environment_with_a_default_rank_
     with pytest.raises(ConfigError, match=r"env CLAWRL__PPO__ADAPTERS: \[ppo\] adapters = 'user': Input should be "
                                           r"'shared' or 'namespace'"):
         load_settings(env={"CLAWRL__PPO__ADAPTERS": "user"})
+    with pytest.raises(ConfigError, match=r"env CLAWRL__PPO__ADAPTERS, env CLAWRL__GATE__CANARY_SHARE: \[gate\] "
+                                          r"canary_share .* set canary_share = 0"):
+        load_settings(env={"CLAWRL__PPO__ADAPTERS": "namespace", "CLAWRL__GATE__CANARY_SHARE": "0.2"})

@@ -30,6 +30,7 @@ from clawrl.gateway.schemas import (
 )
 from clawrl.gateway.errors import GatewayError
 from clawrl.gateway.http import ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, serve_turn
+from clawrl.gateway.lora import serve_adapters
 from clawrl.gateway.service import ChatService
 from clawrl.gateway.sessions import validate_session_id
 from clawrl.hooks import load_hook
@@ -288,6 +289,8 @@ async def _lifespan(app: FastAPI):
         await engine.learn_context_len()
     tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
     state.service = service = ChatService(engine, tokenizer, store, settings, state.generate_hook)
+    if settings.ppo.adapters == "namespace":  # each namespace served its own LoRA adapter
+        serve_adapters(service, settings.storage.data_root / "checkpoints")
     restored = service.restore_sessions()
     await service.live_weight_version()
     if not state.api_keys:
