@@ -129,14 +129,20 @@ def record_adapter(store, data_root: Path, step: dict[str, Any], base_version: s
     from clawrl.adapters import parse_adapter_name
     from clawrl.storage.adapters import adapter_recorded
 
+    namespace, version = parse_adapter_name(step["weight_version"])
+    return _append_once(store, data_root, lambda con: adapter_recorded(con, step["weight_version"]), AdapterRecord(
+        namespace=namespace, version=version, name=step["weight_version"], batch_id=step["batch_id"],
+        parent=step["parent_version"], base_version=base_version, path=step["path"], sha256=step["sha256"]))
+
+
+def _append_once(store, data_root: Path, recorded: Callable[[Any], bool], record: Any) -> bool:
+    """Append ``record`` unless ``recorded(catalog connection)`` finds it written by an earlier run; whether
+    it appended."""
     store.flush()
     with open_catalog(data_root) as con:
-        if adapter_recorded(con, step["weight_version"]):
+        if recorded(con):
             return False
-    namespace, version = parse_adapter_name(step["weight_version"])
-    store.append(AdapterRecord(namespace=namespace, version=version, name=step["weight_version"],
-                               batch_id=step["batch_id"], parent=step["parent_version"], base_version=base_version,
-                               path=step["path"], sha256=step["sha256"]))
+    store.append(record)
     store.flush()
     return True
 
@@ -149,14 +155,9 @@ def session_pairs(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def record_checkpoint(store, data_root: Path, step: dict[str, Any], run_id: str) -> bool:
     """The ``checkpoints`` row of the trainer's StepResult ``step`` (as a dict), once per weight
     version: False when a re-run finds it already recorded."""
-    store.flush()
-    with open_catalog(data_root) as con:
-        if checkpoint_exists(con, step["weight_version"]):
-            return False
     keys = ("weight_version", "step", "batch_id", "parent_version", "path", "sha256")
-    store.append(CheckpointRecord(**{k: step[k] for k in keys}, mlflow_run_id=run_id))
-    store.flush()
-    return True
+    return _append_once(store, data_root, lambda con: checkpoint_exists(con, step["weight_version"]),
+                        CheckpointRecord(**{k: step[k] for k in keys}, mlflow_run_id=run_id))
 
 
 def batch_records(con, batch_id: str) -> list[SampleRecord]:

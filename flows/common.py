@@ -188,6 +188,19 @@ def local_trainer(settings: Settings) -> Trainer:
     return _once(("trainer", str(root)), lambda: trainer_from_settings(settings, samples_reader(root)))
 
 
+def train_step(settings: Settings, batch_id: str, trainer_url: str | None) -> dict[str, Any]:
+    """The StepResult (as a dict) of training claimed batch ``batch_id``: by the trainer service at
+    ``trainer_url``, else by this process's trainer."""
+    from dataclasses import asdict
+
+    from clawrl import trainer_service
+
+    if trainer_url:
+        return trainer_service.request_step(trainer_url, batch_id)
+    data_store(settings).flush()
+    return asdict(trainer_service.train_batch(local_trainer(settings), settings.storage.data_root, batch_id))
+
+
 def trainer_in_process(settings: Settings) -> Trainer | None:
     """The trainer :func:`local_trainer` made in this process, or None (it runs elsewhere or not yet)."""
     with _lock:
