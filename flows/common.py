@@ -202,9 +202,11 @@ def train_step(settings: Settings, batch_id: str, trainer_url: str | None) -> di
 
 
 def trainer_in_process(settings: Settings) -> Trainer | None:
-    """The trainer :func:`local_trainer` made in this process, or None (it runs elsewhere or not yet)."""
+    """The shared policy's trainer :func:`local_trainer` made in this process, whose weights a sync or the gate
+    may take from memory; None when it runs elsewhere, not yet, or trains per-namespace adapters."""
     with _lock:
-        return _made.get(("trainer", str(settings.storage.data_root)))
+        trainer = _made.get(("trainer", str(settings.storage.data_root)))
+    return None if settings.ppo.adapters == "namespace" else trainer
 
 
 def close_all(timeout_s: float = 5.0) -> None:

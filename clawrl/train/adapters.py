@@ -117,6 +117,8 @@ class NamespaceTrainer:
         self.last: StepResult | None = None
         self._lock = threading.Lock()  # one model: the steps of this process take turns
 
+    world_size = 1  # one process: adapters train with the torch backend
+
     @property
     def weight_version(self) -> str:
         """The base weight version under every adapter (what the trainer service reports)."""

@@ -115,3 +115,45 @@ def test_a_batch_trains_once_and_a_batch_of_two_namespaces_or_an_old_version_is_
         t.run("b2", samples("open", 2)[:2] + samples("key-aaaa", 2)[2:], version=2)
     with pytest.raises(ValueError, match="would make version 1 of open's adapter, but version 1 exists"):
         t.run("b3", samples("open", 3), version=1)
+
+
+def test_the_trainer_service_trains_a_namespaces_batch_once_and_refuses_a_shared_one(make_settings, tmp_path):
+    """`clawrl trainer` (a process of its own, as `clawrl up` starts it) with [ppo] adapters = "namespace"."""
+    import httpx
+
+    from clawrl.config import dump_toml
+    from clawrl.records import BatchRecord
+    from clawrl.storage.writer import DataStore
+    from clawrl.trainer_service import claim_adapter_batch, request_step
+    from tests.train.test_trainer_distributed import _trainer, _wait
+
+    s = make_settings({"ppo.adapters": "namespace", "ppo.lora_rank": 4, "ppo.rollout_batch_size": 4,
+                       "ppo.advantage_estimator": "grpo", "ppo.kl_coef": 0.0})
+    conf = tmp_path / "adapters.toml"
+    conf.write_text(dump_toml(s))
+    root = s.storage.data_root
+    with DataStore(root) as store:
+        store.append([dataclasses.replace(r, judge_config_hash=_chash(s)) for r in samples("key-aaaa", 1)])
+        batch_id, _ = claim_adapter_batch(store, root, "key-aaaa", judge_config_hash=_chash(s), batch_size=4,
+                                          max_staleness=4, method="grpo", config_hash="c", config_toml="")
+        store.append(BatchRecord("shared-1", 1, ["x"], ["s"], "grpo", "c", "0"))
+    proc, url = _trainer(conf, 1, tmp_path / "trainer.log")
+    try:
+        _wait(proc, url, tmp_path / "trainer.log")
+        assert httpx.get(url + "/state").json() == {"weight_version": "0", "last": None}
+        step = request_step(url, batch_id)
+        assert (step["weight_version"], step["path"]) == ("key-aaaa@v1", str(adapter_dir(root / "checkpoints",
+                                                                                           "key-aaaa", 1)))
+        assert request_step(url, batch_id) == step  # exactly once
+        with pytest.raises(RuntimeError, match="batch shared-1 trains the shared policy, and this trainer trains "
+                                               r"per-namespace adapters \(\[ppo\] adapters\)"):
+            request_step(url, "shared-1")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _chash(settings) -> str:
+    from clawrl.judge.runner import build_judge_config_hash
+
+    return build_judge_config_hash(settings)
