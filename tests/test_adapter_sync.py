@@ -82,3 +82,23 @@ def test_an_adapter_whose_bytes_are_not_the_recorded_ones_reaches_no_engine(tmp_
     rep = run(go())
     assert not rep.success and rep.weight_version is None and calls == []
     assert f"{ADAPTER_FILE} is corrupt" in rep.message
+
+
+def test_the_router_client_loads_an_adapter_on_every_worker_for_the_gateways_reload(tmp_path):
+    from clawrl.engine.router import RoutedEngines
+
+    first, second = [], []
+
+    async def go():
+        async with worker(first) as w1, worker(second, refuse=True) as w2, router([w1, w2]) as url:
+            engines = RoutedEngines(url)
+            try:
+                return await engines.load_lora_adapter("key-aaaa@v2", "/p"), await engines.unload_lora_adapter("x@v1")
+            finally:
+                await engines.close()
+
+    loaded, unloaded = run(go())
+    assert (loaded.success, loaded.message) == (False, "max_loaded_loras reached")  # the first refusal
+    assert unloaded.success and unloaded.message == "2 workers unloaded x@v1"
+    assert first == [("/load_lora_adapter", "key-aaaa@v2"), ("/unload_lora_adapter", "x@v1")]
+    assert second == first

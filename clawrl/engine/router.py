@@ -195,6 +195,16 @@ class RoutedEngines:
         why = f"{bad['url']} did not load it: {bad['message']}" if bad else "no worker answers"
         return UpdateResult(False, f"version {version} not served: {why}", None, workers=tuple(done))
 
+    async def load_lora_adapter(self, name: str, path: str) -> UpdateResult:
+        """Load a LoRA adapter as ``name`` on every worker (the gateway's reload of an adapter an engine lost;
+        a sync loads worker by worker itself, ``clawrl.sync.sync_adapter``): the first refusal, else success."""
+        results = [await w.load_lora_adapter(name, path) for w in await self.workers()]
+        return next((r for r in results if not r.success), UpdateResult(True, f"{len(results)} workers hold {name}"))
+
+    async def unload_lora_adapter(self, name: str) -> UpdateResult:
+        results = [await w.unload_lora_adapter(name) for w in await self.workers()]
+        return next((r for r in results if not r.success), UpdateResult(True, f"{len(results)} workers unloaded {name}"))
+
     async def update_weight_version(self, new_version: str, **_: Any) -> UpdateResult:
         results = [await w.update_weight_version(new_version) for w in await self.workers()]
         bad = [r for r in results if not r.success]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from clawrl.adapters import ServedAdapter, parse_adapter_name, read_served, serving_file
+from clawrl.config import ConfigError
 from clawrl.engine.types import BadRequestError, Engine, GenerateRequest, GenerateResult
 
 log = logging.getLogger("clawrl.gateway")
@@ -120,6 +121,14 @@ class AdapterEngine:
         if getattr(res, "success", False):
             log.warning("the engine did not hold adapter %s: loaded it again from %s", name, served.path)
         return True  # loaded now, or by a request before this one ("already loaded"): the next try tells
+
+
+def check_serves_adapters(engine: Engine) -> None:
+    """ConfigError unless ``engine`` serves LoRA adapters by name (``load_lora_adapter``): an engine that
+    ignored ``lora_path`` would serve the base while the turn recorded an adapter."""
+    if not hasattr(engine, "load_lora_adapter"):
+        raise ConfigError(f"[ppo] adapters = 'namespace' needs a serving engine that serves LoRA adapters; "
+                          f"{type(engine).__name__} does not (SGLang: start it with --enable-lora)")
 
 
 def serve_adapters(service: Any, checkpoints: Path) -> ServedAdapters:

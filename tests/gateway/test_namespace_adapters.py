@@ -90,3 +90,13 @@ def test_a_request_prepared_before_a_sync_goes_to_the_version_served_now(tmp_pat
     with pytest.raises(BadRequestError, match="token id outside"):  # any other refusal stands, nothing reloaded
         asyncio.run(wrapped.generate(request(new.name, ids=(1, 500))))
     assert engine.loads == [(new.name, new.path)]
+
+
+def test_a_gateway_over_an_engine_that_ignores_adapters_refuses_to_start(gateway_settings, tiny_engine):
+    from clawrl.config import ConfigError
+    from clawrl.gateway.routes import create_app
+    from tests.utils.fake_engine import FakeEngine
+
+    with pytest.raises(ConfigError, match=r"\[ppo\] adapters = 'namespace' needs a serving engine that serves LoRA "
+                                          r"adapters; FakeEngine does not"):
+        create_app(gateway_settings(ppo__adapters="namespace"), engine=FakeEngine(10), tokenizer=tiny_engine.tokenizer)
