@@ -33,8 +33,8 @@ def samples(namespace: str, seed: int, n: int = 4) -> list[SampleRecord]:
                          namespace=namespace) for i in range(n)]
 
 
-def trainer(tiny_dir, checkpoints, hp=HP) -> NamespaceTrainer:
-    return NamespaceTrainer(base_model_dir=tiny_dir, checkpoints=checkpoints, hp=hp, pad_id=2, rank=4)
+def trainer(tiny_dir, checkpoints, hp=HP, **kw) -> NamespaceTrainer:
+    return NamespaceTrainer(base_model_dir=tiny_dir, checkpoints=checkpoints, hp=hp, pad_id=2, rank=4, **kw)
 
 
 def test_a_namespace_step_writes_a_peft_adapter_that_peft_loads_to_the_trained_logprobs(tiny_dir, tmp_path):
@@ -77,18 +77,19 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(tiny_dir, tmp_path):
     assert torch.equal(t.backend.compute_logprobs(tokens, reference=True), before)
 
 
-def test_a_restarted_trainer_continues_exactly_and_other_namespaces_change_nothing(tiny_dir, tmp_path):
-    straight = trainer(tiny_dir, tmp_path / "straight")
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
+def test_a_restarted_trainer_continues_exactly_and_other_namespaces_change_nothing(tiny_dir, tmp_path, device, dtype):
+    straight = trainer(tiny_dir, tmp_path / "straight", device=device, dtype=dtype)
     for v in (1, 2, 3):
         straight.run(f"a{v}", samples("key-aaaa", v), version=v)
 
     ckpts = tmp_path / "interleaved"
-    first = trainer(tiny_dir, ckpts)
+    first = trainer(tiny_dir, ckpts, device=device, dtype=dtype)
     first.run("a1", samples("key-aaaa", 1), version=1)
     first.run("b1", samples("key-bbbb", 7), version=1)  # another namespace trains between A's steps
     first.run("a2", samples("key-aaaa", 2), version=2)
     del first
-    restarted = trainer(tiny_dir, ckpts)  # a new process: model, optimizer and adapters from disk
+    restarted = trainer(tiny_dir, ckpts, device=device, dtype=dtype)  # model, optimizer and adapters from disk
     restarted.run("b2", samples("key-bbbb", 8), version=2)
     third = restarted.run("a3", samples("key-aaaa", 3), version=3)
 
