@@ -250,7 +250,8 @@ async def sync_adapter(name: str, path: str, sha256: str, *, engine: Engine | No
     if bad is not None:
         log.error("adapter %s not synced: %s refused it: %s", name, bad["url"], bad["message"])
         return SyncReport(False, f"{bad['url']} did not load {name}: {bad['message']}", None, seconds, **common)
-    return SyncReport(True, f"{len(rows)} worker{'s' if len(rows) > 1 else ''} hold {name}", name, seconds, **common)
+    holds = f"{len(rows)} worker{'s hold' if len(rows) > 1 else ' holds'} {name}"
+    return SyncReport(True, holds, name, seconds, **common)
 
 
 async def unload_adapter(name: str, *, engine: Engine | None = None, url: str | None = None,

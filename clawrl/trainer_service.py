@@ -109,7 +109,8 @@ def claim_adapter_batch(store, data_root: Path, namespace: str, *, judge_config_
                                  f"v{current} (max_staleness {max_staleness})") for r in stale])
     note = f"{len(stale)} of {namespace}'s samples too stale for its adapter v{current}; " if stale else ""
     if chosen is None:
-        return None, note + f"{len(rows) - len(stale)} fresh samples of {namespace} wait; rollout_batch_size is {batch_size}"
+        fresh = len(rows) - len(stale)
+        return None, note + f"{fresh} fresh samples of {namespace} wait; rollout_batch_size is {batch_size}"
     write_config_snapshot(data_root, config_hash, config_toml)
     found = complete_adapters(checkpoints, namespace)
     batch = BatchRecord(batch_id=uuid.uuid4().hex[:16], step=current + 1, sample_ids=[r["sample_id"] for r in chosen],

@@ -203,7 +203,8 @@ class RoutedEngines:
 
     async def unload_lora_adapter(self, name: str) -> UpdateResult:
         results = [await w.unload_lora_adapter(name) for w in await self.workers()]
-        return next((r for r in results if not r.success), UpdateResult(True, f"{len(results)} workers unloaded {name}"))
+        done = UpdateResult(True, f"{len(results)} workers unloaded {name}")
+        return next((r for r in results if not r.success), done)
 
     async def update_weight_version(self, new_version: str, **_: Any) -> UpdateResult:
         results = [await w.update_weight_version(new_version) for w in await self.workers()]

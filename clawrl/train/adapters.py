@@ -61,10 +61,10 @@ class AdapterBackend(TorchBackend):
     def _import_moments(self, state: Mapping[str, Any]) -> dict[str, dict[str, Tensor]] | None:
         """A namespace's own moments, for the adapter they were saved with (unlike a shared LoRA resume,
         where the adapters restart on merged weights)."""
-        names = set(self.param_names)
-        if set(state["exp_avg"]) != names:
-            raise ValueError(f"optimizer state does not match the adapter: missing {sorted(names - set(state['exp_avg']))[:3]}, "
-                             f"unexpected {sorted(set(state['exp_avg']) - names)[:3]}")
+        names, saved = set(self.param_names), set(state["exp_avg"])
+        if saved != names:
+            raise ValueError(f"optimizer state does not match the adapter: missing {sorted(names - saved)[:3]}, "
+                             f"unexpected {sorted(saved - names)[:3]}")
         return {key: state[key] for key in ("exp_avg", "exp_avg_sq")}
 
     @torch.no_grad()

@@ -6,8 +6,6 @@ serving engine is a fake with SGLang's LoRA API (the real multi-LoRA engine is a
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from clawrl.adapters import complete_adapters, read_served
@@ -30,7 +28,8 @@ def write_namespace_samples(settings, namespace: str, n: int, first: int = 0) ->
 
     rng, chash = random.Random(hash(namespace) % 1000 + first), build_judge_config_hash(settings)
     recs = [SampleRecord(sample_id=f"{namespace}-{i}", turn_id=f"{namespace}-t{i}", session_id=f"s{i}",
-                         judge_config_hash=chash, method="grpo", prompt_ids=[1] + [rng.randrange(3, 40000) for _ in range(5)],
+                         judge_config_hash=chash, method="grpo",
+                         prompt_ids=[1] + [rng.randrange(3, 40000) for _ in range(5)],
                          output_ids=[rng.randrange(3, 40000) for _ in range(4)] + [2], rollout_logprobs=[-10.0] * 5,
                          reward=1.0 if i % 2 else -1.0, has_teacher=False, teacher_logprobs=None, weight_version="0",
                          namespace=namespace) for i in range(first, first + n)]
@@ -99,7 +98,8 @@ def test_each_namespace_with_a_full_batch_trains_and_serves_its_own_adapter(pref
     assert complete_adapters(checkpoints, A) == [] and read_served(checkpoints, A) is None
     assert sorted(engine.adapters) == [f"{B}@v1"]
     [row] = run_query(root, "SELECT * FROM adapter_serving WHERE action = 'forget'").to_pylist()
-    assert (row["namespace"], row["previous"], row["ok"], row["reason"]) == (A, f"{A}@v3", True, "asked to be forgotten")
+    assert (row["namespace"], row["previous"], row["ok"], row["reason"]) == (A, f"{A}@v3", True,
+                                                                            "asked to be forgotten")
 
 
 def test_a_sync_an_engine_refuses_leaves_the_namespace_on_its_previous_adapter(prefect_harness, adapter_settings,
@@ -120,7 +120,8 @@ def test_a_sync_an_engine_refuses_leaves_the_namespace_on_its_previous_adapter(p
     assert second["sync"]["message"] == f"in-process did not load {A}@v2: out of adapter slots"
     assert read_served(s.storage.data_root / "checkpoints", A).name == f"{A}@v1"  # still served v1
     assert sorted(engine.adapters) == [f"{A}@v1"]
-    [row] = run_query(s.storage.data_root, "SELECT ok, error FROM adapter_serving WHERE adapter LIKE '%@v2'").to_pylist()
+    [row] = run_query(s.storage.data_root,
+                      "SELECT ok, error FROM adapter_serving WHERE adapter LIKE '%@v2'").to_pylist()
     assert row == {"ok": False, "error": second["sync"]["message"]}
 
 

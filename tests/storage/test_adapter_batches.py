@@ -45,7 +45,8 @@ def test_a_namespace_claims_only_its_own_samples_and_resumes_its_unfinished_batc
         store.append([r for i in range(3) for r in turn_and_sample(A, i)] + turn_and_sample(B, 0))
         batch_id, note = claim(store, tmp_path, A)
         row = batch_row(tmp_path, batch_id)
-        assert (row["namespace"], row["step"], row["parent_version"], row["session_namespaces"]) == (A, 1, f"{A}@v0", [A, A])
+        assert (row["namespace"], row["step"], row["parent_version"], row["session_namespaces"]) == (
+            A, 1, f"{A}@v0", [A, A])
         assert note == f"claimed {A}'s batch {batch_id} (2 samples) for {A}@v1"
         taken = set(row["sample_ids"])
         assert taken < {f"smp-{make_turn_id(A, f's{i}', 0)}" for i in range(3)}  # two of A's three

@@ -27,7 +27,8 @@ SEVEN = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 def samples(namespace: str, seed: int, n: int = 4) -> list[SampleRecord]:
     g = torch.Generator().manual_seed(seed)
     return [SampleRecord(sample_id=f"{namespace}-{seed}-{i}", turn_id=f"t{seed}{i}", session_id=f"s{i % 2}",
-                         judge_config_hash="h", method="grpo", prompt_ids=torch.randint(3, 5000, (4 + i,), generator=g).tolist(),
+                         judge_config_hash="h", method="grpo",
+                         prompt_ids=torch.randint(3, 5000, (4 + i,), generator=g).tolist(),
                          output_ids=torch.randint(3, 5000, (5,), generator=g).tolist(), rollout_logprobs=[-10.8] * 5,
                          reward=1.0 if i % 2 else -1.0, has_teacher=False, teacher_logprobs=None, weight_version="0",
                          namespace=namespace) for i in range(n)]
