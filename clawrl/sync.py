@@ -176,103 +176,79 @@ async def sync_checkpoint(weight_version: str, path: str, sha256: str, *, engine
     return replace(rep, target=target, checkpoint_path=path, started_at=started_at)
 
 
-async def _adapter_workers(engine: Engine | None, url: str | None, admin_key: str | None,
-                           timeout_s: float) -> tuple[str | None, list[Any], Any]:
-    """(the target's name, the engines that each load an adapter, what to close afterwards): the in-process
-    ``engine``, else every worker behind the HTTP engine or router at ``url``."""
+@contextlib.asynccontextmanager
+async def _adapter_target(engine: Engine | None, url: str | None, admin_key: str | None, timeout_s: float):
+    """(the target's name, what loads an adapter on every serving worker): the in-process ``engine``, else
+    the HTTP engine or router at ``url`` (``RoutedEngines``: each worker the router lists); (None, None)
+    with neither."""
     if engine is not None:
-        return "in-process", [engine], None
-    if not url:
-        return None, [], None
-    from clawrl.engine.router import RoutedEngines
+        yield "in-process", engine
+    elif not url:
+        yield None, None
+    else:
+        from clawrl.engine.router import RoutedEngines
 
-    routed = RoutedEngines(url, timeout_s=timeout_s, api_key=admin_key)
-    try:
-        return url, await routed.workers(), routed
-    except BaseException:
-        await routed.close()
-        raise
-
-
-async def _each(workers: list[Any], call: Callable[[Any], Awaitable[UpdateResult]]) -> list[dict[str, Any]]:
-    """``call`` on every worker in turn, each as a row (url, ok, message, seconds); an engine that does not
-    answer is a failed row."""
-    rows = []
-    for w in workers:
-        t0 = time.perf_counter()
+        routed = RoutedEngines(url, timeout_s=timeout_s, api_key=admin_key)
         try:
-            res = await call(w)
-            ok, message = res.success, res.message
-        except (EngineError, BadRequestError) as e:
-            ok, message = False, str(e)
-        except AttributeError:  # an in-process engine without multi-LoRA serving
-            ok, message = False, f"{type(w).__name__} does not serve LoRA adapters"
-        rows.append({"url": getattr(w, "base_url", "in-process"), "ok": ok, "message": message,
-                     "seconds": round(time.perf_counter() - t0, 3)})
-    return rows
+            yield url, routed
+        finally:
+            await routed.close()
+
+
+async def _call(target: Any, method: str, *args: str) -> tuple[bool, str, tuple[dict[str, Any], ...]]:
+    """(ok, message, one row per worker) of ``target.<method>(*args)``; an engine that cannot is a failure."""
+    try:
+        res = await getattr(target, method)(*args)
+    except (EngineError, BadRequestError) as e:
+        return False, str(e), ()
+    except AttributeError:  # an in-process engine without multi-LoRA serving
+        return False, f"{type(target).__name__} does not serve LoRA adapters", ()
+    return bool(res.success), str(res.message or ""), tuple(getattr(res, "workers", ()) or ())
 
 
 async def sync_adapter(name: str, path: str, sha256: str, *, engine: Engine | None = None, url: str | None = None,
                        admin_key: str | None = None, timeout_s: float = 600.0) -> SyncReport:
     """Load the LoRA adapter at ``path`` (its weights recorded with ``sha256``) as ``name`` into every serving
     worker: the in-process ``engine``, else each worker behind the HTTP engine or router at ``url``
-    (``load_lora_adapter``, SGLang's ``/load_lora_adapter``). Nothing pauses: every other namespace is served
-    throughout. The adapter's bytes are checked before any engine sees them; a worker that refuses it stops the
-    sync, and those that loaded it unload it again, so no worker serves a version the others lack. The report's
-    ``weight_version`` is ``name`` once every worker holds it (None otherwise); the caller then switches the
-    namespace to it (``clawrl.adapters.write_served``) and unloads the previous version
-    (:func:`unload_adapter`). Like every sync here it never raises for a failure: the report says it."""
+    (``load_lora_adapter``, SGLang's ``/load_lora_adapter``, which a router client makes on every worker and
+    takes back from those that loaded it when one refuses). Nothing pauses: every other namespace is served
+    throughout. The adapter's bytes are checked before any engine sees them. The report's ``weight_version``
+    is ``name`` once every worker holds it (None otherwise); the caller then switches the namespace to it
+    (``clawrl.adapters.write_served``) and unloads the previous version (:func:`unload_adapter`). Like every
+    sync here it never raises for a failure: the report says it."""
     from clawrl.adapters import verify_adapter
 
     started_at, t0 = utcnow(), time.perf_counter()
     try:
         await asyncio.to_thread(verify_adapter, path, sha256)
-        target, workers, owner = await _adapter_workers(engine, url, admin_key, timeout_s)
-    except (CheckpointError, EngineError) as e:
+    except CheckpointError as e:
         log.error("adapter %s not synced: %s", name, e)
         return SyncReport(False, str(e), None, time.perf_counter() - t0, target=url or None, checkpoint_path=path,
                           started_at=started_at)
-    if target is None:
-        return SyncReport(False, NO_ENGINE, None, 0.0, skipped=True, checkpoint_path=path, started_at=started_at)
-    try:
-        rows: list[dict[str, Any]] = []
-        for w in workers:
-            rows += await _each([w], lambda w: w.load_lora_adapter(name, path))
-            if not rows[-1]["ok"]:
-                await _each([w for w, r in zip(workers, rows) if r["ok"]], lambda w: w.unload_lora_adapter(name))
-                break
-    finally:
-        if owner is not None:
-            await owner.close()
-    bad = next((r for r in rows if not r["ok"]), None)
-    seconds = time.perf_counter() - t0
-    common = dict(target=target, checkpoint_path=path, started_at=started_at, workers=tuple(rows))
-    if bad is not None:
-        log.error("adapter %s not synced: %s refused it: %s", name, bad["url"], bad["message"])
-        return SyncReport(False, f"{bad['url']} did not load {name}: {bad['message']}", None, seconds, **common)
-    holds = f"{len(rows)} worker{'s hold' if len(rows) > 1 else ' holds'} {name}"
-    return SyncReport(True, holds, name, seconds, **common)
+    async with _adapter_target(engine, url, admin_key, timeout_s) as (target, loader):
+        if loader is None:
+            return SyncReport(False, NO_ENGINE, None, 0.0, skipped=True, checkpoint_path=path, started_at=started_at)
+        ok, message, workers = await _call(loader, "load_lora_adapter", name, path)
+    common = dict(target=target, checkpoint_path=path, started_at=started_at, workers=workers)
+    if not ok:
+        log.error("adapter %s not synced to %s: %s", name, target, message)
+        return SyncReport(False, f"{target} did not load {name}: {message}", None, time.perf_counter() - t0, **common)
+    n = max(1, sum(bool(w.get("ok")) for w in workers))
+    return SyncReport(True, f"{n} worker{'s hold' if n > 1 else ' holds'} {name}", name, time.perf_counter() - t0,
+                      **common)
 
 
 async def unload_adapter(name: str, *, engine: Engine | None = None, url: str | None = None,
                          admin_key: str | None = None, timeout_s: float = 600.0) -> SyncReport:
     """Unload the adapter ``name`` from every serving worker (a namespace's previous version, once the
-    gateway sends the new one; a forgotten namespace's). A worker that cannot is logged at WARNING: an
-    adapter left loaded serves no one, since no namespace is sent to it any more."""
+    gateway sends the new one; a forgotten namespace's). A failure is logged at WARNING: an adapter left
+    loaded serves no one, since no namespace is sent to it any more."""
     started_at, t0 = utcnow(), time.perf_counter()
-    try:
-        target, workers, owner = await _adapter_workers(engine, url, admin_key, timeout_s)
-    except EngineError as e:
-        log.warning("adapter %s not unloaded: %s", name, e)
-        return SyncReport(False, str(e), None, time.perf_counter() - t0, target=url, started_at=started_at)
-    try:
-        rows = await _each(workers, lambda w: w.unload_lora_adapter(name))
-    finally:
-        if owner is not None:
-            await owner.close()
-    for r in rows:
-        if not r["ok"]:
-            log.warning("adapter %s not unloaded from %s: %s", name, r["url"], r["message"])
-    ok = bool(rows) and all(r["ok"] for r in rows)
-    return SyncReport(ok, f"{name} unloaded" if ok else f"{name} not unloaded everywhere", None,
-                      time.perf_counter() - t0, target=target, started_at=started_at, workers=tuple(rows))
+    async with _adapter_target(engine, url, admin_key, timeout_s) as (target, loader):
+        if loader is None:
+            return SyncReport(False, NO_ENGINE, None, 0.0, skipped=True, started_at=started_at)
+        ok, message, workers = await _call(loader, "unload_lora_adapter", name)
+    if not ok:
+        log.warning("adapter %s not unloaded from %s: %s", name, target, message)
+    return SyncReport(ok, f"{name} unloaded" if ok else f"{name} not unloaded: {message}", None,
+                      time.perf_counter() - t0, target=target, started_at=started_at, workers=workers)

@@ -58,13 +58,14 @@ def test_every_worker_loads_the_adapter_and_a_refusal_unloads_it_from_those_that
     assert (rep.success, rep.weight_version, rep.message, rep.checkpoint_path) == (
         True, "key-aaaa@v2", "2 workers hold key-aaaa@v2", str(path))
     assert [(r["url"], r["ok"]) for r in rep.workers] == [(w1, True), (w2, True)]
-    assert gone.success and [r["url"] for r in gone.workers] == [w1, w2]
+    assert gone.success and gone.message == "key-aaaa@v1 unloaded"
     assert first == second == [("/load_lora_adapter", "key-aaaa@v2"), ("/unload_lora_adapter", "key-aaaa@v1")]
 
     first.clear(), second.clear()
     rep, _, w1, w2 = run(go(refuse=True))
     assert (rep.success, rep.weight_version) == (False, None)
-    assert rep.message == f"{w2} did not load key-aaaa@v2: max_loaded_loras reached"
+    assert rep.message.startswith(f"{rep.target} did not load key-aaaa@v2: ")
+    assert "max_loaded_loras reached" in rep.message
     # the first worker loaded it and unloaded it again: no worker serves a version the others lack
     assert first[:2] == [("/load_lora_adapter", "key-aaaa@v2"), ("/unload_lora_adapter", "key-aaaa@v2")]
     assert second[:1] == [("/load_lora_adapter", "key-aaaa@v2")]
@@ -82,23 +83,3 @@ def test_an_adapter_whose_bytes_are_not_the_recorded_ones_reaches_no_engine(tmp_
     rep = run(go())
     assert not rep.success and rep.weight_version is None and calls == []
     assert f"{ADAPTER_FILE} is corrupt" in rep.message
-
-
-def test_the_router_client_loads_an_adapter_on_every_worker_for_the_gateways_reload(tmp_path):
-    from clawrl.engine.router import RoutedEngines
-
-    first, second = [], []
-
-    async def go():
-        async with worker(first) as w1, worker(second, refuse=True) as w2, router([w1, w2]) as url:
-            engines = RoutedEngines(url)
-            try:
-                return await engines.load_lora_adapter("key-aaaa@v2", "/p"), await engines.unload_lora_adapter("x@v1")
-            finally:
-                await engines.close()
-
-    loaded, unloaded = run(go())
-    assert (loaded.success, loaded.message) == (False, "max_loaded_loras reached")  # the first refusal
-    assert unloaded.success and unloaded.message == "2 workers unloaded x@v1"
-    assert first == [("/load_lora_adapter", "key-aaaa@v2"), ("/unload_lora_adapter", "x@v1")]
-    assert second == first

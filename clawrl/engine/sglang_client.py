@@ -277,16 +277,16 @@ class SGLangClient:
                                      accept=(400,))
         return _update_result(*answer, new_version)
 
-    async def load_lora_adapter(self, name: str, path: str) -> UpdateResult:
-        """Load the LoRA adapter directory ``path`` (PEFT's format) as ``name``, which requests then name in
-        ``lora_path`` (SGLang's ``/load_lora_adapter``: a server started with ``--enable-lora``)."""
-        answer = await self._request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
-                                     accept=(400,))
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> UpdateResult:
+        """Load the LoRA adapter directory ``lora_path`` (PEFT's format) as ``lora_name``, which requests then
+        name in ``lora_path`` (SGLang's ``/load_lora_adapter``: a server started with ``--enable-lora``)."""
+        answer = await self._request("POST", "/load_lora_adapter", {"lora_name": lora_name,
+                                                                    "lora_path": str(lora_path)}, accept=(400,))
         return _update_result(*answer, None)
 
-    async def unload_lora_adapter(self, name: str) -> UpdateResult:
-        """Unload the adapter loaded as ``name`` (SGLang's ``/unload_lora_adapter``)."""
-        return _update_result(*await self._request("POST", "/unload_lora_adapter", {"lora_name": name},
+    async def unload_lora_adapter(self, lora_name: str) -> UpdateResult:
+        """Unload the adapter loaded as ``lora_name`` (SGLang's ``/unload_lora_adapter``)."""
+        return _update_result(*await self._request("POST", "/unload_lora_adapter", {"lora_name": lora_name},
                                                    accept=(400,)), None)
 
     async def sync_weights_from_disk(
