@@ -35,8 +35,7 @@ from prefect.events import emit_event
 from clawrl import runtime
 from clawrl.config_sections import LIVE_MIN_TURNS, LIVE_TOLERANCE
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
-from clawrl.flows.slots import (JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, skipped_because,
-                                tick)
+from clawrl.flows.slots import JUDGE_LIMIT, ensure_limit, leased_slot, mark_idle, skipped_because
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
@@ -204,12 +203,15 @@ def _judge_run_name() -> str:
     return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
 
 
-def _start_training() -> None:
-    """A run of the train deployment, unless one is scheduled or going (it takes the batch in turn)."""
+def _start_training(config_path: str | None) -> None:
+    """A run of the train deployment, unless one is scheduled or going (it takes the batch in turn); with
+    ``[ppo] adapters = "namespace"`` one per namespace with a batch (clawrl.flows.adapters)."""
     from prefect.exceptions import ObjectNotFound
 
+    from clawrl.flows.adapters import start_train_runs
+
     try:
-        started = tick(TRAIN_DEPLOYMENT)
+        started = ", ".join(start_train_runs(config_path))
     except ObjectNotFound:  # judging outside `clawrl up`: nothing to start
         return
     except Exception as e:  # noqa: BLE001 - the train ticker starts one later
@@ -264,7 +266,7 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
                    payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
         _crash_point("emitted")
         if start_training:
-            _start_training()
+            _start_training(config_path)
     if not turn_ids:
         mark_idle()
     return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts,

@@ -138,6 +138,45 @@ def tick(deployment: str) -> str | None:
     return run_id
 
 
+NAMESPACE_TAG = "namespace:"  # a train run of one namespace's adapter ([ppo] adapters = "namespace")
+
+
+def trainer_limit(namespace: str) -> str:
+    """The global concurrency limit that keeps one step of ``namespace``'s adapter at a time."""
+    return f"trainer-{namespace}"
+
+
+def tick_namespaces(deployment: str, namespaces: list[str]) -> list[str]:
+    """A run of ``deployment`` for each of ``namespaces`` (parameter ``namespace``, tag ``namespace:<ns>``)
+    unless one of that namespace's runs is scheduled, pending or running: the steps of different
+    namespaces run at once, each holding its own slot (``trainer-<namespace>``). A run still marked
+    Running while its namespace's slot is free died unmarked, as in :func:`tick`. The new runs' ids."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    if not namespaces:
+        return []
+    active = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING,
+                                                                  StateType.RUNNING]))
+    created = []
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment)
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                     flow_run_filter=FlowRunFilter(state=active))
+        busy = {tag.removeprefix(NAMESPACE_TAG): r for r in runs for tag in r.tags if tag.startswith(NAMESPACE_TAG)}
+        for ns in namespaces:
+            run = busy.get(ns)
+            if run is not None and not (run.state.is_running() and _slot_free(client, trainer_limit(ns))):
+                continue
+            created.append(str(client.create_flow_run_from_deployment(
+                dep.id, parameters={"namespace": ns}, tags=[NAMESPACE_TAG + ns]).id))
+    if created:
+        RUN_CREATED.set()
+    return created
+
+
 def _slot_free(client, limit: str | None) -> bool:
     if limit is None:
         return False

@@ -63,8 +63,9 @@ from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml, mlflow_ui_url
 from clawrl.config_sections import GUARD_TOLERANCE
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
-                                 load_flow_settings, local_trainer, push_canary, push_weights, serve_target,
+                                 load_flow_settings, push_canary, push_weights, serve_target, train_step,
                                  trainer_in_process)
+from clawrl.flows.adapters import train_adapters
 from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, mark_idle, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
@@ -126,11 +127,7 @@ def claim_batch(config_path: str | None) -> str | None:
 
 @task(cache_policy=NO_CACHE)
 def run_step(config_path: str | None, batch_id: str, trainer_url: str | None) -> dict[str, Any]:
-    s = load_flow_settings(config_path)
-    if trainer_url:
-        return trainer_service.request_step(trainer_url, batch_id)
-    data_store(s).flush()
-    return asdict(trainer_service.train_batch(local_trainer(s), s.storage.data_root, batch_id))
+    return train_step(load_flow_settings(config_path), batch_id, trainer_url)
 
 
 @task(cache_policy=NO_CACHE)
@@ -349,11 +346,14 @@ def _train_run_name() -> str:
 
 @flow(name="train", flow_run_name=_train_run_name, log_prints=True)
 def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: str | None = None,
-               engine_url: str | None = None, exclusive: bool = False) -> dict[str, Any]:
+               engine_url: str | None = None, exclusive: bool = False, namespace: str | None = None) -> dict[str, Any]:
     """Train up to ``max_steps`` PPO steps, one per full batch of waiting samples. Each step holds the
     `trainer` slot, waiting for it; with ``exclusive`` (the deployment's triggered and scheduled runs)
     the run takes it for all its steps at once or not at all: a run that finds another training ends
-    Completed at once, returning ``skipped``."""
+    Completed at once, returning ``skipped``. With ``[ppo] adapters = "namespace"`` each namespace's adapter
+    instead (only ``namespace``'s when given), up to ``max_steps`` each, on its own slot (flows/adapters.py)."""
+    if load_flow_settings(config_path).ppo.adapters == "namespace":
+        return train_adapters(config_path, namespace, max_steps, trainer_url, engine_url, exclusive)
     ensure_trainer_limit()
     if not exclusive:
         # a killed run stops renewing its lease: its slot frees itself after lease_duration

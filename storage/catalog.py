@@ -16,12 +16,12 @@ directories. Times are TIMESTAMP WITH TIME ZONE (UTC), id lists INTEGER[], log-p
 hold JSON (request_messages, tool_calls, messages, raw_outputs, ...) are JSON text.
 
 ``turns``, ``next_states``, ``turn_fate``, ``batches``, ``checkpoints``, ``syncs``, ``evaluations``,
-``promotions``: every row written (``TurnRecord``, ``NextStateRecord``, ``FateRecord``, ``BatchRecord``,
-``CheckpointRecord``, ``SyncRecord``, ``EvaluationRecord``, ``PromotionRecord``). ``verdicts``: the
-judge's verdicts (``JudgeVerdict``), one per (turn_id, judge_config_hash): the newest, i.e. the one of
-the attempt that wrote the fate (an attempt killed before its fate is judged again).
-``verdict_attempts``: every verdict ever written. ``samples`` (``SampleRecord``): one row per
-sample_id, the newest write.
+``promotions``, ``adapters``, ``adapter_serving``: every row written (``TurnRecord``, ``NextStateRecord``,
+``FateRecord``, ``BatchRecord``, ``CheckpointRecord``, ``SyncRecord``, ``EvaluationRecord``, ``PromotionRecord``,
+``AdapterRecord``, ``AdapterServeRecord``). ``verdicts``: the judge's verdicts (``JudgeVerdict``), one per
+(turn_id, judge_config_hash): the newest, i.e. the one of the attempt that wrote the fate (an
+attempt killed before its fate is judged again). ``verdict_attempts``: every verdict ever
+written. ``samples`` (``SampleRecord``): one row per sample_id, the newest write.
 
 A view is bound to the files at query time, so a long-lived connection sees new files, except
 that a table with no file at all when the connection was opened stays an empty view until

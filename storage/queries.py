@@ -201,10 +201,12 @@ def custom_samples(con: duckdb.DuckDBPyConnection, records: list, store) -> list
 
 
 def open_batch(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
-    """The newest batch with no checkpoint yet (a step that was claimed but not finished), or None."""
-    rows = _rows(con, """
+    """The newest batch of the shared policy with no checkpoint yet (a step that was claimed but not
+    finished), or None. A namespace's adapter batch is not one (``clawrl.storage.adapters``)."""
+    shared = "AND b.namespace IS NULL" if "namespace" in _columns(con, "batches") else ""
+    rows = _rows(con, f"""
         SELECT * EXCLUDE (date) FROM batches b
-        WHERE NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.batch_id = b.batch_id)
+        WHERE NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.batch_id = b.batch_id) {shared}
         ORDER BY created_at DESC LIMIT 1
     """)
     return rows[0] if rows else None

@@ -104,6 +104,14 @@ def train(
         console.print("no full batch of trainable samples yet (see `clawrl status`)")
     for st in out["steps"]:
         m = st["metrics"]
+        if "namespace" in st:  # [ppo] adapters = "namespace": a namespace's adapter version
+            console.print(f"adapter {st['weight_version']}: loss {m.get('loss', float('nan')):.4f}, "
+                          f"{int(m.get('num_seqs', 0))} samples, {st['path']}, sync: {st['sync']['message'] or 'ok'}",
+                          markup=False)
+            if not st["sync"]["success"]:
+                warn(f"adapter {st['weight_version']} is not served yet: {st['sync']['message']}; its namespace keeps "
+                     "its previous one until its next step syncs")
+            continue
         console.print(f"step {st['step']}: weight_version {st['weight_version']}, loss {m.get('loss', float('nan')):.4f}, "
                       f"{int(m.get('num_seqs', 0))} samples, checkpoint {st['path']}, sync: {st['sync']['message'] or 'ok'}",
                       markup=False)

@@ -30,6 +30,7 @@ from clawrl.gateway.schemas import (
 )
 from clawrl.gateway.errors import GatewayError, field_error
 from clawrl.gateway.http import ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, serve_turn
+from clawrl.gateway.lora import check_serves_adapters, serve_adapters
 from clawrl.gateway.service import ChatService
 from clawrl.gateway.sessions import validate_session_id
 from clawrl.hooks import load_hook
@@ -258,6 +259,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         if canary is not None:
             engine = CanaryRouter(engine, canary, settings.gate.canary_share)
     state.engine, state.tokenizer = engine, tokenizer
+    if settings.ppo.adapters == "namespace":
+        check_serves_adapters(engine)
     served = engine.main if isinstance(engine, CanaryRouter) else engine  # what a weight sync updates
     if hasattr(served, "update_weights_from_disk") and not hasattr(served, "sync_weights_from_disk"):
         # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
@@ -295,6 +298,8 @@ async def _lifespan(app: FastAPI):
         await engine.learn_context_len()
     tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
     state.service = service = ChatService(engine, tokenizer, store, settings, state.generate_hook)
+    if settings.ppo.adapters == "namespace":  # each namespace served its own LoRA adapter
+        serve_adapters(service, settings.storage.data_root / "checkpoints")
     restored = service.restore_sessions()
     await service.live_weight_version()
     if not state.api_keys:
