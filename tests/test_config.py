@@ -209,7 +209,7 @@ def test_per_namespace_adapters_switch_from_the_environment_with_a_default_rank_
     assert load_settings(env={"CLAWRL__PPO__ADAPTERS": "namespace", "CLAWRL__PPO__LORA_RANK": "4"}).ppo.adapter_rank == 4
     with pytest.raises(ConfigError) as e:
         load_settings(env={"CLAWRL__PPO__ADAPTERS": "namespace", "CLAWRL__PPO__BACKEND": "megatron"})
-    assert str(e.value).splitlines()[1].strip() == (
+    assert str(e.value) == (
         "env CLAWRL__PPO__ADAPTERS, env CLAWRL__PPO__BACKEND: [ppo]: ppo.adapters = 'namespace' trains LoRA adapters "
         "with the torch backend only, not ppo.backend = 'megatron': set ppo.backend = 'torch', or ppo.adapters = 'shared'")
     with pytest.raises(ConfigError, match=r"env CLAWRL__PPO__ADAPTERS: \[ppo\] adapters = 'user': Input should be "

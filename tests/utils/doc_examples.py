@@ -92,8 +92,11 @@ class DocPage:
 
     def run(self, source: str) -> subprocess.CompletedProcess:
         """``source`` run by bash as a user's shell would, in the clone, stopping at the first failing command;
-        what it printed (stdout and stderr as a terminal shows them) in ``stdout``."""
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", self.localize(source)], cwd=REPO, env=self.env,
+        what it printed (stdout and stderr as a terminal shows them) in ``stdout``. The page's blocks are one
+        terminal: what a block exports (``export CLAWRL__PPO__ADAPTERS=namespace``) the blocks after it see."""
+        exports = self.root / "exports.sh"
+        script = f"[ -f {exports} ] && source {exports}\n{self.localize(source)}\nexport -p > {exports}"
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=self.env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=BLOCK_TIMEOUT_S)
 
     def localize(self, source: str) -> str:
