@@ -255,8 +255,8 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
                     params=[Param(k, str(getattr(v, "value", v))) for k, v in sorted(params.items())])
         c.log_dict(run_id, {"batch_id": step["batch_id"], "samples": manifest}, "batch_manifest.json")
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        ds = mlflow.data.from_pandas(pd.DataFrame(manifest), source=str(Path(data_root) / "tables" / "batches"),
-                                     name=f"batch-{step['batch_id']}", digest=digest)
+        ds = mlflow.data.from_pandas(pd.DataFrame(manifest), name=f"batch-{step['batch_id']}", digest=digest,
+                                     source=_local_source(Path(data_root) / "tables" / "batches"))
         c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                     tags=[InputTag("mlflow.data.context", "training")])])
         c.set_tag(run_id, "sample_count", str(len(manifest)))
@@ -271,6 +271,15 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
     if str(step["weight_version"]).isdigit():
         log_policy_point(data_root, int(step["weight_version"]), step["metrics"])
     return run_id
+
+
+def _local_source(path: Path):
+    """The MLflow dataset source of a local directory, made as the ``local`` source it is: given a path,
+    MLflow finds two registered local sources (schemes "" and "file") that resolve it and warns that it
+    "can be interpreted in multiple ways" on every step."""
+    from mlflow.data.dataset_source_registry import get_dataset_source_from_json
+
+    return get_dataset_source_from_json(json.dumps({"uri": str(path)}), source_type="local")
 
 
 def runs_without_model_version(data_root: Path, run_ids: Sequence[str]) -> list[str]:

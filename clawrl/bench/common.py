@@ -1,7 +1,7 @@
 """Shared by every benchmark: the machine and device it ran on, best-of-N timing, free ports and
-`clawrl serve` / `clawrl engine` child processes, markdown tables, the verdicts on stated targets, and replacing one section of
-``docs/benchmarks.md`` while leaving the others alone (each benchmark owns the text between its own
-``<!-- NAME-bench:start -->`` / ``<!-- NAME-bench:end -->`` markers)."""
+`clawrl serve` / `clawrl engine` child processes, markdown tables, the verdicts on stated targets, and
+replacing one section of ``docs/benchmarks.md`` while leaving the others alone (each benchmark owns the
+text between its own ``<!-- NAME-bench:start -->`` / ``<!-- NAME-bench:end -->`` markers)."""
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ def test_the_demo_keeps_one_data_root_and_prints_commands_that_work_from_anywher
     # Prefect's lines about each run went to the log, not the terminal
     flows_log = (run / "logs" / "flows.log").read_text()
     assert "Finished in state Completed()" in flows_log and "Finished in state" not in out.stderr, out.stderr[-2000:]
-    assert "step  2: score" in out.stderr  # the loop's own lines stay
+    assert "step  2: served_score" in out.stderr  # the loop's own lines stay
     # the status command it prints, from another directory, without the environment: the same data
     [status_cmd] = [line.strip() for line in stdout.splitlines() if re.search(r"clawrl status -c ", line)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL__")}
@@ -237,7 +237,7 @@ def test_mlflow_shows_training_runs_curves_over_versions_and_complete_version_pa
     charts = _render(f"{ml}/#/experiments/{exp}/runs/{policy}/model-metrics", "mlflow-policy-curves",
                      budget_ms=60_000, height=3400)
     # one chart each, over steps = weight versions: the candidates' held-out scores and the served one
-    for metric in ("loss", "reward_mean", "kl", "heldout_score", "served_heldout_score"):
+    for metric in ("loss", "reward_mean", "kl", "candidate_score", "served_score", "served_on_topic_rate"):
         assert f"policy ({metric})" in charts, charts[:3000]
 
     decided, champion = _decisions(run)

@@ -142,32 +142,48 @@ def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
     from clawrl.lineage import client as mlflow_client, log_policy_point
 
     run_id = log_policy_point(tmp_path, 1, {"loss": 0.5, "kl": 0.01})
-    assert log_policy_point(tmp_path, 1, {"loss": 0.9, "heldout_score": 0.75, "skipped": None}) == run_id
+    assert log_policy_point(tmp_path, 1, {"loss": 0.9, "served_score": 0.75, "skipped": None}) == run_id
     log_policy_point(tmp_path, 2, {"loss": 0.25})
     ml = mlflow_client(tmp_path)
     assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]
-    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "heldout_score")] == [(1, 0.75)]
+    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "served_score")] == [(1, 0.75)]
     assert ml.get_metric_history(run_id, "skipped") == []
 
 
-def test_held_out_scores_are_points_at_the_candidates_version_and_the_served_score_a_series_of_its_own():
-    """Refused candidates no longer pile their scores onto the served version's step 0 (one point, a bar in
-    MLflow): each candidate's held-out score sits at its own version, the served score beside it."""
+def test_every_row_reaches_the_policy_run_at_its_version_with_the_served_and_the_candidate_score_apart():
+    """Each curve row is a point at the version it decided on, refused candidate or not, so the served
+    on-topic, persona, KL and word-count curves end at the same version as the scores (they stopped at the
+    last promoted version); ``served_*`` is what users got after the decision, ``candidate_score`` the
+    candidate's own, two names for two numbers."""
     from clawrl.flows.loop import policy_points
 
-    keys = ["score", "on_topic_rate", "candidate_score", "kl"]
-    base = {"step": 0, "weight_version": "0", "score": 0.25, "on_topic_rate": 0.5, "candidate_score": 0.25, "kl": 0.0}
-    refused = {"step": 1, "weight_version": "0", "candidate_version": "1", "gate": "refuse", "score": 0.25,
+    keys = ["served_score", "on_topic_rate", "candidate_score", "kl"]
+    base = {"step": 0, "weight_version": "0", "served_score": 0.25, "on_topic_rate": 0.5, "candidate_score": 0.25,
+            "kl": 0.0}
+    refused = {"step": 1, "weight_version": "0", "candidate_version": "1", "gate": "refuse", "served_score": 0.25,
                "on_topic_rate": 0.5, "candidate_score": 0.125, "kl": 0.0}
-    promoted = {"step": 2, "weight_version": "2", "candidate_version": "2", "gate": "promote", "score": 0.75,
+    unmeasured = {**refused, "candidate_score": None}  # tools: a refused candidate's score is not measured
+    promoted = {"step": 2, "weight_version": "2", "candidate_version": "2", "gate": "promote", "served_score": 0.75,
                 "on_topic_rate": 1.0, "candidate_score": 0.75, "kl": 0.03}
-    assert policy_points(base, keys, True) == [(0, {"heldout_score": 0.25, "heldout_on_topic_rate": 0.5,
-                                                    "heldout_kl": 0.0, "served_heldout_score": 0.25})]
-    assert policy_points(refused, keys, True) == [(1, {"heldout_score": 0.125, "served_heldout_score": 0.25})]
-    assert policy_points(refused, keys, False) == [(1, {"served_heldout_score": 0.25})]  # tools: not measured
-    assert policy_points(promoted, keys, True) == [(2, {"heldout_score": 0.75, "heldout_on_topic_rate": 1.0,
-                                                        "heldout_kl": 0.03, "served_heldout_score": 0.75})]
-    assert policy_points({"step": 3, "weight_version": None}, keys, True) == []
+    assert policy_points(base, keys) == [(0, {"served_score": 0.25, "served_on_topic_rate": 0.5, "served_kl": 0.0,
+                                              "candidate_score": 0.25})]
+    assert policy_points(refused, keys) == [(1, {"served_score": 0.25, "served_on_topic_rate": 0.5, "served_kl": 0.0,
+                                                 "candidate_score": 0.125})]
+    assert policy_points(unmeasured, keys)[0][1]["candidate_score"] is None  # log_policy_point leaves it out
+    assert policy_points(promoted, keys) == [(2, {"served_score": 0.75, "served_on_topic_rate": 1.0, "served_kl": 0.03,
+                                                  "candidate_score": 0.75})]
+    assert policy_points({"step": 3, "weight_version": None}, keys) == []
+
+
+def test_a_refused_candidate_gets_its_measured_score_or_none_never_the_served_one():
+    from clawrl.flows.loop import _gate_row
+
+    served = {"served_score": 0.5}
+    refuse = {"decision": "refuse", "reason": "worse", "candidate_version": "3"}
+    assert _gate_row(refuse, served, 0.25)["candidate_score"] == 0.25
+    assert _gate_row(refuse, served, None)["candidate_score"] is None
+    assert _gate_row({**refuse, "decision": "promote"}, served, None)["candidate_score"] == 0.5
+    assert _gate_row(None, served, None) == {"candidate_score": 0.5}  # no step: the served version stands
 
 
 def test_the_initial_weights_carry_the_champion_alias_while_they_are_the_champion(tmp_path):
@@ -283,3 +299,32 @@ def test_a_train_run_without_a_batch_is_named_idle_for_when_it_ran(prefect_harne
     with get_client(sync_client=True) as pc:
         name = pc.read_flow_run(state.state_details.flow_run_id).name
     assert re.fullmatch(r"train-idle-\d{8}-\d{6}", name), name  # not a random "sandy-oyster", nor a step's name
+
+
+def _logged_step(root: Path, version: int) -> dict:
+    """A step's lineage as the train flow logs it (a checkpoint directory with no weights: MLflow never reads them)."""
+    from clawrl.lineage import log_train_step
+
+    ckpt = root / "checkpoints" / f"v{version:06d}"
+    ckpt.mkdir(parents=True)
+    step = {"batch_id": f"batch{version}", "step": version, "weight_version": str(version),
+            "parent_version": str(version - 1), "sha256": "ab" * 32, "path": str(ckpt), "metrics": {"loss": 0.5}}
+    manifest = [{"sample_id": f"s{version}", "session_id": "alice", "turn_id": f"t{version}", "reward": 1.0,
+                 "has_teacher": False, "weight_version": str(version - 1)}]
+    run_id = log_train_step(root, step=step, params={"lr": 1e-3}, manifest=manifest, tags={"method": "combine"})
+    return {**step, "run_id": run_id}
+
+
+def test_logging_a_step_warns_nothing(tmp_path):
+    """MLflow warned on every step ("The specified dataset source can be interpreted in multiple ways"), a
+    WARNING line per step in the flows' log; the batch manifest's dataset keeps its source all the same."""
+    import warnings
+
+    from clawrl.lineage import client as mlflow_client
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = _logged_step(tmp_path, 1)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    [ds] = mlflow_client(tmp_path).get_run(step["run_id"]).inputs.dataset_inputs
+    assert (ds.dataset.source_type, json.loads(ds.dataset.source)) == ("local", {"uri": str(tmp_path / "tables" / "batches")})
