@@ -1,5 +1,6 @@
 """MLflow lineage: one run per train step, the batch manifest as a dataset input, the checkpoint as
-a registered model version, and the walk back from a weight version to the turns that trained it.
+a registered model version (version N of ``clawrl-policy`` is weight version N), and the walk back from a
+weight version to the turns that trained it.
 
 MLflow lives under the data root: ``sqlite:///<data_root>/mlflow/mlflow.db`` (tracking and
 registry) with artifacts in ``<data_root>/mlflow/artifacts``. Model versions point at the
@@ -17,12 +18,19 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "clawrl"
 REGISTERED_MODEL = "clawrl-policy"
+# MLflow numbers a model's versions 1, 2, ... in the order they are registered; registering each trained
+# version in order, and nothing else, makes its number the weight version, so `models:/clawrl-policy/4` and
+# MLflow's reserved alias `@v4` are weight version 4
+POLICY_MODEL_DESCRIPTION = (
+    "Policy versions trained by clawrl: model version N is weight version N (its tag weight_version says so). "
+    "Weight version 0, the initial weights, is no model version (MLflow counts from 1): while it serves, no "
+    "version carries @champion and the tag champion_weight_version is 0.")
 
 
 def store_path(data_root: Path) -> Path:
@@ -261,12 +269,14 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
                                                     tags=[InputTag("mlflow.data.context", "training")])])
         c.set_tag(run_id, "sample_count", str(len(manifest)))
         c.set_terminated(run_id)
-    _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
+    _ensure_registered_model(c, REGISTERED_MODEL, POLICY_MODEL_DESCRIPTION)
     if not c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):  # once per run
         write_mlmodel(Path(step["path"]), step)
         mv_tags = {**_lineage_tags(step), "sample_count": str(len(manifest)),
                    **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
-        mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
+        mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags,
+                                    description=f"Weight version {step['weight_version']}, trained from version "
+                                                f"{step['parent_version']} on batch {step['batch_id']}.")
         c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
     if str(step["weight_version"]).isdigit():
         log_policy_point(data_root, int(step["weight_version"]), step["metrics"])
@@ -313,15 +323,14 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
         c.delete_tag(run_id, "sync_error")
 
 
-def set_policy_alias(data_root: Path, alias: str, weight_version: str,
-                     initial_weights: str | Path | None = None) -> str | None:
+def set_policy_alias(data_root: Path, alias: str, weight_version: str) -> str | None:
     """Point the ``clawrl-policy`` alias ``alias`` (``champion``, ``candidate``) at the model version of
-    ``weight_version``; returns that model version, or None when the version has none (then the alias
-    is removed). ``initial_weights``: the directory of weight version "0", registered as a model
-    version the first time "0" gets an alias, so the initial weights carry ``@champion`` while they are."""
+    ``weight_version`` and set the registered model's tag ``<alias>_weight_version`` to it; returns that
+    model version, or None when the version has none, as the initial weights (then the alias is removed
+    and only the tag says which version it is)."""
     c = client(data_root)
-    if str(weight_version) == "0" and initial_weights is not None:
-        register_initial_weights(data_root, initial_weights)
+    with contextlib.suppress(Exception):  # no registered model yet: nothing trained, nothing to point at
+        c.set_registered_model_tag(REGISTERED_MODEL, f"{alias}_weight_version", str(weight_version))
     found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '{weight_version}'")
     if not found:
         with contextlib.suppress(Exception):  # no registered model or no such alias yet
@@ -329,20 +338,6 @@ def set_policy_alias(data_root: Path, alias: str, weight_version: str,
         return None
     mv = min(found, key=lambda m: int(m.version))  # the first registered for this weight version
     c.set_registered_model_alias(REGISTERED_MODEL, alias, str(mv.version))
-    return str(mv.version)
-
-
-def register_initial_weights(data_root: Path, model_dir: str | Path) -> str:
-    """The ``clawrl-policy`` model version of weight version "0", the initial weights at ``model_dir``
-    (registered once, with no run: no training step made them)."""
-    c = client(data_root)
-    _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
-    found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '0'")
-    if found:
-        return str(min(int(m.version) for m in found))
-    mv = c.create_model_version(REGISTERED_MODEL, source=Path(model_dir).as_uri(),
-                                tags={"weight_version": "0", "initial_weights": "true"},
-                                description="Weight version 0: the initial weights, before any training step.")
     return str(mv.version)
 
 

@@ -181,7 +181,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction.ROLLBACK, version=found["previous"],
                   source="live", reason=f"live score of version {found['champion']} {found['reason']}",
                   mlflow_run_id=target["mlflow_run_id"], live={**found, "tolerance": LIVE_TOLERANCE, "alpha": g.alpha})
-    set_policy_alias(s.storage.data_root, "champion", found["previous"], initial_weights=target["path"])
+    set_policy_alias(s.storage.data_root, "champion", found["previous"])
     log.warning("live rollback: serving version %s again, not %s: %s", found["previous"], found["champion"],
                 found["reason"])
     return found

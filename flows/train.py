@@ -150,7 +150,7 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
     same completion for any earlier recorded version whose train run stopped before it. Returns the
     weight versions whose lineage it completed."""
     from clawrl.checkpoint import read_step_result
-    from clawrl.lineage import register_initial_weights, runs_without_model_version, set_policy_alias
+    from clawrl.lineage import runs_without_model_version, set_policy_alias
     from clawrl.storage.queries import recorded_checkpoints
 
     s = load_flow_settings(config_path)
@@ -168,11 +168,10 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
               "batch_size": s.ppo.rollout_batch_size, "max_staleness": s.ppo.max_staleness, "backend": s.ppo.backend,
               "model": s.model.name, **hook_params(s.hooks)}
     tags = {"judge_config_hash": build_judge_config_hash(s), "method": hp.advantage_estimator.value}
-    register_initial_weights(root, base_model_dir(s))  # before the first step's: its number is the lowest
     for (st, rid), manifest in zip(todo, manifests):
         log_train_step(root, step=st, params=params, manifest=manifest, tags=tags, run_id=rid)
     set_policy_alias(root, "candidate", step["weight_version"])
-    set_policy_alias(root, "champion", gate["serve_version"], initial_weights=gate["serve"]["path"])
+    set_policy_alias(root, "champion", gate["serve_version"])
     if len(todo) > 1:
         get_run_logger().info("completed the lineage of versions %s, left unfinished by a stopped train run",
                               ", ".join(st["weight_version"] for st, _ in todo[:-1]))

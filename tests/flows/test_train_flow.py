@@ -77,9 +77,8 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
                      {"namespace": "open", "session_id": "bob", "turn_index": 0}]
     from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
 
-    initial, mv = sorted(mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'"),
-                         key=lambda m: int(m.version))  # the initial weights are registered before the first step
-    assert (initial.tags["weight_version"], initial.run_id, mv.tags["weight_version"]) == ("0", None, "1")
+    [mv] = mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'")
+    assert (mv.version, mv.tags["weight_version"]) == (1, "1")  # model version N is weight version N
     assert mv.run_id == ck["mlflow_run_id"] and mv.tags["batch_id"] == ck["batch_id"]
     run = mlflow_client(s.storage.data_root).get_run(mv.run_id)
     from mlflow.models import Model  # the version page's MLmodel: flavor and signature, in the checkpoint
@@ -186,21 +185,28 @@ def test_a_refused_candidate_gets_its_measured_score_or_none_never_the_served_on
     assert _gate_row(None, served, None) == {"candidate_score": 0.5}  # no step: the served version stands
 
 
-def test_the_initial_weights_carry_the_champion_alias_while_they_are_the_champion(tmp_path):
-    """Version 0 has no training run, yet it is a model version of clawrl-policy (registered once), so
-    `@champion` sits on it while no candidate was promoted, and moves off it when one is."""
-    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client, register_initial_weights, set_policy_alias
+def test_model_version_n_holds_weight_version_n_and_the_initial_weights_champion_is_a_tag(tmp_path):
+    """MLflow numbers versions from 1 and the initial weights were registered first, so version N+1 held weight
+    version N (and MLflow's reserved alias @vN named the wrong one). Now only trained versions are registered,
+    in order: version N is weight version N. While the initial weights serve, no version is @champion and the
+    registered model's tag champion_weight_version says 0."""
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client, set_policy_alias
 
-    base = tmp_path / "base-model"
-    base.mkdir()
-    first = register_initial_weights(tmp_path, base)
-    assert register_initial_weights(tmp_path, base) == first  # once
-    assert set_policy_alias(tmp_path, "champion", "0", initial_weights=base) == first
+    first, second = _logged_step(tmp_path, 1), _logged_step(tmp_path, 2)
     ml = mlflow_client(tmp_path)
-    mv = ml.get_model_version_by_alias(REGISTERED_MODEL, "champion")
-    assert (str(mv.version), mv.tags["weight_version"], mv.source) == (first, "0", base.as_uri())
-    assert set_policy_alias(tmp_path, "champion", "7") is None  # a version with no model version: no alias left
-    assert "champion" not in ml.get_registered_model(REGISTERED_MODEL).aliases
+    versions = sorted(ml.search_model_versions(f"name = '{REGISTERED_MODEL}'"), key=lambda m: int(m.version))
+    assert [(m.version, m.tags["weight_version"], m.run_id) for m in versions] == [
+        (1, "1", first["run_id"]), (2, "2", second["run_id"])]
+    assert versions[1].description == "Weight version 2, trained from version 1 on batch batch2."
+    assert ml.get_model_version(REGISTERED_MODEL, "2").source == Path(second["path"]).as_uri()
+    assert set_policy_alias(tmp_path, "champion", "2") == "2"
+    assert ml.get_model_version_by_alias(REGISTERED_MODEL, "champion").tags["weight_version"] == "2"
+    assert set_policy_alias(tmp_path, "champion", "0") is None  # rolled back to the initial weights
+    model = ml.get_registered_model(REGISTERED_MODEL)
+    assert "champion" not in model.aliases and model.tags["champion_weight_version"] == "0"
+    assert "model version N is weight version N" in model.description
+    _logged_step(tmp_path, 2)  # a re-run after a crash registers nothing twice
+    assert len(ml.search_model_versions(f"name = '{REGISTERED_MODEL}'")) == 2
 
 
 def test_sync_points_are_at_the_weight_version_and_retries_stay_visible(tmp_path):
@@ -306,7 +312,7 @@ def _logged_step(root: Path, version: int) -> dict:
     from clawrl.lineage import log_train_step
 
     ckpt = root / "checkpoints" / f"v{version:06d}"
-    ckpt.mkdir(parents=True)
+    ckpt.mkdir(parents=True, exist_ok=True)
     step = {"batch_id": f"batch{version}", "step": version, "weight_version": str(version),
             "parent_version": str(version - 1), "sha256": "ab" * 32, "path": str(ckpt), "metrics": {"loss": 0.5}}
     manifest = [{"sample_id": f"s{version}", "session_id": "alice", "turn_id": f"t{version}", "reward": 1.0,
