@@ -95,9 +95,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-# the MLflow UI opens an experiment of this kind in its model-training view (runs, metrics, models),
-# not the GenAI view that it infers for experiments without the tag
+# what the experiment is: model training (runs, metrics, models), not GenAI development (traces, evaluations)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# MLflow 3.17's UI ignores that kind for its navigation: a switch of its own in the sidebar (GenAI | Model
+# training, remembered by the browser, GenAI until changed) decides, and under GenAI the training runs sit
+# under "Evaluation" with no model registry in sight. A page opened with this query shows the model-training
+# view, whatever the switch says.
+ML_VIEW = "workflowType=machine_learning"
+
+
+def ui_page(base_url: str, page: str) -> str:
+    """The page ``page`` (``experiments/1/runs/<id>``, ``models/...``) of the MLflow UI at ``base_url``, in its
+    model-training view."""
+    return f"{base_url}/#/{page}?{ML_VIEW}"
 
 
 def experiment_id(c, data_root: Path, name: str = EXPERIMENT) -> str:
@@ -119,20 +129,30 @@ def ui_links(data_root: Path, run_id: str, base_url: str) -> dict[str, str]:
     """URLs of a train step's MLflow run and of its model version in the MLflow UI at ``base_url``."""
     c = client(data_root)
     run = c.get_run(run_id)
-    links = {"mlflow_run": f"{base_url}/#/experiments/{run.info.experiment_id}/runs/{run_id}"}
+    links = {"mlflow_run": ui_page(base_url, f"experiments/{run.info.experiment_id}/runs/{run_id}")}
     for mv in c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):
-        links["model_version"] = f"{base_url}/#/models/{REGISTERED_MODEL}/versions/{mv.version}"
+        links["model_version"] = ui_page(base_url, f"models/{REGISTERED_MODEL}/versions/{mv.version}")
     return links
 
 
-PREFECT_RUN_TAG = "prefect.flow_run_url"  # on a step's run: its Prefect flow run in the UI (with prefect.flow_run_id)
+PREFECT_RUN_ID_TAG = "prefect.flow_run_id"  # on a run a flow made: its Prefect flow run
+PREFECT_RUN_TAG = "prefect.flow_run_url"  # ... and that flow run's page in the Prefect UI
+NOTE_TAG = "mlflow.note.content"  # the run's description, which the MLflow UI renders as Markdown
 
 
-def relink_to_prefect(data_root: Path, prefect_ui_url: str) -> int:
-    """Point every run's link to its Prefect flow run (tag ``prefect.flow_run_url``, kept beside
-    ``prefect.flow_run_id``) at the Prefect UI at ``prefect_ui_url``: the data brought up again by
-    `clawrl up`, on other ports than the run that wrote it, links the UI that runs now. Returns the
-    runs changed."""
+def prefect_link_tags(flow_run_id: str, url: str) -> dict[str, str]:
+    """The tags that link a run to its Prefect flow run at ``url``: its id, the URL, and the run's
+    description with the link to click (the MLflow UI shows tags as text, cut short)."""
+    return {PREFECT_RUN_ID_TAG: flow_run_id, PREFECT_RUN_TAG: url,
+            NOTE_TAG: f"Made by the Prefect flow run [{flow_run_id}]({url})."}
+
+
+def relink_to_prefect(data_root: Path, flow_run_url: Callable[[str], str]) -> int:
+    """Point every run's link to its Prefect flow run (:func:`prefect_link_tags`) at ``flow_run_url(id)``,
+    the flow run's page in the Prefect UI running now: the data brought up again by `clawrl up`, on
+    other ports than the run that wrote it, links the UI that runs now. Returns the runs changed."""
+    from mlflow.entities import RunTag
+
     c = client(data_root)
     changed = 0
     for exp in c.search_experiments():
@@ -140,10 +160,11 @@ def relink_to_prefect(data_root: Path, prefect_ui_url: str) -> int:
         while True:
             page = c.search_runs([exp.experiment_id], max_results=1000, page_token=token)
             for run in page:
-                run_id = run.data.tags.get("prefect.flow_run_id")
-                url = f"{prefect_ui_url}/flow-runs/flow-run/{run_id}"
-                if run_id and run.data.tags.get(PREFECT_RUN_TAG) != url:
-                    c.set_tag(run.info.run_id, PREFECT_RUN_TAG, url)
+                if not (flow_run_id := run.data.tags.get(PREFECT_RUN_ID_TAG)):
+                    continue
+                tags = prefect_link_tags(flow_run_id, flow_run_url(flow_run_id))
+                if any(run.data.tags.get(k) != v for k, v in tags.items()):
+                    c.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
                     changed += 1
             token = page.token
             if not token:
@@ -376,12 +397,13 @@ def log_doctor(data_root: Path, run_id: str, *, step: int, report: dict[str, Any
 
 
 def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any],
-                       keys: Sequence[str] = ("score", "on_topic_rate", "persona_rate", "kl", "mean_words")) -> str:
-    """One run for a whole learning loop: the held-out metrics ``keys`` per step, the curve PNG, the rows."""
+                       keys: Sequence[str], tags: dict[str, str] | None = None) -> str:
+    """One run for a whole learning loop: the held-out metrics ``keys`` per step, the curve PNG, the rows;
+    ``tags`` on top of ``kind = learning-loop`` (the link to the loop's Prefect flow run)."""
     c = client(data_root)
     metrics = [_metric(k, r[k], r["step"]) for r in rows for k in dict.fromkeys(keys) if r.get(k) is not None]
-    run_id = _new_run(c, experiment_id(c, data_root), "learning-loop", tags={"kind": "learning-loop"}, metrics=metrics,
-                      params=params, record={"rows": rows}, record_file="learning_curve.json")
+    run_id = _new_run(c, experiment_id(c, data_root), "learning-loop", tags={"kind": "learning-loop", **(tags or {})},
+                      metrics=metrics, params=params, record={"rows": rows}, record_file="learning_curve.json")
     c.log_artifact(run_id, str(png), "plots")
     c.set_terminated(run_id)
     return run_id

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -35,8 +34,8 @@ from prefect.events import emit_event
 from clawrl import runtime
 from clawrl.config_sections import LIVE_MIN_TURNS, LIVE_TOLERANCE
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
-from clawrl.flows.slots import (JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, skipped_because,
-                                tick)
+from clawrl.flows.slots import (JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, run_time_name,
+                                skipped_because, tick)
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
@@ -193,7 +192,7 @@ def ensure_judge_limit() -> None:
 
 
 def _judge_run_name() -> str:
-    return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    return run_time_name("judge")
 
 
 def _start_training() -> None:

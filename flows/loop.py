@@ -34,7 +34,7 @@ from clawrl import runtime
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, frozen_engine,
                                  load_flow_settings, policy_engine)
 from clawrl.flows.judge import judge_flow
-from clawrl.flows.train import train_flow
+from clawrl.flows.train import prefect_tags, train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
@@ -203,7 +203,7 @@ def report_curve(config_path: str | None, rows: list[dict[str, Any]], title: str
                               goal=0.5 if scenario == "tools" else 0.8)
     (out_dir / "learning_curve.json").write_text(json.dumps(rows, indent=1))
     keys = [k for k, _ in CURVES[scenario]] + ["served_score", "kl", "mean_words"]
-    run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params, keys=keys)
+    run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params, keys=keys, tags=prefect_tags())
     for row in rows:  # the held-out scores beside the training metrics, over the versions
         for version, metrics in policy_points(row, keys):
             log_policy_point(s.storage.data_root, version, metrics)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timezone
 
 import httpx
 
@@ -152,9 +154,18 @@ def _slot_free(client, limit: str | None) -> bool:
 IDLE_TAG = "idle"  # a run that found nothing to do: named <flow>-idle-<time> and tagged, out of the way in the UI
 
 
+RUN_TIME = "%Y%m%d-%H%M%S"  # runs named for when they began: judge-<time>, <flow>-idle-<time>
+
+
+def run_time_name(prefix: str) -> str:
+    """``<prefix>-<UTC time>``: a run named for when it began."""
+    return f"{prefix}-{datetime.now(timezone.utc):{RUN_TIME}}"
+
+
 def mark_idle() -> None:
-    """Name this flow run ``<flow>-idle-<time>`` and tag it ``idle``: it found nothing to do, and must not
-    read like a run that judged or trained (filter the tag out in the UI's run list)."""
+    """Name this flow run ``<flow>-idle-<time>`` (the time it was named for, else now) and tag it ``idle``:
+    it found nothing to do, and must not read like a run that judged or trained (filter the tag out in the
+    UI's run list). A run named idle from its start keeps its name."""
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
@@ -162,7 +173,8 @@ def mark_idle() -> None:
     if ctx is None or ctx.flow_run is None:
         return
     run = ctx.flow_run
-    flow, _, when = run.name.partition("-")
+    flow, _, rest = run.name.partition("-")
+    if not rest.startswith("idle-"):  # judge-<time>, or a run named for the version it was to make (train-v4)
+        rest = f"idle-{rest}" if re.fullmatch(r"\d{8}-\d{6}", rest) else run_time_name("idle")
     with get_client(sync_client=True) as client:
-        client.update_flow_run(run.id, name=f"{flow}-idle-{when}" if when else f"{run.name}-idle",
-                               tags=[*run.tags, IDLE_TAG])
+        client.update_flow_run(run.id, name=f"{flow}-{rest}", tags=[*run.tags, IDLE_TAG])

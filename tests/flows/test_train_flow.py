@@ -103,7 +103,8 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Prefect <-> MLflow: the run names its flow run; the flow run, named for the version, links the run
     fr_id = run.data.tags["prefect.flow_run_id"]
-    assert run.data.tags["prefect.flow_run_url"].endswith(f"/flow-run/{fr_id}")
+    url = run.data.tags["prefect.flow_run_url"]
+    assert url.endswith(f"/runs/flow-run/{fr_id}") and f"[{fr_id}]({url})" in run.data.tags["mlflow.note.content"]
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
@@ -111,9 +112,11 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
         fr = pc.read_flow_run(fr_id)
         [art] = pc.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
     assert fr.name == "train-v1" and art.key == "train-v1"
+    assert _beginning_line(fr.id) == "Beginning flow run 'train-v1' for flow 'train'"  # named so from its start
     exp_id = run.info.experiment_id
-    assert f"(http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{mv.run_id})" in art.data
-    assert f"(http://127.0.0.1:5000/#/models/clawrl-policy/versions/{mv.version})" in art.data
+    view = "?workflowType=machine_learning"  # the MLflow UI's model-training view
+    assert f"(http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{mv.run_id}{view})" in art.data
+    assert f"(http://127.0.0.1:5000/#/models/clawrl-policy/versions/{mv.version}{view})" in art.data
     assert mlflow_client(s.storage.data_root).get_experiment(exp_id).tags["mlflow.experimentKind"] == \
         "custom_model_development"  # the UI's model-training view
     [ds] = run.inputs.dataset_inputs
@@ -305,6 +308,19 @@ def test_a_train_run_without_a_batch_is_named_idle_for_when_it_ran(prefect_harne
     with get_client(sync_client=True) as pc:
         name = pc.read_flow_run(state.state_details.flow_run_id).name
     assert re.fullmatch(r"train-idle-\d{8}-\d{6}", name), name  # not a random "sandy-oyster", nor a step's name
+    assert _beginning_line(state.state_details.flow_run_id) == f"Beginning flow run '{name}' for flow 'train'"
+
+
+def _beginning_line(flow_run_id) -> str:
+    """The flow run's "Beginning flow run '<name>' ..." log line, as Prefect's server keeps it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=120)  # the lines this process still queues for the server
+    with get_client(sync_client=True) as pc:
+        logs = pc.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return next(log.message for log in logs if log.message.startswith("Beginning"))
 
 
 def _logged_step(root: Path, version: int) -> dict:
