@@ -147,17 +147,19 @@ class Target:
 
 
 def target_lines(rows: list[dict[str, Any]], targets: tuple[Target, ...], models: list[str]) -> list[str]:
-    """One line per model of ``models`` and target: MET or NOT MET with the measured value, or NOT MEASURED
-    when the run has no such row (another concurrency, a model left out) or the row no such value."""
+    """One line per model of ``models``, each target on it MET or NOT MET with the measured value, or NOT
+    MEASURED when the run has no such row (another concurrency, a model left out) or the row no such value."""
     lines = []
     for model in models:
+        verdicts = []
         for t in targets:
             row = next((r for r in rows if (r["model"], r["system"], r["concurrency"]) == (model, t.system,
                                                                                            t.concurrency)), None)
             value = None if row is None else row.get(t.key)
             verdict = "NOT MEASURED" if value is None else \
                 f"{'MET' if value >= t.minimum else 'NOT MET'} ({t.key} {value:.3g})"
-            lines.append(f"- Target ({model}): {t.text} ({t.key} >= {t.minimum:g}): {verdict}")
+            verdicts.append(f"{t.text} ({t.key} >= {t.minimum:g}): {verdict}")
+        lines.append(f"- Targets ({model}): " + "; ".join(verdicts) + ".")
     return lines
 
 

@@ -68,12 +68,11 @@ def test_each_target_is_met_or_not_with_the_measured_value_on_cpu():
             _row("smollm2-135m", "embedded", 16, vs_c1=5.64, vs_hf_b16=0.75),
             _row("smollm2-135m", "hf_generate", 16, vs_c1=None, vs_hf_b16=1.0)]
     lines = format_engine_section(rows).splitlines()
-    assert lines[-2:] == [
-        "- Target (smollm2-135m): 16 in flight at least 5x the engine at 1 (vs_c1 >= 5): MET (vs_c1 5.64)",
-        "- Target (smollm2-135m): 16 in flight at least 0.8x HF generate at batch 16 (vs_hf_b16 >= 0.8): "
-        "NOT MET (vs_hf_b16 0.75)"]
+    assert lines[-1] == (
+        "- Targets (smollm2-135m): 16 in flight at least 5x the engine at 1 (vs_c1 >= 5): MET (vs_c1 5.64); "
+        "16 in flight at least 0.8x HF generate at batch 16 (vs_hf_b16 >= 0.8): NOT MET (vs_hf_b16 0.75).")
     tiny_only = format_engine_section([_row("tiny", "embedded", 16, vs_c1=9.0, vs_hf_b16=2.0)]).splitlines()
-    assert tiny_only[-1].endswith("(vs_hf_b16 >= 0.8): NOT MEASURED")  # no smollm2-135m row: no verdict either way
+    assert tiny_only[-1].endswith("(vs_hf_b16 >= 0.8): NOT MEASURED.")  # no smollm2-135m row: no verdict either way
 
 
 def test_the_h100_run_at_47_percent_gpu_busy_is_flagged_not_met(monkeypatch):
@@ -84,8 +83,7 @@ def test_the_h100_run_at_47_percent_gpu_busy_is_flagged_not_met(monkeypatch):
     rows = [_row("smollm2-135m", "embedded", 64, "cuda", max_batch=64, gpu_busy=0.47, vs_c1=None, vs_hf_static=2.09),
             _row("smollm2-135m", "hf_static", 64, "cuda", max_batch=None, gpu_busy=None, vs_c1=None, vs_hf_static=1.0)]
     section = format_engine_section(rows)
-    assert section.splitlines()[-3:] == [
-        "- Target (smollm2-135m): 64 in flight at least `hf_static` at batch 64 (vs_hf_static >= 1): "
-        "MET (vs_hf_static 2.09)",
-        "- Target (smollm2-135m): GPU busy at 64 in flight (gpu_busy >= 0.6): NOT MET (gpu_busy 0.47)",
-        "- Target (smollm2-135m): 1 in flight at least `hf_static` at batch 1 (vs_hf_static >= 1): NOT MEASURED"]
+    assert section.splitlines()[-1] == (
+        "- Targets (smollm2-135m): 64 in flight at least `hf_static` at batch 64 (vs_hf_static >= 1): MET "
+        "(vs_hf_static 2.09); GPU busy at 64 in flight (gpu_busy >= 0.6): NOT MET (gpu_busy 0.47); "
+        "1 in flight at least `hf_static` at batch 1 (vs_hf_static >= 1): NOT MEASURED.")
