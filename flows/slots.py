@@ -162,10 +162,21 @@ def run_time_name(prefix: str) -> str:
     return f"{prefix}-{datetime.now(timezone.utc):{RUN_TIME}}"
 
 
+def idle_name(name: str) -> str:
+    """The name of a run called ``name`` that found nothing to do: ``<flow>-idle-<what followed the flow's
+    name>`` (``judge-idle-<time>``), but the time now for a run named for the version it was to make
+    (``train-v4``); a name that says idle already stays."""
+    flow, _, rest = name.partition("-")
+    if rest.startswith("idle-"):
+        return name
+    if re.fullmatch(r"v\d+", rest):
+        return run_time_name(f"{flow}-idle")
+    return f"{flow}-idle-{rest}"
+
+
 def mark_idle() -> None:
-    """Name this flow run ``<flow>-idle-<time>`` (the time it was named for, else now) and tag it ``idle``:
-    it found nothing to do, and must not read like a run that judged or trained (filter the tag out in the
-    UI's run list). A run named idle from its start keeps its name."""
+    """Name this flow run as :func:`idle_name` says and tag it ``idle``: it found nothing to do, and must not
+    read like a run that judged or trained (filter the tag out in the UI's run list)."""
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
@@ -173,8 +184,5 @@ def mark_idle() -> None:
     if ctx is None or ctx.flow_run is None:
         return
     run = ctx.flow_run
-    flow, _, rest = run.name.partition("-")
-    if not rest.startswith("idle-"):  # judge-<time>, or a run named for the version it was to make (train-v4)
-        rest = f"idle-{rest}" if re.fullmatch(r"\d{8}-\d{6}", rest) else run_time_name("idle")
     with get_client(sync_client=True) as client:
-        client.update_flow_run(run.id, name=f"{flow}-{rest}", tags=[*run.tags, IDLE_TAG])
+        client.update_flow_run(run.id, name=idle_name(run.name), tags=[*run.tags, IDLE_TAG])

@@ -311,6 +311,17 @@ def test_a_train_run_without_a_batch_is_named_idle_for_when_it_ran(prefect_harne
     assert _beginning_line(state.state_details.flow_run_id) == f"Beginning flow run '{name}' for flow 'train'"
 
 
+def test_a_run_that_finds_nothing_is_named_idle_and_keeps_what_its_name_said():
+    import re
+
+    from clawrl.flows.slots import idle_name
+
+    assert idle_name("judge-20261206-182346") == "judge-idle-20261206-182346"
+    assert idle_name("judge-overlap-3") == "judge-idle-overlap-3"
+    assert idle_name("train-idle-20261206-182346") == "train-idle-20261206-182346"  # named idle when it began
+    assert re.fullmatch(r"train-idle-\d{8}-\d{6}", idle_name("train-v4"))  # its batch turned out too stale
+
+
 def _beginning_line(flow_run_id) -> str:
     """The flow run's "Beginning flow run '<name>' ..." log line, as Prefect's server keeps it."""
     from prefect.client.orchestration import get_client
