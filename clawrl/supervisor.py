@@ -66,9 +66,9 @@ class Service:
 
 # The option or config key that sets each service's port, as `clawrl up` names it when the port is taken:
 # the one table to change when a key is renamed.
-_MOVED_BY_API_PORT = "[server] api_port (the engines' ports are api_port + 10, 21, 22, 23)"
+_MOVED_BY_API_PORT = "--api-port / [server] api_port (the engines' ports are api_port + 10, 21, 22, 23)"
 PORT_KEYS = {"prefect": "--prefect-port", "mlflow": "--mlflow-port", "trainer": "--trainer-port",
-             "gateway": "[server] api_port", **{name: _MOVED_BY_API_PORT for name in (
+             "gateway": "--api-port / [server] api_port", **{name: _MOVED_BY_API_PORT for name in (
                  "judge-engine", "eval-engine", "canary-engine", "engine", "engine-router", "judge-engine-router")}}
 
 

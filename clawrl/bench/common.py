@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from clawrl.bench import cpu_model
-from clawrl.config import ServerSettings, child_env
+from clawrl.config import ServerSettings, Settings, child_env
+from clawrl.config_sections import EngineSettings
 from clawrl.models import resolve_dtype
 from clawrl.supervisor import Service
 
@@ -44,23 +45,31 @@ def machine_line(device: str, dtype: str) -> str:
             f"({torch.get_num_threads()} threads); device {device} ({name}), {dtype}; {date}.")
 
 
+def gateway_settings(settings: Settings, model_dir: Path, data_root: Path, **engine: Any) -> Settings:
+    """The settings of a bench's own gateway (:func:`gateway_on`): an embedded engine of ``model_dir``
+    itself (never the config's HTTP engine, nor a checkpoint of a run), ``engine`` on top of the
+    config's ``[engine]`` (validated: a key it lacks is an error), its turns under ``data_root``, and
+    open: it answers the bench's own clients on loopback, which carry no key of the user's."""
+    return settings.model_copy(update={
+        "model": settings.model.model_copy(update={"name": str(model_dir)}),
+        "engine": EngineSettings.model_validate({**settings.engine.model_dump(), **engine, "url": ""}),
+        "server": settings.server.model_copy(update={"open_mode": True}),
+        "storage": settings.storage.model_copy(update={"data_root": Path(data_root)})})
+
+
 @contextlib.contextmanager
-def gateway_on(settings, model_dir: Path, **engine: Any):
-    """A gateway on an embedded engine of ``model_dir`` itself (no checkpoint of a run: a throwaway data
-    root, where the answers are logged like any turns, then dropped), ``engine`` on top of the config's
-    ``[engine]``; yields its URL."""
+def gateway_on(settings: Settings, model_dir: Path, **engine: Any):
+    """A gateway of :func:`gateway_settings` on loopback (a throwaway data root, where the answers are
+    logged like any turns, then dropped), without API keys whatever the environment holds; yields its URL."""
     from clawrl.gateway.routes import build_engine, create_app
     from clawrl.serving import serve_in_thread
     from clawrl.storage.writer import DataStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        s = settings.model_copy(update={
-            "model": settings.model.model_copy(update={"name": str(model_dir)}),
-            "engine": settings.engine.model_copy(update={"kind": "embedded", **engine}),  # these weights, in process
-            "storage": settings.storage.model_copy(update={"data_root": Path(tmp)})})
+        s = gateway_settings(settings, model_dir, Path(tmp), **engine)
         served, tokenizer = build_engine(s)
         store = DataStore(tmp)
-        gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store))
+        gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store, api_keys=[]))
         try:
             yield gw.url
         finally:

@@ -28,7 +28,7 @@ from clawrl.gateway.schemas import (
     SessionLog,
     SessionTurn,
 )
-from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.errors import GatewayError, field_error
 from clawrl.gateway.http import ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, serve_turn
 from clawrl.gateway.service import ChatService
 from clawrl.gateway.sessions import validate_session_id
@@ -159,7 +159,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         return GatewayError(400, "request body is not valid JSON: it is empty").response()
     msg = _JSON_TYPE_MESSAGES.get(first.get("type"), first.get("msg", "invalid request"))
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None).response()
+    if not loc:  # the body itself (not an object)
+        return GatewayError(400, f"request body: {msg}{more}", code="invalid_type").response()
+    err = field_error(loc, first.get("type", ""), msg)
+    err.message += more
+    return err.response()
 
 
 async def _error(request: Request, exc: Exception) -> JSONResponse:
@@ -228,9 +232,12 @@ def _checkpoint_to_serve(settings: Settings):
         return intact_champion(checkpoints, champion_stack(con))
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None) -> FastAPI:
-    """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`)."""
-    api_keys = read_api_keys(settings.server.api_keys_env)
+def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None,
+               api_keys: list[str] | None = None) -> FastAPI:
+    """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`),
+    ``api_keys`` to require those instead of the environment's (``[]`` with ``[server] open_mode``: none,
+    for a bench's own gateway on loopback, whose clients carry no key of the user's)."""
+    api_keys = read_api_keys(settings.server.api_keys_env) if api_keys is None else api_keys
     if not api_keys and not settings.server.open_mode:
         raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
                           "set keys, or server.open_mode = true to serve without authentication")
