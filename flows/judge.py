@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -35,7 +34,7 @@ from prefect.events import emit_event
 from clawrl import runtime
 from clawrl.config_sections import LIVE_MIN_TURNS, LIVE_TOLERANCE
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
-from clawrl.flows.slots import JUDGE_LIMIT, ensure_limit, leased_slot, mark_idle, skipped_because
+from clawrl.flows.slots import JUDGE_LIMIT, ensure_limit, leased_slot, mark_idle, run_time_name, skipped_because
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
@@ -188,7 +187,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction.ROLLBACK, version=found["previous"],
                   source="live", reason=f"live score of version {found['champion']} {found['reason']}",
                   mlflow_run_id=target["mlflow_run_id"], live={**found, "tolerance": LIVE_TOLERANCE, "alpha": g.alpha})
-    set_policy_alias(s.storage.data_root, "champion", found["previous"], initial_weights=target["path"])
+    set_policy_alias(s.storage.data_root, "champion", found["previous"])
     log.warning("live rollback: serving version %s again, not %s: %s", found["previous"], found["champion"],
                 found["reason"])
     return found
@@ -200,7 +199,7 @@ def ensure_judge_limit() -> None:
 
 
 def _judge_run_name() -> str:
-    return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    return run_time_name("judge")
 
 
 def _start_training(config_path: str | None) -> None:

@@ -153,19 +153,19 @@ def relink_uis(config_path: str) -> None:
     from prefect.settings import PREFECT_UI_URL
 
     from clawrl.flows.common import load_flow_settings
-    from clawrl.flows.train import relink_artifacts
+    from clawrl.flows.train import flow_run_ui_url, relink_artifacts
     from clawrl.lineage import relink_to_prefect
 
     s = load_flow_settings(config_path)
     try:
-        runs = relink_to_prefect(s.storage.data_root, str(PREFECT_UI_URL.value()))
+        runs = relink_to_prefect(s.storage.data_root, flow_run_ui_url)
         artifacts = relink_artifacts(mlflow_ui_url())
     except Exception as e:  # noqa: BLE001 - links, not the flows: serve anyway and say so
         log.warning("the links between the Prefect and MLflow UIs were not updated: %s: %s", type(e).__name__, e)
         return
-    if runs or artifacts:
-        log.warning("links updated to the UIs now running: %d MLflow runs -> Prefect %s, %d Prefect artifacts -> "
-                    "MLflow %s", runs, PREFECT_UI_URL.value(), artifacts, mlflow_ui_url())
+    if runs or artifacts:  # routine: every `clawrl up` on data written elsewhere does this
+        log.info("links updated to the UIs now running: %d MLflow runs -> Prefect %s, %d Prefect artifacts -> "
+                 "MLflow %s", runs, PREFECT_UI_URL.value(), artifacts, mlflow_ui_url())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-pool", default=None, help="Register the deployments on this process work pool (its "
                    "workers run the flows) instead of serving them from this process.")
     a = p.parse_args(argv)
+    log.setLevel(logging.INFO)  # this server's own routine lines reach its log (the root logger passes WARNING up)
     ensure_judge_limit()
     relink_uis(a.config)
     stop = threading.Event()
@@ -186,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.work_pool:  # before the ticker: it creates runs of the registered deployments
         deploy_to_pool([judge, train, replay], a.work_pool,
                        {k: v for k, v in os.environ.items() if k.startswith(RUN_ENV)})
-        log.warning("deployments registered on work pool %r: `prefect worker start --pool %s` runs them",
-                    a.work_pool, a.work_pool)
+        log.info("deployments registered on work pool %r: `prefect worker start --pool %s` runs them",
+                 a.work_pool, a.work_pool)
     else:
         preload()  # before any run's thread imports them: MLflow imported by two threads at once fails
         warm_up(a.config)  # MLflow's store and the gate's chat template, opened for the first train run

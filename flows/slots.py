@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timezone
 
 import httpx
 
@@ -191,8 +193,28 @@ def _slot_free(client, limit: str | None) -> bool:
 IDLE_TAG = "idle"  # a run that found nothing to do: named <flow>-idle-<time> and tagged, out of the way in the UI
 
 
+RUN_TIME = "%Y%m%d-%H%M%S"  # runs named for when they began: judge-<time>, <flow>-idle-<time>
+
+
+def run_time_name(prefix: str) -> str:
+    """``<prefix>-<UTC time>``: a run named for when it began."""
+    return f"{prefix}-{datetime.now(timezone.utc):{RUN_TIME}}"
+
+
+def idle_name(name: str) -> str:
+    """The name of a run called ``name`` that found nothing to do: ``<flow>-idle-<what followed the flow's
+    name>`` (``judge-idle-<time>``), but the time now for a run named for the version it was to make
+    (``train-v4``); a name that says idle already stays."""
+    flow, _, rest = name.partition("-")
+    if rest.startswith("idle-"):
+        return name
+    if re.fullmatch(r"v\d+", rest):
+        return run_time_name(f"{flow}-idle")
+    return f"{flow}-idle-{rest}"
+
+
 def mark_idle() -> None:
-    """Name this flow run ``<flow>-idle-<time>`` and tag it ``idle``: it found nothing to do, and must not
+    """Name this flow run as :func:`idle_name` says and tag it ``idle``: it found nothing to do, and must not
     read like a run that judged or trained (filter the tag out in the UI's run list)."""
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
@@ -201,7 +223,5 @@ def mark_idle() -> None:
     if ctx is None or ctx.flow_run is None:
         return
     run = ctx.flow_run
-    flow, _, when = run.name.partition("-")
     with get_client(sync_client=True) as client:
-        client.update_flow_run(run.id, name=f"{flow}-idle-{when}" if when else f"{run.name}-idle",
-                               tags=[*run.tags, IDLE_TAG])
+        client.update_flow_run(run.id, name=idle_name(run.name), tags=[*run.tags, IDLE_TAG])

@@ -237,6 +237,18 @@ def checkpoint_exists(con: duckdb.DuckDBPyConnection, weight_version: str) -> bo
                        {"v": str(weight_version)}).fetchall()[0][0] > 0
 
 
+def waiting_step(con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int) -> int | None:
+    """The step (= the weight version it makes) a train run would take next, when a batch waits for it: one
+    claimed and not yet checkpointed, or a full batch of trainable samples (staler ones counted: the claim sets
+    them aside); None when none waits."""
+    pending = open_batch(con)
+    if pending is not None:
+        return int(pending["step"])
+    if pending_counts(con, judge_config_hash, rollout_batch_size)["full_batches"] < 1:
+        return None
+    return latest_version(con) + 1
+
+
 def latest_version(con: duckdb.DuckDBPyConnection) -> int:
     """The newest trained weight version recorded in ``checkpoints`` (0 before any step)."""
     value = con.execute("SELECT max(step) FROM checkpoints").fetchall()[0][0]

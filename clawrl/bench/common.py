@@ -1,7 +1,7 @@
 """Shared by every benchmark: the machine and device it ran on, best-of-N timing, free ports and
-`clawrl serve` / `clawrl engine` child processes, markdown tables, and replacing one section of
-``docs/benchmarks.md`` while leaving the others alone (each benchmark owns the text between its own
-``<!-- NAME-bench:start -->`` / ``<!-- NAME-bench:end -->`` markers)."""
+`clawrl serve` / `clawrl engine` child processes, markdown tables, the verdicts on stated targets, and
+replacing one section of ``docs/benchmarks.md`` while leaving the others alone (each benchmark owns the
+text between its own ``<!-- NAME-bench:start -->`` / ``<!-- NAME-bench:end -->`` markers)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,34 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target a benchmark states: ``key`` of the row of ``system`` at ``concurrency`` is at least ``minimum``."""
+
+    text: str
+    system: str
+    concurrency: int
+    key: str
+    minimum: float
+
+
+def target_lines(rows: list[dict[str, Any]], targets: tuple[Target, ...], models: list[str]) -> list[str]:
+    """One line per model of ``models``, each target on it MET or NOT MET with the measured value, or NOT
+    MEASURED when the run has no such row (another concurrency, a model left out) or the row no such value."""
+    lines = []
+    for model in models:
+        verdicts = []
+        for t in targets:
+            row = next((r for r in rows if (r["model"], r["system"], r["concurrency"]) == (model, t.system,
+                                                                                           t.concurrency)), None)
+            value = None if row is None else row.get(t.key)
+            verdict = "NOT MEASURED" if value is None else \
+                f"{'MET' if value >= t.minimum else 'NOT MET'} ({t.key} {value:.3g})"
+            verdicts.append(f"{t.text} ({t.key} >= {t.minimum:g}): {verdict}")
+        lines.append(f"- Targets ({model}): " + "; ".join(verdicts) + ".")
+    return lines
 
 
 def write_section(name: str, body: str, path: Path) -> Path:

@@ -237,7 +237,7 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction(action), version=v,
                   reason=reason or f"clawrl {action}", mlflow_run_id=target["mlflow_run_id"])
     data_store(s).flush()
-    set_policy_alias(s.storage.data_root, "champion", v, initial_weights=target["path"])
+    set_policy_alias(s.storage.data_root, "champion", v)
     verb = "promoted" if action == "promote" else f"rolled back from version {champion} to"
     console.print(f"{verb} version {v}: the engine serves version {rep['weight_version']} ({rep['seconds']:.2f} s)",
                   markup=False)

@@ -355,12 +355,12 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((run / "reports" / "learning_curve.json").read_text())
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["candidate_score"] == rows[0]["score"] and "gate" not in rows[0]
+    assert rows[0]["candidate_score"] == rows[0]["served_score"] and "gate" not in rows[0]
     for r in rows[1:]:
         assert r["gate"] in ("promote", "refuse") and r["candidate_version"] == str(r["step"])
         assert 0.0 <= r["val_candidate"] <= 1.0 and 0.0 <= r["val_champion"] <= 1.0
         if r["gate"] == "promote":
-            assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["score"]
+            assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["served_score"]
         # conf/demo.toml's min_gain = 0: a tie or a loss on validation keeps the champion
         assert (r["gate"] == "promote") == (r["val_candidate"] > r["val_champion"]), r
     assert "promotion: champion version" in out.stdout and "gate" in out.stdout

@@ -126,9 +126,7 @@ def _ck_state(root: Path) -> dict:
     runs = [r for r in c.search_runs([experiment_id(c, root, EXPERIMENT)]) if r.data.tags.get("kind") != "policy"]
     return {"rows": rows, "files": files, "dirs": [d.name for d in dirs],
             "run_batches": sorted(r.data.tags["batch_id"] for r in runs),
-            # trained versions, once each (the initial weights' own model version, registered once, aside)
-            "model_versions": len([m for m in c.search_model_versions(f"name = '{REGISTERED_MODEL}'")
-                                   if m.tags.get("weight_version") != "0"]),
+            "model_versions": len(c.search_model_versions(f"name = '{REGISTERED_MODEL}'")),  # trained versions
             "batches": _q(root, "SELECT step, sample_ids FROM batches ORDER BY step")}
 
 
