@@ -276,11 +276,13 @@ class EmbeddedEngine:
         return self._sched.adapters.store.lookup(req.lora_path)
 
     def lora_info(self) -> dict[str, Any]:
-        """The LoRA settings and the adapters registered now, in SGLang's server-argument words."""
+        """The LoRA settings and the adapters registered now, in SGLang's server-argument words, and (ours) those
+        held in memory now."""
         lora = self._sched.adapters
         return {"enable_lora": lora is not None, "max_loaded_loras": lora.store.max_loaded if lora else None,
                 "max_loras_per_batch": lora.slots.slots if lora else None, "lora_target_modules": list(LORA_TARGETS),
-                "lora_paths": lora.store.loaded() if lora else {}}
+                "lora_paths": lora.store.loaded() if lora else {},
+                "lora_held": [a.name for a in list(lora.store.held) if a.weights is not None] if lora else []}
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateResult:
         """SGLang's ``/load_lora_adapter``: read and check the PEFT directory ``lora_path`` (off the event loop
