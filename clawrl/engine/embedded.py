@@ -132,10 +132,9 @@ class EmbeddedEngine:
         per_batch = min(per_batch, max_loaded)  # a step's adapters are all held in memory
         runner = self._runner
         shapes, layers = projection_shapes(self.model), runner.spec.num_layers
-        read = functools.partial(read_adapter, shapes=shapes, num_layers=layers, dtype=runner.dtype,
-                                 device=runner.device)
+        read = functools.partial(read_adapter, shapes=shapes, num_layers=layers, dtype=runner.dtype, device="cpu")
         slots = LoRASlots(shapes, layers, per_batch, runner.dtype, runner.device, dense=runner.device.type == "cuda")
-        return StepAdapters(AdapterStore(read, max_loaded), slots)
+        return StepAdapters(AdapterStore(read, max_loaded, runner.device), slots)
 
     def _auto_kv_budget(self, max_batch_size: int, max_context_len: int) -> int:
         """KV token slots for a quarter of the machine's memory (CPU) or half the GPU memory still

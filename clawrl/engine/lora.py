@@ -13,8 +13,10 @@ mid-answer), a request names the adapter it wants, and an unknown name is refuse
 ``max_loaded`` adapters are held in memory: the least recently used one that no running request
 uses goes first, and is read from its path again when a request names it next. Reading runs on a
 thread of its own, never on the engine's worker, so a cold adapter's first request waits for its
-file while every other request keeps decoding. The store is the worker thread's (its admission
-step calls :meth:`AdapterStore.ready`); only :meth:`AdapterStore.lookup` is called from elsewhere.
+file while every other request keeps decoding; the worker moves what was read to the device (so
+every device allocation and free of an adapter happens on the worker's CUDA stream). The store is
+the worker thread's (its admission step calls :meth:`AdapterStore.ready`); only
+:meth:`AdapterStore.lookup` and :meth:`AdapterStore.loaded` are called from elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from clawrl.engine.types import BadRequestError
@@ -58,16 +59,32 @@ def projection_shapes(hf_model) -> dict[str, tuple[int, int]]:
 
 @dataclass(eq=False)
 class LoRAWeights:
-    """One adapter's tensors on the serving device: per (layer, target) A (r, in) and scale·B (out, r)."""
+    """One adapter's tensors: per (layer, target) A (r, in) and scale·B (out, r), all views of one buffer
+    ``flat`` (``layout``: layer, target, "A" or "B", offset, shape of each), so checking, scaling, casting or
+    moving the adapter is one operation whatever its number of tensors."""
 
     rank: int
-    targets: frozenset[str]
-    a: dict[tuple[int, str], Tensor]
-    b: dict[tuple[int, str], Tensor]
+    flat: Tensor
+    layout: tuple[tuple[int, str, str, int, tuple[int, int]], ...]
+    a: dict[tuple[int, str], Tensor] = field(init=False)
+    b: dict[tuple[int, str], Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.a, self.b = {}, {}
+        for layer, target, half, offset, (rows, cols) in self.layout:
+            view = self.flat[offset:offset + rows * cols].view(rows, cols)
+            (self.a if half == "A" else self.b)[layer, target] = view
+
+    @property
+    def targets(self) -> frozenset[str]:
+        return frozenset(t for _, t in self.a)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+        return self.flat.numel() * self.flat.element_size()
+
+    def to(self, device: torch.device | str) -> LoRAWeights:
+        return LoRAWeights(self.rank, self.flat.to(device), self.layout)
 
 
 def _adapter_config(d: Path) -> tuple[float, float]:
@@ -101,13 +118,9 @@ def read_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_layer
     if not d.is_dir():
         raise AdapterError(f"lora_path {str(d)!r} is not a directory")
     r, scale = _adapter_config(d)
-    try:
-        tensors = load_file(str(d / ADAPTER_WEIGHTS), device="cpu")
-    except Exception as e:  # missing, truncated, not safetensors
-        raise AdapterError(f"cannot read {d / ADAPTER_WEIGHTS}: {e}") from None
-    a: dict[tuple[int, str], Tensor] = {}
-    b: dict[tuple[int, str], Tensor] = {}
-    for key, t in tensors.items():
+    flat, header = _read_safetensors(d / ADAPTER_WEIGHTS)
+    layout = []
+    for key, (shape, offset) in header.items():
         m = _KEY.search(key)
         if m is None or m[2] not in shapes or int(m[1]) >= num_layers:
             raise AdapterError(f"{d / ADAPTER_WEIGHTS}: {key} is not a lora_A/lora_B weight of "
@@ -115,19 +128,51 @@ def read_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_layer
         layer, target, half = int(m[1]), m[2], m[3]
         out, inp = shapes[target]
         want = (r, inp) if half == "A" else (out, r)
-        if tuple(t.shape) != want:
-            raise AdapterError(f"{d / ADAPTER_WEIGHTS}: {key} has shape {tuple(t.shape)}, expected {want} (r = {r})")
-        if not torch.isfinite(t).all():
-            raise AdapterError(f"{d / ADAPTER_WEIGHTS}: {key} holds NaN or infinite values")
-        if half == "A":
-            a[layer, target] = t.to(device=device, dtype=dtype)
-        else:  # the scale folded in once, in float32
-            b[layer, target] = (t.float() * scale).to(device=device, dtype=dtype)
-    if not a or set(a) != set(b):
-        unpaired = sorted(set(a) ^ set(b))
+        if shape != want:
+            raise AdapterError(f"{d / ADAPTER_WEIGHTS}: {key} has shape {shape}, expected {want} (r = {r})")
+        layout.append((layer, target, half, offset, shape))
+    halves = {half: {(layer, target) for layer, target, h, *_ in layout if h == half} for half in "AB"}
+    if not layout or halves["A"] != halves["B"]:
+        unpaired = sorted(halves["A"] ^ halves["B"])
         raise AdapterError(f"{d / ADAPTER_WEIGHTS}: " + (f"lora_A/lora_B unpaired at {unpaired[:3]}" if unpaired
                                                            else "holds no LoRA weights"))
-    return LoRAWeights(rank=r, targets=frozenset(t for _, t in a), a=a, b=b)
+    flat = flat.float()  # the checks and the scale in float32 (a copy only when the file is not)
+    if not math.isfinite(float(flat.sum())):  # NaN or inf anywhere makes the sum so (huge finite values do too)
+        bad = next(k for k, (shape, o) in header.items() if not torch.isfinite(flat[o:o + shape[0] * shape[1]]).all())
+        raise AdapterError(f"{d / ADAPTER_WEIGHTS}: {bad} holds NaN or infinite values")
+    torch._foreach_mul_([flat[o:o + rows * cols] for *_, half, o, (rows, cols) in layout if half == "B"], scale)
+    return LoRAWeights(r, flat.to(device=device, dtype=dtype), tuple(layout))
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _read_safetensors(f: Path) -> tuple[Tensor, dict[str, tuple[tuple[int, ...], int]]]:
+    """A safetensors file (an 8-byte header length, a JSON header, then the tensors back to back) read whole
+    into one buffer: the buffer, and each tensor's shape and element offset in it. One read instead of a tensor
+    object per key, which is what an adapter's hundreds of small tensors cost most in (safetensors' loader
+    makes each its own)."""
+    try:
+        with f.open("rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+            header.pop("__metadata__", None)
+            dtypes = {v["dtype"] for v in header.values()}
+            if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+                raise ValueError(f"tensors of dtype {sorted(dtypes)}: expected one of {', '.join(_DTYPES)}")
+            dtype = _DTYPES[dtypes.pop()]
+            nbytes = max((v["data_offsets"][1] for v in header.values()), default=0)
+            if f.stat().st_size - 8 - size < nbytes:
+                raise ValueError("the file ends before its data")
+            flat = torch.empty(nbytes // dtype.itemsize, dtype=dtype)  # read straight into it: no zero-fill
+            fh.readinto(memoryview(flat.view(torch.uint8).numpy()))
+        for k, v in header.items():
+            begin, end = v["data_offsets"]
+            if end - begin != math.prod(v["shape"]) * dtype.itemsize or len(v["shape"]) != 2:
+                raise ValueError(f"{k}: data_offsets {v['data_offsets']} do not hold a matrix of shape {v['shape']}")
+        return flat, {k: (tuple(v["shape"]), v["data_offsets"][0] // dtype.itemsize) for k, v in header.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # missing, truncated, not safetensors
+        raise AdapterError(f"cannot read {f}: {e}") from None
 
 
 def write_random_adapters(model, dirs: Iterable[str | Path], *, rank: int = 16, alpha: float = 32.0,
@@ -176,10 +221,12 @@ class Adapter:
 @dataclass
 class AdapterStore:
     """The registry and the memory bound (module docstring). ``read(path)`` returns an adapter's
-    :class:`LoRAWeights`; ``wake()`` tells the worker a read finished."""
+    :class:`LoRAWeights` on the host, ``device`` is where they serve from; ``wake()`` tells the worker a read
+    finished."""
 
     read: Callable[[str], LoRAWeights]
     max_loaded: int
+    device: torch.device | str = "cpu"
     wake: Callable[[], None] = lambda: None
     names: dict[str, Adapter] = field(default_factory=dict)
     held: OrderedDict[Adapter, None] = field(default_factory=OrderedDict)  # in memory or being read; LRU first
@@ -207,7 +254,7 @@ class AdapterStore:
             raise AdapterError(f"LoRA with name {name} already exists. Loaded LoRAs: {sorted(self.names)}")
         adapter = self.names[name] = Adapter(name, path, next(self._uids))
         if self._make_room():
-            adapter.weights = weights
+            adapter.weights = weights.to(self.device)
             self.held[adapter] = None
 
     def remove(self, name: str) -> Adapter:
@@ -227,7 +274,7 @@ class AdapterStore:
         if adapter.weights is None and adapter.reading is not None and adapter.reading.done():
             reading, adapter.reading = adapter.reading, None
             try:
-                adapter.weights = reading.result()
+                adapter.weights = reading.result().to(self.device)
             except Exception as e:
                 self.held.pop(adapter, None)
                 raise AdapterError(f"adapter {adapter.name} could not be read again from {adapter.path}: {e}") \

@@ -73,6 +73,16 @@ def test_adapters_the_engine_cannot_serve_are_refused_naming_the_file_and_key(ti
         read_adapter(bad, shapes, 2, torch.float32, "cpu")
     with pytest.raises(AdapterError, match="in layers 0..0"):  # an adapter of a deeper model
         read_adapter(adapter_dirs[0], shapes, 1, torch.float32, "cpu")
+    whole = (adapter_dirs[0] / "adapter_model.safetensors").read_bytes()
+    (bad / "adapter_model.safetensors").write_bytes(whole[:-100])
+    with pytest.raises(AdapterError, match="cannot read .*adapter_model.safetensors: the file ends before its data"):
+        read_adapter(bad, shapes, 2, torch.float32, "cpu")
+    save_file({**tensors, key: torch.full((4, 64), float("nan"))}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="q_proj.lora_A.weight holds NaN or infinite values"):
+        read_adapter(bad, shapes, 2, torch.float32, "cpu")
+    save_file({k: t.bfloat16() for k, t in tensors.items()}, str(bad / "adapter_model.safetensors"))
+    as_bf16 = read_adapter(bad, shapes, 2, torch.float32, "cpu")  # a bf16 file served in float32
+    assert torch.equal(as_bf16.a[0, "q_proj"], tensors[key].bfloat16().float())
 
 
 def _one_step(runner, prompts, adapters, *, dense: bool, lora: bool = True) -> torch.Tensor:
