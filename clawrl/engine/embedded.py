@@ -55,7 +55,14 @@ import torch
 from torch import Tensor
 
 from clawrl.config import ConfigError
-from clawrl.engine.lora import LORA_TARGETS, AdapterError, AdapterStore, projection_shapes, read_adapter
+from clawrl.engine.lora import (
+    LORA_TARGETS,
+    AdapterError,
+    AdapterStore,
+    SpareBuffers,
+    projection_shapes,
+    read_adapter,
+)
 from clawrl.engine.lora_step import LoRASlots, StepAdapters
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import RowSampling
@@ -132,9 +139,11 @@ class EmbeddedEngine:
         per_batch = min(per_batch, max_loaded)  # a step's adapters are all held in memory
         runner = self._runner
         shapes, layers = projection_shapes(self.model), runner.spec.num_layers
-        read = functools.partial(read_adapter, shapes=shapes, num_layers=layers, dtype=runner.dtype, device="cpu")
+        buffers = SpareBuffers()
+        read = functools.partial(read_adapter, shapes=shapes, num_layers=layers, dtype=runner.dtype, device="cpu",
+                                 buffers=buffers)
         slots = LoRASlots(shapes, layers, per_batch, runner.dtype, runner.device, dense=runner.device.type == "cuda")
-        return StepAdapters(AdapterStore(read, max_loaded, runner.device), slots)
+        return StepAdapters(AdapterStore(read, max_loaded, runner.device, buffers=buffers), slots)
 
     def _auto_kv_budget(self, max_batch_size: int, max_context_len: int) -> int:
         """KV token slots for a quarter of the machine's memory (CPU) or half the GPU memory still

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,15 +111,16 @@ def _adapter_config(d: Path) -> tuple[float, float]:
 
 
 def read_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_layers: int, dtype: torch.dtype,
-                 device: torch.device | str) -> LoRAWeights:
+                 device: torch.device | str, buffers: SpareBuffers | None = None) -> LoRAWeights:
     """Read and check a PEFT LoRA directory against the served model's ``shapes`` (:func:`projection_shapes`)
     and ``num_layers``: every tensor a lora_A/lora_B pair of a known target of an existing layer, of rank r,
-    finite. Raises :class:`AdapterError` naming the file and the key."""
+    finite. Raises :class:`AdapterError` naming the file and the key. ``buffers``: host memory to read into."""
     d = Path(path)
     if not d.is_dir():
         raise AdapterError(f"lora_path {str(d)!r} is not a directory")
     r, scale = _adapter_config(d)
-    flat, header = _read_safetensors(d / ADAPTER_WEIGHTS)
+    buffers = buffers or SpareBuffers(0)
+    raw, header = _read_safetensors(d / ADAPTER_WEIGHTS, buffers)
     layout = []
     for key, (shape, offset) in header.items():
         m = _KEY.search(key)
@@ -136,18 +138,46 @@ def read_adapter(path: str | Path, shapes: dict[str, tuple[int, int]], num_layer
         unpaired = sorted(halves["A"] ^ halves["B"])
         raise AdapterError(f"{d / ADAPTER_WEIGHTS}: " + (f"lora_A/lora_B unpaired at {unpaired[:3]}" if unpaired
                                                            else "holds no LoRA weights"))
-    flat = flat.float()  # the checks and the scale in float32 (a copy only when the file is not)
+    flat = raw.float()  # the checks and the scale in float32 (a copy only when the file is not)
     if not math.isfinite(float(flat.sum())):  # NaN or inf anywhere makes the sum so (huge finite values do too)
         bad = next(k for k, (shape, o) in header.items() if not torch.isfinite(flat[o:o + shape[0] * shape[1]]).all())
         raise AdapterError(f"{d / ADAPTER_WEIGHTS}: {bad} holds NaN or infinite values")
     torch._foreach_mul_([flat[o:o + rows * cols] for *_, half, o, (rows, cols) in layout if half == "B"], scale)
-    return LoRAWeights(r, flat.to(device=device, dtype=dtype), tuple(layout))
+    out = flat.to(device=device, dtype=dtype)
+    for spent in {id(t): t for t in (raw, flat) if t is not out}.values():
+        buffers.give(spent)
+    return LoRAWeights(r, out, tuple(layout))
+
+
+# Host buffers of dropped adapters kept for the next read: a new buffer costs a page fault every 4 KiB on its
+# first touch, which was half of reading an adapter from the page cache (smollm2, rank 16: 17 ms, 9 of them faults).
+SPARE_BUFFERS = 4
+
+
+class SpareBuffers:
+    """Host buffers to read adapters into, handed back when an adapter leaves memory (any thread)."""
+
+    def __init__(self, keep: int = SPARE_BUFFERS):
+        self.keep, self._free, self._lock = keep, [], threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        with self._lock:
+            for i, t in enumerate(self._free):
+                if t.numel() == numel and t.dtype == dtype:
+                    return self._free.pop(i)
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, t: Tensor) -> None:
+        if t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0:
+            with self._lock:
+                if len(self._free) < self.keep:
+                    self._free.append(t)
 
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def _read_safetensors(f: Path) -> tuple[Tensor, dict[str, tuple[tuple[int, ...], int]]]:
+def _read_safetensors(f: Path, buffers: SpareBuffers) -> tuple[Tensor, dict[str, tuple[tuple[int, ...], int]]]:
     """A safetensors file (an 8-byte header length, a JSON header, then the tensors back to back) read whole
     into one buffer: the buffer, and each tensor's shape and element offset in it. One read instead of a tensor
     object per key, which is what an adapter's hundreds of small tensors cost most in (safetensors' loader
@@ -164,7 +194,7 @@ def _read_safetensors(f: Path) -> tuple[Tensor, dict[str, tuple[tuple[int, ...],
             nbytes = max((v["data_offsets"][1] for v in header.values()), default=0)
             if f.stat().st_size - 8 - size < nbytes:
                 raise ValueError("the file ends before its data")
-            flat = torch.empty(nbytes // dtype.itemsize, dtype=dtype)  # read straight into it: no zero-fill
+            flat = buffers.take(nbytes // dtype.itemsize, dtype)  # read straight into it: no zero-fill
             fh.readinto(memoryview(flat.view(torch.uint8).numpy()))
         for k, v in header.items():
             begin, end = v["data_offsets"]
@@ -227,6 +257,7 @@ class AdapterStore:
     read: Callable[[str], LoRAWeights]
     max_loaded: int
     device: torch.device | str = "cpu"
+    buffers: SpareBuffers = field(default_factory=lambda: SpareBuffers(0))  # what ``read`` reads into
     wake: Callable[[], None] = lambda: None
     names: dict[str, Adapter] = field(default_factory=dict)
     held: OrderedDict[Adapter, None] = field(default_factory=OrderedDict)  # in memory or being read; LRU first
@@ -254,7 +285,7 @@ class AdapterStore:
             raise AdapterError(f"LoRA with name {name} already exists. Loaded LoRAs: {sorted(self.names)}")
         adapter = self.names[name] = Adapter(name, path, next(self._uids))
         if self._make_room():
-            adapter.weights = weights.to(self.device)
+            adapter.weights = self._place(weights)
             self.held[adapter] = None
 
     def remove(self, name: str) -> Adapter:
@@ -274,7 +305,7 @@ class AdapterStore:
         if adapter.weights is None and adapter.reading is not None and adapter.reading.done():
             reading, adapter.reading = adapter.reading, None
             try:
-                adapter.weights = reading.result().to(self.device)
+                adapter.weights = self._place(reading.result())
             except Exception as e:
                 self.held.pop(adapter, None)
                 raise AdapterError(f"adapter {adapter.name} could not be read again from {adapter.path}: {e}") \
@@ -310,8 +341,17 @@ class AdapterStore:
             self.counters["adapter_evictions"] += 1
         return True
 
+    def _place(self, weights: LoRAWeights) -> LoRAWeights:
+        """``weights`` on the serving device (the host buffer they were read into goes back for the next read)."""
+        placed = weights.to(self.device)
+        if placed.flat is not weights.flat:
+            self.buffers.give(weights.flat)
+        return placed
+
     def _drop(self, adapter: Adapter) -> None:
         self.held.pop(adapter, None)
+        if adapter.weights is not None:  # no step uses it: only running requests' adapters are in steps
+            self.buffers.give(adapter.weights.flat)
         adapter.weights = adapter.reading = None
 
     def memory(self) -> dict[str, Any]:
