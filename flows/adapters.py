@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -118,10 +119,12 @@ def adapter_target(s: Settings, name: str) -> dict[str, Any]:
     weights were pruned, GateError for one never recorded."""
     from clawrl.promotion import weights_of
 
-    with open_catalog(s.storage.data_root) as con:
-        _, path, sha = weights_of(con, name, base_model_dir(s))
     namespace, version = parse_adapter_name(name)
-    return {"namespace": namespace, "weight_version": name, "path": path if version else None, "sha256": sha}
+    if version == 0:
+        return {"namespace": namespace, "weight_version": name, "path": None, "sha256": None}
+    with open_catalog(s.storage.data_root) as con:
+        _, path, sha = weights_of(con, name, Path())  # a version > 0: no base directory is read
+    return {"namespace": namespace, "weight_version": name, "path": path, "sha256": sha}
 
 
 @task(cache_policy=NO_CACHE)

@@ -202,8 +202,8 @@ def status_overview(s, config) -> None:
 
     rows = _overview_rows(s)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
-    t = Table(title=f"clawrl status: {len(rows)} namespace{'s' if len(rows) != 1 else ''}, each with its own adapter "
-                    f"(rollout_batch_size {s.ppo.rollout_batch_size} each)", title_justify="left",
+    t = Table(title=f"clawrl status: {len(rows)} namespace{'s' if len(rows) != 1 else ''}, an adapter each "
+                    f"(rollout_batch_size {s.ppo.rollout_batch_size})", title_justify="left",
               box=box.SIMPLE_HEAD, pad_edge=False)  # one line per namespace, as grep reads it
     for col in ("namespace", "turns", "samples waiting", "versions", "served", "last gate"):
         t.add_column(col, justify="left" if col == "namespace" else "right", no_wrap=True)

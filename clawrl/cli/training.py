@@ -107,9 +107,12 @@ def train(
     for st in out["steps"]:
         m = st["metrics"]
         if "namespace" in st:  # [ppo] adapters = "namespace": a namespace's adapter version
+            gate = st["gate"]
+            decided = "promoted" if gate["decision"] == "promote" else f"refused, {gate['serve_version']} serves"
             console.print(f"adapter {st['weight_version']}: loss {m.get('loss', float('nan')):.4f}, "
-                          f"{int(m.get('num_seqs', 0))} samples, {st['path']}, sync: {st['sync']['message'] or 'ok'}",
-                          markup=False)
+                          f"{int(m.get('num_seqs', 0))} samples, {st['path']}, gate: {decided} "
+                          f"({gate['reason'].split(':')[0]}), sync: {st['sync']['message'] or 'ok'}", markup=False,
+                          soft_wrap=True)
             if not st["sync"]["success"]:
                 warn(f"adapter {st['weight_version']} is not served yet: {st['sync']['message']}; its namespace keeps "
                      "its previous one until its next step syncs")

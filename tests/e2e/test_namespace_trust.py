@@ -199,7 +199,6 @@ def test_promote_and_rollback_by_hand_move_one_namespace(run):
 
 def test_forgetting_a_namespace_leaves_none_of_its_bytes_and_the_other_as_it_was(run):
     from clawrl.adapters import complete_adapters, read_served
-    from clawrl.lineage import client, namespace_experiment
 
     run.store.flush()
     tables = ("turns", "next_states", "verdicts", "samples", "turn_fate", "batches", "evaluations", "promotions",
@@ -212,20 +211,32 @@ def test_forgetting_a_namespace_leaves_none_of_its_bytes_and_the_other_as_it_was
             by_turn if t in ("next_states", "verdicts", "turn_fate") else f"namespace = '{B}'")).to_pylist()))
                 for t in tables}
 
-    before = b_rows()
+    def holders(sessions) -> set[str]:
+        """The files under the data root (relative paths) that hold one of ``sessions``' ids, as bytes."""
+        return {str(p.relative_to(run.root)) for p in run.root.rglob("*")
+                if p.is_file() and any(sid.encode() in p.read_bytes() for sid in sessions)}
+
+    from clawrl.lineage import client, namespace_experiment
+
+    c = client(run.root)
+    b_runs = sorted(r.info.run_id for r in c.search_runs([c.get_experiment_by_name(namespace_experiment(B))
+                                                          .experiment_id]))
+    before, held = b_rows(), holders(A_SESSIONS)
     assert all(before[t] for t in tables if t not in ("adapter_serving",))
+    assert {p.split("/")[1] for p in held if p.startswith("tables/")} >= {"turns", "next_states", "samples",
+                                                                          "turn_fate", "batches"}, held
+    assert any(h.startswith("mlflow/") for h in held) and any(h.startswith("replays/") for h in held), held
     out = run.cli("forget", A, "--reason", "asked to be forgotten")
     assert f"forgot {A}: adapter versions removed: {A}@v1, {A}@v2; unloaded {A}@v1" in out
-    for path in run.root.rglob("*"):  # no file anywhere under the data root holds one of A's session ids
-        if path.is_file():
-            data = path.read_bytes()
-            assert not [sid for sid in A_SESSIONS if sid.encode() in data], path
+    assert holders(A_SESSIONS) == set()  # no file anywhere under the data root holds one of A's session ids
+    assert holders(B_SESSIONS)  # B's are where they were
     assert b_rows() == before  # B's rows, every value as it was
+    assert sorted(r.info.run_id for r in c.search_runs([c.get_experiment_by_name(namespace_experiment(B))
+                                                         .experiment_id])) == b_runs
     assert complete_adapters(run.root / "checkpoints", A) == [] and read_served(run.root / "checkpoints", A) is None
     assert read_served(run.root / "checkpoints", B).name == f"{B}@v1"
     assert fixed_text_logprobs(run.clients[B]) == run.logprobs["B1"]
     assert fixed_text_logprobs(run.clients[A]) == run.logprobs["base"]  # A gets the base from its next request
-    c = client(run.root)
     assert c.get_experiment_by_name(namespace_experiment(A)) is None
     assert c.get_experiment_by_name(namespace_experiment(B)) is not None
     [forgot] = run_query(run.root, f"SELECT * FROM adapter_serving WHERE namespace = '{A}'").to_pylist()
