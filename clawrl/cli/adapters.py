@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from clawrl.cli.common import ConfigOpt, app, console, data_root_line, fail, settings_or_exit, warn
+from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, fail, print_findings, promotion_line,
+                               promotion_note, settings_or_exit, warn)
 
 # what the gateway names a key's namespace ("key-" and 16 hex digits of its SHA-256), and open mode's
 NAMESPACE_FORM = re.compile(r"^(key-[0-9a-f]{16}|open)$")
@@ -142,8 +143,7 @@ def lineage(s, config, namespace: str, version: str, replay: str | None) -> None
     from rich.tree import Tree
 
     from clawrl.checkpoint import short_digest
-    from clawrl.cli.common import promotion_note
-    from clawrl.records import adapter_name
+    from clawrl.records import adapter_name, parse_adapter_name
     from clawrl.storage.adapters import adapter_chain, latest_adapter_version
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
@@ -152,7 +152,7 @@ def lineage(s, config, namespace: str, version: str, replay: str | None) -> None
     with open_catalog(root) as con:
         name = adapter_name(namespace, latest_adapter_version(con, namespace)) if version == "latest" else \
             adapter_version_name(namespace, version)
-        chain = adapter_chain(con, namespace, int(name.rpartition("@v")[2]))
+        chain = adapter_chain(con, namespace, parse_adapter_name(name)[1])
         notes = None if replay is not None else \
             (promotion_log(con, namespace), champion_stack(con, namespace), unserved_versions(con, namespace))
     if name.endswith("@v0"):
@@ -219,7 +219,6 @@ def status(s, config, namespace: str) -> None:
     """`clawrl status --namespace NS`: where its turns stand, its samples vs rollout_batch_size, its versions,
     the one served, its last sync and its gate."""
     from clawrl.adapters import read_served
-    from clawrl.cli.common import promotion_line
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.adapters import latest_adapter_version, namespace_samples
     from clawrl.storage.catalog import open_catalog
@@ -279,15 +278,7 @@ def doctor(s, config, namespace: str, as_json: bool) -> None:
                               default=str))
         return
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
-    problems = [f for f in found if not f["ok"]]
-    console.print(f"clawrl doctor of {namespace} (judge config {chash}): {len(problems) or 'no'} "
-                  f"problem{'s' if len(problems) != 1 else ''} found", markup=False)
-    for f in found:
-        console.print(f"{'ok  ' if f['ok'] else 'FAIL'} {f['name']}: {f['summary']}", markup=False, highlight=False,
-                      soft_wrap=True)
-        for label in ("cause", "fix", "sql") if not f["ok"] else ():
-            console.print(f"       {'see' if label == 'sql' else label}: {f[label]}", markup=False, highlight=False,
-                          soft_wrap=True)
+    print_findings(f"clawrl doctor of {namespace} (judge config {chash})", found)
 
 
 def replay_root(s, replay: str) -> Path:

@@ -289,3 +289,15 @@ def promotion_note(log: list[dict], line: list[str], unserved: set[str], version
 # a promotions row's source, as the status line says who decided
 DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live check",
               "ungated": "without the gate"}
+
+
+def print_findings(title: str, findings: list[dict]) -> None:
+    """`clawrl doctor`'s report: how many problems, then each finding, with the cause, fix and SQL of a problem."""
+    problems = [f for f in findings if not f["ok"]]
+    console.print(f"{title}: {len(problems) or 'no'} problem{'s' if len(problems) != 1 else ''} found", markup=False)
+    for f in findings:
+        console.print(f"{'ok  ' if f['ok'] else 'FAIL'} {f['name']}: {f['summary']}", markup=False, highlight=False,
+                      soft_wrap=True)
+        for label in ("cause", "fix", "sql") if not f["ok"] else ():
+            console.print(f"       {'see' if label == 'sql' else label}: {f[label]}", markup=False, highlight=False,
+                          soft_wrap=True)

@@ -13,7 +13,8 @@ from rich.text import Text
 import clawrl.cli.adapters as per_namespace
 from clawrl.cli.adapters import NamespaceOpt
 from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url,
-                               promotion_line, promotion_note, require_data_root, settings_or_exit, sync_command, warn)
+                               print_findings, promotion_line, promotion_note, require_data_root, settings_or_exit,
+                               sync_command, warn)
 
 
 @app.command("sql")
@@ -232,16 +233,7 @@ def doctor(
         typer.echo(json.dumps({"data_root": str(s.storage.data_root), **found}))
         return
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
-    problems = [f for f in found["findings"] if not f["ok"]]
-    console.print(f"clawrl doctor (judge config {chash}): "
-                  f"{len(problems) or 'no'} problem{'s' if len(problems) != 1 else ''} found", markup=False)
-    for f in found["findings"]:
-        console.print(f"{'ok  ' if f['ok'] else 'FAIL'} {f['name']}: {f['summary']}", markup=False, highlight=False,
-                      soft_wrap=True)
-        if not f["ok"]:
-            for label in ("cause", "fix", "sql"):
-                console.print(f"       {'see' if label == 'sql' else label}: {f[label]}", markup=False,
-                              highlight=False, soft_wrap=True)
+    print_findings(f"clawrl doctor (judge config {chash})", found["findings"])
     t = Table(title="judged score of live main turns, by the weight version that served them", title_justify="left")
     for name in ("version", "n", "mean", "95% interval"):
         t.add_column(name, justify="right")
