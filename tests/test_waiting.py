@@ -109,3 +109,15 @@ def test_overlap_sees_concurrent_calls_together_and_serial_ones_apart():
 
     assert asyncio.run(calls(Overlap(together=5), concurrent=True)) == 5
     assert asyncio.run(calls(Overlap(together=5, hold_s=0.2), concurrent=False)) == 1
+
+
+def test_no_timeout_mark_is_tighter_than_the_hang_guard():
+    """A pytest-timeout mark stops a hung test; a tighter one fails a slow but correct test on a busy machine."""
+    import re
+    from pathlib import Path
+
+    from tests.utils.waiting import HANG_S
+
+    marks = {f"{p.name}:{n}": int(m.group(1)) for p in Path(__file__).parent.rglob("*.py")
+             for n, line in enumerate(p.read_text().splitlines(), 1) if (m := re.search(r"mark\.timeout\((\d+)", line))}
+    assert {where: s for where, s in marks.items() if s < HANG_S} == {}
