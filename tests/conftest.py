@@ -21,6 +21,7 @@ for _k, _v in SHARED_CPU_ENV.items():
     os.environ.setdefault(_k, _v)
 
 REPO = Path(__file__).resolve().parent.parent
+PREFECT_STARTUP_S = 600  # the Prefect test server's start: ~15 s on a quiet 2-core machine, minutes on a busy one
 # Built/converted models are reused across test runs on one machine (CI starts empty).
 MODEL_CACHE = Path(os.environ.get("CLAWRL_TEST_MODEL_CACHE", REPO / ".cache" / "models"))
 
@@ -99,9 +100,12 @@ def tiny_engine(tiny_dir):
 
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
-    """One Prefect test server for the session (startup ~15 s on 2 cores; default timeout is too short)."""
+    """One Prefect test server for the session (startup ~15 s on 2 cores, several times that beside other
+    test runs; the default timeout is too short)."""
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # Prefect counts only its own 0.1 s sleeps between health checks against this, so the wall time is
+    # longer still; it does not notice a server that died, hence a bound rather than tests.utils.waiting.CAP_S
+    with prefect_test_harness(server_startup_timeout=PREFECT_STARTUP_S):
         yield

@@ -277,7 +277,7 @@ def test_session_headers_are_read_and_documented(gateway):
         url, body = gw.base_url + "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         # the first of a repeated header counts; the turn type is read case-blind
         r = httpx.post(url, json=body, headers=[("X-Session-Id", "s-1"), ("X-Turn-Type", "Side"),
-                                                ("X-Session-Id", "s-2")])
+                                                ("X-Session-Id", "s-2")], timeout=60)
         assert r.status_code == 200 and r.headers["x-session-id"] == "s-1" and r.json()["turn_type"] == "side"
         bad = httpx.post(url, json=body, headers={"X-Session-Done": "maybe"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Session-Done"

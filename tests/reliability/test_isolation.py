@@ -228,7 +228,7 @@ def test_open_mode_opens_admin_routes_only_without_admin_keys(start_gateway, cap
     assert any("OPEN ADMIN" in r.getMessage() for r in caplog.records)
     _, _, ctx = start_gateway(None, ADMIN)  # open API, keyed admin
     with ctx as gw:
-        chat = httpx.post(gw.base_url + "/chat/completions",
+        chat = httpx.post(gw.base_url + "/chat/completions", timeout=60,
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert chat.status_code == 200
         for headers in ({}, {"Authorization": f"Bearer {WRONG}"}):
