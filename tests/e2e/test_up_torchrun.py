@@ -25,7 +25,7 @@ import pytest
 from clawrl.supervisor import Service, start, stop
 from tests.train.test_megatron_backend import _assert_same_updated_weights
 from tests.utils.up_process import REPO, Traffic, ports, up
-from tests.utils.waiting import run_to_end, wait_until
+from tests.utils.waiting import HANG_S, run_to_end, wait_until
 
 LR = 1e-3
 POOL = "clawrl-elsewhere"
@@ -53,7 +53,7 @@ def _flow_runs(prefect_port: int, name: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(HANG_S)
 def test_up_trains_on_two_ranks_like_one(tmp_path, model_cache):
     from safetensors.torch import load_file
 

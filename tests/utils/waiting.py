@@ -38,9 +38,10 @@ CAP_S = 1800.0
 # CPU seconds that count as progress: an idle server's event loop and heartbeats use far less in STALL_S.
 MIN_CPU_S = 1.0
 LOG_TAIL_CHARS = 4000
-# A test's pytest-timeout mark only stops a test that hangs, never one that is slow: longer than a test's
-# waits give up on a stall (STALL_S), and several times the longest test's time on a busy machine.
-HANG_S = 900
+# A test's pytest-timeout mark only stops a test that hangs, never one that is slow: well above STALL_S (so a
+# stalled wait fails first, saying what it waited for) and above the longest test's time at load ~15 (the
+# first sync fault test, with its fixtures' starts: 530 s at load 16 on 2 cores) by a wide margin.
+HANG_S = 1800
 
 
 class Failed(Exception):
