@@ -195,6 +195,25 @@ class RoutedEngines:
         why = f"{bad['url']} did not load it: {bad['message']}" if bad else "no worker answers"
         return UpdateResult(False, f"version {version} not served: {why}", None, workers=tuple(done))
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> UpdateResult:
+        """Every worker loads the LoRA adapter ``lora_path`` as ``lora_name`` in turn while all serve (a row each
+        in ``workers``); one that refuses stops it there and those that had loaded it unload it again, so a name
+        means one adapter wherever the router sends a request."""
+        workers, done = await self.workers(), []
+        for w in workers:
+            res = await w.load_lora_adapter(lora_name, lora_path)
+            done.append({"url": w.base_url, "ok": res.success, "message": res.message})
+            if not res.success:
+                for took in workers[:len(done) - 1]:
+                    await took.unload_lora_adapter(lora_name)
+                return UpdateResult(False, res.message, workers=tuple(done))
+        return UpdateResult(True, "", workers=tuple(done))
+
+    async def unload_lora_adapter(self, lora_name: str) -> UpdateResult:
+        """Every worker unloads ``lora_name``; the first refusal, else success."""
+        results = [await w.unload_lora_adapter(lora_name) for w in await self.workers()]
+        return next((r for r in results if not r.success), UpdateResult(True, ""))
+
     async def update_weight_version(self, new_version: str, **_: Any) -> UpdateResult:
         results = [await w.update_weight_version(new_version) for w in await self.workers()]
         bad = [r for r in results if not r.success]

@@ -277,6 +277,18 @@ class SGLangClient:
                                      accept=(400,))
         return _update_result(*answer, new_version)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> UpdateResult:
+        """Load the LoRA adapter directory ``lora_path`` (PEFT's format) as ``lora_name``, which requests then
+        name in ``lora_path`` (SGLang's ``/load_lora_adapter``: a server started with ``--enable-lora``)."""
+        answer = await self._request("POST", "/load_lora_adapter", {"lora_name": lora_name,
+                                                                    "lora_path": str(lora_path)}, accept=(400,))
+        return _update_result(*answer, None)
+
+    async def unload_lora_adapter(self, lora_name: str) -> UpdateResult:
+        """Unload the adapter loaded as ``lora_name`` (SGLang's ``/unload_lora_adapter``)."""
+        return _update_result(*await self._request("POST", "/unload_lora_adapter", {"lora_name": lora_name},
+                                                   accept=(400,)), None)
+
     async def sync_weights_from_disk(
         self, model_path: str, weight_version: str, pause_mode: PauseMode = "retract"
     ) -> UpdateResult:
@@ -350,7 +362,8 @@ def _update_result(status: int, content: bytes, weight_version: str | None) -> U
     workers: tuple = ()
     if isinstance(body, Mapping) and "success" in body:
         ok = bool(body["success"]) and status == 200
-        msg, workers = str(body.get("message", "")), tuple(body.get("workers") or ())
+        # SGLang's LoRA routes say why in error_message, its weight routes in message
+        msg, workers = str(body.get("message") or body.get("error_message") or ""), tuple(body.get("workers") or ())
     else:  # e.g. a 400 validation error body: the update did not happen
         ok, msg = False, error_message(status, content)
     return UpdateResult(ok, msg, str(weight_version) if ok and weight_version is not None else None, workers)

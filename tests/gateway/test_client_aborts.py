@@ -9,7 +9,7 @@ import httpx
 
 from tests.utils.waiting import wait_until
 
-LONG = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000, "min_tokens": 2000}
+LONG = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000, "min_tokens": 2000}
 
 
 def _aborts(gw, stream: str) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from clawrl.ports import free_port
-from tests.utils.waiting import drain, wait_until
+from tests.utils.waiting import STALL_S, drain, run_to_end, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,12 +67,13 @@ class ServerProcess:
         drain(self.proc.stdout, self.log_path)
         self.starts += 1
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, stall_s: float = STALL_S) -> float:
         """Seconds until ``ready_path`` answers 200. Waits while the child makes progress (CPU, log lines);
-        raises with the log tail if it dies or stalls (:func:`tests.utils.waiting.wait_until`)."""
+        raises with the log tail if it dies, or stalls for ``stall_s`` (:func:`tests.utils.waiting.wait_until`)."""
         t0 = time.monotonic()
         wait_until(lambda: httpx.get(self.url + self.ready_path, timeout=10.0).status_code == 200,
-                   f"{self.args[0]} on port {self.port} to answer {self.ready_path}", proc=self.proc, log=self.log_path)
+                   f"{self.args[0]} on port {self.port} to answer {self.ready_path}", proc=self.proc, log=self.log_path,
+                   stall_s=stall_s)
         self.startup_s.append(time.monotonic() - t0)
         return self.startup_s[-1]
 
@@ -123,13 +124,15 @@ def engine_process(tmp_path: Path, env: dict[str, str], *, port: int | None = No
 
 
 @contextmanager
-def agent_serve(tmp_path: Path, model_cache: Path, hook: str, context: int) -> Iterator[ServerProcess]:
-    """`clawrl serve` for a real agent's test: the tiny model with a ``context``-token window, its
-    answers scripted by the generate hook ``hook`` (the agent drives a conversation a random model
-    cannot), a stall timeout long enough for the agent's slowest request."""
+def agent_serve(tmp_path: Path, model_cache: Path, hook: str, context: int,
+                max_new_tokens: int = 64) -> Iterator[ServerProcess]:
+    """`clawrl serve` for a real agent's test: the tiny model with a ``context``-token window and
+    answers of at most ``max_new_tokens``, scripted by the generate hook ``hook`` where the agent
+    drives a conversation a random model cannot, a stall timeout long enough for the agent's slowest
+    request."""
     port = free_port()
     env = serve_env(tmp_path / "data", model_cache, model__name="tiny-long", engine__max_context_len=context,
-                    hooks__generate=hook, ppo__max_new_tokens=64, engine__stall_timeout_s=120)
+                    hooks__generate=hook, ppo__max_new_tokens=max_new_tokens, engine__stall_timeout_s=120)
     server = ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / "serve.log")
     server.start()
     try:
@@ -137,3 +140,12 @@ def agent_serve(tmp_path: Path, model_cache: Path, hook: str, context: int) -> I
         yield server
     finally:
         server.kill()
+
+
+def printed_config(server: ServerProcess, agent: str) -> str:
+    """What `clawrl serve --print-config AGENT` prints for ``server`` (its settings, its port): the
+    block a user pastes into the agent's config."""
+    out = run_to_end([sys.executable, "-m", "clawrl.cli", "serve", "--port", str(server.port), "--print-config",
+                      agent], cwd=REPO, env=server.env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
