@@ -47,6 +47,11 @@ def _wait(proc: subprocess.Popen, url: str, log: Path) -> None:
                poll_s=0.5)
 
 
+def _stop(proc: subprocess.Popen, log: Path) -> None:
+    proc.terminate()
+    wait_until(lambda: proc.poll() is not None, "the trainer to stop", proc=proc, log=log)
+
+
 @pytest.mark.parametrize("tp, dp, launcher", [
     (1, 1, []), (2, 1, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]),
     (2, 2, ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"])])
@@ -92,8 +97,7 @@ def test_tp2_and_dp2_trainers_step_like_one_process(make_settings, tmp_path):
             wait_until(lambda: has_trainer_state(root / "checkpoints" / "v000001"), "the trainer state written",
                        proc=proc, log=tmp_path / f"{name}.log", poll_s=0.2)
         finally:
-            proc.terminate()
-            wait_until(lambda: proc.poll() is not None, "the trainer to stop", proc=proc, log=tmp_path / f"{name}.log")
+            _stop(proc, tmp_path / f"{name}.log")
         assert step["weight_version"] == "1" and again == step
         assert step["metrics"]["trainer_ranks"] == (1 if not layout else 2)
         ckpt = root / "checkpoints" / "v000001"
