@@ -14,6 +14,7 @@ from clawrl.runtime import run
 from tests.e2e.test_engine_router import _router
 from tests.utils.engine_server import save_perturbed_copy
 from tests.utils.gateway_process import engine_process, free_port, serve_env
+from tests.utils.waiting import HANG_S
 
 
 def _checkpoint(tiny_dir, out):
@@ -24,7 +25,7 @@ def _checkpoint(tiny_dir, out):
     return path
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_each_worker_loads_in_turn_and_a_refusal_names_its_worker(tmp_path, model_cache, tiny_dir):
     env = serve_env(tmp_path / "data", model_cache)
     llama = engine_process(tmp_path, env, port=free_port(), name="llama")
@@ -38,14 +39,14 @@ def test_each_worker_loads_in_turn_and_a_refusal_names_its_worker(tmp_path, mode
             e.wait_ready()
         router, url = _router(tmp_path, [llama.url, qwen.url])
 
-        engines = RoutedEngines(url, timeout_s=60)
+        engines = RoutedEngines(url, timeout_s=300)
 
         async def go():
             try:
                 workers = sorted(w.base_url for w in await engines.workers())
                 res = await engines.update_weights_from_disk(str(v1), "1")
                 info = await engines.model_info()
-                single = RoutedEngines(llama.url, timeout_s=60)
+                single = RoutedEngines(llama.url, timeout_s=300)
                 plain = [w.base_url for w in await single.workers()], await single.model_info()
                 await single.close()
                 return workers, res, info, plain

@@ -20,6 +20,7 @@ from tests.e2e.test_engine_router import _router
 from tests.utils.gateway_process import engine_process, free_port, serve_env
 from tests.utils.gateway_server import running_gateway
 from tests.utils.samples import two_turn_session
+from tests.utils.waiting import HANG_S
 
 
 def _done(url: str) -> int:
@@ -43,7 +44,7 @@ def _votes(s, run_hash: str) -> int:
     return sum(len(json.loads(r["raw_outputs"])) for r in rows)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_judge_votes_spread_over_the_judge_engines_and_a_dead_one_is_left_out(
         prefect_harness, make_settings, tiny_engine, model_cache, tmp_path, monkeypatch):
     from clawrl.engine import embedded

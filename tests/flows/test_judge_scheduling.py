@@ -21,6 +21,8 @@ from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
 from tests.utils.samples import two_turn_session
+from tests.utils.up_process import wait_healthy
+from tests.utils.waiting import join, wait_until
 
 
 def _plan(settings, conf: Path = Path("/conf/up.toml")):
@@ -183,8 +185,14 @@ def test_an_idle_up_creates_no_runs_and_judges_when_turns_arrive(prefect_harness
     s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 2})
     conf = tmp_path / "rule.toml"
     conf.write_text(dump_toml(s))
-    has_work = work_waiting(str(conf))
-    assert (has_work(JUDGE_DEPLOYMENT), has_work(TRAIN_DEPLOYMENT)) == (False, False)
+    work_check = work_waiting(str(conf))
+    assert (work_check(JUDGE_DEPLOYMENT), work_check(TRAIN_DEPLOYMENT)) == (False, False)
+    asked: list[str] = []
+
+    def has_work(name: str) -> bool:  # counted: the ticks are events to wait for, not seconds
+        asked.append(name)
+        return work_check(name)
+
     created = []
     import clawrl.flows.serve as serve_module
 
@@ -194,16 +202,18 @@ def test_an_idle_up_creates_no_runs_and_judges_when_turns_arrive(prefect_harness
         stop = threading.Event()
         t = threading.Thread(target=ticker, args=({JUDGE_DEPLOYMENT: 0.05, TRAIN_DEPLOYMENT: 0.05}, stop, has_work))
         t.start()
-        threading.Event().wait(1.0)
-        assert created == []  # idle: ~20 ticks each, not one run
+        wait_until(lambda: min(asked.count(JUDGE_DEPLOYMENT), asked.count(TRAIN_DEPLOYMENT)) >= 20, "20 ticks each")
+        assert created == []  # idle: 20 ticks each, not one run
         with DataStore(s.storage.data_root) as store:
             store.append([build_turn([{"role": "user", "content": "hi"}], turn_type="side")])
-        threading.Event().wait(1.0)
+        wait_until(lambda: created, "a tick to create a judge run")
+        n = len(asked)
+        wait_until(lambda: len(asked) >= n + 4, "more ticks")  # ... and the train deployment's to create none
         assert set(created) == {JUDGE_DEPLOYMENT}
         write_samples(s, 2)
-        threading.Event().wait(1.0)
+        wait_until(lambda: TRAIN_DEPLOYMENT in created, "a tick to create a train run")
         stop.set()
-        t.join(10)
+        join(t)
     finally:
         serve_module.tick = real_tick
     assert set(created) == {JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT}
@@ -244,18 +254,18 @@ def test_overlapping_exclusive_judge_runs_skip_completed_not_cancelled(prefect_h
         if name == "found" and not holding.is_set():
             first["name"] = FlowRunContext.get().flow_run.name
             holding.set()
-            assert release.wait(120)
+            wait_until(release.is_set, "the other runs to come and go")
 
     monkeypatch.setattr(fj, "_crash_point", crash_point)
     names = iter(f"judge-overlap-{i}" for i in range(10))
     flow = fj.judge_flow.with_options(flow_run_name=lambda: next(names))
     worker = threading.Thread(target=lambda: first.setdefault("out", flow(config_path=str(conf), exclusive=True)))
     worker.start()
-    assert holding.wait(120)
+    wait_until(holding.is_set, "the first run to hold the slot")
     states = [flow(config_path=str(conf), exclusive=True, return_state=True) for _ in range(2)]
     unguarded = flow(config_path=str(conf))  # not exclusive (`clawrl judge`, the demo): judges regardless
     release.set()
-    worker.join(120)
+    join(worker)
     after = flow(config_path=str(conf), exclusive=True)  # the slot was given back
 
     for st in states:
@@ -299,7 +309,7 @@ def judge_engine(make_settings, tmp_path):
     svc = services["judge-engine"]
     supervisor.start(svc, tmp_path / "logs", supervisor.child_env())
     try:
-        supervisor.wait_healthy(svc, timeout_s=300)
+        wait_healthy(svc)
         yield s, services["flows"].env
     finally:
         supervisor.stop(svc)

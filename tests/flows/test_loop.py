@@ -3,12 +3,12 @@ trains on what its own users answered, and the first rows of the curve are pinne
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from clawrl.storage.catalog import run_query
 from tests.utils.demo_config import tiny_demo_config
+from tests.utils.waiting import run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,10 +23,9 @@ def test_each_round_of_the_demo_trains_on_what_its_users_answered(tmp_path, mode
     trained nothing.)"""
     conf = tiny_demo_config(tmp_path, model_cache)
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "2", "--users", "4",
-                          "--heldout", "30", "--eval-samples", "2", "--max-tokens", "8", "--run-dir", str(run)],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                         timeout=900)
+    out = run_to_end([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "2", "--users", "4",
+                      "--heldout", "30", "--eval-samples", "2", "--max-tokens", "8", "--run-dir", str(run)],
+                     cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((run / "reports" / "learning_curve.json").read_text())
     # the tiny model's random answers are never on topic: every user says "that's not what I asked." (reward
