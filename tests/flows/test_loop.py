@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_each_round_of_the_demo_trains_on_what_its_users_answered(tmp_path, model_cache):
     """Two steps of 4 users (batches of 4) and 30 held-out questions answered twice: a round leaves 68
     turns to judge (60 side turns of the evaluation before it, 4 answers, 4 closing replies), more than the
-    64 a judge run of `clawrl up` takes at once. Each step's batch is its own round's 4 answers, made by the
+    64 turns a judge run took at once when it counted every turn. Each step's batch is its own round's 4 answers, made by the
     version serving then (no sample too stale, none left waiting), every closing reply is the only turn
     without a next state, and the rows are these to 3 decimals: a change to the curve shows here. (When
     the demo's judge run took a bite, round 2 judged round 1's closing replies and evaluation only, and
