@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_each_round_of_the_demo_trains_on_what_its_users_answered(tmp_path, model_cache):
     """Two steps of 4 users (batches of 4) and 30 held-out questions answered twice: a round leaves 68
     turns to judge (60 side turns of the evaluation before it, 4 answers, 4 closing replies), more than the
-    64 a judge run of `clawrl up` takes at once. Each step's batch is its own round's 4 answers, made by the
+    64 turns a judge run took at once when it counted every turn. Each step's batch is its own round's 4 answers, made by the
     version serving then (no sample too stale, none left waiting), every closing reply is the only turn
     without a next state, and the rows are these to 3 decimals: a change to the curve shows here. (When
     the demo's judge run took a bite, round 2 judged round 1's closing replies and evaluation only, and
@@ -51,3 +51,25 @@ def test_each_round_of_the_demo_trains_on_what_its_users_answered(tmp_path, mode
                            "using (turn_id) where t.turn_type = 'side'").to_pylist()
     # the evaluations after steps 0 and 1 were judged before step 2's training; step 2's waits for a next round
     assert sides == [{"n": 3 * 60, "judged": 2 * 60}]
+
+
+def test_the_demo_runs_with_the_users_api_keys_set(tmp_path, model_cache):
+    """The README has users set $CLAWRL_API_KEYS for `clawrl serve`; a demo run from that shell served its
+    simulated users (who carry no key of the user's) a 401 on every turn. The demo's own gateway is open on
+    loopback whatever keys the environment holds: one step of 4 users trains on their 4 answers, and every
+    turn of the users and of both held-out evaluations is recorded."""
+    conf = tiny_demo_config(tmp_path, model_cache)
+    run = tmp_path / "run"
+    keys = {"CLAWRL_API_KEYS": "sk-user-7f3a9c2e41", "CLAWRL_ADMIN_KEYS": "sk-admin-5b8d1e0c93"}
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "1", "--users", "4",
+                          "--heldout", "2", "--eval-samples", "1", "--max-tokens", "8", "--run-dir", str(run)],
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **keys}, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    turns = run_query(run, """select split_part(session_id, '-', 1) as round, turn_type, count(*) as n from turns
+                              group by all order by round""").to_pylist()
+    # 4 users ask and reply once (2 main turns each); the evaluations before and after the step ask 2 each
+    assert turns == [{"round": "eval000", "turn_type": "side", "n": 2}, {"round": "eval001", "turn_type": "side", "n": 2},
+                     {"round": "train001", "turn_type": "main", "n": 8}], turns
+    batches = run_query(run, "select step, session_ids from batches").to_pylist()
+    assert batches == [{"step": 1, "session_ids": [f"train001-u{i:02d}" for i in range(4)]}]
