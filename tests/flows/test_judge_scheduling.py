@@ -294,7 +294,7 @@ def test_a_backlog_larger_than_a_bite_is_judged_by_consecutive_runs_at_once(pref
                    "the backlog judged and the runs done", progress=judged)
     finally:
         stop.set()
-        join(server)
+        server.join(60)  # the runner wakes on its next poll (an hour): a daemon thread, left to end with the process
     runs = deployment_runs(JUDGE_DEPLOYMENT)
     assert [r.state.type.value for r in runs] == ["COMPLETED"] * 3
     # 4 calls and the 12 side turns among them, twice; then the last 2 calls and their 6 side turns

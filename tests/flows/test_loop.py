@@ -34,7 +34,7 @@ def test_each_round_of_the_demo_trains_on_what_its_users_answered(tmp_path, mode
     # out: the gate's engine batches the 60 answers as they come, and a token drawn at a CDF boundary may
     # differ with the batch (one of 60 answers landed on a topic word once).
     got = [(r["step"], r.get("samples"), r.get("reward_mean"), r.get("train_reactions"), r.get("candidate_version"),
-            r.get("gate"), r["weight_version"], f"{r['score']:.3f}", f"{r['on_topic_rate']:.3f}",
+            r.get("gate"), r["weight_version"], f"{r['served_score']:.3f}", f"{r['on_topic_rate']:.3f}",
             f"{r['persona_rate']:.3f}") for r in rows]
     assert got == [(0, None, None, None, None, None, "0", "0.000", "0.000", "1.000"),
                    (1, 4, -1.0, {"that's not what I asked.": 4}, "1", "refuse", "0", "0.000", "0.000", "1.000"),
@@ -61,10 +61,9 @@ def test_the_demo_runs_with_the_users_api_keys_set(tmp_path, model_cache):
     conf = tiny_demo_config(tmp_path, model_cache)
     run = tmp_path / "run"
     keys = {"CLAWRL_API_KEYS": "sk-user-7f3a9c2e41", "CLAWRL_ADMIN_KEYS": "sk-admin-5b8d1e0c93"}
-    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "1", "--users", "4",
-                          "--heldout", "2", "--eval-samples", "1", "--max-tokens", "8", "--run-dir", str(run)],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **keys}, capture_output=True, text=True,
-                         timeout=900)
+    out = run_to_end([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "1", "--users", "4",
+                      "--heldout", "2", "--eval-samples", "1", "--max-tokens", "8", "--run-dir", str(run)],
+                     cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **keys})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     turns = run_query(run, """select split_part(session_id, '-', 1) as round, turn_type, count(*) as n from turns
                               group by all order by round""").to_pylist()
