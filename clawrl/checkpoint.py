@@ -175,16 +175,16 @@ def kept_versions(checkpoints: Path) -> set[str]:
     return set(json.loads(path.read_text())) if path.is_file() else set()
 
 
-def verify_checkpoint(checkpoint_dir: str | Path, expected_sha256: str) -> None:
-    """Raise CheckpointError unless ``<checkpoint_dir>/model.safetensors`` has the digest
-    ``expected_sha256`` (:func:`weights_digest`; the sync before offering it to an engine, the trainer
-    before resuming from it)."""
-    path = Path(checkpoint_dir) / WEIGHTS_FILE
+def verify_checkpoint(checkpoint_dir: str | Path, expected_sha256: str, weights_file: str = WEIGHTS_FILE) -> None:
+    """Raise CheckpointError unless ``<checkpoint_dir>/<weights_file>`` (the model's weights, or an
+    adapter's) has the digest ``expected_sha256`` (:func:`weights_digest`; the sync before offering it to
+    an engine, the trainer before resuming from it)."""
+    path = Path(checkpoint_dir) / weights_file
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is missing")
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {weights_file} is missing")
     actual = digest_as_recorded(path, expected_sha256)
     if actual != expected_sha256:
-        raise CheckpointError(f"checkpoint {checkpoint_dir}: {WEIGHTS_FILE} is corrupt (sha256 {short_digest(actual)}"
+        raise CheckpointError(f"checkpoint {checkpoint_dir}: {weights_file} is corrupt (sha256 {short_digest(actual)}"
                               f"..., {path.stat().st_size} bytes; the trainer recorded "
                               f"{short_digest(expected_sha256)}...)")
 

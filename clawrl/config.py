@@ -47,6 +47,10 @@ OFFLINE_ENV = {
 
 
 SERVED_MODEL_NAME = "clawrl-policy"
+# the rank of a namespace's adapter when [ppo] lora_rank is 0: rank 16 over all seven projections is the size
+# SGLang's and vLLM's multi-LoRA serving is tuned for, ~20 MB of float32 for SmolLM2-135M, enough to take a
+# user's style (LoRA learns less than a full fine-tune: Biderman et al., 2024)
+DEFAULT_ADAPTER_RANK = 16
 
 
 class ConfigError(ValueError):
@@ -115,13 +119,27 @@ class PPOSettings(_Section):
                             "is the mean over samples of the same prompt - live traffic rarely repeats a prompt, so "
                             "most groups have one sample and get advantage 0; 'batch' is the batch mean, a REINFORCE "
                             "baseline that works with one sample per prompt.")
-    lora_rank: int = Field(0, ge=0, description="LoRA rank for the torch backend; 0 = full fine-tune.")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank for the torch backend; 0 = full fine-tune (with adapters = "
+                                                "'namespace': 16, over all seven projections - ~20 MB per namespace "
+                                                "for SmolLM2-135M, what multi-LoRA serving is tuned for).")
+    adapters: Literal["shared", "namespace"] = Field(
+        "shared", description="'shared': one policy learns from every namespace (API key). 'namespace': each "
+                              "namespace trains a LoRA adapter of its own over the frozen base, on its own sessions "
+                              "only, served to its own requests (docs/per-user.md); the torch backend only.")
 
     @model_validator(mode="after")
-    def _check_lr(self) -> PPOSettings:
+    def _check_combinations(self) -> PPOSettings:
         if self.lr_min > self.lr:
             raise ValueError(f"ppo.lr_min ({self.lr_min:g}) must not exceed ppo.lr ({self.lr:g})")
+        if self.adapters == "namespace" and self.backend != "torch":
+            raise ValueError(f"ppo.adapters = 'namespace' trains LoRA adapters with the torch backend only, not "
+                             f"ppo.backend = {self.backend!r}: set ppo.backend = 'torch', or ppo.adapters = 'shared'")
         return self
+
+    @property
+    def adapter_rank(self) -> int:
+        """The rank of a namespace's adapter: ``lora_rank``, or ``DEFAULT_ADAPTER_RANK`` when it is 0."""
+        return self.lora_rank or DEFAULT_ADAPTER_RANK
 
 
 class OPDSettings(_Section):
@@ -313,9 +331,10 @@ def _format_validation_error(err: ValidationError, merged: dict[str, dict[str, A
         elif key:
             value = merged.get(section, {}).get(key, "<default>")
             lines.append(f"{origin}: [{section}] {key} = {_shown(value)}: {e['msg']}")
-        else:
-            lines.append(f"{origin}: [{section}]: {e['msg']}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+        else:  # a rule across keys of the section: name where each of them was set
+            where = ", ".join(sorted({o for (sec, _), o in origins.items() if sec == section})) or "defaults"
+            lines.append(f"{where}: [{section}]: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)  # one line: a command prints it as "config error: ..."
 
 
 def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None = None,
@@ -346,8 +365,12 @@ def load_settings(path: str | Path | None = None, env: Mapping[str, str] | None 
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, merged, origins)) from None
     if (problem := replay_scorer_problem(settings.gate, settings.prm.backend)) is not None:
-        raise ConfigError(f"invalid configuration:\n  {origins.get(('gate', 'eval_set'), 'defaults')}: "
+        raise ConfigError(f"{origins.get(('gate', 'eval_set'), 'defaults')}: "
                           f"[gate] eval_set = 'replay' with [prm] backend = 'rule': {problem}")
+    if settings.ppo.adapters == "namespace" and settings.gate.canary:
+        where = ", ".join(origins.get(k, "defaults") for k in (("ppo", "adapters"), ("gate", "canary_share")))
+        raise ConfigError(f"{where}: [gate] canary_share serves a share of sessions the "
+                          "newest shared version; with [ppo] adapters = 'namespace' there is none: set canary_share = 0")
     return settings
 
 

@@ -54,7 +54,8 @@ REMOVED_KEYS = {
     ("prm", "max_in_flight"): "fixed: 16 turns judged at once",
     ("prm", "retries"): "fixed: a failed turn is judged again twice",
     ("prm", "retry_delay_s"): "fixed: 1 s, doubling",
-    ("prm", "batch_limit"): "a judge run takes at most 4 x [ppo] rollout_batch_size turns (at least 64)",
+    ("prm", "batch_limit"): "`clawrl judge --limit`; a judge run of `clawrl up` takes at most 4 x [ppo] "
+                            "rollout_batch_size turns (at least 64)",
     ("opd", "hint_samples"): _FIXED_HINTS, ("opd", "hint_policy"): _FIXED_HINTS,
     ("opd", "hint_candidates"): _FIXED_HINTS, ("opd", "hint_placement"): _FIXED_HINTS,
     ("opd", "advantage_clip"): "fixed: top-k OPD clips its per-token term to [-1, 1]",

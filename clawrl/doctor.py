@@ -62,10 +62,10 @@ def diagnose(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: 
     ``judge_timeout_s`` (what bounds a judge call; None: the judge calls nothing that can hang) and
     ``placeholder_keys`` (key variables holding a placeholder)."""
     fates = _fate_counts(con, judge_config_hash)
-    return [_traffic(con), _next_states(con, judge_config_hash, fates), *_judge(con, judge_config_hash, fates),
-            _judge_timeout(judge_timeout_s), _keys(placeholder_keys), _hints(con, judge_config_hash, method),
-            _staleness(fates), _signal(con, method), _groups(con, method, group_by_prompt), _training(checkpoints),
-            _serving(con), _promotion(con)]
+    return [_traffic(con), judge_config_finding(con, judge_config_hash), _next_states(con, judge_config_hash, fates),
+            *_judge(con, judge_config_hash, fates), _judge_timeout(judge_timeout_s), _keys(placeholder_keys),
+            _hints(con, judge_config_hash, method), _staleness(fates), _signal(con, method),
+            _groups(con, method, group_by_prompt), _training(checkpoints), _serving(con), _promotion(con)]
 
 
 def settings_checks(s: Any) -> dict[str, Any]:
@@ -151,6 +151,25 @@ def _traffic(con: duckdb.DuckDBPyConnection) -> Finding:
     return Finding("traffic", True, summary)
 
 
+def judge_config_finding(con: duckdb.DuckDBPyConnection, chash: str) -> Finding:
+    """Whether the turns were judged under the judge config read (``chash``): data judged under another
+    one only (a run's own config not read, a judge setting changed since) counts as never judged here."""
+    judged = dict(con.execute("SELECT judge_config_hash, count(DISTINCT turn_id) AS n FROM turn_fate "
+                              "GROUP BY ALL ORDER BY n DESC, judge_config_hash").fetchall())
+    mine = judged.pop(chash, 0)
+    others = ", ".join(f"{h} ({n} turns)" for h, n in judged.items())
+    summary = f"{mine} turns judged under this judge config {chash}" + (f"; under others: {others}" if others else "")
+    if not judged or mine:
+        return Finding("judge_config", True, summary)
+    return Finding("judge_config", False, summary,
+                   "the turns were judged under other judge settings than the ones read ([prm], [opd], [ppo] "
+                   "advantage_estimator or the model): every count here is for this config's judge, which judged "
+                   "none",
+                   "read with the config the run used (-c FILE; a demo's is <data_root>/config.toml), or judge "
+                   "the turns again under this one (`clawrl judge`)",
+                   "SELECT judge_config_hash, count(DISTINCT turn_id) FROM turn_fate GROUP BY 1")
+
+
 def _next_states(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) -> Finding:
     """The last turn of a conversation never gets a next state (no reply follows the last answer):
     only a session of one turn each, or a turn followed by more of its session without one, is wrong."""
@@ -184,8 +203,8 @@ def _next_states(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, in
 def _judge(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) -> list[Finding]:
     v = _one(con, """SELECT count(*) AS verdicts, coalesce(sum(len(votes)), 0) AS votes,
                      coalesce(sum(len(list_filter(votes, lambda x: x IS NULL))), 0) AS unparsed,
-                     count(*) FILTER (WHERE score = 0) AS zero FROM judgments WHERE judge_config_hash = $h""", h=chash)
-    sql = f"SELECT score, score_reason, votes, raw_outputs FROM judgments WHERE judge_config_hash = '{chash}'"
+                     count(*) FILTER (WHERE score = 0) AS zero FROM verdicts WHERE judge_config_hash = $h""", h=chash)
+    sql = f"SELECT score, score_reason, votes, raw_outputs FROM verdicts WHERE judge_config_hash = '{chash}'"
     out = []
     unparsed = _share(v["unparsed"], v["votes"])
     summary = f"{v['unparsed']} of {v['votes']} judge votes unparseable ({unparsed:.0%}) over {v['verdicts']} verdicts"
@@ -215,7 +234,7 @@ def _judge(con: duckdb.DuckDBPyConnection, chash: str, fates: dict[str, int]) ->
 
 def _top_outputs(con: duckdb.DuckDBPyConnection, chash: str, k: int = 2) -> str:
     outputs = Counter()
-    for (raw,) in con.sql("SELECT raw_outputs FROM judgments WHERE judge_config_hash = $h LIMIT 200",
+    for (raw,) in con.sql("SELECT raw_outputs FROM verdicts WHERE judge_config_hash = $h LIMIT 200",
                           params={"h": chash}).fetchall():
         outputs.update(str(o).strip()[:60] for o in json.loads(raw or "[]"))
     return "; ".join(f"{text!r} x{n}" for text, n in outputs.most_common(k)) or "(none recorded)"
@@ -295,9 +314,16 @@ def _serving(con: duckdb.DuckDBPyConnection) -> Finding:
         return Finding("serving", False, summary, "checkpoints were trained but never pushed to the engine: users "
                        "are still served the initial weights", "`clawrl sync`, or run training through the "
                        "train flow (`clawrl up` / `clawrl train`), which syncs after each step", sql)
-    if st["waiting"] and st["last"] is not None and not st["last"]["ok"]:
-        return Finding("serving", False, summary + f"; versions {', '.join(st['waiting'])} not served",
-                       f"the last sync failed: {(st['last']['error'] or '')[:200]}",
+    if st["failures"]:
+        failed, recovered = st["last_failed"], st["last"]["ok"]
+        waiting = f"; versions {', '.join(st['waiting'])} not served" if st["waiting"] else ""
+        what = (f"({failed['created_at']:%Y-%m-%d %H:%M:%S} UTC, version {failed['weight_version']} -> "
+                f"{failed['target']}): {(failed['error'] or '')[:200]}")
+        if recovered:
+            return Finding("serving", False, summary + waiting, f"the newest failed sync {what}; the syncs after it "
+                           "went through", "nothing waits for a sync now; if failures recur, check the engine (is it "
+                           "up, can it read the checkpoint path?) before one leaves a checkpoint unserved", sql)
+        return Finding("serving", False, summary + waiting, f"the last sync failed {what}",
                        "fix the engine side (is it up, can it read the checkpoint path?), then `clawrl sync`", sql)
     return Finding("serving", True, summary)
 

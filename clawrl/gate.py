@@ -26,6 +26,10 @@ The rule (conservative: every clause can only refuse):
    score cannot each move it a little lower on prompts the gate does not see;
 6. else promote.
 
+The only test made is the one for "worse": a reason's p is that test's ("one-sided p 0.987 for
+'worse'": no sign of a drop), and a promotion under ``min_gain`` says "not worse, and ahead of the
+champion by more than min_gain", the mean difference's lead, which the interval may well span.
+
 With every difference equal (s = 0) the test is exact: p = 0 when d̄ < 0, else 1.
 """
 
@@ -116,7 +120,7 @@ def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, t
     cand, champ = math.fsum(candidate) / n, math.fsum(champion) / n
     mean, p, low, high = paired_t([a - b for a, b in zip(candidate, champion)], alpha)
     evidence = (f"candidate {cand:.3f} vs champion {champ:.3f} on {n} prompts, difference {mean:+.3f} "
-                f"({1 - alpha:.0%} interval {low:+.3f} .. {high:+.3f}, one-sided p {p:.3g})")
+                f"({1 - alpha:.0%} interval {low:+.3f} .. {high:+.3f}, one-sided p {p:.3g} for 'worse')")
     if mean < -tolerance:
         decision, why = REFUSE, f"worse by more than the tolerance {tolerance:g}"
     elif p < alpha:
@@ -128,7 +132,8 @@ def decide_promotion(candidate: Sequence[float], champion: Sequence[float], *, t
     elif min_gain is not None and mean <= min_gain:
         decision, why = REFUSE, f"{NO_GAIN} {min_gain:g}"
     elif min_gain is not None:
-        decision, why = PROMOTE, f"better than the champion by more than min_gain {min_gain:g}"
+        # the test made is "worse": the gain is the mean difference's, not shown significant
+        decision, why = PROMOTE, f"not worse, and ahead of the champion by more than min_gain {min_gain:g}"
     else:
         decision, why = PROMOTE, f"not worse beyond the tolerance {tolerance:g}"
     return GateDecision(decision, f"{why}: {evidence}", n, cand, champ, mean, low, high, p, tolerance, alpha, floor)
@@ -180,7 +185,8 @@ def decide_live_rollback(champion: Sequence[float], previous: Sequence[float], *
         half = float(stats.t.ppf(1 - alpha / 2, df)) * se
         low, high = d - half, d + half
     evidence = (f"live judged score {m_c:+.3f} (n={n_c}) vs {m_p:+.3f} (n={n_p}) on the previous champion, "
-                f"difference {d:+.3f} ({1 - alpha:.0%} interval {low:+.3f} .. {high:+.3f}, one-sided p {p:.3g})")
+                f"difference {d:+.3f} ({1 - alpha:.0%} interval {low:+.3f} .. {high:+.3f}, one-sided p {p:.3g} for "
+                "'dropped')")
     rollback = d < -tolerance and p < alpha
     why = (f"dropped by more than {tolerance:g}, significantly (p < {alpha:g})" if rollback
            else "no significant drop beyond the tolerance")

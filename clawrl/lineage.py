@@ -1,5 +1,6 @@
 """MLflow lineage: one run per train step, the batch manifest as a dataset input, the checkpoint as
-a registered model version, and the walk back from a weight version to the turns that trained it.
+a registered model version (version N of ``clawrl-policy`` is weight version N), and the walk back from a
+weight version to the turns that trained it.
 
 MLflow lives under the data root: ``sqlite:///<data_root>/mlflow/mlflow.db`` (tracking and
 registry) with artifacts in ``<data_root>/mlflow/artifacts``. Model versions point at the
@@ -17,12 +18,19 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "clawrl"
 REGISTERED_MODEL = "clawrl-policy"
+# MLflow numbers a model's versions 1, 2, ... in the order they are registered; registering each trained
+# version in order, and nothing else, makes its number the weight version, so `models:/clawrl-policy/4` and
+# MLflow's reserved alias `@v4` are weight version 4
+POLICY_MODEL_DESCRIPTION = (
+    "Policy versions trained by clawrl: model version N is weight version N (its tag weight_version says so). "
+    "Weight version 0, the initial weights, is no model version (MLflow counts from 1): while it serves, no "
+    "version carries @champion and the tag champion_weight_version is 0.")
 
 
 def store_path(data_root: Path) -> Path:
@@ -87,9 +95,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-# the MLflow UI opens an experiment of this kind in its model-training view (runs, metrics, models),
-# not the GenAI view that it infers for experiments without the tag
+# what the experiment is: model training (runs, metrics, models), not GenAI development (traces, evaluations)
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# MLflow 3.17's UI ignores that kind for its navigation: a switch of its own in the sidebar (GenAI | Model
+# training, remembered by the browser, GenAI until changed) decides, and under GenAI the training runs sit
+# under "Evaluation" with no model registry in sight. A page opened with this query shows the model-training
+# view, whatever the switch says.
+ML_VIEW = "workflowType=machine_learning"
+
+
+def ui_page(base_url: str, page: str) -> str:
+    """The page ``page`` (``experiments/1/runs/<id>``, ``models/...``) of the MLflow UI at ``base_url``, in its
+    model-training view."""
+    return f"{base_url}/#/{page}?{ML_VIEW}"
 
 
 def experiment_id(c, data_root: Path, name: str = EXPERIMENT) -> str:
@@ -111,20 +129,30 @@ def ui_links(data_root: Path, run_id: str, base_url: str) -> dict[str, str]:
     """URLs of a train step's MLflow run and of its model version in the MLflow UI at ``base_url``."""
     c = client(data_root)
     run = c.get_run(run_id)
-    links = {"mlflow_run": f"{base_url}/#/experiments/{run.info.experiment_id}/runs/{run_id}"}
+    links = {"mlflow_run": ui_page(base_url, f"experiments/{run.info.experiment_id}/runs/{run_id}")}
     for mv in c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):
-        links["model_version"] = f"{base_url}/#/models/{REGISTERED_MODEL}/versions/{mv.version}"
+        links["model_version"] = ui_page(base_url, f"models/{REGISTERED_MODEL}/versions/{mv.version}")
     return links
 
 
-PREFECT_RUN_TAG = "prefect.flow_run_url"  # on a step's run: its Prefect flow run in the UI (with prefect.flow_run_id)
+PREFECT_RUN_ID_TAG = "prefect.flow_run_id"  # on a run a flow made: its Prefect flow run
+PREFECT_RUN_TAG = "prefect.flow_run_url"  # ... and that flow run's page in the Prefect UI
+NOTE_TAG = "mlflow.note.content"  # the run's description, which the MLflow UI renders as Markdown
 
 
-def relink_to_prefect(data_root: Path, prefect_ui_url: str) -> int:
-    """Point every run's link to its Prefect flow run (tag ``prefect.flow_run_url``, kept beside
-    ``prefect.flow_run_id``) at the Prefect UI at ``prefect_ui_url``: the data brought up again by
-    `clawrl up`, on other ports than the run that wrote it, links the UI that runs now. Returns the
-    runs changed."""
+def prefect_link_tags(flow_run_id: str, url: str) -> dict[str, str]:
+    """The tags that link a run to its Prefect flow run at ``url``: its id, the URL, and the run's
+    description with the link to click (the MLflow UI shows tags as text, cut short)."""
+    return {PREFECT_RUN_ID_TAG: flow_run_id, PREFECT_RUN_TAG: url,
+            NOTE_TAG: f"Made by the Prefect flow run [{flow_run_id}]({url})."}
+
+
+def relink_to_prefect(data_root: Path, flow_run_url: Callable[[str], str]) -> int:
+    """Point every run's link to its Prefect flow run (:func:`prefect_link_tags`) at ``flow_run_url(id)``,
+    the flow run's page in the Prefect UI running now: the data brought up again by `clawrl up`, on
+    other ports than the run that wrote it, links the UI that runs now. Returns the runs changed."""
+    from mlflow.entities import RunTag
+
     c = client(data_root)
     changed = 0
     for exp in c.search_experiments():
@@ -132,10 +160,11 @@ def relink_to_prefect(data_root: Path, prefect_ui_url: str) -> int:
         while True:
             page = c.search_runs([exp.experiment_id], max_results=1000, page_token=token)
             for run in page:
-                run_id = run.data.tags.get("prefect.flow_run_id")
-                url = f"{prefect_ui_url}/flow-runs/flow-run/{run_id}"
-                if run_id and run.data.tags.get(PREFECT_RUN_TAG) != url:
-                    c.set_tag(run.info.run_id, PREFECT_RUN_TAG, url)
+                if not (flow_run_id := run.data.tags.get(PREFECT_RUN_ID_TAG)):
+                    continue
+                tags = prefect_link_tags(flow_run_id, flow_run_url(flow_run_id))
+                if any(run.data.tags.get(k) != v for k, v in tags.items()):
+                    c.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
                     changed += 1
             token = page.token
             if not token:
@@ -255,22 +284,33 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
                     params=[Param(k, str(getattr(v, "value", v))) for k, v in sorted(params.items())])
         c.log_dict(run_id, {"batch_id": step["batch_id"], "samples": manifest}, "batch_manifest.json")
         digest = hashlib.sha256(json.dumps(manifest, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        ds = mlflow.data.from_pandas(pd.DataFrame(manifest), source=str(Path(data_root) / "tables" / "batches"),
-                                     name=f"batch-{step['batch_id']}", digest=digest)
+        ds = mlflow.data.from_pandas(pd.DataFrame(manifest), name=f"batch-{step['batch_id']}", digest=digest,
+                                     source=_local_source(Path(data_root) / "tables" / "batches"))
         c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                     tags=[InputTag("mlflow.data.context", "training")])])
         c.set_tag(run_id, "sample_count", str(len(manifest)))
         c.set_terminated(run_id)
-    _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
+    _ensure_registered_model(c, REGISTERED_MODEL, POLICY_MODEL_DESCRIPTION)
     if not c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):  # once per run
         write_mlmodel(Path(step["path"]), step)
         mv_tags = {**_lineage_tags(step), "sample_count": str(len(manifest)),
                    **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
-        mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags)
+        mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags,
+                                    description=f"Weight version {step['weight_version']}, trained from version "
+                                                f"{step['parent_version']} on batch {step['batch_id']}.")
         c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
     if str(step["weight_version"]).isdigit():
         log_policy_point(data_root, int(step["weight_version"]), step["metrics"])
     return run_id
+
+
+def _local_source(path: Path):
+    """The MLflow dataset source of a local directory, made as the ``local`` source it is: given a path,
+    MLflow finds two registered local sources (schemes "" and "file") that resolve it and warns that it
+    "can be interpreted in multiple ways" on every step."""
+    from mlflow.data.dataset_source_registry import get_dataset_source_from_json
+
+    return get_dataset_source_from_json(json.dumps({"uri": str(path)}), source_type="local")
 
 
 def runs_without_model_version(data_root: Path, run_ids: Sequence[str]) -> list[str]:
@@ -304,15 +344,14 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
         c.delete_tag(run_id, "sync_error")
 
 
-def set_policy_alias(data_root: Path, alias: str, weight_version: str,
-                     initial_weights: str | Path | None = None) -> str | None:
+def set_policy_alias(data_root: Path, alias: str, weight_version: str) -> str | None:
     """Point the ``clawrl-policy`` alias ``alias`` (``champion``, ``candidate``) at the model version of
-    ``weight_version``; returns that model version, or None when the version has none (then the alias
-    is removed). ``initial_weights``: the directory of weight version "0", registered as a model
-    version the first time "0" gets an alias, so the initial weights carry ``@champion`` while they are."""
+    ``weight_version`` and set the registered model's tag ``<alias>_weight_version`` to it; returns that
+    model version, or None when the version has none, as the initial weights (then the alias is removed
+    and only the tag says which version it is)."""
     c = client(data_root)
-    if str(weight_version) == "0" and initial_weights is not None:
-        register_initial_weights(data_root, initial_weights)
+    with contextlib.suppress(Exception):  # no registered model yet: nothing trained, nothing to point at
+        c.set_registered_model_tag(REGISTERED_MODEL, f"{alias}_weight_version", str(weight_version))
     found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '{weight_version}'")
     if not found:
         with contextlib.suppress(Exception):  # no registered model or no such alias yet
@@ -320,20 +359,6 @@ def set_policy_alias(data_root: Path, alias: str, weight_version: str,
         return None
     mv = min(found, key=lambda m: int(m.version))  # the first registered for this weight version
     c.set_registered_model_alias(REGISTERED_MODEL, alias, str(mv.version))
-    return str(mv.version)
-
-
-def register_initial_weights(data_root: Path, model_dir: str | Path) -> str:
-    """The ``clawrl-policy`` model version of weight version "0", the initial weights at ``model_dir``
-    (registered once, with no run: no training step made them)."""
-    c = client(data_root)
-    _ensure_registered_model(c, REGISTERED_MODEL, "Policy versions trained by clawrl.")
-    found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '0'")
-    if found:
-        return str(min(int(m.version) for m in found))
-    mv = c.create_model_version(REGISTERED_MODEL, source=Path(model_dir).as_uri(),
-                                tags={"weight_version": "0", "initial_weights": "true"},
-                                description="Weight version 0: the initial weights, before any training step.")
     return str(mv.version)
 
 
@@ -372,12 +397,13 @@ def log_doctor(data_root: Path, run_id: str, *, step: int, report: dict[str, Any
 
 
 def log_learning_curve(data_root: Path, *, rows: list[dict[str, Any]], png: Path, params: dict[str, Any],
-                       keys: Sequence[str] = ("score", "on_topic_rate", "persona_rate", "kl", "mean_words")) -> str:
-    """One run for a whole learning loop: the held-out metrics ``keys`` per step, the curve PNG, the rows."""
+                       keys: Sequence[str], tags: dict[str, str] | None = None) -> str:
+    """One run for a whole learning loop: the held-out metrics ``keys`` per step, the curve PNG, the rows;
+    ``tags`` on top of ``kind = learning-loop`` (the link to the loop's Prefect flow run)."""
     c = client(data_root)
     metrics = [_metric(k, r[k], r["step"]) for r in rows for k in dict.fromkeys(keys) if r.get(k) is not None]
-    run_id = _new_run(c, experiment_id(c, data_root), "learning-loop", tags={"kind": "learning-loop"}, metrics=metrics,
-                      params=params, record={"rows": rows}, record_file="learning_curve.json")
+    run_id = _new_run(c, experiment_id(c, data_root), "learning-loop", tags={"kind": "learning-loop", **(tags or {})},
+                      metrics=metrics, params=params, record={"rows": rows}, record_file="learning_curve.json")
     c.log_artifact(run_id, str(png), "plots")
     c.set_terminated(run_id)
     return run_id

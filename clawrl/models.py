@@ -22,11 +22,14 @@ conversion never leaves a half-written model that later loads would trust.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from clawrl.config import ConfigError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_VERSION = "v1"  # bump when a cached artifact's recipe changes
@@ -79,6 +82,22 @@ def resolve_model_dir(name: str, cache_dir: Path, seed: int = 0) -> Path:
         return _cached(cache_dir / f"smollm2-135m-instruct-{_CACHE_VERSION}", _convert_smollm2)
     check_model_name(name)
     return Path(name).expanduser().resolve()
+
+
+def resolve_context_len(model_dir: Path, asked: int) -> int:
+    """The context a sequence may fill: ``asked``, or with 0 the model's own limit (its config's
+    ``max_position_embeddings``); asking for more than that limit is a ConfigError. Cheap: reads the
+    config only, so a client config can name the context an engine will serve before one starts."""
+    limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    if asked == 0 and limit is None:
+        raise ConfigError(f"{model_dir / 'config.json'} names no max_position_embeddings: set [engine] max_context_len")
+    if asked and limit is not None and asked > limit:
+        raise ConfigError(f"engine.max_context_len = {asked} is above the model's context of {limit} tokens "
+                          f"(max_position_embeddings in {model_dir / 'config.json'}); set it to at most that, "
+                          "or 0 for exactly that")
+    if (asked or limit) < 2:
+        raise ValueError("max_context_len must be >= 2")
+    return asked or limit
 
 
 def check_model_name(name: str) -> None:

@@ -11,8 +11,10 @@ checkpoint, or the initial weights for version "0", loaded into the same engine)
 serves the champion after the decision (the candidate when promoted, else the same champion as before).
 
 By hand, :func:`record_manual` writes the row of a `clawrl promote` or `clawrl rollback`. The
-champion and the one before it keep their weights on disk (``clawrl.checkpoint.keep_weights_of``):
-the trainer's pruning of old checkpoints must not take away what serves or what a rollback serves.
+champion and the ``ROLLBACK_DEPTH`` champions before it on the line keep their weights on disk
+(``clawrl.checkpoint.keep_weights_of``): the trainer's pruning of old checkpoints must not take away
+what serves or what the next rollbacks serve. A version whose weights were pruned is refused before
+anything is loaded (:class:`WeightsPruned`, with the versions that can still be served).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from clawrl import runtime
 from clawrl.chat import ChatAdapter
-from clawrl.checkpoint import keep_weights_of
+from clawrl.checkpoint import WEIGHTS_FILE, complete_checkpoints, keep_weights_of
 from clawrl.engine.types import Engine
 from clawrl.evaluation import EvalSet, evaluate_version
 from clawrl.gate import GateDecision, Guard, decide_live_rollback, decide_promotion
@@ -44,19 +46,50 @@ from clawrl.storage.queries import find_checkpoint
 from clawrl.sync import sync_from_disk, sync_state_dict
 
 
+# Champions before the current one whose weights stay on disk: `clawrl rollback` (and the live check)
+# can go back this many times in a row; the initial weights, read from the model directory, always
+# serve. Each kept version costs a checkpoint's weights on disk (540 MB for SmolLM2-135M in float32)
+# beyond the trainer's newest three, so the line is not kept whole.
+ROLLBACK_DEPTH = 3
+
+
 class GateError(RuntimeError):
     """The gate could not measure a version (its checkpoint is gone or does not load)."""
 
 
+class WeightsPruned(GateError):
+    """The version's checkpoint is recorded but its weights were pruned: it can no longer be served."""
+
+
 def weights_of(con, version: str, base_dir: Path) -> tuple[str, str, str | None]:
     """(version, weights directory, sha256 or None) of ``version``: its checkpoint, or the initial
-    weights ``base_dir`` for version "0". Raises GateError for a version with no checkpoint."""
+    weights ``base_dir`` for version "0". Raises GateError for a version with no checkpoint, and
+    WeightsPruned for one whose weights file is gone."""
     if str(version) == BASE_VERSION:
         return BASE_VERSION, str(base_dir), None
     ck = find_checkpoint(con, str(version))
     if ck is None:
         raise GateError(f"no checkpoint of weight version {version!r}")
+    if not (Path(ck["path"]) / WEIGHTS_FILE).is_file():
+        raise WeightsPruned(f"the weights of version {ck['weight_version']} were pruned ({ck['path']} keeps its "
+                            f"record, not its {WEIGHTS_FILE})")
     return str(ck["weight_version"]), ck["path"], ck["sha256"]
+
+
+def servable_versions(data_root: Path) -> list[str]:
+    """The versions that can still be served, newest first: every checkpoint that keeps its weights,
+    then "0" (the initial weights)."""
+    found = complete_checkpoints(Path(data_root) / "checkpoints")
+    return [str(v) for v, d in found if (d / WEIGHTS_FILE).is_file()] + [BASE_VERSION]
+
+
+def keep_rollback_reach(data_root: Path) -> list[str]:
+    """Mark the champion and the ``ROLLBACK_DEPTH`` before it on the line as weights the trainer's
+    pruning must keep (the promotions written so far); returns them, oldest first."""
+    with open_catalog(data_root) as con:
+        reach = champion_stack(con)[-(ROLLBACK_DEPTH + 1):]
+    keep_weights_of(Path(data_root) / "checkpoints", reach)
+    return reach
 
 
 async def _score(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet, version: str, path: str,
@@ -111,8 +144,7 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
     guarded = {group: eval_set.group_indices(group) for group in guard}
     store.flush()
     with open_catalog(data_root) as con:
-        line = champion_stack(con)
-        champion = line[-1]
+        champion = current_champion(con)
         d, seconds = _decide(store, con, engine, adapter, eval_set, champion, str(candidate), base_dir,
                              partial(decide_promotion, tolerance=tolerance, alpha=alpha, min_gain=min_gain,
                                      guard_tolerance=guard_tolerance), state_dict, guarded)
@@ -127,8 +159,7 @@ def gate_candidate(store, data_root: Path, *, candidate: str, engine: Engine, ad
     store.append(row)
     store.flush()
     serve = str(candidate) if d.promoted else champion
-    # the champion, and what a rollback would serve
-    keep_weights_of(Path(data_root) / "checkpoints", [serve, champion] if d.promoted else line[-2:])
+    keep_rollback_reach(data_root)
     return {**d.to_dict(), "champion_version": champion, "serve_version": serve, "eval_seconds": seconds,
             "promotion_id": row.promotion_id, "eval_set": eval_set.name, "eval_turn_ids": row.eval_turn_ids}
 
@@ -184,8 +215,8 @@ def record_manual(store, data_root: Path, *, action: PromotionAction, version: s
                   live: dict[str, Any] | None = None) -> PromotionRecord:
     """The row of a promotion or rollback made by hand, or by the live check (``source = "live"``,
     ``live``: :func:`check_live`'s evidence, stored as n = the champion's turns, candidate_mean = the
-    champion's live mean, champion_mean = the restored version's); the new champion and the one
-    before it keep their weights."""
+    champion's live mean, champion_mean = the restored version's); the new champion and the ones a
+    rollback reaches keep their weights."""
     store.flush()
     with open_catalog(data_root) as con:
         champion = current_champion(con)
@@ -199,7 +230,5 @@ def record_manual(store, data_root: Path, *, action: PromotionAction, version: s
         mlflow_run_id=mlflow_run_id)
     store.append(row)
     store.flush()
-    with open_catalog(data_root) as con:
-        line = champion_stack(con)
-    keep_weights_of(Path(data_root) / "checkpoints", line[-2:])  # the champion, and what a rollback serves
+    keep_rollback_reach(data_root)
     return row

@@ -75,6 +75,9 @@ class TurnRecord:
     completed_at: datetime  # response complete
     latency_ms: float
     weight_versions: str = "[]"  # JSON spans when an update happened mid-turn
+    # [ppo] adapters = "namespace": the namespace's LoRA adapter that served the turn over the base weights
+    # of weight_version, by its name "<namespace>@v<N>" (clawrl.adapters); None: the base alone
+    adapter: str | None = None
 
 
 @dataclass
@@ -161,6 +164,9 @@ class BatchRecord:
     session_namespaces: list[str] | None = None
     source_batch_id: str | None = None  # a replay's batch: the recorded batch it re-trains
     created_at: datetime = field(default_factory=utcnow)
+    # the namespace whose LoRA adapter this batch trains ([ppo] adapters = "namespace"; step is then the
+    # adapter version it makes); None: the shared policy
+    namespace: str | None = None
 
 
 @dataclass
@@ -174,6 +180,38 @@ class CheckpointRecord:
     path: str
     sha256: str  # digest of the checkpoint's safetensors file (clawrl.checkpoint.weights_digest)
     mlflow_run_id: str | None
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class AdapterRecord:
+    """A trained version of a namespace's LoRA adapter ([ppo] adapters = "namespace") and what produced it."""
+
+    namespace: str
+    version: int  # 1, 2, ...: the adapter's own steps, never reused (a forgotten namespace counts on)
+    name: str  # "<namespace>@v<version>": what the engine loads it as and a turn records
+    batch_id: str
+    parent: str  # the adapter version it was trained from ("<namespace>@v0": a fresh adapter over the base)
+    base_version: str  # the base weight version under it
+    path: str
+    sha256: str  # digest of its adapter_model.safetensors (clawrl.checkpoint.weights_digest)
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class AdapterServeRecord:
+    """A change of what a namespace is served ([ppo] adapters = "namespace"): a new adapter version loaded
+    into the serving engine, or the namespace forgotten; every attempt, whatever its outcome."""
+
+    namespace: str
+    action: str  # sync | forget
+    adapter: str | None  # the adapter name asked for; None: the base alone (forget)
+    previous: str | None  # what the namespace was served before
+    ok: bool
+    error: str | None
+    target: str | None  # the engine's URL, "in-process", or None when no engine was reached
+    seconds: float
+    reason: str = ""  # forget: why, in words
     created_at: datetime = field(default_factory=utcnow)
 
 

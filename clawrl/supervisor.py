@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from clawrl.config import MLFLOW_UI_ENV, child_env, mlflow_ui_url
-from clawrl.lineage import client as mlflow_client, store_path, store_uri
+from clawrl.lineage import client as mlflow_client, store_path, store_uri, ui_page
 from clawrl.engine.router import router_argv
 from clawrl.ports import WILDCARD_HOSTS, client_url, free_port, free_ports
 
@@ -66,9 +66,9 @@ class Service:
 
 # The option or config key that sets each service's port, as `clawrl up` names it when the port is taken:
 # the one table to change when a key is renamed.
-_MOVED_BY_API_PORT = "[server] api_port (the engines' ports are api_port + 10, 21, 22, 23)"
+_MOVED_BY_API_PORT = "--api-port / [server] api_port (the engines' ports are api_port + 10, 21, 22, 23)"
 PORT_KEYS = {"prefect": "--prefect-port", "mlflow": "--mlflow-port", "trainer": "--trainer-port",
-             "gateway": "[server] api_port", **{name: _MOVED_BY_API_PORT for name in (
+             "gateway": "--api-port / [server] api_port", **{name: _MOVED_BY_API_PORT for name in (
                  "judge-engine", "eval-engine", "canary-engine", "engine", "engine-router", "judge-engine-router")}}
 
 
@@ -210,7 +210,7 @@ def plan(settings, config_path: Path, *, prefect_port: int, mlflow_port: int, tr
         Service("mlflow", [py, "-m", "mlflow", "server", "--host", host, "--port", str(mlflow_port),
                            "--backend-store-uri", mlflow_db, "--artifacts-destination",
                            str(root / "mlflow" / "artifacts"), "--workers", "1"],
-                f"{client_url(host, mlflow_port)}/health", client_url(host, mlflow_port),
+                f"{client_url(host, mlflow_port)}/health", ui_page(client_url(host, mlflow_port), "experiments"),
                 env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, listens=(host, mlflow_port)),
         Service("trainer", [*_trainer_launcher(settings), "-m", "clawrl.cli", "trainer", "-c", str(config_path),
                             "--host", host, "--port", str(trainer_port)],

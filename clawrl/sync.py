@@ -16,6 +16,10 @@ mismatch), and an engine that stops answering mid-update (killed while paused or
 caller records every attempt (``syncs`` table) and retries with the same or the next checkpoint.
 
 Every path is idempotent: an engine already serving the target version is left alone.
+
+A namespace's LoRA adapter (``[ppo] adapters = "namespace"``) syncs without a pause (:func:`sync_adapter`): every
+worker loads the new version under its own name beside the old one, the gateway switches the namespace to it,
+and the old one is unloaded (:func:`unload_adapter`); every other namespace is served throughout.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from datetime import datetime
 from typing import Any
 
 from clawrl.checkpoint import CheckpointError, verify_checkpoint
-from clawrl.engine.types import Engine, EngineError, PauseMode, UpdateResult
+from clawrl.engine.types import BadRequestError, Engine, EngineError, PauseMode, UpdateResult
 from clawrl.records import utcnow
 
 log = logging.getLogger("clawrl.sync")
@@ -170,3 +174,81 @@ async def sync_checkpoint(weight_version: str, path: str, sha256: str, *, engine
     else:
         return SyncReport(False, NO_ENGINE, None, 0.0, skipped=True)
     return replace(rep, target=target, checkpoint_path=path, started_at=started_at)
+
+
+@contextlib.asynccontextmanager
+async def _adapter_target(engine: Engine | None, url: str | None, admin_key: str | None, timeout_s: float):
+    """(the target's name, what loads an adapter on every serving worker): the in-process ``engine``, else
+    the HTTP engine or router at ``url`` (``RoutedEngines``: each worker the router lists); (None, None)
+    with neither."""
+    if engine is not None:
+        yield "in-process", engine
+    elif not url:
+        yield None, None
+    else:
+        from clawrl.engine.router import RoutedEngines
+
+        routed = RoutedEngines(url, timeout_s=timeout_s, api_key=admin_key)
+        try:
+            yield url, routed
+        finally:
+            await routed.close()
+
+
+async def _call(target: Any, method: str, *args: str) -> tuple[bool, str, tuple[dict[str, Any], ...]]:
+    """(ok, message, one row per worker) of ``target.<method>(*args)``; an engine that cannot is a failure."""
+    try:
+        res = await getattr(target, method)(*args)
+    except (EngineError, BadRequestError) as e:
+        return False, str(e), ()
+    except AttributeError:  # an in-process engine without multi-LoRA serving
+        return False, f"{type(target).__name__} does not serve LoRA adapters", ()
+    return bool(res.success), str(res.message or ""), tuple(getattr(res, "workers", ()) or ())
+
+
+async def sync_adapter(name: str, path: str, sha256: str, *, engine: Engine | None = None, url: str | None = None,
+                       admin_key: str | None = None, timeout_s: float = 600.0) -> SyncReport:
+    """Load the LoRA adapter at ``path`` (its weights recorded with ``sha256``) as ``name`` into every serving
+    worker: the in-process ``engine``, else each worker behind the HTTP engine or router at ``url``
+    (``load_lora_adapter``, SGLang's ``/load_lora_adapter``, which a router client makes on every worker and
+    takes back from those that loaded it when one refuses). Nothing pauses: every other namespace is served
+    throughout. The adapter's bytes are checked before any engine sees them. The report's ``weight_version``
+    is ``name`` once every worker holds it (None otherwise); the caller then switches the namespace to it
+    (``clawrl.adapters.write_served``) and unloads the previous version (:func:`unload_adapter`). Like every
+    sync here it never raises for a failure: the report says it."""
+    from clawrl.adapters import verify_adapter
+
+    started_at, t0 = utcnow(), time.perf_counter()
+    try:
+        await asyncio.to_thread(verify_adapter, path, sha256)
+    except CheckpointError as e:
+        log.error("adapter %s not synced: %s", name, e)
+        return SyncReport(False, str(e), None, time.perf_counter() - t0, target=url or None, checkpoint_path=path,
+                          started_at=started_at)
+    async with _adapter_target(engine, url, admin_key, timeout_s) as (target, loader):
+        if loader is None:
+            return SyncReport(False, NO_ENGINE, None, 0.0, skipped=True, checkpoint_path=path, started_at=started_at)
+        ok, message, workers = await _call(loader, "load_lora_adapter", name, path)
+    common = dict(target=target, checkpoint_path=path, started_at=started_at, workers=workers)
+    if not ok:
+        log.error("adapter %s not synced to %s: %s", name, target, message)
+        return SyncReport(False, f"{target} did not load {name}: {message}", None, time.perf_counter() - t0, **common)
+    n = max(1, sum(bool(w.get("ok")) for w in workers))
+    return SyncReport(True, f"{n} worker{'s hold' if n > 1 else ' holds'} {name}", name, time.perf_counter() - t0,
+                      **common)
+
+
+async def unload_adapter(name: str, *, engine: Engine | None = None, url: str | None = None,
+                         admin_key: str | None = None, timeout_s: float = 600.0) -> SyncReport:
+    """Unload the adapter ``name`` from every serving worker (a namespace's previous version, once the
+    gateway sends the new one; a forgotten namespace's). A failure is logged at WARNING: an adapter left
+    loaded serves no one, since no namespace is sent to it any more."""
+    started_at, t0 = utcnow(), time.perf_counter()
+    async with _adapter_target(engine, url, admin_key, timeout_s) as (target, loader):
+        if loader is None:
+            return SyncReport(False, NO_ENGINE, None, 0.0, skipped=True, started_at=started_at)
+        ok, message, workers = await _call(loader, "unload_lora_adapter", name)
+    if not ok:
+        log.warning("adapter %s not unloaded from %s: %s", name, target, message)
+    return SyncReport(ok, f"{name} unloaded" if ok else f"{name} not unloaded: {message}", None,
+                      time.perf_counter() - t0, target=target, started_at=started_at, workers=workers)

@@ -26,7 +26,7 @@ from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
 
 from clawrl.checkpoint import StepResult
-from clawrl.records import OPEN_NAMESPACE, BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
+from clawrl.records import OPEN_NAMESPACE, AdapterRecord, BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import (
     batch_samples,
@@ -39,6 +39,7 @@ from clawrl.storage.queries import (
 )
 from clawrl.storage.promotions import current_champion
 from clawrl.storage.selection import parse_version, select_batch
+from clawrl.train.adapters import NamespaceTrainer
 from clawrl.train.trainer import Trainer
 
 
@@ -79,6 +80,74 @@ def claim_batch(store, data_root: Path, *, judge_config_hash: str, batch_size: i
     return batch.batch_id, note + f"claimed batch {batch.batch_id} ({len(chosen)} samples) for step {current + 1}"
 
 
+def claim_adapter_batch(store, data_root: Path, namespace: str, *, judge_config_hash: str, batch_size: int,
+                        max_staleness: int, method: str, config_hash: str,
+                        config_toml: str) -> tuple[str | None, str]:
+    """``claim_batch`` for the adapter of ``namespace`` (``[ppo] adapters = "namespace"``): its unfinished
+    batch, else a new one of ``batch_size`` of its own fresh samples, else None. Staleness is against that
+    namespace's adapter: a sample's version is the adapter version that served its turn, and the version
+    serving the namespace now is never too stale (``select_batch``). The batch's step is the adapter version
+    it makes: one past every version the namespace ever had, so a name is never used twice."""
+    from clawrl.adapters import adapter_name, complete_adapters, read_served
+    from clawrl.storage.adapters import latest_adapter_version, namespace_samples, open_adapter_batch
+
+    store.flush()
+    with open_catalog(data_root) as con:
+        pending = open_adapter_batch(con, namespace)
+        if pending is not None:
+            return pending["batch_id"], f"resuming {namespace}'s batch {pending['batch_id']} (claimed, not trained)"
+        current = latest_adapter_version(con, namespace)
+        rows = [{**r, "weight_version": str(r["adapter_version"])}
+                for r in namespace_samples(con, judge_config_hash, namespace)]
+    checkpoints = data_root / "checkpoints"
+    served = read_served(checkpoints, namespace)
+    chosen, stale = select_batch(rows, current_version=current, batch_size=batch_size, max_staleness=max_staleness,
+                                 serving_version=served.version if served else 0)
+    if stale:
+        store.append([FateRecord(r["turn_id"], r["session_id"], judge_config_hash, Fate.TOO_STALE.value,
+                                 f"sampled by {adapter_name(namespace, int(r['weight_version']))}, its adapter is at "
+                                 f"v{current} (max_staleness {max_staleness})") for r in stale])
+    note = f"{len(stale)} of {namespace}'s samples too stale for its adapter v{current}; " if stale else ""
+    if chosen is None:
+        fresh = len(rows) - len(stale)
+        return None, note + f"{fresh} fresh samples of {namespace} wait; rollout_batch_size is {batch_size}"
+    write_config_snapshot(data_root, config_hash, config_toml)
+    found = complete_adapters(checkpoints, namespace)
+    batch = BatchRecord(batch_id=uuid.uuid4().hex[:16], step=current + 1, sample_ids=[r["sample_id"] for r in chosen],
+                        session_ids=[sid for _, sid in session_pairs(chosen)],
+                        session_namespaces=[namespace] * len(session_pairs(chosen)), method=method,
+                        config_hash=config_hash, parent_version=adapter_name(namespace, found[0][0] if found else 0),
+                        namespace=namespace)
+    store.append(batch)
+    store.flush()
+    return batch.batch_id, note + (f"claimed {namespace}'s batch {batch.batch_id} ({len(chosen)} samples) for "
+                                   f"{adapter_name(namespace, batch.step)}")
+
+
+def record_adapter(store, data_root: Path, step: dict[str, Any], base_version: str) -> bool:
+    """The ``adapters`` row of the trainer's StepResult ``step`` for a namespace's adapter, once per
+    name: False when a re-run finds it already recorded."""
+    from clawrl.adapters import parse_adapter_name
+    from clawrl.storage.adapters import adapter_recorded
+
+    namespace, version = parse_adapter_name(step["weight_version"])
+    return _append_once(store, data_root, lambda con: adapter_recorded(con, step["weight_version"]), AdapterRecord(
+        namespace=namespace, version=version, name=step["weight_version"], batch_id=step["batch_id"],
+        parent=step["parent_version"], base_version=base_version, path=step["path"], sha256=step["sha256"]))
+
+
+def _append_once(store, data_root: Path, recorded: Callable[[Any], bool], record: Any) -> bool:
+    """Append ``record`` unless ``recorded(catalog connection)`` finds it written by an earlier run; whether
+    it appended."""
+    store.flush()
+    with open_catalog(data_root) as con:
+        if recorded(con):
+            return False
+    store.append(record)
+    store.flush()
+    return True
+
+
 def session_pairs(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """The sorted (namespace, session_id) pairs of sample ``rows`` ("open" where a row has no namespace)."""
     return sorted({(r.get("namespace") or OPEN_NAMESPACE, r["session_id"]) for r in rows})
@@ -87,14 +156,9 @@ def session_pairs(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 def record_checkpoint(store, data_root: Path, step: dict[str, Any], run_id: str) -> bool:
     """The ``checkpoints`` row of the trainer's StepResult ``step`` (as a dict), once per weight
     version: False when a re-run finds it already recorded."""
-    store.flush()
-    with open_catalog(data_root) as con:
-        if checkpoint_exists(con, step["weight_version"]):
-            return False
     keys = ("weight_version", "step", "batch_id", "parent_version", "path", "sha256")
-    store.append(CheckpointRecord(**{k: step[k] for k in keys}, mlflow_run_id=run_id))
-    store.flush()
-    return True
+    return _append_once(store, data_root, lambda con: checkpoint_exists(con, step["weight_version"]),
+                        CheckpointRecord(**{k: step[k] for k in keys}, mlflow_run_id=run_id))
 
 
 def batch_records(con, batch_id: str) -> list[SampleRecord]:
@@ -112,12 +176,23 @@ def samples_reader(data_root: Path) -> Callable[[str], list[SampleRecord]]:
     return samples_of
 
 
-def train_batch(trainer: Trainer, data_root: Path, batch_id: str) -> StepResult:
-    """One step of ``trainer`` on the batch's samples (the stored result if it already trained on it)."""
+def train_batch(trainer: Trainer | NamespaceTrainer, data_root: Path, batch_id: str) -> StepResult:
+    """One step of ``trainer`` on the batch's samples (the stored result if it already trained on it): the
+    shared policy's, or the adapter of the namespace whose batch it is (``[ppo] adapters``)."""
+    from clawrl.storage.adapters import batch_namespace
+
     t0 = time.perf_counter()
     with open_catalog(data_root) as con:
         samples = batch_records(con, batch_id)
-    return trainer.run(batch_id, samples, {"batch_read_s": time.perf_counter() - t0})
+        adapter = batch_namespace(con, batch_id)
+    metrics = {"batch_read_s": time.perf_counter() - t0}
+    if isinstance(trainer, NamespaceTrainer) != (adapter is not None):
+        whose = f"namespace {adapter[0]}'s adapter" if adapter else "the shared policy"
+        mine = "per-namespace adapters" if isinstance(trainer, NamespaceTrainer) else "the shared policy"
+        raise ValueError(f"batch {batch_id} trains {whose}, and this trainer trains {mine} ([ppo] adapters)")
+    if adapter is not None:
+        return trainer.run(batch_id, samples, metrics, version=adapter[1])
+    return trainer.run(batch_id, samples, metrics)
 
 
 def create_trainer_app(trainer: Trainer, data_root: Path, announce: Callable[[str], None] | None = None) -> FastAPI:

@@ -188,10 +188,25 @@ def local_trainer(settings: Settings) -> Trainer:
     return _once(("trainer", str(root)), lambda: trainer_from_settings(settings, samples_reader(root)))
 
 
+def train_step(settings: Settings, batch_id: str, trainer_url: str | None) -> dict[str, Any]:
+    """The StepResult (as a dict) of training claimed batch ``batch_id``: by the trainer service at
+    ``trainer_url``, else by this process's trainer."""
+    from dataclasses import asdict
+
+    from clawrl import trainer_service
+
+    if trainer_url:
+        return trainer_service.request_step(trainer_url, batch_id)
+    data_store(settings).flush()
+    return asdict(trainer_service.train_batch(local_trainer(settings), settings.storage.data_root, batch_id))
+
+
 def trainer_in_process(settings: Settings) -> Trainer | None:
-    """The trainer :func:`local_trainer` made in this process, or None (it runs elsewhere or not yet)."""
+    """The shared policy's trainer :func:`local_trainer` made in this process, whose weights a sync or the gate
+    may take from memory; None when it runs elsewhere, not yet, or trains per-namespace adapters."""
     with _lock:
-        return _made.get(("trainer", str(settings.storage.data_root)))
+        trainer = _made.get(("trainer", str(settings.storage.data_root)))
+    return None if settings.ppo.adapters == "namespace" else trainer
 
 
 def close_all(timeout_s: float = 5.0) -> None:

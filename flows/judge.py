@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -35,20 +34,23 @@ from prefect.events import emit_event
 from clawrl import runtime
 from clawrl.config_sections import LIVE_MIN_TURNS, LIVE_TOLERANCE
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
-from clawrl.flows.slots import (JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, skipped_because,
-                                tick)
+from clawrl.flows.slots import JUDGE_LIMIT, ensure_limit, leased_slot, mark_idle, run_time_name, skipped_because
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
 
 SAMPLES_READY_EVENT = "clawrl.samples.ready"
 # Turns judged at once (each a few engine calls; no global lock), and per judging task this many times
-# that (one catalog read and two writes a task). A judge run takes at most four training batches' worth
-# of turns (at least 64): a backlog is taken in bites, so the next train step starts soon. A turn whose
-# judge failed is judged again up to RETRIES times, RETRY_DELAY_S x 2^attempt apart, before its fate is
-# judge_error.
+# that (one catalog read and two writes a task). A turn whose judge failed is judged again up to RETRIES
+# times, RETRY_DELAY_S x 2^attempt apart, before its fate is judge_error.
 MAX_IN_FLIGHT, _CHUNK_PER_SLOT = 16, 4
 RETRIES, RETRY_DELAY_S = 2, 1.0
+# An exclusive run (`clawrl up`'s, which starts a train run when it leaves a full batch) takes at most
+# BITE_BATCHES training batches' worth of turns (at least MIN_BITE): a backlog is taken in bites, so the
+# next train step starts soon, and the next run takes the next bite. A direct run (`clawrl judge`, the
+# demo's loop, which trains right after it) takes every ready turn: a bite there leaves part of a round
+# unjudged, the next step trains on older samples than its users just made, and the lag grows each round.
+BITE_BATCHES, MIN_BITE = 4, 64
 
 
 def _crash_point(name: str) -> None:
@@ -69,7 +71,7 @@ def _append_outcomes(s, outcomes: list[list[Any]]) -> None:
 
 
 @task(cache_policy=NO_CACHE)
-def find_turns(config_path: str | None, judge_config_hash: str, limit: int) -> list[str]:
+def find_turns(config_path: str | None, judge_config_hash: str, limit: int | None) -> list[str]:
     with open_catalog(load_flow_settings(config_path).storage.data_root) as con:
         return turns_to_judge(con, judge_config_hash, limit=limit).column("turn_id").to_pylist()
 
@@ -158,7 +160,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     significantly below the previous champion's, serve the previous one again (the usual sync, no
     request refused) and record the rollback with its evidence."""
     from clawrl.lineage import set_policy_alias
-    from clawrl.promotion import check_live, record_manual
+    from clawrl.promotion import GateError, check_live, record_manual
     from clawrl.records import PromotionAction
 
     s = load_flow_settings(config_path)
@@ -171,7 +173,11 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     if found is None or not found["rollback"]:
         return found
     log = get_run_logger()
-    target = serve_target(s, found["previous"])
+    try:
+        target = serve_target(s, found["previous"])
+    except GateError as e:  # its weights were pruned: nothing is tried, serving stays as it is
+        log.error("live rollback from version %s to %s not possible: %s", found["champion"], found["previous"], e)
+        return found
     synced = push_weights(s, target, None)
     found["sync"] = synced
     if not synced["success"]:
@@ -181,7 +187,7 @@ def check_live_score(config_path: str | None, judge_config_hash: str) -> dict[st
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction.ROLLBACK, version=found["previous"],
                   source="live", reason=f"live score of version {found['champion']} {found['reason']}",
                   mlflow_run_id=target["mlflow_run_id"], live={**found, "tolerance": LIVE_TOLERANCE, "alpha": g.alpha})
-    set_policy_alias(s.storage.data_root, "champion", found["previous"], initial_weights=target["path"])
+    set_policy_alias(s.storage.data_root, "champion", found["previous"])
     log.warning("live rollback: serving version %s again, not %s: %s", found["previous"], found["champion"],
                 found["reason"])
     return found
@@ -193,15 +199,18 @@ def ensure_judge_limit() -> None:
 
 
 def _judge_run_name() -> str:
-    return f"judge-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    return run_time_name("judge")
 
 
-def _start_training() -> None:
-    """A run of the train deployment, unless one is scheduled or going (it takes the batch in turn)."""
+def _start_training(config_path: str | None) -> None:
+    """A run of the train deployment, unless one is scheduled or going (it takes the batch in turn); with
+    ``[ppo] adapters = "namespace"`` one per namespace with a batch (clawrl.flows.adapters)."""
     from prefect.exceptions import ObjectNotFound
 
+    from clawrl.flows.adapters import start_train_runs
+
     try:
-        started = tick(TRAIN_DEPLOYMENT)
+        started = ", ".join(start_train_runs(config_path))
     except ObjectNotFound:  # judging outside `clawrl up`: nothing to start
         return
     except Exception as e:  # noqa: BLE001 - the train ticker starts one later
@@ -213,8 +222,9 @@ def _start_training() -> None:
 
 @flow(name="judge", flow_run_name=_judge_run_name, log_prints=True)
 def judge_flow(config_path: str | None = None, limit: int | None = None, exclusive: bool = False) -> dict[str, Any]:
-    """Judge every turn that is ready (at most ``limit``, default 4 x ``[ppo] rollout_batch_size``, at least 64). With
-    ``exclusive``, only while no other exclusive judge run is going; else it skips, Completed."""
+    """Judge every turn that is ready, at most ``limit`` (an ``exclusive`` run's default: a bite, ``BITE_BATCHES``
+    x ``[ppo] rollout_batch_size``, at least ``MIN_BITE``). With ``exclusive``, only while no other exclusive judge
+    run is going; else it skips, Completed."""
     if not exclusive:
         return _judge_ready(config_path, limit)
     with leased_slot(JUDGE_LIMIT) as held:
@@ -230,7 +240,8 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
     log = get_run_logger()
     s = load_flow_settings(config_path)
     judge = judge_for(s)
-    turn_ids = find_turns(config_path, judge.config_hash, limit or max(64, 4 * s.ppo.rollout_batch_size))
+    bite = max(MIN_BITE, BITE_BATCHES * s.ppo.rollout_batch_size) if start_training else None
+    turn_ids = find_turns(config_path, judge.config_hash, limit or bite)
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
     fates: Counter[str] = Counter()
@@ -254,7 +265,7 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
                    payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
         _crash_point("emitted")
         if start_training:
-            _start_training()
+            _start_training(config_path)
     if not turn_ids:
         mark_idle()
     return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts,

@@ -3,15 +3,15 @@
 The closed loop of `clawrl demo`, in one process: the gateway (real HTTP, in-process embedded
 engine) serves simulated users who talk through the openai SDK; after each round the `judge` and
 `train` flows run as subflows and the new weights are synced into the serving engine; then the
-held-out questions measure the served weights (score = persona satisfied AND on topic, the on-topic
-rate, and the KL to the initial model). The curve is plotted and logged to MLflow.
+held-out questions measure the served weights (``served_score`` = persona satisfied AND on topic, the
+on-topic rate, and the KL to the initial model). The curve is plotted and logged to MLflow.
 
 Each new checkpoint is a candidate that the promotion gate of the train flow scores on the
 validation questions (``[gate]``, disjoint from the held-out ones) before it may serve. A row shows
-the gate's decision, both validation means, the version served, and the candidate's held-out score:
-the served score when it was promoted, else measured in the gate's evaluation engine with the same
-questions and seeds (``evaluate_candidate``), so the curve shows what serving every checkpoint
-would have given.
+the gate's decision, both validation means, the version served, and ``candidate_score``, the candidate's
+held-out score: the served score when it was promoted, else measured in the gate's evaluation engine
+with the same questions and seeds (``evaluate_candidate``), so the curve shows what serving every
+checkpoint would have given. Every other held-out number of a row is the served version's.
 
 ``scenario = "tools"`` runs the same loop on tool use: the users of ``clawrl.sim.tool_users`` ask
 tool tasks and plain questions with the tools offered, run the calls, and react to the final answer;
@@ -34,7 +34,7 @@ from clawrl import runtime
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, frozen_engine,
                                  load_flow_settings, policy_engine)
 from clawrl.flows.judge import judge_flow
-from clawrl.flows.train import train_flow
+from clawrl.flows.train import prefect_tags, train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
@@ -145,6 +145,7 @@ def evaluate_policy(config_path: str | None, gateway_url: str, step: int, person
     pol_lps = runtime.run(score_with(policy)) if policy is not None else [t["rollout_logprobs"] for t in turns]
     metrics.update(step=step, kl=kl_to_reference(pol_lps, ref_lps),
                    weight_version=turns[0]["weight_version"] if turns else None, examples=examples)
+    metrics["served_score"] = metrics.pop("score")  # the served version's: a row's candidate_score is the candidate's
     return metrics
 
 
@@ -169,19 +170,21 @@ def evaluate_candidate(config_path: str | None, version: str, persona_name: str,
 
 
 def _gate_row(gate: dict[str, Any] | None, served: dict[str, Any], candidate_score: float | None) -> dict[str, Any]:
-    """The gate's part of a curve row."""
+    """The gate's part of a curve row. ``candidate_score``: the served score when the candidate serves (or
+    no step made one); a refused candidate's as measured (None: not measured)."""
     if gate is None:  # no step this round: nothing new to decide
-        return {"candidate_score": served["score"]}
+        return {"candidate_score": served["served_score"]}
     return {"gate": gate["decision"], "candidate_version": gate.get("candidate_version"),
             "val_candidate": gate.get("candidate_mean"), "val_champion": gate.get("champion_mean"),
             "gate_p": gate.get("p_value"), "gate_reason": gate["reason"],
-            "candidate_score": served["score"] if candidate_score is None else candidate_score}
+            "candidate_score": served["served_score"] if gate["decision"] == "promote" else candidate_score}
 
 
 # per scenario: the held-out rates on the curve and in MLflow, (key, label), the first one the score
 CURVES = {
-    "persona": [("score", "score (persona AND on topic)"), ("on_topic_rate", "on-topic rate"),
-                ("persona_rate", "persona rate"), ("candidate_score", "candidate's score (served only if promoted)")],
+    "persona": [("served_score", "served score (persona AND on topic)"), ("on_topic_rate", "on-topic rate (served)"),
+                ("persona_rate", "persona rate (served)"),
+                ("candidate_score", "candidate score (served only if promoted)")],
     "tools": [("tool_use", "correct tool use (tool tasks)"), ("solved", "final answer right (tool tasks)"),
               ("plain_quality", "plain questions: on topic, no call"), ("false_call_rate", "plain questions: tool called")],
 }
@@ -199,32 +202,30 @@ def report_curve(config_path: str | None, rows: list[dict[str, Any]], title: str
                               f"{s.model.name}, {title}, {s.ppo.advantage_estimator.value}",
                               goal=0.5 if scenario == "tools" else 0.8)
     (out_dir / "learning_curve.json").write_text(json.dumps(rows, indent=1))
-    keys = [k for k, _ in CURVES[scenario]] + ["score", "kl", "mean_words"]
-    run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params, keys=keys)
+    keys = [k for k, _ in CURVES[scenario]] + ["served_score", "kl", "mean_words"]
+    run_id = log_learning_curve(s.storage.data_root, rows=rows, png=png, params=params, keys=keys, tags=prefect_tags())
     for row in rows:  # the held-out scores beside the training metrics, over the versions
-        for version, metrics in policy_points(row, keys, candidate_measured=scenario == "persona"):
+        for version, metrics in policy_points(row, keys):
             log_policy_point(s.storage.data_root, version, metrics)
     return {"png": str(png), "mlflow_run_id": run_id}
 
 
-def policy_points(row: dict[str, Any], keys: list[str], candidate_measured: bool) -> list[tuple[int, dict]]:
-    """A curve row as points of the policy run, whose step is the weight version: ``heldout_<key>`` of the
-    version this row decided on (the candidate; the version served in a row with no step), and
-    ``served_heldout_score``, what users got after the decision, at the same step, so a refused
-    candidate's score and the champion's served score are two series over the versions. A refused
-    candidate was measured by its score alone, and only where ``candidate_measured``."""
+def policy_points(row: dict[str, Any], keys: list[str]) -> list[tuple[int, dict]]:
+    """A curve row as points of the policy run, whose step is the weight version this row decided on (the
+    candidate; the version served in a row with no step): ``served_<key>`` for every held-out key, what users
+    got after the decision (the candidate when promoted, else the champion), and ``candidate_score``, the
+    candidate's own score (where measured). Every row reaches the policy run, refused candidate or not, so
+    each curve ends where the demo's table does."""
     version = str(row.get("candidate_version") or row.get("weight_version"))
     if not version.isdigit():
         return []
-    if row.get("gate", "promote") == "promote":  # the candidate serves: the row's measurements are its own
-        held = {f"heldout_{k}": row.get(k) for k in dict.fromkeys(keys) if k != "candidate_score"}
-    else:
-        held = {"heldout_score": row.get("candidate_score")} if candidate_measured else {}
-    return [(int(version), {**held, "served_heldout_score": row.get("score")})]
+    served = {f"served_{k.removeprefix('served_')}": row.get(k)
+              for k in dict.fromkeys(keys) if k != "candidate_score"}
+    return [(int(version), {**served, "candidate_score": row.get("candidate_score")})]
 
 
 def _row_line(row: dict[str, Any], scenario: str) -> str:
-    rates = "  ".join(f"{k} {row[k]:.3f}" for k, _ in CURVES[scenario] if k in row)
+    rates = "  ".join(f"{k} {row[k]:.3f}" for k, _ in CURVES[scenario] if row.get(k) is not None)
     return f"{rates}  KL {row['kl']:.4f}" + (f"  words {row['mean_words']:.1f}" if "mean_words" in row else "")
 
 
@@ -238,7 +239,7 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
     log = get_run_logger()
     s = load_flow_settings(config_path)
     rows = [evaluate_policy(config_path, gateway_url, 0, persona, max_tokens, seed, heldout, eval_samples, scenario)]
-    rows[0]["candidate_score"] = rows[0]["score"]
+    rows[0]["candidate_score"] = rows[0]["served_score"]
     log.info("base model: %s", _row_line(rows[0], scenario))
     for step in range(1, steps + 1):
         rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size,

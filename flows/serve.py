@@ -40,11 +40,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prefect import serve
 from prefect.types.entrypoint import EntrypointType
 
 from clawrl.config import mlflow_ui_url
+from clawrl.flows.adapters import start_train_runs
 from clawrl.flows.inprocess import InProcessRunner, preload
 from clawrl.flows.judge import ensure_judge_limit, judge_flow
 from clawrl.flows.replay import replay_flow
@@ -108,17 +110,17 @@ def deploy_to_pool(deployments: list, pool: str, env: dict[str, str] | None = No
 
 
 def ticker(every_s: dict[str, float], stop: threading.Event,
-           has_work: Callable[[str], bool] = lambda name: True) -> None:
-    """At each deployment's interval (``every_s``: name -> seconds) until ``stop``, :func:`tick` it when
-    ``has_work(name)``: an idle `clawrl up` creates no runs that find nothing. A failed check or tick is
-    logged and tried again at the next."""
+           has_work: Callable[[str], bool] = lambda name: True, start: Callable[[str], Any] | None = None) -> None:
+    """At each deployment's interval (``every_s``: name -> seconds) until ``stop``, ``start`` it (default:
+    :func:`tick`) when ``has_work(name)``: an idle `clawrl up` creates no runs that find nothing. A failed check
+    or tick is logged and tried again at the next."""
     due = {name: time.monotonic() + s for name, s in every_s.items()}
     while not stop.wait(max(0.0, min(due.values()) - time.monotonic())):
         for name in [n for n, t in due.items() if t <= time.monotonic()]:
             due[name] = time.monotonic() + every_s[name]
             try:
                 if has_work(name):
-                    tick(name)
+                    (start or tick)(name)
             except Exception as e:  # noqa: BLE001 - the deployment not registered yet, the server restarting
                 log.warning("%s tick failed: %s", name, e)
 
@@ -129,6 +131,7 @@ def work_waiting(config_path: str) -> Callable[[str], bool]:
     from clawrl.flows.common import load_flow_settings
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.adapters import full_batch_namespaces
     from clawrl.storage.queries import pending_counts, turns_to_judge
 
     def check(deployment: str) -> bool:
@@ -136,6 +139,8 @@ def work_waiting(config_path: str) -> Callable[[str], bool]:
         with open_catalog(s.storage.data_root) as con:
             if deployment == JUDGE_DEPLOYMENT:
                 return turns_to_judge(con, build_judge_config_hash(s), limit=1).num_rows > 0
+            if s.ppo.adapters == "namespace":
+                return bool(full_batch_namespaces(con, build_judge_config_hash(s), s.ppo.rollout_batch_size))
             return pending_counts(con, build_judge_config_hash(s), s.ppo.rollout_batch_size)["full_batches"] > 0
 
     return check
@@ -148,19 +153,19 @@ def relink_uis(config_path: str) -> None:
     from prefect.settings import PREFECT_UI_URL
 
     from clawrl.flows.common import load_flow_settings
-    from clawrl.flows.train import relink_artifacts
+    from clawrl.flows.train import flow_run_ui_url, relink_artifacts
     from clawrl.lineage import relink_to_prefect
 
     s = load_flow_settings(config_path)
     try:
-        runs = relink_to_prefect(s.storage.data_root, str(PREFECT_UI_URL.value()))
+        runs = relink_to_prefect(s.storage.data_root, flow_run_ui_url)
         artifacts = relink_artifacts(mlflow_ui_url())
     except Exception as e:  # noqa: BLE001 - links, not the flows: serve anyway and say so
         log.warning("the links between the Prefect and MLflow UIs were not updated: %s: %s", type(e).__name__, e)
         return
-    if runs or artifacts:
-        log.warning("links updated to the UIs now running: %d MLflow runs -> Prefect %s, %d Prefect artifacts -> "
-                    "MLflow %s", runs, PREFECT_UI_URL.value(), artifacts, mlflow_ui_url())
+    if runs or artifacts:  # routine: every `clawrl up` on data written elsewhere does this
+        log.info("links updated to the UIs now running: %d MLflow runs -> Prefect %s, %d Prefect artifacts -> "
+                 "MLflow %s", runs, PREFECT_UI_URL.value(), artifacts, mlflow_ui_url())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-pool", default=None, help="Register the deployments on this process work pool (its "
                    "workers run the flows) instead of serving them from this process.")
     a = p.parse_args(argv)
+    log.setLevel(logging.INFO)  # this server's own routine lines reach its log (the root logger passes WARNING up)
     ensure_judge_limit()
     relink_uis(a.config)
     stop = threading.Event()
@@ -181,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.work_pool:  # before the ticker: it creates runs of the registered deployments
         deploy_to_pool([judge, train, replay], a.work_pool,
                        {k: v for k, v in os.environ.items() if k.startswith(RUN_ENV)})
-        log.warning("deployments registered on work pool %r: `prefect worker start --pool %s` runs them",
-                    a.work_pool, a.work_pool)
+        log.info("deployments registered on work pool %r: `prefect worker start --pool %s` runs them",
+                 a.work_pool, a.work_pool)
     else:
         preload()  # before any run's thread imports them: MLflow imported by two threads at once fails
         warm_up(a.config)  # MLflow's store and the gate's chat template, opened for the first train run
@@ -190,7 +196,11 @@ def main(argv: list[str] | None = None) -> None:
         runner.register()
         threading.Thread(target=runner.serve, args=(stop,), name="in-process-runs", daemon=True).start()
     every = {JUDGE_DEPLOYMENT: a.judge_every, TRAIN_DEPLOYMENT: a.train_every}
-    threading.Thread(target=ticker, args=(every, stop, work_waiting(a.config)), name="ticker", daemon=True).start()
+    def start(name: str) -> Any:  # with [ppo] adapters = "namespace", a train run per namespace with a batch
+        return start_train_runs(a.config) if name == TRAIN_DEPLOYMENT else tick(name)
+
+    threading.Thread(target=ticker, args=(every, stop, work_waiting(a.config), start), name="ticker",
+                     daemon=True).start()
     try:
         if runner is None:
             stop.wait()  # the ticker's process, until SIGTERM or Ctrl-C

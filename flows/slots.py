@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timezone
 
 import httpx
 
@@ -138,6 +140,45 @@ def tick(deployment: str) -> str | None:
     return run_id
 
 
+NAMESPACE_TAG = "namespace:"  # a train run of one namespace's adapter ([ppo] adapters = "namespace")
+
+
+def trainer_limit(namespace: str) -> str:
+    """The global concurrency limit that keeps one step of ``namespace``'s adapter at a time."""
+    return f"trainer-{namespace}"
+
+
+def tick_namespaces(deployment: str, namespaces: list[str]) -> list[str]:
+    """A run of ``deployment`` for each of ``namespaces`` (parameter ``namespace``, tag ``namespace:<ns>``)
+    unless one of that namespace's runs is scheduled, pending or running: the steps of different
+    namespaces run at once, each holding its own slot (``trainer-<namespace>``). A run still marked
+    Running while its namespace's slot is free died unmarked, as in :func:`tick`. The new runs' ids."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    if not namespaces:
+        return []
+    active = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING,
+                                                                  StateType.RUNNING]))
+    created = []
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment)
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                     flow_run_filter=FlowRunFilter(state=active))
+        busy = {tag.removeprefix(NAMESPACE_TAG): r for r in runs for tag in r.tags if tag.startswith(NAMESPACE_TAG)}
+        for ns in namespaces:
+            run = busy.get(ns)
+            if run is not None and not (run.state.is_running() and _slot_free(client, trainer_limit(ns))):
+                continue
+            created.append(str(client.create_flow_run_from_deployment(
+                dep.id, parameters={"namespace": ns}, tags=[NAMESPACE_TAG + ns]).id))
+    if created:
+        RUN_CREATED.set()
+    return created
+
+
 def _slot_free(client, limit: str | None) -> bool:
     if limit is None:
         return False
@@ -152,8 +193,28 @@ def _slot_free(client, limit: str | None) -> bool:
 IDLE_TAG = "idle"  # a run that found nothing to do: named <flow>-idle-<time> and tagged, out of the way in the UI
 
 
+RUN_TIME = "%Y%m%d-%H%M%S"  # runs named for when they began: judge-<time>, <flow>-idle-<time>
+
+
+def run_time_name(prefix: str) -> str:
+    """``<prefix>-<UTC time>``: a run named for when it began."""
+    return f"{prefix}-{datetime.now(timezone.utc):{RUN_TIME}}"
+
+
+def idle_name(name: str) -> str:
+    """The name of a run called ``name`` that found nothing to do: ``<flow>-idle-<what followed the flow's
+    name>`` (``judge-idle-<time>``), but the time now for a run named for the version it was to make
+    (``train-v4``); a name that says idle already stays."""
+    flow, _, rest = name.partition("-")
+    if rest.startswith("idle-"):
+        return name
+    if re.fullmatch(r"v\d+", rest):
+        return run_time_name(f"{flow}-idle")
+    return f"{flow}-idle-{rest}"
+
+
 def mark_idle() -> None:
-    """Name this flow run ``<flow>-idle-<time>`` and tag it ``idle``: it found nothing to do, and must not
+    """Name this flow run as :func:`idle_name` says and tag it ``idle``: it found nothing to do, and must not
     read like a run that judged or trained (filter the tag out in the UI's run list)."""
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
@@ -162,7 +223,5 @@ def mark_idle() -> None:
     if ctx is None or ctx.flow_run is None:
         return
     run = ctx.flow_run
-    flow, _, when = run.name.partition("-")
     with get_client(sync_client=True) as client:
-        client.update_flow_run(run.id, name=f"{flow}-idle-{when}" if when else f"{run.name}-idle",
-                               tags=[*run.tags, IDLE_TAG])
+        client.update_flow_run(run.id, name=idle_name(run.name), tags=[*run.tags, IDLE_TAG])

@@ -35,7 +35,8 @@ After the sync, since nothing on the way to serving the new version needs them:
    unreachable, say: the step is served, so the run goes on); the next run's ``log_lineage``
    completes it.
 8. ``link_step`` links the MLflow run and model version back from this flow run (a markdown
-   artifact) and names the flow run for the version it made (``train-v16``).
+   artifact). The flow run is named for the version it makes (``train-v16``) when it begins, from the
+   batch waiting then; ``link_step`` renames it only when it made another.
 9. ``log_doctor_report`` puts ``clawrl doctor``'s findings on the step's MLflow run and logs each
    problem it finds as a warning (a report: it never fails the step).
 
@@ -50,7 +51,6 @@ import contextlib
 import re
 import tempfile
 import threading
-from datetime import datetime, timezone
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -63,13 +63,15 @@ from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml, mlflow_ui_url
 from clawrl.config_sections import GUARD_TOLERANCE
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
-                                 load_flow_settings, local_trainer, push_canary, push_weights, serve_target,
+                                 load_flow_settings, push_canary, push_weights, serve_target, train_step,
                                  trainer_in_process)
-from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, mark_idle, skipped_because
+from clawrl.flows.adapters import train_adapters
+from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, mark_idle, run_time_name, skipped_because
 from clawrl.hooks import hook_params, load_hook
 from clawrl.judge.runner import build_judge_config_hash
 from clawrl.doctor import plot_learning_by_version, report, settings_checks
-from clawrl.lineage import client as mlflow_client, experiment_id, log_doctor, log_train_step, start_step_run, ui_links
+from clawrl.lineage import (client as mlflow_client, experiment_id, log_doctor, log_train_step, start_step_run,
+                            ui_links, ui_page)
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import batch_manifest
 from clawrl.sync import NO_ENGINE
@@ -126,11 +128,7 @@ def claim_batch(config_path: str | None) -> str | None:
 
 @task(cache_policy=NO_CACHE)
 def run_step(config_path: str | None, batch_id: str, trainer_url: str | None) -> dict[str, Any]:
-    s = load_flow_settings(config_path)
-    if trainer_url:
-        return trainer_service.request_step(trainer_url, batch_id)
-    data_store(s).flush()
-    return asdict(trainer_service.train_batch(local_trainer(s), s.storage.data_root, batch_id))
+    return train_step(load_flow_settings(config_path), batch_id, trainer_url)
 
 
 @task(cache_policy=NO_CACHE)
@@ -150,7 +148,7 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
     same completion for any earlier recorded version whose train run stopped before it. Returns the
     weight versions whose lineage it completed."""
     from clawrl.checkpoint import read_step_result
-    from clawrl.lineage import register_initial_weights, runs_without_model_version, set_policy_alias
+    from clawrl.lineage import runs_without_model_version, set_policy_alias
     from clawrl.storage.queries import recorded_checkpoints
 
     s = load_flow_settings(config_path)
@@ -168,11 +166,10 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
               "batch_size": s.ppo.rollout_batch_size, "max_staleness": s.ppo.max_staleness, "backend": s.ppo.backend,
               "model": s.model.name, **hook_params(s.hooks)}
     tags = {"judge_config_hash": build_judge_config_hash(s), "method": hp.advantage_estimator.value}
-    register_initial_weights(root, base_model_dir(s))  # before the first step's: its number is the lowest
     for (st, rid), manifest in zip(todo, manifests):
         log_train_step(root, step=st, params=params, manifest=manifest, tags=tags, run_id=rid)
     set_policy_alias(root, "candidate", step["weight_version"])
-    set_policy_alias(root, "champion", gate["serve_version"], initial_weights=gate["serve"]["path"])
+    set_policy_alias(root, "champion", gate["serve_version"])
     if len(todo) > 1:
         get_run_logger().info("completed the lineage of versions %s, left unfinished by a stopped train run",
                               ", ".join(st["weight_version"] for st, _ in todo[:-1]))
@@ -180,18 +177,30 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
 
 
 def prefect_tags() -> dict[str, str]:
-    """The flow run this is part of (MLflow run tags: from MLflow back to Prefect)."""
+    """The flow run this is part of, as MLflow run tags that link back to it (``clawrl.lineage.prefect_link_tags``)."""
     from prefect.runtime import flow_run
+
+    from clawrl.lineage import prefect_link_tags
 
     if not flow_run.id:
         return {}
-    return {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": str(flow_run.ui_url or "")}
+    return prefect_link_tags(str(flow_run.id), flow_run_ui_url(str(flow_run.id)))
+
+
+def flow_run_ui_url(flow_run_id: str) -> str:
+    """The flow run's page in the Prefect UI this process talks to, by Prefect's own table of UI routes
+    (``runs/flow-run/<id>``; ``prefect.runtime.flow_run.ui_url`` gives the older ``flow-runs/flow-run/<id>``,
+    which the UI only redirects)."""
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=flow_run_id) or ""
 
 
 @task(cache_policy=NO_CACHE)
 def link_step(config_path: str | None, step: dict[str, Any], run_id: str, gate: dict[str, Any]) -> dict[str, str]:
     """From Prefect to MLflow: a markdown artifact on this flow run with the step's MLflow run and
-    model version and the gate's decision, and the flow run named for the version it made (``train-v16``).
+    model version and the gate's decision, and the flow run named for the version it made (``train-v16``) where
+    it was named otherwise when it began.
     `clawrl up` points the links at the MLflow UI it starts (``relink_artifacts``)."""
     from prefect.artifacts import create_markdown_artifact
     from prefect.client.orchestration import get_client
@@ -208,19 +217,19 @@ def link_step(config_path: str | None, step: dict[str, Any], run_id: str, gate: 
                   + (f"- [model version]({links['model_version']}) of `clawrl-policy`\n" if "model_version" in links
                      else "")
                   + f"- checkpoint `{step['path']}`\n"))
-    if flow_run.id:
+    if flow_run.id and flow_run.name != f"train-v{version}":  # named otherwise when it began (_train_run_name)
         with get_client(sync_client=True) as client:
             client.update_flow_run(flow_run.id, name=f"train-v{version}")
     return links
 
 
-_MLFLOW_LINK = re.compile(r"\]\([^)\s]*?(/#/(?:experiments|models)/)")
+_MLFLOW_LINK = re.compile(r"\]\([^)\s]*?/#/((?:experiments|models)/[^)\s?]*)[^)\s]*\)")  # ](base/#/page?query)
 
 
 def relink_artifacts(mlflow_ui_url: str) -> int:
     """Point the MLflow links of every ``train-v*`` artifact at the MLflow UI at ``mlflow_ui_url`` (what
-    `clawrl up` starts: the data brought up again on other ports links the UI that runs now). Returns
-    the artifacts changed."""
+    `clawrl up` starts: the data brought up again on other ports links the UI that runs now), each page in
+    the UI's model-training view. Returns the artifacts changed."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactUpdate
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -231,7 +240,7 @@ def relink_artifacts(mlflow_ui_url: str) -> int:
             found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="train-v%")),
                                           limit=page, offset=offset)
             for a in found:
-                text = _MLFLOW_LINK.sub(lambda m: f"]({mlflow_ui_url}{m.group(1)}", a.data or "")
+                text = _MLFLOW_LINK.sub(lambda m: f"]({ui_page(mlflow_ui_url, m.group(1))})", a.data or "")
                 if isinstance(a.data, str) and text != a.data:
                     client.update_artifact(a.id, ArtifactUpdate(data=text))
                     changed += 1
@@ -343,17 +352,37 @@ def ensure_trainer_limit() -> None:
 
 
 def _train_run_name() -> str:
-    """A train run is named for when it started until ``link_step`` names it for the version it made."""
-    return f"train-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    """A train run is named when it begins for what it will do, so every log line carries that name from
+    "Beginning flow run" on: ``train-v<N>`` for the version its first step makes when a batch waits, else
+    ``train-idle-<time>``. A run that does otherwise after all (its batch's samples too stale, more steps)
+    is renamed by ``link_step`` or ``mark_idle``; with a ``[hooks] sample_source``, whose samples are not
+    known before the claim, it is ``train-<time>`` until then."""
+    from prefect.runtime import flow_run
+
+    from clawrl.storage.queries import waiting_step
+
+    try:
+        s = load_flow_settings(flow_run.parameters.get("config_path"))
+        if s.hooks.sample_source:
+            return run_time_name("train")
+        data_store(s).flush()  # the samples this process's judge run just wrote
+        with open_catalog(s.storage.data_root) as con:
+            step = waiting_step(con, build_judge_config_hash(s), s.ppo.rollout_batch_size)
+    except Exception:  # noqa: BLE001 - a name; the run itself says what is wrong with its config or data
+        return run_time_name("train")
+    return run_time_name("train-idle") if step is None else f"train-v{step}"
 
 
 @flow(name="train", flow_run_name=_train_run_name, log_prints=True)
 def train_flow(config_path: str | None = None, max_steps: int = 1, trainer_url: str | None = None,
-               engine_url: str | None = None, exclusive: bool = False) -> dict[str, Any]:
+               engine_url: str | None = None, exclusive: bool = False, namespace: str | None = None) -> dict[str, Any]:
     """Train up to ``max_steps`` PPO steps, one per full batch of waiting samples. Each step holds the
     `trainer` slot, waiting for it; with ``exclusive`` (the deployment's triggered and scheduled runs)
     the run takes it for all its steps at once or not at all: a run that finds another training ends
-    Completed at once, returning ``skipped``."""
+    Completed at once, returning ``skipped``. With ``[ppo] adapters = "namespace"`` each namespace's adapter
+    instead (only ``namespace``'s when given), up to ``max_steps`` each, on its own slot (flows/adapters.py)."""
+    if load_flow_settings(config_path).ppo.adapters == "namespace":
+        return train_adapters(config_path, namespace, max_steps, trainer_url, engine_url, exclusive)
     ensure_trainer_limit()
     if not exclusive:
         # a killed run stops renewing its lease: its slot frees itself after lease_duration

@@ -16,10 +16,11 @@ directories. Times are TIMESTAMP WITH TIME ZONE (UTC), id lists INTEGER[], log-p
 hold JSON (request_messages, tool_calls, messages, raw_outputs, ...) are JSON text.
 
 ``turns``, ``next_states``, ``turn_fate``, ``batches``, ``checkpoints``, ``syncs``, ``evaluations``,
-``promotions``: every row written (``TurnRecord``, ``NextStateRecord``, ``FateRecord``, ``BatchRecord``,
-``CheckpointRecord``, ``SyncRecord``, ``EvaluationRecord``, ``PromotionRecord``). ``judgments``: the judge's verdicts (``JudgeVerdict``, table ``verdicts``), one per
+``promotions``, ``adapters``, ``adapter_serving``: every row written (``TurnRecord``, ``NextStateRecord``,
+``FateRecord``, ``BatchRecord``, ``CheckpointRecord``, ``SyncRecord``, ``EvaluationRecord``, ``PromotionRecord``,
+``AdapterRecord``, ``AdapterServeRecord``). ``verdicts``: the judge's verdicts (``JudgeVerdict``), one per
 (turn_id, judge_config_hash): the newest, i.e. the one of the attempt that wrote the fate (an
-attempt killed before its fate is judged again). ``judgment_attempts``: every verdict ever
+attempt killed before its fate is judged again). ``verdict_attempts``: every verdict ever
 written. ``samples`` (``SampleRecord``): one row per sample_id, the newest write.
 
 A view is bound to the files at query time, so a long-lived connection sees new files, except
@@ -46,8 +47,9 @@ import pyarrow.parquet as pq
 
 from clawrl.storage.schemas import TABLES, duckdb_type
 
-# view name -> table directory under <data_root>/tables/: one per table, verdicts twice
-VIEWS: dict[str, str] = {("judgments" if t == "verdicts" else t): t for t in TABLES} | {"judgment_attempts": "verdicts"}
+# view name -> table directory under <data_root>/tables/: a view per table under its name, and the verdicts
+# table a second time, whole (``verdicts`` shows the newest verdict per turn and judge config)
+VIEWS: dict[str, str] = {t: t for t in TABLES} | {"verdict_attempts": "verdicts"}
 
 # Views over the table views, for ``clawrl doctor`` and anyone's SQL. turn_outcomes: one row per
 # (turn, judge config), the turn's newest fate with what the turn and its verdict say;
@@ -62,7 +64,7 @@ DERIVED_VIEWS: dict[str, str] = {
         SELECT f.judge_config_hash, f.turn_id, t.session_id, t.turn_index, t.turn_type, t.weight_version,
                f.fate, f.detail, j.score, j.score_reason, j.votes, j.hint IS NOT NULL AS has_hint,
                j.hint_raw_outputs IS NOT NULL AS hint_asked, j.error AS judge_error, t.created_at
-        FROM f JOIN t USING (turn_id) LEFT JOIN judgments j USING (turn_id, judge_config_hash)""",
+        FROM f JOIN t USING (turn_id) LEFT JOIN verdicts j USING (turn_id, judge_config_hash)""",
     "learning_by_version": """
         SELECT judge_config_hash, weight_version,
                try_cast(regexp_extract(weight_version, '(\\d+)$', 1) AS BIGINT) AS version_number,
@@ -77,7 +79,7 @@ DERIVED_VIEWS: dict[str, str] = {
 # its fate was written is re-run, and the re-run's verdict and sample supersede the first ones
 # (the fate, written last, belongs to the newest). The superseded rows stay in the files.
 LATEST_BY: dict[str, str] = {
-    "judgments": "turn_id, judge_config_hash",
+    "verdicts": "turn_id, judge_config_hash",
     "samples": "sample_id",
 }
 

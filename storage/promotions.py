@@ -131,7 +131,7 @@ def replay_turns(con: duckdb.DuckDBPyConnection, judge_config_hash: str, size: i
             SELECT t.turn_id, t.session_id, t.request_messages, t.request_tools, t.created_at,
                    row_number() OVER (PARTITION BY t.namespace, t.session_id
                                       ORDER BY t.created_at DESC, t.turn_id DESC) AS k
-            FROM t JOIN f USING (turn_id) JOIN judgments j ON j.turn_id = t.turn_id AND j.judge_config_hash = $h
+            FROM t JOIN f USING (turn_id) JOIN verdicts j ON j.turn_id = t.turn_id AND j.judge_config_hash = $h
             WHERE t.turn_type = 'main' AND j.error IS NULL{cut})
         SELECT turn_id, session_id, request_messages, request_tools FROM ranked
         ORDER BY k, created_at DESC, turn_id DESC LIMIT $n""", **params)

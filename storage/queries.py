@@ -94,7 +94,7 @@ _USABLE_SAMPLES = f"""
     WHERE s.judge_config_hash = $hash
       AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id AND f.judge_config_hash = $hash
                       AND f.fate <> '{_SAMPLE}')
-      AND NOT (EXISTS (SELECT 1 FROM judgment_attempts j WHERE j.turn_id = s.turn_id
+      AND NOT (EXISTS (SELECT 1 FROM verdict_attempts j WHERE j.turn_id = s.turn_id
                        AND j.judge_config_hash = $hash)
                AND NOT EXISTS (SELECT 1 FROM turn_fate f WHERE f.turn_id = s.turn_id
                                AND f.judge_config_hash = $hash))
@@ -109,7 +109,8 @@ def pending_counts(
     Keys: turns (distinct turn ids), main_turns, side_turns; awaiting_next_state (main, no next
     state row and no fate yet); pending_judgment (main, next state arrived, no fate);
     pending_no_next_state (main, told no next state will come, no fate yet: the judge flow's next
-    'no_next_state' fates); judged (turns with a fate); fates ({fate: turns} for every Fate, 0
+    'no_next_state' fates); side_unmarked (side, no fate yet: the judge flow's next 'side_turn'
+    fates); judged (turns with a fate): every turn is in one of these five; fates ({fate: turns} for every Fate, 0
     when none); excluded (judged turns whose fate is not 'sample'); samples (distinct usable
     sample ids under this config, as ``trainable_samples`` counts them); consumed (of those, listed
     in some batch); trainable (not consumed); batches (rows of ``batches``); rollout_batch_size;
@@ -133,6 +134,7 @@ def pending_counts(
               WHERE t.turn_type = '{_MAIN}' AND ns.turn_id IS NULL) AS awaiting_next_state,
             (SELECT count(*) {waiting} ns.has_next) AS pending_judgment,
             (SELECT count(*) {waiting} NOT ns.has_next) AS pending_no_next_state,
+            (SELECT count(*) FROM t ANTI JOIN f USING (turn_id) WHERE t.turn_type = '{_SIDE}') AS side_unmarked,
             (SELECT count(*) FROM f) AS judged,
             (SELECT count(*) FROM s) AS samples,
             (SELECT count(*) FROM s SEMI JOIN used USING (sample_id)) AS consumed,
@@ -199,10 +201,12 @@ def custom_samples(con: duckdb.DuckDBPyConnection, records: list, store) -> list
 
 
 def open_batch(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
-    """The newest batch with no checkpoint yet (a step that was claimed but not finished), or None."""
-    rows = _rows(con, """
+    """The newest batch of the shared policy with no checkpoint yet (a step that was claimed but not
+    finished), or None. A namespace's adapter batch is not one (``clawrl.storage.adapters``)."""
+    shared = "AND b.namespace IS NULL" if "namespace" in _columns(con, "batches") else ""
+    rows = _rows(con, f"""
         SELECT * EXCLUDE (date) FROM batches b
-        WHERE NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.batch_id = b.batch_id)
+        WHERE NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.batch_id = b.batch_id) {shared}
         ORDER BY created_at DESC LIMIT 1
     """)
     return rows[0] if rows else None
@@ -231,6 +235,18 @@ def batch_manifest(con: duckdb.DuckDBPyConnection, batch_id: str) -> list[dict[s
 def checkpoint_exists(con: duckdb.DuckDBPyConnection, weight_version: str) -> bool:
     return con.execute("SELECT count(*) FROM checkpoints WHERE weight_version = $v",
                        {"v": str(weight_version)}).fetchall()[0][0] > 0
+
+
+def waiting_step(con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int) -> int | None:
+    """The step (= the weight version it makes) a train run would take next, when a batch waits for it: one
+    claimed and not yet checkpointed, or a full batch of trainable samples (staler ones counted: the claim sets
+    them aside); None when none waits."""
+    pending = open_batch(con)
+    if pending is not None:
+        return int(pending["step"])
+    if pending_counts(con, judge_config_hash, rollout_batch_size)["full_batches"] < 1:
+        return None
+    return latest_version(con) + 1
 
 
 def latest_version(con: duckdb.DuckDBPyConnection) -> int:
@@ -420,7 +436,8 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     """Where weight sync stands, for ``clawrl status``.
 
     Keys: attempts, failures (rows of ``syncs``); last (the newest attempt as a ``syncs`` row, or
-    None); last_ok (the newest successful attempt, or None); serving (the version the engine
+    None); last_ok (the newest successful attempt, or None); last_failed (the newest failed attempt,
+    or None); serving (the version the engine
     reported after the newest attempt; None when it did not answer); last_seen_serving (the newest
     version any attempt saw served); latest_checkpoint (newest trained version, 0 before any step);
     waiting (trained versions newer than ``last_seen_serving``; every trained version when no sync
@@ -436,6 +453,7 @@ def sync_state(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     waiting = [str(v) for v in range((0 if seen is None else parse_version(seen)) + 1, latest + 1)
                if str(v) not in unserved]
     return {"attempts": len(rows), "failures": sum(not r["ok"] for r in rows), "last": last, "last_ok": last_ok,
+            "last_failed": next((r for r in rows if not r["ok"]), None),
             "serving": None if last is None else last["serving_version"], "last_seen_serving": seen,
             "latest_checkpoint": latest, "waiting": waiting}
 

@@ -80,6 +80,8 @@ TABLES: dict[str, TableSpec] = {
         ("syncs", records.SyncRecord),
         ("evaluations", records.EvaluationRecord),
         ("promotions", records.PromotionRecord),
+        ("adapters", records.AdapterRecord),
+        ("adapter_serving", records.AdapterServeRecord),
     )
 }
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: offline environment, a model cache shared by the whole session, temp data roots.
+"""Shared fixtures: temp data roots, the tiny models, one engine and one Prefect harness for the session
+(the offline environment and the model cache come from the repository's conftest.py).
 
 Prefect's test harness is a session fixture that only flow tests request (it costs ~15 s to start).
 """
@@ -10,19 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clawrl.config import apply_offline_env, load_settings
-from clawrl.supervisor import SHARED_CPU_ENV
-
-apply_offline_env()  # before transformers/prefect/mlflow are imported by any test module
-# before torch is imported: tests run engines in threads and services in subprocesses beside each
-# other on 2 cores, where spinning OpenMP threads slow a busy process many times over (the servers
-# `clawrl up` starts get the same setting)
-for _k, _v in SHARED_CPU_ENV.items():
-    os.environ.setdefault(_k, _v)
-
-REPO = Path(__file__).resolve().parent.parent
-# Built/converted models are reused across test runs on one machine (CI starts empty).
-MODEL_CACHE = Path(os.environ.get("CLAWRL_TEST_MODEL_CACHE", REPO / ".cache" / "models"))
+from clawrl.config import load_settings
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,12 +26,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def model_cache() -> Path:
-    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    return MODEL_CACHE
 
 
 @pytest.fixture

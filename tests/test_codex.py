@@ -1,12 +1,13 @@
 """A real Codex CLI session (npm package ``@openai/codex``, its native binary) against ``clawrl serve``.
 
 Runs when ``make codex-test`` has installed Codex CLI into ``.tools/`` (``make test`` then runs it
-too); skips otherwise. Codex is configured with the config.toml ``clawrl serve --print-config codex``
-prints (docs/codex.md): clawrl as a custom model provider over the Responses API (``wire_api =
-"responses"``, the only wire API this Codex speaks), the key from the environment. The served model is ``tiny-long`` (random init, 32k context: Codex's
-own prompt is ~40 KB); the turns that need a capable model - the shell tool call and the answer
-after its output - come from a generate hook (tests/utils/codex_hook.py), everything else from the
-engine.
+too); skips otherwise. Codex is configured with what a user pastes: the config.toml ``clawrl serve
+--print-config codex`` prints (docs/codex.md), run for real and used as printed - clawrl as a custom
+model provider over the Responses API (``wire_api = "responses"``, the only wire API this Codex
+speaks), the context clawrl serves, the key from the environment. The served model is
+``tiny-long`` (random init, 32k context: Codex's own prompt is ~40 KB); the turns that need a
+capable model - the shell tool call and the answer after its output - come from a generate hook
+(tests/utils/codex_hook.py), everything else from the engine.
 
 The task: list the files of a workspace. Codex sends the request (its developer instructions, nine
 tools of which two are not functions, its thread id as ``prompt_cache_key``), runs the ``ls`` the
@@ -24,11 +25,11 @@ import subprocess
 import httpx
 import pytest
 
-from clawrl.gateway.agents import codex_config
-from tests.utils.gateway_process import REPO, agent_serve
+from tests.utils.gateway_process import REPO, agent_serve, printed_config
 
 CODEX = REPO / ".tools/codex/node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl/bin/codex"
 CONTEXT = 32768
+CODEX_RUN_S = 1800  # a generous cap on one `codex exec` (minutes on 2 busy cores)
 
 pytestmark = pytest.mark.skipif(not CODEX.is_file(), reason=(
     "Codex CLI is not installed: `make codex-test` installs it into .tools/ and runs this test"))
@@ -40,20 +41,23 @@ def clawrl_serve(tmp_path, model_cache):
         yield server
 
 
-def run_codex(url: str, tmp_path, *config: str) -> list[dict]:
-    """``codex exec`` asked to list a workspace of two files (``config``: more -c overrides); its JSONL events."""
+def run_codex(server, tmp_path, *config: str) -> list[dict]:
+    """``codex exec`` against ``server`` asked to list a workspace of two files (``config``: more -c
+    overrides); its JSONL events."""
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (workspace / "alpha.txt").write_text("a\n")
     (workspace / "beta.txt").write_text("b\n")
     home = tmp_path / "codex-home"
     home.mkdir()
-    (home / "config.toml").write_text(codex_config(url, "tiny-long", CONTEXT, 64))  # `clawrl serve --print-config codex`
+    printed = printed_config(server, "codex")
+    assert f"model_context_window = {CONTEXT}\n" in printed  # the context clawrl serves
+    (home / "config.toml").write_text(printed)
     env = {**os.environ, "CODEX_HOME": str(home), "CLAWRL_API_KEY": "sk-clawrl", "NO_COLOR": "1"}
     out = subprocess.run([str(CODEX), "exec", "--json", "--skip-git-repo-check", "--sandbox", "danger-full-access",
                           *config,
                           "Please list the files in this directory and tell me the first one."],
-                         cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
+                         cwd=workspace, env=env, capture_output=True, text=True, timeout=CODEX_RUN_S)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
@@ -62,7 +66,7 @@ def test_codex_exec_session_through_clawrl(clawrl_serve, tmp_path):
     from clawrl.storage.catalog import run_query
     from tests.utils.codex_hook import ANSWER
 
-    events = run_codex(clawrl_serve.url, tmp_path)
+    events = run_codex(clawrl_serve, tmp_path)
     items = [e["item"] for e in events if e.get("type") == "item.completed"]
     command = next(i for i in items if i["type"] == "command_execution")
     assert command["command"].endswith("ls") and "alpha.txt" in command["aggregated_output"]
@@ -94,7 +98,7 @@ def test_codex_exec_session_through_clawrl(clawrl_serve, tmp_path):
 
 
 def test_codex_compaction_is_a_side_turn_of_its_thread(clawrl_serve, tmp_path):
-    """Codex compacts when a response's usage passes model_auto_compact_token_limit (its ~12k-token prompt
+    """Codex compacts when a response's usage passes model_auto_compact_token_limit (its ~6.5k-token prompt
     passes 6000 at once): between the tool call and the answer it sends a compaction request
     (request_kind "compaction" in x-codex-turn-metadata), then the turn again with its summary in
     place of the tool call. The compaction is a side turn of the same thread; the tool call's next state
@@ -102,7 +106,7 @@ def test_codex_compaction_is_a_side_turn_of_its_thread(clawrl_serve, tmp_path):
     from clawrl.storage.catalog import run_query
     from tests.utils.codex_hook import ANSWER, SUMMARY
 
-    events = run_codex(clawrl_serve.url, tmp_path, "-c", "model_auto_compact_token_limit=6000")
+    events = run_codex(clawrl_serve, tmp_path, "-c", "model_auto_compact_token_limit=6000")
     items = [e["item"] for e in events if e.get("type") == "item.completed"]
     assert [i["text"] for i in items if i["type"] == "agent_message"] == [ANSWER.format(name="alpha.txt")]
     thread = next(e["thread_id"] for e in events if e.get("type") == "thread.started")

@@ -112,11 +112,11 @@ def test_the_engine_is_http_exactly_when_a_url_names_it():
     assert load_settings(env={"CLAWRL__ENGINE__URL": "http://a:1/"}).engine.kind == "http"
 
 
-def test_at_most_61_settings_and_the_engine_ports_follow_the_gateways():
+def test_at_most_62_settings_and_the_engine_ports_follow_the_gateways():
     """What a user sets fits in their head; the engines `clawrl up` starts take ports from [server] api_port."""
     from clawrl.config import Settings
 
-    assert sum(len(f.annotation.model_fields) for f in Settings.model_fields.values()) <= 61
+    assert sum(len(f.annotation.model_fields) for f in Settings.model_fields.values()) <= 62
     s = load_settings(env={"CLAWRL__SERVER__API_PORT": "41000"})
     assert [s.port(p) for p in ("engine", "judge-engine", "eval-engine", "canary-engine")] == [41010, 41021, 41022,
                                                                                                41023]
@@ -161,7 +161,7 @@ def test_config_show_defaults_is_a_line_a_key_on_two_screens():
     assert 'base_url = ""  # External OpenAI-compatible API, e.g. https://host/v1.' in lines  # "e.g." ends nothing
     assert "# min_gain is unset  # The gain over the champion a candidate needs (unset: not worse is enough)." in lines
     keys = [ln for ln in lines if ln[:1].isalpha() and " = " in ln or " is unset  # " in ln]
-    assert len(keys) == 61  # every setting, each on its own line
+    assert len(keys) == 62  # every setting, each on its own line
 
 
 def test_config_show_defaults_loads_to_the_code_defaults(tmp_path):
@@ -199,3 +199,22 @@ def test_the_scale_layouts_load_with_routers_for_the_policy_and_the_judge_engine
     assert s.engine.url.endswith(":30005") and s.prm.engine_url.endswith(":30006")
     text = (Path(__file__).parents[1] / "conf" / name).read_text()
     assert text.count("sglang_router.launch_router") == 2 and "--port 30005" in text and "--port 30006" in text
+
+
+def test_per_namespace_adapters_switch_from_the_environment_with_a_default_rank_and_no_megatron():
+    s = load_settings(env={})
+    assert (s.ppo.adapters, s.ppo.lora_rank) == ("shared", 0)  # today's behaviour: one shared policy
+    s = load_settings(env={"CLAWRL__PPO__ADAPTERS": "namespace"})
+    assert (s.ppo.adapters, s.ppo.adapter_rank) == ("namespace", 16)  # lora_rank 0: the default rank
+    assert load_settings(env={"CLAWRL__PPO__ADAPTERS": "namespace", "CLAWRL__PPO__LORA_RANK": "4"}).ppo.adapter_rank == 4
+    with pytest.raises(ConfigError) as e:
+        load_settings(env={"CLAWRL__PPO__ADAPTERS": "namespace", "CLAWRL__PPO__BACKEND": "megatron"})
+    assert str(e.value) == (
+        "env CLAWRL__PPO__ADAPTERS, env CLAWRL__PPO__BACKEND: [ppo]: ppo.adapters = 'namespace' trains LoRA adapters "
+        "with the torch backend only, not ppo.backend = 'megatron': set ppo.backend = 'torch', or ppo.adapters = 'shared'")
+    with pytest.raises(ConfigError, match=r"env CLAWRL__PPO__ADAPTERS: \[ppo\] adapters = 'user': Input should be "
+                                          r"'shared' or 'namespace'"):
+        load_settings(env={"CLAWRL__PPO__ADAPTERS": "user"})
+    with pytest.raises(ConfigError, match=r"env CLAWRL__PPO__ADAPTERS, env CLAWRL__GATE__CANARY_SHARE: \[gate\] "
+                                          r"canary_share .* set canary_share = 0"):
+        load_settings(env={"CLAWRL__PPO__ADAPTERS": "namespace", "CLAWRL__GATE__CANARY_SHARE": "0.2"})

@@ -1,6 +1,7 @@
 """The README and the guides say only what exists and stay short enough to read: every relative link names
-a file of the repo, every `clawrl ...` command (and each of its --options) is one the CLI has, every `make`
-target one the Makefile has; the README and the results page keep their length limits."""
+a file of the repo, every `clawrl ...` command (and each of its --options) named in the text is one the CLI
+has, every `make` target one the Makefile has; the README and the results page keep their length limits.
+The pages' fenced blocks are run, or parsed where they are skipped, by the doc examples (conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,12 @@ RESULTS_MAX_LINES = 400  # docs/benchmarks.md: each benchmark's latest result; s
 
 
 def _commands(text: str) -> list[str]:
-    """What a page shows to run: inline `code` spans, and the lines of fenced ``bash`` blocks (others hold
-    config files and code, where "clawrl" is just a word)."""
-    bash = [line for b in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, re.S) for line in b.splitlines()]
-    inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
-    return inline + bash
+    """What a page's text names to run: its inline `code` spans (its fenced blocks run as doc examples)."""
+    return re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
 
 
 def _clawrl_invocations(text: str) -> list[list[str]]:
-    """Each `clawrl WORD [WORD] [--opt ...]` a page shows to run, as its words (up to a pipe, a semicolon,
+    """Each `clawrl WORD [WORD] [--opt ...]` a page's text names, as its words (up to a pipe, a semicolon,
     a comment or a redirection)."""
     found = []
     for command in _commands(text):
@@ -68,6 +66,16 @@ def test_every_clawrl_command_and_option_shown_exists(page):
             if opt.startswith("--") and opt not in options and opt != "--help":
                 problems.append(f"clawrl {' '.join(words)}: {cmd.name} has no option {opt}")
     assert not problems, "\n".join(problems)
+
+
+def test_every_code_block_is_in_a_language_the_doc_examples_run():
+    """A block in another language (``sh``, ``py``) would be shown to users and never run; ``text`` and unlabelled
+    blocks are pictures and output."""
+    from tests.utils.doc_examples import EVALUATORS
+
+    for page in PAGES:
+        fences = re.findall(r"^ *```(\S*)", page.read_text(), re.M)[::2]  # opening fences: every other one
+        assert set(fences) <= {*EVALUATORS, "text", ""}, f"{page.name}: {fences}"
 
 
 def test_every_make_target_the_readme_names_exists():

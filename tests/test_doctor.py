@@ -142,7 +142,25 @@ def test_trained_but_never_synced_and_a_failing_sync_are_stale_serving(tmp_path)
                                 created_at=T0 + timedelta(seconds=6))])
     serving = findings(tmp_path)["serving"]
     assert not serving.ok and serving.summary.endswith("versions 2 not served")
-    assert serving.cause == "the last sync failed: engine refused: out of memory"
+    assert serving.cause == "the last sync failed (2026-12-01 12:00:06 UTC, version 2 -> http://e): engine refused: " \
+                            "out of memory"
+
+
+def test_failed_syncs_stay_a_finding_after_a_later_sync_went_through(tmp_path):
+    """A failed attempt (a rollback to pruned weights, an engine that was down) is not 'no problems'
+    once the next sync serves: the doctor says how many failed and the newest one's reason."""
+    sync = lambda i, v, ok, error, serving: SyncRecord(  # noqa: E731
+        f"y{i}", v, "http://e", ok, False, error, serving, f"/c/v{int(v):06d}", None, T0, 0.5,
+        created_at=T0 + timedelta(seconds=i))
+    write(tmp_path, [turn(0, "s", 0), CheckpointRecord("1", 1, "b1", "0", "/c/v000001", "ab", None),
+                     CheckpointRecord("2", 2, "b2", "1", "/c/v000002", "cd", None),
+                     sync(1, "1", True, None, "1"), sync(2, "2", False, "engine stopped answering", "1"),
+                     sync(3, "2", True, None, "2")])
+    serving = findings(tmp_path)["serving"]
+    assert not serving.ok and serving.summary == "newest checkpoint v2, serving 2; 1 of 3 syncs failed"
+    assert serving.cause == ("the newest failed sync (2026-12-01 12:00:02 UTC, version 2 -> http://e): engine stopped "
+                             "answering; the syncs after it went through")
+    assert "nothing waits for a sync now" in serving.fix
 
 
 def test_batches_whose_rewards_are_all_equal_carry_no_signal(tmp_path):
@@ -260,25 +278,52 @@ def test_traffic_fails_on_no_turns_and_on_side_turns_only(tmp_path):
     assert findings(tmp_path)["traffic"].ok
 
 
-def test_status_shows_the_live_score_of_the_last_versions(tmp_path):
+def _status(root) -> str:
+    """`clawrl status` on ``root`` (the environment names it), the table's cells on one line."""
     from typer.testing import CliRunner
 
     from clawrl.cli import app
+
+    out = CliRunner().invoke(app, ["status"], env={"CLAWRL__STORAGE__DATA_ROOT": str(root)})
+    assert out.exit_code == 0, out.output
+    return re.sub(r"[│\s]+", " ", out.output)  # the table wraps to the console's width
+
+
+def _default_hash(root) -> str:
     from clawrl.config import load_settings
     from clawrl.judge.runner import build_judge_config_hash
 
-    env = {"CLAWRL__STORAGE__DATA_ROOT": str(tmp_path)}
-    chash = build_judge_config_hash(load_settings(env=env))
+    return build_judge_config_hash(load_settings(env={"CLAWRL__STORAGE__DATA_ROOT": str(root)}))
+
+
+def test_status_shows_the_live_score_of_the_first_and_the_last_versions(tmp_path):
+    chash = _default_hash(tmp_path)
     recs = []
     for i, (version, score) in enumerate([("0", -1), ("0", 1), ("1", 1), ("2", 1), ("3", -1), ("3", 1)]):
         recs += [turn(i, f"s{i}", 0, version),
                  JudgeVerdict(f"t{i}", chash, "rule", score, "majority", [score], "[]"),
                  FateRecord(f"t{i}", f"s{i}", chash, "sample", "")]
     write(tmp_path, recs)
-    out = CliRunner().invoke(app, ["status"], env=env)
-    assert out.exit_code == 0, out.output
-    flat = re.sub(r"[│\s]+", " ", out.output)  # the table wraps to the console's width
-    assert "live judged score by version v1 +1.00 (n=1), v2 +1.00 (n=1), v3 +0.00 (n=2)" in flat
+    assert "live judged score by version v0 +0.00 (n=2), v1 +1.00 (n=1), v2 +1.00 (n=1), v3 +0.00 (n=2)" in \
+        _status(tmp_path)
+    write(tmp_path, [turn(9, "s9", 0, "4"), JudgeVerdict("t9", chash, "rule", -1, "majority", [-1], "[]"),
+                     FateRecord("t9", "s9", chash, "sample", "")])
+    # five versions: the first (where learning started) and the newest three
+    assert "by version v0 +0.00 (n=2), ..., v2 +1.00 (n=1), v3 +0.00 (n=2), v4 -1.00 (n=1)" in _status(tmp_path)
+
+
+def test_status_counts_every_turn_in_one_row(tmp_path):
+    """judged + awaiting next state + pending judgment + side turns not yet marked = the turns logged."""
+    chash = _default_hash(tmp_path)
+    nxt = lambda i, has: NextStateRecord(f"t{i}", f"s{i}", 0, has, "[]" if has else None,  # noqa: E731
+                                         "next_request" if has else "session_done")
+    write(tmp_path, [turn(0, "s0", 0), FateRecord("t0", "s0", chash, "sample", ""),  # judged
+                     turn(1, "s1", 0, turn_type="side"), FateRecord("t1", "s1", chash, "side_turn", ""),  # judged
+                     turn(2, "s2", 0),  # no next state yet
+                     turn(3, "s3", 0), nxt(3, True), turn(4, "s4", 0), nxt(4, False),  # ready for the judge
+                     turn(5, "s5", 0, turn_type="side"), turn(6, "s6", 0, turn_type="side")])  # side, not yet marked
+    assert ("turns (main / side) 7 (4 / 3) judged 2 main, awaiting next state 1 main, pending judgment 2 side, not "
+            "yet marked by the judge 2 ") in _status(tmp_path)
 
 
 def test_status_shows_checkpoints_that_no_sync_ever_served_as_waiting(tmp_path):

@@ -52,7 +52,13 @@ def test_with_min_gain_only_a_gain_beyond_it_is_promoted():
     cand, champ = [1, 1, 1, 0], [0.5, 1, 1, 0]
     gain = decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.0)
     assert gain.promoted and gain.mean_diff == 0.125
-    assert gain.reason.startswith("better than the champion by more than min_gain 0: candidate 0.750 vs champion 0.625")
+    # s² = (0.375² + 3 x 0.125²) / 3 = 0.0625, se = 0.25 / 2 = 0.125, t = 1; for 3 degrees of freedom
+    # F(1) = 1/2 + (x / (1 + x²) + atan x) / π, x = 1/√3: 0.5 + (0.433013 + π/6) / π = 0.804498; half width
+    # 3.18245 x 0.125 = 0.39781. The p is the "worse" test's (the only one made): "not worse", never "better"
+    assert gain.p_value == pytest.approx(0.804498, abs=1e-6)
+    assert gain.reason == ("not worse, and ahead of the champion by more than min_gain 0: candidate 0.750 vs champion "
+                           "0.625 on 4 prompts, difference +0.125 (95% interval -0.273 .. +0.523, one-sided p 0.804 "
+                           "for 'worse')")
     assert decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.1).promoted
     assert not decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.125).promoted
     # the refusing clauses come first: a gain over a champion that slipped below the floor is still refused

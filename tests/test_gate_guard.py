@@ -24,7 +24,7 @@ def test_a_guarded_group_refuses_a_candidate_that_gained_overall():
     assert d.reason.startswith("below the initial model on guarded group 'plain': 0.750 vs 1.000 (guard_tolerance 0)")
     # within the guard's tolerance the gain decides
     ok = decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, min_gain=0.0, guards=[plain], guard_tolerance=0.25)
-    assert ok.promoted and ok.reason.startswith("better than the champion by more than min_gain 0")
+    assert ok.promoted and ok.reason.startswith("not worse, and ahead of the champion by more than min_gain 0")
     # level with the initial model passes; the first failing guard is the one named
     level = [Guard("tools", 0.5, 0.5), Guard("plain", 0.7, 0.8), Guard("chat", 0.0, 0.9)]
     assert decide_promotion(cand, champ, tolerance=0.05, alpha=0.05, guards=level[:1]).promoted

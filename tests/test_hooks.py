@@ -75,7 +75,7 @@ def test_reward_loss_and_sample_source_hooks_end_to_end(prefect_harness, make_se
     store.close()
     out = judge_flow(config_path=str(conf))
     assert out["fates"]["sample"] == 2
-    scores = run_query(s.storage.data_root, """select t.session_id, j.score, j.judge_backend from judgments j
+    scores = run_query(s.storage.data_root, """select t.session_id, j.score, j.judge_backend from verdicts j
                        join turns t using (turn_id) order by 1""").to_pylist()
     assert scores == [{"session_id": "a", "score": 1, "judge_backend": "hook"},
                       {"session_id": "b", "score": -1, "judge_backend": "hook"}]

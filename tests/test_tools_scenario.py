@@ -156,19 +156,17 @@ def test_one_step_of_the_tools_demo_end_to_end(tmp_path, model_cache):
     assert (run / "reports" / "learning_curve.png").stat().st_size > 10_000
     from clawrl.lineage import client as mlflow_client, log_policy_point
 
-    # the held-out rates also sit on the policy run, at step = the weight version each row measured (a
-    # refused candidate's rates are not measured in the tools scenario)
+    # the served held-out rates also sit on the policy run, at step = the weight version each row decided on
     policy = log_policy_point(run, 0, {})
-    history = mlflow_client(run).get_metric_history(policy, "heldout_tool_use")
-    assert [m.step for m in history] == sorted({int(r.get("candidate_version") or r["weight_version"]) for r in rows
-                                                if r.get("gate", "promote") == "promote"})
+    history = mlflow_client(run).get_metric_history(policy, "served_tool_use")
+    assert [m.step for m in history] == sorted({int(r.get("candidate_version") or r["weight_version"]) for r in rows})
     assert [m.value for m in history] == pytest.approx([1 / 3] * len(history))
 
     from clawrl.storage.catalog import open_catalog
 
     with open_catalog(run) as con:
         verdicts = con.execute("""
-            select t.request_messages, t.tool_calls, v.score, v.hint from turns t join judgments v using (turn_id)
+            select t.request_messages, t.tool_calls, v.score, v.hint from turns t join verdicts v using (turn_id)
             where t.turn_type = 'main'""").fetchall()
         demos = con.execute("""
             select s.output_ids, s.reward, s.has_teacher from samples s join turns t using (turn_id)

@@ -30,10 +30,10 @@ OFFLINE_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multipl
 Z95 = 1.959964  # the standard normal's 97.5% quantile
 
 
-# a request waits for the engine this long: BFCL keeps max_batch_size requests in flight, and a batch of
-# 256-token answers to long prompts takes minutes on a busy 2-core CPU (the gateway's default, 120 s, turned
-# them into 504s, which BFCL scores as answers without a call: right on irrelevance)
-REQUEST_TIMEOUT_S = 1800.0
+# a request waits for the engine's first token this long: BFCL keeps max_batch_size requests in flight, and a
+# batch of 256-token answers to long prompts takes minutes on a busy 2-core CPU (the gateway's default, 120 s,
+# turned them into 504s, which BFCL scores as answers without a call: right on irrelevance)
+STALL_TIMEOUT_S = 1800.0
 TEMPERATURE = 0.001  # BFCL's own default for every model; with the handler's fixed seed, near-greedy answers
 
 
@@ -89,7 +89,7 @@ def run_side(settings, model_dir: Path, root: Path, label: str, ids: dict[str, l
     log = root / f"{label}.log"
     # the model's whole context (live_multiple's longest prompts need ~4k tokens): a prompt beyond it is an error
     context = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
-    with gateway_on(settings, model_dir, max_context_len=context, request_timeout_s=REQUEST_TIMEOUT_S) as url:
+    with gateway_on(settings, model_dir, max_context_len=context, stall_timeout_s=STALL_TIMEOUT_S) as url:
         proc = _bfcl(root, log, "generate", "--model", REGISTRY_NAME, "--run-ids", "--result-dir", label,
                      "--temperature", str(TEMPERATURE), "--num-threads", str(settings.engine.max_batch_size),
                      "--allow-overwrite", base_url=url + "/v1")

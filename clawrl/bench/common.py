@@ -1,7 +1,7 @@
 """Shared by every benchmark: the machine and device it ran on, best-of-N timing, free ports and
-`clawrl serve` / `clawrl engine` child processes, markdown tables, and replacing one section of
-``docs/benchmarks.md`` while leaving the others alone (each benchmark owns the text between its own
-``<!-- NAME-bench:start -->`` / ``<!-- NAME-bench:end -->`` markers)."""
+`clawrl serve` / `clawrl engine` child processes, markdown tables, the verdicts on stated targets, and
+replacing one section of ``docs/benchmarks.md`` while leaving the others alone (each benchmark owns the
+text between its own ``<!-- NAME-bench:start -->`` / ``<!-- NAME-bench:end -->`` markers)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from clawrl.bench import cpu_model
-from clawrl.config import ServerSettings, child_env
+from clawrl.config import ServerSettings, Settings, child_env
+from clawrl.config_sections import EngineSettings
 from clawrl.models import resolve_dtype
 from clawrl.supervisor import Service
 
@@ -43,23 +45,31 @@ def machine_line(device: str, dtype: str) -> str:
             f"({torch.get_num_threads()} threads); device {device} ({name}), {dtype}; {date}.")
 
 
+def gateway_settings(settings: Settings, model_dir: Path, data_root: Path, **engine: Any) -> Settings:
+    """The settings of a bench's own gateway (:func:`gateway_on`): an embedded engine of ``model_dir``
+    itself (never the config's HTTP engine, nor a checkpoint of a run), ``engine`` on top of the
+    config's ``[engine]`` (validated: a key it lacks is an error), its turns under ``data_root``, and
+    open: it answers the bench's own clients on loopback, which carry no key of the user's."""
+    return settings.model_copy(update={
+        "model": settings.model.model_copy(update={"name": str(model_dir)}),
+        "engine": EngineSettings.model_validate({**settings.engine.model_dump(), **engine, "url": ""}),
+        "server": settings.server.model_copy(update={"open_mode": True}),
+        "storage": settings.storage.model_copy(update={"data_root": Path(data_root)})})
+
+
 @contextlib.contextmanager
-def gateway_on(settings, model_dir: Path, **engine: Any):
-    """A gateway on an embedded engine of ``model_dir`` itself (no checkpoint of a run: a throwaway data
-    root, where the answers are logged like any turns, then dropped), ``engine`` on top of the config's
-    ``[engine]``; yields its URL."""
+def gateway_on(settings: Settings, model_dir: Path, **engine: Any):
+    """A gateway of :func:`gateway_settings` on loopback (a throwaway data root, where the answers are
+    logged like any turns, then dropped), without API keys whatever the environment holds; yields its URL."""
     from clawrl.gateway.routes import build_engine, create_app
     from clawrl.serving import serve_in_thread
     from clawrl.storage.writer import DataStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        s = settings.model_copy(update={
-            "model": settings.model.model_copy(update={"name": str(model_dir)}),
-            "engine": settings.engine.model_copy(update={"kind": "embedded", **engine}),  # these weights, in process
-            "storage": settings.storage.model_copy(update={"data_root": Path(tmp)})})
+        s = gateway_settings(settings, model_dir, Path(tmp), **engine)
         served, tokenizer = build_engine(s)
         store = DataStore(tmp)
-        gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store))
+        gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store, api_keys=[]))
         try:
             yield gw.url
         finally:
@@ -132,6 +142,34 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target a benchmark states: ``key`` of the row of ``system`` at ``concurrency`` is at least ``minimum``."""
+
+    text: str
+    system: str
+    concurrency: int
+    key: str
+    minimum: float
+
+
+def target_lines(rows: list[dict[str, Any]], targets: tuple[Target, ...], models: list[str]) -> list[str]:
+    """One line per model of ``models``, each target on it MET or NOT MET with the measured value, or NOT
+    MEASURED when the run has no such row (another concurrency, a model left out) or the row no such value."""
+    lines = []
+    for model in models:
+        verdicts = []
+        for t in targets:
+            row = next((r for r in rows if (r["model"], r["system"], r["concurrency"]) == (model, t.system,
+                                                                                           t.concurrency)), None)
+            value = None if row is None else row.get(t.key)
+            verdict = "NOT MEASURED" if value is None else \
+                f"{'MET' if value >= t.minimum else 'NOT MET'} ({t.key} {value:.3g})"
+            verdicts.append(f"{t.text} ({t.key} >= {t.minimum:g}): {verdict}")
+        lines.append(f"- Targets ({model}): " + "; ".join(verdicts) + ".")
+    return lines
 
 
 def write_section(name: str, body: str, path: Path) -> Path:

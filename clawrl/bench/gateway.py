@@ -89,8 +89,8 @@ async def _measure(direct_url: str, gateway_url: str, prompts: list[tuple[list[d
                 await r.read()
 
         async def via_gateway():
-            body = {"messages": next(gateway_prompts)[0], "max_tokens": max_tokens, "temperature": 0.0,
-                    "turn_type": "side"}
+            body = {"model": "clawrl-policy", "messages": next(gateway_prompts)[0], "max_tokens": max_tokens,
+                    "temperature": 0.0, "turn_type": "side"}
             async with http.post(gateway_url + "/v1/chat/completions", json=body) as r:
                 await r.read()
                 own.append(gateway_own_s(r.headers.get("server-timing", "")))

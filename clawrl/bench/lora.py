@@ -247,7 +247,15 @@ def format_lora_section(result: dict[str, Any]) -> str:
                  "the passes after a first).", "",
                  markdown_table([result["sync"]], ["adapter_s", "adapter_median_s", "full_s", "full_median_s", "ratio",
                                                    "adapter_mb", "full_mb", "load_1m"]), ""]
-    aim = "0.85 on CUDA (Qwen3-0.6B-shaped, 64 in flight, 16 adapters)" if cuda else \
-        "0.8 on the CPU (smollm2-135m, 16 in flight, 8 adapters)"
-    body.append(f"- Targets: throughput ratio >= {aim}; no failed request; an adapter sync <= 10% of a full one.")
+    aim = 0.85 if cuda else 0.8  # the issue's: Qwen3-0.6B-shaped at 64 in flight with 16 adapters; smollm2 at 16 with 8
+
+    def verdict(text: str, value: float | None, ok) -> str:
+        return f"{text}: " + ("NOT MEASURED" if value is None else f"{'MET' if ok(value) else 'NOT MET'} ({value:g})")
+
+    body.append("- Targets: " + "; ".join([
+        verdict(f"adapters at {t['concurrency']} in flight >= {aim:g}x the base (ratio)", t["ratio"],
+                lambda v: v >= aim),
+        verdict("no failed request (failed)", result.get("cold", {}).get("failed"), lambda v: v == 0),
+        verdict("an adapter sync <= 10% of a full one (ratio)", result.get("sync", {}).get("ratio"),
+                lambda v: v <= 0.1)]) + ".")
     return "\n".join(body)

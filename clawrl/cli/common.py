@@ -6,7 +6,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -27,6 +27,25 @@ err = Console(stderr=True)
 
 ConfigOpt = Annotated[
     Optional[Path], typer.Option("--config", "-c", help="TOML overlay on the defaults (`clawrl config show --defaults`).")
+]
+RUN_CONFIG = "config.toml"  # in a data root: the settings of the run that wrote it (`clawrl demo` writes one)
+
+
+def run_config(config: Path | None) -> Path | None:
+    """``config`` when given; else the run's own settings in the data root that the defaults and the
+    environment name (``<data_root>/config.toml``) when it holds them: read with other settings, the
+    data would be counted under another judge config and model. None: the defaults."""
+    if config is not None:
+        return config
+    found = settings_or_exit(None).storage.data_root / RUN_CONFIG
+    return found if found.is_file() else None
+
+
+# the commands that read or act on a data root's records: without -c they read the run's own settings
+RunConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", callback=run_config, help=(
+        "TOML overlay on the defaults (`clawrl config show --defaults`); default: the data root's own config.toml "
+        "when it has one (a demo's run)."))
 ]
 
 
@@ -70,7 +89,17 @@ def data_root_line(s: Settings, config: Path | None) -> str:
     origin = setting_origin(config, "storage", "data_root")
     where = ("the default; -c CONFIG or CLAWRL__STORAGE__DATA_ROOT reads another" if origin == "defaults" else
              f"from {origin}")
+    own = s.storage.data_root / RUN_CONFIG
+    if config is not None and Path(config).expanduser().resolve() == own and origin != str(own):
+        where += f"; settings from its {RUN_CONFIG}"
     return f"data root {s.storage.data_root} ({where})"
+
+
+def require_data_root(s: Settings, config: Path | None) -> None:
+    """Exit with one line when the data root a reading command would read does not exist (a mistyped
+    path, the default where the run wrote elsewhere): its counts would all be zeros."""
+    if not Path(s.storage.data_root).is_dir():
+        fail(f"{data_root_line(s, config)} does not exist: nothing was recorded there")
 
 
 def use_data_root_prefect(s: Settings) -> str:
@@ -79,10 +108,7 @@ def use_data_root_prefect(s: Settings) -> str:
     own), else a temporary server on the data root's Prefect home (``<data_root>/prefect``, the
     database `clawrl up` and `clawrl demo` use too). A ``PREFECT_API_URL`` already set wins.
     Returns the API or home used, for the user."""
-    import json
     import os
-
-    import httpx
 
     from clawrl.config import use_prefect_home
 
@@ -90,14 +116,52 @@ def use_data_root_prefect(s: Settings) -> str:
     use_prefect_home(root / "prefect")
     if os.environ.get("PREFECT_API_URL"):
         return os.environ["PREFECT_API_URL"]
+    if api := up_prefect_api(root):
+        os.environ["PREFECT_API_URL"] = api
+        return api
+    return str(root / "prefect")  # no `clawrl up` here, or it is gone: this command's own temporary server
+
+
+def up_prefect_api(data_root: Path) -> str | None:
+    """The Prefect API of the `clawrl up` running on ``data_root`` (its ``up.pids.json``), when it answers."""
+    import json
+
+    import httpx
+
     try:
-        api = json.loads((root / "up.pids.json").read_text())["prefect_api_url"]
-        if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-            os.environ["PREFECT_API_URL"] = api
-            return api
+        api = json.loads((Path(data_root) / "up.pids.json").read_text())["prefect_api_url"]
+        return api if httpx.get(f"{api}/health", timeout=2).status_code == 200 else None
     except (OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
-        pass  # no `clawrl up` here, or it is gone: this command's own temporary server
-    return str(root / "prefect")
+        return None
+
+
+def run_in_up(s: Settings, deployment: str, parameters: dict) -> Any | None:
+    """When a `clawrl up` runs on the data root (and ``PREFECT_API_URL`` names no other server): a run of its
+    ``deployment`` (``clawrl.flows.slots``) with ``parameters`` on top of the deployment's, which `up`'s
+    flow server executes with the models it holds; waited for, where to watch it printed first. Returns
+    the finished flow run; None when no `clawrl up` answers (the caller runs the flow itself)."""
+    import os
+
+    api, other = up_prefect_api(Path(s.storage.data_root)), os.environ.get("PREFECT_API_URL")
+    if api is None or (other and other.rstrip("/") != api.rstrip("/")):
+        return None
+    use_data_root_prefect(s)  # PREFECT_API_URL: up's
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(deployment, parameters=parameters, timeout=0)  # created; waited for below
+    console.print(f"submitted a run of {deployment} to the `clawrl up` running on {s.storage.data_root}, with its "
+                  f"settings ({run.parameters.get('config_path')}); watch it at "
+                  f"{api.removesuffix('/api')}/runs/flow-run/{run.id}", markup=False, highlight=False, soft_wrap=True)
+    with err.status(f"waiting for the {deployment} run"), get_client(sync_client=True) as client:
+        while not (run := client.read_flow_run(run.id)).state.is_final():
+            time.sleep(UP_POLL_S)
+    return run
+
+
+UP_POLL_S = 1.0  # how often a command waiting for a run in `clawrl up` asks how it stands
 
 
 @contextlib.contextmanager
@@ -108,6 +172,12 @@ def data_root_prefect(s: Settings) -> Iterator[str]:
     Yields the Prefect API URL the flows report to."""
     import os
 
+    from clawrl.storage.writer import DataRootError, check_data_root
+
+    try:  # a data root that cannot be made or written: one line, not a traceback from Prefect's home
+        check_data_root(s.storage.data_root)
+    except DataRootError as e:
+        fail(f"storage error: {e}")
     where = use_data_root_prefect(s)
     with contextlib.ExitStack() as stack:
         if not os.environ.get("PREFECT_API_URL"):
@@ -169,7 +239,7 @@ def chatter_to_log(path: Path) -> Iterator[Path]:
 
 @config_app.command("show")
 def config_show(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     defaults: Annotated[bool, typer.Option("--defaults", help="The defaults, each key with the first sentence "
                                                               "of its description.")] = False,
     full: Annotated[bool, typer.Option("--full", help="With --defaults: each key under its whole description "

@@ -10,20 +10,20 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url, settings_or_exit,
-                               sync_command)
+from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url,
+                               require_data_root, settings_or_exit, sync_command, warn)
 
 
 @app.command("sql")
 def sql(
-    query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, judgments, samples, "
+    query: Annotated[str, typer.Argument(help="SQL over the views turns, next_states, verdicts, samples, "
                                                "turn_fate, batches, checkpoints, syncs, evaluations, promotions, "
-                                               "judgment_attempts, turn_outcomes, learning_by_version "
+                                               "verdict_attempts, turn_outcomes, learning_by_version "
                                                "(storage/catalog.py).")],
     fmt: Annotated[Literal["table", "csv", "json", "parquet"], typer.Option("--format", "-f",
                                                                            help="parquet needs --out.")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None,
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
 ) -> None:
     """Query the recorded data with DuckDB, read-only: queries only, no file access outside the tables."""
     import duckdb
@@ -32,19 +32,22 @@ def sql(
 
     if fmt == "parquet" and out is None:
         fail("--format parquet needs --out FILE")
+    if not query.strip():
+        fail('no query: give one, e.g. clawrl sql "select count(*) from turns"')
     s = settings_or_exit(config)
-    data_root = s.storage.data_root
+    data_root = s.storage.data_root  # one that does not exist answers with empty views, under its name
     err.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)  # stdout: the result only
     try:
         result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
     except (duckdb.Error, ReadOnlyQueryError) as e:
-        fail(str(e))
+        renamed = [f"{old} is now {new}" for old, new in RENAMED_VIEWS.items() if f"name {old} does" in str(e)]
+        fail(one_line(str(e)) + "".join(f" (the view {x})" for x in renamed))
     if fmt != "table":
         text = export_table(result, fmt, out)
         if text is not None:
             typer.echo(text, nl=False)
         return
-    view = Table(caption=f"{result.num_rows} rows")
+    view = Table(caption=f"{result.num_rows} row{'' if result.num_rows == 1 else 's'}")
     for name in result.column_names:
         view.add_column(Text(name))
     for row in result.to_pylist():
@@ -59,15 +62,26 @@ def sql(
             Console(file=f, width=200).print(view)
 
 
+RENAMED_VIEWS = {"judgments": "verdicts", "judgment_attempts": "verdict_attempts"}  # named as their table now
+
+
+def one_line(message: str) -> str:
+    """DuckDB's error on one line: its query echo ('LINE 1: ...') and the caret under it left out, the
+    rest (the error, 'Did you mean "verdicts"?') joined."""
+    lines = [x.strip() for x in message.splitlines()]
+    return " ".join(x for x in lines if x and not x.startswith("LINE ") and set(x) != {"^"})
+
+
 @app.command("status")
-def status(config: ConfigOpt = None) -> None:
+def status(config: RunConfigOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons, the
     latest checkpoint, the version served, the last weight sync and the checkpoint waiting to be served."""
     s = settings_or_exit(config)
+    require_data_root(s, config)
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
-    from clawrl.doctor import learning_by_version
+    from clawrl.doctor import judge_config_finding, learning_by_version
     from clawrl.storage.promotions import consecutive_refusals, promotion_log
 
     chash = build_judge_config_hash(s)
@@ -75,17 +89,21 @@ def status(config: ConfigOpt = None) -> None:
         c = pending_counts(con, chash, s.ppo.rollout_batch_size)
         latest = find_checkpoint(con)
         st = sync_state(con)
-        versions = learning_by_version(con, chash)[-3:]
+        versions = learning_by_version(con, chash)
         log, consecutive = promotion_log(con), consecutive_refusals(con)
+        judged_under = judge_config_finding(con, chash)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    if not judged_under.ok:
+        warn(f"judge config mismatch: {judged_under.summary}; {judged_under.fix}")
     t = Table(title=f"clawrl status (judge config {chash})", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")
-    rows = [
+    rows = [  # every turn is counted in one of the four rows after the first
         ("turns (main / side)", f"{c['turns']} ({c['main_turns']} / {c['side_turns']})"),
-        ("awaiting next state", c["awaiting_next_state"]),
-        ("pending judgment", c["pending_judgment"] + c["pending_no_next_state"]),
         ("judged", c["judged"]),
+        ("main, awaiting next state", c["awaiting_next_state"]),
+        ("main, pending judgment", c["pending_judgment"] + c["pending_no_next_state"]),
+        ("side, not yet marked by the judge", c["side_unmarked"]),
         ("trainable samples waiting", f"{c['trainable']} / rollout_batch_size {c['rollout_batch_size']}"),
         ("samples consumed by batches", f"{c['consumed']} in {c['batches']} batches"),
     ]
@@ -96,9 +114,10 @@ def status(config: ConfigOpt = None) -> None:
     served = served_version(s, st)
     rows.append(("served version", f"{served['version']} ({served['source']})"))
     rows += [(f"  excluded: {fate}", n) for fate, n in sorted(c["fates"].items()) if fate != "sample"]
-    if versions:  # learning as users see it (clawrl doctor has the rest)
-        rows.append(("live judged score by version", ", ".join(f"v{r['weight_version']} {r['mean_score']:+.2f} "
-                                                               f"(n={r['n']})" for r in versions)))
+    if versions:  # learning as users see it: the first version and the newest three (clawrl doctor has all)
+        shown = [f"v{r['weight_version']} {r['mean_score']:+.2f} (n={r['n']})" for r in versions]
+        rows.append(("live judged score by version", ", ".join(shown if len(shown) <= 4 else
+                                                               [shown[0], "...", *shown[-3:]])))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
@@ -192,6 +211,26 @@ def promotion_line(log: list[dict], consecutive: int) -> str:
     return f"{head}, {verb} {DECIDED_BY.get(last['source'], 'by ' + last['source'])}{on} ({last['reason']})"
 
 
+def promotion_note(log: list[dict], line: list[str], unserved: set[str], version: str) -> str:
+    """What the gate and the promotions (``log``, the champion ``line``, the ``unserved`` versions) made
+    of ``version``, e.g. 'refused by the gate (worse by more than the tolerance 0.05), not served; the
+    champion is version 3'."""
+    rows = [r for r in log if str(r["weight_version"]) == version]
+    if version == line[-1]:
+        done = {"promote": "promoted", "rollback": "rolled back to"}
+        how = f" ({done[rows[-1]['action']]} {DECIDED_BY.get(rows[-1]['source'], 'by ' + rows[-1]['source'])})" \
+            if rows and rows[-1]["action"] in done else ""
+        return f"the champion{how}"
+    champion = f"the champion is version {line[-1]}"
+    if rows and rows[-1]["action"] == "refuse" and version in unserved:
+        return f"refused by the gate ({rows[-1]['reason'].split(':')[0]}), not served; {champion}"
+    if version in unserved:
+        return f"rolled back from, not served; {champion}"
+    if not rows:
+        return f"no promotion decision recorded yet, not served; {champion}"
+    return f"served as champion before; {champion}"
+
+
 # a promotions row's source, as the status line says who decided
 DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live check",
               "ungated": "without the gate"}
@@ -201,13 +240,14 @@ DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live c
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="The findings and the per-version scores as JSON.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the per-version scores into this PNG.")] = None,
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
 ) -> None:
     """Why the run is or is not learning: each stage from logged turns to served weights checked,
     with the cause and the fix of each problem, and the judged score of live turns per weight version."""
     import json
 
     s = settings_or_exit(config)
+    require_data_root(s, config)
     from clawrl.doctor import plot_learning_by_version, report, settings_checks
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
@@ -248,17 +288,19 @@ def doctor(
 @app.command("lineage")
 def lineage(
     version: Annotated[str, typer.Argument(help="A weight version, e.g. 3, or 'latest'.")],
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     replay: Annotated[Optional[str], typer.Option(help="A version of this replay (its id, as `clawrl replay` "
                                                        "printed it), not of the training run.")] = None,
 ) -> None:
     """What trained a version: its batches -> sessions (NAMESPACE:SESSION_ID) -> turns, with MLflow runs and
     checkpoint hashes."""
     s = settings_or_exit(config)
+    require_data_root(s, config)
     from rich.tree import Tree
 
     from clawrl.checkpoint import short_digest
     from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
     from clawrl.storage.queries import latest_version, lineage_chain
 
     root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
@@ -273,6 +315,7 @@ def lineage(
         chain = lineage_chain(con, version)
         children = [r[0] for r in con.execute("SELECT DISTINCT weight_version FROM checkpoints WHERE "
                                               "parent_version = '0' ORDER BY step").fetchall()]
+        notes = (promotion_log(con), champion_stack(con), unserved_versions(con)) if replay is None else None
     if version == "0":  # no checkpoint: the weights every run starts from
         trained = f"versions trained from it: {', '.join(children)}" if children else "no version trained from it yet"
         console.print(f"weight_version 0{'' if replay is None else f' of replay {replay}'} = the initial weights of "
@@ -282,7 +325,8 @@ def lineage(
     if not chain:
         fail(f"no checkpoint with weight_version {version!r} in {root}")
     what = "" if replay is None else f" of replay {replay}"
-    tree = Tree(f"weight_version {version}{what} (from version 0 = {s.model.name})")
+    note = "" if notes is None else f": {promotion_note(*notes, version)}"  # a replay's versions serve nobody
+    tree = Tree(f"weight_version {version}{what} (from version 0 = {s.model.name}){note}")
     for c in chain:
         source = f" re-training batch {c['source_batch_id']}" if c["source_batch_id"] else ""
         node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']}{source} "

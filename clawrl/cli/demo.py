@@ -147,9 +147,9 @@ def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
     t = Table(title=title)
     for _, label in [("step", "step"), *cols, ("served", "served"), ("gate", "gate")]:
         t.add_column(label, justify="right")
-    for r in rows:
-        t.add_row(str(r["step"]), *(f"{r[k]:.4f}" if k == "kl" else f"{r[k]:.3f}" for k, _ in cols),
-                  f"v{r['weight_version']}", r.get("gate", "-"))
+    for r in rows:  # "-": not measured (a refused candidate's score in the tools scenario)
+        t.add_row(str(r["step"]), *("-" if r.get(k) is None else f"{r[k]:.4f}" if k == "kl" else f"{r[k]:.3f}"
+                                    for k, _ in cols), f"v{r['weight_version']}", r.get("gate", "-"))
     console.print(t)
     first, last = rows[0], rows[-1]
     lines = ", ".join(f"{label} {first[k]:.3f} -> {last[k]:.3f} (best {max(r[k] for r in rows):.3f})"

@@ -35,7 +35,7 @@ def serve(
 
         s = settings
         print(AGENT_CONFIGS[print_config.value](client_url(s.server.host, s.server.api_port), s.server.served_model_name,
-                                          s.engine.max_context_len, s.ppo.max_new_tokens))
+                                                served_context_len(s), s.ppo.max_new_tokens))
         return
     if problem := listen_problem(settings.server.host, settings.server.api_port):
         fail(f"{problem}: choose another with --port / [server] api_port, or --host / [server] host")
@@ -57,6 +57,40 @@ def serve(
     engine_url = settings.engine.url if settings.engine.kind == "http" else f"{gateway}/engine"
     record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
     uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
+
+
+def served_context_len(s) -> int:
+    """The context the gateway serves with settings ``s``, as its engine resolves it: [engine]
+    max_context_len, or 0 for the model's own limit (the embedded engine; read from the model's
+    config, nothing loaded); an HTTP engine's own, asked (it must be running). A client told less
+    compacts early; told more, it sends what the gateway refuses."""
+    if s.engine.kind == "http":
+        import asyncio
+
+        from clawrl.engine.router import RoutedEngines
+        from clawrl.engine.types import EngineError
+
+        async def ask() -> int | None:
+            engines = RoutedEngines(s.engine.url, timeout_s=10.0)
+            try:
+                await engines.workers()  # unreachable: its reason, in one line
+                return await engines.learn_context_len()
+            except EngineError as e:
+                fail(f"no context to print: {e}; start the engine, then print the config again")
+            finally:
+                await engines.close()
+
+        if (context := asyncio.run(ask())) is None:
+            fail(f"the engine at {s.engine.url} did not say its context (/server_info): start it, then print the "
+                 "config again")
+        return context
+    from clawrl.models import ModelNotFoundError, resolve_context_len, resolve_model_dir
+
+    try:
+        return resolve_context_len(resolve_model_dir(s.model.name, s.storage.models_dir, s.model.seed),
+                                   s.engine.max_context_len)
+    except (ModelNotFoundError, ConfigError) as e:
+        fail(f"config error: {e}")
 
 
 def limits_line(s, engine) -> str:
@@ -149,6 +183,9 @@ def trainer_service(
 @app.command("up")
 def up(
     config: ConfigOpt = None,
+    api_port: Annotated[Optional[int], typer.Option(
+        min=1, max=65535, help="The gateway's OpenAI API port (default [server] api_port, 30000); the engines' "
+                               "ports follow it (+10, +21, +22, +23).")] = None,
     prefect_port: Annotated[int, typer.Option(min=1, max=65535, help="Prefect UI/API port.")] = 4200,
     mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow UI port.")] = 5000,
     trainer_port: Annotated[int, typer.Option(min=1, max=65535, help="Trainer service port.")] = 30020,
@@ -177,7 +214,7 @@ def up(
     from clawrl.storage.writer import DataRootError, check_data_root
     from clawrl.supervisor import host_problem, run_up
 
-    s = settings_or_exit(config)
+    s = settings_or_exit(config, {"server.api_port": api_port})
     if problem := host_problem(s, host):
         fail(problem)
     if not (host.startswith("127.") or host in ("localhost", "::1")):

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
-from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, data_root_prefect, fail, gateway_engine_url,
-                               settings_or_exit, sync_command, warn)
+from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, data_root_prefect, err, fail,
+                               gateway_engine_url, run_in_up, settings_or_exit, sync_command, warn)
 from clawrl.cli.data import status
 from clawrl.config import ConfigError
 
@@ -24,30 +24,77 @@ ReasonOpt = Annotated[str, typer.Option(help="Why, in words (kept in the promoti
 
 @app.command("judge")
 def judge(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     limit: Annotated[Optional[int], typer.Option(
-        min=1, help="Most turns to judge (default 4 x [ppo] rollout_batch_size, at least 64).")] = None,
+        min=1, help="Most turns to judge (default: every ready turn).")] = None,
 ) -> None:
-    """Judge every ready turn now (the Prefect flow `judge`, run directly), then print the status."""
-    with data_root_prefect(settings_or_exit(config)):
-        from clawrl.flows.judge import judge_flow
+    """Judge every ready turn now, then print the status: a run of the `judge` deployment of the `clawrl up`
+    running on the data root, else the Prefect flow `judge` run here."""
+    from clawrl.flows.slots import JUDGE_DEPLOYMENT
 
-        out = judge_flow(config_path=str(config) if config else None, limit=limit)
-    console.print(f"judged {out['judged']} turns: {out['fates']}", markup=False)
+    s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    before = _counts(s)
+    run = run_in_up(s, JUDGE_DEPLOYMENT, {"limit": limit} if limit else {})
+    if run is None:
+        with data_root_prefect(s):
+            from clawrl.flows.judge import judge_flow
+
+            judge_flow(config_path=str(config) if config else None, limit=limit)
+    elif not run.state.is_completed():
+        fail(f"{run.name} ended {run.state.name}: its logs are in the Prefect UI", code=1)
+    console.print(judged_line(before, _counts(s)), markup=False, highlight=False, soft_wrap=True)
     status(config)
+
+
+def _counts(s) -> dict:
+    from clawrl.judge.runner import build_judge_config_hash
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import pending_counts
+
+    with open_catalog(s.storage.data_root) as con:
+        return pending_counts(con, build_judge_config_hash(s), s.ppo.rollout_batch_size)
+
+
+def judged_line(before: dict, after: dict) -> str:
+    """What a judge run did, from ``pending_counts`` before and after it: the fates it wrote, or why it
+    wrote none (nothing ready: the turns wait for their next state; or another run judges them)."""
+    judged = after["judged"] - before["judged"]
+    if judged:
+        fates = {f: n - before["fates"].get(f, 0) for f, n in after["fates"].items()}
+        return f"judged {judged} turn{'s' if judged != 1 else ''}: " + ", ".join(
+            f"{n} {fate}" for fate, n in sorted(fates.items()) if n)
+    ready = after["pending_judgment"] + after["pending_no_next_state"] + after["side_unmarked"]
+    if ready:
+        return f"judged 0 turns: {ready} ready, taken by another judge run (`clawrl up` judges every few seconds)"
+    waiting = after["awaiting_next_state"]
+    return (f"judged 0 turns: none is ready; {waiting} main turn{'s wait' if waiting != 1 else ' waits'} for its next "
+            f"state (the next message of its session), {after['judged']} judged before")
 
 
 @app.command("train")
 def train(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     steps: Annotated[int, typer.Option(min=1, help="Most PPO steps to run (one per full batch).")] = 1,
-    trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here).")] = None,
+    trainer_url: Annotated[Optional[str], typer.Option(help="A `clawrl trainer` service (default: train here, or "
+                                                            "in the `clawrl up` running on the data root).")] = None,
     engine_url: Annotated[Optional[str], typer.Option(help="Engine to sync (default: [engine] url when kind=http, "
                                                            "else the `clawrl serve` running on the data root).")] = None,
 ) -> None:
-    """Run the Prefect flow `train` directly: claim a full batch, step, checkpoint, log lineage, sync."""
+    """Claim a full batch, step, checkpoint, log lineage, gate, sync: a run of the `train` deployment of the
+    `clawrl up` running on the data root, else the Prefect flow `train` run here."""
+    from clawrl.flows.slots import TRAIN_DEPLOYMENT
+
     s = settings_or_exit(config)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    newest = max((c["step"] for c in _checkpoints(s)), default=0)
+    run = run_in_up(s, TRAIN_DEPLOYMENT, {"max_steps": steps, **({"trainer_url": trainer_url} if trainer_url else {}),
+                                          **({"engine_url": engine_url} if engine_url else {})})
+    if run is not None:
+        if not run.state.is_completed():
+            fail(f"{run.name} ended {run.state.name}: its logs are in the Prefect UI", code=1)
+        _print_steps_in_up(s, [c for c in _checkpoints(s) if c["step"] > newest])
+        return
     with data_root_prefect(s):
         from clawrl.flows.train import train_flow
 
@@ -57,11 +104,44 @@ def train(
         console.print("no full batch of trainable samples yet (see `clawrl status`)")
     for st in out["steps"]:
         m = st["metrics"]
+        if "namespace" in st:  # [ppo] adapters = "namespace": a namespace's adapter version
+            console.print(f"adapter {st['weight_version']}: loss {m.get('loss', float('nan')):.4f}, "
+                          f"{int(m.get('num_seqs', 0))} samples, {st['path']}, sync: {st['sync']['message'] or 'ok'}",
+                          markup=False)
+            if not st["sync"]["success"]:
+                warn(f"adapter {st['weight_version']} is not served yet: {st['sync']['message']}; its namespace keeps "
+                     "its previous one until its next step syncs")
+            continue
         console.print(f"step {st['step']}: weight_version {st['weight_version']}, loss {m.get('loss', float('nan')):.4f}, "
                       f"{int(m.get('num_seqs', 0))} samples, checkpoint {st['path']}, sync: {st['sync']['message'] or 'ok'}",
                       markup=False)
         if not st["sync"]["success"]:
             waiting_after_sync(s, config, st["sync"])
+
+
+def _checkpoints(s) -> list[dict]:
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.queries import recorded_checkpoints
+
+    with open_catalog(s.storage.data_root) as con:
+        return recorded_checkpoints(con)
+
+
+def _print_steps_in_up(s, made: list[dict]) -> None:
+    """The steps a train run in `clawrl up` made, from the tables: each checkpoint and what the gate made of it."""
+    from clawrl.cli.data import promotion_note
+    from clawrl.storage.catalog import open_catalog
+    from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
+
+    if not made:
+        console.print("no full batch of trainable samples yet (see `clawrl status`)")
+        return
+    with open_catalog(s.storage.data_root) as con:
+        notes = promotion_log(con), champion_stack(con), unserved_versions(con)
+    for c in made:
+        console.print(f"step {c['step']}: weight_version {c['weight_version']}, checkpoint {c['path']}: "
+                      f"{promotion_note(*notes, str(c['weight_version']))}", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 def waiting_after_sync(s, config, sync: dict) -> None:
@@ -91,12 +171,13 @@ def _checkpoint_row(s, version: str) -> dict | None:
 @app.command("sync")
 def sync(
     version: Annotated[str, typer.Argument(help="Weight version to push (default: the latest checkpoint).")] = "latest",
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
 ) -> None:
     """Push a checkpoint to an HTTP engine (default: the `clawrl serve` running on the data root):
     pause -> update_weights_from_disk -> continue."""
     s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     from clawrl.flows.common import engine_url_for, push_weights
 
     if (ck := _checkpoint_row(s, version)) is None:
@@ -116,8 +197,10 @@ def sync(
 def _serve_by_hand(config, version: str | None, action: str, reason: str, engine_url: str | None) -> None:
     """Serve ``version`` (None: the champion before the current one) through the same sync path as the
     train flow, then record it as a ``promotions`` row and move the MLflow ``champion`` alias.
-    Nothing is recorded when the engine did not take the weights."""
+    Nothing is recorded when the engine did not take the weights, and nothing is tried (no sync
+    attempt recorded) for a version whose weights were pruned."""
     s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     from clawrl.flows.common import data_store, engine_url_for, push_weights, serve_target
 
     url = engine_url_for(s, engine_url)
@@ -125,7 +208,7 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
         fail(f"no engine to serve it: no `clawrl serve` is running on {s.storage.data_root} and no [engine] url is "
              f"set; start `clawrl serve`, or pass --engine-url (e.g. {gateway_engine_url(s)})")
     from clawrl.lineage import set_policy_alias
-    from clawrl.promotion import GateError, record_manual
+    from clawrl.promotion import ROLLBACK_DEPTH, GateError, WeightsPruned, record_manual, servable_versions
     from clawrl.records import PromotionAction
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import current_champion, previous_champion
@@ -138,6 +221,12 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
                 fail(f"nothing to roll back to: the champion is version {champion}, the initial weights")
     try:
         target = serve_target(s, version)
+    except WeightsPruned:
+        reach = (f" (kept besides the newest checkpoints: the champion's and the {ROLLBACK_DEPTH} champions' before "
+                 "it)" if action == "rollback" else "")
+        verb = "roll back to" if action == "rollback" else "promote"
+        fail(f"cannot {verb} version {version}: its weights were pruned{reach}; still servable: "
+             f"{', '.join(servable_versions(s.storage.data_root))} (`clawrl promote VERSION`); serving is unchanged")
     except GateError as e:
         fail(f"{e} in {s.storage.data_root}")
     rep = push_weights(s, target, url)  # the train flow's sync path, recorded like its attempts
@@ -146,10 +235,9 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
              code=1)
     v = target["weight_version"]
     record_manual(data_store(s), s.storage.data_root, action=PromotionAction(action), version=v,
-                  reason=reason or f"by hand (clawrl {'promote' if action == 'promote' else 'rollback'})",
-                  mlflow_run_id=target["mlflow_run_id"])
+                  reason=reason or f"clawrl {action}", mlflow_run_id=target["mlflow_run_id"])
     data_store(s).flush()
-    set_policy_alias(s.storage.data_root, "champion", v, initial_weights=target["path"])
+    set_policy_alias(s.storage.data_root, "champion", v)
     verb = "promoted" if action == "promote" else f"rolled back from version {champion} to"
     console.print(f"{verb} version {v}: the engine serves version {rep['weight_version']} ({rep['seconds']:.2f} s)",
                   markup=False)
@@ -158,7 +246,7 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
 @app.command("promote")
 def promote(
     version: Annotated[str, typer.Argument(help="Weight version to serve as the champion (0: the initial weights).")],
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
     reason: ReasonOpt = "",
 ) -> None:
@@ -168,7 +256,7 @@ def promote(
 
 @app.command("rollback")
 def rollback(
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
     reason: ReasonOpt = "",
 ) -> None:
@@ -179,7 +267,7 @@ def rollback(
 @app.command("replay")
 def replay_cmd(
     version: Annotated[str, typer.Argument(help="Weight version to rebuild (1..N), 'latest', or an MLflow run id.")],
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
     exclude_session: Annotated[Optional[list[str]], typer.Option(
         "--exclude-session", metavar="NAMESPACE:SESSION_ID",
         help="Leave this session's samples out (repeatable). NAMESPACE is the API-key namespace ('open' without "
@@ -195,6 +283,8 @@ def replay_cmd(
     from clawrl.replay import check_replay
 
     s = settings_or_exit(config)
+    (err if fmt == "json" else console).print(data_root_line(s, config), markup=False, highlight=False,
+                                              soft_wrap=True)  # --format json: stdout is the report alone
     try:  # a bad version, session or --set is told before the flow starts
         check_replay(s, version, tuple(exclude_session or []), dict(parse_override(x) for x in set_ or []))
     except (ValueError, FileNotFoundError, ConfigError) as e:
@@ -264,12 +354,13 @@ def mix(
                                                                 "the base model's.")],
     base: Annotated[Optional[Path], typer.Option(help="Model directory to mix with (default: the config's "
                                                       "[model], the weights training started from).")] = None,
-    config: ConfigOpt = None,
+    config: RunConfigOpt = None,
 ) -> None:
     """Write a model whose weights are ALPHA x CHECKPOINT + (1 - ALPHA) x the base model's: less of what
     training changed, gains and losses alike (serve it with `[model] name = "OUT"`, or
     CLAWRL__MODEL__NAME=OUT clawrl serve)."""
     s = settings_or_exit(config)
+    console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     from clawrl.mix import mix_weights
     from clawrl.models import resolve_model_dir
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -77,7 +76,7 @@ from clawrl.engine.types import (
     UpdateResult,
 )
 from clawrl.engine.weights import WeightLoadError, check_weights, load_checkpoint_tensors, served_tensors
-from clawrl.models import load_causal_lm, load_tokenizer
+from clawrl.models import load_causal_lm, load_tokenizer, resolve_context_len
 
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 # the [engine] keys that are EmbeddedEngine's keyword arguments too
@@ -102,7 +101,7 @@ class EmbeddedEngine:
                  max_loras_per_batch: int = MAX_LORAS_PER_BATCH):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        max_context_len = _context_len(Path(model_dir), max_context_len)
+        max_context_len = resolve_context_len(Path(model_dir), max_context_len)
         self._model_path = self.tokenizer_path = str(model_dir)
         self.tokenizer = load_tokenizer(Path(model_dir))
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
@@ -410,18 +409,3 @@ class EmbeddedEngine:
                 self._model_path = model_path
 
         return await self._sched.call(self._sched.do_update, apply, version, self._sched.barrier(), pause_mode)
-
-
-def _context_len(model_dir: Path, asked: int) -> int:
-    """The context a sequence may fill: ``asked``, or with 0 the model's own limit (its config's
-    ``max_position_embeddings``); asking for more than that limit is a ConfigError."""
-    limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
-    if asked == 0 and limit is None:
-        raise ConfigError(f"{model_dir / 'config.json'} names no max_position_embeddings: set [engine] max_context_len")
-    if asked and limit is not None and asked > limit:
-        raise ConfigError(f"engine.max_context_len = {asked} is above the model's context of {limit} tokens "
-                          f"(max_position_embeddings in {model_dir / 'config.json'}); set it to at most that, "
-                          "or 0 for exactly that")
-    if (asked or limit) < 2:
-        raise ValueError("max_context_len must be >= 2")
-    return asked or limit

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from clawrl.gateway.deps import SESSION_HEADERS, turn_context
-from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.errors import GatewayError, field_error
 from clawrl.gateway.http import (ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, refuse_if_paused,
                                  run_turn, serve_turn, sse)
 from clawrl.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -53,7 +53,7 @@ def chat_body(body: CompletionRequest, text: str) -> ChatCompletionRequest:
             "top_logprobs": body.logprobs or None})
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        raise GatewayError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}", param=str(err["loc"][0])) from None
+        raise field_error(".".join(map(str, err["loc"])), err["type"], err["msg"], str(err["loc"][0])) from None
 
 
 def legacy_logprobs(entries: list[tuple[str, float | None, dict[str, float] | None]], offset: int) -> dict[str, Any]:

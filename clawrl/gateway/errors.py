@@ -19,15 +19,27 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers = headers  # e.g. Retry-After on a 503
-        self.code = code  # OpenAI's machine-readable code where it has one; else the HTTP status
+        self.code = code  # OpenAI's machine-readable code where it has one; else None (null), as OpenAI's
 
     def body(self) -> dict[str, Any]:
         """The OpenAI-style error body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.status if self.code is None else self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def field_error(loc: str, kind: str, message: str, param: str | None = None) -> GatewayError:
+    """A 400 for the request field at ``loc`` that failed validation (pydantic's error ``kind`` and
+    ``message``), in OpenAI's words and with its code: "Missing required parameter: 'model'."
+    (``missing_required_parameter``), else ``loc: message`` (``unknown_parameter`` for a field
+    not taken, ``invalid_type`` for a value of the wrong type, ``invalid_value`` for any other)."""
+    if kind == "missing":
+        return GatewayError(400, f"Missing required parameter: '{loc}'.", param=param or loc,
+                            code="missing_required_parameter")
+    code = ("unknown_parameter" if kind == "extra_forbidden" else
+            "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
+    return GatewayError(400, f"{loc}: {message}", param=param or loc, code=code)
 
 
 def context_length_error(limit: int, prompt_tokens: int, completion_tokens: int | None = None) -> GatewayError:

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from clawrl.chat import ToolDef
 from clawrl.gateway.deps import SESSION_HEADERS, turn_context
-from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.errors import GatewayError, field_error
 from clawrl.gateway.http import ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, serve_turn, sse
 from clawrl.gateway.schemas import ChatCompletionRequest, ResponsesRequest
 from clawrl.gateway.service import ChatService, Turn
@@ -139,7 +139,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], session_
         loc = [str(p) for p in err["loc"]]
         param = {"messages": "input", "tools": "tools", "tool_choice": "tool_choice"}.get(loc[0], loc[0])
         where = "input (as chat messages: " + ".".join(loc) + ")" if param == "input" else ".".join(loc)
-        raise GatewayError(400, f"{where}: {err['msg']}", param=param) from None
+        raise field_error(where, err["type"], err["msg"], param) from None
 
 
 async def previous_conversation(service: ChatService, namespace: str, response_id: str) -> tuple[list[dict], str]:

@@ -28,8 +28,9 @@ from clawrl.gateway.schemas import (
     SessionLog,
     SessionTurn,
 )
-from clawrl.gateway.errors import GatewayError
+from clawrl.gateway.errors import GatewayError, field_error
 from clawrl.gateway.http import ERROR_RESPONSES, SSE_EVENT_SCHEMA, JSONBodyRequest, JSONBodyRoute, serve_turn
+from clawrl.gateway.lora import check_serves_adapters, serve_adapters
 from clawrl.gateway.service import ChatService
 from clawrl.gateway.sessions import validate_session_id
 from clawrl.hooks import load_hook
@@ -159,7 +160,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         return GatewayError(400, "request body is not valid JSON: it is empty").response()
     msg = _JSON_TYPE_MESSAGES.get(first.get("type"), first.get("msg", "invalid request"))
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return GatewayError(400, f"{loc or 'request body'}: {msg}{more}", param=loc or None).response()
+    if not loc:  # the body itself (not an object)
+        return GatewayError(400, f"request body: {msg}{more}", code="invalid_type").response()
+    err = field_error(loc, first.get("type", ""), msg)
+    err.message += more
+    return err.response()
 
 
 async def _error(request: Request, exc: Exception) -> JSONResponse:
@@ -228,9 +233,12 @@ def _checkpoint_to_serve(settings: Settings):
         return intact_champion(checkpoints, champion_stack(con))
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None) -> FastAPI:
-    """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`)."""
-    api_keys = read_api_keys(settings.server.api_keys_env)
+def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None,
+               api_keys: list[str] | None = None) -> FastAPI:
+    """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`),
+    ``api_keys`` to require those instead of the environment's (``[]`` with ``[server] open_mode``: none,
+    for a bench's own gateway on loopback, whose clients carry no key of the user's)."""
+    api_keys = read_api_keys(settings.server.api_keys_env) if api_keys is None else api_keys
     if not api_keys and not settings.server.open_mode:
         raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
                           "set keys, or server.open_mode = true to serve without authentication")
@@ -251,6 +259,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         if canary is not None:
             engine = CanaryRouter(engine, canary, settings.gate.canary_share)
     state.engine, state.tokenizer = engine, tokenizer
+    if settings.ppo.adapters == "namespace":
+        check_serves_adapters(engine)
     served = engine.main if isinstance(engine, CanaryRouter) else engine  # what a weight sync updates
     if hasattr(served, "update_weights_from_disk") and not hasattr(served, "sync_weights_from_disk"):
         # An in-process engine's SGLang control API (pause, update_weights_from_disk, model_info...)
@@ -288,6 +298,8 @@ async def _lifespan(app: FastAPI):
         await engine.learn_context_len()
     tokenizer = engine.tokenizer if state.tokenizer is None else state.tokenizer
     state.service = service = ChatService(engine, tokenizer, store, settings, state.generate_hook)
+    if settings.ppo.adapters == "namespace":  # each namespace served its own LoRA adapter
+        serve_adapters(service, settings.storage.data_root / "checkpoints")
     restored = service.restore_sessions()
     await service.live_weight_version()
     if not state.api_keys:

@@ -24,7 +24,7 @@ class StreamOptions(Lenient):
 
 class ChatCompletionRequest(Lenient):
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
+    model: str
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool = False
@@ -74,7 +74,7 @@ class ChatCompletionRequest(Lenient):
 class ResponsesRequest(Lenient):
     """OpenAI's Responses API request (``POST /v1/responses``), served as a chat completion (responses.py)."""
 
-    model: str | None = None
+    model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None  # function tools are offered; other types are left out
@@ -101,7 +101,7 @@ class ResponsesRequest(Lenient):
 class CompletionRequest(Lenient):
     """OpenAI's legacy completions request (``POST /v1/completions``): text in, text out, no chat template."""
 
-    model: str | None = None
+    model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -151,7 +151,7 @@ class ErrorBody(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None  # OpenAI's machine-readable code (missing_required_parameter, ...), or null
 
 
 class ErrorResponse(BaseModel):

@@ -110,6 +110,8 @@ class ChatService:
         self.settings = settings
         self.metrics = metrics = GatewayMetrics()
         self.generate_hook = generate_hook  # [hooks] generate: async fn(engine=, request=) -> GenerateResult
+        # the LoRA adapter a namespace's requests are sent with (None: the base; gateway/lora.py sets it)
+        self.adapter_of: Callable[[str], str | None] = lambda namespace: None
         self.weight_version = "unknown"
         self.storage_error: str | None = None  # the last append's OSError, None once one succeeds
         self._unwritten_next_states: list[NextStateRecord] = []
@@ -179,6 +181,7 @@ class ChatService:
                               logprob_start_len=0 if score_prompt else -1,
                               top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
                               routing_key=routing_key,  # several engines: the session stays on one
+                              lora_path=self.adapter_of(ctx.namespace),  # the caller's own adapter, never the model's
                               main_turn=turn_type == TurnType.MAIN.value)
         state, evicted = self.tracker.open(ctx.namespace, session_id)
         self._write_next_states(evicted)
@@ -436,6 +439,7 @@ class ChatService:
             completed_at=utcnow(),
             latency_ms=(time.perf_counter() - turn.t0) * 1000.0,
             weight_versions=_json(result.weight_versions or []),
+            adapter=result.lora_path,
         )
 
     def _append(self, record: Any, what: str) -> None:

@@ -18,7 +18,9 @@ alone: an agent's summary may stand where the asking message was) the request co
 derived next is not an open session - so a conversation whose earlier messages an agent compacted
 stays one session; else the session the request quotes (:meth:`SessionTracker.find`: a summariser
 call quotes the answers of the conversation it summarises, the request after a compaction quotes
-that summary); else :func:`derive_session_id`, a hash of the namespace and the conversation's first
+that summary, and one that quotes no answer - OpenClaw's summary of the first part of a turn it
+splits quotes only the user's message - is found by that message, as the session's user wrote it);
+else :func:`derive_session_id`, a hash of the namespace and the conversation's first
 system and user messages with the parts agents change on every request (dates, times, numbers,
 weekday and month names) left out. Two conversations that open with identical messages share a
 derived id; clients that care send an id. Remembered answers live in memory only.
@@ -50,6 +52,12 @@ QUOTE_MIN_CHARS = 24
 # Sessions (most recent first) and summaries searched for a quoted answer: the one a summariser or a
 # compacted conversation quotes was active moments ago, and the search stays a few milliseconds.
 QUOTE_SEARCH = 256
+
+
+# What an agent puts around its user's words when it sends them and leaves out when its summariser quotes
+# them: a bracketed prefix (OpenClaw: "[Sun 2026-12-06 20:26 UTC] "), and paragraphs after the first
+# (OpenClaw appends "Runtime: agent=main | ..." to a conversation's first message).
+_ENVELOPE = re.compile(r"^\[[^\]\n]{1,64}\]\s*")
 
 
 class BadSessionError(ValueError):
@@ -150,6 +158,15 @@ def _long_answer(messages: list[dict[str, Any]]) -> list[str]:
     return [answer_digest(answer)] if answer and len(_content(answer).strip()) >= QUOTE_MIN_CHARS else []
 
 
+def _asked_words(messages: list[dict[str, Any]]) -> str | None:
+    """The user's own words that asked for the request's answer (the first user message after its last
+    answer, less the agent's envelope: ``_ENVELOPE``), if long enough to tell conversations apart."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    asking = next((m for m in messages[last + 1:] if m.get("role") == "user"), None)
+    words = _ENVELOPE.sub("", _content(asking)).split("\n\n", 1)[0].strip() if asking else ""
+    return words if len(words) >= QUOTE_MIN_CHARS else None
+
+
 def choice_digests(turns: list[dict[str, Any]], adapter: Any) -> tuple[str | None, tuple[str, ...]]:
     """The answer digests of a request's choices from their logged turns (``text``, ``request_tools``,
     in choice order), parsed by ``adapter`` as they were when served: (choice 0's, the others')."""
@@ -186,6 +203,7 @@ class SessionState:
     last_active: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises main turns of one session
     answers: deque[str] = field(default_factory=lambda: deque(maxlen=2))  # its last long main answers' texts
+    asked: deque[str] = field(default_factory=lambda: deque(maxlen=2))  # the user's words that asked for them
 
 
 class SessionTracker:
@@ -241,14 +259,16 @@ class SessionTracker:
     def _quoted(self, namespace: str, messages: list[dict[str, Any]], maintenance: bool) -> str | None:
         """The session whose answer the user and tool messages quote. An agent's summariser call
         (``maintenance``) quotes the conversation it summarises: one of the last two long answers of
-        a recent open session. Any request may quote a recent long side answer: the summary an agent
-        put in place of the conversation it compacted."""
+        a recent open session, else (a summary of a turn's first part quotes no answer) the user's
+        words that asked for one of them. Any request may quote a recent long side answer: the
+        summary an agent put in place of the conversation it compacted."""
         text = "\n".join(_content(m) for m in messages if m.get("role") in ("user", "tool"))
         if maintenance:
-            recent = itertools.islice((s for s in reversed(self._sessions.values()) if s.namespace == namespace),
-                                      QUOTE_SEARCH)
-            if found := next((s.session_id for s in recent if any(a in text for a in s.answers)), None):
-                return found
+            for quotes in (lambda s: s.answers, lambda s: s.asked):  # answers first: they tell sessions apart best
+                recent = itertools.islice((s for s in reversed(self._sessions.values()) if s.namespace == namespace),
+                                          QUOTE_SEARCH)
+                if found := next((s.session_id for s in recent if any(q in text for q in quotes(s))), None):
+                    return found
         return next((sid for ns, quote, sid in reversed(self._summaries) if ns == namespace and quote in text), None)
 
     def link_next_state(self, state: SessionState, messages: list[dict[str, Any]]) -> NextStateRecord | None:
@@ -282,9 +302,12 @@ class SessionTracker:
         state.next_index = turn_index + 1 + len(others)
         state.last_active = self.clock()
         text = _content(answer).strip() if answer else ""
-        if len(text) >= QUOTE_MIN_CHARS and main:  # found by a request that quotes it (find)
-            state.answers.append(text)
-        elif len(text) >= QUOTE_MIN_CHARS:
+        if main:  # found by a summariser call that quotes it (find)
+            if len(text) >= QUOTE_MIN_CHARS:
+                state.answers.append(text)
+            if asked := _asked_words(messages):
+                state.asked.append(asked)
+        elif len(text) >= QUOTE_MIN_CHARS:  # a summary, say: found by the request after a compaction
             self._summaries.append((state.namespace, text, state.session_id))
         if main:
             digests = (answer_digest(answer) if answer else None, tuple(answer_digest(o) for o in others))

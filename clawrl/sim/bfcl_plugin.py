@@ -39,7 +39,7 @@ MAX_TOKENS = 256  # the longest right answer of the AST categories (a parallel c
 
 class ClawrlHandler(OpenAICompletionsHandler):
     """BFCL's chat-completions handler, asking with a fixed seed and answer budget, waiting as long as
-    the gateway does (``clawrl.bench.bfcl.REQUEST_TIMEOUT_S``) and never asking twice: the OpenAI client's
+    the gateway does (``clawrl.bench.bfcl.STALL_TIMEOUT_S``) and never asking twice: the OpenAI client's
     600 s and two retries turned slow answers on a busy CPU into "Request timed out" after sending each
     request three times."""
 

@@ -296,21 +296,25 @@ class Trainer:
                 (d / WEIGHTS_FILE).unlink(missing_ok=True)
 
 
-def trainer_from_settings(settings, samples_of: SamplesOf | None = None) -> Trainer:
+def trainer_from_settings(settings, samples_of: SamplesOf | None = None):
     """The entry-point factory: a Trainer for ``[model]`` / ``[ppo]`` under ``<data_root>/checkpoints``;
     ``samples_of(batch_id)`` reads a batch's samples (a resume whose newest checkpoint has no trainer
-    state trains it again)."""
+    state trains it again). With ``[ppo] adapters = "namespace"`` a NamespaceTrainer (clawrl.train.adapters)."""
     from clawrl.models import resolve_device, resolve_dtype
     from clawrl.hooks import load_hook
     from clawrl.models import load_tokenizer, resolve_model_dir
 
     base = resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
     tok = load_tokenizer(base)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    loss_fn = load_hook("loss", settings.hooks.loss) or default_loss
     ppo, device = settings.ppo, resolve_device(settings.model.device)[0]
+    if ppo.adapters == "namespace":
+        from clawrl.train.adapters import namespace_trainer_from_settings
+
+        return namespace_trainer_from_settings(settings, base, pad_id, loss_fn)
     return Trainer(base_model_dir=base, checkpoints=settings.storage.data_root / "checkpoints",
-                   hp=PPOHyperParams.from_settings(ppo, settings.model.seed, settings.opd),
-                   pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                   hp=PPOHyperParams.from_settings(ppo, settings.model.seed, settings.opd), pad_id=pad_id,
                    backend=ppo.backend, dtype=resolve_dtype(settings.model.dtype, device), device=device,
-                   tp_size=settings.model.tensor_parallel, lora_rank=ppo.lora_rank,
-                   loss_fn=load_hook("loss", settings.hooks.loss) or default_loss,
+                   tp_size=settings.model.tensor_parallel, lora_rank=ppo.lora_rank, loss_fn=loss_fn,
                    samples_of=samples_of)

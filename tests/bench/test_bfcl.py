@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai import OpenAI
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from clawrl.bench.bfcl import compare, format_section, format_table, read_verdicts, wilson
@@ -109,3 +111,31 @@ def test_a_checkpoint_whose_weights_were_pruned_is_named_before_anything_starts(
     (ckpt / "model.safetensors").write_bytes(b"")
     res = CliRunner().invoke(app, ["bench", "tools", "--versus", str(tmp_path / "elsewhere")])
     assert res.exit_code == 2 and "not an HF model directory (no config.json)" in " ".join(res.output.split())
+
+
+def test_the_bench_gateway_needs_no_keys_of_the_users(make_settings, tiny_dir, monkeypatch):
+    """`bench bfcl` serves each side through a gateway of its own on loopback, asked by BFCL's client with
+    its own key ("clawrl": clawrl.sim.bfcl.bfcl_env): it starts without keys in the environment and
+    open_mode off (it failed there with a traceback after the progress bars), and answers BFCL's
+    client when the user's keys are set. Its engine is the model directory's own, embedded, with the
+    bench's stall timeout; a key [engine] lacks is an error, not ignored."""
+    from clawrl.bench.bfcl import STALL_TIMEOUT_S
+    from clawrl.bench.common import gateway_on, gateway_settings
+
+    s = make_settings({"server.open_mode": False, "engine.url": "http://127.0.0.1:9"})
+    built = gateway_settings(s, tiny_dir, s.storage.data_root / "bench", max_context_len=512,
+                             stall_timeout_s=STALL_TIMEOUT_S)
+    assert (built.engine.kind, built.engine.stall_timeout_s, built.engine.max_context_len) == ("embedded", 1800.0, 512)
+    assert built.model.name == str(tiny_dir) and built.server.open_mode
+    with pytest.raises(ValidationError, match="request_timeout_s"):
+        gateway_settings(s, tiny_dir, s.storage.data_root, request_timeout_s=1.0)
+    for keys in (None, "sk-user-7f3a9c2e41"):
+        if keys:
+            monkeypatch.setenv(s.server.api_keys_env, keys)
+        else:
+            monkeypatch.delenv(s.server.api_keys_env, raising=False)
+        with gateway_on(s, tiny_dir, max_context_len=512, stall_timeout_s=STALL_TIMEOUT_S) as url:
+            client = OpenAI(base_url=url + "/v1", api_key="clawrl", max_retries=0)
+            r = client.chat.completions.create(model="clawrl", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.model_extra["weight_version"] == "0"

@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from clawrl.config import PORT_OFFSETS
+from clawrl.lineage import ui_page
 from clawrl.ports import free_api_port, free_ports
 from tests.utils.demo_config import tiny_demo_config
 from tests.utils.up_process import stop
@@ -128,7 +129,7 @@ def test_the_demo_keeps_one_data_root_and_prints_commands_that_work_from_anywher
     # Prefect's lines about each run went to the log, not the terminal
     flows_log = (run / "logs" / "flows.log").read_text()
     assert "Finished in state Completed()" in flows_log and "Finished in state" not in out.stderr, out.stderr[-2000:]
-    assert "step  2: score" in out.stderr  # the loop's own lines stay
+    assert "step  2: served_score" in out.stderr  # the loop's own lines stay
     # the status command it prints, from another directory, without the environment: the same data
     [status_cmd] = [line.strip() for line in stdout.splitlines() if re.search(r"clawrl status -c ", line)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL__")}
@@ -185,11 +186,12 @@ def test_every_link_between_the_uis_leads_to_the_right_page_on_ups_ports(demo_ui
         links = re.findall(r"\]\((http[^)\s]+)\)", artifact["data"])
         assert len(links) == 2 and all(u.startswith(f"{ml}/#/") for u in links), links
         assert all(_opens(u) for u in links)
-        run_id = re.search(r"/runs/([0-9a-f]{32})$", links[0]).group(1)
+        assert all(u.endswith("?workflowType=machine_learning") for u in links), links  # the model-training view
+        run_id = re.search(r"/runs/([0-9a-f]{32})\?", links[0]).group(1)
         got = httpx.get(f"{ml}/api/2.0/mlflow/runs/get", params={"run_id": run_id}).json()["run"]
         assert got["info"]["run_name"] == f"step-000{version}"
-        mv_number = re.search(r"/models/clawrl-policy/versions/(\d+)$", links[1]).group(1)
-        assert mv_number == _model_version(ml, version)["version"]
+        mv_number = re.search(r"/models/clawrl-policy/versions/(\d+)", links[1]).group(1)
+        assert mv_number == _model_version(ml, version)["version"] == version  # model version N is weight version N
         said = "**refused** by the promotion gate" if decided[version] == "refuse" else "promoted: serves"
         assert said in artifact["data"], (decided, artifact["data"])
         step_run = runs[f"step-000{version}"].data.tags  # and from MLflow back to Prefect
@@ -197,9 +199,11 @@ def test_every_link_between_the_uis_leads_to_the_right_page_on_ups_ports(demo_ui
         assert url.startswith(f"{prefect}/") and _opens(url), url
         flow_run = httpx.get(f"{prefect}/api/flow_runs/{step_run['prefect.flow_run_id']}").json()
         assert flow_run["name"] == f"train-v{version}" and url.endswith(flow_run["id"])
-    champion_mv = httpx.get(f"{ml}/api/2.0/mlflow/registered-models/alias",
-                            params={"name": "clawrl-policy", "alias": "champion"}).json()["model_version"]
-    assert champion_mv["version"] == _model_version(ml, champion)["version"], (champion, champion_mv)
+    model = httpx.get(f"{ml}/api/2.0/mlflow/registered-models/get", params={"name": "clawrl-policy"}).json()
+    model = model["registered_model"]
+    assert {t["key"]: t["value"] for t in model["tags"]}["champion_weight_version"] == champion
+    aliases = {a["alias"]: a["version"] for a in model.get("aliases", [])}
+    assert aliases.get("champion") == (None if champion == "0" else champion), (champion, aliases)
 
 
 @needs_chromium
@@ -230,19 +234,24 @@ def test_mlflow_shows_training_runs_curves_over_versions_and_complete_version_pa
     assert {"policy", "learning-loop", "step-0001", "step-0002"} <= set(runs), sorted(runs)
     exp = runs["policy"].info.experiment_id
 
-    listing = _render(f"{ml}/#/experiments/{exp}/runs", "mlflow-training-runs")
-    assert "Training runs" in listing and "policy" in listing and "learning-loop" in listing, listing[:2000]
+    # the model-training view (the runs, the model registry), not the GenAI one that put them under "Evaluation"
+    listing = _render(ui_page(ml, f"experiments/{exp}/runs"), "mlflow-training-runs")
+    assert "Model registry" in listing and "policy" in listing and "learning-loop" in listing, listing[:2000]
+    assert "Evaluation runs" not in listing and "Training runs" not in listing, listing[:2000]
 
     policy = runs["policy"].info.run_id
-    charts = _render(f"{ml}/#/experiments/{exp}/runs/{policy}/model-metrics", "mlflow-policy-curves",
+    charts = _render(ui_page(ml, f"experiments/{exp}/runs/{policy}/model-metrics"), "mlflow-policy-curves",
                      budget_ms=60_000, height=3400)
     # one chart each, over steps = weight versions: the candidates' held-out scores and the served one
-    for metric in ("loss", "reward_mean", "kl", "heldout_score", "served_heldout_score"):
+    for metric in ("loss", "reward_mean", "kl", "candidate_score", "served_score", "served_on_topic_rate"):
         assert f"policy ({metric})" in charts, charts[:3000]
 
     decided, champion = _decisions(run)
-    version = _render(f"{ml}/#/models/clawrl-policy/versions/{_model_version(ml, '2')['version']}",
-                      "mlflow-model-version")
+    version = _render(ui_page(ml, "models/clawrl-policy/versions/2"), "mlflow-model-version")
     assert "Source Run : step-0002" in version and "@ candidate" in version, version[:2000]
     assert ("@ champion" in version) == (champion == "2"), (champion, version[:2000])
     assert "checkpoint_sha256" in version and "Schema" in version, version[:2000]
+    assert "Weight version 2, trained from version 1" in version, version[:2000]  # model version 2 = weight version 2
+    step2 = runs["step-0002"]  # its description: the link back to Prefect, rendered (a tag shows as cut-short text)
+    page = _render(ui_page(ml, f"experiments/{exp}/runs/{step2.info.run_id}"), "mlflow-step-run")
+    assert f"Made by the Prefect flow run {step2.data.tags['prefect.flow_run_id']}" in page, page[:2000]

@@ -54,3 +54,36 @@ def test_markdown_section_is_replaced_in_place(tmp_path):
     assert "Greedy, `ignore_eos`, 32 new tokens per request" in text
     assert "| m | embedded | 16 | 16 | 512 | 1 | 512 | 16 | 4 | 0.5 |" in text
     assert "- m: 16 concurrent = 16.0x the engine at 1 and 4.0x HF generate at batch 16." in text
+
+
+def _row(model, system, concurrency, device="cpu", **values):
+    return dict(model=model, system=system, concurrency=concurrency, requests=2 * concurrency, tokens=64 * concurrency,
+                seconds=1.0, tokens_per_s=64.0 * concurrency, load_1m=0.5, device=device,
+                dtype="float32" if device == "cpu" else "bfloat16", **values)
+
+
+def test_each_target_is_met_or_not_with_the_measured_value_on_cpu():
+    """CPU: the targets are smollm2-135m's; 5.64x the engine at 1 meets >= 5, 0.75x HF at batch 16 misses >= 0.8."""
+    rows = [_row("smollm2-135m", "embedded", 1, vs_c1=1.0, vs_hf_b16=0.13),
+            _row("smollm2-135m", "embedded", 16, vs_c1=5.64, vs_hf_b16=0.75),
+            _row("smollm2-135m", "hf_generate", 16, vs_c1=None, vs_hf_b16=1.0)]
+    lines = format_engine_section(rows).splitlines()
+    assert lines[-1] == (
+        "- Targets (smollm2-135m): 16 in flight at least 5x the engine at 1 (vs_c1 >= 5): MET (vs_c1 5.64); "
+        "16 in flight at least 0.8x HF generate at batch 16 (vs_hf_b16 >= 0.8): NOT MET (vs_hf_b16 0.75).")
+    tiny_only = format_engine_section([_row("tiny", "embedded", 16, vs_c1=9.0, vs_hf_b16=2.0)]).splitlines()
+    assert tiny_only[-1].endswith("(vs_hf_b16 >= 0.8): NOT MEASURED.")  # no smollm2-135m row: no verdict either way
+
+
+def test_the_h100_run_at_47_percent_gpu_busy_is_flagged_not_met(monkeypatch):
+    """CUDA: per model; 0.47 busy at 64 in flight misses >= 0.6 while the throughput targets hold, and a run
+    without a row at 1 in flight says that target was not measured. (No GPU here: the section's machine line
+    is given the card's name.)"""
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    rows = [_row("smollm2-135m", "embedded", 64, "cuda", max_batch=64, gpu_busy=0.47, vs_c1=None, vs_hf_static=2.09),
+            _row("smollm2-135m", "hf_static", 64, "cuda", max_batch=None, gpu_busy=None, vs_c1=None, vs_hf_static=1.0)]
+    section = format_engine_section(rows)
+    assert section.splitlines()[-1] == (
+        "- Targets (smollm2-135m): 64 in flight at least `hf_static` at batch 64 (vs_hf_static >= 1): MET "
+        "(vs_hf_static 2.09); GPU busy at 64 in flight (gpu_busy >= 0.6): NOT MET (gpu_busy 0.47); "
+        "1 in flight at least `hf_static` at batch 1 (vs_hf_static >= 1): NOT MEASURED.")

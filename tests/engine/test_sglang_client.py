@@ -541,3 +541,35 @@ def test_sync_resumes_generation_even_when_the_update_call_blows_up():
     assert seen == ["/model_info", "/pause_generation", "/flush_cache", "/update_weights_from_disk",
                     "/continue_generation"]
     assert body_types == {"application/json"}  # SGLang's FastAPI routes parse only JSON bodies
+
+
+def test_lora_adapters_load_and_unload_by_name_and_a_request_names_its_adapter():
+    """SGLang's LoRA API as its server answers it: 200 with success, 400 with error_message; /generate's body
+    names the adapter in lora_path."""
+    seen = []
+
+    async def handler(request):
+        body = await request.json()
+        seen.append((request.path, body))
+        if request.path == "/generate":
+            return web.json_response({"text": "", "output_ids": [], "meta_info": {"id": "r", "finish_reason": {
+                "type": "length", "length": 0}, "prompt_tokens": 2, "completion_tokens": 0, "weight_version": "0"}})
+        if body["lora_name"] == "key-a@v2":
+            return web.json_response({"success": False, "error_message": "LoRA adapter key-a@v2 is already loaded",
+                                      "loaded_adapters": {}}, status=400)
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": {"key-a@v1": "/a/v1"}})
+
+    async def main():
+        async with scripted_server(handler) as url, SGLangClient(url) as client:
+            loaded = await client.load_lora_adapter("key-a@v1", "/a/v1")
+            refused = await client.load_lora_adapter("key-a@v2", "/a/v2")
+            unloaded = await client.unload_lora_adapter("key-a@v1")
+            await client.generate(GenerateRequest(input_ids=[1, 2], sampling_params=greedy(0), lora_path="key-a@v1"))
+            return loaded, refused, unloaded
+
+    loaded, refused, unloaded = run(main())
+    assert (loaded.success, refused.success, refused.message, unloaded.success) == (
+        True, False, "LoRA adapter key-a@v2 is already loaded", True)
+    assert [(p, b.get("lora_name"), b.get("lora_path")) for p, b in seen] == [
+        ("/load_lora_adapter", "key-a@v1", "/a/v1"), ("/load_lora_adapter", "key-a@v2", "/a/v2"),
+        ("/unload_lora_adapter", "key-a@v1", None), ("/generate", None, "key-a@v1")]

@@ -127,7 +127,7 @@ def test_a_hint_model_that_never_writes_a_usable_hint(broken_run, tmp_path, mode
         judge.stop()
     assert fates(s) == {"no_hint": 6, "no_next_state": 6}
     verdicts = run_query(s.storage.data_root, "select score, votes, raw_outputs, hint, hint_raw_outputs "
-                                              "from judgments").to_pylist()
+                                              "from verdicts").to_pylist()
     assert [v["score"] for v in verdicts] == [-1] * 6 and all(v["votes"] == [-1, -1, -1] for v in verdicts)
     assert all(json.loads(v["raw_outputs"]) == [VERDICT] * 3 for v in verdicts)
     # the hint votes are the model's own words (no decision, no hint block), not failed requests

@@ -3,6 +3,7 @@ served; a deliberately harmful one (the reward's sign flipped) is refused, and s
 champion without a single rejected request. The decisions are rows of the promotions view, MLflow
 aliases and metrics, and a line of `clawrl status`."""
 
+import json
 import time
 
 import pytest
@@ -258,6 +259,7 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
             assert res.exit_code == 2 and "nothing to roll back to: the champion is version 0" in res.output
             res = cli.invoke(app, ["promote", "2", "--config", str(conf)])
             assert res.exit_code == 0 and "promoted version 2" in res.output and serving() == "2", res.output
+            assert res.stdout.splitlines()[0] == f"data root {s.storage.data_root} (from {conf})"
             res = cli.invoke(app, ["promote", "9", "--config", str(conf)])
             assert res.exit_code == 2 and "no checkpoint of weight version '9'" in res.output
     assert failures == [] and len(served) >= 4
@@ -274,7 +276,58 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
     assert alias.tags["weight_version"] == "2"
     res = CliRunner().invoke(app, ["status", "--config", str(conf)])
     line = next(x for x in res.output.splitlines() if x.startswith("promotion:"))
-    assert line.startswith("promotion: champion version 2, promoted by hand ("), line
+    assert line == "promotion: champion version 2, promoted by hand (clawrl promote)", line
+
+
+def test_rollbacks_reach_back_as_far_as_the_weights_are_kept(prefect_harness, make_settings, tmp_path, tiny_dir):
+    """Six promoted versions, the trainer keeping the newest three checkpoints' weights: the gate keeps
+    the champion's and the ROLLBACK_DEPTH before it (marked after each decision, pruned at the next
+    step), so at least that many rollbacks in a row serve; one past the kept weights is refused in one
+    line naming what still serves, with serving, the syncs and the promotions untouched."""
+    from clawrl.cli import app
+    from clawrl.flows.train import train_flow
+    from clawrl.promotion import ROLLBACK_DEPTH
+    from tests.utils.engine_server import CONTEXT, make_tiny_engine, running_engine_server
+
+    steps = ROLLBACK_DEPTH + 3
+    with running_engine_server(lambda: make_tiny_engine(tiny_dir), max_context_len=CONTEXT) as srv:
+        s = make_settings({"engine.url": srv.url, "ppo.rollout_batch_size": 2, "ppo.advantage_estimator": "grpo",
+                           "ppo.lr": 1e-3, "ppo.max_staleness": steps, "gate.size": 2, "ppo.max_new_tokens": 4})
+        conf = tmp_path / "http.toml"
+        conf.write_text(dump_toml(s))
+        _write_samples(s, 2 * steps)
+        trained = train_flow(config_path=str(conf), max_steps=steps)["steps"]
+        assert [st["gate"]["decision"] for st in trained] == ["promote"] * steps  # equal scores: all promoted
+        kept = [v for v in range(1, steps + 1)
+                if (s.storage.data_root / "checkpoints" / f"v{v:06d}" / "model.safetensors").is_file()]
+        # step 6 pruned v1: neither among the newest three nor marked by the gate after step 5 (v2-v5)
+        assert kept == [2, 3, 4, 5, 6]
+
+        def serving() -> str:
+            return srv.call(srv.engine.model_info())["weight_version"]
+
+        def count(table: str) -> int:
+            return run_query(s.storage.data_root, f"select count(*) as n from {table}").to_pylist()[0]["n"]
+
+        cli = CliRunner()
+        for back_to in ("5", "4", "3", "2"):
+            res = cli.invoke(app, ["rollback", "--config", str(conf)])
+            assert res.exit_code == 0 and f"to version {back_to}:" in res.stdout and serving() == back_to, res.output
+            assert res.stdout.splitlines()[0] == f"data root {s.storage.data_root} (from {conf})"
+        syncs, promotions = count("syncs"), count("promotions")
+        res = cli.invoke(app, ["rollback", "--config", str(conf)])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.splitlines() == [
+            "cannot roll back to version 1: its weights were pruned (kept besides the newest checkpoints: the "
+            "champion's and the 3 champions' before it); still servable: 6, 5, 4, 3, 2, 0 (`clawrl promote "
+            "VERSION`); serving is unchanged"]
+        res = cli.invoke(app, ["promote", "1", "--config", str(conf)])
+        assert res.exit_code == 2 and res.stderr.startswith("cannot promote version 1: its weights were pruned; ")
+        assert serving() == "2" and (count("syncs"), count("promotions")) == (syncs, promotions)
+        status = cli.invoke(app, ["status", "--config", str(conf)]).stdout
+        assert next(x for x in status.splitlines() if x.startswith("last sync:")).startswith("last sync: ok "), status
+        doctor = json.loads(cli.invoke(app, ["doctor", "--json", "--config", str(conf)]).stdout)
+        assert next(f for f in doctor["findings"] if f["name"] == "serving")["ok"], doctor  # no sync failed
 
 
 def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
@@ -302,12 +355,12 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((run / "reports" / "learning_curve.json").read_text())
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["candidate_score"] == rows[0]["score"] and "gate" not in rows[0]
+    assert rows[0]["candidate_score"] == rows[0]["served_score"] and "gate" not in rows[0]
     for r in rows[1:]:
         assert r["gate"] in ("promote", "refuse") and r["candidate_version"] == str(r["step"])
         assert 0.0 <= r["val_candidate"] <= 1.0 and 0.0 <= r["val_champion"] <= 1.0
         if r["gate"] == "promote":
-            assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["score"]
+            assert r["weight_version"] == r["candidate_version"] and r["candidate_score"] == r["served_score"]
         # conf/demo.toml's min_gain = 0: a tie or a loss on validation keeps the champion
         assert (r["gate"] == "promote") == (r["val_candidate"] > r["val_champion"]), r
     assert "promotion: champion version" in out.stdout and "gate" in out.stdout

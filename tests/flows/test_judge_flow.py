@@ -52,7 +52,7 @@ def test_rule_judge_flow_scores_correction_and_thanks(judged, tiny_engine):
     # 2 first turns with a next state, 2 final turns closed by session_done, 1 side turn
     assert out["judged"] == 5
     assert out["fates"] == {"sample": 2, "no_next_state": 2, "side_turn": 1}
-    verdicts = {r["session_id"]: r for r in q(s, "select j.*, t.session_id from judgments j join turns t using (turn_id)")}
+    verdicts = {r["session_id"]: r for r in q(s, "select j.*, t.session_id from verdicts j join turns t using (turn_id)")}
     assert verdicts["corrected"]["score"] == -1 and verdicts["thanked"]["score"] == 1
     assert verdicts["corrected"]["hint"] == "answer in one word" and verdicts["thanked"]["hint"] is None
     assert all(len(json.loads(v["raw_outputs"])) == s.prm.judge_samples for v in verdicts.values())
@@ -158,3 +158,53 @@ def test_a_failing_turn_is_retried_alone_and_ends_judge_error_when_it_keeps_fail
     if fate == "judge_error":
         assert "ConnectionError: judge backend down" in rows[0]["detail"]
     assert q(s, "select count(*) as n from turn_fate")[0]["n"] == 8  # one fate each, none twice
+
+
+def _demo_round(store: DataStore, round_no: int, users: int, evaluations: int) -> None:
+    """What a round of `clawrl demo` leaves for the judge, in the order it is made: the previous step's
+    held-out evaluation (``evaluations`` side turns), then ``users`` sessions of a question with the user's
+    reply as its next state and that reply's turn, closed (session_done)."""
+    from dataclasses import replace
+    from datetime import timedelta
+
+    from tests.utils.turns import T0, build_next_state, build_turn
+
+    at = iter(T0 + timedelta(hours=round_no, seconds=i) for i in range(evaluations + 2 * users))
+    ask = [{"role": "user", "content": "What is gravity?"}]
+    records = [replace(build_turn(ask, session_id=f"eval{round_no}-e{i:02d}", turn_type="side"), created_at=next(at))
+               for i in range(evaluations)]
+    for u in range(users):
+        sid = f"train{round_no}-u{u:02d}"
+        first = replace(build_turn(ask, session_id=sid), created_at=next(at))
+        reply = [{"role": "assistant", "content": first.text}, {"role": "user", "content": "thanks, that's great!"}]
+        last = replace(build_turn(ask + reply, session_id=sid, turn_index=1), created_at=next(at))
+        records += [first, build_next_state(first, reply[1:]), last, build_next_state(last, None)]
+    store.append(records)
+
+
+def test_a_direct_run_judges_every_ready_turn_and_an_exclusive_run_a_bite(prefect_harness, make_settings, tmp_path):
+    """A round of the demo (16 users, 48 held-out answers) leaves 80 ready turns, more than the 64 a run of
+    `clawrl up` takes at once (BITE_BATCHES x 16 = 64 = MIN_BITE; it starts training and takes the rest next
+    time). A direct run (`clawrl judge`, the demo's loop, which trains right after) judges them all: with a
+    bite, each round would leave 16 turns to the next, which then judged the last round's leftovers and
+    evaluation instead of its own users' answers."""
+    from clawrl.flows.judge import judge_flow
+
+    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 16})
+    conf = tmp_path / "rule.toml"
+    conf.write_text(dump_toml(s))
+    with DataStore(s.storage.data_root) as store:
+        _demo_round(store, 1, users=16, evaluations=48)
+    bite = judge_flow(config_path=str(conf), exclusive=True)
+    # oldest first: the 48 side turns and the first 8 users' two turns each
+    assert bite["judged"] == 64 and bite["fates"] == {"side_turn": 48, "sample": 8, "no_next_state": 8}
+    with DataStore(s.storage.data_root) as store:
+        _demo_round(store, 2, users=16, evaluations=48)
+    out = judge_flow(config_path=str(conf))
+    # the 16 turns the bite left and the whole second round: 16 + 80
+    assert out["judged"] == 96 and out["fates"] == {"side_turn": 48, "sample": 24, "no_next_state": 24}
+    assert out["status"]["trainable"] == 32 and out["status"]["awaiting_next_state"] == 0
+    fates = q(s, "select t.session_id, t.turn_index, f.fate from turns t join turn_fate f using (turn_id) "
+                 "where t.turn_type = 'main'")
+    assert len(fates) == 64
+    assert all(r["fate"] == ("sample" if r["turn_index"] == 0 else "no_next_state") for r in fates)

@@ -39,7 +39,7 @@ def _log_sessions(s, tiny_engine, tag: str, n: int) -> None:
 
 def _votes(s, run_hash: str) -> int:
     rows = run_query(s.storage.data_root,
-                     f"select raw_outputs from judgments where judge_config_hash = '{run_hash}'").to_pylist()
+                     f"select raw_outputs from verdicts where judge_config_hash = '{run_hash}'").to_pylist()
     return sum(len(json.loads(r["raw_outputs"])) for r in rows)
 
 

@@ -342,7 +342,7 @@ def test_judge_runs_use_the_judge_engine_over_http_without_loading_weights(
         assert outs[name]["judged"] == 4
 
     rows = run_query(base.storage.data_root, "select judge_config_hash as h, judge_backend, raw_outputs, error "
-                     "from judgments").to_pylist()
+                     "from verdicts").to_pylist()
     votes = [r for r in rows if r["h"] == outs["engine"]["judge_config_hash"]]
     assert len(votes) == 2 and all(r["judge_backend"] == "engine" and r["error"] is None for r in votes)
     assert all(len(json.loads(r["raw_outputs"])) == 2 and "[judge error]" not in r["raw_outputs"] for r in votes)

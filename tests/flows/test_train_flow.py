@@ -77,9 +77,8 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
                      {"namespace": "open", "session_id": "bob", "turn_index": 0}]
     from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client
 
-    initial, mv = sorted(mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'"),
-                         key=lambda m: int(m.version))  # the initial weights are registered before the first step
-    assert (initial.tags["weight_version"], initial.run_id, mv.tags["weight_version"]) == ("0", None, "1")
+    [mv] = mlflow_client(s.storage.data_root).search_model_versions(f"name = '{REGISTERED_MODEL}'")
+    assert (mv.version, mv.tags["weight_version"]) == (1, "1")  # model version N is weight version N
     assert mv.run_id == ck["mlflow_run_id"] and mv.tags["batch_id"] == ck["batch_id"]
     run = mlflow_client(s.storage.data_root).get_run(mv.run_id)
     from mlflow.models import Model  # the version page's MLmodel: flavor and signature, in the checkpoint
@@ -98,13 +97,14 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
     assert run.data.metrics["doctor_problems"] == sum(v == 0.0 for k, v in run.data.metrics.items()
                                                       if k.startswith("doctor_ok_"))
     report = json.loads((Path(run.info.artifact_uri.removeprefix("file://")) / "doctor.json").read_text())
-    assert [f["name"] for f in report["findings"]][:2] == ["traffic", "next_states"]
+    assert [f["name"] for f in report["findings"]][:3] == ["traffic", "judge_config", "next_states"]
     assert report["learning_by_version"][0]["weight_version"] == "0"  # the two judged turns v0 served
     png = Path(run.info.artifact_uri.removeprefix("file://")) / "learning_by_version.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Prefect <-> MLflow: the run names its flow run; the flow run, named for the version, links the run
     fr_id = run.data.tags["prefect.flow_run_id"]
-    assert run.data.tags["prefect.flow_run_url"].endswith(f"/flow-run/{fr_id}")
+    url = run.data.tags["prefect.flow_run_url"]
+    assert url.endswith(f"/runs/flow-run/{fr_id}") and f"[{fr_id}]({url})" in run.data.tags["mlflow.note.content"]
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
@@ -112,9 +112,11 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
         fr = pc.read_flow_run(fr_id)
         [art] = pc.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[fr.id])))
     assert fr.name == "train-v1" and art.key == "train-v1"
+    assert _beginning_line(fr.id) == "Beginning flow run 'train-v1' for flow 'train'"  # named so from its start
     exp_id = run.info.experiment_id
-    assert f"(http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{mv.run_id})" in art.data
-    assert f"(http://127.0.0.1:5000/#/models/clawrl-policy/versions/{mv.version})" in art.data
+    view = "?workflowType=machine_learning"  # the MLflow UI's model-training view
+    assert f"(http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{mv.run_id}{view})" in art.data
+    assert f"(http://127.0.0.1:5000/#/models/clawrl-policy/versions/{mv.version}{view})" in art.data
     assert mlflow_client(s.storage.data_root).get_experiment(exp_id).tags["mlflow.experimentKind"] == \
         "custom_model_development"  # the UI's model-training view
     [ds] = run.inputs.dataset_inputs
@@ -142,49 +144,72 @@ def test_policy_points_are_logged_once_per_version_and_key(tmp_path):
     from clawrl.lineage import client as mlflow_client, log_policy_point
 
     run_id = log_policy_point(tmp_path, 1, {"loss": 0.5, "kl": 0.01})
-    assert log_policy_point(tmp_path, 1, {"loss": 0.9, "heldout_score": 0.75, "skipped": None}) == run_id
+    assert log_policy_point(tmp_path, 1, {"loss": 0.9, "served_score": 0.75, "skipped": None}) == run_id
     log_policy_point(tmp_path, 2, {"loss": 0.25})
     ml = mlflow_client(tmp_path)
     assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]
-    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "heldout_score")] == [(1, 0.75)]
+    assert [(m.step, m.value) for m in ml.get_metric_history(run_id, "served_score")] == [(1, 0.75)]
     assert ml.get_metric_history(run_id, "skipped") == []
 
 
-def test_held_out_scores_are_points_at_the_candidates_version_and_the_served_score_a_series_of_its_own():
-    """Refused candidates no longer pile their scores onto the served version's step 0 (one point, a bar in
-    MLflow): each candidate's held-out score sits at its own version, the served score beside it."""
+def test_every_row_reaches_the_policy_run_at_its_version_with_the_served_and_the_candidate_score_apart():
+    """Each curve row is a point at the version it decided on, refused candidate or not, so the served
+    on-topic, persona, KL and word-count curves end at the same version as the scores (they stopped at the
+    last promoted version); ``served_*`` is what users got after the decision, ``candidate_score`` the
+    candidate's own, two names for two numbers."""
     from clawrl.flows.loop import policy_points
 
-    keys = ["score", "on_topic_rate", "candidate_score", "kl"]
-    base = {"step": 0, "weight_version": "0", "score": 0.25, "on_topic_rate": 0.5, "candidate_score": 0.25, "kl": 0.0}
-    refused = {"step": 1, "weight_version": "0", "candidate_version": "1", "gate": "refuse", "score": 0.25,
+    keys = ["served_score", "on_topic_rate", "candidate_score", "kl"]
+    base = {"step": 0, "weight_version": "0", "served_score": 0.25, "on_topic_rate": 0.5, "candidate_score": 0.25,
+            "kl": 0.0}
+    refused = {"step": 1, "weight_version": "0", "candidate_version": "1", "gate": "refuse", "served_score": 0.25,
                "on_topic_rate": 0.5, "candidate_score": 0.125, "kl": 0.0}
-    promoted = {"step": 2, "weight_version": "2", "candidate_version": "2", "gate": "promote", "score": 0.75,
+    unmeasured = {**refused, "candidate_score": None}  # tools: a refused candidate's score is not measured
+    promoted = {"step": 2, "weight_version": "2", "candidate_version": "2", "gate": "promote", "served_score": 0.75,
                 "on_topic_rate": 1.0, "candidate_score": 0.75, "kl": 0.03}
-    assert policy_points(base, keys, True) == [(0, {"heldout_score": 0.25, "heldout_on_topic_rate": 0.5,
-                                                    "heldout_kl": 0.0, "served_heldout_score": 0.25})]
-    assert policy_points(refused, keys, True) == [(1, {"heldout_score": 0.125, "served_heldout_score": 0.25})]
-    assert policy_points(refused, keys, False) == [(1, {"served_heldout_score": 0.25})]  # tools: not measured
-    assert policy_points(promoted, keys, True) == [(2, {"heldout_score": 0.75, "heldout_on_topic_rate": 1.0,
-                                                        "heldout_kl": 0.03, "served_heldout_score": 0.75})]
-    assert policy_points({"step": 3, "weight_version": None}, keys, True) == []
+    assert policy_points(base, keys) == [(0, {"served_score": 0.25, "served_on_topic_rate": 0.5, "served_kl": 0.0,
+                                              "candidate_score": 0.25})]
+    assert policy_points(refused, keys) == [(1, {"served_score": 0.25, "served_on_topic_rate": 0.5, "served_kl": 0.0,
+                                                 "candidate_score": 0.125})]
+    assert policy_points(unmeasured, keys)[0][1]["candidate_score"] is None  # log_policy_point leaves it out
+    assert policy_points(promoted, keys) == [(2, {"served_score": 0.75, "served_on_topic_rate": 1.0, "served_kl": 0.03,
+                                                  "candidate_score": 0.75})]
+    assert policy_points({"step": 3, "weight_version": None}, keys) == []
 
 
-def test_the_initial_weights_carry_the_champion_alias_while_they_are_the_champion(tmp_path):
-    """Version 0 has no training run, yet it is a model version of clawrl-policy (registered once), so
-    `@champion` sits on it while no candidate was promoted, and moves off it when one is."""
-    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client, register_initial_weights, set_policy_alias
+def test_a_refused_candidate_gets_its_measured_score_or_none_never_the_served_one():
+    from clawrl.flows.loop import _gate_row
 
-    base = tmp_path / "base-model"
-    base.mkdir()
-    first = register_initial_weights(tmp_path, base)
-    assert register_initial_weights(tmp_path, base) == first  # once
-    assert set_policy_alias(tmp_path, "champion", "0", initial_weights=base) == first
+    served = {"served_score": 0.5}
+    refuse = {"decision": "refuse", "reason": "worse", "candidate_version": "3"}
+    assert _gate_row(refuse, served, 0.25)["candidate_score"] == 0.25
+    assert _gate_row(refuse, served, None)["candidate_score"] is None
+    assert _gate_row({**refuse, "decision": "promote"}, served, None)["candidate_score"] == 0.5
+    assert _gate_row(None, served, None) == {"candidate_score": 0.5}  # no step: the served version stands
+
+
+def test_model_version_n_holds_weight_version_n_and_the_initial_weights_champion_is_a_tag(tmp_path):
+    """MLflow numbers versions from 1 and the initial weights were registered first, so version N+1 held weight
+    version N (and MLflow's reserved alias @vN named the wrong one). Now only trained versions are registered,
+    in order: version N is weight version N. While the initial weights serve, no version is @champion and the
+    registered model's tag champion_weight_version says 0."""
+    from clawrl.lineage import REGISTERED_MODEL, client as mlflow_client, set_policy_alias
+
+    first, second = _logged_step(tmp_path, 1), _logged_step(tmp_path, 2)
     ml = mlflow_client(tmp_path)
-    mv = ml.get_model_version_by_alias(REGISTERED_MODEL, "champion")
-    assert (str(mv.version), mv.tags["weight_version"], mv.source) == (first, "0", base.as_uri())
-    assert set_policy_alias(tmp_path, "champion", "7") is None  # a version with no model version: no alias left
-    assert "champion" not in ml.get_registered_model(REGISTERED_MODEL).aliases
+    versions = sorted(ml.search_model_versions(f"name = '{REGISTERED_MODEL}'"), key=lambda m: int(m.version))
+    assert [(m.version, m.tags["weight_version"], m.run_id) for m in versions] == [
+        (1, "1", first["run_id"]), (2, "2", second["run_id"])]
+    assert versions[1].description == "Weight version 2, trained from version 1 on batch batch2."
+    assert ml.get_model_version(REGISTERED_MODEL, "2").source == Path(second["path"]).as_uri()
+    assert set_policy_alias(tmp_path, "champion", "2") == "2"
+    assert ml.get_model_version_by_alias(REGISTERED_MODEL, "champion").tags["weight_version"] == "2"
+    assert set_policy_alias(tmp_path, "champion", "0") is None  # rolled back to the initial weights
+    model = ml.get_registered_model(REGISTERED_MODEL)
+    assert "champion" not in model.aliases and model.tags["champion_weight_version"] == "0"
+    assert "model version N is weight version N" in model.description
+    _logged_step(tmp_path, 2)  # a re-run after a crash registers nothing twice
+    assert len(ml.search_model_versions(f"name = '{REGISTERED_MODEL}'")) == 2
 
 
 def test_sync_points_are_at_the_weight_version_and_retries_stay_visible(tmp_path):
@@ -283,3 +308,56 @@ def test_a_train_run_without_a_batch_is_named_idle_for_when_it_ran(prefect_harne
     with get_client(sync_client=True) as pc:
         name = pc.read_flow_run(state.state_details.flow_run_id).name
     assert re.fullmatch(r"train-idle-\d{8}-\d{6}", name), name  # not a random "sandy-oyster", nor a step's name
+    assert _beginning_line(state.state_details.flow_run_id) == f"Beginning flow run '{name}' for flow 'train'"
+
+
+def test_a_run_that_finds_nothing_is_named_idle_and_keeps_what_its_name_said():
+    import re
+
+    from clawrl.flows.slots import idle_name
+
+    assert idle_name("judge-20261206-182346") == "judge-idle-20261206-182346"
+    assert idle_name("judge-overlap-3") == "judge-idle-overlap-3"
+    assert idle_name("train-idle-20261206-182346") == "train-idle-20261206-182346"  # named idle when it began
+    assert re.fullmatch(r"train-idle-\d{8}-\d{6}", idle_name("train-v4"))  # its batch turned out too stale
+
+
+def _beginning_line(flow_run_id) -> str:
+    """The flow run's "Beginning flow run '<name>' ..." log line, as Prefect's server keeps it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=120)  # the lines this process still queues for the server
+    with get_client(sync_client=True) as pc:
+        logs = pc.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return next(log.message for log in logs if log.message.startswith("Beginning"))
+
+
+def _logged_step(root: Path, version: int) -> dict:
+    """A step's lineage as the train flow logs it (a checkpoint directory with no weights: MLflow never reads them)."""
+    from clawrl.lineage import log_train_step
+
+    ckpt = root / "checkpoints" / f"v{version:06d}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    step = {"batch_id": f"batch{version}", "step": version, "weight_version": str(version),
+            "parent_version": str(version - 1), "sha256": "ab" * 32, "path": str(ckpt), "metrics": {"loss": 0.5}}
+    manifest = [{"sample_id": f"s{version}", "session_id": "alice", "turn_id": f"t{version}", "reward": 1.0,
+                 "has_teacher": False, "weight_version": str(version - 1)}]
+    run_id = log_train_step(root, step=step, params={"lr": 1e-3}, manifest=manifest, tags={"method": "combine"})
+    return {**step, "run_id": run_id}
+
+
+def test_logging_a_step_warns_nothing(tmp_path):
+    """MLflow warned on every step ("The specified dataset source can be interpreted in multiple ways"), a
+    WARNING line per step in the flows' log; the batch manifest's dataset keeps its source all the same."""
+    import warnings
+
+    from clawrl.lineage import client as mlflow_client
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = _logged_step(tmp_path, 1)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    [ds] = mlflow_client(tmp_path).get_run(step["run_id"]).inputs.dataset_inputs
+    assert (ds.dataset.source_type, json.loads(ds.dataset.source)) == ("local", {"uri": str(tmp_path / "tables" / "batches")})

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-LONG = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000, "min_tokens": 2000}
+LONG = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2000, "min_tokens": 2000}
 
 
 def _aborts(gw, stream: str) -> float:

@@ -46,17 +46,17 @@ def test_http_engine_overflow_reaches_the_client_as_context_length_exceeded(make
             long = [{"role": "user", "content": "word " * 300}]
             assert app.state.engine.max_context_len == CONTEXT  # learned from the engine's /server_info
             for stream in (False, True):  # refused before a byte of the stream
-                r = httpx.post(url, json={"messages": long, "stream": stream}, timeout=60)
+                r = httpx.post(url, json={"model": "m", "messages": long, "stream": stream}, timeout=60)
                 assert r.status_code == 400, r.text
                 err = r.json()["error"]
                 assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
                 assert err["message"].startswith(f"This model's maximum context length is {CONTEXT} tokens. However, "
                                                  "your messages resulted in "), err
-            ok = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+            ok = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
             assert ok.status_code == 200, ok.text
             # an engine that refuses by itself (the gateway has not learned its context) is answered the same way
             app.state.engine.max_context_len = None
-            r = httpx.post(url, json={"messages": long}, timeout=60)
+            r = httpx.post(url, json={"model": "m", "messages": long}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
             store.flush()
         finally:

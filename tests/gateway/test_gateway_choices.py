@@ -98,7 +98,7 @@ def test_n_is_capped_by_max_n(gateway, monkeypatch):
             ask(client, "cap", 5)
         assert e.value.status_code == 400 and e.value.body["param"] == "n"
         assert "from 1 to 4" in e.value.body["message"] and "got 5" in e.value.body["message"]
-        zero = httpx.post(gw.base_url + "/chat/completions", json={"messages": ASK, "n": 0})
+        zero = httpx.post(gw.base_url + "/chat/completions", json={"model": "m", "messages": ASK, "n": 0})
         assert zero.status_code == 400 and zero.json()["error"]["param"] == "n"
         assert len(ask(client, "cap", 4).choices) == 4  # at the cap: served
         store.flush()
@@ -185,7 +185,7 @@ def test_the_choices_are_recorded_all_or_none_before_the_answer(gateway_settings
             ask(client, "full", 3)
         assert e.value.status_code == 507
         events = list(ask(client, "full", 2, stream=True).response.iter_lines())
-        assert any('"code":507' in line for line in events) and not any('"finish_reason":"' in x for x in events)
+        assert any('"type":"storage_error"' in line for line in events) and not any('"finish_reason":"' in x for x in events)
         disk.full = False
         r = ask(client, "full", 3)
         disk.store.flush()

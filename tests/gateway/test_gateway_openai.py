@@ -236,14 +236,14 @@ def test_errors_are_openai_shaped(gateway, monkeypatch):
         assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
         missing = httpx.post(url, json={"model": "m"})
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
-        n0 = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "n": 0})
+        n0 = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0})
         assert n0.status_code == 400 and n0.json()["error"]["param"] == "n"
-        bad_sid = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}]},
+        bad_sid = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
                              headers={"X-Session-Id": "bad id;"})
         assert bad_sid.status_code == 400 and bad_sid.json()["error"]["param"] == "session_id"
-        big = httpx.post(url, json={"messages": [{"role": "user", "content": "x" * 5000}]})
+        big = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x" * 5000}]})
         assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
-        role = httpx.post(url, json={"messages": [{"role": "wizard", "content": "x"}]})
+        role = httpx.post(url, json={"model": "m", "messages": [{"role": "wizard", "content": "x"}]})
         assert role.status_code == 400
         client = OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
@@ -271,10 +271,41 @@ def test_errors_are_openai_shaped(gateway, monkeypatch):
         assert float(gauges["clawrl_open_sessions"]) == health2["open_sessions"]
 
 
+def test_a_request_without_model_is_refused_as_openai_does(gateway):
+    """Chat completions, Responses and legacy completions each need ``model``: a 400 naming it, with
+    OpenAI's words and code, and nothing recorded. Sent through the openai SDK (``omit`` leaves the
+    field out of the body)."""
+    s, store, ctx = gateway()
+    with ctx as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+        calls = {"chat": lambda: client.chat.completions.create(model=openai.omit, messages=[{"role": "user",
+                                                                                             "content": "hi"}]),
+                 "responses": lambda: client.responses.create(model=openai.omit, input="hi"),
+                 "completions": lambda: client.completions.create(model=openai.omit, prompt="hi")}
+        for name, call in calls.items():
+            with pytest.raises(openai.BadRequestError) as e:
+                call()
+            assert e.value.status_code == 400 and e.value.body == {
+                "message": "Missing required parameter: 'model'.", "type": "invalid_request_error", "param": "model",
+                "code": "missing_required_parameter"}, (name, e.value.body)
+        # a value of the wrong type: OpenAI's invalid_type; an out-of-range one: invalid_value
+        wrong = httpx.post(gw.base_url + "/chat/completions", json={"model": 5, "messages": []}).json()["error"]
+        assert (wrong["param"], wrong["code"], wrong["message"]) == (
+            "messages", "invalid_value", "messages: List should have at least 1 item after validation, not 0 "
+                                         "(and 1 more)")
+        typed = httpx.post(gw.base_url + "/chat/completions", json={"model": 5, "messages": [{"role": "user",
+                                                                                               "content": "x"}]})
+        assert typed.json()["error"] == {"message": "model: Input should be a valid string",
+                                         "type": "invalid_request_error", "param": "model", "code": "invalid_type"}
+    store.flush()
+    assert turns(s) == []
+
+
 def test_session_headers_are_read_and_documented(gateway):
     s, store, ctx = gateway()
     with ctx as gw:
-        url, body = gw.base_url + "/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        url = gw.base_url + "/chat/completions"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         # the first of a repeated header counts; the turn type is read case-blind
         r = httpx.post(url, json=body, headers=[("X-Session-Id", "s-1"), ("X-Turn-Type", "Side"),
                                                 ("X-Session-Id", "s-2")])

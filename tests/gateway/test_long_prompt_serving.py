@@ -39,11 +39,11 @@ def test_a_long_prompt_keeps_memory_bounded_and_a_gone_client_frees_the_engine(t
         prompt = "the quick brown fox jumps over the lazy dog. " * 1200
         url = f"{server.url}/v1/chat/completions"
         # served in full: prefilled in 2048-token chunks
-        r = httpx.post(url, json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 8}, timeout=120)
+        r = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 12000
         # a client that gives up after 3 s of a 4,000-token answer
         try:
-            r = httpx.post(url, json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 4000,
+            r = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4000,
                                       "min_tokens": 4000}, timeout=3.0)
             raise AssertionError(f"the 4,000-token answer came back within 3 s: nothing was aborted: {r.text[:300]}")
         except httpx.TimeoutException:

@@ -254,3 +254,46 @@ def test_a_summariser_call_and_the_compacted_conversation_find_the_session_they_
                  ("user", "what can you do?"))
     assert derive_session_id("ns", after) != sid and tr.find("ns", after) == sid
     assert tr.find("other-namespace", after) != sid
+
+
+def test_a_summary_of_a_split_turn_quoting_only_the_users_message_finds_its_session():
+    """OpenClaw compacting after a long answer keeps that answer and summarises the first part of its
+    turn: the summariser quotes only the user's message, without the envelope OpenClaw sent it in (a
+    bracketed date, runtime lines after it). It lands in the session that message asked in, and so
+    does the request after the compaction, which quotes its summary."""
+    tr = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    block = ("user", "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> none <<<END_OPENCLAW_INTERNAL_CONTEXT>>>")
+    ask = "Please tell me a long story about the sea."
+    opening = msgs(("system", "s"), ("user", f"[Sun 2026-12-06 20:26 UTC] {ask}\n\nRuntime: agent=main | session=s1"),
+                   block)
+    state, _ = tr.open("ns", tr.find("ns", opening))
+    sid = state.session_id
+    tr.finish_turn(state, "t0", 0, opening, {"role": "assistant", "content": "The old boat left at dawn. " * 20},
+                   main=True, done=False)
+    other = msgs(("system", "s"), ("user", "[Sun 2026-12-06 20:27 UTC] Please list the files in my workspace."))
+    st_other, _ = tr.open("ns", tr.find("ns", other))  # a more recent session whose user asked something else
+    tr.finish_turn(st_other, "u0", 0, other, {"role": "assistant", "content": "Two files: a.txt and b.txt."},
+                   main=True, done=False)
+    prefix = msgs(("system", "You are a context summarization assistant."),
+                  ("user", f"<conversation>\n[User]: {ask}\n</conversation>\n\nThis is the PREFIX of a turn that "
+                           "was too large to keep. The SUFFIX (recent work) is retained."))
+    assert tr.find("ns", prefix) != sid  # only an agent's own (maintenance) call is searched for quotes
+    assert tr.find("ns", prefix, maintenance=True) == sid and tr.find("other", prefix, maintenance=True) != sid
+    summary = "Summary of the turn so far: the user asked for a long story about the sea."
+    tr.finish_turn(state, "t1", 1, prefix, {"role": "assistant", "content": summary}, main=False, done=False)
+    after = msgs(("system", "s"), ("user", f"The conversation history before this point was compacted:\n{summary}"),
+                 ("user", "[Sun 2026-12-06 20:28 UTC] Thanks. What did we talk about?"))
+    assert tr.find("ns", after) == sid
+    # a quoted answer tells sessions apart before a quoted question: the more recent session's user asked
+    # the same, the answer quoted is this session's
+    st_other.asked.append(ask)
+    quoting_answer = msgs(("system", "You are a context summarization assistant."),
+                          ("user", f"[User]: {ask}\n[Assistant]: {'The old boat left at dawn. ' * 20}"))
+    assert tr.find("ns", quoting_answer, maintenance=True) == sid
+    # a message too short to tell conversations apart is not remembered
+    short = SessionTracker(idle_timeout_s=60, max_sessions=10)
+    st, _ = short.open("ns", "a")
+    short.finish_turn(st, "t0", 0, msgs(("user", "[Sun 09:00] Tell me a story.")),
+                      {"role": "assistant", "content": "Once upon a time, far away."}, main=True, done=False)
+    assert short.find("ns", msgs(("system", "You summarise."), ("user", "[User]: Tell me a story.")),
+                      maintenance=True) != "a"

@@ -142,7 +142,7 @@ def test_disk_full_while_serving_gives_507_and_never_acknowledges_an_unwritten_t
 
     def turn(sid: str, messages: list[dict]) -> httpx.Response:
         return httpx.post(gw.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": messages, "max_tokens": 4, "session_id": sid})
+                          json={"model": "m", "messages": messages, "max_tokens": 4, "session_id": sid})
 
     try:
         r = client.chat.completions.create(model="tiny", messages=history, max_tokens=4,
@@ -159,15 +159,16 @@ def test_disk_full_while_serving_gives_507_and_never_acknowledges_an_unwritten_t
         new = turn("fresh", [{"role": "user", "content": "hello"}])  # no pending turn: the turn's own append fails
         linked = turn("kept", history)  # a pending turn: linking its next state fails first
         stream = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True, "session_id": "s"})
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "session_id": "s"})
         for r, what in ((new, "the turn"), (linked, "the previous turn's next state")):
             assert r.status_code == 507, r.text
             err = r.json()["error"]
-            assert err["type"] == "storage_error" and err["code"] == 507 and err["param"] is None
+            assert err["type"] == "storage_error" and err["code"] is None and err["param"] is None
             assert err["message"].startswith(f"could not record {what}:") and "File too large" in err["message"]
             failures.append(r.status_code)
         events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
-        assert events[-1]["error"]["code"] == 507 and "could not record the turn" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["type"] == "storage_error" and "could not record the turn" in events[-1]["error"]["message"]
         assert not any(e.get("choices") and e["choices"][0].get("finish_reason") for e in events)  # never completed
         failures.append(507)
         health = httpx.get(gw.url + "/healthz", timeout=30)

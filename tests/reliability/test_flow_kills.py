@@ -126,9 +126,7 @@ def _ck_state(root: Path) -> dict:
     runs = [r for r in c.search_runs([experiment_id(c, root, EXPERIMENT)]) if r.data.tags.get("kind") != "policy"]
     return {"rows": rows, "files": files, "dirs": [d.name for d in dirs],
             "run_batches": sorted(r.data.tags["batch_id"] for r in runs),
-            # trained versions, once each (the initial weights' own model version, registered once, aside)
-            "model_versions": len([m for m in c.search_model_versions(f"name = '{REGISTERED_MODEL}'")
-                                   if m.tags.get("weight_version") != "0"]),
+            "model_versions": len(c.search_model_versions(f"name = '{REGISTERED_MODEL}'")),  # trained versions
             "batches": _q(root, "SELECT step, sample_ids FROM batches ORDER BY step")}
 
 
@@ -153,7 +151,7 @@ def flows_env(prefect_harness, tmp_path_factory, tiny_engine, model_cache):
     trained = train_flow(config_path=str(conf), max_steps=10)
     reference = {"judged": judged, "steps": trained["steps"], "seconds": time.monotonic() - t0,
                  "fates": _q(ref, "SELECT turn_id, fate FROM turn_fate ORDER BY turn_id"),
-                 "verdicts": _q(ref, "SELECT turn_id, score, hint FROM judgments ORDER BY turn_id"),
+                 "verdicts": _q(ref, "SELECT turn_id, score, hint FROM verdicts ORDER BY turn_id"),
                  "samples": _q(ref, "SELECT sample_id, turn_id, reward FROM samples ORDER BY sample_id"),
                  "ck": _ck_state(ref)}
     assert [st["weight_version"] for st in trained["steps"]] == ["1", "2", "3", "4"]
@@ -176,7 +174,7 @@ def judged_after_kills(flows_env):
         assert code == -9, f"judge flow not killed at {point!r} (exit {code}):\n{out[-3000:]}"
         _recover(root)
         with open_catalog(root) as con:
-            attempts = con.sql("SELECT turn_id FROM judgment_attempts").fetchall()
+            attempts = con.sql("SELECT turn_id FROM verdict_attempts").fetchall()
             fated = {r[0] for r in con.sql("SELECT turn_id FROM turn_fate").fetchall()}
             uncommitted = {r[0] for r in attempts} - fated
             chash = flows_env["reference"]["judged"]["judge_config_hash"]
@@ -201,8 +199,8 @@ def test_judge_flow_killed_at_every_step_judges_each_turn_exactly_once(flows_env
 
     counts = _q(root, """SELECT (SELECT count(*) FROM turns) AS turns,
         (SELECT count(*) FROM turn_fate) AS fates, (SELECT count(DISTINCT turn_id) FROM turn_fate) AS fated,
-        (SELECT count(*) FROM judgments) AS verdicts, (SELECT count(DISTINCT turn_id) FROM judgments) AS judged,
-        (SELECT count(*) FROM judgment_attempts) AS attempts,
+        (SELECT count(*) FROM verdicts) AS verdicts, (SELECT count(DISTINCT turn_id) FROM verdicts) AS judged,
+        (SELECT count(*) FROM verdict_attempts) AS attempts,
         (SELECT count(*) FROM samples) AS samples, (SELECT count(DISTINCT sample_id) FROM samples) AS sample_ids""")[0]
     assert counts["fates"] == counts["fated"] == counts["turns"] == flows_env["turns"]  # one fate per turn
     assert counts["verdicts"] == counts["judged"] == 9  # one verdict per judged main turn (8 +-1, 1 zero)
@@ -210,7 +208,7 @@ def test_judge_flow_killed_at_every_step_judges_each_turn_exactly_once(flows_env
     assert counts["samples"] == counts["sample_ids"] == 8
     # the same decisions as the uninterrupted run
     assert _q(root, "SELECT turn_id, fate FROM turn_fate ORDER BY turn_id") == ref["fates"]
-    assert _q(root, "SELECT turn_id, score, hint FROM judgments ORDER BY turn_id") == ref["verdicts"]
+    assert _q(root, "SELECT turn_id, score, hint FROM verdicts ORDER BY turn_id") == ref["verdicts"]
     assert _q(root, "SELECT sample_id, turn_id, reward FROM samples ORDER BY sample_id") == ref["samples"]
     print(f"\njudge kills: {len(JUDGE_POINTS)} ({', '.join(JUDGE_POINTS)}); turns {counts['turns']}, fates "
           f"{counts['fates']}, verdicts {counts['verdicts']} (+{counts['attempts'] - counts['verdicts']} superseded "

@@ -93,6 +93,7 @@ def test_cli_names_every_config_problem_without_a_traceback_or_a_secret(tmp_path
         assert p.returncode == 2, (name, p.returncode, p.stderr)
         assert p.stdout == "", (name, p.stdout)
         assert p.stderr.startswith("config error: ") and "Traceback" not in p.stderr, (name, p.stderr)
+        assert len(p.stderr.splitlines()) == 1, (name, "one line, however many problems", p.stderr)
         assert str(path) in p.stderr, (name, p.stderr)  # the file is named
         for f in fragments:
             assert f in p.stderr, (name, f, p.stderr)

@@ -173,7 +173,7 @@ def test_keys_never_reach_logs_parquet_mlflow_or_error_messages(prefect_harness,
             lg.removeHandler(handler)
         logging.getLogger().setLevel(root_level)
     recorded_errors = [r["error"] for r in run_query(s.storage.data_root,
-                                                     "select error from judgments where error is not null").to_pylist()]
+                                                     "select error from verdicts where error is not null").to_pylist()]
     assert recorded_errors and all("HTTP 401" in e for e in recorded_errors), recorded_errors[:3]
     errors += recorded_errors
 

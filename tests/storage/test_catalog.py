@@ -129,6 +129,9 @@ def test_pending_counts_explain_where_every_turn_is(judged_root):
     assert counts["pending_judgment"] == 3  # t3 t4 t5
     assert counts["pending_no_next_state"] == 1  # t6
     assert counts["judged"] == 4  # t0 t1 t2 t8
+    assert counts["side_unmarked"] == 1  # t9
+    assert counts["turns"] == sum(counts[k] for k in ("judged", "awaiting_next_state", "pending_judgment",
+                                                      "pending_no_next_state", "side_unmarked"))
     assert counts["fates"] == {"sample": 2, "side_turn": 1, "no_next_state": 0, "score_zero": 1,
                                "no_hint": 0, "judge_error": 0, "too_stale": 0}
     assert counts["excluded"] == 2  # side_turn + score_zero

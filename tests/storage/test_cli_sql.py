@@ -77,16 +77,54 @@ def test_sql_parquet_needs_out_and_writes_it(cli, tmp_path):
     assert table.column("output_ids").to_pylist() == [t.output_ids for t in cli.turns]
 
 
-def test_a_bad_query_prints_duckdbs_message_and_exits_2(cli):
+def test_a_bad_query_prints_duckdbs_message_on_one_line_and_exits_2(cli):
     result = cli("SELECT no_such_column FROM turns")
     assert result.exit_code == 2
     assert 'Referenced column "no_such_column" not found' in result.stderr
     assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    # DuckDB's message is four lines (the error, a blank, the query echoed, a caret under it): one here
+    result = cli("selec 1")
+    assert result.exit_code == 2 and result.stderr.splitlines()[1:] == ['Parser Error: syntax error at or near "selec"']
+    result = cli("select * from judgments")  # the view's name before it took its table's
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 2, result.stderr
+    assert result.stderr.splitlines()[1].startswith("Catalog Error: Table with name judgments does not exist!")
+    assert result.stderr.endswith(" (the view judgments is now verdicts)\n")
+
+
+@pytest.mark.parametrize("query", ["", "  \n"])
+def test_an_empty_query_is_refused_in_one_line(cli, query):
+    result = cli(query)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == 'no query: give one, e.g. clawrl sql "select count(*) from turns"\n'
+
+
+def test_the_row_count_under_a_table_is_singular_for_one_row(cli):
+    assert cli("SELECT 1 AS one").stdout.split()[-2:] == ["1", "row"]
+    assert cli("SELECT 1 AS one UNION ALL SELECT 2").stdout.split()[-2:] == ["2", "rows"]
+
+
+def test_the_verdicts_view_is_named_as_its_table(tmp_path):
+    """One name for one thing: the judge's verdicts are the ``verdicts`` table on disk and the view, and
+    every verdict written (a retried judgment's too) is ``verdict_attempts``."""
+    from clawrl.records import JudgeVerdict
+
+    conf = tmp_path / "conf.toml"
+    conf.write_text(f'[storage]\ndata_root = "{tmp_path / "root"}"\n')
+    with DataStore(tmp_path / "root", background=False) as store:
+        store.append([JudgeVerdict("t1", "h", "rule", -1, "majority", [-1], "[]"),
+                      JudgeVerdict("t1", "h", "rule", 1, "majority", [1], "[]")])  # a retry: newer
+        store.flush()
+    result = CliRunner().invoke(app, ["sql", "SELECT (SELECT list(score) FROM verdicts) AS newest, (SELECT "
+                                             "count(*) FROM verdict_attempts) AS attempts", "-f", "json",
+                                      "-c", str(conf)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == [{"newest": [1], "attempts": 2}]
 
 
 def test_views_answer_on_a_fresh_data_root(tmp_path):
     conf = tmp_path / "conf.toml"
     conf.write_text(f'[storage]\ndata_root = "{tmp_path / "empty"}"\n')
+    (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(app, ["sql", "SELECT count(*) AS n FROM turns", "-f", "csv", "-c", str(conf)])
     assert result.exit_code == 0, result.output
     assert result.stdout == "n\n0\n"

@@ -41,6 +41,8 @@ RECORDS = {
     "syncs": records.SyncRecord,
     "evaluations": records.EvaluationRecord,
     "promotions": records.PromotionRecord,
+    "adapters": records.AdapterRecord,
+    "adapter_serving": records.AdapterServeRecord,
 }
 
 
@@ -115,6 +117,7 @@ ON_DISK = {
         _required("completed_at", TIMESTAMP),
         _required("latency_ms", pa.float64()),
         _required("weight_versions", pa.string()),
+        _optional("adapter", pa.string()),
     ]),
     "next_states": pa.schema([
         _required("turn_id", pa.string()),
@@ -177,6 +180,7 @@ ON_DISK = {
         _optional("session_namespaces", STRINGS),
         _optional("source_batch_id", pa.string()),
         _required("created_at", TIMESTAMP),
+        _optional("namespace", pa.string()),
     ]),
     "checkpoints": pa.schema([
         _required("weight_version", pa.string()),
@@ -229,6 +233,29 @@ ON_DISK = {
         _required("created_at", TIMESTAMP),
         _optional("eval_set", pa.string()),
         _optional("eval_turn_ids", pa.list_(pa.field("item", pa.string(), nullable=False))),
+    ]),
+    "adapters": pa.schema([
+        _required("namespace", pa.string()),
+        _required("version", pa.int64()),
+        _required("name", pa.string()),
+        _required("batch_id", pa.string()),
+        _required("parent", pa.string()),
+        _required("base_version", pa.string()),
+        _required("path", pa.string()),
+        _required("sha256", pa.string()),
+        _required("created_at", TIMESTAMP),
+    ]),
+    "adapter_serving": pa.schema([
+        _required("namespace", pa.string()),
+        _required("action", pa.string()),
+        _optional("adapter", pa.string()),
+        _optional("previous", pa.string()),
+        _required("ok", pa.bool_()),
+        _optional("error", pa.string()),
+        _optional("target", pa.string()),
+        _required("seconds", pa.float64()),
+        _required("reason", pa.string()),
+        _required("created_at", TIMESTAMP),
     ]),
 }
 

@@ -82,9 +82,9 @@ def test_every_record_type_lands_in_its_table(data_root, make_turn, parser):
         store.flush()
     counts = run_query(data_root, """
         SELECT (SELECT count(*) FROM turns), (SELECT count(*) FROM next_states),
-               (SELECT count(*) FROM judgments), (SELECT count(*) FROM turn_fate)""").to_pylist()[0]
+               (SELECT count(*) FROM verdicts), (SELECT count(*) FROM turn_fate)""").to_pylist()[0]
     assert list(counts.values()) == [1, 1, 1, 2]
-    votes = run_query(data_root, "SELECT votes FROM judgments").column("votes").to_pylist()
+    votes = run_query(data_root, "SELECT votes FROM verdicts").column("votes").to_pylist()
     assert votes == [[1, None, 1]]
     assert parser.fallbacks == []
 

@@ -92,3 +92,38 @@ class FakeEngine:
 
     async def close(self) -> None:
         pass
+
+
+class LoraFakeEngine(FakeEngine):
+    """FakeEngine with SGLang's LoRA API: adapters loaded by name from a directory, a request naming one it
+    does not hold refused with a 400 that names it (as SGLang does), and each output log-prob telling which
+    adapter decoded it: -1 for the base, -(1 + N) for an adapter's version N."""
+
+    def __init__(self, vocab_size: int = 100, **kw: Any):
+        super().__init__(vocab_size, **kw)
+        self.adapters: dict[str, str] = {}
+        self.seen: list[str | None] = []  # lora_path of every request, in order
+        self.loads: list[tuple[str, str]] = []
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
+        self.seen.append(req.lora_path)
+        if req.lora_path is not None and req.lora_path not in self.adapters:
+            raise BadRequestError(f"LoRA adapter {req.lora_path!r} is not loaded; loaded: {sorted(self.adapters)}")
+        lp = -1.0 - (0 if req.lora_path is None else int(req.lora_path.rpartition("@v")[2]))
+        async for result in super().generate_stream(req):
+            result.output_logprobs = [lp] * len(result.output_ids)
+            yield result
+
+    async def load_lora_adapter(self, name: str, path: str) -> UpdateResult:
+        if name in self.adapters:
+            return UpdateResult(False, f"adapter {name!r} is already loaded")
+        if not Path(path).is_dir():
+            return UpdateResult(False, f"{path} is not a directory")
+        self.adapters[name] = path
+        self.loads.append((name, path))
+        return UpdateResult(True, f"loaded {name}")
+
+    async def unload_lora_adapter(self, name: str) -> UpdateResult:
+        if self.adapters.pop(name, None) is None:
+            return UpdateResult(False, f"adapter {name!r} is not loaded")
+        return UpdateResult(True, f"unloaded {name}")

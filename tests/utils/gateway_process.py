@@ -16,10 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from clawrl.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+# A child that neither answers nor works - uses no CPU time, writes nothing to its log - for this long
+# is stuck; one that keeps working is waited for, however busy the machine (a model load on two
+# shared cores can take minutes), up to READY_CAP_S in all.
+STALL_S, READY_CAP_S = 180.0, 1800.0
 
 
 def serve_env(data_root: Path, model_cache: Path, **settings: str) -> dict[str, str]:
@@ -66,9 +71,12 @@ class ServerProcess:
         threading.Thread(target=_drain, args=(self.proc.stdout, self.log_path), daemon=True).start()
         self.starts += 1
 
-    def wait_ready(self, timeout_s: float = 240.0) -> float:
-        """Seconds until ``ready_path`` answers 200; raises with the log tail if the child dies."""
-        t0 = time.monotonic()
+    def wait_ready(self) -> float:
+        """Seconds until ``ready_path`` answers 200, waited for while the child makes progress (its
+        CPU time or its log grows); raises with the log tail when it dies, stalls for ``STALL_S`` or
+        is not ready after ``READY_CAP_S``."""
+        t0 = last = time.monotonic()
+        seen = None
         while True:
             try:
                 if httpx.get(self.url + self.ready_path, timeout=2.0).status_code == 200:
@@ -76,10 +84,20 @@ class ServerProcess:
                     return self.startup_s[-1]
             except httpx.HTTPError:
                 pass
+            try:
+                cpu = sum(psutil.Process(self.proc.pid).cpu_times()[:2])
+            except psutil.Error:  # gone: poll() says how
+                cpu = None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.args[0]} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"{self.args[0]} not ready after {timeout_s} s:\n{self.log_tail()}")
+            now, progress = time.monotonic(), (cpu, self.log_path.stat().st_size)
+            if progress != seen:
+                seen, last = progress, now
+            elif now - last > STALL_S:
+                raise RuntimeError(f"{self.args[0]} not ready and idle (no CPU time, no log) for {STALL_S:g} s:\n"
+                                   f"{self.log_tail()}")
+            if now - t0 > READY_CAP_S:
+                raise RuntimeError(f"{self.args[0]} not ready after {READY_CAP_S:g} s:\n{self.log_tail()}")
             time.sleep(0.1)
 
     def kill(self) -> None:
@@ -129,13 +147,15 @@ def engine_process(tmp_path: Path, env: dict[str, str], *, port: int | None = No
 
 
 @contextmanager
-def agent_serve(tmp_path: Path, model_cache: Path, hook: str, context: int) -> Iterator[ServerProcess]:
-    """`clawrl serve` for a real agent's test: the tiny model with a ``context``-token window, its
-    answers scripted by the generate hook ``hook`` (the agent drives a conversation a random model
-    cannot), a stall timeout long enough for the agent's slowest request."""
+def agent_serve(tmp_path: Path, model_cache: Path, hook: str, context: int,
+                max_new_tokens: int = 64) -> Iterator[ServerProcess]:
+    """`clawrl serve` for a real agent's test: the tiny model with a ``context``-token window and
+    answers of at most ``max_new_tokens``, scripted by the generate hook ``hook`` where the agent
+    drives a conversation a random model cannot, a stall timeout long enough for the agent's slowest
+    request."""
     port = free_port()
     env = serve_env(tmp_path / "data", model_cache, model__name="tiny-long", engine__max_context_len=context,
-                    hooks__generate=hook, ppo__max_new_tokens=64, engine__stall_timeout_s=120)
+                    hooks__generate=hook, ppo__max_new_tokens=max_new_tokens, engine__stall_timeout_s=120)
     server = ServerProcess(["serve", "--port", str(port)], port, env, tmp_path / "serve.log")
     server.start()
     try:
@@ -143,3 +163,12 @@ def agent_serve(tmp_path: Path, model_cache: Path, hook: str, context: int) -> I
         yield server
     finally:
         server.kill()
+
+
+def printed_config(server: ServerProcess, agent: str) -> str:
+    """What `clawrl serve --print-config AGENT` prints for ``server`` (its settings, its port): the
+    block a user pastes into the agent's config."""
+    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "serve", "--port", str(server.port), "--print-config",
+                          agent], cwd=REPO, env=server.env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout

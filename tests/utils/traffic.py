@@ -44,7 +44,7 @@ def steady_traffic(send: Callable[[httpx.Client], httpx.Response], *, threads: i
 def side_chat(base_url: str) -> Callable[[httpx.Client], httpx.Response]:
     """A side-turn chat completion against the gateway at ``base_url`` (an OpenAI ``/v1`` base)."""
     return lambda c: c.post(base_url + "/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "turn_type": "side"})
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "turn_type": "side"})
 
 
 def generate(base_url: str, input_ids: list[int]) -> Callable[[httpx.Client], httpx.Response]:
