@@ -34,4 +34,5 @@ def test_the_lora_bench_measures_throughput_cold_adapters_and_syncs(model_cache,
     assert c["failed"] == 0 and c["cold"] + c["warm"] == 12 and c["cold"] >= 1 and c["registered"] == 6
     assert s["adapter_s"] > 0 and s["full_s"] > 0 and abs(s["ratio"] - s["adapter_s"] / s["full_s"]) < 0.01
     text = format_lora_section(result)
-    assert text.startswith("## LoRA adapters side by side\n") and "| registered | held |" in text
+    assert text.startswith("## LoRA adapters side by side\nMachine: ") and "| many users | 6 adapters registered" in text
+    assert "no failed request (failed): MET (0)" in text and text.count("\n| ") == 4  # the head and three parts
