@@ -13,6 +13,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -146,6 +147,27 @@ def _router(tmp_path, urls: list[str]) -> tuple[subprocess.Popen, str]:
             pass
         assert proc.poll() is None and time.monotonic() - t0 < 120, (tmp_path / "router.log").read_text()[-2000:]
         time.sleep(0.2)
+
+
+@contextmanager
+def engines_behind_router(tmp_path, envs: dict[str, dict[str, str]]):
+    """A `clawrl engine` per (name, environment), started, with SGLang's router in front: yields the workers'
+    processes and the router's URL; everything is stopped after."""
+    workers = [engine_process(tmp_path, env, port=free_port(), name=name) for name, env in envs.items()]
+    for e in workers:
+        e.start()
+    router = None
+    try:
+        for e in workers:
+            e.wait_ready()
+        router, url = _router(tmp_path, [e.url for e in workers])
+        yield workers, url
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        for e in workers:
+            e.stop()
 
 
 @pytest.mark.timeout(600)
