@@ -28,6 +28,12 @@ class EngineSettings(Section):
                                                        "1/2 of free GPU memory). Slots are rows x positions, 0 gives "
                                                        "at most a full batch, and requests wait until they fit; "
                                                        "`clawrl serve` prints the bound at start.")
+    max_loaded_loras: int = Field(32, ge=0, description="LoRA adapters the embedded engine holds in memory at once "
+                                                        "(SGLang's --max-loaded-loras; 0: LoRA off). More keeps more "
+                                                        "users' adapters warm, at an adapter's size each; a request "
+                                                        "for one not held waits for its file to be read (the least "
+                                                        "recently used idle one makes room). One in use is never "
+                                                        "dropped.")
     stall_timeout_s: float = Field(120.0, gt=0, description="Seconds an engine call may go without a token before it "
                                                             "fails (504 engine_timeout). It counts to the first token "
                                                             "and between tokens of a stream, however long a stream "

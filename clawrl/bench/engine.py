@@ -122,13 +122,16 @@ def gpu_busy_fraction(fn: Callable[[], Any]) -> float:
     return round(busy_us / wall_us, 3)
 
 
-async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> int:
-    """All ``prompts``, ``concurrency`` in flight: the tokens generated."""
+async def _engine_closed_loop(engine, prompts: list[list[int]], concurrency: int, new_tokens: int,
+                              loras: list[str | None] | None = None) -> int:
+    """All ``prompts``, ``concurrency`` in flight (prompt i on LoRA adapter ``loras[i]``): the tokens generated."""
     from clawrl.engine.types import GenerateRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    results = await gather_bounded(concurrency, (engine.generate(GenerateRequest(input_ids=p, sampling_params=params))
-                                                 for p in prompts))
+    loras = loras or [None] * len(prompts)
+    results = await gather_bounded(concurrency, (engine.generate(GenerateRequest(input_ids=p, sampling_params=params,
+                                                                                 lora_path=lo))
+                                                 for p, lo in zip(prompts, loras)))
     return sum(len(r.output_ids) for r in results)
 
 

@@ -1,4 +1,4 @@
-"""`clawrl bench engine|gateway|judge|train|load|long-prompt|tools`: measure, print, and rewrite a
+"""`clawrl bench engine|lora|gateway|judge|train|load|long-prompt|tools`: measure, print, and rewrite a
 section of docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -84,6 +84,35 @@ def bench_engine(
                                 hf_batch_sizes=_split(hf_batch, int), repeats=repeats, device=_device(device),
                                 progress=progress)
     _write("engine" if rows[0]["device"] == "cpu" else "engine-cuda", format_engine_section(rows), out)
+
+
+@bench_app.command("lora")
+def bench_lora(
+    model: Annotated[str, typer.Option(help="Model name (qwen3-0.6b-random on a GPU).")] = "smollm2-135m",
+    adapters: Annotated[int, typer.Option(min=1, help="Distinct adapters in flight.")] = 8,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight.")] = 16,
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank (all seven projections).")] = 16,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per throughput request.")] = 32,
+    repeats: Annotated[int, typer.Option(min=1, help="Interleaved passes; the best is kept.")] = 3,
+    registered: Annotated[int, typer.Option(min=0, help="Adapters registered for the many-users part (0: skip).")] = 1000,
+    held: Annotated[int, typer.Option(min=1, help="max_loaded_loras of the many-users part.")] = 32,
+    cold_requests: Annotated[int, typer.Option(min=1, help="Requests of the many-users part.")] = 300,
+    sync: Annotated[bool, typer.Option(help="Time an adapter sync against a full-weight sync.")] = True,
+    device: DeviceOpt = None,
+    out: OutOpt = REPORT,
+    config: ConfigOpt = None,
+) -> None:
+    """Tokens/s with many LoRA adapters in flight vs the base alone (and the bound), the latency a cold adapter adds
+    with many registered, and an adapter sync vs a full-weight sync."""
+    from clawrl.bench.lora import format_lora_section, run_lora_bench
+
+    s = settings_or_exit(config)
+    with _status("lora bench") as progress:
+        result = run_lora_bench(model, cache_dir=s.storage.models_dir, adapters=adapters, rank=rank,
+                                concurrency=concurrency, new_tokens=new_tokens, repeats=repeats, registered=registered,
+                                held=held, cold_requests=cold_requests, sync=sync, device=_device(device),
+                                progress=progress)
+    _write("lora" if result["device"] == "cpu" else "lora-cuda", format_lora_section(result), out)
 
 
 @bench_app.command("gateway")

@@ -14,6 +14,10 @@ at once. A graph replays fixed shapes and fixed addresses, so :class:`GraphedDec
   graphs read by address; they are captured again on demand. The scheduler keeps the buffers
   while idle on this path, so that happens only while the batch or the context grows.
 
+A step with LoRA adapters (clawrl/engine/lora_step.py) replays graphs of its own, captured with the
+adapters' slot pools (fixed addresses: loading an adapter copies into a slot) and with each row's slot
+mask as one more input tensor; a pool that grows (a larger rank) gets its graphs captured again.
+
 Weight updates copy into the parameters' storage (``param.copy_``), which the graphs read in place,
 so a replay after an update computes with the new weights. Sampling stays outside the graph.
 
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from clawrl.engine.lora_step import DenseStep, RowAdapters
 from clawrl.engine.modeling import CausalLMRunner, KVBudgetError, KVCache
 
 MIN_SPAN = 64
@@ -55,6 +60,7 @@ class _Graph:
     tokens: Tensor  # the graph's inputs (bucket,) on the device: each replay reads them
     positions: Tensor
     logits: Tensor  # its output (bucket, vocab), rewritten by each replay
+    lora: DenseStep | None = None  # its adapters' inputs (mask, has), with adapters
 
 
 class GraphedDecode:
@@ -67,7 +73,8 @@ class GraphedDecode:
         if fuse and runner.device.type == "cuda":  # fewer, fused kernels a step (clawrl.engine.fused_decode);
             runner.fuse_decode()  # runner.fused says whether it took; the CPU checks of the padding stay unfused
         self.buckets = batch_buckets(max_batch_size)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        # (bucket, span, adapters: None or (slot pool generation, slots computed))
+        self.graphs: dict[tuple[int, int, tuple[int, int] | None], _Graph] = {}
         self.generation: int | None = None  # the cache buffers the graphs were captured on
         self.pool = None  # the graphs' memory pool: a new one with each cache generation (see decode)
         # one stream for warm-ups and captures: cuBLAS makes a workspace per stream on its first use there,
@@ -80,34 +87,44 @@ class GraphedDecode:
         return next(size for size in self.buckets if size >= n)
 
     @torch.inference_mode()
-    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache, lora: RowAdapters | None = None) -> Tensor:
         b = tokens.shape[0]
         bucket = self.rows(b)
         span = int(positions.max()) + 1
         try:
             cache.ensure(bucket, span)
         except KVBudgetError:  # the budget holds these rows but not the padded ones: this step unpadded
-            return self.runner.decode(tokens, positions, cache)
+            return self.runner.decode(tokens, positions, cache, lora)
         width = span_bucket(span, cache.capacity)
         padded_tokens = torch.zeros(bucket, dtype=torch.long)
         padded_positions = torch.zeros(bucket, dtype=torch.long)
         padded_tokens[:b], padded_positions[:b] = tokens, positions
         if not self.capture:
             device = self.runner.device
-            return self.runner.decode_rows(padded_tokens.to(device), padded_positions.to(device), cache, width)[:b]
+            return self.runner.decode_rows(padded_tokens.to(device), padded_positions.to(device), cache, width,
+                                           None if lora is None else lora.step(bucket))[:b]
         if cache.generation != self.generation:  # new buffers: new graphs, in a new memory pool
             self.graphs.clear()
             self.pool, self.generation = torch.cuda.graph_pool_handle(), cache.generation
-        graph = self.graphs.get((bucket, width))
+        key = (bucket, width, None if lora is None else (lora.pool.generation, lora.slots_used))
+        graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[bucket, width] = self._capture(padded_tokens, padded_positions, cache, width)
+            if lora is not None:  # graphs of an older pool read tensors that are gone
+                self.graphs = {k: g for k, g in self.graphs.items() if k[2] is None or k[2][0] == key[2][0]}
+            graph = self.graphs[key] = self._capture(padded_tokens, padded_positions, cache, width,
+                                                     None if lora is None else lora.step(bucket, static=True))
         else:
             graph.tokens.copy_(padded_tokens)
             graph.positions.copy_(padded_positions)
+            if lora is not None:
+                mask, has = DenseStep.inputs(lora.pool, lora.row_slots, bucket, lora.slots_used)
+                graph.lora.mask.copy_(mask)
+                graph.lora.has.copy_(has)
         graph.graph.replay()
         return graph.logits[:b]
 
-    def _capture(self, tokens: Tensor, positions: Tensor, cache: KVCache, width: int) -> _Graph:
+    def _capture(self, tokens: Tensor, positions: Tensor, cache: KVCache, width: int,
+                 lora: DenseStep | None = None) -> _Graph:
         """Capture the step at these shapes. Capturing runs nothing, so a warm-up pass first runs it
         on the capture stream (lazy initialisations must not happen inside a capture): with this
         step's own inputs, so the K/V it writes is what the replay writes again. ``thread_local``:
@@ -117,10 +134,10 @@ class GraphedDecode:
         with torch.cuda.device(device):
             self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
-                self.runner.decode_rows(tokens, positions, cache, width)
+                self.runner.decode_rows(tokens, positions, cache, width, lora)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                logits = self.runner.decode_rows(tokens, positions, cache, width)
+                logits = self.runner.decode_rows(tokens, positions, cache, width, lora)
             torch.cuda.current_stream(device).wait_stream(self.stream)
         self.captures += 1
-        return _Graph(graph, tokens, positions, logits)
+        return _Graph(graph, tokens, positions, logits, lora)

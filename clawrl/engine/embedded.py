@@ -21,6 +21,12 @@ the decode steps of the others; the KV cache holds at most ``max_total_tokens`` 
 x positions: requests wait in the queue until they fit); at most ``max_queued_requests`` wait
 (0: no limit), beyond which a request gets :class:`EngineOverloadedError` (SGLang's 503).
 
+LoRA adapters (clawrl/engine/lora.py) are served side by side with the base model: SGLang's
+``/load_lora_adapter`` registers a PEFT directory under a name, a request's ``lora_path`` names the
+adapter it is served with, and one batch mixes the base rows and up to ``max_loras_per_batch`` adapters
+(clawrl/engine/lora_step.py); at most ``max_loaded_loras`` adapters are held in memory (0: LoRA off).
+Registering or unloading one pauses nobody.
+
 A prefix cache (clawrl/engine/prefix_cache.py) keeps the K/V of what finished requests computed,
 in blocks of 64 tokens, up to ``prefix_cache_tokens``: a request that starts the same way prefills
 only the rest, and reports the tokens it reused as ``cached_tokens``. A weight update or
@@ -36,6 +42,7 @@ keeps ``served_model_name`` (SGLang overwrites it with the path).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -47,17 +54,37 @@ import torch
 from torch import Tensor
 
 from clawrl.config import ConfigError
+from clawrl.engine.lora import (
+    LORA_TARGETS,
+    AdapterError,
+    AdapterStore,
+    SpareBuffers,
+    projection_shapes,
+    read_adapter,
+)
+from clawrl.engine.lora_step import LoRASlots, StepAdapters
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import RowSampling
 from clawrl.engine.scheduler import Scheduler
 from clawrl.engine.sequence import Sequence
-from clawrl.engine.types import BadRequestError, GenerateRequest, GenerateResult, PauseMode, UpdateResult
+from clawrl.engine.types import (
+    BadRequestError,
+    GenerateRequest,
+    GenerateResult,
+    LoRAUpdateResult,
+    PauseMode,
+    UpdateResult,
+)
 from clawrl.engine.weights import WeightLoadError, check_weights, load_checkpoint_tensors, served_tensors
 from clawrl.models import load_causal_lm, load_tokenizer, resolve_context_len
 
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 # the [engine] keys that are EmbeddedEngine's keyword arguments too
-LIMIT_KEYS = {"max_batch_size", "max_context_len", "max_total_tokens"}
+LIMIT_KEYS = {"max_batch_size", "max_context_len", "max_total_tokens", "max_loaded_loras"}
+# Distinct LoRA adapters one decode step computes (SGLang's --max-loras-per-batch default); the rows of more wait
+# a step. Each adapter in a step adds its weights to what the step reads (8 rank-16 adapters over all seven
+# projections: +29% for smollm2), so more at once gains a step little; it stays an argument for benchmarks.
+MAX_LORAS_PER_BATCH = 8
 # Requests waiting beyond this many are refused with 503 (the gateway answers 503 with Retry-After):
 # a queue this long already waits minutes; a client retries sooner than it would be served.
 MAX_QUEUED_REQUESTS = 1024
@@ -70,7 +97,8 @@ class EmbeddedEngine:
                  max_context_len: int = 0, weight_version: str = "0", served_model_name: str | None = None,
                  chunked_prefill_size: int = 0, max_total_tokens: int = 0,
                  max_queued_requests: int = MAX_QUEUED_REQUESTS,
-                 prefix_cache_tokens: int = -1, cuda_graphs: bool = True):
+                 prefix_cache_tokens: int = -1, cuda_graphs: bool = True, max_loaded_loras: int = 32,
+                 max_loras_per_batch: int = MAX_LORAS_PER_BATCH):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         max_context_len = resolve_context_len(Path(model_dir), max_context_len)
@@ -96,7 +124,25 @@ class EmbeddedEngine:
                                 weight_version=str(weight_version), chunked_prefill_size=chunked_prefill_size,
                                 max_total_tokens=self.max_total_tokens, max_queued_requests=max_queued_requests,
                                 prefix_cache_tokens=prefix_cache_tokens if prefix_cache_tokens >= 0 else
-                                max(max_context_len, self.max_total_tokens // 4), cuda_graphs=cuda_graphs)
+                                max(max_context_len, self.max_total_tokens // 4), cuda_graphs=cuda_graphs,
+                                adapters=self._lora_setup(max_loaded_loras, max_loras_per_batch))
+        if self._sched.adapters is not None:
+            self._sched.adapters.store.wake = self._sched.wake
+
+    def _lora_setup(self, max_loaded: int, per_batch: int) -> StepAdapters | None:
+        """The adapter registry and the decode step's slots (None: LoRA off)."""
+        if max_loaded == 0:
+            return None
+        if per_batch < 1:
+            raise ValueError("max_loras_per_batch must be >= 1")
+        per_batch = min(per_batch, max_loaded)  # a step's adapters are all held in memory
+        runner = self._runner
+        shapes, layers = projection_shapes(self.model), runner.spec.num_layers
+        buffers = SpareBuffers()
+        read = functools.partial(read_adapter, shapes=shapes, num_layers=layers, dtype=runner.dtype, device="cpu",
+                                 buffers=buffers)
+        slots = LoRASlots(shapes, layers, per_batch, runner.dtype, runner.device, dense=runner.device.type == "cuda")
+        return StepAdapters(AdapterStore(read, max_loaded, runner.device, buffers=buffers), slots)
 
     def _auto_kv_budget(self, max_batch_size: int, max_context_len: int) -> int:
         """KV token slots for a quarter of the machine's memory (CPU) or half the GPU memory still
@@ -117,8 +163,11 @@ class EmbeddedEngine:
         def size(n: int) -> str:
             return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
+        lora = self._sched.adapters
+        adapters = "" if lora is None else \
+            f"; LoRA: up to {lora.store.max_loaded} adapters held, {lora.slots.slots} per decode step"
         return (f"KV cache up to {self.max_total_tokens} tokens = {size(self.max_total_tokens * slot)} (given back "
-                f"when idle) + prefix cache up to {kept} tokens = {size(kept * slot)} (kept for reuse)")
+                f"when idle) + prefix cache up to {kept} tokens = {size(kept * slot)} (kept for reuse){adapters}")
 
     @property
     def weight_version(self) -> str:
@@ -142,6 +191,8 @@ class EmbeddedEngine:
 
     async def close(self) -> None:
         await self._sched.stop()
+        if self._sched.adapters is not None:
+            self._sched.adapters.store.close()
 
     async def __aenter__(self) -> EmbeddedEngine:
         await self.start()
@@ -213,7 +264,7 @@ class EmbeddedEngine:
         room = self.max_context_len - len(prompt)  # prompt + output <= max_context_len
         generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
         seq = Sequence(
-            req=req, prompt_ids=prompt, stream=stream,
+            req=req, prompt_ids=prompt, stream=stream, adapter=self._adapter_of(req),
             max_new=room if sp.max_new_tokens is None else min(sp.max_new_tokens, room),
             stop_ids=frozenset() if sp.ignore_eos else self.eos_token_ids | frozenset(sp.stop_token_ids),
             sampling=RowSampling(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
@@ -221,6 +272,47 @@ class EmbeddedEngine:
                                  top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0))
         self._sched.submit(seq)
         return seq
+
+    def _adapter_of(self, req: GenerateRequest):
+        """The adapter ``req.lora_path`` names (None: the base model); BadRequestError for an unknown one."""
+        if req.lora_path is None:
+            return None
+        if self._sched.adapters is None:
+            raise BadRequestError(f"lora_path {req.lora_path!r}: LoRA is off on this engine ([engine] "
+                                  "max_loaded_loras = 0)")
+        return self._sched.adapters.store.lookup(req.lora_path)
+
+    def lora_info(self) -> dict[str, Any]:
+        """The LoRA settings and the adapters registered now, in SGLang's server-argument words, and (ours) those
+        held in memory now."""
+        lora = self._sched.adapters
+        return {"enable_lora": lora is not None, "max_loaded_loras": lora.store.max_loaded if lora else None,
+                "max_loras_per_batch": lora.slots.slots if lora else None, "lora_target_modules": list(LORA_TARGETS),
+                "lora_paths": lora.store.loaded() if lora else {},
+                "lora_held": [a.name for a in list(lora.store.held) if a.weights is not None] if lora else []}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateResult:
+        """SGLang's ``/load_lora_adapter``: read and check the PEFT directory ``lora_path`` (off the event loop
+        and off the worker), then register it as ``lora_name`` between two steps. Nothing pauses or drains:
+        requests in flight go on, and ``lora_name`` serves requests that arrive after this returns."""
+        lora = self._sched.adapters
+        if lora is None:
+            return LoRAUpdateResult(False, "LoRA is off on this engine ([engine] max_loaded_loras = 0)")
+        if lora_name in lora.store.names:  # before reading the file; the worker checks again when registering
+            return LoRAUpdateResult(False, f"LoRA with name {lora_name} already exists. Loaded LoRAs: "
+                                           f"{sorted(lora.store.names)}", lora.store.loaded())
+        try:
+            weights = await asyncio.to_thread(lora.store.read, str(lora_path))
+        except AdapterError as e:
+            return LoRAUpdateResult(False, str(e), lora.store.loaded())
+        return await self._sched.call(self._sched.do_add_adapter, lora_name, str(lora_path), weights)
+
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateResult:
+        """SGLang's ``/unload_lora_adapter``: new requests naming ``lora_name`` are refused from now on; those
+        already holding it finish on it, and then its memory is freed."""
+        if self._sched.adapters is None:
+            return LoRAUpdateResult(False, "LoRA is off on this engine ([engine] max_loaded_loras = 0)")
+        return await self._sched.call(self._sched.do_remove_adapter, lora_name)
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         if req.input_ids is not None:  # a non-empty list of ints: GenerateRequest checked it

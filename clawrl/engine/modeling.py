@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers.models.llama.modeling_llama import rotate_half
 
+from clawrl.engine.lora_step import DenseStep, RowAdapters
 from clawrl.engine.memory import give_back, memory_held
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
@@ -197,8 +198,9 @@ class CausalLMRunner:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], rows: list[int], cache: KVCache,
-                keep_from: list[int]) -> list[Tensor]:
-        """Run ``prompts`` causally from position 0, writing K/V into cache ``rows``.
+                keep_from: list[int], lora=None) -> list[Tensor]:
+        """Run ``prompts`` causally from position 0, writing K/V into cache ``rows``; ``lora`` (one adapter
+        for all of them, clawrl/engine/lora_step.py) adds its deltas.
 
         Returns, per prompt i, the final-norm hidden states (len_i - keep_from[i], hidden) of
         positions ``keep_from[i] .. len_i - 1``; :meth:`lm_head` turns them into logits (the
@@ -215,11 +217,11 @@ class CausalLMRunner:
             cache.v[layer][row_idx, :, :width] = v
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-        hidden = self._forward(ids, cos, sin, attend)  # (n, L, D)
+        hidden = self._forward(ids, cos, sin, attend, lora)  # (n, L, D)
         return [hidden[i, start:length] for i, (start, length) in enumerate(zip(keep_from, lengths))]
 
     @torch.inference_mode()
-    def extend(self, ids: list[int], row: int, start: int, cache: KVCache, keep_from: int) -> Tensor:
+    def extend(self, ids: list[int], row: int, start: int, cache: KVCache, keep_from: int, lora=None) -> Tensor:
         """A chunk of a long prompt: run ``ids`` at positions ``start ..`` of cache row ``row``,
         whose first ``start`` positions are cached, attending over them and causally within the
         chunk; writes the chunk's K/V. Returns the final-norm hidden states of the chunk's
@@ -241,29 +243,33 @@ class CausalLMRunner:
                 return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
-        return self._forward(x, cos, sin, attend)[0, keep_from:]
+        return self._forward(x, cos, sin, attend, lora)[0, keep_from:]
 
     @torch.inference_mode()
-    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache, lora: RowAdapters | None = None) -> Tensor:
         """One step for cache rows ``0..B-1``: ``tokens[b]`` sits at ``positions[b]`` and attends
-        to that row's cached positions ``0..positions[b]``. Returns fp32 logits (B, vocab)."""
+        to that row's cached positions ``0..positions[b]``; ``lora``: each row's adapter
+        (clawrl/engine/lora_step.py). Returns fp32 logits (B, vocab)."""
         span = int(positions.max()) + 1
         cache.ensure(tokens.shape[0], span)
-        return self.decode_rows(tokens.to(self.device), positions.to(self.device), cache, span)
+        return self.decode_rows(tokens.to(self.device), positions.to(self.device), cache, span,
+                                None if lora is None else lora.step())
 
     @torch.inference_mode()
-    def decode_rows(self, tokens: Tensor, positions: Tensor, cache: KVCache, span: int) -> Tensor:
+    def decode_rows(self, tokens: Tensor, positions: Tensor, cache: KVCache, span: int, lora=None) -> Tensor:
         """:meth:`decode` on device tensors over the first ``span`` cached positions (at least
-        ``positions.max() + 1``; the cache holds ``len(tokens)`` rows and ``span`` positions). No
-        host synchronisation and no shapes that depend on values: a CUDA graph can capture it."""
+        ``positions.max() + 1``; the cache holds ``len(tokens)`` rows and ``span`` positions), ``lora`` a
+        step of clawrl/engine/lora_step.py. No host synchronisation and no shapes that depend on values
+        (with a :class:`DenseStep`, or none): a CUDA graph can capture it."""
         b = tokens.shape[0]
         rows = torch.arange(b, device=self.device)
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, hd)
         # key j of row b is visible iff j <= positions[b]: the row's own history plus this token
         mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        if self.fused is not None:
+        if self.fused is not None and (lora is None or isinstance(lora, DenseStep)):  # GroupedStep: the CPU's
             try:
-                return self.lm_head(self.fused.forward(tokens, positions, cos[:, 0], sin[:, 0], mask, cache, span))
+                return self.lm_head(self.fused.forward(tokens, positions, cos[:, 0], sin[:, 0], mask, cache, span,
+                                                       lora))
             except Exception as e:  # a compiler missing or failing: this runner decodes unfused from now on
                 if tokens.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise
@@ -277,25 +283,34 @@ class CausalLMRunner:
             return F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask,
                                                   enable_gqa=True)
 
-        hidden = self._forward(tokens[:, None], cos, sin, attend)  # (B, 1, D)
+        hidden = self._forward(tokens[:, None], cos, sin, attend, lora)  # (B, 1, D)
         return self.lm_head(hidden[:, 0])
 
-    def _forward(self, ids: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+    def _forward(self, ids: Tensor, cos: Tensor, sin: Tensor, attend, lora=None) -> Tensor:
         n, length, head_dim = *ids.shape, self.spec.head_dim
         h = self.hf.model.embed_tokens(ids)  # (N, L, D)
+
+        def proj(module, i: int, name: str, x: Tensor) -> Tensor:  # the base matmul, plus the adapters' deltas
+            return module(x) if lora is None else lora.add(i, name, x, module(x))
+
         for i, layer in enumerate(self._layers):
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, length, -1, head_dim)
-            k = attn.k_proj(x).view(n, length, -1, head_dim)
-            v = attn.v_proj(x).view(n, length, -1, head_dim)
+            q = proj(attn.q_proj, i, "q_proj", x).view(n, length, -1, head_dim)
+            k = proj(attn.k_proj, i, "k_proj", x).view(n, length, -1, head_dim)
+            v = proj(attn.v_proj, i, "v_proj", x).view(n, length, -1, head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, heads, L, hd)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            h = h + attn.o_proj(attend(i, q, k, v).transpose(1, 2).reshape(n, length, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + proj(attn.o_proj, i, "o_proj", attend(i, q, k, v).transpose(1, 2).reshape(n, length, -1))
+            x = layer.post_attention_layernorm(h)
+            if lora is None:
+                h = h + mlp(x)
+            else:  # HF's MLP op for op, each projection through proj
+                gated = mlp.act_fn(proj(mlp.gate_proj, i, "gate_proj", x)) * proj(mlp.up_proj, i, "up_proj", x)
+                h = h + proj(mlp.down_proj, i, "down_proj", gated)
         return self.hf.model.norm(h)
 
     @torch.inference_mode()

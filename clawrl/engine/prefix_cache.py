@@ -8,6 +8,10 @@ that block's K/V of every layer. A request's prompt is matched block by block fr
 matched blocks are copied into its row of the KV cache and only the rest is prefilled. Finished
 requests add their blocks. At most ``max_tokens`` tokens are kept: the least recently used leaves
 go first. Weights change: everything goes (the K/V belongs to the old weights).
+
+K/V computed under a LoRA adapter belongs to that adapter: each adapter's prefixes hang under a root
+of their own (``key``: the adapter's registration, 0 for the base model), so a request never reuses
+K/V another adapter (or the base) computed.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class _Block:
 class PrefixCache:
     def __init__(self, block: int, max_tokens: int):
         self.block, self.max_blocks = block, max_tokens // block
-        self.root = _Block(None, ())
+        self.roots: dict[int, _Block] = {}  # key (the adapter; 0: none) -> its trie
         self._lru: OrderedDict[_Block, None] = OrderedDict()  # every block but the root, oldest first
         self.hits = self.tokens_saved = 0
 
@@ -43,9 +47,11 @@ class PrefixCache:
         b = self.block
         return (tuple(tokens[i * b:(i + 1) * b]) for i in range(n_blocks))
 
-    def match(self, tokens: list[int], limit: int) -> list[_Block]:
-        """The cached blocks ``tokens`` starts with, at most ``limit`` tokens of them."""
-        path, node = [], self.root
+    def match(self, tokens: list[int], limit: int, key: int = 0) -> list[_Block]:
+        """The cached blocks ``tokens`` starts with under ``key``, at most ``limit`` tokens of them."""
+        path, node = [], self.roots.get(key)
+        if node is None:
+            return path
         for key in self._keys(tokens, min(len(tokens), limit) // self.block):
             node = node.children.get(key)
             if node is None:
@@ -54,10 +60,10 @@ class PrefixCache:
         return path
 
     @torch.inference_mode()
-    def load(self, tokens: list[int], limit: int, cache: KVCache, row: int) -> int:
-        """Copy the longest cached prefix of ``tokens`` (at most ``limit`` tokens) into cache row
-        ``row``; returns how many tokens it covers."""
-        path = self.match(tokens, limit)
+    def load(self, tokens: list[int], limit: int, cache: KVCache, row: int, key: int = 0) -> int:
+        """Copy the longest cached prefix of ``tokens`` (at most ``limit`` tokens) under ``key`` into cache
+        row ``row``; returns how many tokens it covers."""
+        path = self.match(tokens, limit, key)
         if not path:
             return 0
         n = len(path) * self.block
@@ -73,9 +79,9 @@ class PrefixCache:
         return n
 
     @torch.inference_mode()
-    def store(self, tokens: list[int], cache: KVCache, row: int) -> None:
-        """Keep the K/V of ``tokens`` (all cached in row ``row``), whole blocks of them."""
-        node, new = self.root, []
+    def store(self, tokens: list[int], cache: KVCache, row: int, key: int = 0) -> None:
+        """Keep the K/V of ``tokens`` (all cached in row ``row``, computed under ``key``), whole blocks of them."""
+        node, new = self.roots.setdefault(key, _Block(None, ())), []
         for i, key in enumerate(self._keys(tokens, min(len(tokens) // self.block, self.max_blocks))):
             child = node.children.get(key)
             if child is None:
@@ -100,5 +106,15 @@ class PrefixCache:
     def clear(self) -> None:
         for block in self._lru:  # a block and its parent refer to each other: free the K/V now, not at a GC pass
             block.kv = None
-        self.root = _Block(None, ())
+        self.roots = {}
         self._lru.clear()
+
+    def drop(self, key: int) -> None:
+        """Forget every prefix kept under ``key`` (its adapter was unloaded)."""
+        root = self.roots.pop(key, None)
+        stack = list(root.children.values()) if root is not None else []
+        while stack:
+            block = stack.pop()
+            stack.extend(block.children.values())
+            self._lru.pop(block, None)
+            block.kv = None

@@ -13,6 +13,10 @@ itself (SGLang's sequence, :meth:`SGLangClient.sync_weights_from_disk`) while th
 request the router sends to the worker being loaded waits in that worker's queue for the load to end:
 none is refused, and a session, which stays on its worker, never gets an answer from an older
 version than one it already got.
+
+LoRA adapters go the same way: :meth:`RoutedEngines.load_lora_adapter` registers an adapter on every
+worker in turn (no pause: loading one stops no request), and takes it off those that loaded it when one
+refuses, so a name means the same adapter wherever the router sends its requests.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from clawrl.engine.types import (
     EngineUnreachableError,
     GenerateRequest,
     GenerateResult,
+    LoRAUpdateResult,
     PauseMode,
     UpdateResult,
 )
@@ -175,11 +180,7 @@ class RoutedEngines:
         workers = await self.workers()
         if workers == [self.router]:  # a plain engine, or a gateway's /engine that reports its own workers
             return await self.router.sync_weights_from_disk(model_path, version, pause_mode=self._pause_mode)
-        done: list[dict[str, Any]] = []
-        for w in workers:
-            done.append(await _load(w, model_path, version, self._pause_mode))
-            if not done[-1]["ok"] and not done[-1]["unreachable"]:
-                break
+        done = await _fan_out(workers, lambda w: _load(w, model_path, version, self._pause_mode))
         loaded = [d for d in done if d["ok"]]
         if loaded and len(loaded) == len(done) - sum(d["unreachable"] for d in done):
             self._loaded = (model_path, version)
@@ -195,24 +196,36 @@ class RoutedEngines:
         why = f"{bad['url']} did not load it: {bad['message']}" if bad else "no worker answers"
         return UpdateResult(False, f"version {version} not served: {why}", None, workers=tuple(done))
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> UpdateResult:
-        """Every worker loads the LoRA adapter ``lora_path`` as ``lora_name`` in turn while all serve (a row each
-        in ``workers``); one that refuses stops it there and those that had loaded it unload it again, so a name
-        means one adapter wherever the router sends a request."""
-        workers, done = await self.workers(), []
-        for w in workers:
-            res = await w.load_lora_adapter(lora_name, lora_path)
-            done.append({"url": w.base_url, "ok": res.success, "message": res.message})
-            if not res.success:
-                for took in workers[:len(done) - 1]:
-                    await took.unload_lora_adapter(lora_name)
-                return UpdateResult(False, res.message, workers=tuple(done))
-        return UpdateResult(True, "", workers=tuple(done))
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateResult:
+        """Every worker registers ``lora_name`` for ``lora_path``, one after another while all serve (``workers`` of
+        the result: each one's URL, outcome and seconds). A worker that refuses stops it there and those that had
+        loaded it unload it again; a worker that does not answer is passed over (its restart loads none)."""
+        workers = await self.workers()
+        if workers == [self.router]:
+            return await self.router.load_lora_adapter(lora_name, lora_path)
+        done = await _fan_out(workers, lambda w: _on_worker(w, w.load_lora_adapter(lora_name, lora_path)))
+        bad = next((d for d in done if not d["ok"] and not d["unreachable"]), None)
+        if bad is None and any(d["ok"] for d in done):
+            return LoRAUpdateResult(True, "", done[-1]["loaded_adapters"], tuple(done))
+        for d in done:
+            if d["ok"]:  # one name, one adapter, on every worker
+                back = await self._client(d["url"]).unload_lora_adapter(lora_name)
+                d["message"] = f"unloaded again: {back.message or 'ok'}"
+        why = f"{bad['url']} did not load it: {bad['message']}" if bad else "no worker answers"
+        return LoRAUpdateResult(False, f"adapter {lora_name} not loaded: {why}", {}, tuple(done))
 
-    async def unload_lora_adapter(self, lora_name: str) -> UpdateResult:
-        """Every worker unloads ``lora_name``; the first refusal, else success."""
-        results = [await w.unload_lora_adapter(lora_name) for w in await self.workers()]
-        return next((r for r in results if not r.success), UpdateResult(True, ""))
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateResult:
+        """Every worker unregisters ``lora_name`` (all are asked, whatever one answers); success when every worker
+        that answers has unloaded it."""
+        workers = await self.workers()
+        if workers == [self.router]:
+            return await self.router.unload_lora_adapter(lora_name)
+        done = [await _on_worker(w, w.unload_lora_adapter(lora_name)) for w in workers]
+        bad = [d for d in done if not d["ok"] and not d["unreachable"]]
+        ok = not bad and any(d["ok"] for d in done)
+        why = "" if ok else "; ".join(f"{d['url']}: {d['message']}" for d in bad) or "no worker answers"
+        loaded = next((d["loaded_adapters"] for d in done if d["ok"]), {})
+        return LoRAUpdateResult(ok, why, loaded, tuple(done))
 
     async def update_weight_version(self, new_version: str, **_: Any) -> UpdateResult:
         results = [await w.update_weight_version(new_version) for w in await self.workers()]
@@ -224,13 +237,33 @@ class RoutedEngines:
             await c.close()
 
 
-async def _load(worker: SGLangClient, model_path: str, version: str, mode: PauseMode) -> dict[str, Any]:
-    """One worker's pause -> load -> resume, as a row of the update's ``workers``."""
+async def _fan_out(workers: list[SGLangClient], call) -> list[dict[str, Any]]:
+    """``call(worker)`` (a row, as :func:`_on_worker` makes it) on each worker in turn, stopping at the first that
+    refuses; one that does not answer is passed over."""
+    done: list[dict[str, Any]] = []
+    for w in workers:
+        done.append(await call(w))
+        if not done[-1]["ok"] and not done[-1]["unreachable"]:
+            break
+    return done
+
+
+async def _on_worker(worker: SGLangClient, call) -> dict[str, Any]:
+    """The awaited ``call`` on ``worker`` (an UpdateResult or LoRAUpdateResult) as a row of the result's ``workers``."""
     t0 = time.perf_counter()
+    row: dict[str, Any] = {"url": worker.base_url}
     try:
-        res = await worker.sync_weights_from_disk(model_path, version, pause_mode=mode)
+        res = await call
         ok, message, unreachable = res.success, res.message, False
+        if isinstance(res, LoRAUpdateResult):
+            row["loaded_adapters"] = res.loaded_adapters
     except EngineError as e:
         ok, message, unreachable = False, str(e), isinstance(e, EngineUnreachableError)
-    return {"url": worker.base_url, "ok": ok, "unreachable": unreachable, "message": message,
-            "weight_version": version if ok else None, "seconds": round(time.perf_counter() - t0, 3)}
+    return {**row, "ok": ok, "unreachable": unreachable, "message": message,
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+async def _load(worker: SGLangClient, model_path: str, version: str, mode: PauseMode) -> dict[str, Any]:
+    """One worker's pause -> load -> resume, as a row of the update's ``workers``."""
+    row = await _on_worker(worker, worker.sync_weights_from_disk(model_path, version, pause_mode=mode))
+    return {**row, "weight_version": version if row["ok"] else None}

@@ -20,8 +20,10 @@ from clawrl.engine.schemas import (
     AbortRequestBody,
     ContinueGenerationBody,
     DetokenizeBody,
+    LoadLoRAAdapterBody,
     PauseGenerationBody,
     TokenizeBody,
+    UnloadLoRAAdapterBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightVersionBody,
     split_batch,
@@ -83,6 +85,11 @@ class Served:
         stats = self.stats()
         return bool(stats["paused"]) if "paused" in stats else self.paused  # the engine may be paused in-process
 
+    def lora_info(self) -> dict[str, Any]:
+        """The engine's LoRA settings and adapters (``EmbeddedEngine.lora_info``); {} when it has none."""
+        info = getattr(self.engine, "lora_info", None)
+        return info() if info is not None else {}
+
     def need_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise BadRequestError("this engine exposes no tokenizer")
@@ -111,6 +118,7 @@ Srv = Annotated[Served, Depends(_served)]
 router = APIRouter()
 relabel_router = APIRouter()  # only for engines with update_weight_version
 abort_router = APIRouter()  # only for engines with abort_request
+lora_router = APIRouter()  # only for engines with load_lora_adapter
 
 
 @router.post("/generate", openapi_extra=GENERATE_DOC)
@@ -228,15 +236,19 @@ async def server_info(srv: Srv) -> Response:
         or srv.max_running_requests * srv.max_context_len,
         "startup_time": srv.started_at, "version": SERVER_VERSION, "frontend": "python",
         "internal_states": [dict(srv.stats())],  # SGLang: one per DP rank; here the engine's counters
+        **srv.lora_info(),
     })
 
 
 @router.get("/v1/models")
 async def list_models(srv: Srv) -> Response:
+    """The served model, then each LoRA adapter registered on it (``parent``: the model), as SGLang lists them."""
     name = (await srv.model_info())["served_model_name"]
     card = {"id": name, "object": "model", "created": int(srv.started_at), "owned_by": "clawrl",
             "root": name, "parent": None, "max_model_len": srv.max_context_len}
-    return json_response({"object": "list", "data": [card]})
+    adapters = [{**card, "id": lora, "root": path, "parent": name}
+                for lora, path in srv.lora_info().get("lora_paths", {}).items()]
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 @router.get("/health")
@@ -315,6 +327,18 @@ async def update_weight_version(srv: Srv, body: UpdateWeightVersionBody) -> Resp
     await srv.engine.update_weight_version(body.new_version)
     return json_response({"success": True, "message": f"Weight version updated to {body.new_version}",
                           "new_version": body.new_version})
+
+
+@lora_router.post("/load_lora_adapter")
+async def load_lora_adapter(srv: Srv, body: LoadLoRAAdapterBody) -> Response:
+    result = await srv.engine.load_lora_adapter(body.lora_name, body.lora_path)
+    return json_response(result.to_sglang(), 200 if result.success else 400)
+
+
+@lora_router.post("/unload_lora_adapter")
+async def unload_lora_adapter(srv: Srv, body: UnloadLoRAAdapterBody) -> Response:
+    result = await srv.engine.unload_lora_adapter(body.lora_name)
+    return json_response(result.to_sglang(), 200 if result.success else 400)
 
 
 @abort_router.post("/abort_request")

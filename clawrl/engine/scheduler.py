@@ -14,6 +14,12 @@ next step, a long prompt never stalls the others for more than one chunk, and an
 gone, a deadline) ends it at the next chunk. At most ``max_batch_size`` sequences run; the rest
 queue (at most ``max_queued_requests``, beyond which :class:`EngineOverloadedError`). Running
 sequences occupy cache rows ``0..B-1``: a finished one's row is filled by moving the last one in.
+
+A request may name a LoRA adapter (clawrl/engine/lora.py): it starts once its adapter is in memory
+(a cold one is read on another thread meanwhile, while the rest run), its K/V is cached under its
+adapter only, and a prefill batch or decode step mixes the rows of up to ``max_loras_per_batch``
+adapters (:class:`~clawrl.engine.lora_step.StepAdapters` says which; a decode step defers the
+others' rows by a step, a prefill batches them apart).
 """
 
 from __future__ import annotations
@@ -23,38 +29,32 @@ import concurrent.futures
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from clawrl.engine.control import ControlCalls, PendingUpdate
 from clawrl.engine.cuda_graphs import GraphedDecode
+from clawrl.engine.lora import AdapterError
+from clawrl.engine.lora_step import DenseStep, GroupedStep, OneAdapter, StepAdapters
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, token_ids_logprobs, top_logprobs
 from clawrl.engine.sequence import DecodeText, Sequence, abort_reason, plan_prefill_groups
-from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError, UpdateResult
+from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError
 
 PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
 PREFIX_BLOCK = 64  # tokens per block of the prefix cache
 
 
-@dataclass
-class _PendingUpdate:
-    apply: Callable[[], None]
-    version: str | None
-    barrier: int  # requests with order <= barrier finish before the swap
-    done: concurrent.futures.Future
-
-
-class Scheduler:
+class Scheduler(ControlCalls):
     """The worker thread and everything it owns (see module docstring); ``decode_text`` turns
     output ids into text (stop strings, results)."""
 
     def __init__(self, runner: CausalLMRunner, decode_text: DecodeText, *, max_batch_size: int, weight_version: str,
                  chunked_prefill_size: int = 2048, max_total_tokens: int | None = None, max_queued_requests: int = 0,
-                 prefix_cache_tokens: int = 0, cuda_graphs: bool = True):
+                 prefix_cache_tokens: int = 0, cuda_graphs: bool = True, adapters: StepAdapters | None = None):
         self.runner, self.decode_text, self.max_batch_size = runner, decode_text, max_batch_size
         self.chunked_prefill_size, self.max_queued_requests = chunked_prefill_size, max_queued_requests
         self.cache = runner.new_cache(max_batch_size, max_total_tokens)
@@ -62,6 +62,7 @@ class Scheduler:
         self.decoder = GraphedDecode(runner, max_batch_size, capture=cuda_graphs) if graphed else runner
         self._keep_cache = graphed and cuda_graphs  # graphs read the cache by address: kept between bursts and updates
         self.prefix = PrefixCache(PREFIX_BLOCK, prefix_cache_tokens) if prefix_cache_tokens >= PREFIX_BLOCK else None
+        self.adapters = adapters  # None: LoRA off
         self.epoch = 0  # weight updates so far: K/V begun before the last one is not of the served weights
         self.weight_version = weight_version
         self.generator = torch.Generator()  # rows without a sampling_seed share it
@@ -72,11 +73,13 @@ class Scheduler:
         self.live: set[Sequence] = set()
         self._commands: list[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = []
         self._aborts_pending = self.closing = False
+        self._stalled = False  # the waiting requests that could start wait on their adapters' reads
+        self._wakes = 0  # adapter reads ended (an admission that saw none end since it began may stall)
         self._order = 0
         # owned by the worker thread
         self.running: list[Sequence] = []  # invariant: self.running[i].row == i
         self.paused, self.pause_mode = False, None
-        self._updates: deque[_PendingUpdate] = deque()
+        self._updates: deque[PendingUpdate] = deque()
         self._thread: threading.Thread | None = None
         self.counters = {"steps": 0, "prefill_steps": 0, "max_batch_seen": 0, "requests_done": 0,
                          "tokens_generated": 0, "retractions": 0, "weight_updates": 0}
@@ -117,6 +120,13 @@ class Scheduler:
             seq.order = self._order
             self.waiting.append(seq)
             self.live.add(seq)
+            self._stalled = False
+            self.cv.notify()
+
+    def wake(self) -> None:
+        """Something a stalled admission waited on happened (an adapter's read ended): try again."""
+        with self.cv:
+            self._stalled, self._wakes = False, self._wakes + 1
             self.cv.notify()
 
     def abort(self, seqs: list[Sequence], message: str) -> None:
@@ -152,7 +162,8 @@ class Scheduler:
                 "prefix_cache_tokens": tokens, "prefix_cache_bytes": tokens * cache.slot_bytes,
                 "prefix_cache_hits": prefix.hits if prefix else 0,
                 "prefix_tokens_saved": prefix.tokens_saved if prefix else 0,
-                "cuda_graphs": len(getattr(self.decoder, "graphs", ())), "fused_decode": self.runner.fused is not None}
+                "cuda_graphs": len(getattr(self.decoder, "graphs", ())), "fused_decode": self.runner.fused is not None,
+                **(self.adapters.stats() if self.adapters else {})}
 
     def _worker(self) -> None:
         with torch.inference_mode():  # thread-local: the worker never needs autograd
@@ -186,7 +197,7 @@ class Scheduler:
             return True
         if self.paused:
             return False
-        return bool(self.running) or (bool(self.waiting) and self._admissible(self.waiting[0]))
+        return bool(self.running) or (bool(self.waiting) and self._admissible(self.waiting[0]) and not self._stalled)
 
     def _admissible(self, seq: Sequence) -> bool:
         return not self._updates or seq.order <= self._updates[0].barrier
@@ -219,20 +230,38 @@ class Scheduler:
     def _admit(self) -> None:
         """Waiting sequences, FIFO, into rows while the KV budget holds every running sequence at
         its longest (the cache is rows x the longest row); positions left over from longer requests
-        that finished are dropped when they stand in the way."""
+        that finished are dropped when they stand in the way. A sequence whose adapter is not in memory
+        yet is passed over until it is (others behind it start); while memory is full of adapters in use,
+        no other adapter's sequence starts (those running end, and free it)."""
         need = max((s.kv_need for s in self.running), default=0)
+        failed: list[tuple[Sequence, AdapterError]] = []
+        stalled = full = False
         with self.cv:
-            while len(self.running) < self.max_batch_size and self.waiting and self._admissible(self.waiting[0]):
-                head = self.waiting[0]
-                if head.abort_message is not None:
-                    break  # the sweep will end it
+            wakes = self._wakes
+            for seq in list(self.waiting):
+                if len(self.running) >= self.max_batch_size or not self._admissible(seq) \
+                        or seq.abort_message is not None:
+                    break  # an aborted one: the sweep will end it
                 if self.running and \
-                        self.decoder.rows(len(self.running) + 1) * max(need, head.kv_need) > self.cache.max_tokens:
+                        self.decoder.rows(len(self.running) + 1) * max(need, seq.kv_need) > self.cache.max_tokens:
                     break  # waits for room; alone it always fits (submit refused anything longer)
-                self.waiting.popleft()
-                need = max(need, head.kv_need)
-                head.row, head.prefilling = len(self.running), True
-                self.running.append(head)
+                if seq.adapter is not None:
+                    try:
+                        ready = None if full else self.adapters.admit(seq)
+                    except AdapterError as e:
+                        self.waiting.remove(seq)
+                        failed.append((seq, e))
+                        continue
+                    full, stalled = full or ready is None, stalled or not ready
+                    if not ready:
+                        continue
+                self.waiting.remove(seq)
+                need = max(need, seq.kv_need)
+                seq.row, seq.prefilling = len(self.running), True
+                self.running.append(seq)
+            self._stalled = stalled and not self.running and self._wakes == wakes
+        for seq, e in failed:
+            self._finish(seq, abort_reason(str(e), 400, "BadRequestError"), e)
         rows = self.decoder.rows(len(self.running))
         if self.running and max(rows, self.cache.rows) * max(self.cache.capacity, need) > self.cache.max_tokens:
             self.cache.shrink(rows, need)
@@ -251,7 +280,7 @@ class Scheduler:
                 limit = len(s.tokens) - 1  # the last position is computed: its logits give the next token
                 if s.scores_prompt:  # the positions scored are computed too
                     limit = min(limit, max(s.req.logprob_start_len, 0))
-                s.cache_len = self.prefix.load(s.tokens, limit, self.cache, s.row)
+                s.cache_len = self.prefix.load(s.tokens, limit, self.cache, s.row, s.adapter_key)
                 s.cached_tokens = max(s.cached_tokens, s.cache_len)
             left = len(s.tokens) - s.cache_len
             if s.cache_len == 0 and left <= budget:
@@ -266,13 +295,15 @@ class Scheduler:
                 break
         same_prompt: dict[Any, list[Sequence]] = {}  # one prefill for equal prompts (a judge's m votes)
         for s in whole:
-            same_prompt.setdefault(tuple(s.tokens) if not s.scores_prompt else id(s), []).append(s)
+            same_prompt.setdefault((s.adapter_key, *s.tokens) if not s.scores_prompt else id(s), []).append(s)
         twins = {id(same[0]): same[1:] for same in same_prompt.values()}
-        for group in plan_prefill_groups([same[0] for same in same_prompt.values()]):
+        per_batch = self.adapters.slots.slots if self.adapters is not None else 0
+        for group in plan_prefill_groups([same[0] for same in same_prompt.values()], per_batch):
             # the first position whose logits are needed: the last one always is
             starts = [min(s.req.logprob_start_len, len(s.tokens) - 1) if s.scores_prompt else len(s.tokens) - 1
                       for s in group]
-            hidden = self.runner.prefill([s.tokens for s in group], [s.row for s in group], self.cache, starts)
+            hidden = self.runner.prefill([s.tokens for s in group], [s.row for s in group], self.cache, starts,
+                                         self._prefill_lora(group))
             self.counters["prefill_steps"] += 1
             for s, h, start in zip(group, hidden, starts):
                 s.cache_len = len(s.tokens)
@@ -292,13 +323,23 @@ class Scheduler:
         start, tokens = seq.cache_len, seq.tokens
         scoring = seq.scores_prompt and start + n > seq.req.logprob_start_len
         keep = max(0, seq.req.logprob_start_len - start) if scoring else n - 1
-        hidden = self.runner.extend(tokens[start:start + n], seq.row, start, self.cache, keep)
+        hidden = self.runner.extend(tokens[start:start + n], seq.row, start, self.cache, keep, self._prefill_lora([seq]))
         self.counters["prefill_steps"] += 1
         seq.cache_len = start + n
         complete = seq.cache_len == len(tokens)
         if scoring:
             self._score_prompt(seq, hidden[:-1] if complete else hidden, start + keep)
         return hidden[-1] if complete else None
+
+    def _prefill_lora(self, group: list[Sequence]) -> OneAdapter | GroupedStep | DenseStep | None:
+        """The adapters of a prefill batch: none, one for all (its own tensors), or each prompt its own (slots, as
+        in a decode step; plan_prefill_groups keeps them within the slots)."""
+        adapters = [s.adapter for s in group]
+        if adapters[0] is not None and all(a is adapters[0] for a in adapters):
+            return OneAdapter(adapters[0].weights)
+        if not any(adapters):
+            return None
+        return self.adapters.rows(adapters).step(width=max(len(s.tokens) for s in group))
 
     def _first_tokens(self, done: list[tuple[Sequence, Tensor]]) -> None:
         seqs = [s for s, _ in done]
@@ -333,13 +374,18 @@ class Scheduler:
                                   token_ids_logprobs(logits, ids) if ids else None)
 
     def _decode(self) -> None:
-        """One step over every row; a row whose prompt is still being prefilled rides along on a
-        placeholder token at its next position (its next chunk overwrites that K/V) and is not sampled."""
+        """One step over every row; a row whose prompt is still being prefilled, or whose adapter waits for
+        a later step (``max_loras_per_batch``), rides along on a placeholder token at its next position (its
+        next chunk or step overwrites that K/V) and is not sampled."""
         running = self.running
-        tokens = torch.tensor([0 if s.prefilling else s.output_ids[-1] for s in running], dtype=torch.long)
+        lora, deferred = None, [False] * len(running)
+        if self.adapters is not None:
+            lora, deferred = self.adapters.plan([None if s.prefilling else s.adapter for s in running])
+        idle = [s.prefilling or late for s, late in zip(running, deferred)]
+        tokens = torch.tensor([0 if skip else s.output_ids[-1] for s, skip in zip(running, idle)], dtype=torch.long)
         positions = torch.tensor([s.cache_len for s in running], dtype=torch.long)
-        logits = self.decoder.decode(tokens, positions, self.cache)
-        decoding = [i for i, s in enumerate(running) if not s.prefilling]
+        logits = self.decoder.decode(tokens, positions, self.cache, lora)
+        decoding = [i for i, skip in enumerate(idle) if not skip]
         seqs = [running[i] for i in decoding]
         for s in seqs:
             s.cache_len += 1
@@ -376,8 +422,10 @@ class Scheduler:
             # only K/V of the weights serving now (not of a request that ran on across an in-place update)
             if self.prefix is not None and error is None and seq.kv_epoch == self.epoch \
                     and seq.cache_len >= PREFIX_BLOCK:
-                self.prefix.store(seq.tokens[:seq.cache_len], self.cache, seq.row)
+                self.prefix.store(seq.tokens[:seq.cache_len], self.cache, seq.row, seq.adapter_key)
             self._release_row(seq)
+        if self.adapters is not None:
+            self.adapters.release(seq)
         with self.cv:
             self.live.discard(seq)
         if error is not None:
@@ -389,6 +437,8 @@ class Scheduler:
     def _release_row(self, seq: Sequence) -> None:
         """Free ``seq``'s row by moving the last running sequence into it (one row copy)."""
         hole = seq.row
+        if self.adapters is not None:  # a retracted sequence holds its adapter again when it starts again
+            self.adapters.release(seq)
         last = self.running.pop()
         if last is not seq:
             self.cache.move_row(last.row, hole, last.cache_len)
@@ -434,67 +484,4 @@ class Scheduler:
         self._updates.clear()
         self.paused, self.pause_mode = False, None
 
-    # control calls: they run on the worker, between steps, and each resolves ``done``
-    def do_pause(self, mode: str, barrier: int, done: concurrent.futures.Future) -> None:
-        self.paused, self.pause_mode = True, mode
-        if mode == "abort":
-            self._abort_where(lambda s: s.order <= barrier, "generation paused (abort mode)")
-        elif mode == "retract":
-            retracted = list(self.running)
-            for s in reversed(retracted):
-                self._release_row(s)
-                s.cache_len, s.prefilling = 0, False
-                if not s.prefilled_once:  # scored again from the start when prefilled again
-                    s.input_logprobs = s.input_top = s.input_token_ids = None
-            self.counters["retractions"] += len(retracted)
-            with self.cv:  # back to the queue, in submission order, ahead of later arrivals
-                self.waiting = deque(sorted([*retracted, *self.waiting], key=lambda s: s.order))
-        if not self.running and not self._keep_cache:
-            self.cache.reset()
-        done.set_result(None)
 
-    def do_continue(self, done: concurrent.futures.Future) -> None:
-        self.paused, self.pause_mode = False, None
-        done.set_result(None)
-
-    def do_flush(self, done: concurrent.futures.Future) -> None:
-        with self.cv:
-            busy = bool(self.running) or (bool(self.waiting) and not self.paused)
-        if not busy:
-            if self.prefix is not None:
-                self.prefix.clear()
-            self.cache.reset(release=True)  # the prefix cache's memory goes back to the system too
-        done.set_result(not busy)
-
-    def do_relabel(self, version: str, done: concurrent.futures.Future) -> None:
-        self.weight_version = version
-        done.set_result(None)
-
-    def do_update(self, apply: Callable[[], None], version: str | None, barrier: int, pause_mode: str | None,
-                  done: concurrent.futures.Future) -> None:
-        update = _PendingUpdate(apply, version, barrier, done)
-        if pause_mode is not None and not self.paused:  # pause, swap and continue in one call, not three
-            self.do_pause(pause_mode, barrier, concurrent.futures.Future())
-            self.paused, self.pause_mode = False, None  # before the result: no step runs until this returns
-            self._apply_update(update)
-        elif self.paused:
-            self._apply_update(update)  # the pause already stopped the stepping: swap now
-        else:
-            self._updates.append(update)  # drain first (see _step)
-
-    def _apply_update(self, update: _PendingUpdate) -> None:
-        try:
-            update.apply()
-        except Exception as e:  # copy failed part-way (e.g. dtype): report, keep the label
-            update.done.set_result(UpdateResult(False, f"weights update failed: {type(e).__name__}: {e}",
-                                                self.weight_version))
-            return
-        self.epoch += 1
-        if self.prefix is not None:  # its K/V came from the old weights
-            self.prefix.clear()
-        if update.version is not None:
-            self.weight_version = str(update.version)
-        if not self.running and not self._keep_cache:  # in_place-paused requests keep their (stale) KV, as in SGLang
-            self.cache.reset(release=self.prefix is not None)
-        self.counters["weight_updates"] += 1
-        update.done.set_result(UpdateResult(True, "Succeeded to update model weights.", self.weight_version))

@@ -41,6 +41,16 @@ class UpdateWeightVersionBody(BaseModel):
     abort_all_requests: bool = True  # SGLang's default: relabelling aborts everything in flight
 
 
+class LoadLoRAAdapterBody(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)  # a PEFT directory on the engine's machine
+    pinned: bool = False  # SGLang keeps a pinned adapter in GPU memory; here every adapter in use stays held
+
+
+class UnloadLoRAAdapterBody(BaseModel):
+    lora_name: str = Field(min_length=1)
+
+
 class AbortRequestBody(BaseModel):
     rid: str = ""
     abort_all: bool = False
@@ -74,6 +84,7 @@ class GenerateBody(GenerateRequest):
     input_ids: _Ids | Annotated[list[_Ids], Field(min_length=1)] | SkipJsonSchema[None] = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     rid: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None
 
 
 GENERATE_DOC = {"requestBody": {"required": True, "content": {"application/json": {
@@ -99,7 +110,7 @@ def document_generate_body(app: FastAPI) -> None:
 
 def split_batch(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     """One /generate body per prompt, and whether ``body`` is a batch (a list of prompts); a batch's
-    per-prompt ``sampling_params`` and ``rid`` lists are spread."""
+    per-prompt ``sampling_params``, ``rid`` and ``lora_path`` lists are spread."""
     ids, text = body.get("input_ids"), body.get("text")
     if not ((isinstance(ids, list) and ids and isinstance(ids[0], list)) or isinstance(text, list)):
         return [dict(body)], False
@@ -108,10 +119,12 @@ def split_batch(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     if not prompts:
         raise BadRequestError(f"{key} is an empty batch")
     n = len(prompts)
-    sps, rids = body.get("sampling_params"), body.get("rid")
-    if isinstance(sps, list) and len(sps) != n:
-        raise BadRequestError(f"sampling_params has {len(sps)} entries for a batch of {n} prompts")
+    sps, rids, loras = body.get("sampling_params"), body.get("rid"), body.get("lora_path")
+    for name, value in (("sampling_params", sps), ("lora_path", loras)):
+        if isinstance(value, list) and len(value) != n:
+            raise BadRequestError(f"{name} has {len(value)} entries for a batch of {n} prompts")
     if rids is not None and (not isinstance(rids, list) or len(rids) != n):
         raise BadRequestError(f"rid must be a list of {n} ids for a batch of {n} prompts")
-    spread = {k: v for k, v in ((key, prompts), ("sampling_params", sps), ("rid", rids)) if isinstance(v, list)}
+    spread = {k: v for k, v in ((key, prompts), ("sampling_params", sps), ("rid", rids), ("lora_path", loras))
+              if isinstance(v, list)}
     return [{**body, **{k: v[i] for k, v in spread.items()}} for i in range(n)], True

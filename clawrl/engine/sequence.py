@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from clawrl.engine.lora import Adapter
 from clawrl.engine.sampling import RowSampling
 from clawrl.engine.types import GenerateRequest, GenerateResult
 
@@ -62,6 +63,8 @@ class Sequence:
     stop_trim: int | None = None  # text index where a matched stop string starts
     scanned_text_len: int = 0
     abort_message: str | None = None  # set by any thread; the worker ends the request
+    adapter: Adapter | None = None  # its LoRA adapter (clawrl/engine/lora.py); None: the base model
+    pinned: bool = False  # holds its adapter in memory (while it holds a row)
 
     def put(self, item: GenerateResult | BaseException) -> None:
         """Hand ``item`` from the worker thread to the caller's event loop."""
@@ -73,6 +76,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def adapter_key(self) -> int:
+        """What its K/V is computed under: its adapter's registration, 0 for the base model."""
+        return 0 if self.adapter is None else self.adapter.uid
 
     @property
     def kv_need(self) -> int:
@@ -151,15 +159,18 @@ class Sequence:
 PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
 
 
-def plan_prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """Split a prefill into right-padded batches of similar lengths, so padding stays a small
-    fraction of the work: sort by length and cut whenever padding would exceed the slack."""
+def plan_prefill_groups(seqs: list[Sequence], max_adapters: int = 0) -> list[list[Sequence]]:
+    """Split a prefill into right-padded batches of similar lengths, so padding stays a small fraction of
+    the work (sort by length and cut whenever padding would exceed the slack), each with at most
+    ``max_adapters`` distinct LoRA adapters (a forward's slots)."""
     groups: list[list[Sequence]] = []
     group: list[Sequence] = []
     real = 0
     for s in sorted(seqs, key=lambda s: len(s.tokens)):
         n = len(s.tokens)
-        if group and n * (len(group) + 1) > PREFILL_PAD_SLACK * (real + n) + 64:
+        adapters = {q.adapter_key for q in group if q.adapter is not None}
+        if group and (n * (len(group) + 1) > PREFILL_PAD_SLACK * (real + n) + 64
+                      or s.adapter is not None and s.adapter_key not in adapters and len(adapters) >= max_adapters):
             groups.append(group)
             group, real = [], 0
         group.append(s)

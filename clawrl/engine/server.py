@@ -18,8 +18,13 @@ Where we knowingly differ from SGLang:
   * ``/release_memory_occupation`` / ``/resume_memory_occupation`` answer ``null`` and do nothing.
   * ``/v1/loads`` reports only ``num_running_reqs`` / ``num_waiting_reqs`` per load entry (no KV
     token usage or throughput); ``/server_info`` is a subset of SGLang's server args.
-  * ``/abort_request`` and ``/update_weight_version`` exist only when the engine has methods of
-    those names (EmbeddedEngine has both; with another engine they answer 404).
+  * ``/abort_request``, ``/update_weight_version`` and ``/load_lora_adapter`` + ``/unload_lora_adapter``
+    exist only when the engine has methods of those names (EmbeddedEngine has them all; with another
+    engine they answer 404).
+  * LoRA: ``lora_path`` names an adapter registered by ``/load_lora_adapter`` (never a directory, which
+    SGLang also takes there); ``pinned`` is accepted and ignored (an adapter in use always stays in
+    memory); the engine's own routes are SGLang's native ones, so ``model="<base>:<adapter>"`` (SGLang's
+    OpenAI routes) has no route here: the gateway in front serves the OpenAI APIs.
   * ``top_logprobs_num`` above 20 (``types.MAX_TOP_LOGPROBS``) is refused, in process too; SGLang has no cap.
   * A route body that fails validation (a string where ``/detokenize`` wants token ids, say) answers
     400 ``{"error": {"message": "tokens.2: Input should be a valid integer, ..."}}``, the shape of
@@ -51,6 +56,7 @@ from clawrl.engine.routes import (
     Served,
     abort_router,
     json_response,
+    lora_router,
     relabel_router,
     router,
 )
@@ -143,6 +149,8 @@ def create_engine_app(engine: Engine, *, model_path: str, served_model_name: str
         app.include_router(relabel_router)
     if hasattr(engine, "abort_request"):
         app.include_router(abort_router)
+    if hasattr(engine, "load_lora_adapter"):
+        app.include_router(lora_router)
     # /openapi.json documents the body /generate reads by hand (the schema fuzz tests generate from it)
     document_generate_body(app)
     return app

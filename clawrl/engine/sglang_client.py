@@ -41,6 +41,7 @@ from clawrl.engine.types import (
     EngineUnreachableError,
     GenerateRequest,
     GenerateResult,
+    LoRAUpdateResult,
     PauseMode,
     UpdateResult,
 )
@@ -277,17 +278,17 @@ class SGLangClient:
                                      accept=(400,))
         return _update_result(*answer, new_version)
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> UpdateResult:
-        """Load the LoRA adapter directory ``lora_path`` (PEFT's format) as ``lora_name``, which requests then
-        name in ``lora_path`` (SGLang's ``/load_lora_adapter``: a server started with ``--enable-lora``)."""
-        answer = await self._request("POST", "/load_lora_adapter", {"lora_name": lora_name,
-                                                                    "lora_path": str(lora_path)}, accept=(400,))
-        return _update_result(*answer, None)
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateResult:
+        """Register the PEFT LoRA directory ``lora_path`` (on the server's machine) as ``lora_name``; requests then
+        name it in ``lora_path``. No pause: the server keeps serving while it loads (SGLang's 400: not loaded)."""
+        answer = await self._request("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)},
+                                     accept=(400,))
+        return _lora_result(*answer)
 
-    async def unload_lora_adapter(self, lora_name: str) -> UpdateResult:
-        """Unload the adapter loaded as ``lora_name`` (SGLang's ``/unload_lora_adapter``)."""
-        return _update_result(*await self._request("POST", "/unload_lora_adapter", {"lora_name": lora_name},
-                                                   accept=(400,)), None)
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateResult:
+        """Unregister ``lora_name``: later requests naming it are refused; those already running finish on it."""
+        return _lora_result(*await self._request("POST", "/unload_lora_adapter", {"lora_name": lora_name},
+                                                 accept=(400,)))
 
     async def sync_weights_from_disk(
         self, model_path: str, weight_version: str, pause_mode: PauseMode = "retract"
@@ -354,6 +355,16 @@ async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         yield buf
 
 
+def _lora_result(status: int, content: bytes) -> LoRAUpdateResult:
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        body = None
+    if isinstance(body, Mapping) and "success" in body:
+        return LoRAUpdateResult.from_sglang(body, status)
+    return LoRAUpdateResult(False, error_message(status, content))  # e.g. a 400 validation error body
+
+
 def _update_result(status: int, content: bytes, weight_version: str | None) -> UpdateResult:
     try:
         body = orjson.loads(content)
@@ -362,8 +373,7 @@ def _update_result(status: int, content: bytes, weight_version: str | None) -> U
     workers: tuple = ()
     if isinstance(body, Mapping) and "success" in body:
         ok = bool(body["success"]) and status == 200
-        # SGLang's LoRA routes say why in error_message, its weight routes in message
-        msg, workers = str(body.get("message") or body.get("error_message") or ""), tuple(body.get("workers") or ())
+        msg, workers = str(body.get("message", "")), tuple(body.get("workers") or ())
     else:  # e.g. a 400 validation error body: the update did not happen
         ok, msg = False, error_message(status, content)
     return UpdateResult(ok, msg, str(weight_version) if ok and weight_version is not None else None, workers)

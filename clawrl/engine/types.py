@@ -156,8 +156,9 @@ class GenerateRequest(_Refusing):
     return_prompt_token_ids: bool = Field(False, description=_BOOL)
     rid: str = Field(default_factory=new_id, description="a string")
     stream: bool = Field(False, description=_BOOL)
-    # the LoRA adapter to decode with, by the name it was loaded as (SGLang's lora_path); None: the base alone
-    lora_path: str | None = Field(None, description="a string")
+    # the LoRA adapter to decode with, by the name /load_lora_adapter registered it as (SGLang's lora_path);
+    # None: the base alone
+    lora_path: str | None = Field(None, min_length=1, description="the name of a loaded LoRA adapter")
     # which engine of several serves it (the gateway: the session): not part of SGLang's body; sent to
     # an SGLang router as its X-SMG-Routing-Key header
     routing_key: str | None = Field(None, exclude=True, description="a string")
@@ -294,6 +295,34 @@ class UpdateResult:
     weight_version: str | None = None
     # several workers behind a router (clawrl.engine.router): one row each (url, ok, weight_version, seconds, message)
     workers: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class LoRAUpdateResult:
+    """The answer to loading or unloading a LoRA adapter (SGLang's ``LoRAUpdateOutput``)."""
+
+    success: bool
+    message: str  # SGLang's error_message: "" on success
+    loaded_adapters: dict[str, str] = field(default_factory=dict)  # name -> path of every adapter registered now
+    # several workers behind a router (clawrl.engine.router): one row each (url, ok, seconds, message)
+    workers: tuple[dict[str, Any], ...] = ()
+
+    def to_sglang(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"success": self.success, "error_message": self.message,
+                                "loaded_adapters": self.loaded_adapters}
+        return {**body, "workers": list(self.workers)} if self.workers else body
+
+    @classmethod
+    def from_sglang(cls, body: Any, status: int) -> LoRAUpdateResult:
+        """From SGLang's JSON (``loaded_adapters`` values may be paths or LoRARef records)."""
+        if not isinstance(body, Mapping) or "success" not in body:
+            return cls(False, f"HTTP {status}: {str(body)[:200]}")
+        def path(ref: Any) -> str:  # a path, or a LoRARef as an object or (msgspec array_like) a list
+            return str(ref.get("lora_path") if isinstance(ref, Mapping) else ref[2] if isinstance(ref, list) else ref)
+
+        loaded = {str(k): path(v) for k, v in (body.get("loaded_adapters") or {}).items()}
+        return cls(bool(body["success"]) and status == 200, str(body.get("error_message") or ""), loaded,
+                   tuple(body.get("workers") or ()))
 
 
 @runtime_checkable

@@ -12,6 +12,7 @@ import subprocess
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -141,6 +142,27 @@ def _router(tmp_path, urls: list[str]) -> tuple[subprocess.Popen, str]:
     wait_until(lambda: httpx.get(url + "/readiness", timeout=10).status_code == 200, "the router ready", proc=proc,
                log=log, poll_s=0.2)
     return proc, url
+
+
+@contextmanager
+def engines_behind_router(tmp_path, envs: dict[str, dict[str, str]]):
+    """A `clawrl engine` per (name, environment), started, with SGLang's router in front: yields the workers'
+    processes and the router's URL; everything is stopped after."""
+    workers = [engine_process(tmp_path, env, port=free_port(), name=name) for name, env in envs.items()]
+    for e in workers:
+        e.start()
+    router = None
+    try:
+        for e in workers:
+            e.wait_ready()
+        router, url = _router(tmp_path, [e.url for e in workers])
+        yield workers, url
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(60)
+        for e in workers:
+            e.stop()
 
 
 @pytest.mark.timeout(HANG_S)

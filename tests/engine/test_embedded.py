@@ -802,10 +802,10 @@ def test_a_failing_prefill_fails_only_the_new_requests(engine, monkeypatch):
 
     real_prefill = engine._runner.prefill
 
-    def flaky_prefill(prompts, rows, cache, keep_from):
+    def flaky_prefill(prompts, rows, cache, keep_from, lora=None):
         if any(p[0] == 999 for p in prompts):
             raise MemoryError("simulated")
-        return real_prefill(prompts, rows, cache, keep_from)
+        return real_prefill(prompts, rows, cache, keep_from, lora)
 
     monkeypatch.setattr(engine._runner, "prefill", flaky_prefill)
 

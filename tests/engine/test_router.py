@@ -11,9 +11,9 @@ import pytest
 
 from clawrl.engine.router import RoutedEngines
 from clawrl.runtime import run
-from tests.e2e.test_engine_router import _router
+from tests.e2e.test_engine_router import engines_behind_router
 from tests.utils.engine_server import save_perturbed_copy
-from tests.utils.gateway_process import engine_process, free_port, serve_env
+from tests.utils.gateway_process import serve_env
 from tests.utils.waiting import HANG_S
 
 
@@ -28,17 +28,9 @@ def _checkpoint(tiny_dir, out):
 @pytest.mark.timeout(HANG_S)
 def test_each_worker_loads_in_turn_and_a_refusal_names_its_worker(tmp_path, model_cache, tiny_dir):
     env = serve_env(tmp_path / "data", model_cache)
-    llama = engine_process(tmp_path, env, port=free_port(), name="llama")
-    qwen = engine_process(tmp_path, {**env, "CLAWRL__MODEL__NAME": "tiny-qwen3"}, port=free_port(), name="qwen")
     v1 = _checkpoint(tiny_dir, tmp_path / "v1")
-    for e in (llama, qwen):
-        e.start()
-    router = None
-    try:
-        for e in (llama, qwen):
-            e.wait_ready()
-        router, url = _router(tmp_path, [llama.url, qwen.url])
-
+    with engines_behind_router(tmp_path, {"llama": env, "qwen": {**env, "CLAWRL__MODEL__NAME": "tiny-qwen3"}}) as (
+            (llama, qwen), url):
         engines = RoutedEngines(url, timeout_s=300)
 
         async def go():
@@ -54,12 +46,6 @@ def test_each_worker_loads_in_turn_and_a_refusal_names_its_worker(tmp_path, mode
                 await engines.close()
 
         workers, res, info, (plain_workers, plain_info) = run(go())
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(30)
-        for e in (llama, qwen):
-            e.stop()
     assert workers == sorted([llama.url, qwen.url]) and engines.routed is True
     assert not res.success and res.weight_version is None
     rows = {w["url"]: w for w in res.workers}
@@ -71,3 +57,48 @@ def test_each_worker_loads_in_turn_and_a_refusal_names_its_worker(tmp_path, mode
     versions = {w["url"]: w["weight_version"] for w in info["workers"]}
     assert versions[qwen.url] == "0" and info["weight_version"] == "0"  # the oldest any worker serves
     assert plain_workers == [llama.url] and "workers" not in plain_info
+
+
+@pytest.mark.timeout(HANG_S)
+def test_an_adapter_reaches_every_worker_or_none(tmp_path, model_cache, tiny_dir):
+    """Two `clawrl engine` workers behind the router: an adapter loads on both (a row each) and serves through the
+    router; a name one worker already holds otherwise is refused there, and the worker that had loaded it unloads
+    it again; unloading reaches both."""
+    import httpx
+
+    from clawrl.engine.lora import write_random_adapters
+    from clawrl.engine.types import GenerateRequest, SamplingParams
+    from clawrl.models import load_causal_lm
+
+    a0, a1 = write_random_adapters(load_causal_lm(tiny_dir), [tmp_path / "a0", tmp_path / "a1"], rank=4, alpha=8,
+                                   std=0.2)
+    env = serve_env(tmp_path / "data", model_cache)
+    with engines_behind_router(tmp_path, {"engine0": env, "engine1": env}) as (workers, url):
+        engines = RoutedEngines(url, timeout_s=60)
+        sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+
+        async def go():
+            try:
+                order = await engines.workers()
+                loaded = await engines.load_lora_adapter("u@v1", str(a0))
+                answers = [await engines.generate(GenerateRequest(input_ids=[5, 6, 7], sampling_params=sp,
+                                                                  lora_path="u@v1", routing_key=f"s{i}"))
+                           for i in range(4)]
+                taken = await order[-1].load_lora_adapter("u@v2", str(a1))  # the last worker holds u@v2 already
+                refused = await engines.load_lora_adapter("u@v2", str(a0))
+                unloaded = await engines.unload_lora_adapter("u@v1")
+                return [w.base_url for w in order], loaded, answers, taken, refused, unloaded
+            finally:
+                await engines.close()
+
+        order, loaded, answers, taken, refused, unloaded = run(go())
+        after = {e.url: httpx.get(e.url + "/server_info").json()["lora_paths"] for e in workers}
+    assert loaded.success and [w["url"] for w in loaded.workers] == order and all(w["ok"] for w in loaded.workers)
+    assert loaded.loaded_adapters == {"u@v1": str(a0)}
+    assert len({tuple(a.output_ids) for a in answers}) == 1  # the same adapter whichever worker answered
+    assert taken.success and not refused.success
+    assert refused.message.startswith(f"adapter u@v2 not loaded: {order[-1]} did not load it: LoRA with name u@v2")
+    rows = {w["url"]: w for w in refused.workers}
+    assert rows[order[0]]["ok"] and rows[order[0]]["message"] == "unloaded again: ok"
+    assert unloaded.success and [w["ok"] for w in unloaded.workers] == [True, True]
+    assert after == {order[0]: {}, order[1]: {"u@v2": str(a1)}}  # u@v1 gone from both; u@v2 only where it was
