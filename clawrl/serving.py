@@ -89,6 +89,16 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_timeout
     return handle
 
 
+def serve_own_gateway(settings, *, engine, tokenizer, store) -> ServerThread:
+    """The gateway of this process's own clients (the demo's simulated users, a bench's client) on loopback,
+    open whatever keys the environment holds: those clients carry no key of the user's, and the keys set
+    for `clawrl serve` (``$CLAWRL_API_KEYS``, as the README says) would turn each of their requests into a 401."""
+    from clawrl.gateway.routes import create_app
+
+    opened = settings.model_copy(update={"server": settings.server.model_copy(update={"open_mode": True})})
+    return serve_in_thread(create_app(opened, engine=engine, tokenizer=tokenizer, store=store, api_keys=[]))
+
+
 SERVE_RECORD = "serve.json"
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from clawrl.config import MLFLOW_UI_ENV, child_env, mlflow_ui_url
 from clawrl.lineage import client as mlflow_client, store_path, store_uri, ui_page
@@ -91,9 +92,30 @@ def port_problems(services: list[Service]) -> list[str]:
     return problems
 
 
-def wait_healthy(svc: Service, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+# A service that has neither used CPU nor written to its log for this long is stuck, not slow: on a busy
+# machine (two test suites on 2 cores, a cold Prefect migrating its database) a start takes minutes, but it
+# keeps doing something all along. A fixed budget for the whole start failed there.
+STALL_S = 180.0
+
+
+def _progress(svc: Service) -> tuple[float, int]:
+    """What a starting service has done so far: CPU seconds of it and its children, bytes of its log."""
+    cpu = 0.0
+    with suppress(psutil.Error):
+        proc = psutil.Process(svc.proc.pid)
+        for p in (proc, *proc.children(recursive=True)):
+            with suppress(psutil.Error):
+                times = p.cpu_times()
+                cpu += times.user + times.system
+    size = svc.log_path.stat().st_size if svc.log_path and svc.log_path.exists() else 0
+    return cpu, size
+
+
+def wait_healthy(svc: Service, stall_s: float = STALL_S) -> None:
+    """Until ``svc`` answers its health URL; an error with its log's tail if it exits first, or if it makes no
+    progress (CPU time, log output) for ``stall_s`` seconds."""
+    last, moved = None, time.monotonic()
+    while True:
         if svc.proc is not None and svc.proc.poll() is not None:
             tail = svc.log_path.read_text()[-2000:] if svc.log_path and svc.log_path.exists() else ""
             key = f" (its port: {PORT_KEYS[svc.name]})" if svc.name in PORT_KEYS else ""
@@ -102,8 +124,12 @@ def wait_healthy(svc: Service, timeout_s: float) -> None:
             status = httpx.get(svc.health_url, timeout=2.0).status_code
             if status == 200 or (status < 500 and not svc.ready_only_on_200):
                 return
+        now = (_progress(svc) if svc.proc is not None else None)
+        if now != last:
+            last, moved = now, time.monotonic()
+        elif time.monotonic() - moved > stall_s:
+            raise RuntimeError(f"{svc.name} not healthy at {svc.health_url}: no progress (CPU, log) for {stall_s:.0f} s")
         time.sleep(0.5)
-    raise RuntimeError(f"{svc.name} not healthy at {svc.health_url} after {timeout_s:.0f} s")
 
 
 def _die_with_parent() -> None:
@@ -152,7 +178,7 @@ def prefect_service(host: str, port: int) -> Service:
 
 
 @contextmanager
-def own_prefect_server(home: Path, timeout_s: float = 180.0) -> Iterator[str]:
+def own_prefect_server(home: Path) -> Iterator[str]:
     """A Prefect server on the state directory ``home`` for this process's flows (its URL; the
     process's PREFECT_API_URL points at its API meanwhile), in a session of its own and stopped
     after them. Prefect's temporary server shares the terminal's process group: a Ctrl-C stopped
@@ -161,7 +187,7 @@ def own_prefect_server(home: Path, timeout_s: float = 180.0) -> Iterator[str]:
     start(svc, Path(home), child_env(PREFECT_HOME=str(home)))
     previous = os.environ.get("PREFECT_API_URL")
     try:
-        wait_healthy(svc, timeout_s)
+        wait_healthy(svc)
         os.environ["PREFECT_API_URL"] = f"{svc.url}/api"
         yield svc.url
     finally:
@@ -346,7 +372,7 @@ def run_up(settings, config_path: Path, *, prefect_port: int = 4200, mlflow_port
             if svc.after_others:
                 echo(f"starting {svc.name} ...")
                 start(svc, root / "logs", base_env)
-            wait_healthy(svc, timeout_s=300)
+            wait_healthy(svc)
             write_pids(root / "up.pids.json", services, prefect_api)
             echo(f"  {svc.name:8s} {svc.url}")
         echo("all up; Ctrl-C stops everything")

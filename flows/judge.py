@@ -9,7 +9,9 @@ the other turns go on. Exactly once per (turn, judge-config hash): a turn is jud
 row exists, the fates are written last, and sample ids are deterministic, so a rerun or a crash half
 way neither duplicates nor loses a judgment. When enough trainable samples wait, the flow emits the
 event ``clawrl.samples.ready`` and, run exclusive (as ``clawrl up`` runs it), creates a run of the train
-deployment unless one is scheduled or going. Last, the live check
+deployment unless one is scheduled or going. An exclusive run judges a bite of the ready turns (below);
+one that took a full bite, more being ready, creates the next judge run as it ends, so a backlog is
+judged in consecutive runs rather than one bite every ``--judge-every`` seconds. Last, the live check
 (``check_live_score``) compares the judged live score of the champion with the previous champion's
 and rolls serving back on a significant drop.
 
@@ -34,7 +36,8 @@ from prefect.events import emit_event
 from clawrl import runtime
 from clawrl.config_sections import LIVE_MIN_TURNS, LIVE_TOLERANCE
 from clawrl.flows.common import data_store, judge_for, load_flow_settings, push_weights, serve_target
-from clawrl.flows.slots import JUDGE_LIMIT, ensure_limit, leased_slot, mark_idle, run_time_name, skipped_because
+from clawrl.flows.slots import (JUDGE_DEPLOYMENT, JUDGE_LIMIT, TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle,
+                                run_time_name, skipped_because, this_run_id, tick)
 from clawrl.judge.runner import failure_records, next_state_from_row, outcome_records, turn_from_row
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import pending_counts, turns_to_judge
@@ -46,10 +49,12 @@ SAMPLES_READY_EVENT = "clawrl.samples.ready"
 MAX_IN_FLIGHT, _CHUNK_PER_SLOT = 16, 4
 RETRIES, RETRY_DELAY_S = 2, 1.0
 # An exclusive run (`clawrl up`'s, which starts a train run when it leaves a full batch) takes at most
-# BITE_BATCHES training batches' worth of turns (at least MIN_BITE): a backlog is taken in bites, so the
-# next train step starts soon, and the next run takes the next bite. A direct run (`clawrl judge`, the
-# demo's loop, which trains right after it) takes every ready turn: a bite there leaves part of a round
-# unjudged, the next step trains on older samples than its users just made, and the lag grows each round.
+# BITE_BATCHES training batches' worth of judge calls (at least MIN_BITE), with the turns only marked
+# (side turns, turns told no next state comes) among them uncounted: they cost no judge call. A backlog
+# is taken in bites, so the next train step starts soon, and a run that took a full bite starts the next
+# at once. A direct run (`clawrl judge`, the demo's loop, which trains right after it) takes every ready
+# turn: a bite there leaves part of a round unjudged, the next step trains on older samples than its
+# users just made, and the lag grows each round.
 BITE_BATCHES, MIN_BITE = 4, 64
 
 
@@ -71,9 +76,18 @@ def _append_outcomes(s, outcomes: list[list[Any]]) -> None:
 
 
 @task(cache_policy=NO_CACHE)
-def find_turns(config_path: str | None, judge_config_hash: str, limit: int | None) -> list[str]:
+def find_turns(config_path: str | None, judge_config_hash: str, limit: int | None,
+               bite: int | None) -> tuple[list[str], bool]:
+    """(the ready turns to judge now, oldest first; whether more judge calls were ready than ``bite``): every
+    ready turn, at most ``limit``, or a ``bite``: at most that many judge calls, the turns only marked that
+    come before the next one uncounted."""
     with open_catalog(load_flow_settings(config_path).storage.data_root) as con:
-        return turns_to_judge(con, judge_config_hash, limit=limit).column("turn_id").to_pylist()
+        found = turns_to_judge(con, judge_config_hash, limit=limit, judge_calls=None if bite is None else bite + 1)
+    turn_ids = found.column("turn_id").to_pylist()
+    calls = [i for i, call in enumerate(found.column("judge_call").to_pylist()) if call]  # where the judge is called
+    if bite is None or len(calls) <= bite:
+        return turn_ids, False
+    return turn_ids[:calls[bite]], True  # the call past the bite waits, with what follows it
 
 
 def _pending_turns(config_path: str | None, turn_ids: list[str]):
@@ -202,34 +216,44 @@ def _judge_run_name() -> str:
     return run_time_name("judge")
 
 
-def _start_training(config_path: str | None) -> None:
-    """A run of the train deployment, unless one is scheduled or going (it takes the batch in turn); with
-    ``[ppo] adapters = "namespace"`` one per namespace with a batch (clawrl.flows.adapters)."""
+def _start_run(deployment: str, why: str, config_path: str | None = None) -> None:
+    """A run of ``deployment`` (`clawrl up`'s), unless one is scheduled or going; this run, which is ending,
+    does not count. Outside `clawrl up` (no such deployment), nothing. The train deployment with ``[ppo]
+    adapters = "namespace"``: one run per namespace with a batch (clawrl.flows.adapters)."""
     from prefect.exceptions import ObjectNotFound
 
     from clawrl.flows.adapters import start_train_runs
 
     try:
-        started = ", ".join(start_train_runs(config_path))
+        if deployment == TRAIN_DEPLOYMENT:
+            started = ", ".join(start_train_runs(config_path))
+        else:
+            started = tick(deployment, ending_run=this_run_id())
     except ObjectNotFound:  # judging outside `clawrl up`: nothing to start
         return
-    except Exception as e:  # noqa: BLE001 - the train ticker starts one later
-        get_run_logger().warning("could not start a train run: %s", e)
+    except Exception as e:  # noqa: BLE001 - the ticker starts one later
+        get_run_logger().warning("could not start a run of %s: %s", deployment, e)
         return
-    get_run_logger().info("a full batch waits: %s", f"train run {started} created" if started else
-                          "a train run is already scheduled or going")
+    get_run_logger().info("%s: %s", why, f"{deployment} run {started} created" if started else
+                          f"a {deployment} run is already scheduled or going")
 
 
 @flow(name="judge", flow_run_name=_judge_run_name, log_prints=True)
 def judge_flow(config_path: str | None = None, limit: int | None = None, exclusive: bool = False) -> dict[str, Any]:
     """Judge every turn that is ready, at most ``limit`` (an ``exclusive`` run's default: a bite, ``BITE_BATCHES``
-    x ``[ppo] rollout_batch_size``, at least ``MIN_BITE``). With ``exclusive``, only while no other exclusive judge
-    run is going; else it skips, Completed."""
+    x ``[ppo] rollout_batch_size`` judge calls, at least ``MIN_BITE``, and the turns only marked among them). With
+    ``exclusive``, only while no other exclusive judge run is going, else it skips, Completed; one that took a full
+    bite creates the next run of the judge deployment as it ends."""
     if not exclusive:
         return _judge_ready(config_path, limit)
+    out = None
     with leased_slot(JUDGE_LIMIT) as held:
         if held:
-            return _judge_ready(config_path, limit, start_training=True)
+            out = _judge_ready(config_path, limit, start_training=True)
+    if out is not None:
+        if out["full_bite"]:  # the slot given back: the next run takes it
+            _start_run(JUDGE_DEPLOYMENT, "more turns wait than a bite")
+        return out
     skipped = skipped_because("judge", JUDGE_LIMIT)
     get_run_logger().info("skipped: %s", skipped)
     mark_idle()
@@ -240,8 +264,8 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
     log = get_run_logger()
     s = load_flow_settings(config_path)
     judge = judge_for(s)
-    bite = max(MIN_BITE, BITE_BATCHES * s.ppo.rollout_batch_size) if start_training else None
-    turn_ids = find_turns(config_path, judge.config_hash, limit or bite)
+    bite = max(MIN_BITE, BITE_BATCHES * s.ppo.rollout_batch_size) if start_training and not limit else None
+    turn_ids, full_bite = find_turns(config_path, judge.config_hash, limit, bite)
     _crash_point("found")
     log.info("%d turns to judge (judge config %s, backend %s)", len(turn_ids), judge.config_hash, s.prm.backend)
     fates: Counter[str] = Counter()
@@ -265,8 +289,8 @@ def _judge_ready(config_path: str | None, limit: int | None, start_training: boo
                    payload={"trainable": counts["trainable"], "judge_config_hash": judge.config_hash})
         _crash_point("emitted")
         if start_training:
-            _start_training(config_path)
+            _start_run(TRAIN_DEPLOYMENT, "a full batch waits", config_path)
     if not turn_ids:
         mark_idle()
     return {"judged": len(turn_ids), "fates": dict(fates), "judge_config_hash": judge.config_hash, "status": counts,
-            "live": live}
+            "live": live, "full_bite": full_bite}

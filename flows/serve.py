@@ -7,8 +7,10 @@ skip (on a busy machine, or pile up).
 
 * ``judge/on-interval``: judges ready turns; :func:`ticker` in this process looks every
   ``--judge-every`` seconds and ticks it when turns are ready to judge (``work_waiting``): an idle
-  `clawrl up` creates no runs. The runs are also ``exclusive`` (the global limit ``judge``), so one
-  started from the UI while another judges ends Completed with ``skipped``.
+  `clawrl up` creates no runs. A run judges a bite of the ready turns, and one that took a full bite
+  ticks it itself as it ends: a backlog is judged in consecutive runs. The runs are also ``exclusive``
+  (the global limit ``judge``), so one started from the UI while another judges ends Completed with
+  ``skipped``.
 * ``train/on-samples-ready``: one PPO step; ticked by a judge run that leaves a full batch waiting
   (it also emits the event ``clawrl.samples.ready``), and by :func:`ticker` every ``--train-every``
   seconds when a full batch waits, as a safety net. Exclusive too, on the global limit ``trainer``: one
@@ -65,8 +67,9 @@ def build_deployments(config_path: str, trainer_url: str | None, engine_url: str
     judge = judge_flow.to_deployment(
         name="on-interval", **{**common, "parameters": {"config_path": config_path, "exclusive": True}},
         description=f"Judge turns whose next state arrived (PRM votes, hints, teacher): a run every "
-                    f"{judge_every_s:g} s while none is going and turns are ready (`clawrl up --judge-every`); one "
-                    "started while another judges skips, Completed, named and tagged idle.")
+                    f"{judge_every_s:g} s while none is going and turns are ready (`clawrl up --judge-every`), and at "
+                    "once after a run that took a full bite; one started while another judges skips, Completed, "
+                    "named and tagged idle.")
     train = train_flow.to_deployment(
         name="on-samples-ready",
         **{**common, "parameters": {"config_path": config_path, "max_steps": 1, "trainer_url": trainer_url,

@@ -16,6 +16,7 @@ import re
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from uuid import UUID
 
 import httpx
 
@@ -116,12 +117,13 @@ def skipped_because(flow_name: str, limit: str) -> str:
         f"another {flow_name} run holds the `{limit}` slot (a killed run's lease lapses within {LEASE_S:g} s)"
 
 
-def tick(deployment: str) -> str | None:
+def tick(deployment: str, ending_run: UUID | None = None) -> str | None:
     """Create a run of ``deployment`` unless one of its runs is scheduled, pending or running; the new
     run's id, or None. A run created while another is going would only start, find the slot taken and
     skip (on a work pool, as a process of its own that imports torch). A run still marked Running while
     its deployment's slot is free died without being marked (its process was killed with the flow
-    server's): it does not count, or nothing would run again."""
+    server's): it does not count, or nothing would run again. Nor does ``ending_run``, the id of a run
+    that starts its successor as it ends, its slot given back."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
                                                 FlowRunFilterState, FlowRunFilterStateType)
@@ -133,6 +135,7 @@ def tick(deployment: str) -> str | None:
         dep = client.read_deployment_by_name(deployment)
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
                                      flow_run_filter=FlowRunFilter(state=active))
+        runs = [r for r in runs if r.id != ending_run]
         if runs and not (all(r.state.is_running() for r in runs) and _slot_free(client, _LIMIT_OF.get(deployment))):
             return None
         run_id = str(client.create_flow_run_from_deployment(dep.id).id)

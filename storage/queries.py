@@ -55,28 +55,36 @@ def _first(view: str, key: str, *, where: str = "", columns: str = "* EXCLUDE (d
 
 def turns_to_judge(
     con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, limit: int | None = None,
-    turn_ids: Sequence[str] | None = None,
+    judge_calls: int | None = None, turn_ids: Sequence[str] | None = None,
 ) -> pa.Table:
     """Every turn the judge flow can decide now, oldest first, with no fate under this config:
     main turns whose next state arrived (``next_has_state`` true; its first such next state), main
     turns told that none will come (false), and side turns (NULL next-state columns). Main turns
     still waiting are left out.
 
-    Columns: every ``turns`` column plus next_has_state, next_messages, next_reason, next_state_at.
-    ``turn_ids`` restricts the answer to those turns.
+    Columns: every ``turns`` column plus next_has_state, next_messages, next_reason, next_state_at,
+    and ``judge_call``: whether the judge is called for the turn (a main turn whose next state arrived;
+    the others are only marked, side_turn or no_next_state). ``limit`` caps the turns, ``judge_calls``
+    only those the judge is called for: up to the ``judge_calls``-th of them, with every turn only
+    marked before the next one. ``turn_ids`` restricts the answer to those turns.
     """
     only = "" if turn_ids is None else "WHERE list_contains($turn_ids, turn_id)"
     params = {"hash": judge_config_hash} | ({} if turn_ids is None else {"turn_ids": list(turn_ids)})
     next_state = _first("next_states", "turn_id", where=only, order="has_next_state DESC, created_at",
                         columns="turn_id, has_next_state AS next_has_state, messages AS next_messages, "
                                 "reason AS next_reason, created_at AS next_state_at")
+    judge_call = f"coalesce(t.turn_type = '{_MAIN}' AND ns.next_has_state, false)"
+    # the judge calls up to and including this turn (the turn ids break created_at ties: one order)
+    calls_so_far = f"count(*) FILTER (WHERE {judge_call}) OVER (ORDER BY t.created_at, t.turn_id)"
     sql = f"""
         WITH t AS ({_first("turns", "turn_id", where=only)}), ns AS ({next_state})
-        SELECT t.*, ns.next_has_state, ns.next_messages, ns.next_reason, ns.next_state_at
+        SELECT t.*, ns.next_has_state, ns.next_messages, ns.next_reason, ns.next_state_at,
+               {judge_call} AS judge_call
         FROM t LEFT JOIN ns USING (turn_id)
         WHERE (t.turn_type = '{_SIDE}' OR ns.turn_id IS NOT NULL)
           AND NOT EXISTS (
             SELECT 1 FROM turn_fate f WHERE f.turn_id = t.turn_id AND f.judge_config_hash = $hash)
+        {'' if judge_calls is None else f'QUALIFY {calls_so_far} <= {int(judge_calls)}'}
         ORDER BY t.created_at, t.turn_id {'' if limit is None else f'LIMIT {int(limit)}'}
     """
     return con.sql(sql, params=params).to_arrow_table()

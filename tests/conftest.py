@@ -13,6 +13,8 @@ import pytest
 
 from clawrl.config import load_settings
 
+PREFECT_STARTUP_S = 600  # the Prefect test server's start: ~15 s on a quiet 2-core machine, minutes on a busy one
+
 
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests need CUDA: without it they are skipped, not failed (CI has no GPU)."""
@@ -82,9 +84,12 @@ def tiny_engine(tiny_dir):
 
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
-    """One Prefect test server for the session (startup ~15 s on 2 cores; default timeout is too short)."""
+    """One Prefect test server for the session (startup ~15 s on 2 cores, several times that beside other
+    test runs; the default timeout is too short)."""
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # Prefect counts only its own 0.1 s sleeps between health checks against this, so the wall time is
+    # longer still; it does not notice a server that died, hence a bound rather than tests.utils.waiting.CAP_S
+    with prefect_test_harness(server_startup_timeout=PREFECT_STARTUP_S):
         yield

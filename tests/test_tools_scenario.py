@@ -4,7 +4,6 @@ step-by-step scores, and one step of `clawrl demo --scenario tools` end to end o
 import json
 import re
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from clawrl.flows.loop import tool_round_tasks
 from clawrl.sim.tool_reward import find_task, score_turn
 from clawrl.sim.tools import TOOLS, ToolTask, run_tool, split_tasks, tool_tasks
+from tests.utils.waiting import run_to_end, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,9 +142,9 @@ def test_one_step_of_the_tools_demo_end_to_end(tmp_path, model_cache):
                     f'model_cache = "{model_cache}"\n')
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(conf),
-                          "--steps", "1", "--users", "6", "--heldout", "6", "--eval-samples", "1",
-                          "--run-dir", str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run_to_end([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(conf),
+                      "--steps", "1", "--users", "6", "--heldout", "6", "--eval-samples", "1",
+                      "--run-dir", str(run)], cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((run / "reports" / "learning_curve.json").read_text())
     assert [r["step"] for r in rows] == [0, 1]
@@ -215,10 +215,9 @@ def test_the_tools_demo_gates_with_the_tools_evaluator_when_the_config_names_it(
         {"gate.enabled": False, "gate.canary_share": 0.0}
     assert _gate_overrides(load_settings(gated), "tools", "concise", 3, 64) == {"gate.seed": 3, "ppo.max_new_tokens": 64}
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(gated),
-                          "--steps", "1", "--users", "3", "--heldout", "2", "--eval-samples", "1",
-                          "--run-dir", str(run)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=600)
+    out = run_to_end([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(gated),
+                      "--steps", "1", "--users", "3", "--heldout", "2", "--eval-samples", "1",
+                      "--run-dir", str(run)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((run / "reports" / "learning_curve.json").read_text())
     assert rows[1]["gate"] in ("promote", "refuse") and rows[1]["val_candidate"] is not None
@@ -280,13 +279,13 @@ def test_the_tools_demo_reproduces_its_run_with_the_same_config_and_seed(tmp_pat
                     .replace("rollout_batch_size = 24", "rollout_batch_size = 4")
                     + f'\n[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n')
     runs = [tmp_path / "a", tmp_path / "b"]
-    procs = [subprocess.Popen([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(conf),
-                               "--steps", "2", "--users", "6", "--heldout", "2", "--eval-samples", "1",
-                               "--run-dir", str(run)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for run in runs]
+    procs = [spawn([sys.executable, "-m", "clawrl.cli", "demo", "--scenario", "tools", "-c", str(conf),
+                    "--steps", "2", "--users", "6", "--heldout", "2", "--eval-samples", "1",
+                    "--run-dir", str(run)], tmp_path, run.name, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+             for run in runs]
     for p in procs:
-        out, _ = p.communicate(timeout=900)
-        assert p.returncode == 0, out[-3000:]
+        out = p.result()
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     a, b = (_run_summary(run) for run in runs)
     assert len(a["turns"]) > 20 and a["turns"].keys() == b["turns"].keys()
     apart = {k: _first_apart(a["turns"][k], b["turns"][k]) for k in a["turns"] if a["turns"][k] != b["turns"][k]}

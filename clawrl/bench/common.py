@@ -48,12 +48,10 @@ def machine_line(device: str, dtype: str) -> str:
 def gateway_settings(settings: Settings, model_dir: Path, data_root: Path, **engine: Any) -> Settings:
     """The settings of a bench's own gateway (:func:`gateway_on`): an embedded engine of ``model_dir``
     itself (never the config's HTTP engine, nor a checkpoint of a run), ``engine`` on top of the
-    config's ``[engine]`` (validated: a key it lacks is an error), its turns under ``data_root``, and
-    open: it answers the bench's own clients on loopback, which carry no key of the user's."""
+    config's ``[engine]`` (validated: a key it lacks is an error), its turns under ``data_root``."""
     return settings.model_copy(update={
         "model": settings.model.model_copy(update={"name": str(model_dir)}),
         "engine": EngineSettings.model_validate({**settings.engine.model_dump(), **engine, "url": ""}),
-        "server": settings.server.model_copy(update={"open_mode": True}),
         "storage": settings.storage.model_copy(update={"data_root": Path(data_root)})})
 
 
@@ -61,15 +59,15 @@ def gateway_settings(settings: Settings, model_dir: Path, data_root: Path, **eng
 def gateway_on(settings: Settings, model_dir: Path, **engine: Any):
     """A gateway of :func:`gateway_settings` on loopback (a throwaway data root, where the answers are
     logged like any turns, then dropped), without API keys whatever the environment holds; yields its URL."""
-    from clawrl.gateway.routes import build_engine, create_app
-    from clawrl.serving import serve_in_thread
+    from clawrl.gateway.routes import build_engine
+    from clawrl.serving import serve_own_gateway
     from clawrl.storage.writer import DataStore
 
     with tempfile.TemporaryDirectory() as tmp:
         s = gateway_settings(settings, model_dir, Path(tmp), **engine)
         served, tokenizer = build_engine(s)
         store = DataStore(tmp)
-        gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store, api_keys=[]))
+        gw = serve_own_gateway(s, engine=served, tokenizer=tokenizer, store=store)
         try:
             yield gw.url
         finally:

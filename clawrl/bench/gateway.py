@@ -147,9 +147,9 @@ def run_gateway_bench(*, model_cache: Path, concurrencies=(1, 16), n: int = 2000
         try:
             if topology == "http":
                 start(engine, root, bench_env(**env))
-                wait_healthy(engine, timeout_s=300)
+                wait_healthy(engine)
             start(gateway, root, bench_env(**env, **gw_env))
-            wait_healthy(gateway, timeout_s=300)
+            wait_healthy(gateway)
             for c in concurrencies:
                 if progress:
                     progress(f"{topology} engine, concurrency {c}")

@@ -313,10 +313,10 @@ def _drive_flows(write, root: Path, gw: str, new_run, users: dict[str, int], *, 
         for svc in group:
             start(svc, root, env)
         for svc in group:  # up before the gateway asks them what they serve
-            wait_healthy(svc, timeout_s=300)
+            wait_healthy(svc)
         start(gateway, root, env)
         _warm_up(s, conf)  # while the gateway starts
-        wait_healthy(gateway, timeout_s=300)
+        wait_healthy(gateway)
         load_before, run = load_average(), new_run()
         thread = _start_users(gw, run, users)
         try:

@@ -52,9 +52,9 @@ def start_up(conf: str, root: Path, ports: UpPorts, gateway_url: str, *, judge_e
                                f"{judge_every_s:g}", "--train-every", f"{train_every_s:g}"], f"{gateway_url}/healthz")
     start(up, root, bench_env())
     try:
-        wait_healthy(up, timeout_s=600)
+        wait_healthy(up)
         up.health_url = f"{ports.prefect_api}/deployments/name/{TRAIN_DEPLOYMENT}"
-        wait_healthy(up, timeout_s=600)
+        wait_healthy(up)
     except BaseException:
         stop(up, STOP_TIMEOUT_S)
         raise

@@ -185,8 +185,8 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
     from clawrl.engine.canary import CanaryRouter
     from clawrl.flows.common import attach_canary_engine, attach_policy_engine, data_store, load_flow_settings
     from clawrl.flows.loop import learning_loop
-    from clawrl.gateway.routes import build_engine, canary_engine, create_app
-    from clawrl.serving import serve_in_thread
+    from clawrl.gateway.routes import build_engine, canary_engine
+    from clawrl.serving import serve_own_gateway
 
     with console.status(f"preparing {s.model.name} (first run converts the GGUF once)"):
         engine, tokenizer = build_engine(s)  # the gateway's own: the newest checkpoint of a run continued
@@ -198,9 +198,10 @@ def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
         served = CanaryRouter(engine, canary, s.gate.canary_share)
     # the flows and the gateway share one store; settings are cached by config path in flows.common
     store = data_store(load_flow_settings(str(run_conf)))
-    gw = serve_in_thread(create_app(s, engine=served, tokenizer=tokenizer, store=store))
-    console.print(f"gateway (OpenAI API) on {gw.url}/v1, run data in {s.storage.data_root}", markup=False,
-                  soft_wrap=True)
+    # open on loopback for the simulated users, whatever keys the environment holds for `clawrl serve`
+    gw = serve_own_gateway(s, engine=served, tokenizer=tokenizer, store=store)
+    console.print(f"gateway (OpenAI API) on {gw.url}/v1 for the simulated users, run data in {s.storage.data_root}",
+                  markup=False, soft_wrap=True)
     try:
         return learning_loop(config_path=str(run_conf), gateway_url=gw.url, **loop_args)
     finally:

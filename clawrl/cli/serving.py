@@ -190,8 +190,9 @@ def up(
     mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow UI port.")] = 5000,
     trainer_port: Annotated[int, typer.Option(min=1, max=65535, help="Trainer service port.")] = 30020,
     judge_every: Annotated[float, typer.Option(
-        min=1.0, help="Seconds between judge runs (a run starts only while none "
-                      "is going).")] = 20.0,
+        min=1.0, help="Seconds between judge runs while turns wait (a run starts only "
+                      "while none is going; after a run that took a full bite, the "
+                      "next starts at once).")] = 20.0,
     train_every: Annotated[float, typer.Option(
         min=1.0, help="Seconds between train ticks, a safety net: a judge run that "
                       "leaves a full batch starts a train run at once (either only "

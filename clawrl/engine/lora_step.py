@@ -5,9 +5,9 @@ output here: :meth:`add` returns it with each row's delta ``x·Aᵀ·B'ᵀ`` add
 clawrl/engine/lora.py). A row without an adapter gets nothing added - its output is the base
 matmul's, bit for bit - and a step whose rows have no adapter never comes here.
 
-* :class:`OneAdapter` - a prefill batch or a chunk of one prompt, all of one adapter (the scheduler
-  groups prompts by adapter): two small matmuls on the adapter's own tensors per projection.
-* A decode step mixes adapters. Their tensors are copied into :class:`LoRASlots`, a pool of
+* :class:`OneAdapter` - a prefill batch or a chunk of one prompt, all of one adapter: two small matmuls
+  on the adapter's own tensors per projection.
+* A decode step (or a prefill batch) mixes adapters. Their tensors are copied into :class:`LoRASlots`, a pool of
   ``max_loras_per_batch`` slots per projection at fixed addresses (a copy into a slot is what a cold
   adapter costs a step; on CUDA the captured graphs read the pool in place). Two ways to add the
   deltas, the faster one per device (measured, docs/benchmarks.md):
@@ -237,12 +237,13 @@ class RowAdapters:
         n = 1 + max(s for s in self.row_slots if s is not None)
         return min(self.pool.slots, 1 << (n - 1).bit_length())
 
-    def step(self, rows: int | None = None, *, static: bool = False) -> GroupedStep | DenseStep:
-        """The step over ``rows`` rows (the padded batch; default: these rows), in the pool's layout.
-        ``static``: a :class:`DenseStep` over every target whose ``has`` is a tensor even when every row has an
-        adapter (what a CUDA graph captures: the next replay's rows may not)."""
-        if not self.pool.dense:
-            return GroupedStep(self.pool, self.row_slots, self.targets)
+    def step(self, rows: int | None = None, *, static: bool = False, width: int = 1) -> GroupedStep | DenseStep:
+        """The step over ``rows`` rows (the padded batch; default: these rows), in the pool's layout; ``width``
+        positions a row (a prefill's padded length). ``static``: a :class:`DenseStep` over every target whose
+        ``has`` is a tensor even when every row has an adapter (what a CUDA graph captures: the next replay's
+        rows may not)."""
+        if not self.pool.dense:  # its rows: each position of each row
+            return GroupedStep(self.pool, [s for s in self.row_slots for _ in range(width)], self.targets)
         row_slots = self.row_slots + [None] * ((rows or len(self.row_slots)) - len(self.row_slots))
         mask, has = DenseStep.inputs(self.pool, row_slots, len(row_slots), self.slots_used)
         every = not static and all(s is not None for s in row_slots)
@@ -290,11 +291,17 @@ class StepAdapters:
         present = {a.uid for a in adapters if a is not None}
         self.last_run = {uid: step for uid, step in self.last_run.items() if uid in present}
         self.last_run.update((a.uid, self.steps) for a in distinct)
-        slot_of = dict(zip((a.uid for a in distinct), self.slots.assign(distinct)))
-        deferred = [a is not None and a.uid not in slot_of for a in adapters]
+        chosen = {a.uid for a in distinct}
+        deferred = [a is not None and a.uid not in chosen for a in adapters]
         self.deferred_rows += sum(deferred)
-        row_slots = [None if a is None else slot_of.get(a.uid) for a in adapters]
-        return RowAdapters(self.slots, row_slots, frozenset().union(*(a.weights.targets for a in distinct))), deferred
+        return self.rows([a if a is not None and a.uid in chosen else None for a in adapters]), deferred
+
+    def rows(self, adapters: list) -> RowAdapters:
+        """Slots for the (at most ``slots.slots``) distinct ``adapters`` of a forward's rows (None: no adapter)."""
+        distinct = list({a.uid: a for a in adapters if a is not None}.values())
+        slot_of = dict(zip((a.uid for a in distinct), self.slots.assign(distinct)))
+        return RowAdapters(self.slots, [None if a is None else slot_of[a.uid] for a in adapters],
+                           frozenset().union(*(a.weights.targets for a in distinct)))
 
     def forget(self, adapter) -> None:
         """``adapter`` was unloaded: its slot may be reused at once."""

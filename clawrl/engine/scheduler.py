@@ -16,10 +16,10 @@ queue (at most ``max_queued_requests``, beyond which :class:`EngineOverloadedErr
 sequences occupy cache rows ``0..B-1``: a finished one's row is filled by moving the last one in.
 
 A request may name a LoRA adapter (clawrl/engine/lora.py): it starts once its adapter is in memory
-(a cold one is read on another thread meanwhile, while the rest run), its prompt is prefilled in
-batches of its adapter's prompts, its K/V is cached under its adapter only, and a decode step mixes
-the rows of up to ``max_loras_per_batch`` adapters (:class:`~clawrl.engine.lora_step.StepAdapters`
-says which, and defers the others' rows by a step).
+(a cold one is read on another thread meanwhile, while the rest run), its K/V is cached under its
+adapter only, and a prefill batch or decode step mixes the rows of up to ``max_loras_per_batch``
+adapters (:class:`~clawrl.engine.lora_step.StepAdapters` says which; a decode step defers the
+others' rows by a step, a prefill batches them apart).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import Tensor
 from clawrl.engine.control import ControlCalls, PendingUpdate
 from clawrl.engine.cuda_graphs import GraphedDecode
 from clawrl.engine.lora import AdapterError
-from clawrl.engine.lora_step import OneAdapter, StepAdapters
+from clawrl.engine.lora_step import DenseStep, GroupedStep, OneAdapter, StepAdapters
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.prefix_cache import PrefixCache
 from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, token_ids_logprobs, top_logprobs
@@ -297,12 +297,13 @@ class Scheduler(ControlCalls):
         for s in whole:
             same_prompt.setdefault((s.adapter_key, *s.tokens) if not s.scores_prompt else id(s), []).append(s)
         twins = {id(same[0]): same[1:] for same in same_prompt.values()}
-        for group in plan_prefill_groups([same[0] for same in same_prompt.values()]):
+        per_batch = self.adapters.slots.slots if self.adapters is not None else 0
+        for group in plan_prefill_groups([same[0] for same in same_prompt.values()], per_batch):
             # the first position whose logits are needed: the last one always is
             starts = [min(s.req.logprob_start_len, len(s.tokens) - 1) if s.scores_prompt else len(s.tokens) - 1
                       for s in group]
             hidden = self.runner.prefill([s.tokens for s in group], [s.row for s in group], self.cache, starts,
-                                         _one_adapter(group[0]))  # a group is of one adapter
+                                         self._prefill_lora(group))
             self.counters["prefill_steps"] += 1
             for s, h, start in zip(group, hidden, starts):
                 s.cache_len = len(s.tokens)
@@ -322,13 +323,23 @@ class Scheduler(ControlCalls):
         start, tokens = seq.cache_len, seq.tokens
         scoring = seq.scores_prompt and start + n > seq.req.logprob_start_len
         keep = max(0, seq.req.logprob_start_len - start) if scoring else n - 1
-        hidden = self.runner.extend(tokens[start:start + n], seq.row, start, self.cache, keep, _one_adapter(seq))
+        hidden = self.runner.extend(tokens[start:start + n], seq.row, start, self.cache, keep, self._prefill_lora([seq]))
         self.counters["prefill_steps"] += 1
         seq.cache_len = start + n
         complete = seq.cache_len == len(tokens)
         if scoring:
             self._score_prompt(seq, hidden[:-1] if complete else hidden, start + keep)
         return hidden[-1] if complete else None
+
+    def _prefill_lora(self, group: list[Sequence]) -> OneAdapter | GroupedStep | DenseStep | None:
+        """The adapters of a prefill batch: none, one for all (its own tensors), or each prompt its own (slots, as
+        in a decode step; plan_prefill_groups keeps them within the slots)."""
+        adapters = [s.adapter for s in group]
+        if adapters[0] is not None and all(a is adapters[0] for a in adapters):
+            return OneAdapter(adapters[0].weights)
+        if not any(adapters):
+            return None
+        return self.adapters.rows(adapters).step(width=max(len(s.tokens) for s in group))
 
     def _first_tokens(self, done: list[tuple[Sequence, Tensor]]) -> None:
         seqs = [s for s, _ in done]
@@ -474,5 +485,3 @@ class Scheduler(ControlCalls):
         self.paused, self.pause_mode = False, None
 
 
-def _one_adapter(seq: Sequence) -> OneAdapter | None:
-    return None if seq.adapter is None else OneAdapter(seq.adapter.weights)

@@ -159,17 +159,18 @@ class Sequence:
 PREFILL_PAD_SLACK = 1.25  # a prefill batch may spend at most 25% (+64 tokens) of its work on padding
 
 
-def plan_prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """Split a prefill into right-padded batches of one adapter (or none) and similar lengths, so padding
-    stays a small fraction of the work: sort by adapter and length, and cut at each new adapter and
-    whenever padding would exceed the slack."""
+def plan_prefill_groups(seqs: list[Sequence], max_adapters: int = 0) -> list[list[Sequence]]:
+    """Split a prefill into right-padded batches of similar lengths, so padding stays a small fraction of
+    the work (sort by length and cut whenever padding would exceed the slack), each with at most
+    ``max_adapters`` distinct LoRA adapters (a forward's slots)."""
     groups: list[list[Sequence]] = []
     group: list[Sequence] = []
     real = 0
-    for s in sorted(seqs, key=lambda s: (s.adapter_key, len(s.tokens))):
+    for s in sorted(seqs, key=lambda s: len(s.tokens)):
         n = len(s.tokens)
-        if group and (s.adapter_key != group[0].adapter_key
-                      or n * (len(group) + 1) > PREFILL_PAD_SLACK * (real + n) + 64):
+        adapters = {q.adapter_key for q in group if q.adapter is not None}
+        if group and (n * (len(group) + 1) > PREFILL_PAD_SLACK * (real + n) + 64
+                      or s.adapter is not None and s.adapter_key not in adapters and len(adapters) >= max_adapters):
             groups.append(group)
             group, real = [], 0
         group.append(s)

@@ -373,8 +373,7 @@ def _update_result(status: int, content: bytes, weight_version: str | None) -> U
     workers: tuple = ()
     if isinstance(body, Mapping) and "success" in body:
         ok = bool(body["success"]) and status == 200
-        # SGLang's LoRA routes say why in error_message, its weight routes in message
-        msg, workers = str(body.get("message") or body.get("error_message") or ""), tuple(body.get("workers") or ())
+        msg, workers = str(body.get("message", "")), tuple(body.get("workers") or ())
     else:  # e.g. a 400 validation error body: the update did not happen
         ok, msg = False, error_message(status, content)
     return UpdateResult(ok, msg, str(weight_version) if ok and weight_version is not None else None, workers)

@@ -156,8 +156,8 @@ class GenerateRequest(_Refusing):
     return_prompt_token_ids: bool = Field(False, description=_BOOL)
     rid: str = Field(default_factory=new_id, description="a string")
     stream: bool = Field(False, description=_BOOL)
-    # the LoRA adapter to serve it with: a name registered by /load_lora_adapter (SGLang's word for it is a
-    # path); None: the base model
+    # the LoRA adapter to decode with, by the name /load_lora_adapter registered it as (SGLang's lora_path);
+    # None: the base alone
     lora_path: str | None = Field(None, min_length=1, description="the name of a loaded LoRA adapter")
     # which engine of several serves it (the gateway: the session): not part of SGLang's body; sent to
     # an SGLang router as its X-SMG-Routing-Key header

@@ -237,7 +237,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
                api_keys: list[str] | None = None) -> FastAPI:
     """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`),
     ``api_keys`` to require those instead of the environment's (``[]`` with ``[server] open_mode``: none,
-    for a bench's own gateway on loopback, whose clients carry no key of the user's)."""
+    for a gateway on loopback whose clients carry no key of the user's: ``clawrl.serving.serve_own_gateway``)."""
     api_keys = read_api_keys(settings.server.api_keys_env) if api_keys is None else api_keys
     if not api_keys and not settings.server.open_mode:
         raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "

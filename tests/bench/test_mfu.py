@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
 from clawrl.bench.mfu import SHAPES, compute_flops_per_sequence, count_matmul_params, main
+from tests.utils.waiting import run_to_end
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,8 +39,7 @@ def test_tiny_step_runs_on_cpu_for_both_backends_from_the_same_weights():
         " '--seq', '16', '--batch', '2'])\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('clawrl'))))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = run_to_end([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("{", "["))]
     mcore, clawrl_modules = json.loads(lines[0]), json.loads(lines[1])

@@ -10,9 +10,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
-import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -25,6 +25,7 @@ from clawrl.storage.catalog import run_query
 from clawrl.sync import sync_checkpoint
 from tests.utils.engine_server import save_perturbed_copy
 from tests.utils.gateway_process import engine_process, free_port, gateway_process, serve_env
+from tests.utils.waiting import HANG_S, wait_until
 
 pytestmark = [pytest.mark.reliability]
 
@@ -70,11 +71,11 @@ class Traffic:
     def count(self) -> int:
         return sum(len(v) for v in self.acked.values())
 
-    def wait_for(self, more: int, timeout_s: float = 120.0) -> None:
-        target, t0 = self.count() + more, time.monotonic()
-        while self.count() < target and not self.errors:
-            assert time.monotonic() - t0 < timeout_s, f"traffic stalled at {self.count()} answers"
-            time.sleep(0.05)
+    def wait_for(self, more: int) -> None:
+        """Until ``more`` answers more have come (or a request failed: the test's asserts say which)."""
+        target = self.count() + more
+        wait_until(lambda: self.count() >= target or self.errors, f"{more} more answers (from {target - more})",
+                   progress=self.count, poll_s=0.05)
 
 
 def _done(url: str) -> int:
@@ -106,11 +107,9 @@ def _placed(gw_url: str) -> None:
             messages=[{"role": "user", "content": "turn 0"}]), range(SESSIONS)))
 
 
-def _wait_healthy(router_url: str, n: int) -> None:
-    t0 = time.monotonic()
-    while sum(w["is_healthy"] for w in httpx.get(router_url + "/workers", timeout=10).json()["workers"]) < n:
-        assert time.monotonic() - t0 < 60, httpx.get(router_url + "/workers", timeout=10).text
-        time.sleep(0.5)
+def _wait_healthy(router: subprocess.Popen, router_url: str, log, n: int) -> None:
+    wait_until(lambda: sum(w["is_healthy"] for w in httpx.get(router_url + "/workers", timeout=30).json()["workers"])
+               >= n, f"{n} healthy workers in the router", proc=router, log=log, poll_s=0.5)
 
 
 def _workers(url: str) -> list[dict]:
@@ -135,20 +134,38 @@ def _sync(gw_url: str, version: str, path, data) -> object:
 
 def _router(tmp_path, urls: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    log = (tmp_path / "router.log").open("ab")
-    proc = subprocess.Popen(router_argv(urls, "127.0.0.1", port, free_port()), stdout=log, stderr=subprocess.STDOUT)
-    url, t0 = f"http://127.0.0.1:{port}", time.monotonic()
-    while True:  # ready once both workers answer its health checks
-        try:
-            if httpx.get(url + "/readiness", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() - t0 < 120, (tmp_path / "router.log").read_text()[-2000:]
-        time.sleep(0.2)
+    log = tmp_path / "router.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(router_argv(urls, "127.0.0.1", port, free_port()), stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    # ready once both workers answer its health checks
+    wait_until(lambda: httpx.get(url + "/readiness", timeout=10).status_code == 200, "the router ready", proc=proc,
+               log=log, poll_s=0.2)
+    return proc, url
 
 
-@pytest.mark.timeout(600)
+@contextmanager
+def engines_behind_router(tmp_path, envs: dict[str, dict[str, str]]):
+    """A `clawrl engine` per (name, environment), started, with SGLang's router in front: yields the workers'
+    processes and the router's URL; everything is stopped after."""
+    workers = [engine_process(tmp_path, env, port=free_port(), name=name) for name, env in envs.items()]
+    for e in workers:
+        e.start()
+    router = None
+    try:
+        for e in workers:
+            e.wait_ready()
+        router, url = _router(tmp_path, [e.url for e in workers])
+        yield workers, url
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(60)
+        for e in workers:
+            e.stop()
+
+
+@pytest.mark.timeout(HANG_S)
 def test_two_engines_behind_the_router_kill_and_sync_under_traffic(tmp_path, model_cache, tiny_dir):
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -192,7 +209,7 @@ def test_two_engines_behind_the_router_kill_and_sync_under_traffic(tmp_path, mod
         assert {w["weight_version"] for w in _workers(gw.url)} == {"1"}
         traffic.wait_for(2 * SESSIONS)
 
-        _wait_healthy(router_url, 2)  # the router takes the restarted engine back (health checks every 5 s)
+        _wait_healthy(router, router_url, tmp_path / "router.log", 2)  # the router takes the restarted engine back (health checks every 5 s)
         engines[1].kill()  # under traffic, then back as `clawrl up` restarts its engines: on the version synced last
         engines[1].args.append("--resume")
         engines[1].start()

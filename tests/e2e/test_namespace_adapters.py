@@ -18,6 +18,7 @@ from clawrl.gateway.deps import namespace_for_key
 from clawrl.storage.catalog import run_query
 from tests.utils.gateway_process import ServerProcess, free_port, serve_env
 from tests.utils.samples import two_turn_session
+from tests.utils.waiting import HANG_S, run_to_end
 
 TEXT = "The capital of France is Paris, and the capital of Italy is Rome."
 KEYS, ADMIN = ("key-alpha-1", "key-beta-2"), "admin-key-3"
@@ -30,7 +31,7 @@ def fixed_text_logprobs(client: OpenAI) -> list[float]:
     return r.choices[0].logprobs.token_logprobs[1:-1]  # the prompt's, after its first token; not the sampled one
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(HANG_S)
 def test_training_one_keys_adapter_changes_its_logprobs_and_leaves_the_other_keys_bit_identical(
         prefect_harness, make_settings, tmp_path, model_cache):
     from clawrl.engine.embedded import EmbeddedEngine
@@ -50,8 +51,7 @@ def test_training_one_keys_adapter_changes_its_logprobs_and_leaves_the_other_key
            "PREFECT_API_URL": str(PREFECT_API_URL.value()), "COLUMNS": "300"}  # the session's Prefect server
 
     def clawrl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "clawrl.cli", *args], env=env, capture_output=True, text=True,
-                              timeout=600)
+        return run_to_end([sys.executable, "-m", "clawrl.cli", *args], env=env)
 
     gw = ServerProcess(["serve", "-c", str(conf), "--port", str(port)], port, env, tmp_path / "serve.log")
     gw.start()

@@ -20,6 +20,7 @@ from clawrl.serving import SERVE_RECORD, serving_gateway, write_serve_record
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_process import ServerProcess, free_port, serve_env
 from tests.utils.samples import write_samples
+from tests.utils.waiting import HANG_S
 
 
 def _status(conf) -> list[str]:
@@ -50,7 +51,7 @@ def _row(lines: list[str], label: str) -> str:
                     + " ".join(c.replace("│", " ") for c in value_cells).split())
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_train_syncs_the_running_gateway_and_status_shows_what_waits_once_it_is_gone(
         prefect_harness, make_settings, tmp_path, model_cache, monkeypatch):
     from clawrl.cli import app

@@ -21,7 +21,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from clawrl.lineage import ui_page
 from clawrl.ports import free_api_port, free_ports
 from tests.utils.demo_config import tiny_demo_config
 from tests.utils.up_process import stop
+from tests.utils.waiting import run_to_end, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
@@ -50,11 +50,11 @@ def _render(url: str, name: str, budget_ms: int = 40_000, height: int = 1000) ->
     Charts render only inside the window: ``height`` makes room for all of a page's."""
     base = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size=1400,{height}",
             f"--virtual-time-budget={budget_ms}", "--run-all-compositor-stages-before-draw"]
-    dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+    dom = run_to_end([*base, "--dump-dom", url]).stdout
     if shots := os.environ.get("CLAWRL_UI_SCREENSHOTS"):
         Path(shots).mkdir(parents=True, exist_ok=True)
-        subprocess.run([*base, f"--screenshot={Path(shots) / (name + '.png')}", url], capture_output=True,
-                       timeout=180, check=True)
+        shot = run_to_end([*base, f"--screenshot={Path(shots) / (name + '.png')}", url])
+        assert shot.returncode == 0, shot.stderr[-2000:]
     text = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
     return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", text)).split())
 
@@ -83,9 +83,8 @@ def demo_run(tmp_path_factory, model_cache):
     conf = tiny_demo_config(tmp, model_cache)
     run = tmp / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "CLAWRL__STORAGE__DATA_ROOT": str(run), "COLUMNS": "100"}
-    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "2", "--users", "4",
-                          "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = run_to_end([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--steps", "2", "--users", "4",
+                      "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8"], cwd=REPO, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return run, out
 
@@ -109,10 +108,7 @@ def demo_ui(demo_run, tmp_path_factory):
                                "--prefect-port", str(pf), "--mlflow-port", str(ml), "--trainer-port", str(tr)],
                               cwd=REPO, env=up_env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 420
-            while "all up" not in log.read_text():
-                assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(1.0)
+            wait_until(lambda: "all up" in log.read_text(), "clawrl up to say 'all up'", proc=up, log=log, poll_s=1.0)
             yield run, prefect_url, mlflow_url
         finally:
             stop(up)
@@ -133,8 +129,7 @@ def test_the_demo_keeps_one_data_root_and_prints_commands_that_work_from_anywher
     # the status command it prints, from another directory, without the environment: the same data
     [status_cmd] = [line.strip() for line in stdout.splitlines() if re.search(r"clawrl status -c ", line)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWRL__")}
-    again = subprocess.run(shlex.split(status_cmd), cwd=tmp_path, env={**env, "COLUMNS": "100"},
-                           capture_output=True, text=True, timeout=300)
+    again = run_to_end(shlex.split(status_cmd), cwd=tmp_path, env={**env, "COLUMNS": "100"})
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.splitlines()[0] == f"data root {run} (from {run / 'config.toml'})"
     assert re.search(r"turns \(main / side\)\s*│\s*(\d+)", again.stdout).group(1) == turns.group(1)

@@ -12,7 +12,7 @@ from clawrl.storage.catalog import run_query
 from tests.utils.up_process import Traffic, stop
 from tests.utils.up_process import ports as _ports
 from tests.utils.up_process import up as _up
-from tests.utils.up_process import wait_for as _wait_for
+from tests.utils.waiting import wait_until
 
 
 @pytest.mark.slow
@@ -43,27 +43,28 @@ size = 4
     ckpt = lambda v: (data / "checkpoints" / f"v{v:06d}" / "trainer.json").is_file()  # noqa: E731
     up = _up(conf, ports, log)
     try:
-        _wait_for(lambda: httpx.get(base + "/models", timeout=2).status_code == 200, 300, "the gateway", up, log)
-        # generous waits: on two cores a step's gate evaluation, MLflow lineage and doctor report share the
-        # CPU with the judge, both engines and the users (70 s for the gate alone under that load)
+        wait_until(lambda: httpx.get(base + "/models", timeout=10).status_code == 200, "the gateway", proc=up, log=log)
+        # waits on progress, not time: on two cores a step's gate evaluation, MLflow lineage and doctor report
+        # share the CPU with the judge, both engines and the users (70 s for the gate alone under that load)
         with Traffic(base, "before") as before:
-            _wait_for(lambda: ckpt(1), 480, "a first training step", up, log)
+            wait_until(lambda: ckpt(1), "a first training step", proc=up, log=log)
             pids = json.loads((data / "up.pids.json").read_text())
             assert "judge-engine" in pids  # the frozen teacher stays loaded between judge runs
             os.kill(pids["gateway"], signal.SIGKILL)  # mid-traffic
             os.kill(pids["trainer"], signal.SIGKILL)
-            up.wait(60)  # the supervisor notices and stops the rest
+            wait_until(lambda: up.poll() is not None, "up to stop the rest", proc=up, log=log)  # the supervisor notices
         up = _up(conf, ports, log)
-        _wait_for(lambda: httpx.get(base + "/models", timeout=2).status_code == 200, 300, "the gateway again", up, log)
+        wait_until(lambda: httpx.get(base + "/models", timeout=10).status_code == 200, "the gateway again", proc=up,
+                   log=log)
         with Traffic(base, "after") as after:
             last = max(int(p.name[1:]) for p in (data / "checkpoints").glob("v0*") if (p / "trainer.json").exists())
-            _wait_for(lambda: ckpt(last + 1), 480, "a training step after the restart", up, log)
+            wait_until(lambda: ckpt(last + 1), "a training step after the restart", proc=up, log=log)
             # the gateway's version and the champion read together, once the new step's gate and sync are
             # through: read apart, a train run finishing in between (runs are threads of the flow server
             # and take seconds) would make them disagree without anything being wrong
             pair = {}
-            _wait_for(lambda: pair.update(served=_served(base), champion=_champion(data))
-                      or pair["served"] == pair["champion"], 120, "the champion served", up, log)
+            wait_until(lambda: pair.update(served=_served(base), champion=_champion(data))
+                       or pair["served"] == pair["champion"], "the champion served", proc=up, log=log)
             served, champion = pair["served"], pair["champion"]
     finally:
         stop(up)

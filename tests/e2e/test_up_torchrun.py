@@ -24,7 +24,8 @@ import pytest
 
 from clawrl.supervisor import Service, start, stop
 from tests.train.test_megatron_backend import _assert_same_updated_weights
-from tests.utils.up_process import REPO, Traffic, ports, up, wait_for
+from tests.utils.up_process import REPO, Traffic, ports, up
+from tests.utils.waiting import HANG_S, run_to_end, wait_until
 
 LR = 1e-3
 POOL = "clawrl-elsewhere"
@@ -52,7 +53,7 @@ def _flow_runs(prefect_port: int, name: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(HANG_S)
 def test_up_trains_on_two_ranks_like_one(tmp_path, model_cache):
     from safetensors.torch import load_file
 
@@ -94,24 +95,23 @@ size = 4
     proc = up(conf, p, log, "--host", HOST, "--work-pool", POOL, "--no-local-worker")
     worker = None
     try:
-        wait_for(lambda: httpx.get(base + "/models", timeout=2).status_code == 200, 300, "the gateway", proc, log)
-        wait_for(lambda: (data / "up.pids.json").is_file() and "flows" in json.loads((data / "up.pids.json")
-                                                                                     .read_text()), 300,
-                 "the flows registered", proc, log)
+        wait_until(lambda: httpx.get(base + "/models", timeout=10).status_code == 200, "the gateway", proc=proc, log=log)
+        wait_until(lambda: (data / "up.pids.json").is_file() and "flows" in json.loads((data / "up.pids.json")
+                                                                                       .read_text()),
+                   "the flows registered", proc=proc, log=log)
         worker = _worker(p[1], tmp_path)
         with Traffic(base, "dp"):
-            wait_for(lambda: (ckpt / "trainer.json").is_file(), 600, "a first training step", proc, log)
+            wait_until(lambda: (ckpt / "trainer.json").is_file(), "a first training step", proc=proc, log=log)
         # read now: the users' turns keep the trainer going, and three versions later pruning removes v1's weights
         original = {k: v.clone() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
         pids = json.loads((data / "up.pids.json").read_text())
         ranks = subprocess.run(["pgrep", "-P", str(pids["trainer"])], capture_output=True, text=True).stdout.split()
         assert len(ranks) == 2  # torchrun's two rank processes
-        wait_for(lambda: int(httpx.get(base + "/models").json()["data"][0]["weight_version"]) >= 1, 300,
-                 "a trained version served", proc, log)
+        wait_until(lambda: int(httpx.get(base + "/models", timeout=10).json()["data"][0]["weight_version"]) >= 1,
+                   "a trained version served", proc=proc, log=log)
         # submitted to the running up's Prefect; the replay trains in that flow's one process
-        out = subprocess.run([sys.executable, "-m", "clawrl.cli", "replay", "1", "-c", str(conf), "--format", "json"],
-                             cwd=REPO, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        out = run_to_end([sys.executable, "-m", "clawrl.cli", "replay", "1", "-c", str(conf), "--format", "json"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
         [train_run] = _flow_runs(p[1], "train-v1")
         pids = json.loads((data / "up.pids.json").read_text())
     finally:

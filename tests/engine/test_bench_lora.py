@@ -3,6 +3,7 @@ the hand-computed ones."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -32,6 +33,7 @@ def test_the_lora_bench_measures_throughput_cold_adapters_and_syncs(model_cache,
     base = 12_918_784 + 1_280 + 4 * context * 512
     assert t["bytes_bound"] == round(base / (base + 2 * 35_840), 3)
     assert c["failed"] == 0 and c["cold"] + c["warm"] == 12 and c["cold"] >= 1 and c["registered"] == 6
-    assert s["adapter_s"] > 0 and s["full_s"] > 0 and abs(s["ratio"] - s["adapter_s"] / s["full_s"]) < 0.01
+    assert s["adapter_s"] > 0 and s["full_s"] > 0 and math.isclose(s["ratio"], s["adapter_s"] / s["full_s"], rel_tol=0.02)  # times rounded to 0.1 ms
     text = format_lora_section(result)
-    assert text.startswith("## LoRA adapters side by side\n") and "| registered | held |" in text
+    assert text.startswith("## LoRA adapters side by side\nMachine: ") and "| many users | 6 adapters registered" in text
+    assert "no failed request (failed): MET (0)" in text and text.count("\n| ") == 4  # the head and three parts

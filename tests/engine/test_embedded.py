@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from clawrl.engine.embedded import EmbeddedEngine
 from clawrl.engine.sequence import build_version_spans
 from clawrl.engine.types import BadRequestError, Engine, GenerateRequest, SamplingParams
 from clawrl.models import load_causal_lm
+from tests.utils.waiting import join, wait_until_async
 
 LP_TOL = 1e-4  # fp32 log-prob agreement between the engine and a teacher-forced HF forward
 
@@ -23,12 +23,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def wait_until(cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
+async def wait_until(cond) -> None:
+    """Until the engine's state satisfies ``cond``, for as long as the engine's thread works: polled each
+    millisecond, to catch a state between two decode steps."""
+    await wait_until_async(cond, "the engine's state to satisfy a condition", poll_s=0.001)
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -419,7 +417,7 @@ def test_pause_abort_ends_inflight_requests_and_holds_new_ones(engine):
         await engine.pause_generation("abort")
         aborted = await asyncio.gather(*tasks)  # pause(abort) returns once they have ended
         held = asyncio.create_task(engine.generate(GenerateRequest(input_ids=[5, 6], sampling_params=greedy(4))))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a window in which nothing may happen: held, not run
         assert not held.done() and engine.stats["queued"] == 1 and engine.stats["paused"]
         await engine.continue_generation()
         return aborted, await held
@@ -443,7 +441,7 @@ def test_pause_then_continue_resumes_the_same_calls_with_identical_output(engine
         await wait_until(lambda: engine.stats["tokens_generated"] >= base + 20)
         await engine.pause_generation(mode)
         frozen = engine.stats
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a window in which nothing may happen
         assert engine.stats["tokens_generated"] == frozen["tokens_generated"]  # no stepping while paused
         assert not any(t.done() for t in tasks)
         if mode == "retract":
@@ -494,7 +492,7 @@ def test_update_while_serving_drains_then_swaps(engine, tiny_hf, tiny_dir):
         await wait_until(lambda: engine.stats["tokens_generated"] >= 5)
         update = asyncio.create_task(engine.update_weights_from_state_dict(new_sd, "1"))
         update.add_done_callback(lambda _: events.append("update done"))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the update task runs first (the loop's order, not time): it is queued first
         new_task = asyncio.create_task(engine.generate(GenerateRequest(input_ids=p_new, sampling_params=greedy(8),
                                                                        return_logprob=True)))
         return events, await old_task, await update, await new_task
@@ -516,7 +514,8 @@ def test_update_while_paused_runs_at_once(engine, tiny_hf):
         await wait_until(lambda: engine.stats["tokens_generated"] >= 10)
         await engine.pause_generation("in_place")
         done_at = engine.stats["tokens_generated"]
-        upd = await asyncio.wait_for(engine.update_weights_from_state_dict(new_sd, "v2"), timeout=10)
+        # a guard against the swap waiting on the paused request (a deadlock), not a speed bound
+        upd = await asyncio.wait_for(engine.update_weights_from_state_dict(new_sd, "v2"), timeout=300)
         assert not task.done()  # the swap did not wait for the paused request
         await engine.continue_generation()
         return upd, done_at, await task
@@ -538,7 +537,7 @@ def test_a_paused_update_retracts_swaps_and_continues_in_one_call(engine, tiny_h
                                                                    return_logprob=True)))
         await wait_until(lambda: engine.stats["tokens_generated"] >= 10)
         calls = engine.stats["retractions"]
-        upd = await asyncio.wait_for(engine.update_weights_from_state_dict(new_sd, "v3", pause_mode="retract"), 10)
+        upd = await asyncio.wait_for(engine.update_weights_from_state_dict(new_sd, "v3", pause_mode="retract"), 300)
         swapped_at = engine.stats
         return upd, calls, swapped_at, await task
 
@@ -767,8 +766,7 @@ def test_requests_from_two_event_loops_in_two_threads_are_served_together(engine
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=60)
+    join(*threads)
     assert [results[i].output_ids for i in range(2)] == [s.output_ids for s in solo]
     assert engine.stats["requests_done"] == 2
 

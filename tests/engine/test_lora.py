@@ -118,6 +118,25 @@ def test_a_mixed_decode_step_gives_each_row_what_it_gets_alone(tiny_hf, adapter_
             assert (mixed[b] - base[b]).abs().max() > 1e-3  # the adapter changed something
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["grouped", "dense"])
+def test_a_mixed_prefill_gives_each_prompt_what_it_gets_alone(tiny_hf, adapter_dirs, dense):
+    """One right-padded prefill of five prompts of three adapters and none: each prompt's hidden states as when
+    prefilled alone with its adapter; the base prompts' as the same batch without LoRA, bit for bit."""
+    runner = CausalLMRunner(tiny_hf, 256)
+    a0, a1, _, qv = _adapters(tiny_hf, adapter_dirs)
+    rows, prompts = [a1, None, qv, a1, None], prompts_of([7, 12, 5, 9, 10], 49152, seed=13)
+    pool = LoRASlots(projection_shapes(tiny_hf), 2, 4, torch.float32, "cpu", dense=dense)
+    slot = dict(zip((a1.uid, qv.uid), pool.assign([a1, qv])))
+    step = RowAdapters(pool, [None if a is None else slot[a.uid] for a in rows], a1.weights.targets | qv.weights.targets)
+    keep = [0] * 5
+    mixed = runner.prefill(prompts, list(range(5)), runner.new_cache(8), keep, step.step(width=12))
+    base = runner.prefill(prompts, list(range(5)), runner.new_cache(8), keep)
+    for i, (p, a) in enumerate(zip(prompts, rows)):
+        alone = runner.prefill([p], [0], runner.new_cache(1), [0], None if a is None else OneAdapter(a.weights))[0]
+        torch.testing.assert_close(mixed[i], alone, atol=ATOL, rtol=0)
+        assert torch.equal(mixed[i], base[i]) == (a is None)
+
+
 def test_logits_with_an_adapter_are_peft_s(tiny_dir, tiny_hf, adapter_dirs):
     from peft import PeftModel
 

@@ -38,10 +38,10 @@ def test_load_serve_list_and_unload_an_adapter_over_http(tiny_dir, adapter_dirs)
 
         loaded, base, with_lora, twice, missing = run(go())
         batch = httpx.post(srv.url + "/generate", json={"input_ids": [PROMPT, PROMPT], "lora_path": [None, "u@v1"],
-                                                        "sampling_params": GREEDY.to_dict()}, timeout=60).json()
+                                                        "sampling_params": GREEDY.to_dict()}, timeout=300).json()
         models = httpx.get(srv.url + "/v1/models").json()["data"]
         info = httpx.get(srv.url + "/server_info").json()
-        unknown = httpx.post(srv.url + "/generate", json={"input_ids": PROMPT, "lora_path": "u@v3"}, timeout=60)
+        unknown = httpx.post(srv.url + "/generate", json={"input_ids": PROMPT, "lora_path": "u@v3"}, timeout=300)
         unloaded = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "u@v1"}).json()
         again = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "u@v1"})
         no_name = httpx.post(srv.url + "/load_lora_adapter", json={"lora_path": str(adapter_dirs[0])})
@@ -66,7 +66,7 @@ def test_load_serve_list_and_unload_an_adapter_over_http(tiny_dir, adapter_dirs)
 def test_an_engine_without_lora_refuses_adapters_with_a_reason(tiny_dir, adapter_dirs):
     with running_engine_server(lambda: make_tiny_engine(tiny_dir, max_loaded_loras=0)) as srv:
         load = httpx.post(srv.url + "/load_lora_adapter", json={"lora_name": "u", "lora_path": str(adapter_dirs[0])})
-        gen = httpx.post(srv.url + "/generate", json={"input_ids": PROMPT, "lora_path": "u"}, timeout=60)
+        gen = httpx.post(srv.url + "/generate", json={"input_ids": PROMPT, "lora_path": "u"}, timeout=300)
         info = httpx.get(srv.url + "/server_info").json()
     assert load.status_code == 400 and "LoRA is off on this engine" in load.json()["error_message"]
     assert gen.status_code == 400 and "LoRA is off on this engine" in gen.json()["error"]["message"]

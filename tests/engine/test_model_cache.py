@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from clawrl.models import _cached
+from tests.utils.waiting import spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_a_leftover_without_its_completion_marker_is_replaced(tmp_path):
     assert (target / "config.json").read_text() == "{}" and (target / ".complete").is_file()
 
 
-def test_two_processes_resolving_a_model_on_a_fresh_cache_both_load_it(tmp_path, model_cache):
+def test_two_processes_resolving_a_model_on_a_fresh_cache_both_load_it(tmp_path, tmp_path_factory, model_cache):
     tok = next(model_cache.glob("smollm2-tokenizer-*"), None)  # the tokenizer the tiny models share, if built
     if tok is not None:
         shutil.copytree(tok, tmp_path / tok.name)  # so only the model itself is built here, twice at once
@@ -48,11 +48,11 @@ def test_two_processes_resolving_a_model_on_a_fresh_cache_both_load_it(tmp_path,
             "d = resolve_model_dir('tiny-qwen3', Path(sys.argv[1])); "
             "print(AutoConfig.from_pretrained(str(d)).model_type)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    assert [out.strip() for out, _ in outs] == ["qwen3", "qwen3"]
+    logs = tmp_path_factory.mktemp("logs")  # not in the cache: its listing is asserted below
+    procs = [spawn([sys.executable, "-c", code, str(tmp_path)], logs, f"build{i}", env=env) for i in range(2)]
+    outs = [p.result() for p in procs]
+    assert [o.returncode for o in outs] == [0, 0], [o.stderr[-2000:] for o in outs]
+    assert [o.stdout.strip() for o in outs] == ["qwen3", "qwen3"]
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("smollm2")] == ["tiny-qwen3-seed0-v1"]
 
 

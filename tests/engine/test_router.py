@@ -6,36 +6,15 @@ and the update stops there. Against a plain engine (no /workers) it is that one 
 from __future__ import annotations
 
 import shutil
-from contextlib import contextmanager
 
 import pytest
 
 from clawrl.engine.router import RoutedEngines
 from clawrl.runtime import run
-from tests.e2e.test_engine_router import _router
+from tests.e2e.test_engine_router import engines_behind_router
 from tests.utils.engine_server import save_perturbed_copy
-from tests.utils.gateway_process import engine_process, free_port, serve_env
-
-
-@contextmanager
-def _behind_router(tmp_path, envs: dict[str, dict[str, str]]):
-    """A `clawrl engine` per (name, environment), started, with SGLang's router in front: yields the workers'
-    processes and the router's URL; everything is stopped after."""
-    workers = [engine_process(tmp_path, env, port=free_port(), name=name) for name, env in envs.items()]
-    for e in workers:
-        e.start()
-    router = None
-    try:
-        for e in workers:
-            e.wait_ready()
-        router, url = _router(tmp_path, [e.url for e in workers])
-        yield workers, url
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(30)
-        for e in workers:
-            e.stop()
+from tests.utils.gateway_process import serve_env
+from tests.utils.waiting import HANG_S
 
 
 def _checkpoint(tiny_dir, out):
@@ -46,20 +25,20 @@ def _checkpoint(tiny_dir, out):
     return path
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_each_worker_loads_in_turn_and_a_refusal_names_its_worker(tmp_path, model_cache, tiny_dir):
     env = serve_env(tmp_path / "data", model_cache)
     v1 = _checkpoint(tiny_dir, tmp_path / "v1")
-    with _behind_router(tmp_path, {"llama": env, "qwen": {**env, "CLAWRL__MODEL__NAME": "tiny-qwen3"}}) as (
+    with engines_behind_router(tmp_path, {"llama": env, "qwen": {**env, "CLAWRL__MODEL__NAME": "tiny-qwen3"}}) as (
             (llama, qwen), url):
-        engines = RoutedEngines(url, timeout_s=60)
+        engines = RoutedEngines(url, timeout_s=300)
 
         async def go():
             try:
                 workers = sorted(w.base_url for w in await engines.workers())
                 res = await engines.update_weights_from_disk(str(v1), "1")
                 info = await engines.model_info()
-                single = RoutedEngines(llama.url, timeout_s=60)
+                single = RoutedEngines(llama.url, timeout_s=300)
                 plain = [w.base_url for w in await single.workers()], await single.model_info()
                 await single.close()
                 return workers, res, info, plain
@@ -80,7 +59,7 @@ def test_each_worker_loads_in_turn_and_a_refusal_names_its_worker(tmp_path, mode
     assert plain_workers == [llama.url] and "workers" not in plain_info
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_an_adapter_reaches_every_worker_or_none(tmp_path, model_cache, tiny_dir):
     """Two `clawrl engine` workers behind the router: an adapter loads on both (a row each) and serves through the
     router; a name one worker already holds otherwise is refused there, and the worker that had loaded it unloads
@@ -94,7 +73,7 @@ def test_an_adapter_reaches_every_worker_or_none(tmp_path, model_cache, tiny_dir
     a0, a1 = write_random_adapters(load_causal_lm(tiny_dir), [tmp_path / "a0", tmp_path / "a1"], rank=4, alpha=8,
                                    std=0.2)
     env = serve_env(tmp_path / "data", model_cache)
-    with _behind_router(tmp_path, {"engine0": env, "engine1": env}) as (workers, url):
+    with engines_behind_router(tmp_path, {"engine0": env, "engine1": env}) as (workers, url):
         engines = RoutedEngines(url, timeout_s=60)
         sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 

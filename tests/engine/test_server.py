@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +16,8 @@ import pytest
 
 from tests.utils.engine_server import CONTEXT, PROMPT, make_tiny_engine, running_engine_server, save_perturbed_copy
 from tests.utils.fake_engine import FakeEngine
+from tests.utils.gateway_process import ServerProcess, free_port
+from tests.utils.waiting import join, wait_until
 
 GREEDY8 = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -243,22 +242,20 @@ def test_pause_holds_requests_until_continue(http, server):
         held = threading.Thread(target=lambda: result.update(generate(
             httpx.Client(base_url=server.url, timeout=60), input_ids=PROMPT, sampling_params=GREEDY8)))
         held.start()
-        held.join(timeout=0.7)
+        wait_for_load(http, "num_waiting_reqs", lambda n: n == 1)  # it reached the engine's queue
         assert held.is_alive() and not result  # held, not refused
         assert http.post("/flush_cache").status_code == 200  # flushing while paused is allowed
     finally:
         r = http.post("/continue_generation", json={})
     assert r.json() == {"message": "Generation continued successfully.", "status": "ok"}
-    held.join(timeout=30)
+    join(held)
     assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
     assert http.get("/ready").status_code == 200
 
 
-def wait_for_load(http: httpx.Client, key: str, pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred(http.get("/v1/loads").json()["loads"][0][key]):
-        assert time.monotonic() < deadline, f"/v1/loads {key} never satisfied the condition"
-        time.sleep(0.005)
+def wait_for_load(http: httpx.Client, key: str, pred) -> None:
+    wait_until(lambda: pred(http.get("/v1/loads").json()["loads"][0][key]), f"/v1/loads {key} to change",
+               poll_s=0.005)
 
 
 LONG = {"max_new_tokens": CONTEXT - len(PROMPT) - 1, "temperature": 0, "ignore_eos": True}
@@ -271,7 +268,7 @@ def test_flush_cache_refused_while_busy_and_not_paused(http, server):
     worker.start()
     wait_for_load(http, "num_running_reqs", lambda n: n >= 1)
     busy = http.get("/flush_cache")
-    worker.join(timeout=60)
+    join(worker)
     assert busy.status_code == 400
     assert busy.headers["content-type"].startswith("text/plain")  # SGLang answers plain text here
     assert len(result["output_ids"]) == LONG["max_new_tokens"]
@@ -287,7 +284,7 @@ def test_abort_request_by_rid_prefix_returns_partial_output(http, server):
     worker.start()
     wait_for_load(http, "num_running_reqs", lambda n: n >= 1)
     r = http.post("/abort_request", json={"rid": "traj-17"})  # SGLang matches rids by prefix
-    worker.join(timeout=60)
+    join(worker)
     assert (r.status_code, r.text) == (200, "")
     # the aborted call still answers 200, with what was generated so far
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
@@ -309,7 +306,7 @@ def test_a_rid_names_one_request(http, server):
     r = http.post("/generate", json={"input_ids": PROMPT, "rid": "busy-1", "sampling_params": GREEDY8})
     assert (r.status_code, r.json()) == (400, {"error": {"message": "Duplicate request ID detected: busy-1"}})
     http.post("/abort_request", json={"rid": "busy-1"})
-    worker.join(timeout=60)
+    join(worker)
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert generate(http, input_ids=PROMPT, rid="busy-1", sampling_params=GREEDY8)["output_ids"]  # free again
 
@@ -338,7 +335,7 @@ def test_client_giving_up_on_a_held_request_aborts_it(http, server):
         # server (polling every 0.5 s) cancels it and the engine drops it from the queue
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY8}, timeout=0.3)
-        wait_for_load(http, "num_waiting_reqs", lambda n: n == 0, timeout=5)
+        wait_for_load(http, "num_waiting_reqs", lambda n: n == 0)
     finally:
         http.post("/continue_generation")
 
@@ -353,9 +350,7 @@ def test_client_hanging_up_a_stream_closes_it_in_the_engine():
             lines = r.iter_lines()  # keep a reference: a dropped iterator closes the response
             assert next(lines).startswith("data: ")
             assert s.engine.running == 1
-        deadline = time.monotonic() + 60
-        while s.engine.running and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: s.engine.running == 0, "the engine to close the stream", poll_s=0.01)
         # closed early: the stream stopped well before its 100 tokens
         assert s.engine.running == 0 and s.engine.tokens_out < 100, s.engine.tokens_out
 
@@ -440,7 +435,7 @@ def test_update_weight_version_relabels_and_by_default_aborts_in_flight(http, se
     wait_for_load(http, "num_running_reqs", lambda n: n >= 1)
     try:
         r = http.post("/update_weight_version", json={"new_version": "v9"})  # abort_all_requests defaults to true
-        worker.join(timeout=60)
+        join(worker)
         assert r.json() == {"success": True, "message": "Weight version updated to v9", "new_version": "v9"}
         assert result["meta_info"]["finish_reason"]["type"] == "abort"
         assert http.get("/model_info").json()["weight_version"] == "v9"
@@ -466,34 +461,20 @@ def test_api_key_is_required_except_for_health(tiny_dir):
 
 @pytest.mark.slow
 def test_cli_engine_serves_the_configured_model(tmp_path, model_cache):
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     overlay = tmp_path / "engine.toml"
     overlay.write_text(f'[model]\ndevice = "cpu"\n[engine]\nmax_context_len = {CONTEXT}\n'
                        f'[storage]\ndata_root = "{tmp_path}"\nmodel_cache = "{model_cache}"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "clawrl.cli", "engine", "--model", "tiny", "--port", str(port),
-                             "--config", str(overlay)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    engine = ServerProcess(["engine", "--model", "tiny", "--port", str(port), "--config", str(overlay)], port,
+                           {**os.environ, "PYTHONUNBUFFERED": "1"}, tmp_path / "engine.log", ready_path="/health")
+    engine.start()
+    url = engine.url
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "clawrl engine did not become healthy in 60 s"
-            time.sleep(0.2)
+        engine.wait_ready()
         info = httpx.get(f"{url}/model_info").json()
         assert info["weight_version"] == "0"
         assert httpx.get(f"{url}/server_info").json()["context_length"] == CONTEXT
         out = httpx.post(f"{url}/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY8}, timeout=30).json()
         assert len(out["output_ids"]) == 8
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        engine.stop()

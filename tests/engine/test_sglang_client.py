@@ -23,6 +23,7 @@ from clawrl.engine.types import (
     SamplingParams,
 )
 from tests.utils.engine_server import CONTEXT, PROMPT, make_tiny_engine, running_engine_server, save_perturbed_copy
+from tests.utils.waiting import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ def test_update_weight_version_relabels_without_aborting(server):
         async with SGLangClient(server.url) as client:
             in_flight = asyncio.create_task(client.generate(GenerateRequest(input_ids=PROMPT,
                                                                             sampling_params=greedy(64))))
-            await asyncio.sleep(0.05)
+            await wait_until_async(lambda: server.engine.stats["running"] == 1, "the request running")
             relabel = await client.update_weight_version("v2")
             try:
                 done = await in_flight
@@ -420,9 +421,10 @@ def _pacing_server(gaps: list[float], health_ok: bool = True):
 def test_timeout_is_on_silence_not_on_the_length_of_the_answer():
     async def main():
         req = GenerateRequest(input_ids=[1])
-        async with scripted_server(_pacing_server([0.4] * 6)) as url, SGLangClient(url, timeout_s=1) as client:
+        # 2 s of allowed silence against 0.4 s gaps: a margin a busy machine's scheduling delays cannot eat
+        async with scripted_server(_pacing_server([0.4] * 6)) as url, SGLangClient(url, timeout_s=2) as client:
             t0 = time.monotonic()
-            parts = [r async for r in client.generate_stream(req)]  # 2.4 s of stream, never 1 s silent
+            parts = [r async for r in client.generate_stream(req)]  # 2.4 s of stream, never 2 s silent
             whole = await client.generate(req)  # 2.4 s for the whole answer; /health answers meanwhile
             took = time.monotonic() - t0
         async with scripted_server(_pacing_server([0.1, 0.1, 30.0])) as url, SGLangClient(url, timeout_s=1) as client:

@@ -17,7 +17,7 @@ from clawrl.config import dump_toml
 from clawrl.storage.writer import DataStore
 from tests.utils.samples import write_samples
 from tests.utils.turns import build_next_state, build_turn
-from tests.utils.up_process import wait_for
+from tests.utils.waiting import join, wait_until
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def up_flows(prefect_harness, make_settings, tmp_path, monkeypatch):
         yield s, conf, ids, PREFECT_API_URL.value().removesuffix("/api")
     finally:
         stop.set()
-        server.join(30)
+        join(server)  # it sees the stop at its next poll (InProcessRunner's POLL_S)
         _clear(ids.values())
 
 
@@ -89,7 +89,7 @@ def test_judge_and_train_beside_up_submit_runs_of_its_deployments(up_flows):
                                           "next message of its session), 2 judged before")
 
     # the judge run left a full batch and started a train run, as in `clawrl up`; this one finds the next
-    wait_for(lambda: all(r.state.is_final() for r in _runs(ids["train"])), 300, "the train run the judge started")
+    wait_until(lambda: all(r.state.is_final() for r in _runs(ids["train"])), "the train run the judge started", poll_s=1.0)
     write_samples(s, 2)  # a full batch
     res = cli.invoke(app, ["train", "-c", str(conf)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output

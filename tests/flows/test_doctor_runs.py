@@ -5,8 +5,8 @@ tables they leave (tests/test_doctor.py covers each finding from hand-written ta
 from __future__ import annotations
 
 import json
-import time
 
+import httpx
 import pytest
 from openai import OpenAI
 from typer.testing import CliRunner
@@ -21,6 +21,7 @@ from tests.utils.gateway_process import gateway_process, serve_env
 from tests.utils.gateway_server import running_gateway
 from tests.utils.judge_model_hook import VERDICT
 from tests.utils.samples import two_turn_session
+from tests.utils.waiting import wait_until
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "How many legs does a spider have?",
              "What do bees make?", "Which planet is the largest?", "What is 2 + 2?"]
@@ -43,8 +44,9 @@ def broken_run(prefect_harness, make_settings, tiny_engine, tmp_path):
                 mp.setattr("clawrl.gateway.sessions.SESSION_IDLE_TIMEOUT_S", idle_timeout_s)
             with running_gateway(app) as gw:
                 talk(OpenAI(base_url=gw.base_url, api_key="x", max_retries=0))
-                if idle_timeout_s is not None:
-                    time.sleep(3 * idle_timeout_s)
+                if idle_timeout_s is not None:  # until the sweeper has closed every session
+                    wait_until(lambda: httpx.get(gw.url + "/healthz", timeout=30).json()["open_sessions"] == 0,
+                               "the idle sessions closed")
         store.close()
         from clawrl.flows.judge import judge_flow
 

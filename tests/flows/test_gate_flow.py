@@ -4,7 +4,6 @@ champion without a single rejected request. The decisions are rows of the promot
 aliases and metrics, and a line of `clawrl status`."""
 
 import json
-import time
 
 import pytest
 from openai import OpenAI
@@ -22,6 +21,8 @@ from clawrl.storage.writer import DataStore
 from tests.utils import gate_eval
 from tests.utils.gateway_server import running_gateway
 from tests.utils.traffic import WEIGHT_VERSION, canary_sessions, generate, side_chat, steady_traffic
+from tests.utils.up_process import wait_healthy
+from tests.utils.waiting import run_to_end, wait_until
 
 EVALUATOR = gate_eval.EVALUATOR
 
@@ -80,7 +81,7 @@ def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_har
 
             with steady_traffic(side_chat(gw.base_url), threads=3, key=WEIGHT_VERSION) as (served, failures):
                 bad = _step(client, store, confs["harmful"], "harmful")  # measured while users keep being served
-                time.sleep(0.3)
+                wait_until(lambda: len(served) >= 3, "3 answers")
             r = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                                                  max_tokens=4)
             assert r.headers["x-weight-version"] == "1"  # still the champion
@@ -172,6 +173,7 @@ def test_a_canary_share_of_sessions_gets_the_refused_candidate(prefect_harness, 
             assert served(client, on_canary[0]) == "1"  # both engines hold v1: nothing newer to try
             with steady_traffic(side_chat(gw.base_url), threads=2, key=WEIGHT_VERSION) as (side, failures):
                 bad = _step(client, store, confs["harmful"], "harmful")
+                wait_until(lambda: len(side) >= 1, "an answer")
             versions = {sid: served(client, sid) for sid in on_canary[:3] + on_champion[:3]}
             side_of_canary = served(client, on_canary[0], "side")
     finally:
@@ -253,6 +255,7 @@ def test_promote_and_rollback_by_hand_go_through_the_sync_path(prefect_harness, 
             assert res.stdout.splitlines()[0] == f"data root {s.storage.data_root} (from {conf})"
             res = cli.invoke(app, ["promote", "9", "--config", str(conf)])
             assert res.exit_code == 2 and "no checkpoint of weight version '9'" in res.output
+            wait_until(lambda: len(served) >= 4, "4 answers")
     assert failures == [] and len(served) >= 4
     rows = run_query(s.storage.data_root, "select action, weight_version, champion_version, source, reason "
                      "from promotions order by created_at").to_pylist()
@@ -328,7 +331,6 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     turns of canary sessions; the held-out evaluations (side turns) always get the champion."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -339,10 +341,9 @@ def test_the_persona_demo_shows_the_gate_per_step(tmp_path, model_cache):
     conf.write_text(conf.read_text().replace("\nmin_gain = 0.0", "\ncanary_share = 0.5\nmin_gain = 0.0", 1))
     assert "canary_share = 0.5" in conf.read_text()
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--persona", "lowercase",
-                          "--steps", "2", "--users", "4", "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8",
-                          "--run-dir", str(run)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-                         capture_output=True, text=True, timeout=900)
+    out = run_to_end([sys.executable, "-m", "clawrl.cli", "demo", "-c", str(conf), "--persona", "lowercase",
+                      "--steps", "2", "--users", "4", "--heldout", "4", "--eval-samples", "1", "--max-tokens", "8",
+                      "--run-dir", str(run)], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((run / "reports" / "learning_curve.json").read_text())
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -478,7 +479,7 @@ def test_the_gate_scores_candidates_in_the_evaluation_engine_up_starts(prefect_h
     svc = services["eval-engine"]
     supervisor.start(svc, tmp_path / "logs", supervisor.child_env())
     try:
-        supervisor.wait_healthy(svc, timeout_s=300)
+        wait_healthy(svc)
         for key, value in services["flows"].env.items():  # what `clawrl up` hands its flow runs
             monkeypatch.setenv(key, value)
         _write_samples(s, 2)

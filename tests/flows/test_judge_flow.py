@@ -183,28 +183,34 @@ def _demo_round(store: DataStore, round_no: int, users: int, evaluations: int) -
 
 
 def test_a_direct_run_judges_every_ready_turn_and_an_exclusive_run_a_bite(prefect_harness, make_settings, tmp_path):
-    """A round of the demo (16 users, 48 held-out answers) leaves 80 ready turns, more than the 64 a run of
-    `clawrl up` takes at once (BITE_BATCHES x 16 = 64 = MIN_BITE; it starts training and takes the rest next
-    time). A direct run (`clawrl judge`, the demo's loop, which trains right after) judges them all: with a
-    bite, each round would leave 16 turns to the next, which then judged the last round's leftovers and
-    evaluation instead of its own users' answers."""
+    """A run of `clawrl up` takes a backlog in bites of judge calls (BITE_BATCHES x 16 = 64 = MIN_BITE here) and
+    starts training; the turns only marked (side turns, closing replies without a next state) come along
+    uncounted. A round of 80 users after 48 held-out answers leaves 80 calls: a bite takes 64 of them, the 48 side
+    turns before them and the 64 closing replies among them, and says more wait. A direct run (`clawrl judge`,
+    the demo's loop, which trains right after) judges them all: with a bite, each round would leave turns to the
+    next, which then judged the last round's leftovers and evaluation instead of its own users' answers."""
     from clawrl.flows.judge import judge_flow
+    from clawrl.flows.slots import JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT
+    from tests.utils.prefect_runs import clear_runs
 
     s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 16})
     conf = tmp_path / "rule.toml"
     conf.write_text(dump_toml(s))
     with DataStore(s.storage.data_root) as store:
-        _demo_round(store, 1, users=16, evaluations=48)
+        _demo_round(store, 1, users=80, evaluations=48)
     bite = judge_flow(config_path=str(conf), exclusive=True)
-    # oldest first: the 48 side turns and the first 8 users' two turns each
-    assert bite["judged"] == 64 and bite["fates"] == {"side_turn": 48, "sample": 8, "no_next_state": 8}
+    clear_runs(JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT)  # what it started, if another test registered `up`'s deployments
+    # oldest first: the 48 side turns, then the first 64 users' answer (a call) and closing reply each
+    assert bite["judged"] == 48 + 2 * 64 and bite["full_bite"]
+    assert bite["fates"] == {"side_turn": 48, "sample": 64, "no_next_state": 64}
     with DataStore(s.storage.data_root) as store:
         _demo_round(store, 2, users=16, evaluations=48)
     out = judge_flow(config_path=str(conf))
-    # the 16 turns the bite left and the whole second round: 16 + 80
-    assert out["judged"] == 96 and out["fates"] == {"side_turn": 48, "sample": 24, "no_next_state": 24}
-    assert out["status"]["trainable"] == 32 and out["status"]["awaiting_next_state"] == 0
+    # the 16 users the bite left and the whole second round: 32 + 80
+    assert out["judged"] == 112 and not out["full_bite"]
+    assert out["fates"] == {"side_turn": 48, "sample": 32, "no_next_state": 32}
+    assert out["status"]["trainable"] == 96 and out["status"]["awaiting_next_state"] == 0
     fates = q(s, "select t.session_id, t.turn_index, f.fate from turns t join turn_fate f using (turn_id) "
                  "where t.turn_type = 'main'")
-    assert len(fates) == 64
+    assert len(fates) == 2 * 96
     assert all(r["fate"] == ("sample" if r["turn_index"] == 0 else "no_next_state") for r in fates)

@@ -16,10 +16,11 @@ from clawrl.config import dump_toml
 from clawrl.gateway.routes import create_app
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
-from tests.e2e.test_engine_router import _router
-from tests.utils.gateway_process import engine_process, free_port, serve_env
+from tests.e2e.test_engine_router import engines_behind_router
+from tests.utils.gateway_process import serve_env
 from tests.utils.gateway_server import running_gateway
 from tests.utils.samples import two_turn_session
+from tests.utils.waiting import HANG_S
 
 
 def _done(url: str) -> int:
@@ -43,24 +44,16 @@ def _votes(s, run_hash: str) -> int:
     return sum(len(json.loads(r["raw_outputs"])) for r in rows)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_judge_votes_spread_over_the_judge_engines_and_a_dead_one_is_left_out(
         prefect_harness, make_settings, tiny_engine, model_cache, tmp_path, monkeypatch):
     from clawrl.engine import embedded
     from clawrl.flows import common
     from clawrl.flows.judge import judge_flow
 
-    ports = [free_port(), free_port()]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
     env = serve_env(tmp_path / "engines", model_cache, engine__max_context_len="2048")
-    engines = [engine_process(tmp_path, env, port=p, name=f"judge{i}") for i, p in enumerate(ports)]
-    for e in engines:
-        e.start()
-    router = None
-    try:
-        for e in engines:
-            e.wait_ready()
-        router, router_url = _router(tmp_path, urls)
+    with engines_behind_router(tmp_path, {"judge0": env, "judge1": env}) as (engines, router_url):
+        urls = [e.url for e in engines]
         s = make_settings({"server.open_mode": True, "prm.backend": "engine", "prm.engine_url": router_url,
                            "prm.judge_samples": 2, "prm.max_new_tokens": 8, "ppo.advantage_estimator": "grpo",
                            "engine.max_context_len": 2048})
@@ -88,9 +81,3 @@ def test_judge_votes_spread_over_the_judge_engines_and_a_dead_one_is_left_out(
         assert out["judged"] == 4 and out["fates"].get("judge_error", 0) == 0, out
         assert _votes(s, out["judge_config_hash"]) == votes + 2 * 2
         assert _done(urls[0]) - before[0] == 2 * 2  # the dead engine's share went to the live one
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(30)
-        for e in engines:
-            e.stop()

@@ -20,7 +20,10 @@ from clawrl.judge.runner import build_judge_config_hash
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
+from tests.utils.prefect_runs import clear_runs, deployment_runs
 from tests.utils.samples import two_turn_session
+from tests.utils.up_process import wait_healthy
+from tests.utils.waiting import join, wait_until
 
 
 def _plan(settings, conf: Path = Path("/conf/up.toml")):
@@ -150,6 +153,7 @@ def test_the_ticker_creates_a_run_only_while_none_is_scheduled_or_going(prefect_
 
     judge, _, _ = build_deployments("/conf/up.toml", None, None)
     judge.apply()  # registered as `serve` registers it; no runner picks its runs up here
+    clear_runs(JUDGE_DEPLOYMENT)  # none left waiting by another test
     first = tick(JUDGE_DEPLOYMENT)
     assert first is not None and tick(JUDGE_DEPLOYMENT) is None  # the first run is still scheduled: no second one
     with get_client(sync_client=True) as client:
@@ -183,8 +187,14 @@ def test_an_idle_up_creates_no_runs_and_judges_when_turns_arrive(prefect_harness
     s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 2})
     conf = tmp_path / "rule.toml"
     conf.write_text(dump_toml(s))
-    has_work = work_waiting(str(conf))
-    assert (has_work(JUDGE_DEPLOYMENT), has_work(TRAIN_DEPLOYMENT)) == (False, False)
+    work_check = work_waiting(str(conf))
+    assert (work_check(JUDGE_DEPLOYMENT), work_check(TRAIN_DEPLOYMENT)) == (False, False)
+    asked: list[str] = []
+
+    def has_work(name: str) -> bool:  # counted: the ticks are events to wait for, not seconds
+        asked.append(name)
+        return work_check(name)
+
     created = []
     import clawrl.flows.serve as serve_module
 
@@ -194,16 +204,18 @@ def test_an_idle_up_creates_no_runs_and_judges_when_turns_arrive(prefect_harness
         stop = threading.Event()
         t = threading.Thread(target=ticker, args=({JUDGE_DEPLOYMENT: 0.05, TRAIN_DEPLOYMENT: 0.05}, stop, has_work))
         t.start()
-        threading.Event().wait(1.0)
-        assert created == []  # idle: ~20 ticks each, not one run
+        wait_until(lambda: min(asked.count(JUDGE_DEPLOYMENT), asked.count(TRAIN_DEPLOYMENT)) >= 20, "20 ticks each")
+        assert created == []  # idle: 20 ticks each, not one run
         with DataStore(s.storage.data_root) as store:
             store.append([build_turn([{"role": "user", "content": "hi"}], turn_type="side")])
-        threading.Event().wait(1.0)
+        wait_until(lambda: created, "a tick to create a judge run")
+        n = len(asked)
+        wait_until(lambda: len(asked) >= n + 4, "more ticks")  # ... and the train deployment's to create none
         assert set(created) == {JUDGE_DEPLOYMENT}
         write_samples(s, 2)
-        threading.Event().wait(1.0)
+        wait_until(lambda: TRAIN_DEPLOYMENT in created, "a tick to create a train run")
         stop.set()
-        t.join(10)
+        join(t)
     finally:
         serve_module.tick = real_tick
     assert set(created) == {JUDGE_DEPLOYMENT, TRAIN_DEPLOYMENT}
@@ -217,6 +229,81 @@ def test_an_idle_up_creates_no_runs_and_judges_when_turns_arrive(prefect_harness
     with get_client(sync_client=True) as pc:
         run = pc.read_flow_run(state.state_details.flow_run_id)
     assert run.name.startswith("train-idle-") and "idle" in run.tags, (run.name, run.tags)
+
+
+def _backlog(store: DataStore, calls: int, sides_each: int) -> None:
+    """``calls`` turns the judge is called for, each followed by ``sides_each`` side turns. Each call's next
+    state is a neutral reply: the rule judge scores it 0, no sample, so no batch and no train run."""
+    from dataclasses import replace
+    from datetime import timedelta
+
+    from tests.utils.turns import T0, build_next_state, build_turn
+
+    at = iter(T0 + timedelta(seconds=i) for i in range(calls * (1 + sides_each)))
+    ask = [{"role": "user", "content": "What is gravity?"}]
+    records = []
+    for c in range(calls):
+        turn = replace(build_turn(ask, session_id=f"user{c:02d}"), created_at=next(at))
+        records += [turn, build_next_state(turn, [{"role": "user", "content": "What about the moon?"}])]
+        records += [replace(build_turn(ask, session_id=f"heartbeat{c:02d}-{i}", turn_type="side"), created_at=next(at))
+                    for i in range(sides_each)]
+    store.append(records)
+
+
+def _judging_tasks(run_id) -> list[str]:
+    """The judging tasks of a flow run, by name (``judge-<first>-<last>-of-<turns>``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    return sorted(t.name for t in tasks if t.name.startswith("judge-"))
+
+
+def test_a_backlog_larger_than_a_bite_is_judged_by_consecutive_runs_at_once(prefect_harness, make_settings, tmp_path,
+                                                                           monkeypatch):
+    """`clawrl up` judges a backlog in bites of judge calls, the side turns among them uncounted, and a run that
+    took a full bite creates the next run as it ends instead of leaving it to the ticker's next look
+    (`--judge-every`: there is no ticker here at all). 10 calls, each followed by 3 side turns, in bites of 4
+    calls: 3 runs of 16, 16 and 8 turns, each started by the one before, executed in the flow server's
+    runner as under `clawrl up`."""
+    import clawrl.flows.judge as fj
+    from clawrl.flows.inprocess import InProcessRunner
+    from clawrl.flows.serve import JUDGE_DEPLOYMENT, build_deployments, tick
+
+    monkeypatch.setattr(fj, "MIN_BITE", 1)  # bites of BITE_BATCHES (4) x rollout_batch_size (1) = 4 judge calls
+    s = make_settings({"prm.backend": "rule", "ppo.advantage_estimator": "grpo", "ppo.rollout_batch_size": 1})
+    conf = tmp_path / "rule.toml"
+    conf.write_text(dump_toml(s))
+    with DataStore(s.storage.data_root) as store:
+        _backlog(store, calls=10, sides_each=3)
+    judge, _, _ = build_deployments(str(conf), None, None, judge_every_s=3600)
+    runner = InProcessRunner([(judge, fj.judge_flow)])
+    runner.register()
+    clear_runs(JUDGE_DEPLOYMENT)
+    stop = threading.Event()
+    server = threading.Thread(target=runner.serve, args=(stop, 3600.0), daemon=True)
+    server.start()  # polls once an hour: only a tick's wake-up starts a run in time
+
+    def judged() -> int:
+        return run_query(s.storage.data_root, "select count(*) as n from turn_fate").to_pylist()[0]["n"]
+
+    try:
+        assert tick(JUDGE_DEPLOYMENT) is not None  # the ticker's first look: the one run it makes
+        wait_until(lambda: judged() == 40 and all(r.state.is_final() for r in deployment_runs(JUDGE_DEPLOYMENT)),
+                   "the backlog judged and the runs done", progress=judged)
+    finally:
+        stop.set()
+        server.join(60)  # the runner wakes on its next poll (an hour): a daemon thread, left to end with the process
+    runs = deployment_runs(JUDGE_DEPLOYMENT)
+    assert [r.state.type.value for r in runs] == ["COMPLETED"] * 3
+    # 4 calls and the 12 side turns among them, twice; then the last 2 calls and their 6 side turns
+    assert [_judging_tasks(r.id) for r in runs] == [["judge-1-16-of-16"], ["judge-1-16-of-16"], ["judge-1-8-of-8"]]
+    for before, after in zip(runs, runs[1:]):  # created by the run before it, as it ended
+        assert before.start_time < after.created < before.end_time
+    fates = run_query(s.storage.data_root, "select fate, count(*) as n from turn_fate group by fate order by fate")
+    assert fates.to_pylist() == [{"fate": "score_zero", "n": 10}, {"fate": "side_turn", "n": 30}]
+    clear_runs(JUDGE_DEPLOYMENT)
 
 
 def _runs_by_name(names):
@@ -244,18 +331,18 @@ def test_overlapping_exclusive_judge_runs_skip_completed_not_cancelled(prefect_h
         if name == "found" and not holding.is_set():
             first["name"] = FlowRunContext.get().flow_run.name
             holding.set()
-            assert release.wait(120)
+            wait_until(release.is_set, "the other runs to come and go")
 
     monkeypatch.setattr(fj, "_crash_point", crash_point)
     names = iter(f"judge-overlap-{i}" for i in range(10))
     flow = fj.judge_flow.with_options(flow_run_name=lambda: next(names))
     worker = threading.Thread(target=lambda: first.setdefault("out", flow(config_path=str(conf), exclusive=True)))
     worker.start()
-    assert holding.wait(120)
+    wait_until(holding.is_set, "the first run to hold the slot")
     states = [flow(config_path=str(conf), exclusive=True, return_state=True) for _ in range(2)]
     unguarded = flow(config_path=str(conf))  # not exclusive (`clawrl judge`, the demo): judges regardless
     release.set()
-    worker.join(120)
+    join(worker)
     after = flow(config_path=str(conf), exclusive=True)  # the slot was given back
 
     for st in states:
@@ -299,7 +386,7 @@ def judge_engine(make_settings, tmp_path):
     svc = services["judge-engine"]
     supervisor.start(svc, tmp_path / "logs", supervisor.child_env())
     try:
-        supervisor.wait_healthy(svc, timeout_s=300)
+        wait_healthy(svc)
         yield s, services["flows"].env
     finally:
         supervisor.stop(svc)

@@ -12,6 +12,7 @@ from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.flows.test_gate_flow import _write_samples
 from tests.utils.traffic import generate, steady_traffic
+from tests.utils.waiting import wait_until
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 
@@ -58,6 +59,7 @@ def test_a_live_score_drop_rolls_serving_back_to_the_previous_champion(prefect_h
             out = judge_flow(config_path=str(conf))
             assert serving() == "1"
             again = judge_flow(config_path=str(conf))  # version 1 against the initial weights: no live turns of 0
+            wait_until(lambda: len(served) >= 2, "2 answers")
     live = out["live"]
     assert live["rollback"] and (live["champion"], live["previous"]) == ("2", "1") and live["sync"]["success"]
     assert live["mean_diff"] == pytest.approx(-0.6 - 0.8) and live["p_value"] < 0.05

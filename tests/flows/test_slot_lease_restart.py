@@ -15,8 +15,9 @@ import signal
 import pytest
 
 from clawrl.config import child_env
-from clawrl.supervisor import plan, start, wait_healthy
-from tests.utils.up_process import ports
+from clawrl.supervisor import plan, start
+from tests.utils.up_process import ports, wait_healthy
+from tests.utils.waiting import HANG_S
 
 LIMIT = "trainer"
 
@@ -24,7 +25,7 @@ LIMIT = "trainer"
 def _prefect(s, conf, p, home):
     [svc] = [x for x in plan(s, conf, prefect_port=p[0], mlflow_port=p[1], trainer_port=p[2]) if x.name == "prefect"]
     start(svc, home / "logs", child_env(PREFECT_HOME=str(home)))
-    wait_healthy(svc, 120)
+    wait_healthy(svc)
     return svc
 
 
@@ -33,7 +34,7 @@ def _kill(svc) -> None:
     svc.proc.wait(30)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_a_slot_held_across_a_prefect_restart_is_released(make_settings, tmp_path):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

@@ -2,7 +2,6 @@
 -> sync -> the gateway serves weight_version 1; MLflow traces the version back to the turns."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
 from tests.utils.traffic import WEIGHT_VERSION, side_chat, steady_traffic
+from tests.utils.waiting import wait_until
 
 
 def _conversation(client, sid, question, feedback):
@@ -54,8 +54,9 @@ def test_closed_loop_serves_version_1_traced_to_its_turns(prefect_harness, loop_
             assert judged["fates"]["sample"] == 2, judged
 
             with steady_traffic(side_chat(gw.base_url), threads=4, key=WEIGHT_VERSION) as (served, failures):
+                wait_until(lambda: "0" in served, "an answer from version 0")
                 out = train_flow(config_path=str(conf), max_steps=3)  # across the weight sync
-                time.sleep(0.5)
+                wait_until(lambda: "1" in served and len(served) >= 4, "an answer from version 1")
             [step] = out["steps"]  # 2 samples = exactly one batch of 2
             assert step["weight_version"] == "1" and step["sync"]["success"], step["sync"]
             r = client.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": "hi"}],
@@ -253,11 +254,11 @@ def test_a_process_killed_while_making_the_store_leaves_no_half_made_store(tmp_p
     """MLflow makes its tables, then runs its migrations, each committed on its own, for seconds: a
     process killed in between (a train run's warm-up makes the store while its step trains) must not
     leave an ``mlflow.db`` that every later open fails on ("table guardrails already exists")."""
-    import subprocess
     import sys
     import textwrap
 
     from clawrl.lineage import client as mlflow_client, experiment_id
+    from tests.utils.waiting import run_to_end
 
     root = tmp_path / "data"
     script = textwrap.dedent(f"""
@@ -271,7 +272,7 @@ def test_a_process_killed_while_making_the_store_leaves_no_half_made_store(tmp_p
         from clawrl.lineage import client
         client({str(root)!r})
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = run_to_end([sys.executable, "-c", script])
     assert proc.returncode == 137, proc.stderr[-3000:]
     mdir = root / "mlflow"
     assert not (mdir / "mlflow.db").exists()

@@ -13,6 +13,7 @@ from clawrl.gateway.errors import engine_context_error
 from clawrl.serving import serve_in_thread
 from clawrl.storage.writer import DataStore
 from tests.utils.engine_server import CONTEXT, make_tiny_engine, running_engine_server
+from tests.utils.waiting import HANG_S
 
 
 def test_sglangs_two_refusals_become_openais_error():
@@ -32,7 +33,7 @@ def test_sglangs_two_refusals_become_openais_error():
     assert engine_context_error("sampling_params.temperature must be >= 0") is None
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(HANG_S)
 def test_http_engine_overflow_reaches_the_client_as_context_length_exceeded(make_settings, tiny_dir):
     with running_engine_server(lambda: make_tiny_engine(tiny_dir), model_path=str(tiny_dir),
                                max_context_len=CONTEXT) as srv:

@@ -21,6 +21,7 @@ from clawrl.judge.prompts import build_hint_messages, build_prm_messages
 from clawrl.serving import serve_in_thread
 
 from tests.utils.turns import build_next_state, build_turn
+from tests.utils.waiting import Overlap
 
 # ----------------------------------------------------------------------------------- rule judge
 RULE_CASES = [
@@ -117,8 +118,7 @@ class _ProviderState:
     bodies: list = field(default_factory=list)
     auth: list = field(default_factory=list)
     paths: list = field(default_factory=list)
-    in_flight: int = 0
-    max_in_flight: int = 0
+    overlap: Overlap = field(default_factory=Overlap)  # a test that sends n at once sets together = n
 
 
 def _provider_app(state: _ProviderState) -> FastAPI:
@@ -131,14 +131,9 @@ def _provider_app(state: _ProviderState) -> FastAPI:
         state.bodies.append(body)
         state.auth.append(request.headers.get("authorization"))
         state.paths.append(request.url.path)
-        state.in_flight += 1
-        state.max_in_flight = max(state.max_in_flight, state.in_flight)
-        try:
-            await asyncio.sleep(0.1)  # long enough for concurrent requests to overlap
+        async with state.overlap.held():
             if body["model"] == "slow":
-                await asyncio.sleep(2.0)
-        finally:
-            state.in_flight -= 1
+                await asyncio.sleep(2.0)  # a slow provider, on purpose
         if body["model"] == "broken":
             return JSONResponse({"error": {"message": "model overloaded", "type": "server_error"}}, status_code=503)
         if body["model"] == "malformed":
@@ -170,10 +165,11 @@ def _votes(url, model, n=1, api_key=None, **kw):
 @pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
 def test_provider_judge_issues_n_concurrent_requests(provider, suffix):
     url, state = provider
-    votes = _votes(url + suffix, "judge-model", n=3, api_key="sk-test", timeout_s=10)
+    state.overlap.together = 3
+    votes = _votes(url + suffix, "judge-model", n=3, api_key="sk-test", timeout_s=120)
     assert len(votes) == 3 and [parse_score(v) for v in votes] == [1, 1, 1]
     assert state.paths == ["/v1/chat/completions"] * 3  # a trailing slash on base_url does not double it
-    assert state.max_in_flight == 3  # all three in flight at once
+    assert state.overlap.max_in_flight == 3  # all three in flight at once
     assert state.auth == ["Bearer sk-test"] * 3
     assert state.bodies[0] == {"model": "judge-model", "messages": MESSAGES, "temperature": 0.6, "max_tokens": 256}
     assert all("n" not in b for b in state.bodies)
@@ -217,11 +213,12 @@ def test_provider_judge_reports_an_unreachable_provider():
 
 def test_cancelling_a_provider_judge_cancels_its_requests(provider):
     url, state = provider
-    judge = ProviderJudge(url + "/v1", None, "slow", timeout_s=10)
+    state.overlap.together = 3  # held until all three are in
+    judge = ProviderJudge(url + "/v1", None, "slow", timeout_s=120)
 
     async def cancel_mid_flight():
         task = asyncio.create_task(judge.complete(MESSAGES, n=3, temperature=0, max_tokens=8))
-        while state.in_flight < 3:
+        while state.overlap.in_flight < 3:
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):  # not returned as three failed votes

@@ -12,6 +12,7 @@ from clawrl.judge.pipeline import Judge, judge_config_hash, make_sample_id
 from clawrl.judge.teacher import compute_teacher_logprobs
 
 from tests.utils.turns import build_next_state, build_turn, generate_turn
+from tests.utils.waiting import Overlap
 
 SYSTEM = {"role": "system", "content": "You are a geography tutor."}
 QUESTION = {"role": "user", "content": "What is the capital of France?"}
@@ -336,27 +337,27 @@ def test_opd_without_a_teacher_is_refused(session, tiny_engine):
 
 
 # ----------------------------------------------------------------------------------- concurrency
-class _SleepyJudge:
-    """Every completion sleeps 0.2 s; records how many were in flight at once."""
+class _HeldJudge:
+    """Every completion is held until ``together`` are in flight (tests.utils.waiting.Overlap), then
+    answers \\boxed{1}; ``max_in_flight`` says how many were in flight at once."""
 
-    def __init__(self):
-        self.in_flight = self.max_in_flight = 0
+    def __init__(self, together: int):
+        self.overlap = Overlap(together)
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.overlap.max_in_flight
 
     async def _one(self):
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(0.2)
-        finally:
-            self.in_flight -= 1
-        return r"\boxed{1}"
+        async with self.overlap.held():
+            return r"\boxed{1}"
 
     async def complete(self, messages, *, n, temperature, max_tokens):
         return list(await asyncio.gather(*(self._one() for _ in range(n))))
 
 
 def test_turns_and_votes_are_judged_concurrently():
-    judge = _SleepyJudge()
+    judge = _HeldJudge(together=24)
     turns = [build_turn([QUESTION], session_id=f"s{i}") for i in range(8)]
     grpo = Judge(backend=judge, method=Method.GRPO, judge_samples=3, max_tokens=64, teacher=None,
                  teacher_tokenizer=None, config_hash="cfg", backend_name="sleepy")
@@ -370,7 +371,7 @@ def test_turns_and_votes_are_judged_concurrently():
 
 
 def test_prm_and_hint_votes_of_one_turn_overlap(tiny_engine):
-    judge = _SleepyJudge()
+    judge = _HeldJudge(together=4)
     turn = build_turn([QUESTION])
     combine = Judge(backend=judge, method=Method.COMBINE, judge_samples=3, max_tokens=64, teacher=tiny_engine,
                     teacher_tokenizer=tiny_engine.tokenizer, config_hash="cfg", backend_name="sleepy")

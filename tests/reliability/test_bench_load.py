@@ -11,11 +11,12 @@ import pytest
 
 from clawrl.bench.load import run_load_bench
 from clawrl.bench.load_report import format_load_section
+from tests.utils.waiting import HANG_S
 
 pytestmark = [pytest.mark.reliability, pytest.mark.bench]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_harness, model_cache, tmp_path):
     seen: list[dict] = []
     r = run_load_bench(model_cache=model_cache, sessions=16, duration_s=15, rollout_batch_size=4, max_tokens=8,
@@ -52,7 +53,7 @@ def test_load_with_training_and_sync_has_no_errors_and_logs_every_turn(prefect_h
     assert "| version | " + " | ".join(order) + " |" in text
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(HANG_S)
 def test_load_under_clawrl_up_has_no_errors_and_reads_back_its_steps(model_cache, tmp_path):
     r = run_load_bench(model_cache=model_cache, sessions=8, duration_s=20, rollout_batch_size=4, max_tokens=8,
                        data_root=tmp_path / "load-up", min_syncs=1, up=True)

@@ -13,8 +13,6 @@ import json
 import os
 import resource
 import signal
-import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -28,7 +26,8 @@ from clawrl.gateway.routes import create_app
 from clawrl.serving import serve_in_thread
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataRootError, DataStore
-from tests.utils.gateway_process import REPO, free_port, gateway_process, serve_env
+from tests.utils.gateway_process import REPO, free_port, gateway_process, listening, serve_env
+from tests.utils.waiting import CAP_S, HANG_S, join, run_to_end, spawn, wait_until
 
 pytestmark = [pytest.mark.reliability]
 
@@ -42,11 +41,6 @@ def _limit_file_size(nbytes: int):
     return preexec
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 def _wal_files(data: Path) -> list[Path]:
     return sorted(data.glob("tables/*/_wal/*.wal"))
 
@@ -54,7 +48,7 @@ def _wal_files(data: Path) -> list[Path]:
 # ------------------------------------------------------------------------------ not writable at start
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(HANG_S)
 def test_serve_exits_before_serving_when_the_data_root_cannot_be_written(tmp_path, model_cache, tiny_dir):
     t_start = time.monotonic()
     blocker = tmp_path / "a-regular-file"
@@ -72,41 +66,39 @@ def test_serve_exits_before_serving_when_the_data_root_cannot_be_written(tmp_pat
     procs = {}
     for name, (root, preexec, _) in cases.items():
         port = free_port()
-        procs[name] = (port, subprocess.Popen(
-            [sys.executable, "-m", "clawrl.cli", "serve", "--port", str(port)], cwd=REPO,
-            env=serve_env(root, model_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=preexec))
+        procs[name] = (port, spawn([sys.executable, "-m", "clawrl.cli", "serve", "--port", str(port)], tmp_path, name,
+                                   cwd=REPO, env=serve_env(root, model_cache), preexec_fn=preexec))
     figures = {}
-    for name, (port, proc) in procs.items():
+    for name, (port, child) in procs.items():
         t0 = time.monotonic()
-        out, err = proc.communicate(timeout=120)
+        done = child.result(f"serve ({name}) to exit")
+        out, err = done.stdout, done.stderr
         root, _, words = cases[name]
-        assert proc.returncode == 2, (name, out, err)
+        assert done.returncode == 2, (name, out, err)
         message = " ".join(err.split())  # the console may wrap a long line
         assert f"storage error: data root {root}" in message and words in message, (name, err)
         assert "Traceback" not in err and "gateway on" not in out  # one clear line, and it never served
-        assert not _listening(port)
+        assert not listening(port)
         figures[name] = round(time.monotonic() - t0, 1)
     assert not (tmp_path / "full-disk" / "tables" / "turns").exists()  # it stopped before opening any table
     print(f"\nFIGURES data_root_unwritable: cases={sorted(cases)} exit=2 each, served=0, "
           f"wall_s={time.monotonic() - t_start:.1f}")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_up_exits_before_starting_anything_when_the_data_root_cannot_be_written(tmp_path, model_cache):
     blocker = tmp_path / "a-regular-file"
     blocker.write_text("not a directory\n")
-    proc = subprocess.run([sys.executable, "-m", "clawrl.cli", "up", "--prefect-port", str(free_port()),
-                           "--mlflow-port", str(free_port()), "--trainer-port", str(free_port())],
-                          cwd=REPO, env=serve_env(blocker / "data", model_cache), capture_output=True, text=True,
-                          timeout=100)
+    proc = run_to_end([sys.executable, "-m", "clawrl.cli", "up", "--prefect-port", str(free_port()),
+                       "--mlflow-port", str(free_port()), "--trainer-port", str(free_port())],
+                      cwd=REPO, env=serve_env(blocker / "data", model_cache))
     message = " ".join(proc.stderr.split())
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert f"storage error: data root {blocker / 'data'}" in message and "Not a directory" in message
     assert "Traceback" not in proc.stderr and "http://" not in proc.stdout  # nothing was started or announced
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_gateway_app_fails_cleanly_when_the_data_root_goes_bad_before_startup(make_settings, tiny_engine, tmp_path):
     s = make_settings({"server.open_mode": True})
     # Checked at creation, before any engine or model is built:
@@ -122,14 +114,14 @@ def test_gateway_app_fails_cleanly_when_the_data_root_goes_bad_before_startup(ma
     root.rmdir()
     root.write_text("now a file\n")
     with pytest.raises(RuntimeError, match="server failed to start"):
-        serve_in_thread(app, startup_timeout_s=60)
+        serve_in_thread(app, startup_timeout_s=CAP_S)  # it fails at startup: only a hang would reach the cap
     assert not hasattr(app.state, "service")  # no half-started gateway: the lifespan never finished
 
 
 # ------------------------------------------------------------------------------ full while serving
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(HANG_S)
 def test_disk_full_while_serving_gives_507_and_never_acknowledges_an_unwritten_turn(tmp_path, model_cache, tiny_dir):
     t_start = time.monotonic()
     data = tmp_path / "data"
@@ -150,7 +142,9 @@ def test_disk_full_while_serving_gives_507_and_never_acknowledges_an_unwritten_t
         acked.append(("kept", r.model_extra["turn_index"]))
         history += [{"role": "assistant", "content": r.choices[0].message.content},
                     {"role": "user", "content": "second question"}]
-        time.sleep(1.5)  # the segment rotates (flush_interval_s 0.5) and converts: the next append opens a new one
+        # the segment rotates (flush_interval_s 0.5) and converts: the next append opens a new one
+        wait_until(lambda: not list(data.glob("tables/turns/_wal/*.wal")), "the first turn's WAL segment converted",
+                   proc=gw.proc, log=gw.log_path)
 
         # The disk "fills up": files of this process may not grow beyond 100 bytes. A new segment
         # takes the first 100 bytes of a ~3 KB turn (a short write), then write(2) fails with EFBIG.
@@ -242,12 +236,11 @@ WAL_CHILD = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 @pytest.mark.parametrize("mode", ["truncate_works", "truncate_fails", "truncate_fails_fsync"])
 def test_a_failed_wal_append_is_not_acknowledged_and_recovery_keeps_every_acked_row(tmp_path, mode):
     data = tmp_path / "data"
-    child = subprocess.run([sys.executable, "-c", WAL_CHILD, str(data), mode], cwd=REPO, capture_output=True,
-                           text=True, timeout=100)
+    child = run_to_end([sys.executable, "-c", WAL_CHILD, str(data), mode], cwd=REPO)
     assert child.returncode == -signal.SIGKILL, child.stderr
     lines = [line.split() for line in child.stdout.splitlines()]
     acked = [int(w[1]) for w in lines if w[0] == "acked"]
@@ -265,7 +258,7 @@ def test_a_failed_wal_append_is_not_acknowledged_and_recovery_keeps_every_acked_
     assert not list(data.glob("tables/turns/_rejected/*")) and _wal_files(data) == []
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_concurrent_appends_through_failing_writes_keep_exactly_the_acknowledged_rows(tmp_path, monkeypatch):
     """Eight threads append with group commit (fsync=True) while one large write in seven fails
     after a short write and one cut-back in three fails too. Injected in-process (a mock of
@@ -328,8 +321,7 @@ def test_concurrent_appends_through_failing_writes_keep_exactly_the_acknowledged
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
     for th in threads:
         th.start()
-    for th in threads:
-        th.join(60)
+    join(*threads)
     monkeypatch.undo()
     store.close()
     stored = run_query(data, "SELECT turn_id, count(*) AS n FROM turns GROUP BY 1").to_pylist()

@@ -28,6 +28,7 @@ from tests.utils.engine_server import running_engine_server
 from tests.utils.gateway_process import engine_process, free_port, gateway_process, serve_env
 from tests.utils.scripted_engine import ScriptedEngine
 from tests.utils.turns import build_next_state, build_turn
+from tests.utils.waiting import HANG_S
 
 pytestmark = [pytest.mark.reliability]
 
@@ -47,7 +48,7 @@ def _chat(url: str, sid: str, n: int) -> httpx.Response:
         "turn_type": "side"})
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_engine_hung_dead_and_back_without_a_gateway_restart(tmp_path, model_cache, tiny_dir):
     t_start = time.monotonic()
     data = tmp_path / "data"
@@ -82,7 +83,8 @@ def test_engine_hung_dead_and_back_without_a_gateway_restart(tmp_path, model_cac
         assert r.status_code == 504, r.text
         err = _openai_error(r)
         assert err["type"] == "engine_timeout" and f"{TIMEOUT_S:g} s" in err["message"]
-        assert TIMEOUT_S - 0.5 <= hung_s <= 2 * TIMEOUT_S + 5  # the stall, then the unanswered health probe
+        # the stall, then the unanswered health probe; the slack is a busy machine's, far below the client's 60 s
+        assert TIMEOUT_S - 0.5 <= hung_s <= 2 * TIMEOUT_S + 30
         ok(2)  # resumed engine: served again, same gateway
 
         # Dead: SIGKILL; nothing listens on the port any more.
@@ -138,7 +140,7 @@ def _write_judgeable_turns(s, names: list[str]) -> list[str]:
     return [t.turn_id for t in turns]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_judge_backend_down_ends_turns_as_judge_error_and_training_goes_on(prefect_harness, make_settings,
                                                                              tmp_path, tiny_dir, monkeypatch):
     """[prm] backend = "engine" at a judge server (`[prm] engine_url`) that dies: the turns judged before it died train;

@@ -30,6 +30,7 @@ from clawrl.storage.queries import trainable_samples
 from clawrl.storage.writer import DataStore
 from tests.utils.fork_runner import shared_fork_runner
 from tests.utils.turns import T0, build_next_state, build_turn, generate_turn
+from tests.utils.waiting import HANG_S
 
 pytestmark = [pytest.mark.reliability]
 
@@ -186,7 +187,7 @@ def judged_after_kills(flows_env):
     return {"root": root, "conf": conf, "left": left, "final": final}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_judge_flow_killed_at_every_step_judges_each_turn_exactly_once(flows_env, judged_after_kills):
     root, left, ref = judged_after_kills["root"], judged_after_kills["left"], flows_env["reference"]
     # each kill happened where it says: nothing before the first turn, an uncommitted verdict, ...
@@ -215,7 +216,7 @@ def test_judge_flow_killed_at_every_step_judges_each_turn_exactly_once(flows_env
           f"attempts kept), samples {counts['samples']}; duplicates 0, lost 0")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(HANG_S)
 def test_train_flow_killed_at_every_step_trains_the_uninterrupted_checkpoints(flows_env, judged_after_kills):
     from clawrl.flows.train import train_flow
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from clawrl.config import ConfigError, load_settings
+from tests.utils.waiting import HANG_S, run_to_end
 
 pytestmark = [pytest.mark.reliability]
 
@@ -78,11 +79,10 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def _config_show(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clawrl.cli", "config", "show", "-c", str(path)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return run_to_end([sys.executable, "-m", "clawrl.cli", "config", "show", "-c", str(path)], env=env)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(HANG_S)
 def test_cli_names_every_config_problem_without_a_traceback_or_a_secret(tmp_path):
     env = _clean_env()
     results = {}
@@ -107,7 +107,7 @@ def test_cli_names_every_config_problem_without_a_traceback_or_a_secret(tmp_path
     assert p.returncode == 0 and "rollout_batch_size = 4" in p.stdout and 'api_key_env = "MY_PROVIDER_KEY"' in p.stdout
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_cli_refuses_a_secret_in_a_clawrl_env_variable(tmp_path):
     ok = tmp_path / "ok.toml"
     ok.write_text("[ppo]\nrollout_batch_size = 4\n")
@@ -117,7 +117,7 @@ def test_cli_refuses_a_secret_in_a_clawrl_env_variable(tmp_path):
     assert SECRET not in p.stderr
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(HANG_S)
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[2] is not None])
 def test_load_settings_refuses_secrets_without_repeating_them(tmp_path, name):
     path = _write_case(tmp_path, name)
@@ -128,7 +128,7 @@ def test_load_settings_refuses_secrets_without_repeating_them(tmp_path, name):
     assert all(f in msg for f in CASES[name][1])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(HANG_S)
 def test_env_names_and_ordinary_values_are_not_mistaken_for_secrets(tmp_path):
     f = tmp_path / "fine.toml"
     f.write_text('[server]\napi_keys_env = "MY_GATEWAY_KEYS"\nadmin_keys_env = "my_admin_keys"\n'
@@ -139,7 +139,7 @@ def test_env_names_and_ordinary_values_are_not_mistaken_for_secrets(tmp_path):
     assert s.provider.model == "meta-llama/Llama-3.1-8B-Instruct" and s.model.name == "hf_checkpoints/run-2026-01-01"
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(HANG_S)
 def test_a_context_above_the_models_own_is_a_config_error_naming_both(tmp_path, model_cache):
     from clawrl.engine.embedded import EmbeddedEngine
     from clawrl.models import resolve_model_dir
@@ -151,8 +151,7 @@ def test_a_context_above_the_models_own_is_a_config_error_naming_both(tmp_path, 
     # `clawrl engine` says so and exits 2 before it binds a port
     env = _clean_env(CLAWRL__ENGINE__MAX_CONTEXT_LEN="16384", CLAWRL__STORAGE__MODEL_CACHE=str(model_cache),
                      CLAWRL__STORAGE__DATA_ROOT=str(tmp_path / "data"), CLAWRL__MODEL__DEVICE="cpu")
-    p = subprocess.run([sys.executable, "-m", "clawrl.cli", "engine", "--model", "tiny", "--port", "1"],
-                       capture_output=True, text=True, env=env, timeout=150)
+    p = run_to_end([sys.executable, "-m", "clawrl.cli", "engine", "--model", "tiny", "--port", "1"], env=env)
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith("config error: engine.max_context_len = 16384 is above the model's context of 4096 "
                                "tokens") and "Traceback" not in p.stderr, p.stderr

@@ -20,6 +20,7 @@ from clawrl.records import CheckpointRecord
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
+from tests.utils.waiting import HANG_S, join, wait_until
 
 pytestmark = [pytest.mark.reliability]
 
@@ -67,7 +68,7 @@ def _assert_openai_error(resp: httpx.Response, status: int, type_: str) -> dict:
     return body["error"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_no_key_or_a_wrong_key_is_401_and_the_key_is_not_echoed(start_gateway):
     _, _, ctx = start_gateway(f"{KEY_A},{KEY_B}", ADMIN)
     with ctx as gw:
@@ -91,7 +92,7 @@ def test_no_key_or_a_wrong_key_is_401_and_the_key_is_not_echoed(start_gateway):
     assert not any(k in m for m in seen for k in (WRONG, KEY_A, ADMIN, "alpha", "55e0"))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_a_key_cannot_read_extend_or_close_another_keys_session(start_gateway):
     s, store, ctx = start_gateway(f"{KEY_A},{KEY_B}", ADMIN)
     with ctx as gw:
@@ -165,7 +166,7 @@ class GatedEngine:
         return await self.engine.generate(req)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_admin_routes_need_an_admin_key_and_pause_lets_turns_in_flight_finish(start_gateway, tiny_engine):
     gated = GatedEngine(tiny_engine)
     s, store, ctx = start_gateway(KEY_A, ADMIN, engine=gated)
@@ -196,7 +197,7 @@ def test_admin_routes_need_an_admin_key_and_pause_lets_turns_in_flight_finish(st
         t = threading.Thread(target=lambda: results.append(_ask(client, "inflight", [
             {"role": "user", "content": "held"}])[0]))
         t.start()
-        assert gated.entered.wait(30)
+        wait_until(gated.entered.is_set, "the turn to reach the engine")
         assert httpx.post(gw.url + "/admin/pause", headers=admin).json() == {"paused": True}
         refused = httpx.post(gw.base_url + "/chat/completions", headers=user,
                              json={"model": "m", "messages": [{"role": "user", "content": "new"}], "max_tokens": 2})
@@ -207,7 +208,7 @@ def test_admin_routes_need_an_admin_key_and_pause_lets_turns_in_flight_finish(st
         assert e.value.status_code == 503
         assert httpx.get(gw.url + "/healthz").json()["paused"] is True
         gated.release.set()
-        t.join(60)
+        join(t)
         assert len(results) == 1 and results[0].model_extra["turn_index"] == 0
         assert httpx.post(gw.url + "/admin/resume", headers=admin).json() == {"paused": False}
         after, _ = _ask(client, "after", [{"role": "user", "content": "again"}])
@@ -217,7 +218,7 @@ def test_admin_routes_need_an_admin_key_and_pause_lets_turns_in_flight_finish(st
     assert [r["session_id"] for r in logged] == ["inflight", "after"]  # the 503s left nothing in the log
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_open_mode_opens_admin_routes_only_without_admin_keys(start_gateway, caplog):
     with caplog.at_level(logging.WARNING, logger="clawrl.gateway"):
         _, _, ctx = start_gateway(None, None)
@@ -228,7 +229,7 @@ def test_open_mode_opens_admin_routes_only_without_admin_keys(start_gateway, cap
     assert any("OPEN ADMIN" in r.getMessage() for r in caplog.records)
     _, _, ctx = start_gateway(None, ADMIN)  # open API, keyed admin
     with ctx as gw:
-        chat = httpx.post(gw.base_url + "/chat/completions",
+        chat = httpx.post(gw.base_url + "/chat/completions", timeout=60,
                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert chat.status_code == 200
         for headers in ({}, {"Authorization": f"Bearer {WRONG}"}):
@@ -242,7 +243,7 @@ def test_open_mode_opens_admin_routes_only_without_admin_keys(start_gateway, cap
         assert "admin_keys_env" in err["message"]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(HANG_S)
 def test_admin_replay_submits_the_on_demand_deployment(prefect_harness, start_gateway, monkeypatch):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
@@ -288,7 +289,7 @@ def test_admin_replay_submits_the_on_demand_deployment(prefect_harness, start_ga
     assert r1.state.type.value == "SCHEDULED"  # the flow server of `clawrl up` picks it up
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_S)
 def test_clawrl_sql_is_read_only_but_queries_and_exports_work(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -41,6 +41,7 @@ from clawrl.gateway.routes import create_app
 from clawrl.serving import serve_in_thread
 from clawrl.storage.catalog import run_query
 from tests.utils.engine_server import running_engine_server
+from tests.utils.waiting import HANG_S
 
 pytestmark = [pytest.mark.reliability]
 
@@ -110,7 +111,7 @@ def _fuzz_operation(run: FuzzRun, op, mode: GenerationMode, n: int, base_url: st
 # ------------------------------------------------------------------------------------- gateway
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_gateway_schema_fuzz_has_no_5xx_and_keeps_serving(make_settings, monkeypatch):
     monkeypatch.setenv("CLAWRL_FUZZ_KEYS", API_KEY)
     s = make_settings({"server.api_keys_env": "CLAWRL_FUZZ_KEYS", "engine.max_context_len": GATEWAY_CONTEXT,
@@ -164,7 +165,7 @@ PROBE = {"input_ids": [1, 42, 7, 99], "sampling_params": {"max_new_tokens": 6, "
          "return_logprob": True}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_engine_schema_fuzz_has_no_5xx_and_changes_no_weights(tiny_dir):
     # A dedicated engine: the fuzz pauses it, relabels its weight version and tries weight loads.
     def make_engine():

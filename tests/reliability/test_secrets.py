@@ -33,6 +33,7 @@ from clawrl.gateway.routes import create_app
 from clawrl.storage.catalog import run_query
 from clawrl.storage.writer import DataStore
 from tests.utils.gateway_server import running_gateway
+from tests.utils.waiting import HANG_S
 
 pytestmark = [pytest.mark.reliability]
 
@@ -89,7 +90,7 @@ def _conversation(client: OpenAI, sid: str, question: str, feedback: str) -> Non
                                    extra_body={"session_id": sid, "session_done": True})
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(HANG_S)
 def test_keys_never_reach_logs_parquet_mlflow_or_error_messages(prefect_harness, make_settings, tiny_dir, tmp_path,
                                                                 monkeypatch):
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL

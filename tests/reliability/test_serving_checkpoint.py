@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from clawrl.checkpoint import newest_intact_checkpoint
+from tests.utils.waiting import HANG_S
 
 pytestmark = [pytest.mark.reliability]
 
@@ -22,7 +23,7 @@ def _checkpoint(root, version: int, payload: bytes):
     return d
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(HANG_S)
 def test_newest_intact_checkpoint_skips_corrupt_and_incomplete_ones(tmp_path, caplog):
     root = tmp_path / "checkpoints"
     _checkpoint(root, 1, b"one" * 100)
@@ -56,7 +57,7 @@ def _decision(action, version, champion):
                            p_value=None, tolerance=None, alpha=None, mlflow_run_id=None)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(HANG_S)
 def test_with_the_gate_on_a_restarted_gateway_serves_the_champion_not_a_refused_candidate(tmp_path, make_settings,
                                                                                         caplog):
     from clawrl.checkpoint import intact_champion

@@ -32,10 +32,12 @@ from typer.testing import CliRunner
 
 from clawrl.config import dump_toml, load_settings
 from clawrl.lineage import client as mlflow_client
-from clawrl.serving import bind_socket
+from clawrl.ports import free_port
 from clawrl.storage.catalog import run_query
 from tests.utils.fork_runner import shared_fork_runner
+from tests.utils.gateway_process import listening
 from tests.utils.samples import write_samples
+from tests.utils.waiting import HANG_S, wait_until
 
 pytestmark = [pytest.mark.reliability]
 
@@ -73,49 +75,32 @@ class EngineProcess:
         self.log: Path | None = None
         self.starts = 0
 
-    def start(self, timeout_s: float = 180.0) -> float:
+    def start(self) -> float:
         t0 = time.monotonic()
         self.pid, self.log = self.runner.spawn(ENGINE_CHILD.format(gate=str(self.gate), port=self.port,
                                                                    conf=str(self.conf)), f"engine{self.starts}")
         self.starts += 1
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() - t0 < timeout_s, f"engine not healthy:\n{self.log.read_text()[-3000:]}"
-            time.sleep(0.1)
+        wait_until(lambda: httpx.get(self.url + "/health", timeout=10).status_code == 200, "the engine healthy",
+                   proc=self.pid, log=self.log)
+        return time.monotonic() - t0
 
     def kill(self) -> None:
         if self.pid is not None:
             os.kill(self.pid, signal.SIGKILL)
             self.pid = None
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # gone once its port refuses connections
-                try:
-                    httpx.get(self.url + "/health", timeout=1)
-                except httpx.ConnectError:
-                    return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
+            wait_until(lambda: not listening(self.port), "the killed engine's port to close")
+
+    def waiting_requests(self) -> int:
+        return httpx.get(self.url + "/v1/loads", timeout=30).json()["loads"][0]["num_waiting_reqs"]
 
     def version(self) -> str:
         return str(httpx.get(self.url + "/model_info", timeout=30).json()["weight_version"])
 
-    def generate(self, timeout: float = 120.0) -> tuple[int, str | None]:
+    def generate(self, timeout: float = 300.0) -> tuple[int, str | None]:
         """(status, weight_version that produced the tokens) of one greedy request."""
         r = httpx.post(self.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {
             "max_new_tokens": 4, "temperature": 0.0}}, timeout=timeout)
         return r.status_code, (r.json()["meta_info"]["weight_version"] if r.status_code == 200 else None)
-
-
-def _free_port() -> int:
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 def test_sync_without_any_engine_is_a_skipped_failure_that_says_why():
@@ -134,7 +119,7 @@ def sync_env(prefect_harness, tmp_path_factory, model_cache):
     from prefect.settings import PREFECT_API_URL
 
     base = tmp_path_factory.mktemp("sync-faults")
-    port = _free_port()
+    port = free_port()
     s = load_settings(env={}, overrides={
         "storage.data_root": str(base / "data"), "storage.model_cache": str(model_cache), "model.name": "tiny",
         "engine.url": f"http://127.0.0.1:{port}", "engine.max_context_len": 512,
@@ -230,17 +215,16 @@ class DuringLoad:
     def _run(self):
         gate, engine = self.env["gate"], self.env["engine"]
         try:
-            deadline = time.monotonic() + 120
-            while not (gate / "reached").exists():
-                assert time.monotonic() < deadline, "the engine never reached the weight load"
-                time.sleep(0.02)
+            wait_until(lambda: (gate / "reached").exists(), "the engine to reach the weight load", proc=engine.pid,
+                       log=engine.log)
             holder = threading.Thread(target=self._request, daemon=True)
             holder.start()
-            time.sleep(0.3)  # the request is in, held by the pause
+            wait_until(lambda: engine.waiting_requests() >= 1, "the request held by the pause", proc=engine.pid,
+                       log=engine.log)
             self.action()
             if self.release:
                 (gate / "go").touch()
-            holder.join(120)
+            wait_until(lambda: not holder.is_alive(), "the held request's answer")
         except BaseException as e:  # reported by join()
             self.error = e
 
@@ -251,12 +235,12 @@ class DuringLoad:
             self.request = ("error", type(e).__name__)
 
     def join(self):
-        self.thread.join(180)
+        wait_until(lambda: not self.thread.is_alive(), "the action during the load")
         if self.error:
             raise self.error
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_corrupt_checkpoint_is_refused_before_the_engine_and_the_next_step_is_served(sync_env, monkeypatch, sync_log):
     import clawrl.flows.train as ft
 
@@ -308,7 +292,7 @@ def test_corrupt_checkpoint_is_refused_before_the_engine_and_the_next_step_is_se
           f"v{nxt['weight_version']} served next; requests failed 0")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_engine_refusing_the_load_keeps_serving_and_a_retry_succeeds(sync_env, sync_log):
     s, conf, engine = sync_env["s"], sync_env["conf"], sync_env["engine"]
     before = _ensure_serving_a_trained_version(sync_env)
@@ -350,7 +334,7 @@ def test_engine_refusing_the_load_keeps_serving_and_a_retry_succeeds(sync_env, s
           f"retry of the same checkpoint served v{bad}; requests failed 0")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(HANG_S)
 def test_engine_killed_mid_update_restarts_on_the_last_good_version_and_the_retry_succeeds(sync_env, sync_log):
     s, conf, engine = sync_env["s"], sync_env["conf"], sync_env["engine"]
     before = _ensure_serving_a_trained_version(sync_env)

@@ -119,6 +119,33 @@ def test_turns_to_judge_are_the_decidable_turns_without_a_fate_under_that_config
         assert turns_to_judge(con, "h1", turn_ids=["turn-000000"]).num_rows == 0  # it has a fate under h1
         some = turns_to_judge(con, "h2", turn_ids=["turn-000004", "turn-000001", "nope"])
         assert some.column("turn_id").to_pylist() == ["turn-000001", "turn-000004"]  # oldest first; unknown ignored
+        # the judge is called for t0 t1 t2 t4 t5 (a next state arrived); t6 (none will come), t8 t9 (side) are marked
+        assert todo2.column("judge_call").to_pylist() == [True] * 5 + [False] * 3
+
+
+def test_a_limit_of_judge_calls_leaves_the_turns_only_marked_uncounted(data_root, make_turn):
+    """Side turns and turns told no next state comes cost no judge call: `judge_calls` = n takes the turns
+    up to the n-th one the judge is called for, with every marked turn before the next call."""
+    kinds = ["side", "call", "side", "side", "done", "call", "side", "call", "side"]
+    turns = [make_turn(i, session=f"s{i}", turn_type="side" if k == "side" else "main") for i, k in enumerate(kinds)]
+    records = list(turns)
+    for i, k in enumerate(kinds):
+        if k == "call":
+            records.append(NextStateRecord(f"turn-{i:06d}", f"s{i}", i, True, '[{"n": 1}]', "next_request"))
+        elif k == "done":
+            records.append(NextStateRecord(f"turn-{i:06d}", f"s{i}", i, False, None, "session_done"))
+    with DataStore(data_root, background=False) as store:
+        store.append(records)
+        store.flush()
+    with open_catalog(data_root) as con:
+        def taken(n):
+            return [int(t[-2:]) for t in turns_to_judge(con, "h", judge_calls=n).column("turn_id").to_pylist()]
+
+        assert taken(0) == [0]  # the side turn before the first call
+        assert taken(1) == [0, 1, 2, 3, 4]  # call t1, then two side turns and a closed turn before the next call
+        assert taken(2) == [0, 1, 2, 3, 4, 5, 6]
+        assert taken(3) == taken(4) == list(range(9))  # the side turn after the last call comes with it
+        assert turns_to_judge(con, "h", judge_calls=1, limit=3).num_rows == 3
 
 
 def test_pending_counts_explain_where_every_turn_is(judged_root):

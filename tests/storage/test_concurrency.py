@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from clawrl.storage.catalog import run_query
+from tests.utils.waiting import wait_until
 
 WRITER = """
     store = DataStore(sys.argv[1], flush_interval_s=0.02)
@@ -12,7 +13,7 @@ WRITER = """
     for i in range(start, start + n):
         store.append(make_turn(i))
         if i % 20 == 0:
-            time.sleep(0.01)  # spread the rows over many small Parquet files
+            time.sleep(0.01)  # pacing: spread the rows over many small Parquet files
     store.close()
     print("done", flush=True)
 """
@@ -24,7 +25,7 @@ def test_a_reader_sees_growing_counts_and_never_an_error_while_a_process_writes(
     while child.poll() is None:
         n = run_query(data_root, "SELECT count(*) n FROM turns").column("n")[0].as_py()  # raises on a partial file
         seen.append(n)
-        time.sleep(0.005)
+        time.sleep(0.005)  # pacing: the reader asks as often as it can
     out, err = child.communicate()
     assert child.returncode == 0, err
     assert seen == sorted(seen)  # monotonic: a file, once visible, stays and never shrinks
@@ -37,7 +38,8 @@ def test_two_processes_append_to_one_table_without_losing_or_doubling_rows(data_
     a = spawn(WRITER, str(data_root), "0", "1500")
     b = spawn(WRITER, str(data_root), "100000", "1500")
     for child in (a, b):
-        out, err = child.communicate(timeout=120)
+        wait_until(lambda: child.poll() is not None, "a writer to finish", proc=child)
+        out, err = child.communicate()
         assert child.returncode == 0 and out == "done\n", err
     got = run_query(data_root, """
         SELECT count(*) n, count(DISTINCT turn_id) d, count(*) FILTER (WHERE turn_index >= 100000) b

@@ -19,6 +19,7 @@ from clawrl.storage.catalog import run_query
 from clawrl.storage.schemas import TABLES
 from clawrl.storage.wal import TableLog
 from clawrl.storage.writer import DataStore
+from tests.utils.waiting import wait_until
 
 TURNS = TABLES["turns"].schema
 
@@ -169,10 +170,8 @@ def test_append_after_close_raises(data_root, make_turn):
 def test_background_thread_publishes_without_flush(data_root, make_turn):
     with DataStore(data_root, flush_interval_s=0.05) as store:
         store.append([make_turn(i) for i in range(20)])
-        deadline = time.monotonic() + 10
-        while run_query(data_root, "SELECT count(*) n FROM turns").column("n")[0].as_py() < 20:
-            assert time.monotonic() < deadline, "background conversion never published the rows"
-            time.sleep(0.02)
+        wait_until(lambda: run_query(data_root, "SELECT count(*) n FROM turns").column("n")[0].as_py() == 20,
+                   "the background conversion to publish the rows")
         assert wal_segments(data_root) == []
 
 
@@ -188,13 +187,12 @@ def test_an_idle_log_sleeps_until_its_next_recovery_and_an_append_wakes_it(data_
     log_._wake = wake = CountingEvent()
     log_._thread = threading.Thread(target=log_._run, daemon=True)  # the background thread, on the counting event
     log_._thread.start()
-    time.sleep(1.0)
+    wait_until(lambda: wake.waits >= 1, "the background thread to go to sleep")
+    time.sleep(1.0)  # a window in which it must not wake
     assert wake.waits == 1  # asleep until the recovery due in 60 s (it woke 20 times a second before)
     log_.append([make_turn(0)])
-    deadline = time.monotonic() + 10
-    while not list((data_root / "turns").glob("date=*/*.parquet")):
-        assert time.monotonic() < deadline, "the append did not wake the background thread"
-        time.sleep(0.02)
+    wait_until(lambda: list((data_root / "turns").glob("date=*/*.parquet")),
+               "the append to wake the background thread and publish")
     assert 2 <= wake.waits <= 4  # woken by the new segment, slept until it was due, published it
     log_.close()
 

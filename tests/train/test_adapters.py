@@ -140,7 +140,7 @@ def test_the_trainer_service_trains_a_namespaces_batch_once_and_refuses_a_shared
     from clawrl.records import BatchRecord
     from clawrl.storage.writer import DataStore
     from clawrl.trainer_service import claim_adapter_batch, request_step
-    from tests.train.test_trainer_distributed import _trainer, _wait
+    from tests.train.test_trainer_distributed import _stop, _trainer, _wait
 
     s = make_settings({"ppo.adapters": "namespace", "ppo.lora_rank": 4, "ppo.rollout_batch_size": 4,
                        "ppo.advantage_estimator": "grpo", "ppo.kl_coef": 0.0})
@@ -164,8 +164,7 @@ def test_the_trainer_service_trains_a_namespaces_batch_once_and_refuses_a_shared
                                                r"per-namespace adapters \(\[ppo\] adapters\)"):
             request_step(url, "shared-1")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        _stop(proc, tmp_path / "trainer.log")
 
 
 def _chash(settings) -> str:

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -28,6 +27,7 @@ from clawrl.trainer_service import claim_batch, request_step
 from tests.train.test_megatron_backend import _assert_same_updated_weights
 from tests.utils.gateway_process import free_port
 from tests.utils.samples import write_samples
+from tests.utils.waiting import HANG_S, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,15 +43,13 @@ def _trainer(conf: Path, nproc: int, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _wait(proc: subprocess.Popen, url: str, log: Path) -> None:
-    for _ in range(600):
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(url + "/state", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"trainer not up: {log.read_text()[-3000:]}")
+    wait_until(lambda: httpx.get(url + "/state", timeout=10).status_code == 200, "the trainer up", proc=proc, log=log,
+               poll_s=0.5)
+
+
+def _stop(proc: subprocess.Popen, log: Path) -> None:
+    proc.terminate()
+    wait_until(lambda: proc.poll() is not None, "the trainer to stop", proc=proc, log=log)
 
 
 @pytest.mark.parametrize("tp, dp, launcher", [
@@ -69,7 +67,7 @@ def test_up_starts_the_trainer_under_torchrun_with_one_process_per_rank(make_set
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(HANG_S)
 def test_tp2_and_dp2_trainers_step_like_one_process(make_settings, tmp_path):
     from safetensors.torch import load_file
 
@@ -96,12 +94,10 @@ def test_tp2_and_dp2_trainers_step_like_one_process(make_settings, tmp_path):
             again = request_step(url, batch_id)  # exactly once: the stored result, no second step
             # the optimizer state follows the complete checkpoint from a background thread: wait for it
             # before stopping the trainer, which may stop before that thread is done
-            deadline = time.monotonic() + 120
-            while not has_trainer_state(root / "checkpoints" / "v000001") and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_until(lambda: has_trainer_state(root / "checkpoints" / "v000001"), "the trainer state written",
+                       proc=proc, log=tmp_path / f"{name}.log", poll_s=0.2)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            _stop(proc, tmp_path / f"{name}.log")
         assert step["weight_version"] == "1" and again == step
         assert step["metrics"]["trainer_ranks"] == (1 if not layout else 2)
         ckpt = root / "checkpoints" / "v000001"

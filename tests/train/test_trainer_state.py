@@ -14,6 +14,7 @@ from clawrl.checkpoint import MASTER_FILE, OPTIMIZER_FILE, has_trainer_state, re
 from clawrl.train.trainer import Trainer
 
 from tests.train.test_lr_schedule import HP, _samples
+from tests.utils.waiting import wait_until
 
 BATCHES = {f"b{i}": _samples(i) for i in (1, 2, 3)}
 
@@ -68,7 +69,7 @@ def test_the_next_step_trains_while_the_state_is_written_and_waits_only_before_i
     write = trainer_mod.write_trainer_state
 
     def slow_write(ckpt_dir, master, optimizer):
-        assert release.wait(60)
+        wait_until(release.is_set, "the next step to train")
         written[ckpt_dir.name] = optimizer
         write(ckpt_dir, master, optimizer)
 
@@ -122,7 +123,7 @@ def test_a_failed_state_write_fails_a_step(tiny_dir, tmp_path, monkeypatch):
     def v2_fails_once_step_3_trained(ckpt_dir, *a):
         if ckpt_dir.name != "v000002":
             return write(ckpt_dir, *a)  # v3's own write works
-        assert trained.wait(60)
+        wait_until(trained.is_set, "step 3 to train")
         full()
 
     monkeypatch.setattr(trainer_mod, "write_trainer_state", v2_fails_once_step_3_trained)

@@ -43,6 +43,7 @@ from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
 
 from clawrl.ports import free_port
 from tests.utils.gateway_process import ServerProcess
+from tests.utils.waiting import run_to_end
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", "docs/*.md"]
@@ -51,8 +52,6 @@ PLACEHOLDER_KEY = "YOUR_KEY"  # the README's stand-in for "a key from $CLAWRL_AP
 PAGE_KEY = "doc-page-key"
 PROMPT = "$ "  # a console block's command lines; the lines under one are what it prints
 HOME_SHOWN = "/home/you"  # how the docs write a user's home directory in what a command prints
-# A guard against a hung command, not a budget: a block that needs longer is skipped with the target that runs it.
-BLOCK_TIMEOUT_S = 600
 # The agents whose config files the docs show, by the block's language, and where that config names its context
 # window: the blocks say it is clawrl's [engine] max_context_len, so they are printed with that setting.
 AGENT_BLOCKS = {
@@ -95,9 +94,9 @@ class DocPage:
         what it printed (stdout and stderr as a terminal shows them) in ``stdout``. The page's blocks are one
         terminal: what a block exports (``export CLAWRL__PPO__ADAPTERS=namespace``) the blocks after it see."""
         exports = self.root / "exports.sh"
-        script = f"[ -f {exports} ] && source {exports}\n{self.localize(source)}\nexport -p > {exports}"
-        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=self.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=BLOCK_TIMEOUT_S)
+        # stderr into stdout as a terminal shows them; waited for while it progresses (tests/utils/waiting.py)
+        script = f"exec 2>&1\n[ -f {exports} ] && source {exports}\n{self.localize(source)}\nexport -p > {exports}"
+        return run_to_end(["bash", "-euo", "pipefail", "-c", script], "a doc block", cwd=REPO, env=self.env)
 
     def localize(self, source: str) -> str:
         """``source`` as it runs here: the documented gateway address is this page's gateway (started on its
@@ -176,8 +175,7 @@ def check_config(example: Example) -> str | None:
         return None
     agent, context_of = AGENT_BLOCKS[language]
     env = page.user_env(CLAWRL__ENGINE__MAX_CONTEXT_LEN=str(context_of(config)))
-    done = subprocess.run(["clawrl", "serve", "--print-config", agent], env=env, capture_output=True, text=True,
-                          timeout=BLOCK_TIMEOUT_S)
+    done = run_to_end(["clawrl", "serve", "--print-config", agent], env=env)
     if done.returncode != 0:
         return f"clawrl serve --print-config {agent} exited with {done.returncode}:\n{done.stderr}"
     printed = tomllib.loads(done.stdout) if language == "toml" else json.loads(done.stdout)

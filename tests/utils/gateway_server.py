@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import httpx
 
 from clawrl.serving import ServerThread, bind_socket, serve_in_thread
+from tests.utils.waiting import CAP_S
 
 
 class RunningGateway:
@@ -23,7 +24,8 @@ class RunningGateway:
     def loop(self):
         return self.handle.loop
 
-    def call(self, coro, timeout: float = 60.0):
+    def call(self, coro, timeout: float = 300.0):
+        """Run ``coro`` on the server's loop; the timeout only guards against a hang (slow on a busy machine)."""
         return self.handle.call(coro, timeout)
 
 
@@ -32,10 +34,12 @@ def free_socket() -> socket.socket:
 
 
 @contextmanager
-def running_gateway(app, startup_timeout_s: float = 120.0) -> Iterator[RunningGateway]:
-    handle = serve_in_thread(app, startup_timeout_s=startup_timeout_s)
+def running_gateway(app) -> Iterator[RunningGateway]:
+    # the startup (lifespan: the engine's model loaded) ends early only if the server's thread dies: on a busy
+    # machine it is slow, and a hang is what the cap is for
+    handle = serve_in_thread(app, startup_timeout_s=CAP_S)
     try:
-        httpx.get(handle.url + "/metrics", timeout=10).raise_for_status()
+        httpx.get(handle.url + "/metrics", timeout=60).raise_for_status()
         yield RunningGateway(handle, app)
     finally:
         handle.stop()

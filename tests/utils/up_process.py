@@ -1,4 +1,5 @@
-"""`clawrl up` as a subprocess for end-to-end tests: free ports, the command, waiting, simulated users."""
+"""`clawrl up` as a subprocess for end-to-end tests: free ports, the command, simulated users (waiting on it:
+:func:`tests.utils.waiting.wait_until` with ``proc`` and ``log``)."""
 
 import os
 import signal
@@ -8,7 +9,10 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 from openai import OpenAI
+
+from tests.utils.waiting import wait_until
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,6 +36,13 @@ def up(conf: Path, ports, log: Path, *extra: str) -> subprocess.Popen:
         cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+def wait_healthy(svc) -> None:
+    """A service of `clawrl up` a test started with ``clawrl.supervisor.start``: until its health URL answers
+    200, for as long as it makes progress (the supervisor's own wait has a fixed budget)."""
+    wait_until(lambda: httpx.get(svc.health_url, timeout=10).status_code == 200, f"{svc.name} healthy",
+               proc=svc.proc, log=svc.log_path, poll_s=0.5)
+
+
 def stop(proc: subprocess.Popen) -> None:
     """Ctrl-C, as a user stops `clawrl up`; SIGKILL if it has not stopped within 90 s."""
     proc.send_signal(signal.SIGINT)
@@ -39,20 +50,6 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(90)
     except subprocess.TimeoutExpired:
         proc.kill()
-
-
-def wait_for(pred, timeout_s, what, proc=None, log=None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"clawrl up exited while waiting for {what}:\n{log.read_text()[-3000:]}")
-        try:
-            if pred():
-                return
-        except Exception:
-            pass
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:] if log else ''}")
 
 
 class Traffic:
@@ -81,7 +78,7 @@ class Traffic:
                                                    extra_body={"session_id": sid, "session_done": True})
                 self.acked.append((sid, r.model_extra["turn_index"]))
             except Exception:
-                time.sleep(0.5)  # the gateway is down: nothing acknowledged
+                time.sleep(0.5)  # pacing: the gateway is down, nothing acknowledged; try again
             n += 1
             self.stop.wait(self.pause_s)
 
