@@ -88,9 +88,9 @@ def weights_of(con, version: str, base_dir: Path) -> tuple[str, str, str | None]
     return str(ck["weight_version"]), ck["path"], ck["sha256"]
 
 
-def _adapter_weights(con, name: str, base_dir: Path) -> tuple[str, str, str | None]:
+def _adapter_weights(con, name: str, base_dir: Path | None) -> tuple[str, str, str | None]:
     namespace, version = parse_adapter_name(name)
-    if version == 0:
+    if version == 0:  # the base alone
         return name, str(base_dir), None
     row = find_adapter(con, name)
     if row is None:
@@ -99,6 +99,18 @@ def _adapter_weights(con, name: str, base_dir: Path) -> tuple[str, str, str | No
         raise WeightsPruned(f"the weights of adapter {name} were pruned ({row['path']} keeps its record, not its "
                             f"{ADAPTER_FILE})")
     return name, row["path"], row["sha256"]
+
+
+def adapter_target(data_root: Path, name: str) -> dict[str, Any]:
+    """What serving adapter ``name`` loads (namespace, weight_version, path, sha256); path and sha256 are None
+    for ``<namespace>@v0``, the base alone. Raises WeightsPruned for a version whose weights were pruned,
+    GateError for one never recorded."""
+    namespace, version = parse_adapter_name(name)
+    if version == 0:
+        return {"namespace": namespace, "weight_version": name, "path": None, "sha256": None}
+    with open_catalog(data_root) as con:
+        _, path, sha = _adapter_weights(con, name, None)
+    return {"namespace": namespace, "weight_version": name, "path": path, "sha256": sha}
 
 
 def servable_versions(data_root: Path, namespace: str | None = None) -> list[str]:

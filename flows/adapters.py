@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -113,26 +112,12 @@ def record_adapter(config_path: str | None, step: dict[str, Any], run_id: str | 
     return trainer_service.record_adapter(data_store(s), s.storage.data_root, step, BASE_VERSION, run_id)
 
 
-def adapter_target(s: Settings, name: str) -> dict[str, Any]:
-    """What serving adapter ``name`` loads (namespace, weight_version, path, sha256); path and sha256 are None
-    for ``<namespace>@v0``, the base alone. Raises ``clawrl.promotion.WeightsPruned`` for a version whose
-    weights were pruned, GateError for one never recorded."""
-    from clawrl.promotion import weights_of
-
-    namespace, version = parse_adapter_name(name)
-    if version == 0:
-        return {"namespace": namespace, "weight_version": name, "path": None, "sha256": None}
-    with open_catalog(s.storage.data_root) as con:
-        _, path, sha = weights_of(con, name, Path())  # a version > 0: no base directory is read
-    return {"namespace": namespace, "weight_version": name, "path": path, "sha256": sha}
-
-
 @task(cache_policy=NO_CACHE)
 def gate_adapter(config_path: str | None, step: dict[str, Any], run_id: str | None) -> dict[str, Any]:
     """The promotion gate on the step's adapter version against its namespace's champion: the decision, its
-    evidence, and ``serve`` (``adapter_target``: what the namespace is served now)."""
+    evidence, and ``serve`` (``clawrl.promotion.adapter_target``: what the namespace is served now)."""
     from clawrl.lineage import log_gate
-    from clawrl.promotion import gate_candidate, record_manual
+    from clawrl.promotion import adapter_target, gate_candidate, record_manual
 
     s = load_flow_settings(config_path)
     root, name = s.storage.data_root, step["weight_version"]
@@ -155,7 +140,7 @@ def gate_adapter(config_path: str | None, step: dict[str, Any], run_id: str | No
                      reason=out["reason"], champion_version=out["champion_version"])
     get_run_logger().info("gate: %s %s (champion %s): %s", name, "promoted" if out["decision"] == "promote"
                           else "refused", out["champion_version"], out["reason"])
-    return {**out, "serve": adapter_target(s, out["serve_version"])}
+    return {**out, "serve": adapter_target(root, out["serve_version"])}
 
 
 def _targets(s: Settings, engine_url: str | None) -> dict[str, Any]:
@@ -166,8 +151,8 @@ def _targets(s: Settings, engine_url: str | None) -> dict[str, Any]:
 
 
 def push_adapter(s: Settings, target: dict[str, Any], engine_url: str | None, reason: str = "") -> dict[str, Any]:
-    """Serve ``target`` (``adapter_target``'s keys) to its namespace: an adapter version is loaded into every
-    serving worker, the namespace switched to it and its previous version unloaded; the base alone
+    """Serve ``target`` (``clawrl.promotion.adapter_target``'s keys) to its namespace: an adapter version is
+    loaded into every serving worker, the namespace switched to it and its previous version unloaded; the base alone
     (``<namespace>@v0``) switches the namespace off its adapter and unloads that. The change is recorded;
     nothing is loaded when the namespace is served ``target`` already."""
     name, namespace, checkpoints = target["weight_version"], target["namespace"], s.storage.data_root / "checkpoints"

@@ -73,14 +73,20 @@ def _is(table: pa.Table, column: str, values: set[str] | str) -> pa.ChunkedArray
 
 def _row_rules(namespace: str, turns: set[str], samples: set[str]) -> dict[str, Callable[[pa.Table], pa.Array]]:
     """table -> the mask of the rows of the namespace in one of its files."""
-    own = lambda t: _is(t, "namespace", namespace)  # noqa: E731
-    by_turn = lambda t: _is(t, "turn_id", turns)  # noqa: E731
-    return {
-        "turns": own, "next_states": by_turn, "verdicts": by_turn, "turn_fate": by_turn,
-        "samples": lambda t: pc.or_(own(t), pc.or_(by_turn(t), _is(t, "sample_id", samples))),
-        "batches": own, "evaluations": own, "promotions": own, "adapters": own,
-        "adapter_serving": lambda t: pc.and_(own(t), pc.invert(_is(t, "action", "forget"))),
-    }
+    def own(t: pa.Table) -> pa.Array:
+        return _is(t, "namespace", namespace)
+
+    def by_turn(t: pa.Table) -> pa.Array:
+        return _is(t, "turn_id", turns)
+
+    def sample(t: pa.Table) -> pa.Array:  # named, or of one of its turns (a sample written without a namespace)
+        return pc.or_(own(t), pc.or_(by_turn(t), _is(t, "sample_id", samples)))
+
+    def serving(t: pa.Table) -> pa.Array:  # the record that it was forgotten stays
+        return pc.and_(own(t), pc.invert(_is(t, "action", "forget")))
+
+    return {"turns": own, "next_states": by_turn, "verdicts": by_turn, "turn_fate": by_turn, "samples": sample,
+            "batches": own, "evaluations": own, "promotions": own, "adapters": own, "adapter_serving": serving}
 
 
 def _strip_lists(name: str, rows: list[dict], namespace: str, turns: set[str], samples: set[str]) -> bool:
@@ -110,19 +116,20 @@ def _publish(path: Path, table: pa.Table) -> None:
 
 def _rewrite_file(path: Path, name: str, mask_of: Callable[[pa.Table], pa.Array], namespace: str,
                   turns: set[str], samples: set[str]) -> int:
-    """Rewrite one Parquet file of table ``name`` without the namespace's rows; the rows removed."""
+    """Rewrite one Parquet file of table ``name`` without the namespace's rows (and, in others' rows, without its
+    entries); the rows removed. A file with nothing of the namespace is left as it is."""
     table = pq.ParquetFile(path).read()
     mask = mask_of(table)
     dropped = pc.sum(pc.cast(mask, pa.int64())).as_py() or 0
     kept = table.filter(pc.invert(mask))
+    stripped = False
     if name in ("batches", "promotions") and kept.num_rows:
         rows = kept.to_pylist()
-        if _strip_lists(name, rows, namespace, turns, samples):
+        if stripped := _strip_lists(name, rows, namespace, turns, samples):
             kept = pa.Table.from_pylist(rows, schema=table.schema)
-            dropped = dropped or -1  # rewritten, though no row went
-    if dropped:
+    if dropped or stripped:
         _publish(path, kept)
-    return max(dropped, 0)
+    return dropped
 
 
 def _rewrite_rejected(table_dir: Path, namespace: str, turns: set[str]) -> int:

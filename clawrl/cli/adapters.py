@@ -95,15 +95,13 @@ def forget(
              "time: run clawrl forget again once it has written them")
 
 
-def serve_by_hand(s, config, namespace: str, version: str | None, action: str, reason: str,
-                  engine_url: str | None) -> None:
+def serve_by_hand(s, namespace: str, version: str | None, action: str, reason: str, engine_url: str | None) -> None:
     """`clawrl promote VERSION --namespace NS` / `clawrl rollback --namespace NS`: serve that version of the
     namespace's adapter (None: the champion before the current one), then a ``promotions`` row of the namespace
     and its model's ``champion`` alias. A version whose weights were pruned is refused before anything loads."""
-    from clawrl.flows.adapters import adapter_target, push_adapter
-    from clawrl.flows.common import data_store
     from clawrl.lineage import namespace_model, set_policy_alias
-    from clawrl.promotion import ROLLBACK_DEPTH, GateError, WeightsPruned, record_manual, servable_versions
+    from clawrl.promotion import (ROLLBACK_DEPTH, GateError, WeightsPruned, adapter_target, record_manual,
+                                  servable_versions)
     from clawrl.records import PromotionAction
     from clawrl.storage.adapters import find_adapter
     from clawrl.storage.catalog import open_catalog
@@ -118,13 +116,16 @@ def serve_by_hand(s, config, namespace: str, version: str | None, action: str, r
             fail(f"nothing to roll back to: {namespace} is served {champion}, its base alone")
         row = find_adapter(con, name)
     try:
-        target = adapter_target(s, name)
+        target = adapter_target(root, name)
     except WeightsPruned:
         reach = f" (kept: the champion's and the {ROLLBACK_DEPTH} champions' before it)" if action == "rollback" else ""
         fail(f"cannot {'roll back to' if action == 'rollback' else 'promote'} {name}: its weights were pruned{reach}; "
              f"still servable: {', '.join(servable_versions(root, namespace))}; serving is unchanged")
     except GateError as e:
         fail(f"{e} in {root}")
+    from clawrl.flows.adapters import push_adapter  # Prefect: only once there is something to serve
+    from clawrl.flows.common import data_store
+
     rep = push_adapter(s, target, engine_url, reason=reason or f"clawrl {action}")
     if not rep["success"] and rep["message"] != NO_ENGINE:
         fail(f"FAILED: {namespace} keeps {champion} ({rep['message']})", code=1)
@@ -136,7 +137,7 @@ def serve_by_hand(s, config, namespace: str, version: str | None, action: str, r
     console.print(f"{verb} {name}: {namespace} is served it{where}", markup=False, soft_wrap=True)
 
 
-def lineage(s, config, namespace: str, version: str, replay: str | None) -> None:
+def lineage(s, namespace: str, version: str, replay: str | None) -> None:
     """`clawrl lineage VERSION --namespace NS`: what trained that version of the namespace's adapter - its
     versions back to the fresh adapter, each with its batch, sessions and turns (all the namespace's) - and
     what the gate made of it."""

@@ -268,8 +268,8 @@ def lineage(
     root = s.storage.data_root if replay is None else per_namespace.replay_root(s, replay)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     if namespace is not None:
-        return per_namespace.lineage(s, config, per_namespace.namespace_or_exit(s, namespace, known=replay is None),
-                                     version, replay)
+        return per_namespace.lineage(s, per_namespace.namespace_or_exit(s, namespace, known=replay is None), version,
+                                     replay)
     with open_catalog(root) as con:
         if version == "latest":
             version = str(latest_version(con))

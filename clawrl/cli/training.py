@@ -208,8 +208,8 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
     s = settings_or_exit(config)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     if namespace is not None:
-        return per_namespace.serve_by_hand(s, config, per_namespace.namespace_or_exit(s, namespace), version, action,
-                                           reason, engine_url)
+        return per_namespace.serve_by_hand(s, per_namespace.namespace_or_exit(s, namespace), version, action, reason,
+                                           engine_url)
     from clawrl.flows.common import data_store, engine_url_for, push_weights, serve_target
 
     url = engine_url_for(s, engine_url)
