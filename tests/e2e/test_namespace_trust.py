@@ -51,12 +51,13 @@ class Run:
         self.steps: dict[str, dict] = {}
         self.logprobs: dict[str, list[float]] = {}
 
-    def cli(self, *args: str):
+    def cli(self, *args: str, code: int = 0) -> str:
+        """What `clawrl ARGS -c CONF` printed (stderr, for a command expected to fail with ``code``)."""
         from clawrl.cli import app
 
         out = CliRunner().invoke(app, [*args, "-c", str(self.conf)], env={"COLUMNS": "300"})
-        assert out.exit_code == 0, out.output
-        return out.output
+        assert out.exit_code == code, out.output
+        return out.output if code == 0 else out.stderr
 
     def step(self, key: str, sessions: tuple[str, ...]) -> list[dict]:
         from clawrl.flows.judge import judge_flow
@@ -184,6 +185,21 @@ def test_a_replay_of_a_namespace_adapter_rebuilds_its_bytes(run, monkeypatch):
     replayed = run_query(run.root / "replays" / replay_id, "SELECT name, sha256 FROM adapters ORDER BY version")
     recorded = run_query(run.root, f"SELECT name, sha256 FROM adapters WHERE namespace = '{A}' ORDER BY version")
     assert replayed.to_pylist() == recorded.to_pylist() and len(recorded) == 2
+    # without one of its sessions: v2 is trained on the other one alone, and the replay names it nowhere
+    out = run.cli("replay", "2", "--namespace", A, "--exclude-session", f"{A}:{A_SESSIONS[2]}", "--reason", "asked")
+    assert f"excluded: {A}:{A_SESSIONS[2]}" in out
+    [replay_id] = re.findall(r"--replay (\S+) --namespace", out)
+    lineage = run.cli("lineage", "2", "--namespace", A, "--replay", replay_id)
+    assert f"session {A}:{A_SESSIONS[3]}" in lineage and A_SESSIONS[2] not in lineage
+    from clawrl.lineage import client, namespace_experiment
+
+    c = client(run.root)
+    replays = c.search_runs([c.get_experiment_by_name(namespace_experiment(A)).experiment_id],
+                            filter_string="tags.kind = 'unlearning'")
+    assert [r.data.tags["excluded_sessions"] for r in replays] == [f"{A}:{A_SESSIONS[2]}"]
+    refused = run.cli("replay", "2", "--namespace", A, "--exclude-session", f"{B}:{B_SESSIONS[0]}", code=2)
+    assert refused == (f"replay failed: {B}:{B_SESSIONS[0]} is not a session of {A}: an adapter replay leaves out "
+                       "sessions of its own namespace only\n")
 
 
 def test_promote_and_rollback_by_hand_move_one_namespace(run):
