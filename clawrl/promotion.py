@@ -25,6 +25,7 @@ guard groups compare with the base alone. Rows and evaluations carry the namespa
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -155,8 +156,6 @@ async def _score_adapter(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet
     """Scores of adapter ``name`` (at ``path``, digest ``sha256``) served beside the initial weights, which the
     engine is brought back to first when it holds others; ``<namespace>@v0``: the base alone. The adapter is
     unloaded again afterwards: the engine keeps no name for longer than one measurement."""
-    import asyncio
-
     rep = await sync_from_disk(engine, str(base_dir), BASE_VERSION, check_beside=True)  # a no-op when it holds them
     if not rep.success:
         raise GateError(f"could not load the initial weights into the evaluation engine: {rep.message}")

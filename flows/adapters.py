@@ -235,17 +235,18 @@ def forget_namespace(s: Settings, namespace: str, reason: str, engine_url: str |
     from clawrl.storage.forget import forget_rows
 
     checkpoints = s.storage.data_root / "checkpoints"
+    data_store(s).flush()
+    with open_catalog(s.storage.data_root) as con:
+        last = latest_adapter_version(con, namespace)  # before its rows go: its next version is numbered after
     served = read_served(checkpoints, namespace)
     removed = remove_adapters(checkpoints, namespace)
     rep = SyncReport(True, "no adapter was served", None, 0.0)
     if served is not None:
         rep = runtime.run(unload_adapter(served.name, **_targets(s, engine_url)))
-    data_store(s).flush()
-    with open_catalog(s.storage.data_root) as con:
-        last = latest_adapter_version(con, namespace)
+    # recorded before the rows are rewritten (which keep it): a forget cut short is finished by running it again
+    _record(s, namespace, "forget", None, served, rep, reason=reason, ok=True, last_version=last)
     rows = forget_rows(s.storage.data_root, namespace)
     runs = forget_namespace_lineage(s.storage.data_root, namespace)
-    _record(s, namespace, "forget", None, served, rep, reason=reason, ok=True, last_version=last)
     return {"namespace": namespace, "removed": removed, "unloaded": served.name if served and rep.success else None,
             "message": rep.message, "rows": rows, "mlflow_runs": runs}
 

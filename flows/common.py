@@ -1,5 +1,5 @@
-"""Per-process state of the flows (also used by `clawrl sync` and `clawrl demo`), and the record of a
-weight-sync attempt.
+"""Per-process state of the flows (also used by `clawrl sync` and `clawrl demo`), the record of a
+weight-sync attempt, and the tags that link an MLflow run to the flow run that made it.
 
 One process runs many flow runs (`clawrl demo` runs the judge and train flows every step), so the
 settings, the DataStore of a data root, the frozen model, the judge and the trainer are made on
