@@ -23,47 +23,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from clawrl.checkpoint import complete_checkpoints, verify_checkpoint, version_dir
+from clawrl.records import adapter_name, check_namespace, parse_adapter_name  # noqa: F401 - names live below storage
 
 ADAPTERS_DIR = "adapters"
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 SERVING_FILE = "serving.json"
-# what an API-key namespace looks like ("key-" + 16 hex digits, or "open"): a directory name that can
-# never climb out of adapters/, and no "@", which separates a name's namespace from its version
-NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_NAME_RE = re.compile(r"^(?P<namespace>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})@v(?P<version>[0-9]+)$")
-
-
-def check_namespace(namespace: str) -> str:
-    """``namespace`` when it is one (``NAMESPACE_RE``); ValueError naming it otherwise."""
-    if not NAMESPACE_RE.match(namespace) or namespace in (".", ".."):
-        raise ValueError(f"not a namespace: {namespace!r} (an API key's namespace is 'key-' and 16 hex digits; "
-                         "'open' in open mode)")
-    return namespace
-
-
-def adapter_name(namespace: str, version: int) -> str:
-    """The name version ``version`` of ``namespace``'s adapter is loaded and recorded as."""
-    return f"{check_namespace(namespace)}@v{int(version)}"
-
-
-def parse_adapter_name(name: str) -> tuple[str, int]:
-    """``"<namespace>@v<N>"`` -> (namespace, N); ValueError for anything else."""
-    m = _NAME_RE.match(name)
-    if m is None:
-        raise ValueError(f"not an adapter name: {name!r} (expected '<namespace>@v<N>')")
-    return m["namespace"], int(m["version"])
-
-
-def adapter_version(name: str | None) -> int:
-    """The version an adapter name names; 0 for None (the base alone)."""
-    return 0 if name is None else parse_adapter_name(name)[1]
 
 
 def namespace_dir(checkpoints: Path, namespace: str) -> Path:

@@ -331,15 +331,19 @@ def _serving(con: duckdb.DuckDBPyConnection) -> Finding:
 GATE_STALL = 3  # refused candidates in a row that make the gate a finding
 
 
-def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
+def _promotion(con: duckdb.DuckDBPyConnection, namespace: str | None = None) -> Finding:
+    """The gate's decisions on the shared policy (on ``namespace``'s adapter, whose versions are named)."""
     from clawrl.gate import NO_GAIN
     from clawrl.storage.promotions import consecutive_refusals, current_champion, promotion_log
 
-    log = promotion_log(con)
-    champion, refused = current_champion(con), consecutive_refusals(con)
-    summary = f"champion v{champion}; {sum(r['action'] == 'refuse' for r in log)} of " \
+    log = promotion_log(con, namespace)
+    champion, refused = current_champion(con, namespace), consecutive_refusals(con, namespace)
+    if namespace is None:
+        champion = f"v{champion}"
+    summary = f"champion {champion}; {sum(r['action'] == 'refuse' for r in log)} of " \
               f"{sum(r['source'] == 'gate' for r in log)} gated candidates refused, {refused} in a row"
-    sql = "SELECT action, weight_version, champion_version, reason, created_at FROM promotions ORDER BY created_at DESC"
+    sql = ("SELECT action, weight_version, champion_version, reason, created_at FROM promotions "
+           + ("" if namespace is None else f"WHERE namespace = '{namespace}' ") + "ORDER BY created_at DESC")
     if refused >= GATE_STALL and all(r["reason"].startswith(NO_GAIN) for r in log[-refused:]):
         return Finding("promotion", True, summary + f"; none of the last {refused} beat the champion by more than "
                        "[gate] min_gain: a plateau, not a fault")
@@ -347,7 +351,7 @@ def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
     if refused >= GATE_STALL and None not in means and all(b < a for a, b in zip(means, means[1:])):
         return Finding("promotion", False, summary + "; candidates falling: " + " -> ".join(f"{m:.3f}" for m in means),
                        f"the last {refused} checkpoints scored lower each time while users kept getting "
-                       f"v{champion}: the policy trains on v{champion}'s answers, not its own, so its own mistakes "
+                       f"{champion}: the policy trains on {champion}'s answers, not its own, so its own mistakes "
                        "are never served and never get a reward to unlearn them (e.g. a policy taught a tool call "
                        "by demonstrations learns to call everywhere)",
                        "let the policy's own answers be scored: serve it to a share of sessions ([gate] "
@@ -358,11 +362,51 @@ def _promotion(con: duckdb.DuckDBPyConnection) -> Finding:
     if refused >= GATE_STALL:
         return Finding("promotion", False, summary + f"; last: {log[-1]['reason']}",
                        f"training goes on but the last {refused} checkpoints scored worse than the champion "
-                       f"v{champion} on the evaluation set, so users keep getting v{champion}",
+                       f"{champion} on the evaluation set, so users keep getting {champion}",
                        "look at what changed since the champion (a reward with the wrong sign, a learning rate too "
                        "high, a judge config change); if the evaluation set no longer fits the traffic, point "
-                       "[gate] evaluator at one that does; `clawrl promote VERSION` serves one by hand", sql)
+                       "[gate] evaluator at one that does; `clawrl promote VERSION"
+                       + ("" if namespace is None else f" --namespace {namespace}") + "` serves one by hand", sql)
     return Finding("promotion", True, summary)
+
+
+def namespace_findings(con: duckdb.DuckDBPyConnection, chash: str, namespace: str, batch_size: int,
+                       served: str | None) -> list[Finding]:
+    """``clawrl doctor --namespace``: from the namespace's turns to the adapter it is served (``served``: its
+    name, None for the base alone), each finding over that namespace's rows only."""
+    from clawrl.storage.adapters import namespace_samples
+    from clawrl.storage.queries import pending_counts
+
+    c = pending_counts(con, chash, batch_size, namespace)
+    waiting = len(namespace_samples(con, chash, namespace))
+    where = f"namespace = '{namespace}'"
+    traffic = Finding("traffic", c["main_turns"] > 0, f"{c['turns']} turns logged, {c['main_turns']} main",
+                      "no main turn of this namespace reached the gateway: its key sends none, or only side turns",
+                      "send the agent's turns with this key (X-Turn-Type: main)",
+                      f"SELECT turn_type, count(*) FROM turns WHERE {where} GROUP BY 1")
+    kept = c["fates"].get(Fate.SAMPLE.value, 0)
+    judged = Finding("judged", c["judged"] < MIN_ROWS or kept > 0,
+                     f"{c['judged']} of {c['turns']} turns judged, {kept} became samples, {c['excluded']} excluded",
+                     "every judged turn of the namespace was excluded: it gives its adapter nothing to learn from",
+                     "see why with the query below (clawrl doctor without --namespace explains each fate)",
+                     f"SELECT fate, count(*) FROM turn_outcomes JOIN (SELECT DISTINCT turn_id FROM turns WHERE {where}) "
+                     "USING (turn_id) GROUP BY 1")
+    samples = Finding("samples", True, f"{waiting} trainable samples wait; its adapter trains at rollout_batch_size "
+                      f"{batch_size}" + (f" ({batch_size - waiting} more)" if waiting < batch_size else " (a full batch)"))
+    return [traffic, judged, samples, _adapter_serving(con, namespace, served), _promotion(con, namespace)]
+
+
+def _adapter_serving(con: duckdb.DuckDBPyConnection, namespace: str, served: str | None) -> Finding:
+    rows = con.execute("SELECT adapter, ok, error, created_at FROM adapter_serving WHERE namespace = $ns AND action = "
+                       "'sync' ORDER BY created_at DESC", {"ns": namespace}).fetchall()
+    failed = [r for r in rows if not r[1]]
+    summary = f"served {served or 'the base alone'}; {len(failed)} of {len(rows)} syncs failed"
+    sql = f"SELECT action, adapter, ok, error, created_at FROM adapter_serving WHERE namespace = '{namespace}'"
+    if rows and not rows[0][1]:
+        return Finding("serving", False, summary, f"the last sync ({rows[0][0]}) failed: {rows[0][2]}",
+                       "check the engine serves LoRA adapters and can read the adapter's directory, then "
+                       f"`clawrl promote {rows[0][0]} --namespace {namespace}`", sql)
+    return Finding("serving", True, summary)
 
 
 def report(con: duckdb.DuckDBPyConnection, judge_config_hash: str, *, method: str,

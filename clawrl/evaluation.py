@@ -118,10 +118,12 @@ def replay_eval_set(turns: Sequence[dict[str, Any]], rate: Rater, *, scorer: str
                    note=note)
 
 
-async def answer_prompts(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet) -> list[list[str]]:
-    """The answers of ``engine`` to every prompt, ``samples`` per prompt, by prompt."""
+async def answer_prompts(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet,
+                         lora_path: str | None = None) -> list[list[str]]:
+    """The answers of ``engine`` to every prompt, ``samples`` per prompt, by prompt; ``lora_path``: with
+    the LoRA adapter the engine holds under that name (None: the weights alone)."""
     def request(i: int, j: int, ids: list[int]) -> GenerateRequest:
-        return GenerateRequest(input_ids=ids, sampling_params=SamplingParams(
+        return GenerateRequest(input_ids=ids, lora_path=lora_path, sampling_params=SamplingParams(
             max_new_tokens=eval_set.max_tokens, temperature=eval_set.temperature,
             sampling_seed=eval_set.seed + i * eval_set.samples + j))
 
@@ -135,10 +137,11 @@ async def answer_prompts(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet
     return [texts[i * eval_set.samples:(i + 1) * eval_set.samples] for i in range(len(rendered))]
 
 
-async def evaluate_version(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet) -> tuple[list[float], float]:
-    """(per-prompt scores, seconds) of the version ``engine`` serves now."""
+async def evaluate_version(engine: Engine, adapter: ChatAdapter, eval_set: EvalSet,
+                           lora_path: str | None = None) -> tuple[list[float], float]:
+    """(per-prompt scores, seconds) of the version ``engine`` serves now (with the adapter ``lora_path``)."""
     t0 = time.perf_counter()
-    answers = await answer_prompts(engine, adapter, eval_set)
+    answers = await answer_prompts(engine, adapter, eval_set, lora_path)
 
     async def one(i: int, answer: str) -> float:
         s = eval_set.score(i, answer)

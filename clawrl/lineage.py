@@ -2,6 +2,12 @@
 a registered model version (version N of ``clawrl-policy`` is weight version N), and the walk back from a
 weight version to the turns that trained it.
 
+With ``[ppo] adapters = "namespace"`` each namespace has an experiment of its own,
+``clawrl-<namespace>`` (:func:`namespace_experiment`), holding its steps, its ``policy`` run (curves over
+its adapter versions) and its replays, and a registered model of its own, ``clawrl-adapter-<namespace>``:
+no run holds two namespaces' samples or sessions, and forgetting a namespace deletes both for good
+(:func:`forget_namespace_lineage`).
+
 MLflow lives under the data root: ``sqlite:///<data_root>/mlflow/mlflow.db`` (tracking and
 registry) with artifacts in ``<data_root>/mlflow/artifacts``. Model versions point at the
 checkpoint directory itself (no copy of the weights into MLflow's artifact store).
@@ -209,11 +215,21 @@ def policy_run(c, exp_id: str) -> str:
     return c.create_run(exp_id, run_name=POLICY_RUN, tags={"kind": POLICY_RUN}).info.run_id
 
 
-def log_policy_point(data_root: Path, version: int, metrics: dict[str, float]) -> str:
+def namespace_experiment(namespace: str) -> str:
+    """The MLflow experiment of one namespace's adapter: its steps, its curves, its replays."""
+    return f"{EXPERIMENT}-{namespace}"
+
+
+def namespace_model(namespace: str) -> str:
+    """The registered model of one namespace's adapter versions (tag ``weight_version``: the adapter's name)."""
+    return f"clawrl-adapter-{namespace}"
+
+
+def log_policy_point(data_root: Path, version: int, metrics: dict[str, float], experiment: str = EXPERIMENT) -> str:
     """``metrics`` at step ``version`` of the policy run, once: keys already logged at that step are
     left alone (a re-run after a crash, a replayed evaluation). Returns the policy run's id."""
     c = client(data_root)
-    run_id = policy_run(c, experiment_id(c, data_root))
+    run_id = policy_run(c, experiment_id(c, data_root, experiment))
     fresh = [_metric(k, v, version) for k, v in metrics.items()
              if v is not None and all(m.step != version for m in c.get_metric_history(run_id, k))]
     if fresh:
@@ -247,13 +263,13 @@ def _lineage_tags(step: dict[str, Any]) -> dict[str, str]:
             "parent_version": step["parent_version"], "checkpoint_sha256": step["sha256"]}
 
 
-def start_step_run(data_root: Path, *, step: dict[str, Any], tags: dict[str, str]) -> str:
+def start_step_run(data_root: Path, *, step: dict[str, Any], tags: dict[str, str], experiment: str = EXPERIMENT) -> str:
     """The MLflow run of one PPO step (``step``: the trainer's StepResult as a dict), made with its
     lineage tags and ``tags`` before anything else is logged on it, since the checkpoint record, the
     gate and the sync name it; the existing run when this batch has one. :func:`log_train_step`
     completes it."""
     c = client(data_root)
-    exp_id = experiment_id(c, data_root)
+    exp_id = experiment_id(c, data_root, experiment)
     runs = c.search_runs([exp_id], filter_string=f"tags.batch_id = '{step['batch_id']}'", max_results=1)
     if runs:
         return runs[0].info.run_id
@@ -263,7 +279,8 @@ def start_step_run(data_root: Path, *, step: dict[str, Any], tags: dict[str, str
 
 
 def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, Any],
-                   manifest: list[dict[str, Any]], tags: dict[str, str], run_id: str | None = None) -> str:
+                   manifest: list[dict[str, Any]], tags: dict[str, str], run_id: str | None = None,
+                   experiment: str = EXPERIMENT, model: str = REGISTERED_MODEL) -> str:
     """Log one PPO step: its run (``run_id``, else :func:`start_step_run`'s) with the step's metrics,
     ``params``, the batch manifest (a JSON record and a dataset input), finished; and the checkpoint
     as a version of the registered model, tagged with its lineage. Returns the run id. Idempotent:
@@ -278,7 +295,7 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
     from mlflow.entities import DatasetInput, InputTag, Param, RunStatus
 
     c = client(data_root)
-    run_id = run_id or start_step_run(data_root, step=step, tags=tags)
+    run_id = run_id or start_step_run(data_root, step=step, tags=tags, experiment=experiment)
     if c.get_run(run_id).info.status != RunStatus.to_string(RunStatus.FINISHED):
         c.log_batch(run_id, metrics=[_metric(k, v, step["step"]) for k, v in step["metrics"].items()],
                     params=[Param(k, str(getattr(v, "value", v))) for k, v in sorted(params.items())])
@@ -290,17 +307,18 @@ def log_train_step(data_root: Path, *, step: dict[str, Any], params: dict[str, A
                                                     tags=[InputTag("mlflow.data.context", "training")])])
         c.set_tag(run_id, "sample_count", str(len(manifest)))
         c.set_terminated(run_id)
-    _ensure_registered_model(c, REGISTERED_MODEL, POLICY_MODEL_DESCRIPTION)
-    if not c.search_model_versions(f"name = '{REGISTERED_MODEL}' and run_id = '{run_id}'"):  # once per run
-        write_mlmodel(Path(step["path"]), step)
+    _ensure_registered_model(c, model, POLICY_MODEL_DESCRIPTION if model == REGISTERED_MODEL else
+                             "LoRA adapter versions of one namespace: tag weight_version is the adapter's name.")
+    if not c.search_model_versions(f"name = '{model}' and run_id = '{run_id}'"):  # once per run
+        if model == REGISTERED_MODEL:  # an adapter directory holds what PEFT, SGLang and vLLM load, nothing else
+            write_mlmodel(Path(step["path"]), step)
         mv_tags = {**_lineage_tags(step), "sample_count": str(len(manifest)),
-                   **{k: v for k, v in tags.items() if k == "judge_config_hash"}}
-        mv = c.create_model_version(REGISTERED_MODEL, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags,
+                   **{k: v for k, v in tags.items() if k in ("judge_config_hash", "namespace")}}
+        mv = c.create_model_version(model, source=Path(step["path"]).as_uri(), run_id=run_id, tags=mv_tags,
                                     description=f"Weight version {step['weight_version']}, trained from version "
                                                 f"{step['parent_version']} on batch {step['batch_id']}.")
-        c.set_registered_model_alias(REGISTERED_MODEL, "newest", str(mv.version))
-    if str(step["weight_version"]).isdigit():
-        log_policy_point(data_root, int(step["weight_version"]), step["metrics"])
+        c.set_registered_model_alias(model, "newest", str(mv.version))
+    log_policy_point(data_root, int(step["step"]), step["metrics"], experiment)
     return run_id
 
 
@@ -344,21 +362,21 @@ def log_sync(data_root: Path, run_id: str, *, ok: bool, error: str | None, servi
         c.delete_tag(run_id, "sync_error")
 
 
-def set_policy_alias(data_root: Path, alias: str, weight_version: str) -> str | None:
-    """Point the ``clawrl-policy`` alias ``alias`` (``champion``, ``candidate``) at the model version of
-    ``weight_version`` and set the registered model's tag ``<alias>_weight_version`` to it; returns that
-    model version, or None when the version has none, as the initial weights (then the alias is removed
-    and only the tag says which version it is)."""
+def set_policy_alias(data_root: Path, alias: str, weight_version: str, model: str = REGISTERED_MODEL) -> str | None:
+    """Point the ``clawrl-policy`` (``model``) alias ``alias`` (``champion``, ``candidate``) at the model
+    version of ``weight_version`` and set the registered model's tag ``<alias>_weight_version`` to it;
+    returns that model version, or None when the version has none, as the initial weights (then the alias
+    is removed and only the tag says which version it is)."""
     c = client(data_root)
     with contextlib.suppress(Exception):  # no registered model yet: nothing trained, nothing to point at
-        c.set_registered_model_tag(REGISTERED_MODEL, f"{alias}_weight_version", str(weight_version))
-    found = c.search_model_versions(f"name = '{REGISTERED_MODEL}' and tags.weight_version = '{weight_version}'")
+        c.set_registered_model_tag(model, f"{alias}_weight_version", str(weight_version))
+    found = c.search_model_versions(f"name = '{model}' and tags.weight_version = '{weight_version}'")
     if not found:
         with contextlib.suppress(Exception):  # no registered model or no such alias yet
-            c.delete_registered_model_alias(REGISTERED_MODEL, alias)
+            c.delete_registered_model_alias(model, alias)
         return None
     mv = min(found, key=lambda m: int(m.version))  # the first registered for this weight version
-    c.set_registered_model_alias(REGISTERED_MODEL, alias, str(mv.version))
+    c.set_registered_model_alias(model, alias, str(mv.version))
     return str(mv.version)
 
 
@@ -416,7 +434,10 @@ REPLAY_MODEL = "clawrl-policy-replays"
 def log_replay(data_root: Path, report: dict[str, Any]) -> str:
     """A replay as one MLflow run linked to the run that trained the original version; its final
     checkpoint as a version of the ``clawrl-policy-replays`` model, tagged with what was excluded
-    (``excluded_sessions``: comma-separated ``NAMESPACE:SESSION_ID`` pairs)."""
+    (``excluded_sessions``: comma-separated ``NAMESPACE:SESSION_ID`` pairs). A replay of a namespace's
+    adapter is a run of that namespace's experiment, and registers nothing."""
+    namespace = report.get("namespace")
+    experiment = REPLAY_EXPERIMENT if namespace is None else namespace_experiment(namespace)
     c = client(data_root)
     steps = report["steps"]
     original = next((s["original_run_id"] for s in reversed(steps) if s.get("original_run_id")), None)
@@ -428,13 +449,46 @@ def log_replay(data_root: Path, report: dict[str, Any]) -> str:
     metrics = [_metric("identical", bool(s["identical"]), s["step"]) for s in steps if s["identical"] is not None]
     metrics += [_metric("excluded_samples", s["excluded_samples"], s["step"]) for s in steps]
     metrics += [_metric("max_abs_diff", s["max_abs_diff"], s["step"]) for s in steps if s.get("max_abs_diff") is not None]
-    run_id = _new_run(c, experiment_id(c, data_root, REPLAY_EXPERIMENT), f"replay-{kind}-v{report['source_version']}",
+    run_id = _new_run(c, experiment_id(c, data_root, experiment), f"replay-{kind}-v{report['source_version']}",
                       tags=tags, metrics=metrics, params={f"set.{k}": v for k, v in report["overrides"].items()},
                       record=report, record_file="replay.json")
     c.set_terminated(run_id)
-    if report.get("final_path"):
+    if report.get("final_path") and namespace is None:
         _ensure_registered_model(c, REPLAY_MODEL, "Policies re-trained by clawrl replay.")
         last = next(s for s in reversed(steps) if s["replay_sha256"])
         c.create_model_version(REPLAY_MODEL, source=Path(report["final_path"]).as_uri(), run_id=run_id, tags={
             **{k: v for k, v in tags.items() if v}, "checkpoint_sha256": last["replay_sha256"]})
     return run_id
+
+
+def forget_namespace_lineage(data_root: Path, namespace: str) -> int:
+    """Delete ``namespace``'s experiment and registered model (:func:`namespace_experiment`,
+    :func:`namespace_model`) for good: its runs with their metrics, params, tags, dataset inputs and
+    artifacts. MLflow's own deletion only marks an experiment deleted; ``mlflow gc`` then removes it from
+    the store (in a process of its own: it sets MLflow's global tracking URI), and the store is vacuumed so
+    that none of its bytes stay behind in freed pages. Returns the runs removed."""
+    import shutil
+    import sqlite3
+    import subprocess
+    import sys
+
+    from mlflow.entities import ViewType
+
+    c = client(data_root)
+    with contextlib.suppress(Exception):  # none registered yet
+        c.delete_registered_model(namespace_model(namespace))  # versions and aliases with it: no soft delete here
+    exp = c.get_experiment_by_name(namespace_experiment(namespace))
+    runs = 0
+    if exp is not None:
+        runs = len(c.search_runs([exp.experiment_id], run_view_type=ViewType.ALL, max_results=50_000))
+        if exp.lifecycle_stage != "deleted":
+            c.delete_experiment(exp.experiment_id)
+        uri = store_uri(data_root)
+        subprocess.run([sys.executable, "-m", "mlflow", "gc", "--backend-store-uri", uri, "--tracking-uri", uri,
+                        "--experiment-ids", exp.experiment_id], check=True, capture_output=True, timeout=600)
+        location = exp.artifact_location.removeprefix("file://")
+        if location.startswith(str(Path(data_root))):  # what gc leaves: the experiment's empty folders
+            shutil.rmtree(location, ignore_errors=True)
+    with contextlib.closing(sqlite3.connect(store_path(data_root))) as db:
+        db.execute("VACUUM")
+    return runs

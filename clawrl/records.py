@@ -9,12 +9,44 @@ engine's at sampling time, ``teacher_logprobs`` the teacher's over the same outp
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 
 
 OPEN_NAMESPACE = "open"  # the API-key namespace of every session when no keys are configured
+# what an API-key namespace looks like ("key-" + 16 hex digits, or "open"): a directory name that can
+# never climb out of adapters/, and no "@", which separates a name's namespace from its version
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_ADAPTER_NAME_RE = re.compile(r"^(?P<namespace>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})@v(?P<version>[0-9]+)$")
+
+
+def check_namespace(namespace: str) -> str:
+    """``namespace`` when it is one (``NAMESPACE_RE``); ValueError naming it otherwise."""
+    if not NAMESPACE_RE.match(namespace) or namespace in (".", ".."):
+        raise ValueError(f"not a namespace: {namespace!r} (an API key's namespace is 'key-' and 16 hex digits; "
+                         "'open' in open mode)")
+    return namespace
+
+
+def adapter_name(namespace: str, version: int) -> str:
+    """The name version ``version`` of ``namespace``'s LoRA adapter is loaded and recorded as
+    (``[ppo] adapters = "namespace"``); version 0 is no adapter: the base alone."""
+    return f"{check_namespace(namespace)}@v{int(version)}"
+
+
+def parse_adapter_name(name: str) -> tuple[str, int]:
+    """``"<namespace>@v<N>"`` -> (namespace, N); ValueError for anything else."""
+    m = _ADAPTER_NAME_RE.match(name)
+    if m is None:
+        raise ValueError(f"not an adapter name: {name!r} (expected '<namespace>@v<N>')")
+    return m["namespace"], int(m["version"])
+
+
+def adapter_version(name: str | None) -> int:
+    """The version an adapter name names; 0 for None (the base alone)."""
+    return 0 if name is None else parse_adapter_name(name)[1]
 
 
 def utcnow() -> datetime:
@@ -196,6 +228,7 @@ class AdapterRecord:
     path: str
     sha256: str  # digest of its adapter_model.safetensors (clawrl.checkpoint.weights_digest)
     created_at: datetime = field(default_factory=utcnow)
+    mlflow_run_id: str | None = None  # the step's run, in the namespace's own experiment
 
 
 @dataclass
@@ -205,7 +238,7 @@ class AdapterServeRecord:
 
     namespace: str
     action: str  # sync | forget
-    adapter: str | None  # the adapter name asked for; None: the base alone (forget)
+    adapter: str | None  # the adapter name asked for; None: the base alone (forget, or back to the base)
     previous: str | None  # what the namespace was served before
     ok: bool
     error: str | None
@@ -213,6 +246,9 @@ class AdapterServeRecord:
     seconds: float
     reason: str = ""  # forget: why, in words
     created_at: datetime = field(default_factory=utcnow)
+    # forget: the newest version the namespace had (its rows are gone; its next version is numbered after it,
+    # so no name is used twice)
+    last_version: int | None = None
 
 
 @dataclass
@@ -248,6 +284,9 @@ class EvaluationRecord:
     samples: int  # answers per prompt
     seconds: float  # engine time the evaluation took
     created_at: datetime = field(default_factory=utcnow)
+    # [ppo] adapters = "namespace": the namespace whose adapter (or, "<namespace>@v0", whose base) was scored
+    # on its own evaluation set; None: the shared policy
+    namespace: str | None = None
 
 
 class PromotionAction(str, Enum):
@@ -281,3 +320,6 @@ class PromotionRecord:
     created_at: datetime = field(default_factory=utcnow)
     eval_set: str | None = None  # [gate] eval_set of the evidence: validation | replay (None: no evaluation)
     eval_turn_ids: list[str] | None = None  # replay: the turns whose request messages were the prompts, in order
+    # [ppo] adapters = "namespace": the namespace whose adapter this decides (weight_version and
+    # champion_version are then adapter names, "<namespace>@v0" the base alone); None: the shared policy
+    namespace: str | None = None

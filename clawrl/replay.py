@@ -18,6 +18,10 @@ are read back from Parquet with float64 log-probs (bit-exact); a batch is traine
 sample order; and the torch thread count of the original step is restored, because a CPU matmul's
 reduction order - and so its last bits - depends on how many threads split it.
 
+A namespace's LoRA adapter (``[ppo] adapters = "namespace"``, ``namespace=``) replays the same way: its
+versions back to its fresh adapter, each from its own batch, into a replay data root of its own, each
+adapter file's digest compared with the recorded one; only that namespace's sessions can be excluded.
+
 A replay runs in one process. A version trained by several ranks (``[model] tensor_parallel x
 data_parallel`` > 1 under torchrun) is replayed on one: where its sums were taken in another order
 (tensor-parallel shards) the checkpoints differ in their last bits, so such a step is not held to
@@ -64,6 +68,7 @@ class ReplayReport:
     final_path: str | None = None
     final_version: str | None = None  # `clawrl lineage VERSION --replay REPLAY_ID` walks it back
     seconds: float = 0.0
+    namespace: str | None = None  # the namespace whose adapter was replayed; None: the shared policy
 
     @property
     def identical(self) -> bool | None:
@@ -123,17 +128,24 @@ class ReplayRequest:
 
 
 def check_replay(settings, weight_version: str, exclude_sessions: tuple[str, ...] = (),
-                 overrides: dict[str, Any] | None = None) -> ReplayRequest:
+                 overrides: dict[str, Any] | None = None, namespace: str | None = None) -> ReplayRequest:
     """Resolve ``weight_version`` ("latest", a version, or an MLflow run id) and the sessions to exclude,
     and check that the steps, their one config and ``overrides`` can be replayed; raise ValueError,
-    FileNotFoundError or ConfigError naming the bad value otherwise. Reads the catalog only."""
+    FileNotFoundError or ConfigError naming the bad value otherwise. Reads the catalog only.
+    ``namespace``: a version of that namespace's adapter ("latest", N or its name)."""
     from clawrl.config import load_settings
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import config_snapshot_path, latest_version, replay_plan, version_for_run
 
     data_root = Path(settings.storage.data_root)
     with open_catalog(data_root) as con:
-        if weight_version == "latest":
+        if namespace is not None:
+            weight_version, plan = _adapter_plan(con, namespace, weight_version)
+            excluded = resolve_exclusions(con, tuple(exclude_sessions))
+            if others := [":".join(p) for p in excluded if p[0] != namespace]:
+                raise ValueError(f"{', '.join(others)} is not a session of {namespace}: an adapter replay leaves "
+                                 "out sessions of its own namespace only")
+        elif weight_version == "latest":
             weight_version = str(latest_version(con))
             if weight_version == "0":
                 raise ValueError(f"nothing to replay: no training step is recorded in {data_root}")
@@ -141,15 +153,16 @@ def check_replay(settings, weight_version: str, exclude_sessions: tuple[str, ...
             run_id, weight_version = weight_version, version_for_run(con, weight_version)
             if weight_version is None:
                 raise ValueError(f"no checkpoint was trained by MLflow run {run_id!r}")
-        if not weight_version.isdigit() or int(weight_version) < 1:
+        if namespace is None and (not weight_version.isdigit() or int(weight_version) < 1):
             raise ValueError(f"version {weight_version!r}: expected a weight version (1, 2, ...), 'latest' or an "
                              "MLflow run id")
-        excluded = resolve_exclusions(con, tuple(exclude_sessions))
-        plan = replay_plan(con, weight_version)
+        if namespace is None:
+            excluded = resolve_exclusions(con, tuple(exclude_sessions))
+            plan = replay_plan(con, weight_version)
     config_hashes = {p["config_hash"] for p in plan}
     if len(config_hashes) != 1:
-        raise ValueError(f"versions 1..{weight_version} were trained under several configs {sorted(config_hashes)}; "
-                         "replay one config segment at a time")
+        raise ValueError(f"versions {plan[0]['step']}..{weight_version} were trained under several configs "
+                         f"{sorted(config_hashes)}; replay one config segment at a time")
     snapshot = config_snapshot_path(data_root, plan[0]["config_hash"])
     if not snapshot.is_file():
         raise FileNotFoundError(f"the recorded config {snapshot} is missing; cannot replay")
@@ -157,12 +170,33 @@ def check_replay(settings, weight_version: str, exclude_sessions: tuple[str, ...
     return ReplayRequest(weight_version, excluded, plan, snapshot)
 
 
+def _adapter_plan(con, namespace: str, version: str) -> tuple[str, list[dict[str, Any]]]:
+    """(the adapter name, the versions that trained it, oldest first, each as a plan row: step = its version)
+    of ``version`` ("latest", N, or ``<namespace>@v<N>``) of ``namespace``'s adapter."""
+    from clawrl.records import adapter_name, parse_adapter_name
+    from clawrl.storage.adapters import adapter_chain, latest_adapter_version
+
+    number = latest_adapter_version(con, namespace) if version == "latest" else \
+        parse_adapter_name(version)[1] if "@" in version else int(version) if version.isdigit() else None
+    if number is None or number < 1:
+        raise ValueError(f"version {version!r}: expected a version of {namespace}'s adapter (1, 2, ..., or 'latest')")
+    chain = adapter_chain(con, namespace, number)
+    if not chain:
+        raise ValueError(f"no version {adapter_name(namespace, number)} is recorded (`clawrl lineage latest "
+                         f"--namespace {namespace}` shows its newest)")
+    if chain[-1]["parent"] != adapter_name(namespace, 0):
+        raise ValueError(f"cannot replay {chain[0]['name']}: {chain[-1]['name']} was trained from "
+                         f"{chain[-1]['parent']}, which is no longer recorded")
+    return chain[0]["name"], [{**r, "step": r["version"]} for r in reversed(chain)]
+
+
 def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] = (), reason: str = "",
-           overrides: dict[str, Any] | None = None, progress=None) -> ReplayReport:
+           overrides: dict[str, Any] | None = None, progress=None, namespace: str | None = None) -> ReplayReport:
     """Re-train versions 1..``weight_version`` (the newest for "latest"; an MLflow run id: the version
     that run trained) of ``settings.storage.data_root`` into a new data root, ``replays/<replay id>``:
     its checkpoints, and the batches, samples and checkpoint rows that made them (its own batch ids).
-    ``exclude_sessions``: ``NAMESPACE:SESSION_ID`` or an unambiguous session id each."""
+    ``exclude_sessions``: ``NAMESPACE:SESSION_ID`` or an unambiguous session id each. ``namespace``: the
+    versions of that namespace's adapter up to ``weight_version`` instead."""
     import torch
 
     from clawrl.config import load_settings
@@ -173,7 +207,7 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
 
     data_root = Path(settings.storage.data_root)
     overrides = dict(overrides or {})
-    request = check_replay(settings, weight_version, tuple(exclude_sessions), overrides)
+    request = check_replay(settings, weight_version, tuple(exclude_sessions), overrides, namespace)
     weight_version, excluded, plan, snapshot = (request.weight_version, request.excluded, request.plan,
                                                 request.snapshot)
     with open_catalog(data_root) as con:
@@ -181,7 +215,8 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
     exact = not excluded and not overrides
     replay_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     out = data_root / "replays" / replay_id
-    report = ReplayReport(replay_id, weight_version, exact, [list(p) for p in excluded], reason, overrides)
+    report = ReplayReport(replay_id, weight_version, exact, [list(p) for p in excluded], reason, overrides,
+                          namespace=namespace)
     t0 = time.perf_counter()
     replay_settings = load_settings(snapshot, env={}, drop_removed=True, overrides={
         **overrides, "storage.data_root": str(out), "storage.model_cache": str(settings.storage.models_dir),
@@ -209,9 +244,12 @@ def replay(settings, weight_version: str, *, exclude_sessions: tuple[str, ...] =
 def _replay_step(trainer, store, replay_id: str, plan_row: dict[str, Any], samples: list,
                  excluded: set[tuple[str, str]], exact: bool, trained_ranks: int = 1) -> ReplayStep:
     """One recorded batch re-trained without the ``excluded`` (namespace, session_id) pairs: the
-    replay's batch row (with the samples it lists) before the step, its checkpoint row after.
-    ``trained_ranks``: the processes that trained the original step."""
-    from clawrl.records import BatchRecord, CheckpointRecord
+    replay's batch row (with the samples it lists) before the step, its checkpoint (or, for a
+    namespace's adapter, ``adapters``) row after. ``trained_ranks``: the processes that trained the
+    original step."""
+    from clawrl.adapters import ADAPTER_FILE
+    from clawrl.checkpoint import TREE_PREFIX, WEIGHTS_FILE, digest_as_recorded
+    from clawrl.records import AdapterRecord, BatchRecord, CheckpointRecord, adapter_name
 
     kept = [r for r in samples if (r.namespace, r.session_id) not in excluded]
     step = ReplayStep(plan_row["step"], plan_row["batch_id"], plan_row["sha256"], None, len(kept),
@@ -219,39 +257,50 @@ def _replay_step(trainer, store, replay_id: str, plan_row: dict[str, Any], sampl
                       trained_ranks=trained_ranks)
     if not kept:
         return step
+    namespace = plan_row.get("namespace")  # set: a version of that namespace's adapter
+    if namespace is None:
+        version, parent = trainer.version + 1, trainer.weight_version
+    else:
+        version = int(plan_row["step"])
+        parent = trainer.last.weight_version if trainer.last is not None else adapter_name(namespace, 0)
     step.replay_batch_id = hashlib.sha256(f"{replay_id}\x00{plan_row['batch_id']}".encode()).hexdigest()[:16]
     sessions = sorted({(r.namespace, r.session_id) for r in kept})
     store.append(kept)
     store.append(BatchRecord(
-        batch_id=step.replay_batch_id, step=trainer.version + 1, sample_ids=[r.sample_id for r in kept],
+        batch_id=step.replay_batch_id, step=version, sample_ids=[r.sample_id for r in kept],
         session_ids=[sid for _, sid in sessions], session_namespaces=[ns for ns, _ in sessions],
-        method=plan_row["method"], config_hash=plan_row["config_hash"], parent_version=trainer.weight_version,
-        source_batch_id=plan_row["batch_id"]))
+        method=plan_row["method"], config_hash=plan_row["config_hash"], parent_version=parent,
+        source_batch_id=plan_row["batch_id"], namespace=namespace))
     store.flush()
-    result = trainer.run(step.replay_batch_id, kept)
-    store.append(CheckpointRecord(weight_version=result.weight_version, step=result.step, batch_id=result.batch_id,
-                                  parent_version=result.parent_version, path=result.path, sha256=result.sha256,
-                                  mlflow_run_id=None))
+    if namespace is None:
+        result = trainer.run(step.replay_batch_id, kept)
+        store.append(CheckpointRecord(weight_version=result.weight_version, step=result.step, batch_id=result.batch_id,
+                                      parent_version=result.parent_version, path=result.path, sha256=result.sha256,
+                                      mlflow_run_id=None))
+    else:
+        result = trainer.run(step.replay_batch_id, kept, version=version)
+        store.append(AdapterRecord(namespace=namespace, version=version, name=result.weight_version,
+                                   batch_id=result.batch_id, parent=result.parent_version,
+                                   base_version=plan_row["base_version"], path=result.path, sha256=result.sha256))
     store.flush()
-    from clawrl.checkpoint import TREE_PREFIX, WEIGHTS_FILE, digest_as_recorded
-
+    weights = WEIGHTS_FILE if namespace is None else ADAPTER_FILE
     step.replay_sha256, step.replay_version = result.sha256, result.weight_version
     same = result.sha256 == plan_row["sha256"]
     if not same and not plan_row["sha256"].startswith(TREE_PREFIX):  # recorded as the whole file's sha256
-        same = digest_as_recorded(Path(result.path) / WEIGHTS_FILE, plan_row["sha256"]) == plan_row["sha256"]
+        same = digest_as_recorded(Path(result.path) / weights, plan_row["sha256"]) == plan_row["sha256"]
     if not same and plan_row.get("path"):
-        step.max_abs_diff = max_weight_difference(Path(plan_row["path"]), Path(result.path))
+        step.max_abs_diff = max_weight_difference(Path(plan_row["path"]), Path(result.path), weights)
     if exact:
         step.identical = same
     return step
 
 
-def max_weight_difference(a: Path, b: Path) -> float | None:
-    """The largest absolute difference between two checkpoints' weights (None: a file is missing or
-    they do not hold the same tensors)."""
+def max_weight_difference(a: Path, b: Path, weights: str = "model.safetensors") -> float | None:
+    """The largest absolute difference between two checkpoints' (adapters') ``weights`` files (None: a file
+    is missing or they do not hold the same tensors)."""
     from safetensors import safe_open
 
-    fa, fb = a / "model.safetensors", b / "model.safetensors"
+    fa, fb = a / weights, b / weights
     if not (fa.is_file() and fb.is_file()):
         return None
     with safe_open(str(fa), "pt") as x, safe_open(str(fb), "pt") as y:

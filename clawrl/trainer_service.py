@@ -124,16 +124,17 @@ def claim_adapter_batch(store, data_root: Path, namespace: str, *, judge_config_
                                    f"{adapter_name(namespace, batch.step)}")
 
 
-def record_adapter(store, data_root: Path, step: dict[str, Any], base_version: str) -> bool:
-    """The ``adapters`` row of the trainer's StepResult ``step`` for a namespace's adapter, once per
-    name: False when a re-run finds it already recorded."""
+def record_adapter(store, data_root: Path, step: dict[str, Any], base_version: str, run_id: str | None = None) -> bool:
+    """The ``adapters`` row of the trainer's StepResult ``step`` for a namespace's adapter (``run_id``: its
+    MLflow run), once per name: False when a re-run finds it already recorded."""
     from clawrl.adapters import parse_adapter_name
     from clawrl.storage.adapters import adapter_recorded
 
     namespace, version = parse_adapter_name(step["weight_version"])
     return _append_once(store, data_root, lambda con: adapter_recorded(con, step["weight_version"]), AdapterRecord(
         namespace=namespace, version=version, name=step["weight_version"], batch_id=step["batch_id"],
-        parent=step["parent_version"], base_version=base_version, path=step["path"], sha256=step["sha256"]))
+        parent=step["parent_version"], base_version=base_version, path=step["path"], sha256=step["sha256"],
+        mlflow_run_id=run_id))
 
 
 def _append_once(store, data_root: Path, recorded: Callable[[Any], bool], record: Any) -> bool:

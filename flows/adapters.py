@@ -1,20 +1,28 @@
 """The train flow with ``[ppo] adapters = "namespace"``: each namespace's LoRA adapter trained on its own full
-batches and synced into the serving engine as an adapter; and forgetting a namespace.
+batches, gated against that namespace's champion, and served to it as an adapter; and forgetting a namespace.
 
 Per namespace, exactly once with a crash allowed between any two tasks, as the shared flow (flows/train.py):
 
 1. ``claim_adapter_batch`` writes the namespace's batch (its own samples only) before training, or resumes
    its unfinished one.
-2. ``run_step`` asks the trainer to train it: the NamespaceTrainer loads that namespace's adapter and
+2. ``run_adapter_step`` asks the trainer to train it: the NamespaceTrainer loads that namespace's adapter and
    optimizer state, steps, and writes the new version (idempotent per batch id).
-3. ``record_adapter`` appends the ``adapters`` row once per name.
-4. ``sync_adapter`` loads the new version into every serving worker beside the old one (nothing pauses),
-   switches the namespace to it (``serving.json``, which the gateway reads) and unloads the old one; each
-   attempt is an ``adapter_serving`` row. With no engine running, the namespace is switched anyway: the
-   gateway that starts next loads it on the namespace's first request.
-
-The promotion gate does not evaluate adapters yet: every version serves once trained. MLflow lineage per
-namespace is not written yet either.
+3. ``start_adapter_lineage`` makes the step's MLflow run in the namespace's own experiment
+   (``clawrl-<namespace>``), idempotent by batch id; ``record_adapter`` appends the ``adapters`` row once per
+   name.
+4. ``gate_adapter``: the new version is a candidate against the namespace's champion (its newest promoted
+   version, or the base alone), both served by the evaluation engine as two adapters over the initial
+   weights, on the ``[gate]`` validation set or on the namespace's own replayed turns
+   (``clawrl.promotion.gate_candidate``); a ``promotions`` row of that namespace. ``[gate] enabled = false``
+   promotes it unevaluated.
+5. ``sync_adapter_task`` serves the namespace its champion: the candidate when promoted (loaded into every
+   serving worker beside the old one, the namespace switched to it - ``serving.json``, which the gateway
+   reads - and the old one unloaded; nothing pauses), else nothing changes. A refused version stays on
+   disk, never served. Each change is an ``adapter_serving`` row. With no engine running, the namespace is
+   switched anyway: the gateway that starts next loads it on the namespace's first request.
+6. ``log_adapter_lineage`` completes the MLflow run (metrics, params, the batch manifest: that namespace's
+   samples only) and registers the version in the namespace's model ``clawrl-adapter-<namespace>``, with
+   the ``candidate`` / ``champion`` aliases as the gate decided.
 
 "One step at a time" holds per namespace: the global concurrency limit ``trainer-<namespace>`` (1 slot), so
 steps of different namespaces run at once, on the work pool's workers too (one run per namespace,
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -32,13 +41,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from clawrl import runtime, trainer_service
-from clawrl.adapters import ServedAdapter, parse_adapter_name, read_served, remove_adapters, write_served
+from clawrl.adapters import ServedAdapter, parse_adapter_name, read_served, remove_adapters, serving_file, write_served
 from clawrl.config import Settings, config_hash, dump_toml, read_admin_key
-from clawrl.flows.common import data_store, engine_url_for, load_flow_settings, policy_engine, train_step
+from clawrl.config_sections import GUARD_TOLERANCE
+from clawrl.flows.common import (base_model_dir, data_store, engine_url_for, eval_adapter, eval_engine, gate_eval_set,
+                                 load_flow_settings, policy_engine, prefect_tags, train_step)
 from clawrl.flows.slots import (TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, tick, tick_namespaces,
                                 trainer_limit)
 from clawrl.judge.runner import build_judge_config_hash
-from clawrl.records import AdapterServeRecord
+from clawrl.records import AdapterServeRecord, PromotionAction
 from clawrl.storage.catalog import open_catalog
 from clawrl.sync import NO_ENGINE, SyncReport, sync_adapter, unload_adapter
 
@@ -79,10 +90,57 @@ def run_adapter_step(config_path: str | None, batch_id: str, trainer_url: str | 
     return train_step(load_flow_settings(config_path), batch_id, trainer_url)
 
 
+def _lineage_tags(s: Settings, namespace: str) -> dict[str, str]:
+    return {"namespace": namespace, "judge_config_hash": build_judge_config_hash(s),
+            "method": s.ppo.advantage_estimator.value}
+
+
 @task(cache_policy=NO_CACHE)
-def record_adapter(config_path: str | None, step: dict[str, Any]) -> bool:
+def start_adapter_lineage(config_path: str | None, step: dict[str, Any]) -> str:
+    """The step's MLflow run in its namespace's experiment (idempotent by batch id)."""
+    from clawrl.lineage import namespace_experiment, start_step_run
+
     s = load_flow_settings(config_path)
-    return trainer_service.record_adapter(data_store(s), s.storage.data_root, step, BASE_VERSION)
+    namespace = parse_adapter_name(step["weight_version"])[0]
+    return start_step_run(s.storage.data_root, step=step, tags={**_lineage_tags(s, namespace), **prefect_tags()},
+                          experiment=namespace_experiment(namespace))
+
+
+@task(cache_policy=NO_CACHE)
+def record_adapter(config_path: str | None, step: dict[str, Any], run_id: str | None = None) -> bool:
+    s = load_flow_settings(config_path)
+    return trainer_service.record_adapter(data_store(s), s.storage.data_root, step, BASE_VERSION, run_id)
+
+
+@task(cache_policy=NO_CACHE)
+def gate_adapter(config_path: str | None, step: dict[str, Any], run_id: str | None) -> dict[str, Any]:
+    """The promotion gate on the step's adapter version against its namespace's champion: the decision, its
+    evidence, and ``serve`` (``clawrl.promotion.adapter_target``: what the namespace is served now)."""
+    from clawrl.lineage import log_gate
+    from clawrl.promotion import adapter_target, gate_candidate, record_manual
+
+    s = load_flow_settings(config_path)
+    root, name = s.storage.data_root, step["weight_version"]
+    namespace = parse_adapter_name(name)[0]
+    if not s.gate.enabled:
+        row = record_manual(data_store(s), root, action=PromotionAction.PROMOTE, version=name, source="ungated",
+                            reason="[gate] enabled = false: served unevaluated", mlflow_run_id=run_id,
+                            namespace=namespace)
+        out: dict[str, Any] = {"decision": "promote", "reason": row.reason, "champion_version": row.champion_version,
+                               "serve_version": name}
+    else:
+        engine = eval_engine(s)
+        out = gate_candidate(data_store(s), root, candidate=name, engine=engine, adapter=eval_adapter(s, engine),
+                             eval_set=gate_eval_set(s, step["batch_id"], namespace), base_dir=base_model_dir(s),
+                             tolerance=s.gate.tolerance, alpha=s.gate.alpha, min_gain=s.gate.min_gain,
+                             guard=s.gate.guard, guard_tolerance=GUARD_TOLERANCE, mlflow_run_id=run_id,
+                             namespace=namespace)
+        if run_id:
+            log_gate(root, run_id, step=int(step["step"]), evidence=out, decision=out["decision"],
+                     reason=out["reason"], champion_version=out["champion_version"])
+    get_run_logger().info("gate: %s %s (champion %s): %s", name, "promoted" if out["decision"] == "promote"
+                          else "refused", out["champion_version"], out["reason"])
+    return {**out, "serve": adapter_target(root, out["serve_version"])}
 
 
 def _targets(s: Settings, engine_url: str | None) -> dict[str, Any]:
@@ -92,62 +150,105 @@ def _targets(s: Settings, engine_url: str | None) -> dict[str, Any]:
             "admin_key": read_admin_key(s.server.admin_keys_env), "timeout_s": s.engine.stall_timeout_s}
 
 
-def push_adapter(s: Settings, step: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
-    """Serve the adapter version ``step`` made (its name, path, sha256) to its namespace: loaded into every
-    serving worker, the namespace switched to it, the previous version unloaded; the attempt recorded."""
-    name, checkpoints = step["weight_version"], s.storage.data_root / "checkpoints"
-    namespace, version = parse_adapter_name(name)
+def push_adapter(s: Settings, target: dict[str, Any], engine_url: str | None, reason: str = "") -> dict[str, Any]:
+    """Serve ``target`` (``clawrl.promotion.adapter_target``'s keys) to its namespace: an adapter version is
+    loaded into every serving worker, the namespace switched to it and its previous version unloaded; the base alone
+    (``<namespace>@v0``) switches the namespace off its adapter and unloads that. The change is recorded;
+    nothing is loaded when the namespace is served ``target`` already."""
+    name, namespace, checkpoints = target["weight_version"], target["namespace"], s.storage.data_root / "checkpoints"
     previous = read_served(checkpoints, namespace)
-    if previous is not None and previous.name == name:
+    if (previous.name if previous else f"{namespace}@v0") == name:
         return {"success": True, "skipped": True, "message": "already serving this version", "adapter": name,
                 "target": None, "seconds": 0.0}
     where = _targets(s, engine_url)
-    rep = runtime.run(sync_adapter(name, step["path"], step["sha256"], **where))
-    switched = rep.success or rep.message == NO_ENGINE  # none running: the next gateway loads it on first use
-    if switched:
-        write_served(checkpoints, ServedAdapter(namespace, name, version, step["path"], step["sha256"]))
-        if previous is not None and rep.success:
-            runtime.run(unload_adapter(previous.name, **where))
-    _record(s, namespace, "sync", name, previous, rep, ok=switched)
+    version = parse_adapter_name(name)[1]
+    if version == 0:  # the base alone: nothing to load
+        serving_file(checkpoints, namespace).unlink(missing_ok=True)
+        rep = runtime.run(unload_adapter(previous.name, **where))
+        rep = SyncReport(True, f"{namespace} is served the base alone", None, rep.seconds, target=rep.target)
+        switched = True
+    else:
+        rep = runtime.run(sync_adapter(name, target["path"], target["sha256"], **where))
+        switched = rep.success or rep.message == NO_ENGINE  # none running: the next gateway loads it on first use
+        if switched:
+            write_served(checkpoints, ServedAdapter(namespace, name, version, target["path"], target["sha256"]))
+            if previous is not None and rep.success:
+                runtime.run(unload_adapter(previous.name, **where))
+    _record(s, namespace, "sync", name if version else None, previous, rep, reason=reason, ok=switched)
     return {"success": rep.success, "skipped": rep.skipped, "message": rep.message, "adapter": name,
             "target": rep.target, "seconds": rep.seconds}
 
 
 def _record(s: Settings, namespace: str, action: str, adapter: str | None, previous: ServedAdapter | None,
-            rep: SyncReport, reason: str = "", ok: bool | None = None) -> None:
+            rep: SyncReport, reason: str = "", ok: bool | None = None, last_version: int | None = None) -> None:
     store = data_store(s)
     store.append(AdapterServeRecord(namespace=namespace, action=action, adapter=adapter,
                                     previous=previous.name if previous else None,
                                     ok=rep.success if ok is None else ok, error=None if rep.success else rep.message,
-                                    target=rep.target, seconds=float(rep.seconds), reason=reason))
+                                    target=rep.target, seconds=float(rep.seconds), reason=reason,
+                                    last_version=last_version))
     store.flush()
 
 
 @task(cache_policy=NO_CACHE)
-def sync_adapter_task(config_path: str | None, step: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
-    synced = push_adapter(load_flow_settings(config_path), step, engine_url)
+def sync_adapter_task(config_path: str | None, target: dict[str, Any], engine_url: str | None) -> dict[str, Any]:
+    synced = push_adapter(load_flow_settings(config_path), target, engine_url)
     if synced["message"] == NO_ENGINE:
-        get_run_logger().warning("adapter %s serves once a gateway starts: %s", step["weight_version"], NO_ENGINE)
+        get_run_logger().warning("adapter %s serves once a gateway starts: %s", target["weight_version"], NO_ENGINE)
     elif not synced["success"]:
         get_run_logger().error("adapter %s not served (its namespace keeps its previous one): %s",
-                               step["weight_version"], synced["message"])
+                               target["weight_version"], synced["message"])
     return synced
 
 
+@task(cache_policy=NO_CACHE)
+def log_adapter_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate: dict[str, Any]) -> None:
+    """After the sync: the step's run completed with that namespace's batch manifest, the version registered
+    in the namespace's model, its ``candidate`` and ``champion`` aliases as the gate decided."""
+    from clawrl.lineage import log_train_step, namespace_experiment, namespace_model, set_policy_alias
+    from clawrl.storage.queries import batch_manifest
+    from clawrl.train.base import PPOHyperParams
+
+    s = load_flow_settings(config_path)
+    root, namespace = s.storage.data_root, parse_adapter_name(step["weight_version"])[0]
+    data_store(s).flush()
+    with open_catalog(root) as con:
+        manifest = batch_manifest(con, step["batch_id"])
+    hp = PPOHyperParams.from_settings(s.ppo, s.model.seed)
+    params = {**asdict(hp), "method": hp.advantage_estimator.value, "config_hash": config_hash(s),
+              "batch_size": s.ppo.rollout_batch_size, "adapter_rank": s.ppo.adapter_rank, "model": s.model.name}
+    model = namespace_model(namespace)
+    log_train_step(root, step=step, params=params, manifest=manifest, tags=_lineage_tags(s, namespace), run_id=run_id,
+                   experiment=namespace_experiment(namespace), model=model)
+    set_policy_alias(root, "candidate", step["weight_version"], model)
+    set_policy_alias(root, "champion", gate["serve_version"], model)
+
+
 def forget_namespace(s: Settings, namespace: str, reason: str, engine_url: str | None = None) -> dict[str, Any]:
-    """Forget ``namespace``'s learning: every version of its adapter deleted (what it is served first, so
-    the gateway serves it the base from its next request), the served one unloaded from the engine, and
-    none of its samples from before now ever trained again (an ``adapter_serving`` row, action ``forget``).
-    The base never saw its data. Returns the versions removed and whether the engine unloaded its adapter."""
+    """Forget ``namespace``: every version of its adapter deleted (what it is served first, so the gateway
+    serves it the base from its next request), the served one unloaded from the engine, its rows rewritten
+    out of every table (``clawrl.storage.forget``), its MLflow experiment and model deleted for good, its
+    replays removed; an ``adapter_serving`` row (action ``forget``) says when and why. The base never saw
+    its data. Returns what was removed."""
+    from clawrl.lineage import forget_namespace_lineage
+    from clawrl.storage.adapters import latest_adapter_version
+    from clawrl.storage.forget import forget_rows
+
     checkpoints = s.storage.data_root / "checkpoints"
+    data_store(s).flush()
+    with open_catalog(s.storage.data_root) as con:
+        last = latest_adapter_version(con, namespace)  # before its rows go: its next version is numbered after
     served = read_served(checkpoints, namespace)
     removed = remove_adapters(checkpoints, namespace)
     rep = SyncReport(True, "no adapter was served", None, 0.0)
     if served is not None:
         rep = runtime.run(unload_adapter(served.name, **_targets(s, engine_url)))
-    _record(s, namespace, "forget", None, served, rep, reason=reason, ok=True)
+    # recorded before the rows are rewritten (which keep it): a forget cut short is finished by running it again
+    _record(s, namespace, "forget", None, served, rep, reason=reason, ok=True, last_version=last)
+    rows = forget_rows(s.storage.data_root, namespace)
+    runs = forget_namespace_lineage(s.storage.data_root, namespace)
     return {"namespace": namespace, "removed": removed, "unloaded": served.name if served and rep.success else None,
-            "message": rep.message}
+            "message": rep.message, "rows": rows, "mlflow_runs": runs}
 
 
 def train_adapters(config_path: str | None, namespace: str | None, max_steps: int, trainer_url: str | None,
@@ -156,8 +257,6 @@ def train_adapters(config_path: str | None, namespace: str | None, max_steps: in
     holding that namespace's ``trainer-<namespace>`` slot: waiting for it, or with ``exclusive`` skipping a
     namespace whose slot another run holds."""
     log = get_run_logger()
-    if load_flow_settings(config_path).gate.enabled:
-        log.info("the promotion gate does not evaluate adapters yet: each adapter version serves once trained")
     steps: list[dict[str, Any]] = []
     skipped: list[str] = []
     for ns in [namespace] if namespace else waiting_namespaces(config_path):
@@ -188,11 +287,16 @@ def _adapter_steps(config_path: str | None, namespace: str, max_steps: int, trai
             if batch_id is None:
                 break
             step = run_adapter_step(config_path, batch_id, trainer_url)
-            record_adapter(config_path, step)
-            synced = sync_adapter_task(config_path, step, engine_url)
+            run_id = start_adapter_lineage(config_path, step)
+            record_adapter(config_path, step, run_id)
+            gate = gate_adapter(config_path, step, run_id)
+            synced = sync_adapter_task(config_path, gate["serve"], engine_url)
+            if log_adapter_lineage(config_path, step, run_id, gate, return_state=True).is_failed():
+                log.warning("the MLflow lineage of %s is not complete", step["weight_version"])
         m = step["metrics"]
-        log.info("%s (batch %s): loss %.4f, reward %.3f, kl %.5f; sync: %s", step["weight_version"], batch_id,
-                 m.get("loss", float("nan")), m.get("reward_mean", float("nan")), m.get("kl", 0.0),
+        log.info("%s (batch %s): loss %.4f, reward %.3f, kl %.5f; %s, serving %s (sync: %s)", step["weight_version"],
+                 batch_id, m.get("loss", float("nan")), m.get("reward_mean", float("nan")), m.get("kl", 0.0),
+                 "promoted" if gate["decision"] == "promote" else "refused", gate["serve_version"],
                  "ok" if synced["success"] else synced["message"])
-        steps.append({**step, "namespace": namespace, "sync": synced})
+        steps.append({**step, "namespace": namespace, "mlflow_run_id": run_id, "gate": gate, "sync": synced})
     return steps

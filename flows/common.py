@@ -1,5 +1,5 @@
-"""Per-process state of the flows (also used by `clawrl sync` and `clawrl demo`), and the record of a
-weight-sync attempt.
+"""Per-process state of the flows (also used by `clawrl sync` and `clawrl demo`), the record of a
+weight-sync attempt, and the tags that link an MLflow run to the flow run that made it.
 
 One process runs many flow runs (`clawrl demo` runs the judge and train flows every step), so the
 settings, the DataStore of a data root, the frozen model, the judge and the trainer are made on
@@ -125,22 +125,24 @@ def base_model_dir(settings: Settings):
     return resolve_model_dir(settings.model.name, settings.storage.models_dir, settings.model.seed)
 
 
-def gate_eval_set(settings: Settings, batch_id: str | None = None) -> EvalSet:
+def gate_eval_set(settings: Settings, batch_id: str | None = None, namespace: str | None = None) -> EvalSet:
     """The ``[gate]`` evaluation set of the candidate trained on ``batch_id``: the validation set, loaded
     once per configuration; or the replay set of the turns judged before that batch was claimed (all
-    judged turns without a batch), scored by ``[gate] evaluator`` or the judge's rating."""
+    judged turns without a batch; only ``namespace``'s for its adapter), scored by ``[gate] evaluator`` or
+    the judge's rating."""
     from clawrl.evaluation import load_eval_set
 
     g, temperature = settings.gate, settings.ppo.temperature
     budget = g.answer_budget(settings.ppo.max_new_tokens)
     if g.eval_set == "replay":
-        return _replay_eval_set(settings, batch_id, temperature, budget)
+        return _replay_eval_set(settings, batch_id, temperature, budget, namespace)
     return _once(("gate-set", config_hash(g), temperature, budget), lambda: load_eval_set(
         g.validation_evaluator, size=g.size, samples=GATE_SAMPLES, seed=g.seed, max_tokens=budget,
         temperature=temperature))
 
 
-def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: float, budget: int) -> EvalSet:
+def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: float, budget: int,
+                     namespace: str | None) -> EvalSet:
     from clawrl.evaluation import replay_eval_set
     from clawrl.hooks import HookError, import_path
     from clawrl.judge.pipeline import BUDGET_CHARS, TEMPERATURE
@@ -154,7 +156,7 @@ def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: floa
     data_store(settings).flush()
     with open_catalog(settings.storage.data_root) as con:
         cut = batch_claimed_at(con, batch_id) if batch_id else None
-        turns = replay_turns(con, chash, g.size, cut)
+        turns = replay_turns(con, chash, g.size, cut, namespace)
     if g.evaluator:
         rate, scorer = import_path(g.evaluator), f"hook:{g.evaluator}"
         if not callable(rate):
@@ -262,6 +264,26 @@ def serve_target(s: Settings, version: str) -> dict[str, Any]:
         v, path, sha = weights_of(con, version, base_model_dir(s))
         ck = find_checkpoint(con, v) if v != "0" else None
     return {"weight_version": v, "path": path, "sha256": sha or "", "mlflow_run_id": ck["mlflow_run_id"] if ck else None}
+
+
+def prefect_tags() -> dict[str, str]:
+    """The flow run this is part of, as MLflow run tags that link back to it (``clawrl.lineage.prefect_link_tags``)."""
+    from prefect.runtime import flow_run
+
+    from clawrl.lineage import prefect_link_tags
+
+    if not flow_run.id:
+        return {}
+    return prefect_link_tags(str(flow_run.id), flow_run_ui_url(str(flow_run.id)))
+
+
+def flow_run_ui_url(flow_run_id: str) -> str:
+    """The flow run's page in the Prefect UI this process talks to, by Prefect's own table of UI routes
+    (``runs/flow-run/<id>``; ``prefect.runtime.flow_run.ui_url`` gives the older ``flow-runs/flow-run/<id>``,
+    which the UI only redirects)."""
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=flow_run_id) or ""
 
 
 def engine_url_for(s: Settings, engine_url: str | None = None) -> str | None:

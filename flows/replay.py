@@ -17,7 +17,7 @@ from clawrl.flows.common import load_flow_settings
 
 @task(cache_policy=NO_CACHE)
 def run_replay(config_path: str | None, version: str, exclude_sessions: list[str], reason: str,
-               overrides: dict[str, Any]) -> dict[str, Any]:
+               overrides: dict[str, Any], namespace: str | None = None) -> dict[str, Any]:
     s = load_flow_settings(config_path)
     log = get_run_logger()
 
@@ -29,7 +29,7 @@ def run_replay(config_path: str | None, version: str, exclude_sessions: list[str
                  step.replay_batch_id or "-", step.samples, step.excluded_samples, verdict)
 
     return replay(s, version, exclude_sessions=tuple(exclude_sessions), reason=reason, overrides=overrides,
-                  progress=progress).to_dict()
+                  progress=progress, namespace=namespace).to_dict()
 
 
 @task(cache_policy=NO_CACHE)
@@ -40,11 +40,12 @@ def record_replay(config_path: str | None, report: dict[str, Any]) -> str:
 
 @flow(name="replay", flow_run_name="replay-v{version}", log_prints=True)
 def replay_flow(config_path: str | None = None, version: str = "latest", exclude_sessions: list[str] | None = None,
-                reason: str = "", set_overrides: list[str] | None = None) -> dict[str, Any]:
+                reason: str = "", set_overrides: list[str] | None = None, namespace: str | None = None) -> dict[str, Any]:
     """``version``: a weight version or 'latest'; ``exclude_sessions``: ["NAMESPACE:SESSION_ID", ...] (a bare
-    session id where only one API-key namespace uses it); ``set_overrides``: ["ppo.lr=1e-5", ...]."""
+    session id where only one API-key namespace uses it); ``set_overrides``: ["ppo.lr=1e-5", ...];
+    ``namespace``: a version of that namespace's adapter ([ppo] adapters = "namespace")."""
     overrides = dict(parse_override(x) for x in (set_overrides or []))
-    report = run_replay(config_path, version, list(exclude_sessions or []), reason, overrides)
+    report = run_replay(config_path, version, list(exclude_sessions or []), reason, overrides, namespace)
     report["mlflow_run_id"] = record_replay(config_path, report)
     verdict = report["identical"]
     diffs = [st["max_abs_diff"] for st in report["steps"] if st["max_abs_diff"] is not None]

@@ -62,9 +62,9 @@ from prefect.concurrency.sync import concurrency
 from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml, mlflow_ui_url
 from clawrl.config_sections import GUARD_TOLERANCE
-from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
-                                 load_flow_settings, push_canary, push_weights, serve_target, train_step,
-                                 trainer_in_process)
+from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, flow_run_ui_url,  # noqa: F401
+                                 gate_eval_set, load_flow_settings, prefect_tags, push_canary, push_weights,
+                                 serve_target, train_step, trainer_in_process)
 from clawrl.flows.adapters import train_adapters
 from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, mark_idle, run_time_name, skipped_because
 from clawrl.hooks import hook_params, load_hook
@@ -174,26 +174,6 @@ def log_lineage(config_path: str | None, step: dict[str, Any], run_id: str, gate
         get_run_logger().info("completed the lineage of versions %s, left unfinished by a stopped train run",
                               ", ".join(st["weight_version"] for st, _ in todo[:-1]))
     return [st["weight_version"] for st, _ in todo]
-
-
-def prefect_tags() -> dict[str, str]:
-    """The flow run this is part of, as MLflow run tags that link back to it (``clawrl.lineage.prefect_link_tags``)."""
-    from prefect.runtime import flow_run
-
-    from clawrl.lineage import prefect_link_tags
-
-    if not flow_run.id:
-        return {}
-    return prefect_link_tags(str(flow_run.id), flow_run_ui_url(str(flow_run.id)))
-
-
-def flow_run_ui_url(flow_run_id: str) -> str:
-    """The flow run's page in the Prefect UI this process talks to, by Prefect's own table of UI routes
-    (``runs/flow-run/<id>``; ``prefect.runtime.flow_run.ui_url`` gives the older ``flow-runs/flow-run/<id>``,
-    which the UI only redirects)."""
-    from prefect.utilities.urls import url_for
-
-    return url_for("flow-run", obj_id=flow_run_id) or ""
 
 
 @task(cache_policy=NO_CACHE)

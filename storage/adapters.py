@@ -13,8 +13,8 @@ from typing import Any
 
 import duckdb
 
-from clawrl.records import OPEN_NAMESPACE
-from clawrl.storage.queries import _columns, _rows, trainable_samples
+from clawrl.records import OPEN_NAMESPACE, adapter_version
+from clawrl.storage.queries import _columns, _rows, batch_manifest, trainable_samples
 
 
 def _adapter_of_turn(con: duckdb.DuckDBPyConnection) -> str:
@@ -47,12 +47,8 @@ def namespace_samples(con: duckdb.DuckDBPyConnection, judge_config_hash: str,
         ns = r["namespace"] or OPEN_NAMESPACE
         if ns in forgotten and at <= forgotten[ns]:
             continue
-        kept.append({**r, "namespace": ns, "adapter_version": _version(adapter)})
+        kept.append({**r, "namespace": ns, "adapter_version": adapter_version(adapter)})
     return kept
-
-
-def _version(adapter: str | None) -> int:
-    return 0 if adapter is None else int(adapter.rpartition("@v")[2])
 
 
 def full_batch_namespaces(con: duckdb.DuckDBPyConnection, judge_config_hash: str, batch_size: int) -> list[str]:
@@ -87,9 +83,14 @@ def open_adapter_batch(con: duckdb.DuckDBPyConnection, namespace: str) -> dict[s
 
 def latest_adapter_version(con: duckdb.DuckDBPyConnection, namespace: str) -> int:
     """The newest version of ``namespace``'s adapter ever recorded (0 before its first step); a forgotten
-    namespace's versions count too: its next one gets a name never used."""
+    namespace's versions count too (its ``forget`` row's ``last_version``): its next one gets a name never
+    used."""
     value = con.execute("SELECT max(version) FROM adapters WHERE namespace = $ns", {"ns": namespace}).fetchall()[0][0]
-    return 0 if value is None else int(value)
+    forgot = None
+    if "last_version" in _columns(con, "adapter_serving"):
+        forgot = con.execute("SELECT max(last_version) FROM adapter_serving WHERE namespace = $ns AND action = "
+                             "'forget'", {"ns": namespace}).fetchall()[0][0]
+    return max(int(value or 0), int(forgot or 0))
 
 
 def adapter_recorded(con: duckdb.DuckDBPyConnection, name: str) -> bool:
@@ -110,3 +111,33 @@ def batch_namespace(con: duckdb.DuckDBPyConnection, batch_id: str) -> tuple[str,
     rows = con.execute("SELECT namespace, step FROM batches WHERE batch_id = $b ORDER BY created_at LIMIT 1",
                        {"b": batch_id}).fetchall()
     return (rows[0][0], int(rows[0][1])) if rows and rows[0][0] is not None else None
+
+
+def adapter_chain(con: duckdb.DuckDBPyConnection, namespace: str, version: int) -> list[dict[str, Any]]:
+    """What trained version ``version`` of ``namespace``'s adapter: its ``adapters`` row and each one it was
+    trained from (``parent``), newest first, back to the fresh adapter; each with its batch's method, config
+    hash, sample ids, sessions ([namespace, session_id] pairs) and turn ids. Empty when the version is not
+    recorded."""
+    rows = {r["name"]: r for r in _rows(con, """
+        SELECT a.* EXCLUDE (date), b.method, b.config_hash, b.sample_ids FROM adapters a
+        JOIN (SELECT * FROM batches QUALIFY row_number() OVER (PARTITION BY batch_id ORDER BY created_at) = 1) b
+        USING (batch_id) WHERE a.namespace = $ns
+        QUALIFY row_number() OVER (PARTITION BY a.name ORDER BY a.created_at) = 1""", ns=namespace)}
+    chain, name = [], f"{namespace}@v{int(version)}"
+    while name in rows:
+        r = rows[name]
+        manifest = batch_manifest(con, r["batch_id"])
+        chain.append({**r, "turn_ids": [t["turn_id"] for t in manifest],
+                      "sessions": sorted(map(list, {(t["namespace"], t["session_id"]) for t in manifest}))})
+        name = r["parent"]
+    return chain
+
+
+def namespaces(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """Every namespace of the data root (its turns, or its adapter versions), busiest first: namespace,
+    turns, adapter versions, the newest one."""
+    return _rows(con, """
+        WITH t AS (SELECT namespace, count(DISTINCT turn_id) AS turns FROM turns GROUP BY namespace),
+        a AS (SELECT namespace, count(DISTINCT name) AS versions, max(version) AS newest FROM adapters GROUP BY namespace)
+        SELECT namespace, coalesce(t.turns, 0) AS turns, coalesce(a.versions, 0) AS versions, a.newest
+        FROM t FULL JOIN a USING (namespace) WHERE namespace IS NOT NULL ORDER BY turns DESC, namespace""")

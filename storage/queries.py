@@ -110,7 +110,7 @@ _USABLE_SAMPLES = f"""
 
 
 def pending_counts(
-    con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int
+    con: duckdb.DuckDBPyConnection, judge_config_hash: str, rollout_batch_size: int, namespace: str | None = None
 ) -> dict[str, Any]:
     """Where every turn stands under one judge config, for ``clawrl status``.
 
@@ -123,16 +123,20 @@ def pending_counts(
     sample ids under this config, as ``trainable_samples`` counts them); consumed (of those, listed
     in some batch); trainable (not consumed); batches (rows of ``batches``); rollout_batch_size;
     full_batches (trainable // rollout_batch_size); samples_needed (more samples before the next
-    step can start).
+    step can start). ``namespace``: the turns of that API-key namespace only, with their samples, and the
+    batches of its adapter (``[ppo] adapters = "namespace"``).
     """
     if rollout_batch_size < 1:
         raise ValueError("rollout_batch_size must be >= 1")
     waiting = f"FROM t JOIN ns USING (turn_id) ANTI JOIN f USING (turn_id) WHERE t.turn_type = '{_MAIN}' AND"
+    mine = "" if namespace is None else " AND turn_id IN (SELECT turn_id FROM t)"
+    params = {"hash": judge_config_hash} | ({} if namespace is None else {"ns": namespace})
     (counts,) = _rows(con, f"""
-        WITH t AS (SELECT turn_id, any_value(turn_type) AS turn_type FROM turns GROUP BY turn_id),
+        WITH t AS (SELECT turn_id, any_value(turn_type) AS turn_type FROM turns
+                   {'' if namespace is None else 'WHERE namespace = $ns'} GROUP BY turn_id),
         ns AS (SELECT turn_id, bool_or(has_next_state) AS has_next FROM next_states GROUP BY turn_id),
-        f AS (SELECT DISTINCT turn_id FROM turn_fate WHERE judge_config_hash = $hash),
-        s AS (SELECT DISTINCT sample_id FROM ({_USABLE_SAMPLES})),
+        f AS (SELECT DISTINCT turn_id FROM turn_fate WHERE judge_config_hash = $hash{mine}),
+        s AS (SELECT DISTINCT sample_id FROM ({_USABLE_SAMPLES}){mine.replace(' AND', ' WHERE', 1)}),
         used AS ({_CONSUMED})
         SELECT
             (SELECT count(*) FROM t) AS turns,
@@ -146,12 +150,14 @@ def pending_counts(
             (SELECT count(*) FROM f) AS judged,
             (SELECT count(*) FROM s) AS samples,
             (SELECT count(*) FROM s SEMI JOIN used USING (sample_id)) AS consumed,
-            (SELECT count(*) FROM batches) AS batches
-    """, hash=judge_config_hash)
+            (SELECT count(*) FROM batches {'' if namespace is None else 'WHERE namespace = $ns'}) AS batches
+    """, **params)
     fates = {fate.value: 0 for fate in Fate}
     latest_fate = _first("turn_fate", "turn_id", where="WHERE judge_config_hash = $hash", order="created_at DESC")
-    for fate, n in con.sql(f"SELECT fate, count(*) FROM ({latest_fate}) GROUP BY fate",
-                           params={"hash": judge_config_hash}).fetchall():
+    if namespace is not None:
+        latest_fate = (f"SELECT * FROM ({latest_fate}) WHERE turn_id IN (SELECT DISTINCT turn_id FROM turns "
+                       "WHERE namespace = $ns)")
+    for fate, n in con.sql(f"SELECT fate, count(*) FROM ({latest_fate}) GROUP BY fate", params=params).fetchall():
         fates[fate] = int(n)
     trainable = counts["samples"] - counts["consumed"]
     counts.update(

@@ -63,6 +63,25 @@ def test_the_replay_set_is_the_newest_judged_main_turns_distinct_sessions_first(
     assert four[0]["session_id"] == "a" and four[0]["request_tools"] is None
 
 
+def test_a_namespaces_replay_set_is_its_own_turns(tmp_path):
+    import dataclasses
+
+    from clawrl.records import make_turn_id
+    from clawrl.storage.promotions import replay_turns
+
+    turns = [dataclasses.replace(_turn(f"{ns}-s", i, minutes=i), namespace=ns, turn_id=make_turn_id(ns, f"{ns}-s", i))
+             for ns in ("key-a", "key-b") for i in range(3)]
+    with DataStore(tmp_path) as store:
+        store.append(turns)
+        for turn in turns:
+            _judged(store, turn, at=T0 + timedelta(hours=1))
+    with open_catalog(tmp_path) as con:
+        mine = replay_turns(con, HASH, 10, namespace="key-a")
+        every = replay_turns(con, HASH, 10)
+    assert [r["turn_id"] for r in mine] == [make_turn_id("key-a", "key-a-s", i) for i in (2, 1, 0)]
+    assert len(every) == 6
+
+
 class ScriptedJudge:
     """A judge backend whose votes are scripted; it keeps the prompts it was asked."""
 

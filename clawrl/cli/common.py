@@ -247,3 +247,57 @@ def config_show(
 ) -> None:
     """Print the effective configuration (defaults + --config + CLAWRL__SECTION__KEY env)."""
     typer.echo(dump_defaults(full) if defaults else dump_toml(settings_or_exit(config)), nl=False)
+
+
+def promotion_line(log: list[dict], consecutive: int) -> str:
+    """One line on what serves and why, e.g. 'promotion: champion version 3; candidate 5 refused (worse by
+    more than the tolerance 0.05: ...); 2 refused in a row'. Plain text: scripts grep it."""
+    champions = [r["weight_version"] for r in log if r["action"] in ("promote", "rollback")]
+    champion = champions[-1] if champions else "0"
+    head = f"promotion: champion version {champion}" + ("" if champions else " (the initial weights)")
+    if not log:
+        return head + "; no candidate decided yet"
+    last = log[-1]
+    on = f" on the {last['eval_set']} set" if last.get("eval_set") else ""  # [gate] eval_set of the evidence
+    if last["action"] == "refuse":
+        return (f"{head}; candidate {last['weight_version']} refused{on} ({last['reason']}); "
+                f"{consecutive} refused in a row")
+    verb = "promoted" if last["action"] == "promote" else f"rolled back from version {last['champion_version']}"
+    return f"{head}, {verb} {DECIDED_BY.get(last['source'], 'by ' + last['source'])}{on} ({last['reason']})"
+
+
+def promotion_note(log: list[dict], line: list[str], unserved: set[str], version: str) -> str:
+    """What the gate and the promotions (``log``, the champion ``line``, the ``unserved`` versions) made
+    of ``version``, e.g. 'refused by the gate (worse by more than the tolerance 0.05), not served; the
+    champion is version 3'."""
+    rows = [r for r in log if str(r["weight_version"]) == version]
+    if version == line[-1]:
+        done = {"promote": "promoted", "rollback": "rolled back to"}
+        how = f" ({done[rows[-1]['action']]} {DECIDED_BY.get(rows[-1]['source'], 'by ' + rows[-1]['source'])})" \
+            if rows and rows[-1]["action"] in done else ""
+        return f"the champion{how}"
+    champion = f"the champion is version {line[-1]}"
+    if rows and rows[-1]["action"] == "refuse" and version in unserved:
+        return f"refused by the gate ({rows[-1]['reason'].split(':')[0]}), not served; {champion}"
+    if version in unserved:
+        return f"rolled back from, not served; {champion}"
+    if not rows:
+        return f"no promotion decision recorded yet, not served; {champion}"
+    return f"served as champion before; {champion}"
+
+
+# a promotions row's source, as the status line says who decided
+DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live check",
+              "ungated": "without the gate"}
+
+
+def print_findings(title: str, findings: list[dict]) -> None:
+    """`clawrl doctor`'s report: how many problems, then each finding, with the cause, fix and SQL of a problem."""
+    problems = [f for f in findings if not f["ok"]]
+    console.print(f"{title}: {len(problems) or 'no'} problem{'s' if len(problems) != 1 else ''} found", markup=False)
+    for f in findings:
+        console.print(f"{'ok  ' if f['ok'] else 'FAIL'} {f['name']}: {f['summary']}", markup=False, highlight=False,
+                      soft_wrap=True)
+        for label in ("cause", "fix", "sql") if not f["ok"] else ():
+            console.print(f"       {'see' if label == 'sql' else label}: {f[label]}", markup=False, highlight=False,
+                          soft_wrap=True)

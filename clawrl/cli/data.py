@@ -10,8 +10,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+import clawrl.cli.adapters as per_namespace
+from clawrl.cli.adapters import NamespaceOpt
 from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, err, fail, gateway_engine_url,
-                               require_data_root, settings_or_exit, sync_command, warn)
+                               print_findings, promotion_line, promotion_note, require_data_root, settings_or_exit,
+                               sync_command, warn)
 
 
 @app.command("sql")
@@ -73,11 +76,16 @@ def one_line(message: str) -> str:
 
 
 @app.command("status")
-def status(config: RunConfigOpt = None) -> None:
+def status(config: RunConfigOpt = None, namespace: NamespaceOpt = None) -> None:
     """Turns pending judgment, judged, trainable samples vs rollout_batch_size, exclusion reasons, the
-    latest checkpoint, the version served, the last weight sync and the checkpoint waiting to be served."""
+    latest checkpoint, the version served, the last weight sync and the checkpoint waiting to be served.
+    With [ppo] adapters = "namespace": one line per namespace, or with --namespace that one's in full."""
     s = settings_or_exit(config)
     require_data_root(s, config)
+    if s.ppo.adapters == "namespace" or namespace is not None:
+        if namespace is None:
+            return per_namespace.status_overview(s, config)
+        return per_namespace.status(s, config, per_namespace.namespace_or_exit(s, namespace))
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.queries import find_checkpoint, pending_counts, sync_state
@@ -194,60 +202,22 @@ def sync_line(st: dict) -> str:
     return "; ".join(parts)
 
 
-def promotion_line(log: list[dict], consecutive: int) -> str:
-    """One line on what serves and why, e.g. 'promotion: champion version 3; candidate 5 refused (worse by
-    more than the tolerance 0.05: ...); 2 refused in a row'. Plain text: scripts grep it."""
-    champions = [r["weight_version"] for r in log if r["action"] in ("promote", "rollback")]
-    champion = champions[-1] if champions else "0"
-    head = f"promotion: champion version {champion}" + ("" if champions else " (the initial weights)")
-    if not log:
-        return head + "; no candidate decided yet"
-    last = log[-1]
-    on = f" on the {last['eval_set']} set" if last.get("eval_set") else ""  # [gate] eval_set of the evidence
-    if last["action"] == "refuse":
-        return (f"{head}; candidate {last['weight_version']} refused{on} ({last['reason']}); "
-                f"{consecutive} refused in a row")
-    verb = "promoted" if last["action"] == "promote" else f"rolled back from version {last['champion_version']}"
-    return f"{head}, {verb} {DECIDED_BY.get(last['source'], 'by ' + last['source'])}{on} ({last['reason']})"
-
-
-def promotion_note(log: list[dict], line: list[str], unserved: set[str], version: str) -> str:
-    """What the gate and the promotions (``log``, the champion ``line``, the ``unserved`` versions) made
-    of ``version``, e.g. 'refused by the gate (worse by more than the tolerance 0.05), not served; the
-    champion is version 3'."""
-    rows = [r for r in log if str(r["weight_version"]) == version]
-    if version == line[-1]:
-        done = {"promote": "promoted", "rollback": "rolled back to"}
-        how = f" ({done[rows[-1]['action']]} {DECIDED_BY.get(rows[-1]['source'], 'by ' + rows[-1]['source'])})" \
-            if rows and rows[-1]["action"] in done else ""
-        return f"the champion{how}"
-    champion = f"the champion is version {line[-1]}"
-    if rows and rows[-1]["action"] == "refuse" and version in unserved:
-        return f"refused by the gate ({rows[-1]['reason'].split(':')[0]}), not served; {champion}"
-    if version in unserved:
-        return f"rolled back from, not served; {champion}"
-    if not rows:
-        return f"no promotion decision recorded yet, not served; {champion}"
-    return f"served as champion before; {champion}"
-
-
-# a promotions row's source, as the status line says who decided
-DECIDED_BY = {"gate": "by the gate", "manual": "by hand", "live": "by the live check",
-              "ungated": "without the gate"}
-
-
 @app.command("doctor")
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="The findings and the per-version scores as JSON.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw the per-version scores into this PNG.")] = None,
     config: RunConfigOpt = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Why the run is or is not learning: each stage from logged turns to served weights checked,
-    with the cause and the fix of each problem, and the judged score of live turns per weight version."""
+    with the cause and the fix of each problem, and the judged score of live turns per weight version.
+    With --namespace: that namespace's turns, samples, served adapter and gate."""
     import json
 
     s = settings_or_exit(config)
     require_data_root(s, config)
+    if namespace is not None:
+        return per_namespace.doctor(s, config, per_namespace.namespace_or_exit(s, namespace), as_json)
     from clawrl.doctor import plot_learning_by_version, report, settings_checks
     from clawrl.judge.runner import build_judge_config_hash
     from clawrl.storage.catalog import open_catalog
@@ -263,16 +233,7 @@ def doctor(
         typer.echo(json.dumps({"data_root": str(s.storage.data_root), **found}))
         return
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
-    problems = [f for f in found["findings"] if not f["ok"]]
-    console.print(f"clawrl doctor (judge config {chash}): "
-                  f"{len(problems) or 'no'} problem{'s' if len(problems) != 1 else ''} found", markup=False)
-    for f in found["findings"]:
-        console.print(f"{'ok  ' if f['ok'] else 'FAIL'} {f['name']}: {f['summary']}", markup=False, highlight=False,
-                      soft_wrap=True)
-        if not f["ok"]:
-            for label in ("cause", "fix", "sql"):
-                console.print(f"       {'see' if label == 'sql' else label}: {f[label]}", markup=False,
-                              highlight=False, soft_wrap=True)
+    print_findings(f"clawrl doctor (judge config {chash})", found["findings"])
     t = Table(title="judged score of live main turns, by the weight version that served them", title_justify="left")
     for name in ("version", "n", "mean", "95% interval"):
         t.add_column(name, justify="right")
@@ -291,9 +252,10 @@ def lineage(
     config: RunConfigOpt = None,
     replay: Annotated[Optional[str], typer.Option(help="A version of this replay (its id, as `clawrl replay` "
                                                        "printed it), not of the training run.")] = None,
+    namespace: NamespaceOpt = None,
 ) -> None:
     """What trained a version: its batches -> sessions (NAMESPACE:SESSION_ID) -> turns, with MLflow runs and
-    checkpoint hashes."""
+    checkpoint hashes. With --namespace: a version of that namespace's adapter (N, or latest)."""
     s = settings_or_exit(config)
     require_data_root(s, config)
     from rich.tree import Tree
@@ -303,10 +265,11 @@ def lineage(
     from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
     from clawrl.storage.queries import latest_version, lineage_chain
 
-    root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
-    if replay is not None and (replay in ("", ".", "..") or "/" in replay or not (root / "tables").is_dir()):
-        fail(f"no replay {replay!r} in {s.storage.data_root / 'replays'}")
+    root = s.storage.data_root if replay is None else per_namespace.replay_root(s, replay)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    if namespace is not None:
+        return per_namespace.lineage(s, per_namespace.namespace_or_exit(s, namespace, known=replay is None), version,
+                                     replay)
     with open_catalog(root) as con:
         if version == "latest":
             version = str(latest_version(con))

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, Optional
 
 import typer
 
+import clawrl.cli.adapters as per_namespace
+from clawrl.cli.adapters import NamespaceOpt
 from clawrl.cli.common import (RunConfigOpt, app, console, data_root_line, data_root_prefect, err, fail,
                                gateway_engine_url, run_in_up, settings_or_exit, sync_command, warn)
 from clawrl.cli.data import status
@@ -105,9 +107,12 @@ def train(
     for st in out["steps"]:
         m = st["metrics"]
         if "namespace" in st:  # [ppo] adapters = "namespace": a namespace's adapter version
+            gate = st["gate"]
+            decided = "promoted" if gate["decision"] == "promote" else f"refused, {gate['serve_version']} serves"
             console.print(f"adapter {st['weight_version']}: loss {m.get('loss', float('nan')):.4f}, "
-                          f"{int(m.get('num_seqs', 0))} samples, {st['path']}, sync: {st['sync']['message'] or 'ok'}",
-                          markup=False)
+                          f"{int(m.get('num_seqs', 0))} samples, {st['path']}, gate: {decided} "
+                          f"({gate['reason'].split(':')[0]}), sync: {st['sync']['message'] or 'ok'}", markup=False,
+                          soft_wrap=True)
             if not st["sync"]["success"]:
                 warn(f"adapter {st['weight_version']} is not served yet: {st['sync']['message']}; its namespace keeps "
                      "its previous one until its next step syncs")
@@ -129,7 +134,7 @@ def _checkpoints(s) -> list[dict]:
 
 def _print_steps_in_up(s, made: list[dict]) -> None:
     """The steps a train run in `clawrl up` made, from the tables: each checkpoint and what the gate made of it."""
-    from clawrl.cli.data import promotion_note
+    from clawrl.cli.common import promotion_note
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
 
@@ -194,13 +199,17 @@ def sync(
     raise typer.Exit(0 if rep["success"] else 1)
 
 
-def _serve_by_hand(config, version: str | None, action: str, reason: str, engine_url: str | None) -> None:
+def _serve_by_hand(config, version: str | None, action: str, reason: str, engine_url: str | None,
+                   namespace: str | None = None) -> None:
     """Serve ``version`` (None: the champion before the current one) through the same sync path as the
     train flow, then record it as a ``promotions`` row and move the MLflow ``champion`` alias.
     Nothing is recorded when the engine did not take the weights, and nothing is tried (no sync
-    attempt recorded) for a version whose weights were pruned."""
+    attempt recorded) for a version whose weights were pruned. ``namespace``: of its adapter."""
     s = settings_or_exit(config)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
+    if namespace is not None:
+        return per_namespace.serve_by_hand(s, per_namespace.namespace_or_exit(s, namespace), version, action, reason,
+                                           engine_url)
     from clawrl.flows.common import data_store, engine_url_for, push_weights, serve_target
 
     url = engine_url_for(s, engine_url)
@@ -245,13 +254,15 @@ def _serve_by_hand(config, version: str | None, action: str, reason: str, engine
 
 @app.command("promote")
 def promote(
-    version: Annotated[str, typer.Argument(help="Weight version to serve as the champion (0: the initial weights).")],
+    version: Annotated[str, typer.Argument(help="Weight version to serve as the champion (0: the initial weights; "
+                                                "with --namespace a version of its adapter, 0: the base alone).")],
     config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
     reason: ReasonOpt = "",
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Serve VERSION as the champion now, whatever the gate decided (no rejected requests: the usual sync)."""
-    _serve_by_hand(config, version, "promote", reason, engine_url)
+    _serve_by_hand(config, version, "promote", reason, engine_url, namespace)
 
 
 @app.command("rollback")
@@ -259,9 +270,10 @@ def rollback(
     config: RunConfigOpt = None,
     engine_url: EngineUrlOpt = None,
     reason: ReasonOpt = "",
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Serve the champion before the current one again (no rejected requests: the usual sync)."""
-    _serve_by_hand(config, None, "rollback", reason, engine_url)
+    _serve_by_hand(config, None, "rollback", reason, engine_url, namespace)
 
 
 @app.command("replay")
@@ -276,17 +288,21 @@ def replay_cmd(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Counterfactual SECTION.KEY=VALUE (repeatable).")] = None,
     fmt: Annotated[Literal["table", "json"], typer.Option("--format", "-f", help="json: the whole report, for "
                                                                                "scripts.")] = "table",
+    namespace: NamespaceOpt = None,
 ) -> None:
     """Re-run training from the logged samples, recorded config and seeds; compare checkpoint hashes.
-    Exit code 1 when an exact replay did not reproduce the checkpoints byte for byte."""
+    Exit code 1 when an exact replay did not reproduce the checkpoints byte for byte. With --namespace: the
+    versions of that namespace's adapter, their adapter files compared."""
     from clawrl.config import parse_override
     from clawrl.replay import check_replay
 
     s = settings_or_exit(config)
     (err if fmt == "json" else console).print(data_root_line(s, config), markup=False, highlight=False,
                                               soft_wrap=True)  # --format json: stdout is the report alone
+    if namespace is not None:
+        per_namespace.namespace_or_exit(s, namespace)
     try:  # a bad version, session or --set is told before the flow starts
-        check_replay(s, version, tuple(exclude_session or []), dict(parse_override(x) for x in set_ or []))
+        check_replay(s, version, tuple(exclude_session or []), dict(parse_override(x) for x in set_ or []), namespace)
     except (ValueError, FileNotFoundError, ConfigError) as e:
         fail(f"replay failed: {e}")
     with data_root_prefect(s):
@@ -294,7 +310,8 @@ def replay_cmd(
 
         try:
             report = replay_flow(config_path=str(config) if config else None, version=version,
-                                 exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [])
+                                 exclude_sessions=exclude_session or [], reason=reason, set_overrides=set_ or [],
+                                 namespace=namespace)
         except (ValueError, FileNotFoundError, ConfigError) as e:
             fail(f"replay failed: {e}")
     code = 0 if report["identical"] is not False else 1
@@ -308,12 +325,16 @@ def replay_cmd(
         diffs = [st["max_abs_diff"] for st in report["steps"] if st.get("max_abs_diff") is not None]
         console.print(f"trained on {ranks} ranks, replayed on 1: sums in another order, so not byte-comparable; "
                       f"largest weight difference {max(diffs, default=0.0):.3g}", markup=False)
-    console.print(f"replayed checkpoint: {report['final_path']} (MLflow run {report['mlflow_run_id']} in "
-                  f"experiment clawrl-replays)", markup=False)
+    from clawrl.lineage import REPLAY_EXPERIMENT, namespace_experiment
+
+    experiment = REPLAY_EXPERIMENT if namespace is None else namespace_experiment(namespace)
+    console.print(f"replayed {'adapter' if namespace else 'checkpoint'}: {report['final_path']} (MLflow run "
+                  f"{report['mlflow_run_id']} in experiment {experiment})", markup=False)
     if report["excluded_sessions"]:
         console.print("excluded: " + ", ".join(":".join(p) for p in report["excluded_sessions"]), markup=False)
     if report["final_version"] is not None:
-        console.print(f"its lineage: clawrl lineage {report['final_version']} --replay {report['replay_id']}",
+        whose = f" --namespace {namespace}" if namespace else ""
+        console.print(f"its lineage: clawrl lineage {report['final_version']} --replay {report['replay_id']}{whose}",
                       markup=False)
     raise typer.Exit(code)
 

@@ -26,9 +26,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from clawrl.adapters import ADAPTER_FILE, adapter_dir, adapter_name, complete_adapters, read_served
-from clawrl.checkpoint import (OPTIMIZER_FILE, StepResult, read_step_result, remove_stale_staging, staged_dir,
-                               weights_digest, write_step_result)
+from clawrl.adapters import ADAPTER_FILE, adapter_dir, adapter_name, complete_adapters, namespace_dir, read_served
+from clawrl.checkpoint import (OPTIMIZER_FILE, StepResult, kept_versions, read_step_result, remove_stale_staging,
+                               staged_dir, weights_digest, write_step_result)
 from clawrl.records import OPEN_NAMESPACE, SampleRecord
 from clawrl.train.base import LossFn, PPOHyperParams, default_loss, lr_at
 from clawrl.train.batch import collate_samples
@@ -174,12 +174,15 @@ class NamespaceTrainer:
 
     def _prune(self, namespace: str) -> None:
         """Keep the optimizer state of the newest version only, and the weights of the newest
-        ``keep_weights`` versions and of the one served; trainer.json markers stay (lineage, replay)."""
+        ``keep_weights`` versions, of the one served and of those the gate keeps for rollbacks (the
+        champion and the ones before it on the line: ``keep.json``, ``clawrl.promotion.keep_rollback_reach``);
+        trainer.json markers stay (lineage, replay)."""
         served = read_served(self.checkpoints, namespace)
+        kept = kept_versions(namespace_dir(self.checkpoints, namespace)) | ({str(served.version)} if served else set())
         for i, (v, d) in enumerate(complete_adapters(self.checkpoints, namespace)):
             if i > 0:
                 (d / OPTIMIZER_FILE).unlink(missing_ok=True)
-            if i >= self.keep_weights and (served is None or served.version != v):
+            if i >= self.keep_weights and str(v) not in kept:
                 (d / ADAPTER_FILE).unlink(missing_ok=True)
 
 

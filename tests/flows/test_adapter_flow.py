@@ -93,8 +93,12 @@ def test_each_namespace_with_a_full_batch_trains_and_serves_its_own_adapter(pref
 
     # forgetting A: every version gone, its adapter unloaded, B untouched
     gone = forget_namespace(s, A, reason="asked to be forgotten")
+    rows = gone.pop("rows")
     assert gone == {"namespace": A, "removed": [f"{A}@v1", f"{A}@v2", f"{A}@v3"], "unloaded": f"{A}@v3",
-                    "message": f"{A}@v3 unloaded"}
+                    "message": f"{A}@v3 unloaded", "mlflow_runs": 4}  # 3 steps and the curves' run
+    # 6 samples, 3 batches and adapter versions, 3 ungated promotions, 3 syncs: all of them A's
+    assert rows == {"samples": 6, "batches": 3, "adapters": 3, "promotions": 3, "adapter_serving": 3,
+                    "wal_segments_left": 0}
     assert complete_adapters(checkpoints, A) == [] and read_served(checkpoints, A) is None
     assert sorted(engine.adapters) == [f"{B}@v1"]
     [row] = run_query(root, "SELECT * FROM adapter_serving WHERE action = 'forget'").to_pylist()

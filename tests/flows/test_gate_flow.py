@@ -13,7 +13,7 @@ from clawrl import runtime
 from clawrl.chat import ChatAdapter
 from clawrl.config import dump_toml
 from clawrl.engine.embedded import EmbeddedEngine
-from clawrl.evaluation import answer_prompts, load_eval_set
+from clawrl.evaluation import load_eval_set
 from clawrl.flows.common import attach_policy_engine
 from clawrl.gateway.routes import create_app
 from clawrl.storage.catalog import run_query
@@ -24,7 +24,7 @@ from tests.utils.traffic import WEIGHT_VERSION, canary_sessions, generate, side_
 from tests.utils.up_process import wait_healthy
 from tests.utils.waiting import run_to_end, wait_until
 
-EVALUATOR = "tests.utils.gate_eval:evaluator"
+EVALUATOR = gate_eval.EVALUATOR
 
 
 def _conversation(client, sid, question):
@@ -50,15 +50,6 @@ def gate_confs(make_settings, tmp_path):
     return s, confs
 
 
-def _fill_reference(tiny_dir):
-    """The initial model's greedy answers to the evaluation prompts: the answers the users liked."""
-    engine = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=1024)
-    eval_set = load_eval_set(EVALUATOR, size=4, samples=2, seed=0, max_tokens=8, temperature=0.0)
-    answers = runtime.run(answer_prompts(engine, ChatAdapter(engine.tokenizer), eval_set))
-    runtime.run(engine.close())
-    gate_eval.REFERENCE.update({i: a[0] for i, a in enumerate(answers)})
-
-
 def _step(client, store, conf, tag):
     """Two conversations, a judge run and a train run under ``conf``: the train run's one step."""
     from clawrl.flows.judge import judge_flow
@@ -76,7 +67,7 @@ def _step(client, store, conf, tag):
 
 def test_a_harmful_step_is_refused_and_serving_stays_on_the_champion(prefect_harness, gate_confs, tiny_dir):
     s, confs = gate_confs
-    _fill_reference(tiny_dir)
+    gate_eval.fill_reference(tiny_dir)
     engine = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
     attach_policy_engine(engine)
     store = DataStore(s.storage.data_root)
@@ -159,7 +150,7 @@ def test_a_canary_share_of_sessions_gets_the_refused_candidate(prefect_harness, 
         text = confs[name].read_text()
         assert "canary_share = 0.0\n" in text
         confs[name].write_text(text.replace("canary_share = 0.0\n", "canary_share = 0.5\n"))
-    _fill_reference(tiny_dir)
+    gate_eval.fill_reference(tiny_dir)
     engine = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
     canary = EmbeddedEngine(tiny_dir, max_batch_size=16, max_context_len=1024)
     attach_policy_engine(engine)
@@ -476,7 +467,7 @@ def test_the_gate_scores_candidates_in_the_evaluation_engine_up_starts(prefect_h
     from clawrl.promotion import score_version
     from clawrl.ports import free_api_port
 
-    _fill_reference(tiny_dir)
+    gate_eval.fill_reference(tiny_dir)
     s = make_settings({"server.api_port": free_api_port(), "gate.evaluator": EVALUATOR, "gate.size": 4,
                        "ppo.max_new_tokens": 8, "ppo.temperature": 0.0, "ppo.rollout_batch_size": 2, "ppo.lr": 1e-2,
                        "ppo.advantage_estimator": "grpo", "prm.backend": "rule", "engine.max_batch_size": 8,

@@ -217,6 +217,7 @@ ON_DISK = {
         _required("samples", pa.int64()),
         _required("seconds", pa.float64()),
         _required("created_at", TIMESTAMP),
+        _optional("namespace", pa.string()),
     ]),
     "promotions": pa.schema([
         _required("promotion_id", pa.string()),
@@ -233,6 +234,7 @@ ON_DISK = {
         _required("created_at", TIMESTAMP),
         _optional("eval_set", pa.string()),
         _optional("eval_turn_ids", pa.list_(pa.field("item", pa.string(), nullable=False))),
+        _optional("namespace", pa.string()),
     ]),
     "adapters": pa.schema([
         _required("namespace", pa.string()),
@@ -244,6 +246,7 @@ ON_DISK = {
         _required("path", pa.string()),
         _required("sha256", pa.string()),
         _required("created_at", TIMESTAMP),
+        _optional("mlflow_run_id", pa.string()),
     ]),
     "adapter_serving": pa.schema([
         _required("namespace", pa.string()),
@@ -256,6 +259,7 @@ ON_DISK = {
         _required("seconds", pa.float64()),
         _required("reason", pa.string()),
         _required("created_at", TIMESTAMP),
+        _optional("last_version", pa.int64()),
     ]),
 }
 

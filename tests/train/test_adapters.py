@@ -119,6 +119,19 @@ def test_a_batch_trains_once_and_a_batch_of_two_namespaces_or_an_old_version_is_
         t.run("b3", samples("open", 3), version=1)
 
 
+def test_pruning_keeps_the_newest_weights_and_those_rollbacks_need(tiny_dir, tmp_path):
+    from clawrl.adapters import namespace_dir
+    from clawrl.checkpoint import keep_weights_of
+
+    t = trainer(tiny_dir, tmp_path, keep_weights=2)
+    keep_weights_of(namespace_dir(tmp_path, "open"), ["1"])  # the gate's champion line reaches back to v1
+    for v in (1, 2, 3, 4):
+        t.run(f"b{v}", samples("open", v), version=v)
+    kept = [v for v, d in complete_adapters(tmp_path, "open") if (d / ADAPTER_FILE).is_file()]
+    assert kept == [4, 3, 1]  # the newest two and v1; v2's weights went, its trainer.json stays
+    assert read_step_result(adapter_dir(tmp_path, "open", 2)).batch_id == "b2"
+
+
 def test_the_trainer_service_trains_a_namespaces_batch_once_and_refuses_a_shared_one(make_settings, tmp_path):
     """`clawrl trainer` (a process of its own, as `clawrl up` starts it) with [ppo] adapters = "namespace"."""
     import httpx

@@ -214,9 +214,11 @@ class DocBlockParser:
     def __call__(self, document):
         skips = {region.end: region.lexemes["arguments"] for region in self.skips(document)}
         for region in self.blocks(document):
-            # the comment's region ends before its closing '-->'; only blank space may follow that
+            # the comment's region ends before its closing '-->'; only blank space may follow that, up to the block
+            # (a comment after the block, whose slice up to it is empty, skips nothing)
             reason = next((why for end, why in skips.items()
-                           if not document.text[end:region.start].replace("-->", "", 1).strip()), None)
+                           if end <= region.start and not document.text[end:region.start].replace("-->", "", 1).strip()),
+                          None)
             if reason is not None:
                 region.evaluator = lambda example, why=reason: skip_block(why, example)
             yield region
