@@ -289,7 +289,10 @@ def lineage(
         fail(f"no checkpoint with weight_version {version!r} in {root}")
     what = "" if replay is None else f" of replay {replay}"
     note = "" if notes is None else f": {promotion_note(*notes, version)}"  # a replay's versions serve nobody
-    tree = Tree(f"weight_version {version}{what} (from version 0 = {s.model.name}){note}")
+    # the heading on a line of its own: a tree's label wraps at the terminal's width, a sentence need not
+    console.print(f"weight_version {version}{what} (from version 0 = {s.model.name}){note}", markup=False,
+                  highlight=False, soft_wrap=True)
+    tree = Tree(f"v{version}: {len(chain)} step{'s' if len(chain) != 1 else ''} from the initial weights")
     for c in chain:
         source = f" re-training batch {c['source_batch_id']}" if c["source_batch_id"] else ""
         node = tree.add(f"v{c['weight_version']} <- v{c['parent_version']}: batch {c['batch_id']}{source} "

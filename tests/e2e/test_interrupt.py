@@ -48,7 +48,7 @@ def test_ctrl_c_stops_the_demo_and_its_prefect_server(tmp_path, model_cache):
                          "1", "--max-tokens", "8", "--run-dir", str(run)], tmp_path, model_cache)
     try:
         ui = _wait_for(log, r"Prefect UI of this run while it runs: (http://127\.0\.0\.1:\d+)", proc).group(1)
-        _wait_for(log, r"step  1: score", proc)  # a step done, the next one under way
+        _wait_for(log, r"step  1: served_score", proc)  # a step done, the next one under way
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
         wait_until(lambda: proc.poll() is not None, "the demo to stop", proc=proc, log=Path(log.name))
         rc = proc.returncode

@@ -119,7 +119,7 @@ def test_the_demo_keeps_one_data_root_and_prints_commands_that_work_from_anywher
     stdout = out.stdout
     assert f"run data in {run}\n" in stdout and (run / "tables" / "turns").is_dir(), stdout[:2000]
     assert {Path(c) for c in re.findall(r" -c (\S+)", stdout)} == {run / "config.toml"}, stdout[-2000:]
-    assert f"data root {run} (from env CLAWRL__STORAGE__DATA_ROOT)" in stdout
+    assert f"data root {run} (from env CLAWRL__STORAGE__DATA_ROOT; settings from its config.toml)" in stdout
     turns = re.search(r"turns \(main / side\)\s*│\s*(\d+)", stdout)
     assert turns and int(turns.group(1)) > 0, stdout[-3000:]
     # Prefect's lines about each run went to the log, not the terminal

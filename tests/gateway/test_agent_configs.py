@@ -26,7 +26,7 @@ def _test_models(model_cache, monkeypatch):
 def printed(agent: str, *args: str, env: dict | None = None) -> str:
     out = CliRunner().invoke(app, ["serve", "--print-config", agent, *args], env=env or ENV)
     assert out.exit_code == 0, out.output
-    return out.output
+    return out.stdout  # what a user redirects into the agent's config (a first model build reports on stderr)
 
 
 def test_codex_config_is_toml_naming_this_gateway():
