@@ -10,7 +10,7 @@ A file is rewritten as storage/convert.py publishes one: under a temporary name 
 (``date=*/*.parquet``) does not match, then ``os.replace``d over the old one, so a reader sees the old
 file or the new one, never a partial one; a file left with no row is removed. Rows still in another
 process's write-ahead log cannot be rewritten: the segments that exist when forgetting starts are waited
-for (their writers convert them within a second), up to ``WAL_SETTLE_S``. ``_rejected/`` files (rows that
+for (their writers convert them within a second), up to ``wal.SETTLE_S``. ``_rejected/`` files (rows that
 never fit their table) lose the namespace's lines too. A replay's data root (``replays/<id>/``) is treated
 the same way, and a replay of the namespace's own adapter is removed whole.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,23 +30,9 @@ import pyarrow.parquet as pq
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.convert import REJECTED_DIR
 from clawrl.storage.schemas import TABLES
-from clawrl.storage.wal import SEGMENT_SUFFIX, WAL_DIR
+from clawrl.storage.wal import wait_converted
 
-WAL_SETTLE_S = 10.0  # a live writer converts its segment within flush_interval_s (0.5 s); recovery within 10 s
 REPLAY_FILE = "replay.json"  # a replay's report, naming the namespace whose adapter it re-trained
-
-
-def _wal_segments(tables: Path) -> set[Path]:
-    return set(tables.glob(f"*/{WAL_DIR}/*{SEGMENT_SUFFIX}"))
-
-
-def _settle(tables: Path, timeout_s: float = WAL_SETTLE_S) -> list[str]:
-    """Wait until every write-ahead-log segment there now is converted; those still there after ``timeout_s``."""
-    waiting, deadline = _wal_segments(tables), time.monotonic() + timeout_s
-    while waiting and time.monotonic() < deadline:
-        time.sleep(0.05)
-        waiting = {p for p in waiting if p.exists()}
-    return sorted(str(p) for p in waiting)
 
 
 def _ids(con, namespace: str) -> tuple[set[str], set[str]]:
@@ -150,10 +135,10 @@ def _rewrite_rejected(table_dir: Path, namespace: str, turns: set[str]) -> int:
 def forget_rows(data_root: str | os.PathLike, namespace: str) -> dict[str, int]:
     """Rewrite every table of ``data_root`` (and of each replay under it) without ``namespace``'s rows (module
     docstring). Returns the rows removed per table, with ``wal_segments_left``: segments another process
-    had not converted within ``WAL_SETTLE_S`` (their rows of the namespace, if any, stay)."""
+    had not converted within ``SETTLE_S`` (their rows of the namespace, if any, stay)."""
     root = Path(data_root)
     tables = root / "tables"
-    left = _settle(tables) if tables.is_dir() else []
+    left = wait_converted(tables) if tables.is_dir() else []
     with open_catalog(root, private=True) as con:
         turns, samples = _ids(con, namespace)
     rules = _row_rules(namespace, turns, samples)

@@ -14,7 +14,8 @@ shared by concurrent appenders (group commit: one fsync covers every write done 
 back, and the segment is retired from appends, so if even the cut failed the torn bytes stay its
 last line, which conversion drops; the next append starts a new segment.
 
-**What readers see.** Only Parquet, never the WAL. A segment is closed when its first row is
+**What readers see.** Only Parquet, never the WAL (``clawrl sql`` first waits for the segments there
+are when it starts: ``wait_converted``). A segment is closed when its first row is
 ``flush_interval_s`` old (background thread), at ``flush_rows`` rows or ``flush_bytes`` bytes, or
 on ``flush()``; it is then converted (storage/convert.py, exactly once) and deleted.
 
@@ -57,6 +58,19 @@ ORPHAN_NEW_AGE_S = 60.0
 _MIB = 1 << 20
 _JSON_OPTS = orjson.OPT_APPEND_NEWLINE
 
+
+
+SETTLE_S = 10.0  # a live writer converts a segment within flush_interval_s (0.5 s); recovery within 10 s
+
+
+def wait_converted(tables: Path, timeout_s: float = SETTLE_S) -> list[str]:
+    """Wait until every segment under ``tables`` (``<root>/tables``) now is converted into Parquet, so a
+    reader sees every row acknowledged before it asked; the segments still there after ``timeout_s``."""
+    waiting, deadline = set(tables.glob(f"*/{WAL_DIR}/*{SEGMENT_SUFFIX}")), time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+        waiting = {p for p in waiting if p.exists()}
+    return sorted(str(p) for p in waiting)
 
 @dataclass
 class _Segment:

@@ -163,8 +163,10 @@ def lineage(s, namespace: str, version: str, replay: str | None) -> None:
     if not chain:
         fail(f"no adapter version {name} in {root}")
     note = "" if notes is None else f": {promotion_note(*notes, name)}"  # a replay's versions serve nobody
-    tree = Tree(f"adapter {name}{'' if replay is None else f' of replay {replay}'} over weight version "
-                f"{chain[0]['base_version']} of {s.model.name}{note}")
+    # the heading on a line of its own: a tree's label wraps at the terminal's width, a sentence need not
+    console.print(f"adapter {name}{'' if replay is None else f' of replay {replay}'} over weight version "
+                  f"{chain[0]['base_version']} of {s.model.name}{note}", markup=False, highlight=False, soft_wrap=True)
+    tree = Tree(f"{name}: {len(chain)} step{'s' if len(chain) != 1 else ''} from the base")
     for c in chain:
         node = tree.add(f"{c['name']} <- {c['parent']}: batch {c['batch_id']} ({len(c['sample_ids'])} samples, "
                         f"{c['method']}), mlflow run {c['mlflow_run_id']}, sha256 {short_digest(c['sha256'])}")

@@ -40,6 +40,10 @@ def sql(
     s = settings_or_exit(config)
     data_root = s.storage.data_root  # one that does not exist answers with empty views, under its name
     err.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)  # stdout: the result only
+    from clawrl.storage.wal import wait_converted
+
+    # a turn a running gateway acknowledged a moment ago is still in its write-ahead log: wait for it
+    wait_converted(data_root / "tables")
     try:
         result = run_query(data_root, query, read_only=True)  # --out is written below, by clawrl
     except (duckdb.Error, ReadOnlyQueryError) as e:

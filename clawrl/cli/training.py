@@ -329,13 +329,13 @@ def replay_cmd(
 
     experiment = REPLAY_EXPERIMENT if namespace is None else namespace_experiment(namespace)
     console.print(f"replayed {'adapter' if namespace else 'checkpoint'}: {report['final_path']} (MLflow run "
-                  f"{report['mlflow_run_id']} in experiment {experiment})", markup=False)
+                  f"{report['mlflow_run_id']} in experiment {experiment})", markup=False, soft_wrap=True)
     if report["excluded_sessions"]:
-        console.print("excluded: " + ", ".join(":".join(p) for p in report["excluded_sessions"]), markup=False)
+        console.print("excluded: " + ", ".join(":".join(p) for p in report["excluded_sessions"]), markup=False, soft_wrap=True)
     if report["final_version"] is not None:
         whose = f" --namespace {namespace}" if namespace else ""
         console.print(f"its lineage: clawrl lineage {report['final_version']} --replay {report['replay_id']}{whose}",
-                      markup=False)
+                      markup=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
