@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from openai import OpenAI
@@ -54,8 +55,12 @@ class Run:
     def cli(self, *args: str, code: int = 0) -> str:
         """What `clawrl ARGS -c CONF` printed (stderr, for a command expected to fail with ``code``)."""
         from clawrl.cli import app
+        from clawrl.cli.common import console, err
 
-        out = CliRunner().invoke(app, [*args, "-c", str(self.conf)], env={"COLUMNS": "300"})
+        # 300 columns, also where an earlier test of this process made the consoles with COLUMNS set (a rich
+        # Console reads COLUMNS when it is made, if it is set then, and keeps that width)
+        with mock.patch.object(console, "_width", 300), mock.patch.object(err, "_width", 300):
+            out = CliRunner().invoke(app, [*args, "-c", str(self.conf)], env={"COLUMNS": "300"})
         assert out.exit_code == code, out.output
         return out.output if code == 0 else out.stderr
 
