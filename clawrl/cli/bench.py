@@ -1,4 +1,4 @@
-"""`clawrl bench engine|lora|gateway|judge|train|load|long-prompt|tools`: measure, print, and rewrite a
+"""`clawrl bench engine|lora|isolation|gateway|judge|train|load|long-prompt|tools`: measure, print, and rewrite a
 section of docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -113,6 +113,29 @@ def bench_lora(
                                 held=held, cold_requests=cold_requests, sync=sync, device=_device(device),
                                 progress=progress)
     _write("lora" if result["device"] == "cpu" else "lora-cuda", format_lora_section(result), out)
+
+
+@bench_app.command("isolation")
+def bench_isolation(
+    model: Annotated[str, typer.Option(help="Model name.")] = "smollm2-135m",
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank of A's and B's adapters (all seven projections).")] = 16,
+    lr: Annotated[float, typer.Option(min=0.0, help="Learning rate of A's PPO step (a LoRA lr).")] = 1e-4,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per greedy or seeded answer.")] = 16,
+    device: DeviceOpt = None,
+    out: OutOpt = REPORT,
+    config: ConfigOpt = None,
+) -> None:
+    """Whether training user A's adapter and loading A's new version into the running engine leaves what it
+    serves user B (own adapter) and user C (base) bytes-identical, greedy, seeded and echo, with A's requests
+    in the same batches; writes the isolation part of the LoRA section of docs/benchmarks.md."""
+    from clawrl.bench.isolation import format_isolation_section, run_isolation_bench
+
+    s = settings_or_exit(config)
+    with _status("isolation bench") as progress:
+        result = run_isolation_bench(model, cache_dir=s.storage.models_dir, rank=rank, lr=lr, new_tokens=new_tokens,
+                                     device=_device(device), progress=progress)
+    _write("lora-isolation" if result["device"] == "cpu" else "lora-isolation-cuda", format_isolation_section(result),
+           out)
 
 
 @bench_app.command("gateway")
