@@ -16,14 +16,19 @@ from rich.table import Table
 
 from clawrl.cli.common import FLOW_LOG, app, console, data_root_prefect, settings_or_exit
 from clawrl.cli.data import status
+from clawrl.cli.demo_users import ADAPTER_LR, run_users_demo
 from clawrl.config import Settings, dump_toml
+from clawrl.sim.panel import DEFAULT_PANEL
 from clawrl.sim.personas import PERSONAS
 from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
 from clawrl.sim.tools import PLAIN_SHARE
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TOOLS_EVALUATORS = ("clawrl.sim.validation:tools", "clawrl.sim.validation:tools_bfcl")  # tool calls judged
-DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml"}
+DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml",
+                "users": CONF_DIR / "demo-users.toml"}
+STEPS = {"persona": 16, "tools": 16, "users": 6}  # users: both arms in ~45 min on 2 cores (docs/demo.md)
+USERS_HELDOUT = 12  # x 2 samples: each user's 24 answers a round, 96 for four (the persona demo scores 48)
 
 
 @app.command("demo")
@@ -31,8 +36,11 @@ def demo(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Overlay (default conf/demo.toml, "
                                                    "conf/demo-tools.toml for --scenario tools).")] = None,
     scenario: Annotated[str, typer.Option(help="persona: users with a style preference | tools: tasks that need "
-                                          "a calculator, a unit converter or a country lookup")] = "persona",
-    steps: Annotated[int, typer.Option(min=1, help="Training steps (weight versions).")] = 16,
+                                          "a calculator, a unit converter or a country lookup | users: several "
+                                          "users with their own keys and personas, one shared policy vs one "
+                                          "adapter each")] = "persona",
+    steps: Annotated[Optional[int], typer.Option(min=1, help="Training steps (weight versions; users: rounds). "
+                                                 "Default 16; users: 6.")] = None,
     users: Annotated[int, typer.Option(min=1, help="Simulated users per step.")] = 16,
     persona: Annotated[str, typer.Option(help="concise | signoff | lowercase | bullets | french")] = "concise",
     max_tokens: Annotated[Optional[int], typer.Option(
@@ -40,14 +48,19 @@ def demo(
     run_dir: Annotated[Optional[Path], typer.Option(help="Data root of this run (default: a new one).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model (default from the config).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,
-    heldout: Annotated[int, typer.Option(
+    heldout: Annotated[Optional[int], typer.Option(
         min=1, help="Held-out questions scored after every step (tools: half of them "
-                    "tool tasks, half plain questions).")] = 24,
+                    "tool tasks, half plain questions; users: asked by every user). Default 24; users: 12.")] = None,
     eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
     group_size: Annotated[int, typer.Option(min=1, help="Users per step asking the same question (for ppo.group_by = 'prompt').")] = 1,
     plain_share: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="Tools: share of the users per step who ask "
                                "a plain question (rounded down).")] = PLAIN_SHARE,
+    personas: Annotated[str, typer.Option(help="Users: the panel, one user per persona, comma-separated.")] = ",".join(
+        DEFAULT_PANEL),
+    arm: Annotated[str, typer.Option(help="Users: both | shared | per-user.")] = "both",
+    turns: Annotated[int, typer.Option(min=1, help="Users: questions each user asks per round.")] = 8,
+    adapter_lr: Annotated[float, typer.Option(min=0.0, help="Users: learning rate of the per-user adapters.")] = ADAPTER_LR,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
     from clawrl.models import ModelNotFoundError, check_model_name
@@ -58,6 +71,15 @@ def demo(
     base = settings_or_exit(conf)
     root = _run_root(base, conf, run_dir)
     max_tokens = max_tokens or (64 if scenario == "tools" else 48)
+    steps = steps or STEPS[scenario]
+    if scenario != "users":
+        heldout = heldout or 24
+    if scenario == "users":  # two data roots under the run's directory, one per arm
+        with ctrl_c_exits(f"interrupted: the rounds so far are kept in {root}"):
+            return run_users_demo(conf, base, root.expanduser().resolve(), model=model, panel_text=personas, arm=arm,
+                                  rounds=steps, turns=turns, adapter_lr=adapter_lr, max_tokens=max_tokens,
+                                  seed=seed, heldout=heldout or USERS_HELDOUT,
+                                  eval_samples=eval_samples)
     s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
                                 "model.name": model, **_gate_overrides(base, scenario, persona, seed, max_tokens)})
     if scenario == "persona" and persona not in PERSONAS:
