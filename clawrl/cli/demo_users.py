@@ -62,7 +62,13 @@ def run_users_demo(conf: Path, base: Settings, root: Path, *, model: str | None,
             console.print(f"Prefect UI of this arm while it runs: {prefect_api.removesuffix('/api')}", markup=False)
             rows[name] = _run_arm(s, run_conf, arm=name, panel=panel, rounds=rounds, turns=turns,
                                   max_tokens=max_tokens, seed=seed, heldout=heldout, eval_samples=eval_samples)
-    report = report_panel(root, rows, confs, panel, params={
+        _write_json(s.storage.data_root / ARM_ROWS, {"panel": panel, "rows": rows[name]})
+    for name in [a for a in ARMS if a not in rows]:  # an arm run before by `--arm` beside this one
+        earlier = _earlier_rows(root / name / ARM_ROWS, panel, len(rows[arms[0]]))
+        if earlier is not None:
+            rows[name], confs[name] = earlier, root / name / "config.toml"
+    rows = {a: rows[a] for a in ARMS if a in rows}  # shared first, whichever ran first
+    report = report_panel(root, rows, {a: confs[a] for a in arms}, panel, params={
         "personas": ",".join(panel), "rounds": rounds, "turns_per_round": turns, "max_tokens": max_tokens,
         "seed": seed, "heldout": heldout, "eval_samples": eval_samples, "adapter_lr": adapter_lr,
         "shared_lr": base.ppo.lr, "model": model or base.model.name})
@@ -71,6 +77,28 @@ def run_users_demo(conf: Path, base: Settings, root: Path, *, model: str | None,
                   + ", ".join(f"{a} run {r} in {confs[a].parent}" for a, r in report["runs"].items()) + ")",
                   markup=False, soft_wrap=True)
     console.print(f"every log line of the flows: {root}/<arm>/logs/{FLOW_LOG}", markup=False, soft_wrap=True)
+
+
+ARM_ROWS = "reports/users_rows.json"  # under an arm's data root: its rows, for a report with an arm run later
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def _earlier_rows(path: Path, panel: list[str], n_rows: int) -> list[dict[str, Any]] | None:
+    """The rows an arm left in an earlier `--arm` run under the same run directory, when it ran the same
+    panel for as many rounds (else None: not comparable)."""
+    if not path.is_file():
+        return None
+    earlier = json.loads(path.read_text())
+    if earlier["panel"] != panel or len(earlier["rows"]) != n_rows:
+        console.print(f"{path}: another panel or number of rounds, left out of the report", markup=False)
+        return None
+    return earlier["rows"]
 
 
 def _run_arm(s: Settings, run_conf: Path, **loop_args) -> list[dict[str, Any]]:
@@ -128,8 +156,8 @@ def metrics_of(arm_rows: list[dict[str, Any]], panel: list[str]) -> list[dict[st
 
 def report_panel(root: Path, rows: dict[str, list[dict[str, Any]]], confs: dict[str, Path], panel: list[str],
                  params: dict[str, Any]) -> dict[str, Any]:
-    """The curves PNG and rows JSON under ``<root>/reports``, and one MLflow run per arm in that arm's data root
-    (its per-user metrics, the PNG of both arms, the summary)."""
+    """The curves PNG and rows JSON under ``<root>/reports``, and one MLflow run in the data root of each arm of
+    ``confs`` (its per-user metrics, the PNG of both arms)."""
     from clawrl.lineage import log_learning_curve
     from clawrl.sim.plot import plot_panel_curves
 
@@ -137,14 +165,12 @@ def report_panel(root: Path, rows: dict[str, list[dict[str, Any]]], confs: dict[
     png = plot_panel_curves(rows, panel, root / "reports" / "users_learning_curve.png",
                             f"{model}: held-out score per user, shared policy vs one LoRA adapter each")
     summary = summarize(rows, panel)
-    tmp = root / "reports" / ".users.json.tmp"
-    tmp.write_text(json.dumps({"rows": rows, "summary": summary, "params": params}, indent=1))
-    tmp.replace(root / "reports" / "users.json")
+    _write_json(root / "reports" / "users.json", {"rows": rows, "summary": summary, "params": params})
     runs = {}
-    for arm, arm_rows in rows.items():
-        flat = metrics_of(arm_rows, panel)
+    for arm, conf in confs.items():  # the arms run now: an earlier `--arm` run logged its own
+        flat = metrics_of(rows[arm], panel)
         keys = [k for k in flat[0] if k != "step"]
-        runs[arm] = log_learning_curve(confs[arm].parent, rows=flat, png=png, params={**params, "arm": arm},
+        runs[arm] = log_learning_curve(conf.parent, rows=flat, png=png, params={**params, "arm": arm},
                                        keys=keys, tags={"scenario": "users", "arm": arm})
     return {"png": png, "summary": summary, "runs": runs}
 
