@@ -133,11 +133,12 @@ def summarize(rows: dict[str, list[dict[str, Any]]], panel: list[str]) -> dict[s
         for arm, arm_rows in rows.items():
             scores, turns = [r["scores"][p] for r in arm_rows], [r["turns"] for r in arm_rows]
             u[f"{arm}_final"], u[f"{arm}_best"] = scores[-1], max(scores)
-            u[f"{arm}_turns_to_best"] = turns_needed(scores, turns, max(scores))
-        if "shared" in rows and "per-user" in rows:
-            u["per-user_turns_to_shared_final"] = turns_needed([r["scores"][p] for r in rows["per-user"]],
-                                                               [r["turns"] for r in rows["per-user"]],
-                                                               u["shared_final"])
+            # None: never above the base
+            u[f"{arm}_turns_to_best"] = turns_needed(scores, turns, max(scores)) if max(scores) > scores[0] else None
+        if "shared" in rows and "per-user" in rows:  # None: never, or the shared arm ended no higher than the base
+            mine = rows["per-user"]
+            u["per-user_turns_to_shared_final"] = None if u["shared_final"] <= u["base"] else turns_needed(
+                [r["scores"][p] for r in mine], [r["turns"] for r in mine], u["shared_final"])
         out[p] = u
     return out
 
@@ -187,7 +188,8 @@ def print_panel(rows: dict[str, list[dict[str, Any]]], panel: list[str], summary
                   *("/".join(f"{rows[arm][i]['scores'][p]:.3f}" for arm in arms) for p in panel))
     console.print(t)
     both = len(arms) == 2
-    s = Table(title="per user: final (best) score; 'turns': its own turns when first at its best" +
+    s = Table(title="per user: final (best) score; 'turns': its own turns when first at its best ('-': never above "
+                    "the base)" +
               ("; 'matched': per-user's turns when first at the shared arm's final score" if both else ""))
     s.add_column("user")
     s.add_column("base", justify="right")
@@ -200,10 +202,11 @@ def print_panel(rows: dict[str, list[dict[str, Any]]], panel: list[str], summary
         u = summary[p]
         cells = [p, f"{u['base']:.3f}"]
         for arm in arms:
-            cells += [f"{u[f'{arm}_final']:.3f} ({u[f'{arm}_best']:.3f})", str(u[f"{arm}_turns_to_best"])]
+            best = u[f"{arm}_turns_to_best"]
+            cells += [f"{u[f'{arm}_final']:.3f} ({u[f'{arm}_best']:.3f})", "-" if best is None else str(best)]
         if both:
-            cells.append("never" if u["per-user_turns_to_shared_final"] is None
-                         else str(u["per-user_turns_to_shared_final"]))
+            matched = u["per-user_turns_to_shared_final"]
+            cells.append("-" if u["shared_final"] <= u["base"] else "never" if matched is None else str(matched))
         s.add_row(*cells)
     console.print(s)
     console.print("namespaces: " + ", ".join(f"{p} = {user_namespace(p)}" for p in panel), markup=False,
