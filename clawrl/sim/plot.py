@@ -46,8 +46,8 @@ ARM_STYLES = {"shared": ("s--", "tab:gray"), "per-user": ("o-", "tab:blue")}
 
 
 def plot_panel_curves(rows: dict[str, list[dict[str, Any]]], panel: list[str], out: Path, title: str) -> Path:
-    """One panel per user: its held-out score over its own turns trained on, one curve per arm (``rows``:
-    arm -> rows with ``turns`` and ``scores``, a dict persona -> score)."""
+    """One panel per user: its held-out score over its own turns trained on, one curve per arm, and dotted its
+    on-topic rate (``rows``: arm -> rows with ``turns``, ``scores`` and ``on_topic_rates``, dicts persona -> rate)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,15 +60,18 @@ def plot_panel_curves(rows: dict[str, list[dict[str, Any]]], panel: list[str], o
     for ax, name in zip(axes.flat, panel):
         for arm, arm_rows in rows.items():
             style, color = ARM_STYLES.get(arm, ("^:", "tab:orange"))
-            ax.plot([r["turns"] for r in arm_rows], [r["scores"][name] for r in arm_rows], style, color=color,
-                    label=arm)
+            x = [r["turns"] for r in arm_rows]
+            ax.plot(x, [r["scores"][name] for r in arm_rows], style, color=color, label=f"{arm}: score")
+            if all("on_topic_rates" in r for r in arm_rows):  # what a score of 0 hides: the answers' topic
+                ax.plot(x, [r["on_topic_rates"][name] for r in arm_rows], ":", color=color, alpha=0.6,
+                        label=f"{arm}: on topic")
         ax.set_title(f"user '{name}'", fontsize=10)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(panel):]:
         ax.axis("off")
     for ax in axes[:, 0]:
-        ax.set_ylabel("held-out score")
+        ax.set_ylabel("held-out rate")
     for ax in axes[-1, :]:
         ax.set_xlabel("the user's own turns trained on")
     axes.flat[0].legend(loc="best", fontsize=8)
