@@ -32,7 +32,7 @@ BFCL_PKG := bfcl-eval==2026.3.23
 BFCL_PY := $(TOOLS)/bfcl/bin/python
 BFCL_STAMP := $(TOOLS)/bfcl/.installed-$(BFCL_PKG)
 
-.PHONY: install demo test test-all bench clean openclaw openclaw-test codex codex-test ui-test bfcl
+.PHONY: install demo demo-users test test-all bench clean openclaw openclaw-test codex codex-test ui-test bfcl
 
 install: $(STAMP)
 
@@ -58,6 +58,11 @@ BYTECODE = $(PY) -m compileall -q clawrl flows storage
 demo: install
 	@$(BYTECODE)
 	$(VENV)/bin/clawrl demo
+
+# four users with their own keys and personas: one shared policy vs one adapter each (docs/demo.md, ~45 min)
+demo-users: install
+	@$(BYTECODE)
+	$(VENV)/bin/clawrl demo --scenario users
 
 test: install
 	@test -f $(OPENCLAW_BIN) -a -x $(NODE_BIN) || echo ">> the OpenClaw test will skip: \`make openclaw-test\` installs Node 24 and OpenClaw into $(TOOLS)/ and runs it"

@@ -79,20 +79,23 @@ def _entries(prompts: Sequence[Any], evaluator: str) -> tuple[list[list[dict[str
 
 
 def load_eval_set(evaluator: str, *, size: int, samples: int, seed: int, max_tokens: int,
-                  temperature: float) -> EvalSet:
+                  temperature: float, namespace: str | None = None) -> EvalSet:
     """The evaluation set of ``evaluator`` (import path of ``fn(size, seed) -> (prompts, score)``; a prompt
-    is a message list, or a dict that also names its tools and group). Untagged prompts keep the key
-    they always had."""
+    is a message list, or a dict that also names its tools and group). An evaluator that takes a
+    ``namespace`` argument is given the namespace whose adapter the gate judges (None: the shared policy),
+    so each user's adapter can be scored by that user's wishes. Untagged prompts keep the key they always had."""
     fn = import_path(evaluator)
     if not callable(fn):
         raise HookError(f"[gate] evaluator = {evaluator!r} is not callable")
-    raw, score = fn(size=size, seed=seed)
+    takes_namespace = "namespace" in inspect.signature(fn).parameters
+    raw, score = fn(size=size, seed=seed, **({"namespace": namespace} if takes_namespace else {}))
     if not raw or not callable(score):
         raise HookError(f"[gate] evaluator = {evaluator!r} must return (a non-empty list of prompts, a scorer)")
     prompts, tools, groups = _entries(raw, evaluator)
     tagged = any(tools) or any(groups)
     spec = {"evaluator": evaluator, "prompts": prompts, "samples": samples, "seed": seed, "max_tokens": max_tokens,
-            "temperature": temperature, **({"tools": tools, "groups": groups} if tagged else {})}
+            "temperature": temperature, **({"tools": tools, "groups": groups} if tagged else {}),
+            **({"namespace": namespace} if takes_namespace else {})}  # one namespace's scorer is not another's
     return EvalSet(prompts, score, samples, seed, max_tokens, temperature,
                    hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16],
                    tools=tools if any(tools) else None, groups=tuple(groups) if any(groups) else None)

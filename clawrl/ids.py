@@ -9,6 +9,7 @@ They are identifiers, not secrets: nothing may use them as tokens or keys.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 
@@ -25,3 +26,9 @@ os.register_at_fork(after_in_child=_reseed)
 def new_id() -> str:
     """32 lowercase hex characters, uniformly random."""
     return f"{_rng.getrandbits(128):032x}"
+
+
+def namespace_for_key(key: str) -> str:
+    """The namespace of an API key: ``key-`` and 16 hex digits of its SHA-256 digest (the key itself is never
+    stored). Here, below the gateway that assigns it, so the simulated users know their own."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -89,12 +89,16 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_timeout
     return handle
 
 
-def serve_own_gateway(settings, *, engine, tokenizer, store) -> ServerThread:
+def serve_own_gateway(settings, *, engine, tokenizer, store, api_keys: list[str] | None = None) -> ServerThread:
     """The gateway of this process's own clients (the demo's simulated users, a bench's client) on loopback,
     open whatever keys the environment holds: those clients carry no key of the user's, and the keys set
-    for `clawrl serve` (``$CLAWRL_API_KEYS``, as the README says) would turn each of their requests into a 401."""
+    for `clawrl serve` (``$CLAWRL_API_KEYS``, as the README says) would turn each of their requests into a 401.
+    ``api_keys``: the keys of those clients instead (each its own namespace), never the environment's."""
     from clawrl.gateway.routes import create_app
 
+    if api_keys:
+        return serve_in_thread(create_app(settings, engine=engine, tokenizer=tokenizer, store=store,
+                                          api_keys=api_keys))
     opened = settings.model_copy(update={"server": settings.server.model_copy(update={"open_mode": True})})
     return serve_in_thread(create_app(opened, engine=engine, tokenizer=tokenizer, store=store, api_keys=[]))
 

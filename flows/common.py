@@ -136,9 +136,9 @@ def gate_eval_set(settings: Settings, batch_id: str | None = None, namespace: st
     budget = g.answer_budget(settings.ppo.max_new_tokens)
     if g.eval_set == "replay":
         return _replay_eval_set(settings, batch_id, temperature, budget, namespace)
-    return _once(("gate-set", config_hash(g), temperature, budget), lambda: load_eval_set(
+    return _once(("gate-set", config_hash(g), temperature, budget, namespace), lambda: load_eval_set(
         g.validation_evaluator, size=g.size, samples=GATE_SAMPLES, seed=g.seed, max_tokens=budget,
-        temperature=temperature))
+        temperature=temperature, namespace=namespace))
 
 
 def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: float, budget: int,

@@ -46,7 +46,7 @@ def test_an_empty_list_is_allowed_where_it_means_skip():
     (["--persona", "nosuch"], "Invalid value for --persona: 'nosuch'; valid: concise, signoff, lowercase, bullets, "
                               "french"),
     (["--model", "nosuch"], "Invalid value for --model: model 'nosuch': not a known name"),
-    (["--scenario", "nosuch"], "Invalid value for --scenario: 'nosuch'; valid: persona, tools"),
+    (["--scenario", "nosuch"], "Invalid value for --scenario: 'nosuch'; valid: persona, tools, users"),
 ])
 def test_the_demo_refuses_an_unknown_name_before_it_starts(tmp_path, args, says):
     """Before, an unknown persona raised from inside the running demo (Prefect server, engine and gateway

@@ -16,14 +16,19 @@ from rich.table import Table
 
 from clawrl.cli.common import FLOW_LOG, app, console, data_root_prefect, settings_or_exit
 from clawrl.cli.data import status
+from clawrl.cli.demo_users import ADAPTER_LR, run_users_demo
 from clawrl.config import Settings, dump_toml
+from clawrl.sim.panel import DEFAULT_PANEL
 from clawrl.sim.personas import PERSONAS
 from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
 from clawrl.sim.tools import PLAIN_SHARE
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TOOLS_EVALUATORS = ("clawrl.sim.validation:tools", "clawrl.sim.validation:tools_bfcl")  # tool calls judged
-DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml"}
+DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml",
+                "users": CONF_DIR / "demo-users.toml"}
+STEPS = {"persona": 16, "tools": 16, "users": 5}  # users: both arms in ~45 min on 2 cores (docs/demo.md)
+USERS_HELDOUT = 12  # answered once: 12 per user a round, 48 for four (the persona demo scores 48)
 
 
 @app.command("demo")
@@ -31,8 +36,11 @@ def demo(
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Overlay (default conf/demo.toml, "
                                                    "conf/demo-tools.toml for --scenario tools).")] = None,
     scenario: Annotated[str, typer.Option(help="persona: users with a style preference | tools: tasks that need "
-                                          "a calculator, a unit converter or a country lookup")] = "persona",
-    steps: Annotated[int, typer.Option(min=1, help="Training steps (weight versions).")] = 16,
+                                          "a calculator, a unit converter or a country lookup | users: several "
+                                          "users with their own keys and personas, one shared policy vs one "
+                                          "adapter each")] = "persona",
+    steps: Annotated[Optional[int], typer.Option(min=1, help="Training steps (weight versions; users: rounds). "
+                                                 "Default 16; users: 5.")] = None,
     users: Annotated[int, typer.Option(min=1, help="Simulated users per step.")] = 16,
     persona: Annotated[str, typer.Option(help="concise | signoff | lowercase | bullets | french")] = "concise",
     max_tokens: Annotated[Optional[int], typer.Option(
@@ -40,26 +48,61 @@ def demo(
     run_dir: Annotated[Optional[Path], typer.Option(help="Data root of this run (default: a new one).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model (default from the config).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the simulated users and evaluation.")] = 0,
-    heldout: Annotated[int, typer.Option(
+    heldout: Annotated[Optional[int], typer.Option(
         min=1, help="Held-out questions scored after every step (tools: half of them "
-                    "tool tasks, half plain questions).")] = 24,
-    eval_samples: Annotated[int, typer.Option(min=1, help="Answers scored per held-out question (distinct seeds).")] = 2,
+                    "tool tasks, half plain questions; users: asked by every user). Default 24; users: 12.")] = None,
+    eval_samples: Annotated[Optional[int], typer.Option(
+        min=1, help="Answers scored per held-out question (distinct seeds). Default 2; users: 1.")] = None,
     group_size: Annotated[int, typer.Option(min=1, help="Users per step asking the same question (for ppo.group_by = 'prompt').")] = 1,
     plain_share: Annotated[float, typer.Option(
         min=0.0, max=1.0, help="Tools: share of the users per step who ask "
                                "a plain question (rounded down).")] = PLAIN_SHARE,
+    personas: Annotated[str, typer.Option(help="Users: the panel, one user per persona, comma-separated.")] = ",".join(
+        DEFAULT_PANEL),
+    arm: Annotated[str, typer.Option(help="Users: both | shared | per-user.")] = "both",
+    turns: Annotated[int, typer.Option(min=1, help="Users: questions each user asks per round.")] = 8,
+    adapter_lr: Annotated[float, typer.Option(min=0.0, help="Users: learning rate of the per-user adapters.")] = ADAPTER_LR,
 ) -> None:
     """The closed loop on CPU: simulated users -> gateway -> judge -> train -> sync, with a learning curve."""
-    from clawrl.models import ModelNotFoundError, check_model_name
-
     if scenario not in DEMO_CONFIGS:
         raise typer.BadParameter(f"{scenario!r}; valid: {', '.join(DEMO_CONFIGS)}", param_hint="--scenario")
     conf = config or DEMO_CONFIGS[scenario]
     base = settings_or_exit(conf)
     root = _run_root(base, conf, run_dir)
     max_tokens = max_tokens or (64 if scenario == "tools" else 48)
+    steps = steps or STEPS[scenario]
+    if scenario == "users":  # two data roots under the run's directory, one per arm
+        with ctrl_c_exits(f"interrupted: the rounds so far are kept in {root}"):
+            return run_users_demo(conf, base, root.expanduser().resolve(), model=model, panel_text=personas, arm=arm,
+                                  rounds=steps, turns=turns, adapter_lr=adapter_lr, max_tokens=max_tokens,
+                                  seed=seed, heldout=heldout or USERS_HELDOUT, eval_samples=eval_samples or 1)
+    heldout, eval_samples = heldout or 24, eval_samples or 2
     s = settings_or_exit(conf, {"storage.data_root": str(root), "storage.model_cache": str(base.storage.models_dir),
                                 "model.name": model, **_gate_overrides(base, scenario, persona, seed, max_tokens)})
+    _check_settings(s, scenario, persona, heldout, model)
+    root = s.storage.data_root  # absolute: the commands printed work from any directory
+    root.mkdir(parents=True, exist_ok=True)
+    run_conf = root / "config.toml"  # the flows read this; replay re-reads it
+    run_conf.write_text(dump_toml(s))
+    # the run's own Prefect home: `clawrl up -c <run>/config.toml` shows the same flow runs
+    with ctrl_c_exits(f"interrupted: the steps so far are kept in {root} (`{clawrl_command()} status -c {run_conf}`)"), \
+            data_root_prefect(s) as prefect_api:
+        console.print(f"Prefect UI of this run while it runs: {prefect_api.removesuffix('/api')}", markup=False)
+        out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens,
+                        seed=seed, heldout=heldout, eval_samples=eval_samples, group_size=group_size,
+                        scenario=scenario, plain_share=plain_share)
+    _print_rows(out["rows"], scenario, persona)
+    console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False,
+                  soft_wrap=True)
+    status(run_conf)
+    console.print(WHERE_TO_LOOK.format(clawrl=clawrl_command(), conf=run_conf,
+                                       log=s.storage.data_root / "logs" / FLOW_LOG), markup=False, soft_wrap=True)
+
+
+def _check_settings(s: Settings, scenario: str, persona: str, heldout: int, model: str | None) -> None:
+    """The persona and tools demos' settings that cannot run, each as one line before anything starts."""
+    from clawrl.models import ModelNotFoundError, check_model_name
+
     if scenario == "persona" and persona not in PERSONAS:
         raise typer.BadParameter(f"{persona!r}; valid: {', '.join(PERSONAS)}", param_hint="--persona")
     try:
@@ -80,23 +123,6 @@ def demo(
             bfcl_python()
         except BfclMissing as e:
             raise typer.BadParameter(f"[gate] evaluator = {s.gate.evaluator!r}: {e}", param_hint="--config") from None
-    root = s.storage.data_root  # absolute: the commands printed work from any directory
-    root.mkdir(parents=True, exist_ok=True)
-    run_conf = root / "config.toml"  # the flows read this; replay re-reads it
-    run_conf.write_text(dump_toml(s))
-    # the run's own Prefect home: `clawrl up -c <run>/config.toml` shows the same flow runs
-    with ctrl_c_exits(f"interrupted: the steps so far are kept in {root} (`{clawrl_command()} status -c {run_conf}`)"), \
-            data_root_prefect(s) as prefect_api:
-        console.print(f"Prefect UI of this run while it runs: {prefect_api.removesuffix('/api')}", markup=False)
-        out = _run_loop(s, run_conf, steps=steps, users=users, persona=persona, max_tokens=max_tokens,
-                        seed=seed, heldout=heldout, eval_samples=eval_samples, group_size=group_size,
-                        scenario=scenario, plain_share=plain_share)
-    _print_rows(out["rows"], scenario, persona)
-    console.print(f"learning curve: {out['png']} (also in MLflow run {out['mlflow_run_id']})", markup=False,
-                  soft_wrap=True)
-    status(run_conf)
-    console.print(WHERE_TO_LOOK.format(clawrl=clawrl_command(), conf=run_conf,
-                                       log=s.storage.data_root / "logs" / FLOW_LOG), markup=False, soft_wrap=True)
 
 
 def clawrl_command() -> str:

@@ -4,7 +4,6 @@ session headers."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import json
 from typing import Annotated
@@ -16,12 +15,8 @@ from starlette.datastructures import Headers
 from clawrl.gateway.errors import GatewayError
 from clawrl.gateway.service import ChatService, TurnContext
 from clawrl.gateway.sessions import SESSION_ID_RE
+from clawrl.ids import namespace_for_key  # noqa: F401 - where the gateway's callers look for it
 from clawrl.records import OPEN_NAMESPACE, TurnType
-
-
-def namespace_for_key(key: str) -> str:
-    """Sessions are namespaced by a digest of the key (the key itself is never stored)."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _match(presented: str, keys: list[str]) -> str | None:

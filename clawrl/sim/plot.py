@@ -40,3 +40,44 @@ def plot_learning_curve(rows: list[dict[str, Any]], out: Path, curves: list[tupl
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+ARM_STYLES = {"shared": ("s--", "tab:gray"), "per-user": ("o-", "tab:blue")}
+
+
+def plot_panel_curves(rows: dict[str, list[dict[str, Any]]], panel: list[str], out: Path, title: str) -> Path:
+    """One panel per user: its held-out score over its own turns trained on, one curve per arm, and dotted its
+    on-topic rate (``rows``: arm -> rows with ``turns``, ``scores`` and ``on_topic_rates``, dicts persona -> rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(2, len(panel))
+    n_rows = -(-len(panel) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.2 * n_rows), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, name in zip(axes.flat, panel):
+        for arm, arm_rows in rows.items():
+            style, color = ARM_STYLES.get(arm, ("^:", "tab:orange"))
+            x = [r["turns"] for r in arm_rows]
+            ax.plot(x, [r["scores"][name] for r in arm_rows], style, color=color, label=f"{arm}: score")
+            if all("on_topic_rates" in r for r in arm_rows):  # what a score of 0 hides: the answers' topic
+                ax.plot(x, [r["on_topic_rates"][name] for r in arm_rows], ":", color=color, alpha=0.6,
+                        label=f"{arm}: on topic")
+        ax.set_title(f"user '{name}'", fontsize=10)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panel):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("held-out rate")
+    for ax in axes[-1, :]:
+        ax.set_xlabel("the user's own turns trained on")
+    axes.flat[0].legend(loc="best", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

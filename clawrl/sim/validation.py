@@ -4,6 +4,9 @@
 questions of :func:`clawrl.sim.prompts.validation_questions` as chat prompts and a scorer that gives
 an answer 1 when it satisfies the persona AND is on topic (the held-out score's rule), else 0.
 
+``clawrl.sim.validation:users_<persona>_...`` scores a user's adapter by that user's persona, the shared
+policy by each user of the panel in turn (:func:`panel_evaluator`).
+
 ``clawrl.sim.validation:tools`` is the tools scenario's: tool tasks and plain questions of
 :func:`clawrl.sim.tools.gate_tasks`, asked as its users ask them (system prompt, the tools offered),
 in two groups for ``[gate] guard``: ``tools`` (1 when the reply calls a tool whose result is the
@@ -49,6 +52,36 @@ def persona_evaluator(name: str) -> Evaluator:
         return question_set(name, validation_questions(size, seed))
 
     return evaluator
+
+
+def panel_evaluator(panel: list[str]) -> Evaluator:
+    """The gate's evaluator of `clawrl demo --scenario users`: a user's adapter (``namespace``) answers the
+    validation questions scored by that user's persona; the shared policy (no namespace) answers them scored
+    by each user of the panel in turn (question i by user i mod n), as it serves them all."""
+    from clawrl.sim.panel import persona_of_namespace
+
+    def evaluator(*, size: int, seed: int, namespace: str | None = None):
+        questions = validation_questions(size, seed)
+        if namespace is not None:
+            return question_set(persona_of_namespace(namespace, panel), questions)
+        sets = [question_set(name, questions)[1] for name in panel]
+        return question_set(panel[0], questions)[0], lambda i, answer: sets[i % len(panel)](i, answer)
+
+    return evaluator
+
+
+def __getattr__(name: str) -> Evaluator:
+    """``users_<persona>_<persona>...``: :func:`panel_evaluator` of those personas, so a config names the panel
+    in its ``[gate] evaluator`` path (``clawrl.sim.validation:users_concise_french``)."""
+    if name.startswith("users_"):
+        from clawrl.sim.panel import parse_panel
+
+        return panel_evaluator(parse_panel(name.removeprefix("users_").replace("_", ",")))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def panel_evaluator_path(panel: list[str]) -> str:
+    return f"{__name__}:users_{'_'.join(panel)}"
 
 
 concise = persona_evaluator("concise")
