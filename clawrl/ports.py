@@ -10,6 +10,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
+# How long our servers keep an idle keep-alive connection. uvicorn's default is 5 s, the same as the
+# idle expiry of httpx's pool (the openai SDK) and near Node's (4-5 s): a client can then send its next
+# request on a connection in the instant the server closes it, and gets a connection error it did not
+# cause (seen on a loaded machine, where a client thread can sit 5 s between two requests). Holding
+# idle connections longer than clients do leaves the closing to the client, which never races itself.
+SERVER_KEEPALIVE_S = 75
+
 # bind addresses that mean every address of the machine, and the loopback address a client here uses for each
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 

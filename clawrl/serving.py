@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from clawrl.lineage import pid_alive
+from clawrl.ports import SERVER_KEEPALIVE_S
 
 
 def freeze_startup_heap() -> int:
@@ -63,7 +64,8 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, startup_timeout
     """Start ``app`` (lifespan on) and return once it accepts requests."""
     sock = bind_socket(host, port)
     real_port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                           timeout_keep_alive=SERVER_KEEPALIVE_S))
     handle = ServerThread(url=f"http://{host}:{real_port}", server=server, thread=None, sock=sock)  # type: ignore[arg-type]
 
     def main() -> None:

@@ -26,6 +26,7 @@ from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
 
 from clawrl.checkpoint import StepResult
+from clawrl.ports import SERVER_KEEPALIVE_S
 from clawrl.records import OPEN_NAMESPACE, AdapterRecord, BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import (
@@ -259,7 +260,7 @@ def serve_trainer(settings, host: str, port: int, echo: Callable[[str], None] = 
          f"{trainer.world_size} process{'es' if trainer.world_size > 1 else ''})")
     try:
         uvicorn.run(create_trainer_app(trainer, settings.storage.data_root, announce if control else None),
-                    host=host, port=port, log_level="warning")
+                    host=host, port=port, log_level="warning", timeout_keep_alive=SERVER_KEEPALIVE_S)
     finally:
         if control is not None:
             dist.broadcast_object_list([("stop", None)], src=0, group=control)

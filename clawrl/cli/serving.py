@@ -10,6 +10,7 @@ import typer
 from clawrl.cli.common import ConfigOpt, app, console, err, fail, settings_or_exit
 from clawrl.config import ConfigError, dump_toml
 from clawrl.gateway.agents import Agent
+from clawrl.ports import SERVER_KEEPALIVE_S
 
 
 @app.command("serve")
@@ -56,7 +57,8 @@ def serve(
     # an HTTP engine (or SGLang's router in front of several) is synced directly, the embedded one through /engine
     engine_url = settings.engine.url if settings.engine.kind == "http" else f"{gateway}/engine"
     record_where_it_serves(app, settings.storage.data_root, gateway, engine_url, settings.engine.kind)
-    uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning")
+    uvicorn.run(app, host=settings.server.host, port=settings.server.api_port, log_level="warning",
+                timeout_keep_alive=SERVER_KEEPALIVE_S)
 
 
 def served_context_len(s) -> int:

@@ -62,6 +62,7 @@ from clawrl.engine.routes import (
 )
 from clawrl.engine.schemas import document_generate_body
 from clawrl.engine.types import BadRequestError, Engine, EngineError, EngineOverloadedError
+from clawrl.ports import SERVER_KEEPALIVE_S
 
 __all__ = ["create_engine_app", "serve_engine"]
 
@@ -162,7 +163,8 @@ def serve_engine(engine: Engine, host: str, port: int, *, log_level: str = "info
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(create_engine_app(engine, **app_kw), host=host, port=port,
-                                           log_level=log_level, lifespan="off", timeout_graceful_shutdown=5))
+                                           log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=SERVER_KEEPALIVE_S))
 
     async def run() -> None:
         start = getattr(engine, "start", None)
