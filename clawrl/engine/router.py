@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import sys
 import time
@@ -45,14 +46,21 @@ from clawrl.engine.types import (
 log = logging.getLogger(__name__)
 
 # The router's policy (module docstring) and how it places a new session; a worker whose circuit opened
-# (10 failed requests: it died) is tried again after 5 s, not the default 60, and health-checked every 5 s,
-# so a restarted `clawrl engine` (seconds to load) takes traffic again soon after it answers.
-ROUTER_POLICY = ("--policy", "manual", "--assignment-mode", "min_load", "--cb-timeout-duration-secs", "5",
-                 "--health-check-interval-secs", "5")
+# (10 failed requests: it died) is tried again after CB_TIMEOUT_S, not the default 60, and health-checked
+# every HEALTH_INTERVAL_S, so a restarted `clawrl engine` (seconds to load) takes traffic again soon after
+# it answers.
+CB_TIMEOUT_S, HEALTH_INTERVAL_S = 5, 5
+ROUTER_POLICY = ("--policy", "manual", "--assignment-mode", "min_load", "--cb-timeout-duration-secs",
+                 str(CB_TIMEOUT_S), "--health-check-interval-secs", str(HEALTH_INTERVAL_S))
 # A worker that dies keeps its sessions in the router until its circuit breaker opens (after 5 failed
 # attempts): the router's own retries pick the same worker again, so a request that met a dead worker
-# and got no answer is sent again, at most this many times, this far apart, and lands on a live one.
-RESEND_ATTEMPTS, RESEND_DELAY_S = 4, 0.5
+# and got no answer is sent again, RESEND_DELAY_S apart, and lands on a live one. When every worker's
+# circuit is open or its health check failed (one died while another was restarting), the router answers
+# "no available workers" at once; the first worker back takes requests within a circuit timeout and a
+# health check, so resends go on that long before the 503 reaches the client.
+RESEND_DELAY_S = 0.5
+RESEND_WINDOW_S = CB_TIMEOUT_S + HEALTH_INTERVAL_S + 1
+NO_WORKERS = "no available workers"  # the router's 503 when none can take a request now
 
 
 def router_argv(worker_urls: list[str], host: str, port: int, metrics_port: int) -> list[str]:
@@ -97,21 +105,23 @@ class RoutedEngines:
         return [self._client(u) for u in urls]
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        for attempt in range(RESEND_ATTEMPTS + 1):
+        deadline = time.monotonic() + RESEND_WINDOW_S
+        for attempt in itertools.count(1):
             try:
                 return await self.router.generate(req)
             except EngineError as e:
-                await self._before_resend(e, attempt)
+                await self._before_resend(e, attempt, deadline)
         raise AssertionError("unreachable")
 
     async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
-        for attempt in range(RESEND_ATTEMPTS + 1):
+        deadline = time.monotonic() + RESEND_WINDOW_S
+        for attempt in itertools.count(1):
             parts = self.router.generate_stream(req)
             try:
                 try:
                     first = await anext(parts)
                 except EngineError as e:  # nothing was answered yet: the request may go again
-                    await self._before_resend(e, attempt)
+                    await self._before_resend(e, attempt, deadline)
                     continue
                 yield first
                 async for part in parts:
@@ -120,16 +130,19 @@ class RoutedEngines:
             finally:  # a caller that stops reading closes the stream now: the engine stops generating
                 await parts.aclose()
 
-    async def _before_resend(self, e: EngineError, attempt: int) -> None:
-        """Raise ``e`` unless it is a failure a resend can mend (module constants) and attempts are left."""
-        if attempt == RESEND_ATTEMPTS or isinstance(e, (EngineTimeoutError, EngineOverloadedError)):
+    async def _before_resend(self, e: EngineError, attempt: int, deadline: float) -> None:
+        """Raise ``e`` unless it is a failure a resend can mend (module constants) and time is left:
+        a worker that died, or none available for now; never a timeout or a full queue."""
+        no_workers = isinstance(e, EngineOverloadedError) and NO_WORKERS in str(e).lower()
+        if (time.monotonic() + RESEND_DELAY_S > deadline or isinstance(e, EngineTimeoutError)
+                or (isinstance(e, EngineOverloadedError) and not no_workers)):
             raise e
         if self.routed is None:
             with contextlib.suppress(EngineError):
                 await self.workers()
         if not self.routed:
             raise e
-        log.warning("%s; sending the request again (%d of %d)", e, attempt + 1, RESEND_ATTEMPTS)
+        log.warning("%s; sending the request again (%d)", e, attempt)
         await asyncio.sleep(RESEND_DELAY_S)
 
     async def model_info(self) -> dict[str, Any]:

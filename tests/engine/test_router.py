@@ -102,3 +102,45 @@ def test_an_adapter_reaches_every_worker_or_none(tmp_path, model_cache, tiny_dir
     assert rows[order[0]]["ok"] and rows[order[0]]["message"] == "unloaded again: ok"
     assert unloaded.success and [w["ok"] for w in unloaded.workers] == [True, True]
     assert after == {order[0]: {}, order[1]: {"u@v2": str(a1)}}  # u@v1 gone from both; u@v2 only where it was
+
+
+def test_a_request_is_sent_again_while_no_worker_is_available_but_a_full_queue_is_told_at_once(monkeypatch):
+    """The router's "no available workers" (one engine died while the other restarts) passes within a
+    circuit timeout and a health check: the request goes again until then. A full queue or a timeout is
+    the client's to handle (503 with Retry-After, 504) and is raised on the first answer. The router's
+    answers are stood in for here: the e2e test in tests/e2e/test_engine_router.py meets the real one."""
+    import clawrl.engine.router as router_mod
+    from clawrl.engine.types import EngineOverloadedError, EngineTimeoutError, GenerateRequest
+
+    monkeypatch.setattr(router_mod, "RESEND_DELAY_S", 0.01)
+    engines = RoutedEngines("http://127.0.0.1:9")
+    engines.routed = True
+    answers: list[object] = []
+    calls = []
+
+    async def fake_generate(req):
+        calls.append(req)
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    monkeypatch.setattr(engines.router, "generate", fake_generate)
+    no_workers = EngineOverloadedError("engine at http://r: No available workers (all circuits open or unhealthy)")
+    req = GenerateRequest(input_ids=[1, 2, 3])
+    answers[:] = [no_workers, no_workers, no_workers, "answer"]
+    assert run(engines.generate(req)) == "answer" and len(calls) == 4
+    for refusal in (EngineOverloadedError("engine at http://r: the request queue is full"),
+                    EngineTimeoutError("engine at http://r timed out")):
+        calls.clear()
+        answers[:] = [refusal, "answer"]
+        with pytest.raises(type(refusal)):
+            run(engines.generate(req))
+        assert len(calls) == 1
+    # resends stop when the window is spent: the client then gets the router's 503
+    monkeypatch.setattr(router_mod, "RESEND_WINDOW_S", 0.05)
+    calls.clear()
+    answers[:] = [no_workers] * 100
+    with pytest.raises(EngineOverloadedError, match="No available workers"):
+        run(engines.generate(req))
+    assert 1 <= len(calls) < 100
