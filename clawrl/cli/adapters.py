@@ -149,7 +149,7 @@ def lineage(s, namespace: str, version: str, replay: str | None) -> None:
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
 
-    root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
+    root = s.storage.data_root if replay is None else replay_root(s, replay)
     with open_catalog(root) as con:
         name = adapter_name(namespace, latest_adapter_version(con, namespace)) if version == "latest" else \
             adapter_version_name(namespace, version)
