@@ -223,7 +223,7 @@ def status(s, config, namespace: str) -> None:
     the one served, its last sync and its gate."""
     from clawrl.adapters import read_served
     from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.adapters import latest_adapter_version, namespace_samples
+    from clawrl.storage.adapters import latest_adapter_version, namespace_samples, serving_changes
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import consecutive_refusals, promotion_log
     from clawrl.storage.queries import pending_counts
@@ -234,8 +234,7 @@ def status(s, config, namespace: str) -> None:
         waiting = len(namespace_samples(con, chash, namespace))
         newest = latest_adapter_version(con, namespace)
         log, refused = promotion_log(con, namespace), consecutive_refusals(con, namespace)
-        syncs = con.execute("SELECT action, adapter, ok, error, created_at FROM adapter_serving WHERE namespace = $ns "
-                            "ORDER BY created_at DESC LIMIT 1", {"ns": namespace}).fetchall()
+        changes = serving_changes(con, namespace)
     served = read_served(root / "checkpoints", namespace)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     t = Table(title=f"clawrl status of {namespace} (judge config {chash})", show_header=False, title_justify="left")
@@ -253,11 +252,12 @@ def status(s, config, namespace: str) -> None:
     console.print(t)
     console.print(promotion_line(log, refused).replace("(the initial weights)", "(the base alone)"), markup=False,
                   highlight=False, soft_wrap=True)
-    if syncs:
-        action, adapter, ok, error, at = syncs[0]
-        what = f"{action} {adapter or 'the base alone'}"
-        console.print(f"last sync: {'ok' if ok else 'FAILED'} at {at:%Y-%m-%d %H:%M:%S} UTC ({what})"
-                      + ("" if ok else f": {error}"), markup=False, highlight=False, soft_wrap=True)
+    if changes:
+        last = changes[0]
+        what = f"{last['action']} {last['adapter'] or 'the base alone'}"
+        console.print(f"last sync: {'ok' if last['ok'] else 'FAILED'} at {last['created_at']:%Y-%m-%d %H:%M:%S} UTC "
+                      f"({what})" + ("" if last["ok"] else f": {last['error']}"), markup=False, highlight=False,
+                      soft_wrap=True)
     else:
         console.print("last sync: none recorded", markup=False)
 
