@@ -49,15 +49,10 @@ def namespace_or_exit(s, namespace: str, *, known: bool = True) -> str:
 
 def adapter_version_name(namespace: str, version: str) -> str:
     """``version`` (N, ``<namespace>@v<N>``) as the adapter's name; a one-line error for anything else."""
-    from clawrl.records import adapter_name, parse_adapter_name
+    from clawrl.records import adapter_name, adapter_number
 
     try:
-        if "@" in version:
-            found, number = parse_adapter_name(version)
-            if found == namespace:
-                return adapter_name(namespace, number)
-        elif version.isdigit():
-            return adapter_name(namespace, int(version))
+        return adapter_name(namespace, adapter_number(namespace, version))
     except ValueError:
         pass
     fail(f"not a version of {namespace}'s adapter: {version!r} (its versions are 1, 2, ... or {namespace}@v<N>; 0: "
