@@ -44,6 +44,17 @@ def parse_adapter_name(name: str) -> tuple[str, int]:
     return m["namespace"], int(m["version"])
 
 
+def adapter_number(namespace: str, version: str) -> int:
+    """The version of ``namespace``'s adapter that ``version`` names, as a user writes it: ``N`` or
+    ``<namespace>@v<N>``; ValueError for anything else (a version of another namespace's adapter included)."""
+    if version.isdigit():
+        return int(version)
+    found, number = parse_adapter_name(version)
+    if found != namespace:
+        raise ValueError(f"{version!r} is a version of {found}'s adapter, not of {namespace}'s")
+    return number
+
+
 def adapter_version(name: str | None) -> int:
     """The version an adapter name names; 0 for None (the base alone)."""
     return 0 if name is None else parse_adapter_name(name)[1]

@@ -41,7 +41,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from clawrl import runtime, trainer_service
-from clawrl.adapters import ServedAdapter, parse_adapter_name, read_served, remove_adapters, serving_file, write_served
+from clawrl.adapters import ServedAdapter, read_served, remove_adapters, serving_file, write_served
 from clawrl.config import Settings, config_hash, dump_toml, read_admin_key
 from clawrl.config_sections import GUARD_TOLERANCE
 from clawrl.flows.common import (base_model_dir, data_store, engine_url_for, eval_adapter, eval_engine, gate_eval_set,
@@ -49,7 +49,7 @@ from clawrl.flows.common import (base_model_dir, data_store, engine_url_for, eva
 from clawrl.flows.slots import (TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, tick, tick_namespaces,
                                 trainer_limit)
 from clawrl.judge.runner import build_judge_config_hash
-from clawrl.records import AdapterServeRecord, PromotionAction
+from clawrl.records import AdapterServeRecord, PromotionAction, parse_adapter_name
 from clawrl.storage.catalog import open_catalog
 from clawrl.sync import NO_ENGINE, SyncReport, sync_adapter, unload_adapter
 

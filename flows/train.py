@@ -62,9 +62,9 @@ from prefect.concurrency.sync import concurrency
 from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml, mlflow_ui_url
 from clawrl.config_sections import GUARD_TOLERANCE
-from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, flow_run_ui_url,  # noqa: F401
-                                 gate_eval_set, load_flow_settings, prefect_tags, push_canary, push_weights,
-                                 serve_target, train_step, trainer_in_process)
+from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, gate_eval_set,
+                                 load_flow_settings, prefect_tags, push_canary, push_weights, serve_target, train_step,
+                                 trainer_in_process)
 from clawrl.flows.adapters import train_adapters
 from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, mark_idle, run_time_name, skipped_because
 from clawrl.hooks import hook_params, load_hook
