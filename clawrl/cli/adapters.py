@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,9 +11,8 @@ from rich.table import Table
 
 from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, fail, print_findings, promotion_line,
                                promotion_note, settings_or_exit, warn)
+from clawrl.records import GATEWAY_NAMESPACE_RE
 
-# what the gateway names a key's namespace ("key-" and 16 hex digits of its SHA-256), and open mode's
-NAMESPACE_FORM = re.compile(r"^(key-[0-9a-f]{16}|open)$")
 SHOWN_NAMESPACES = 10  # `clawrl status` in namespace mode: the busiest namespaces, then "and K more"
 
 NamespaceOpt = Annotated[Optional[str], typer.Option(
@@ -39,10 +37,10 @@ def namespace_or_exit(s, namespace: str, *, known: bool = True) -> str:
         fail(f"--namespace is about a namespace's own adapter ([ppo] adapters = 'namespace'); the run on "
              f"{s.storage.data_root} trains one shared policy")
     found = known_namespaces(s)
-    if NAMESPACE_FORM.match(namespace) and (namespace in found or not known):
+    if GATEWAY_NAMESPACE_RE.match(namespace) and (namespace in found or not known):
         return namespace
     listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "") or "none yet"
-    what = "not a namespace" if not NAMESPACE_FORM.match(namespace) else f"no namespace in {s.storage.data_root}"
+    what = "not a namespace" if not GATEWAY_NAMESPACE_RE.match(namespace) else f"no namespace in {s.storage.data_root}"
     fail(f"{what}: {namespace!r} (a namespace is 'key-' and the first 16 hex digits of the SHA-256 of an API key, "
          f"or 'open' in open mode); the data root's: {listed} (`clawrl status` lists them)")
 
