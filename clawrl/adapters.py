@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from clawrl.checkpoint import complete_checkpoints, verify_checkpoint, version_dir
-from clawrl.records import adapter_name, check_namespace, parse_adapter_name  # noqa: F401 - names live below storage
+from clawrl.records import adapter_name, check_namespace
 
 ADAPTERS_DIR = "adapters"
 ADAPTER_FILE = "adapter_model.safetensors"

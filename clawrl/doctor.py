@@ -397,15 +397,16 @@ def namespace_findings(con: duckdb.DuckDBPyConnection, chash: str, namespace: st
 
 
 def _adapter_serving(con: duckdb.DuckDBPyConnection, namespace: str, served: str | None) -> Finding:
-    rows = con.execute("SELECT adapter, ok, error, created_at FROM adapter_serving WHERE namespace = $ns AND action = "
-                       "'sync' ORDER BY created_at DESC", {"ns": namespace}).fetchall()
-    failed = [r for r in rows if not r[1]]
+    from clawrl.storage.adapters import serving_changes
+
+    rows = [r for r in serving_changes(con, namespace) if r["action"] == "sync"]
+    failed = [r for r in rows if not r["ok"]]
     summary = f"served {served or 'the base alone'}; {len(failed)} of {len(rows)} syncs failed"
     sql = f"SELECT action, adapter, ok, error, created_at FROM adapter_serving WHERE namespace = '{namespace}'"
-    if rows and not rows[0][1]:
-        return Finding("serving", False, summary, f"the last sync ({rows[0][0]}) failed: {rows[0][2]}",
+    if rows and not rows[0]["ok"]:
+        return Finding("serving", False, summary, f"the last sync ({rows[0]['adapter']}) failed: {rows[0]['error']}",
                        "check the engine serves LoRA adapters and can read the adapter's directory, then "
-                       f"`clawrl promote {rows[0][0]} --namespace {namespace}`", sql)
+                       f"`clawrl promote {rows[0]['adapter']} --namespace {namespace}`", sql)
     return Finding("serving", True, summary)
 
 

@@ -16,9 +16,13 @@ from enum import Enum
 
 
 OPEN_NAMESPACE = "open"  # the API-key namespace of every session when no keys are configured
-# what an API-key namespace looks like ("key-" + 16 hex digits, or "open"): a directory name that can
-# never climb out of adapters/, and no "@", which separates a name's namespace from its version
+# what a namespace may be wherever one is stored or named: a directory name that can never climb out of
+# adapters/, and no "@", which separates a name's namespace from its version
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# the namespaces the gateway assigns ("key-" and 16 hex digits of the key's SHA-256, clawrl.ids.namespace_for_key;
+# or "open"). Stricter than NAMESPACE_RE, for what a user types (`clawrl ... --namespace`): a name of another
+# form is a mistake to point out, not a namespace that merely has no data yet
+GATEWAY_NAMESPACE_RE = re.compile(rf"^(key-[0-9a-f]{{16}}|{OPEN_NAMESPACE})$")
 _ADAPTER_NAME_RE = re.compile(r"^(?P<namespace>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})@v(?P<version>[0-9]+)$")
 
 
@@ -42,6 +46,17 @@ def parse_adapter_name(name: str) -> tuple[str, int]:
     if m is None:
         raise ValueError(f"not an adapter name: {name!r} (expected '<namespace>@v<N>')")
     return m["namespace"], int(m["version"])
+
+
+def adapter_number(namespace: str, version: str) -> int:
+    """The version of ``namespace``'s adapter that ``version`` names, as a user writes it: ``N`` or
+    ``<namespace>@v<N>``; ValueError for anything else (a version of another namespace's adapter included)."""
+    if version.isdigit():
+        return int(version)
+    found, number = parse_adapter_name(version)
+    if found != namespace:
+        raise ValueError(f"{version!r} is a version of {found}'s adapter, not of {namespace}'s")
+    return number
 
 
 def adapter_version(name: str | None) -> int:

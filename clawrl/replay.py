@@ -31,6 +31,7 @@ and each differing step carries the largest weight difference (``max_abs_diff``)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -173,12 +174,16 @@ def check_replay(settings, weight_version: str, exclude_sessions: tuple[str, ...
 def _adapter_plan(con, namespace: str, version: str) -> tuple[str, list[dict[str, Any]]]:
     """(the adapter name, the versions that trained it, oldest first, each as a plan row: step = its version)
     of ``version`` ("latest", N, or ``<namespace>@v<N>``) of ``namespace``'s adapter."""
-    from clawrl.records import adapter_name, parse_adapter_name
+    from clawrl.records import adapter_name, adapter_number
     from clawrl.storage.adapters import adapter_chain, latest_adapter_version
 
-    number = latest_adapter_version(con, namespace) if version == "latest" else \
-        parse_adapter_name(version)[1] if "@" in version else int(version) if version.isdigit() else None
-    if number is None or number < 1:
+    number = 0
+    if version == "latest":
+        number = latest_adapter_version(con, namespace)
+    else:
+        with contextlib.suppress(ValueError):  # told below, in the replay's words
+            number = adapter_number(namespace, version)
+    if number < 1:
         raise ValueError(f"version {version!r}: expected a version of {namespace}'s adapter (1, 2, ..., or 'latest')")
     chain = adapter_chain(con, namespace, number)
     if not chain:

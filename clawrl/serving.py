@@ -100,9 +100,10 @@ def serve_own_gateway(settings, *, engine, tokenizer, store, api_keys: list[str]
 
     if api_keys:
         return serve_in_thread(create_app(settings, engine=engine, tokenizer=tokenizer, store=store,
-                                          api_keys=api_keys))
+                                          api_keys=api_keys, own=True))
     opened = settings.model_copy(update={"server": settings.server.model_copy(update={"open_mode": True})})
-    return serve_in_thread(create_app(opened, engine=engine, tokenizer=tokenizer, store=store, api_keys=[]))
+    return serve_in_thread(create_app(opened, engine=engine, tokenizer=tokenizer, store=store, api_keys=[],
+                                      own=True))
 
 
 SERVE_RECORD = "serve.json"

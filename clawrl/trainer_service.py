@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse
 
 from clawrl.checkpoint import StepResult
 from clawrl.ports import SERVER_KEEPALIVE_S
-from clawrl.records import OPEN_NAMESPACE, AdapterRecord, BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord
+from clawrl.records import (OPEN_NAMESPACE, AdapterRecord, BatchRecord, CheckpointRecord, Fate, FateRecord, SampleRecord,
+                            adapter_name, parse_adapter_name)
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.queries import (
     batch_samples,
@@ -89,7 +90,7 @@ def claim_adapter_batch(store, data_root: Path, namespace: str, *, judge_config_
     namespace's adapter: a sample's version is the adapter version that served its turn, and the version
     serving the namespace now is never too stale (``select_batch``). The batch's step is the adapter version
     it makes: one past every version the namespace ever had, so a name is never used twice."""
-    from clawrl.adapters import adapter_name, complete_adapters, read_served
+    from clawrl.adapters import complete_adapters, read_served
     from clawrl.storage.adapters import latest_adapter_version, namespace_samples, open_adapter_batch
 
     store.flush()
@@ -128,7 +129,6 @@ def claim_adapter_batch(store, data_root: Path, namespace: str, *, judge_config_
 def record_adapter(store, data_root: Path, step: dict[str, Any], base_version: str, run_id: str | None = None) -> bool:
     """The ``adapters`` row of the trainer's StepResult ``step`` for a namespace's adapter (``run_id``: its
     MLflow run), once per name: False when a re-run finds it already recorded."""
-    from clawrl.adapters import parse_adapter_name
     from clawrl.storage.adapters import adapter_recorded
 
     namespace, version = parse_adapter_name(step["weight_version"])

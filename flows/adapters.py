@@ -41,15 +41,14 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from clawrl import runtime, trainer_service
-from clawrl.adapters import ServedAdapter, parse_adapter_name, read_served, remove_adapters, serving_file, write_served
+from clawrl.adapters import ServedAdapter, read_served, remove_adapters, serving_file, write_served
 from clawrl.config import Settings, config_hash, dump_toml, read_admin_key
-from clawrl.config_sections import GUARD_TOLERANCE
-from clawrl.flows.common import (base_model_dir, data_store, engine_url_for, eval_adapter, eval_engine, gate_eval_set,
-                                 load_flow_settings, policy_engine, prefect_tags, train_step)
+from clawrl.flows.common import (data_store, engine_url_for, gate_version, load_flow_settings, policy_engine,
+                                 prefect_tags, train_step)
 from clawrl.flows.slots import (TRAIN_DEPLOYMENT, ensure_limit, leased_slot, mark_idle, tick, tick_namespaces,
                                 trainer_limit)
 from clawrl.judge.runner import build_judge_config_hash
-from clawrl.records import AdapterServeRecord, PromotionAction
+from clawrl.records import AdapterServeRecord, parse_adapter_name
 from clawrl.storage.catalog import open_catalog
 from clawrl.sync import NO_ENGINE, SyncReport, sync_adapter, unload_adapter
 
@@ -116,31 +115,11 @@ def record_adapter(config_path: str | None, step: dict[str, Any], run_id: str | 
 def gate_adapter(config_path: str | None, step: dict[str, Any], run_id: str | None) -> dict[str, Any]:
     """The promotion gate on the step's adapter version against its namespace's champion: the decision, its
     evidence, and ``serve`` (``clawrl.promotion.adapter_target``: what the namespace is served now)."""
-    from clawrl.lineage import log_gate
-    from clawrl.promotion import adapter_target, gate_candidate, record_manual
+    from clawrl.promotion import adapter_target
 
     s = load_flow_settings(config_path)
-    root, name = s.storage.data_root, step["weight_version"]
-    namespace = parse_adapter_name(name)[0]
-    if not s.gate.enabled:
-        row = record_manual(data_store(s), root, action=PromotionAction.PROMOTE, version=name, source="ungated",
-                            reason="[gate] enabled = false: served unevaluated", mlflow_run_id=run_id,
-                            namespace=namespace)
-        out: dict[str, Any] = {"decision": "promote", "reason": row.reason, "champion_version": row.champion_version,
-                               "serve_version": name}
-    else:
-        engine = eval_engine(s)
-        out = gate_candidate(data_store(s), root, candidate=name, engine=engine, adapter=eval_adapter(s, engine),
-                             eval_set=gate_eval_set(s, step["batch_id"], namespace), base_dir=base_model_dir(s),
-                             tolerance=s.gate.tolerance, alpha=s.gate.alpha, min_gain=s.gate.min_gain,
-                             guard=s.gate.guard, guard_tolerance=GUARD_TOLERANCE, mlflow_run_id=run_id,
-                             namespace=namespace)
-        if run_id:
-            log_gate(root, run_id, step=int(step["step"]), evidence=out, decision=out["decision"],
-                     reason=out["reason"], champion_version=out["champion_version"])
-    get_run_logger().info("gate: %s %s (champion %s): %s", name, "promoted" if out["decision"] == "promote"
-                          else "refused", out["champion_version"], out["reason"])
-    return {**out, "serve": adapter_target(root, out["serve_version"])}
+    out = gate_version(s, step, run_id, namespace=parse_adapter_name(step["weight_version"])[0])
+    return {**out, "serve": adapter_target(s.storage.data_root, out["serve_version"])}
 
 
 def _targets(s: Settings, engine_url: str | None) -> dict[str, Any]:

@@ -172,6 +172,43 @@ def _replay_eval_set(settings: Settings, batch_id: str | None, temperature: floa
                            temperature=temperature)
 
 
+def gate_version(s: Settings, step: dict[str, Any], run_id: str | None, namespace: str | None = None) -> dict[str, Any]:
+    """The promotion gate (``clawrl.promotion.gate_candidate``) on the version ``step`` made, against the champion
+    of the shared policy or, with ``namespace``, of that namespace's adapter: the decision and its evidence, also
+    on the step's MLflow run ``run_id``. ``[gate] enabled = false`` promotes it unevaluated."""
+    from prefect import get_run_logger
+
+    from clawrl.config_sections import GUARD_TOLERANCE
+    from clawrl.lineage import log_gate
+    from clawrl.promotion import gate_candidate, record_manual
+    from clawrl.records import PromotionAction
+
+    root, version = s.storage.data_root, step["weight_version"]
+    if not s.gate.enabled:
+        row = record_manual(data_store(s), root, action=PromotionAction.PROMOTE, version=version, source="ungated",
+                            reason="[gate] enabled = false: served unevaluated", mlflow_run_id=run_id,
+                            namespace=namespace)
+        out: dict[str, Any] = {"decision": "promote", "reason": row.reason, "champion_version": row.champion_version,
+                               "serve_version": version}
+    else:
+        engine = eval_engine(s)
+        tr = trainer_in_process(s)  # None for adapters: they load from disk
+        out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
+                             adapter=eval_adapter(s, engine), eval_set=gate_eval_set(s, step["batch_id"], namespace),
+                             base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
+                             min_gain=s.gate.min_gain, guard=s.gate.guard, guard_tolerance=GUARD_TOLERANCE,
+                             state_dict=tr.state_dict() if tr is not None and tr.weight_version == version
+                             and not s.gate.engine_url else None,  # in memory only into an engine in this process
+                             mlflow_run_id=run_id, namespace=namespace)
+        if run_id:
+            log_gate(root, run_id, step=int(step["step"]), evidence=out, decision=out["decision"],
+                     reason=out["reason"], champion_version=out["champion_version"])
+    get_run_logger().info("gate: %s %s (champion %s): %s", version if namespace else f"version {version}",
+                          "promoted" if out["decision"] == "promote" else "refused", out["champion_version"],
+                          out["reason"])
+    return out
+
+
 def judge_for(settings: Settings) -> Judge:
     """The judge of these settings, over this process's frozen engines and attached serving engine."""
     from clawrl.judge.runner import build_judge

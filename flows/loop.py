@@ -32,9 +32,9 @@ from prefect.cache_policies import NO_CACHE
 
 from clawrl import runtime
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, frozen_engine,
-                                 load_flow_settings, policy_engine)
+                                 load_flow_settings, policy_engine, prefect_tags)
 from clawrl.flows.judge import judge_flow
-from clawrl.flows.train import prefect_tags, train_flow
+from clawrl.flows.train import train_flow
 from clawrl.judge.teacher import compute_teacher_logprobs
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions

@@ -155,8 +155,8 @@ def relink_uis(config_path: str) -> None:
     written by a demo or an earlier `clawrl up` on other ports."""
     from prefect.settings import PREFECT_UI_URL
 
-    from clawrl.flows.common import load_flow_settings
-    from clawrl.flows.train import flow_run_ui_url, relink_artifacts
+    from clawrl.flows.common import flow_run_ui_url, load_flow_settings
+    from clawrl.flows.train import relink_artifacts
     from clawrl.lineage import relink_to_prefect
 
     s = load_flow_settings(config_path)

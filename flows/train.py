@@ -61,10 +61,8 @@ from prefect.concurrency.sync import concurrency
 
 from clawrl import trainer_service
 from clawrl.config import config_hash, dump_toml, mlflow_ui_url
-from clawrl.config_sections import GUARD_TOLERANCE
-from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, flow_run_ui_url,  # noqa: F401
-                                 gate_eval_set, load_flow_settings, prefect_tags, push_canary, push_weights,
-                                 serve_target, train_step, trainer_in_process)
+from clawrl.flows.common import (data_store, eval_adapter, eval_engine, gate_version, load_flow_settings,
+                                 prefect_tags, push_canary, push_weights, serve_target, train_step)
 from clawrl.flows.adapters import train_adapters
 from clawrl.flows.slots import TRAINER_LIMIT, ensure_limit, leased_slot, mark_idle, run_time_name, skipped_because
 from clawrl.hooks import hook_params, load_hook
@@ -246,33 +244,9 @@ def record_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str
 def gate_checkpoint(config_path: str | None, step: dict[str, Any], run_id: str) -> dict[str, Any]:
     """The promotion gate on the step's checkpoint: the decision, its evidence, and ``serve`` (the
     checkpoint to serve now: weight_version, path, sha256, mlflow_run_id)."""
-    from clawrl.lineage import log_gate
-    from clawrl.promotion import gate_candidate, record_manual
-    from clawrl.records import PromotionAction
-
     _warmed(config_path)
     s = load_flow_settings(config_path)
-    root, version = s.storage.data_root, step["weight_version"]
-    if not s.gate.enabled:
-        row = record_manual(data_store(s), root, action=PromotionAction.PROMOTE, version=version, source="ungated",
-                            reason="[gate] enabled = false: served unevaluated", mlflow_run_id=run_id)
-        out: dict[str, Any] = {"decision": "promote", "reason": row.reason, "champion_version": row.champion_version,
-                               "serve_version": version}
-    else:
-        engine = eval_engine(s)
-        tr = trainer_in_process(s)
-        out = gate_candidate(data_store(s), root, candidate=version, engine=engine,
-                             adapter=eval_adapter(s, engine), eval_set=gate_eval_set(s, step["batch_id"]),
-                             base_dir=base_model_dir(s), tolerance=s.gate.tolerance, alpha=s.gate.alpha,
-                             min_gain=s.gate.min_gain, guard=s.gate.guard, guard_tolerance=GUARD_TOLERANCE,
-                             state_dict=tr.state_dict() if tr is not None and tr.weight_version == version
-                             and not s.gate.engine_url else None,  # in memory only into an engine in this process
-                             mlflow_run_id=run_id)
-        log_gate(root, run_id, step=int(step["step"]), evidence=out, decision=out["decision"], reason=out["reason"],
-                 champion_version=out["champion_version"])
-    get_run_logger().info("gate: version %s %s (champion %s): %s", version,
-                          "promoted" if out["decision"] == "promote" else "refused", out["champion_version"],
-                          out["reason"])
+    out = gate_version(s, step, run_id)
     return {**out, "serve": serve_target(s, out["serve_version"])}
 
 

@@ -9,12 +9,15 @@ would; the `judge` and `train` flows run (per user with adapters: each user's ba
 the gate scores each candidate on validation questions by the wishes of whoever it would serve
 (``clawrl.sim.validation:users_...``); then every user asks the held-out questions through its own key,
 so it is answered by what serves it (its adapter, or the shared policy), and they are scored as the
-persona demo scores them: the persona satisfied AND on topic.
+persona demo scores them: the persona satisfied AND on topic. :func:`report_panel` then reports the arms side
+by side: a PNG, a JSON and an MLflow run per arm.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -25,7 +28,7 @@ from clawrl import runtime
 from clawrl.flows.common import data_store, load_flow_settings
 from clawrl.flows.judge import judge_flow
 from clawrl.flows.train import train_flow
-from clawrl.sim.panel import persona_of_namespace, user_key, user_questions
+from clawrl.sim.panel import metrics_of, persona_of_namespace, summarize, user_key, user_questions
 from clawrl.sim.personas import get_persona
 from clawrl.sim.prompts import split_questions
 from clawrl.sim.users import score, user_round
@@ -145,3 +148,32 @@ def _line(row: dict[str, Any]) -> str:
     gate = row.get("gate", {})
     return "  ".join(f"{p} {v:.3f}" + (f" ({gate[p]})" if gate.get(p, "-") != "-" else "")
                      for p, v in row["scores"].items())
+
+
+def report_panel(root: Path, rows: dict[str, list[dict[str, Any]]], confs: dict[str, Path], panel: list[str],
+                 params: dict[str, Any]) -> dict[str, Any]:
+    """The curves PNG and rows JSON under ``<root>/reports``, and one MLflow run in the data root of each arm of
+    ``confs`` (its per-user metrics, the PNG of both arms)."""
+    from clawrl.lineage import log_learning_curve
+    from clawrl.sim.plot import plot_panel_curves
+
+    model = params["model"]
+    png = plot_panel_curves(rows, panel, root / "reports" / "users_learning_curve.png",
+                            f"{model}: held-out score per user, shared policy vs one LoRA adapter each")
+    summary = summarize(rows, panel)
+    write_json(root / "reports" / "users.json", {"rows": rows, "summary": summary, "params": params})
+    runs = {}
+    for arm, conf in confs.items():  # the arms run now: an earlier `--arm` run logged its own
+        flat = metrics_of(rows[arm], panel)
+        keys = [k for k in flat[0] if k != "step"]
+        runs[arm] = log_learning_curve(conf.parent, rows=flat, png=png, params={**params, "arm": arm},
+                                       keys=keys, tags={"scenario": "users", "arm": arm})
+    return {"png": png, "summary": summary, "runs": runs}
+
+
+def write_json(path: Path, value: Any) -> None:
+    """``value`` as the JSON file ``path``, replaced whole: written beside it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)

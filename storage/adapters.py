@@ -113,6 +113,13 @@ def batch_namespace(con: duckdb.DuckDBPyConnection, batch_id: str) -> tuple[str,
     return (rows[0][0], int(rows[0][1])) if rows and rows[0][0] is not None else None
 
 
+def serving_changes(con: duckdb.DuckDBPyConnection, namespace: str) -> list[dict[str, Any]]:
+    """``namespace``'s ``adapter_serving`` rows (syncs and forgets), newest first: action, adapter, ok, error,
+    created_at."""
+    return _rows(con, "SELECT action, adapter, ok, error, created_at FROM adapter_serving WHERE namespace = $ns "
+                      "ORDER BY created_at DESC", ns=namespace)
+
+
 def adapter_chain(con: duckdb.DuckDBPyConnection, namespace: str, version: int) -> list[dict[str, Any]]:
     """What trained version ``version`` of ``namespace``'s adapter: its ``adapters`` row and each one it was
     trained from (``parent``), newest first, back to the fresh adapter; each with its batch's method, config

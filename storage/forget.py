@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from clawrl.storage.catalog import open_catalog
 from clawrl.storage.convert import REJECTED_DIR
+from clawrl.storage.queries import _columns
 from clawrl.storage.schemas import TABLES
 from clawrl.storage.wal import wait_converted
 
@@ -39,7 +40,7 @@ def _ids(con, namespace: str) -> tuple[set[str], set[str]]:
     """(the turn ids, the sample ids) of ``namespace``."""
     turns = {r[0] for r in con.execute("SELECT DISTINCT turn_id FROM turns WHERE namespace = $ns",
                                        {"ns": namespace}).fetchall()}
-    has_ns = "namespace" in {r[0] for r in con.execute("DESCRIBE samples").fetchall()}
+    has_ns = "namespace" in _columns(con, "samples")
     samples = {r[0] for r in con.execute(
         "SELECT DISTINCT sample_id FROM samples WHERE list_contains($t, turn_id)"
         + (" OR namespace = $ns" if has_ns else ""), {"t": sorted(turns), **({"ns": namespace} if has_ns else {})}

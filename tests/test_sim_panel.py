@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clawrl.gateway.deps import namespace_for_key
 from clawrl.hooks import HookError, import_path
+from clawrl.ids import namespace_for_key
 from clawrl.sim.panel import parse_panel, persona_of_namespace, turns_needed, user_key, user_namespace, user_questions
 from clawrl.sim.prompts import split_questions
 

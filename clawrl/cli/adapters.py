@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,9 +11,8 @@ from rich.table import Table
 
 from clawrl.cli.common import (ConfigOpt, app, console, data_root_line, fail, print_findings, promotion_line,
                                promotion_note, settings_or_exit, warn)
+from clawrl.records import GATEWAY_NAMESPACE_RE
 
-# what the gateway names a key's namespace ("key-" and 16 hex digits of its SHA-256), and open mode's
-NAMESPACE_FORM = re.compile(r"^(key-[0-9a-f]{16}|open)$")
 SHOWN_NAMESPACES = 10  # `clawrl status` in namespace mode: the busiest namespaces, then "and K more"
 
 NamespaceOpt = Annotated[Optional[str], typer.Option(
@@ -39,25 +37,20 @@ def namespace_or_exit(s, namespace: str, *, known: bool = True) -> str:
         fail(f"--namespace is about a namespace's own adapter ([ppo] adapters = 'namespace'); the run on "
              f"{s.storage.data_root} trains one shared policy")
     found = known_namespaces(s)
-    if NAMESPACE_FORM.match(namespace) and (namespace in found or not known):
+    if GATEWAY_NAMESPACE_RE.match(namespace) and (namespace in found or not known):
         return namespace
     listed = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "") or "none yet"
-    what = "not a namespace" if not NAMESPACE_FORM.match(namespace) else f"no namespace in {s.storage.data_root}"
+    what = "not a namespace" if not GATEWAY_NAMESPACE_RE.match(namespace) else f"no namespace in {s.storage.data_root}"
     fail(f"{what}: {namespace!r} (a namespace is 'key-' and the first 16 hex digits of the SHA-256 of an API key, "
          f"or 'open' in open mode); the data root's: {listed} (`clawrl status` lists them)")
 
 
 def adapter_version_name(namespace: str, version: str) -> str:
     """``version`` (N, ``<namespace>@v<N>``) as the adapter's name; a one-line error for anything else."""
-    from clawrl.records import adapter_name, parse_adapter_name
+    from clawrl.records import adapter_name, adapter_number
 
     try:
-        if "@" in version:
-            found, number = parse_adapter_name(version)
-            if found == namespace:
-                return adapter_name(namespace, number)
-        elif version.isdigit():
-            return adapter_name(namespace, int(version))
+        return adapter_name(namespace, adapter_number(namespace, version))
     except ValueError:
         pass
     fail(f"not a version of {namespace}'s adapter: {version!r} (its versions are 1, 2, ... or {namespace}@v<N>; 0: "
@@ -149,7 +142,7 @@ def lineage(s, namespace: str, version: str, replay: str | None) -> None:
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import champion_stack, promotion_log, unserved_versions
 
-    root = s.storage.data_root if replay is None else s.storage.data_root / "replays" / replay
+    root = s.storage.data_root if replay is None else replay_root(s, replay)
     with open_catalog(root) as con:
         name = adapter_name(namespace, latest_adapter_version(con, namespace)) if version == "latest" else \
             adapter_version_name(namespace, version)
@@ -223,7 +216,7 @@ def status(s, config, namespace: str) -> None:
     the one served, its last sync and its gate."""
     from clawrl.adapters import read_served
     from clawrl.judge.runner import build_judge_config_hash
-    from clawrl.storage.adapters import latest_adapter_version, namespace_samples
+    from clawrl.storage.adapters import latest_adapter_version, namespace_samples, serving_changes
     from clawrl.storage.catalog import open_catalog
     from clawrl.storage.promotions import consecutive_refusals, promotion_log
     from clawrl.storage.queries import pending_counts
@@ -234,8 +227,7 @@ def status(s, config, namespace: str) -> None:
         waiting = len(namespace_samples(con, chash, namespace))
         newest = latest_adapter_version(con, namespace)
         log, refused = promotion_log(con, namespace), consecutive_refusals(con, namespace)
-        syncs = con.execute("SELECT action, adapter, ok, error, created_at FROM adapter_serving WHERE namespace = $ns "
-                            "ORDER BY created_at DESC LIMIT 1", {"ns": namespace}).fetchall()
+        changes = serving_changes(con, namespace)
     served = read_served(root / "checkpoints", namespace)
     console.print(data_root_line(s, config), markup=False, highlight=False, soft_wrap=True)
     t = Table(title=f"clawrl status of {namespace} (judge config {chash})", show_header=False, title_justify="left")
@@ -253,11 +245,12 @@ def status(s, config, namespace: str) -> None:
     console.print(t)
     console.print(promotion_line(log, refused).replace("(the initial weights)", "(the base alone)"), markup=False,
                   highlight=False, soft_wrap=True)
-    if syncs:
-        action, adapter, ok, error, at = syncs[0]
-        what = f"{action} {adapter or 'the base alone'}"
-        console.print(f"last sync: {'ok' if ok else 'FAILED'} at {at:%Y-%m-%d %H:%M:%S} UTC ({what})"
-                      + ("" if ok else f": {error}"), markup=False, highlight=False, soft_wrap=True)
+    if changes:
+        last = changes[0]
+        what = f"{last['action']} {last['adapter'] or 'the base alone'}"
+        console.print(f"last sync: {'ok' if last['ok'] else 'FAILED'} at {last['created_at']:%Y-%m-%d %H:%M:%S} UTC "
+                      f"({what})" + ("" if last["ok"] else f": {last['error']}"), markup=False, highlight=False,
+                      soft_wrap=True)
     else:
         console.print("last sync: none recorded", markup=False)
 

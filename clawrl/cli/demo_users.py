@@ -12,7 +12,7 @@ from rich.table import Table
 
 from clawrl.cli.common import FLOW_LOG, console, data_root_prefect, settings_or_exit
 from clawrl.config import Settings, dump_toml
-from clawrl.sim.panel import parse_panel, turns_needed, user_key, user_namespace
+from clawrl.sim.panel import parse_panel, user_key, user_namespace
 from clawrl.sim.prompts import QUESTIONS
 
 ARM_CHOICES = ("both", "shared", "per-user")
@@ -24,7 +24,7 @@ def run_users_demo(conf: Path, base: Settings, root: Path, *, model: str | None,
                    eval_samples: int) -> None:
     """Both arms (or ``arm``) back to back, each on its own data root ``<root>/<arm>``; then the table, the
     curve and an MLflow run per arm."""
-    from clawrl.flows.users import ARMS
+    from clawrl.flows.users import ARMS, report_panel, write_json
     from clawrl.sim.validation import panel_evaluator_path
 
     from clawrl.models import ModelNotFoundError, check_model_name
@@ -62,7 +62,7 @@ def run_users_demo(conf: Path, base: Settings, root: Path, *, model: str | None,
             console.print(f"Prefect UI of this arm while it runs: {prefect_api.removesuffix('/api')}", markup=False)
             rows[name] = _run_arm(s, run_conf, arm=name, panel=panel, rounds=rounds, turns=turns,
                                   max_tokens=max_tokens, seed=seed, heldout=heldout, eval_samples=eval_samples)
-        _write_json(s.storage.data_root / ARM_ROWS, {"panel": panel, "rows": rows[name]})
+        write_json(s.storage.data_root / ARM_ROWS, {"panel": panel, "rows": rows[name]})
     for name in [a for a in ARMS if a not in rows]:  # an arm run before by `--arm` beside this one
         earlier = _earlier_rows(root / name / ARM_ROWS, panel, len(rows[arms[0]]))
         if earlier is not None:
@@ -80,13 +80,6 @@ def run_users_demo(conf: Path, base: Settings, root: Path, *, model: str | None,
 
 
 ARM_ROWS = "reports/users_rows.json"  # under an arm's data root: its rows, for a report with an arm run later
-
-
-def _write_json(path: Path, value: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    tmp.replace(path)
 
 
 def _earlier_rows(path: Path, panel: list[str], n_rows: int) -> list[dict[str, Any]] | None:
@@ -121,59 +114,6 @@ def _run_arm(s: Settings, run_conf: Path, **loop_args) -> list[dict[str, Any]]:
         attach_policy_engine(None)
         store.flush()
         close_all()  # the arm's trainer, engines and store: the next arm loads its own
-
-
-def summarize(rows: dict[str, list[dict[str, Any]]], panel: list[str]) -> dict[str, dict[str, Any]]:
-    """Per user: its base score, each arm's final and best score, and the turns each arm needed: its own
-    turns trained on when the arm first reached its best, and when the per-user arm first reached the
-    shared arm's final score (when both ran)."""
-    out: dict[str, dict[str, Any]] = {}
-    for p in panel:
-        u: dict[str, Any] = {"base": next(iter(rows.values()))[0]["scores"][p]}
-        for arm, arm_rows in rows.items():
-            scores, turns = [r["scores"][p] for r in arm_rows], [r["turns"] for r in arm_rows]
-            u[f"{arm}_final"], u[f"{arm}_best"] = scores[-1], max(scores)
-            # None: never above the base
-            u[f"{arm}_turns_to_best"] = turns_needed(scores, turns, max(scores)) if max(scores) > scores[0] else None
-        if "shared" in rows and "per-user" in rows:  # None: never, or the shared arm ended no higher than the base
-            mine = rows["per-user"]
-            u["per-user_turns_to_shared_final"] = None if u["shared_final"] <= u["base"] else turns_needed(
-                [r["scores"][p] for r in mine], [r["turns"] for r in mine], u["shared_final"])
-        out[p] = u
-    return out
-
-
-def metrics_of(arm_rows: list[dict[str, Any]], panel: list[str]) -> list[dict[str, Any]]:
-    """An arm's rows as MLflow points: ``<persona>_score`` (and its rates) per round, and their mean."""
-    flat = []
-    for r in arm_rows:
-        point = {"step": r["round"], "turns": r["turns"], "mean_score": sum(r["scores"].values()) / len(panel)}
-        for p in panel:
-            point.update({f"{p}_score": r["scores"][p], f"{p}_persona_rate": r["persona_rates"][p],
-                          f"{p}_on_topic_rate": r["on_topic_rates"][p]})
-        flat.append(point)
-    return flat
-
-
-def report_panel(root: Path, rows: dict[str, list[dict[str, Any]]], confs: dict[str, Path], panel: list[str],
-                 params: dict[str, Any]) -> dict[str, Any]:
-    """The curves PNG and rows JSON under ``<root>/reports``, and one MLflow run in the data root of each arm of
-    ``confs`` (its per-user metrics, the PNG of both arms)."""
-    from clawrl.lineage import log_learning_curve
-    from clawrl.sim.plot import plot_panel_curves
-
-    model = params["model"]
-    png = plot_panel_curves(rows, panel, root / "reports" / "users_learning_curve.png",
-                            f"{model}: held-out score per user, shared policy vs one LoRA adapter each")
-    summary = summarize(rows, panel)
-    _write_json(root / "reports" / "users.json", {"rows": rows, "summary": summary, "params": params})
-    runs = {}
-    for arm, conf in confs.items():  # the arms run now: an earlier `--arm` run logged its own
-        flat = metrics_of(rows[arm], panel)
-        keys = [k for k in flat[0] if k != "step"]
-        runs[arm] = log_learning_curve(conf.parent, rows=flat, png=png, params={**params, "arm": arm},
-                                       keys=keys, tags={"scenario": "users", "arm": arm})
-    return {"png": png, "summary": summary, "runs": runs}
 
 
 def print_panel(rows: dict[str, list[dict[str, Any]]], panel: list[str], summary: dict[str, dict[str, Any]]) -> None:

@@ -15,7 +15,7 @@ from starlette.datastructures import Headers
 from clawrl.gateway.errors import GatewayError
 from clawrl.gateway.service import ChatService, TurnContext
 from clawrl.gateway.sessions import SESSION_ID_RE
-from clawrl.ids import namespace_for_key  # noqa: F401 - where the gateway's callers look for it
+from clawrl.ids import namespace_for_key
 from clawrl.records import OPEN_NAMESPACE, TurnType
 
 

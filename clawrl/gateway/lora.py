@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from clawrl.adapters import ServedAdapter, parse_adapter_name, read_served, serving_file
+from clawrl.adapters import ServedAdapter, read_served, serving_file
 from clawrl.config import ConfigError
 from clawrl.engine.types import BadRequestError, Engine, GenerateRequest, GenerateResult
+from clawrl.records import parse_adapter_name
 
 log = logging.getLogger("clawrl.gateway")
 

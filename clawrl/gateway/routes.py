@@ -234,10 +234,11 @@ def _checkpoint_to_serve(settings: Settings):
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: Any = None, store: Any = None,
-               api_keys: list[str] | None = None) -> FastAPI:
+               api_keys: list[str] | None = None, own: bool = False) -> FastAPI:
     """The gateway app. Pass ``engine``/``tokenizer``/``store`` to share ones you own (tests, `clawrl up`),
     ``api_keys`` to require those instead of the environment's (``[]`` with ``[server] open_mode``: none,
-    for a gateway on loopback whose clients carry no key of the user's: ``clawrl.serving.serve_own_gateway``)."""
+    for a gateway on loopback whose clients carry no key of the user's: ``clawrl.serving.serve_own_gateway``).
+    ``own``: such a gateway, whose keys and admin routes are its process's business: no warnings about them."""
     api_keys = read_api_keys(settings.server.api_keys_env) if api_keys is None else api_keys
     if not api_keys and not settings.server.open_mode:
         raise ConfigError(f"no API keys in env {settings.server.api_keys_env} and server.open_mode is false: "
@@ -252,7 +253,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
         from clawrl.storage.writer import check_data_root
 
         check_data_root(settings.storage.data_root)
-    state.store, state.owned_engine = store, engine is None
+    state.store, state.owned_engine, state.own = store, engine is None, own
     if engine is None:
         canary = canary_engine(settings)  # a config error before any model loads
         engine, tokenizer = build_engine(settings)
@@ -282,6 +283,18 @@ def create_app(settings: Settings, *, engine: Engine | None = None, tokenizer: A
     return app
 
 
+def _warn_about_keys(state, admin_keys_env: str) -> None:
+    """What a gateway's keys leave open or shut, said once at start."""
+    if not state.api_keys:
+        log.warning("OPEN MODE: serving without API keys (server.open_mode = true); every caller "
+                    "shares the 'open' session namespace")
+    if not state.api_keys and not state.admin_keys:
+        log.warning("OPEN ADMIN: no admin keys in env %s either: anyone who reaches this port can "
+                    "pause, replay and replace the served weights (/admin, /engine)", admin_keys_env)
+    elif not state.admin_keys:
+        log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller", admin_keys_env)
+
+
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
     """The service over the app's engine and store (a store of its own if none was given), the
@@ -302,16 +315,8 @@ async def _lifespan(app: FastAPI):
         serve_adapters(service, settings.storage.data_root / "checkpoints")
     restored = service.restore_sessions()
     await service.live_weight_version()
-    if not state.api_keys:
-        log.warning("OPEN MODE: serving without API keys (server.open_mode = true); every caller "
-                    "shares the 'open' session namespace")
-    if not state.api_keys and not state.admin_keys:
-        log.warning("OPEN ADMIN: no admin keys in env %s either: anyone who reaches this port can "
-                    "pause, replay and replace the served weights (/admin, /engine)",
-                    settings.server.admin_keys_env)
-    elif not state.admin_keys:
-        log.warning("no admin keys in env %s: /admin and /engine (weight sync) refuse every caller",
-                    settings.server.admin_keys_env)
+    if not state.own:  # the process's own clients on loopback (create_app) need no word about keys
+        _warn_about_keys(state, settings.server.admin_keys_env)
     if restored:
         log.info("restored %d open sessions from the session log", restored)
     sweeper = asyncio.create_task(service.sweep_forever())

@@ -4,13 +4,15 @@ Every user asks questions of the same training pool, each in an order of its own
 its persona's name, so a run asks the same questions in the same order whatever is trained on the answers
 (the shared policy or one adapter per user). Its key is ``demo-user-<persona>``: the gateway puts its turns
 in the namespace of that key, and :func:`persona_of_namespace` finds the persona back from it (the gate's
-evaluator uses it to score a user's adapter by that user's wishes).
+evaluator uses it to score a user's adapter by that user's wishes). After the run, :func:`summarize` compares
+the arms per user and :func:`metrics_of` makes an arm's rows MLflow points.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from clawrl.ids import namespace_for_key
 from clawrl.sim.personas import PERSONAS
@@ -66,3 +68,35 @@ def turns_needed(scores: Sequence[float], turns: Sequence[int], level: float) ->
     """The user's own turns trained on when its held-out score first reached ``level`` (``scores[i]``
     measured after ``turns[i]`` of them), None if it never did."""
     return next((t for s, t in zip(scores, turns) if s >= level - 1e-9), None)
+
+
+def summarize(rows: dict[str, list[dict[str, Any]]], panel: list[str]) -> dict[str, dict[str, Any]]:
+    """Per user: its base score, each arm's final and best score, and the turns each arm needed: its own
+    turns trained on when the arm first reached its best, and when the per-user arm first reached the
+    shared arm's final score (when both ran)."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in panel:
+        u: dict[str, Any] = {"base": next(iter(rows.values()))[0]["scores"][p]}
+        for arm, arm_rows in rows.items():
+            scores, turns = [r["scores"][p] for r in arm_rows], [r["turns"] for r in arm_rows]
+            u[f"{arm}_final"], u[f"{arm}_best"] = scores[-1], max(scores)
+            # None: never above the base
+            u[f"{arm}_turns_to_best"] = turns_needed(scores, turns, max(scores)) if max(scores) > scores[0] else None
+        if "shared" in rows and "per-user" in rows:  # None: never, or the shared arm ended no higher than the base
+            mine = rows["per-user"]
+            u["per-user_turns_to_shared_final"] = None if u["shared_final"] <= u["base"] else turns_needed(
+                [r["scores"][p] for r in mine], [r["turns"] for r in mine], u["shared_final"])
+        out[p] = u
+    return out
+
+
+def metrics_of(arm_rows: list[dict[str, Any]], panel: list[str]) -> list[dict[str, Any]]:
+    """An arm's rows as MLflow points: ``<persona>_score`` (and its rates) per round, and their mean."""
+    flat = []
+    for r in arm_rows:
+        point = {"step": r["round"], "turns": r["turns"], "mean_score": sum(r["scores"].values()) / len(panel)}
+        for p in panel:
+            point.update({f"{p}_score": r["scores"][p], f"{p}_persona_rate": r["persona_rates"][p],
+                          f"{p}_on_topic_rate": r["on_topic_rates"][p]})
+        flat.append(point)
+    return flat

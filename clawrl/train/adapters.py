@@ -26,10 +26,10 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from clawrl.adapters import ADAPTER_FILE, adapter_dir, adapter_name, complete_adapters, namespace_dir, read_served
+from clawrl.adapters import ADAPTER_FILE, adapter_dir, complete_adapters, namespace_dir, read_served
 from clawrl.checkpoint import (OPTIMIZER_FILE, StepResult, kept_versions, read_step_result, remove_stale_staging,
                                staged_dir, weights_digest, write_step_result)
-from clawrl.records import OPEN_NAMESPACE, SampleRecord
+from clawrl.records import OPEN_NAMESPACE, SampleRecord, adapter_name
 from clawrl.train.base import LossFn, PPOHyperParams, default_loss, lr_at
 from clawrl.train.batch import collate_samples
 from clawrl.train.torch_backend import TorchBackend

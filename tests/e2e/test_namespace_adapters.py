@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 
 from clawrl.config import dump_toml
-from clawrl.gateway.deps import namespace_for_key
+from clawrl.ids import namespace_for_key
 from clawrl.storage.catalog import run_query
 from tests.utils.gateway_process import ServerProcess, free_port, serve_env
 from tests.utils.samples import two_turn_session

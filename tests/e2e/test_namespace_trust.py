@@ -23,7 +23,7 @@ from openai import OpenAI
 from typer.testing import CliRunner
 
 from clawrl.config import dump_toml, load_settings
-from clawrl.gateway.deps import namespace_for_key
+from clawrl.ids import namespace_for_key
 from clawrl.storage.catalog import run_query
 from tests.utils import gate_eval
 from tests.utils.samples import two_turn_session

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clawrl.engine.embedded import EmbeddedEngine
-from clawrl.engine.lora import Adapter, AdapterError, projection_shapes, read_adapter, write_random_adapters
+from clawrl.engine.lora import (Adapter, AdapterError, AdapterStore, projection_shapes, read_adapter,
+                               write_random_adapters)
 from clawrl.engine.lora_step import LoRASlots, OneAdapter, RowAdapters
 from clawrl.engine.modeling import CausalLMRunner
 from clawrl.engine.sampling import RowSampling, sample_next_tokens
@@ -85,6 +86,29 @@ def test_adapters_the_engine_cannot_serve_are_refused_naming_the_file_and_key(ti
     save_file({k: t.bfloat16() for k, t in tensors.items()}, str(bad / "adapter_model.safetensors"))
     as_bf16 = read_adapter(bad, shapes, 2, torch.float32, "cpu")  # a bf16 file served in float32
     assert torch.equal(as_bf16.a[0, "q_proj"], tensors[key].bfloat16().float())
+
+
+def test_non_finite_values_are_refused_naming_their_tensor_and_a_sum_that_overflows_too(tiny_hf, adapter_dirs,
+                                                                                        tmp_path):
+    shapes = projection_shapes(tiny_hf)
+    (tmp_path / "adapter_config.json").write_text((adapter_dirs[0] / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter_dirs[0] / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"  # (160, 4)
+    for value, error in ((float("-inf"), "up_proj.lora_B.weight holds NaN or infinite values"),
+                         (3e38, r"values too large to serve \(their sum overflows float32\)")):  # finite each
+        save_file({**tensors, key: torch.full((160, 4), value)}, str(tmp_path / "adapter_model.safetensors"))
+        with pytest.raises(AdapterError, match=error):
+            read_adapter(tmp_path, shapes, 2, torch.float32, "cpu")
+
+
+def test_an_adapter_read_where_it_serves_is_registered_without_a_copy(tiny_hf, adapter_dirs):
+    """Read on the host to serve on the host: the store's worker registers the tensors read, not a copy of them."""
+    w = read_adapter(adapter_dirs[0], projection_shapes(tiny_hf), 2, torch.float32, "cpu")
+    assert w.to("cpu") is w
+    store = AdapterStore(lambda path: w, max_loaded=2)
+    store.add("a@v1", str(adapter_dirs[0]), w)
+    assert store.names["a@v1"].weights is w
+    store.close()
 
 
 def _one_step(runner, prompts, adapters, *, dense: bool, lora: bool = True, exact: bool = False) -> torch.Tensor:

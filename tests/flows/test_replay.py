@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from clawrl.config import dump_toml
-from clawrl.gateway.deps import namespace_for_key
+from clawrl.ids import namespace_for_key
 from clawrl.lineage import REPLAY_MODEL, client
 from clawrl.records import SampleRecord
 from clawrl.replay import parse_exclusion

@@ -4,7 +4,8 @@ import asyncio
 
 import orjson
 
-from clawrl.gateway.deps import ApiKeyGuard, namespace_for_key
+from clawrl.gateway.deps import ApiKeyGuard
+from clawrl.ids import namespace_for_key
 from clawrl.records import OPEN_NAMESPACE
 
 

@@ -14,8 +14,8 @@ from openai import OpenAI
 
 from clawrl.adapters import ServedAdapter, adapter_dir, write_served
 from clawrl.engine.types import BadRequestError, GenerateRequest, SamplingParams
-from clawrl.gateway.deps import namespace_for_key
 from clawrl.gateway.lora import AdapterEngine, ServedAdapters
+from clawrl.ids import namespace_for_key
 from clawrl.storage.catalog import run_query
 from tests.utils.fake_engine import LoraFakeEngine
 

@@ -243,6 +243,36 @@ def test_open_mode_opens_admin_routes_only_without_admin_keys(start_gateway, cap
         assert "admin_keys_env" in err["message"]
 
 
+KEY_WARNINGS = ("OPEN MODE", "OPEN ADMIN", "no admin keys in env")
+
+
+@pytest.mark.timeout(HANG_S)
+def test_a_user_gateway_warns_about_missing_admin_keys_but_a_process_own_gateway_does_not(
+        start_gateway, make_settings, tiny_engine, monkeypatch, caplog):
+    from clawrl.serving import serve_own_gateway
+
+    with caplog.at_level(logging.WARNING, logger="clawrl.gateway"):
+        _, _, ctx = start_gateway(KEY_A, None)
+        with ctx:
+            pass
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(KEY_WARNINGS)]
+    assert len(said) == 1 and said[0].startswith("no admin keys in env CLAWRL_ADMIN_KEYS"), said
+    caplog.clear()
+    monkeypatch.delenv("CLAWRL_ADMIN_KEYS", raising=False)
+    s = make_settings({"server.open_mode": False})
+    store = DataStore(s.storage.data_root)
+    with caplog.at_level(logging.WARNING, logger="clawrl.gateway"):
+        for keys in (["user-key-1", "user-key-2"], None):  # the users demo's panel; a bench's open client
+            gw = serve_own_gateway(s, engine=tiny_engine, tokenizer=tiny_engine.tokenizer, store=store, api_keys=keys)
+            try:
+                assert httpx.get(gw.url + "/v1/models", timeout=30,
+                                 headers={"Authorization": f"Bearer {(keys or ['x'])[0]}"}).status_code == 200
+            finally:
+                gw.stop()
+    store.close()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(KEY_WARNINGS)] == []
+
+
 @pytest.mark.timeout(HANG_S)
 def test_admin_replay_submits_the_on_demand_deployment(prefect_harness, start_gateway, monkeypatch):
     from prefect.client.orchestration import get_client
