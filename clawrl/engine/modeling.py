@@ -15,10 +15,11 @@ Two entry points share the layer code:
 * :meth:`CausalLMRunner.decode` feeds one token to each of the first B cache rows, each at its own
   position, attending over its own cached length through a key mask.
 
-A row's decode logits are bit-identical whatever else is in its step (which rows, how many, how long,
-on which adapters): a user's seeded answer must not move when another user's answers change. The
-kernels keep that only at some shapes, so :meth:`CausalLMRunner.decode` pads to them (measured on the
-CPU, torch 2.13 with MKL 2024.2, 1 to 8 threads):
+With ``deterministic`` (``[engine] deterministic``), a row's decode logits are bit-identical whatever
+else is in its step (which rows, how many, how long, on which adapters): a user's seeded answer does
+not move when another user's answers change. The kernels keep that only at some shapes, so
+:meth:`CausalLMRunner.decode` pads to them (measured on the CPU, torch 2.13 with MKL 2024.2, 1 to 8
+threads):
 
 * MKL's sgemm computes a row that falls in a partial block of 4 rows (M = 1, 2, 3, or a tail of 5..11
   rows) with other kernels than a full block: that row's outputs move by up to ~1e-6. The step's rows
@@ -29,7 +30,10 @@ CPU, torch 2.13 with MKL 2024.2, 1 to 8 threads):
   tail when it is not a multiple of 16 (the step's span is its longest row's): the span is rounded up
   to a multiple of :data:`DECODE_SPAN_MULTIPLE` within the cache's capacity (the extra keys are masked).
 
-The CUDA path pads to its own buckets (clawrl/engine/cuda_graphs.py); cuBLAS is not covered here.
+The padding costs a decode step of 1 row ~40% more time, of 16 rows 6-10% (2 CPU cores, smollm2-135m
+shapes), so it is off by default: a step then runs at its own shapes through SDPA, and a row's logits
+may move by ~1e-6 with its batch mates. The CUDA path pads to its own buckets
+(clawrl/engine/cuda_graphs.py), and the fused decode compiles its own kernels: neither is covered.
 
 A third, :meth:`CausalLMRunner.extend`, runs one chunk of a long prompt in one row after the
 chunks before it (chunked prefill: the engine bounds the tokens a step computes).
@@ -193,8 +197,9 @@ class KVCache:
 class CausalLMRunner:
     """Prefill and decode over a KV cache for an HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``."""
 
-    def __init__(self, hf_model, max_positions: int):
+    def __init__(self, hf_model, max_positions: int, *, deterministic: bool = False):
         self.hf = hf_model
+        self.deterministic = deterministic  # unfused decode at padded shapes: batch-invariant (module docstring)
         self.spec = build_model_spec(hf_model.config)
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -219,6 +224,12 @@ class CausalLMRunner:
             return False
         self.fused = FusedDecode(self.hf, self.spec.head_dim)
         return True
+
+    @property
+    def row_block(self) -> int:
+        """What a :class:`~clawrl.engine.lora_step.GroupedStep` pads its groups to: full blocks of rows when
+        ``deterministic`` (module docstring), else 1 (no padding)."""
+        return GEMM_ROW_BLOCK if self.deterministic else 1
 
     @staticmethod
     def rows(n: int) -> int:
@@ -281,18 +292,18 @@ class CausalLMRunner:
     def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache, lora: RowAdapters | None = None) -> Tensor:
         """One step for cache rows ``0..B-1``: ``tokens[b]`` sits at ``positions[b]`` and attends
         to that row's cached positions ``0..positions[b]``; ``lora``: each row's adapter
-        (clawrl/engine/lora_step.py). Returns fp32 logits (B, vocab). Unfused, at padded shapes (module
-        docstring): each row's logits are the same bits whatever the other rows are."""
+        (clawrl/engine/lora_step.py). Returns fp32 logits (B, vocab). With ``deterministic`` and unfused, at
+        padded shapes (module docstring): each row's logits are the same bits whatever the other rows are."""
         b, need = tokens.shape[0], int(positions.max()) + 1
         cache.ensure(b, need)
-        if self.fused is not None:  # compiled kernels of their own: no padding
+        if self.fused is not None or not self.deterministic:  # at its own shapes (the fused kernels: their own)
             return self.decode_rows(tokens.to(self.device), positions.to(self.device), cache, need,
                                     None if lora is None else lora.step())
         span = min(cache.capacity, -(-need // DECODE_SPAN_MULTIPLE) * DECODE_SPAN_MULTIPLE)
         pad = -b % GEMM_ROW_BLOCK
         tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
         return self.decode_rows(tokens.to(self.device), positions.to(self.device), cache, span,
-                                None if lora is None else lora.step(b + pad), live=b)[:b]
+                                None if lora is None else lora.step(b + pad, block=self.row_block), live=b)[:b]
 
     @torch.inference_mode()
     def decode_rows(self, tokens: Tensor, positions: Tensor, cache: KVCache, span: int, lora=None,
@@ -361,10 +372,10 @@ class CausalLMRunner:
 
     @torch.inference_mode()
     def lm_head(self, hidden: Tensor) -> Tensor:
-        """Final-norm hidden states (..., hidden) -> fp32 logits (..., vocab); (n, hidden) padded to full blocks of
-        rows (module docstring): it adds no dependence of a row's logits on the rows computed with it (the first
-        tokens of the prompts a prefill step completes together)."""
-        if hidden.dim() != 2 or hidden.shape[0] % GEMM_ROW_BLOCK == 0:
+        """Final-norm hidden states (..., hidden) -> fp32 logits (..., vocab). With ``deterministic``, (n, hidden)
+        padded to full blocks of rows (module docstring): it adds no dependence of a row's logits on the rows
+        computed with it (the first tokens of the prompts a prefill step completes together)."""
+        if not self.deterministic or hidden.dim() != 2 or hidden.shape[0] % GEMM_ROW_BLOCK == 0:
             return self.hf.lm_head(hidden).float()
         n = hidden.shape[0]
         return self.hf.lm_head(F.pad(hidden, (0, 0, 0, -n % GEMM_ROW_BLOCK))).float()[:n]

@@ -113,7 +113,7 @@ def test_an_adapter_read_where_it_serves_is_registered_without_a_copy(tiny_hf, a
 
 def _one_step(runner, prompts, adapters, *, dense: bool, lora: bool = True, exact: bool = False) -> torch.Tensor:
     """Prefill each prompt with its adapter, then one decode step of all of them: logits (rows, vocab). ``exact``:
-    the step at its own shapes (``decode_rows``: no padded rows or span, SDPA), as the fused and CUDA paths run it."""
+    ``decode_rows`` at the step's own shapes (no padded rows or span, SDPA), as the default decode runs it."""
     cache = runner.new_cache(8)  # room for a padded batch
     for row, (p, a) in enumerate(zip(prompts, adapters)):
         runner.prefill([p], [row], cache, [len(p) - 1], None if a is None else OneAdapter(a.weights))
@@ -177,7 +177,7 @@ def test_a_rows_seeded_logprobs_are_bit_identical_whatever_its_batch_mates(tiny_
     rows of another adapter, of its own and of none that end at other steps - one of them long enough that the
     step's attention span crosses 64 - gives the same logits, tokens and log-probs, bit for bit. (On the CPU this
     takes padded shapes: MKL rounds a row of a partial 4-row block otherwise, the attention its span's tail.)"""
-    runner = CausalLMRunner(tiny_hf, 256)
+    runner = CausalLMRunner(tiny_hf, 256, deterministic=True)
     a0, a1, _, _ = _adapters(tiny_hf, adapter_dirs)
     prompts = prompts_of([20, 9, 5, 100, 3, 12], 49152, seed=4)
     adapters = [a0, a1, None, a1, a0, a1]
@@ -188,6 +188,19 @@ def test_a_rows_seeded_logprobs_are_bit_identical_whatever_its_batch_mates(tiny_
             assert torch.equal(logits, ref_logits), f"mates {mates}, step {step}: " \
                 f"{(logits - ref_logits).abs().max().item():.2g} apart"
             assert (token, struct.pack("<d", lp)) == (ref_token, struct.pack("<d", ref_lp))
+
+
+def test_without_deterministic_a_decode_step_runs_at_its_own_shapes(tiny_hf, adapter_dirs):
+    """The default ([engine] deterministic off): the step is ``decode_rows`` at its rows and span (SDPA, groups
+    unpadded), bit for bit, and the LM head computes the rows it is given, no more."""
+    runner = CausalLMRunner(tiny_hf, 256)
+    a0, a1, _, _ = _adapters(tiny_hf, adapter_dirs)
+    rows, prompts = [a0, None, a1], prompts_of([5, 70, 3], 49152, seed=14)  # 3 rows, a span of 71
+    assert torch.equal(_one_step(runner, prompts, rows, dense=False),
+                       _one_step(runner, prompts, rows, dense=False, exact=True))
+    hidden = torch.randn(3, tiny_hf.config.hidden_size)
+    assert torch.equal(runner.lm_head(hidden), tiny_hf.lm_head(hidden).float())
+    assert runner.row_block == 1 and CausalLMRunner(tiny_hf, 256, deterministic=True).row_block == 4
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["grouped", "dense"])
@@ -419,7 +432,7 @@ def test_the_fused_decode_layers_add_the_dense_step_s_deltas_as_the_runner_does(
     runner = CausalLMRunner(tiny_hf, 256)
     a0, _, _, qv = _adapters(tiny_hf, adapter_dirs)
     rows, prompts = [a0, None, qv], prompts_of([5, 8, 3], 49152, seed=11)
-    plain = _one_step(runner, prompts, rows, dense=True, exact=True)
+    plain = _one_step(runner, prompts, rows, dense=True)
     runner.fused = FusedDecode(tiny_hf, runner.spec.head_dim, backend="eager")
     try:
         fused = _one_step(runner, prompts, rows, dense=True)
