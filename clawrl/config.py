@@ -110,7 +110,7 @@ class PPOSettings(_Section):
         "torch", description="Training backend: 'torch' (plain PyTorch, CPU or one GPU) or 'megatron' (megatron-core "
                              "GPTModel, TP).")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward (grad accumulation).")
-    max_staleness: int = Field(4, ge=0, description="Versions a sample's policy may lag the trainer before it is "
+    max_staleness: int = Field(4, ge=0, description="Versions a sample's policy may lag the trainer, or it is "
                                                     "excluded (too_stale). Samples of the champion serving now are "
                                                     "kept (the gate may have refused the versions after it).")
     w_opd: float = Field(1.0, description="Combine: weight of the teacher - old logprob term (the judge reward's is 1).")

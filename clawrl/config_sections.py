@@ -34,6 +34,15 @@ class EngineSettings(Section):
                                                         "for one not held waits for its file to be read (the least "
                                                         "recently used idle one makes room). One in use is never "
                                                         "dropped.")
+    deterministic: bool = Field(False, description="A request's tokens and log-probs do not depend on its batch "
+                                                   "mates. Batch-invariant decode, as SGLang's "
+                                                   "--enable-deterministic-inference: with a seed, a user's answer "
+                                                   "is the same bits however many other requests share its decode "
+                                                   "steps, how long they are and on which adapters. It costs decode "
+                                                   "speed: about 40% at one request in flight, 6-10% at 16 (2 CPU "
+                                                   "cores). The embedded engine's CPU decode only (not CUDA); "
+                                                   "prompts that arrive together are still prefilled as one batch, "
+                                                   "whose rounding may differ from a prompt's alone.")
     stall_timeout_s: float = Field(120.0, gt=0, description="Seconds an engine call may go without a token before it "
                                                             "fails (504 engine_timeout). It counts to the first token "
                                                             "and between tokens of a stream, however long a stream "

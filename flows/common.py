@@ -93,14 +93,14 @@ def eval_engine(settings: Settings) -> Engine:
         from clawrl.engine.sglang_client import SGLangClient
 
         return _once(("eval-http", url), lambda: SGLangClient(url, timeout_s=settings.engine.stall_timeout_s))
-    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine  # imports the model code: seconds
+    from clawrl.engine.embedded import ENGINE_KEYS, EmbeddedEngine  # imports the model code: seconds
     from clawrl.models import resolve_device, resolve_dtype
 
     def make() -> Engine:
         device, _ = resolve_device(settings.model.device)
         return EmbeddedEngine(base_model_dir(settings), dtype=resolve_dtype(settings.model.dtype, device),
                               device=device, weight_version="0", served_model_name="clawrl-eval",
-                              **settings.engine.model_dump(include=LIMIT_KEYS))
+                              **settings.engine.model_dump(include=ENGINE_KEYS))
 
     m = settings.model
     return _once(("eval", str(settings.storage.data_root), m.name, m.seed, m.dtype), make)

@@ -14,6 +14,10 @@ sync path (:func:`clawrl.sync.sync_adapter`: digest check, ``load_lora_adapter``
 requests again, A's now on A's new version. Per user and kind: whether the two phases' tokens and
 log-probs are bytes-identical and the largest |difference| of a log-prob; for A, the mean |difference| of
 its echo log-probs, to show that A did change.
+
+The engine runs with ``[engine] deterministic`` on (batch-invariant CPU decode, clawrl/engine/modeling.py):
+bytes-identical is what it promises. Off, a row's last bits move with how many rows share its decode step
+(A's answers ending at other steps), and the bench would measure that instead of the adapters' isolation.
 """
 
 from __future__ import annotations
@@ -150,7 +154,7 @@ def run_isolation_bench(model: str, *, cache_dir: Path, rank: int = 16, lr: floa
                                       seed=0)
     n_requests = sum(2 * len(q) + 1 for q in QUESTIONS.values())  # the first pass's; the second has no echo
     engine = EmbeddedEngine(model_dir, dtype=dtype, device=device, max_batch_size=n_requests, max_context_len=512,
-                            max_loaded_loras=4)
+                            max_loaded_loras=4, deterministic=True)
     tok = engine.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     with tempfile.TemporaryDirectory() as tmp:
@@ -206,6 +210,7 @@ def format_isolation_section(result: dict[str, Any]) -> str:
     from clawrl.bench.common import machine_line
 
     ok, why = isolation_verdict(result)
+    invariant = "batch-invariant decode steps" if result["device"] == "cpu" else "which covers the CPU's decode only"
     served = {"B": f"`{result['b_adapter']}`", "C": "base"}
     rows = ["| user | served by | greedy | seeded | echo | greedy, fixed length | seeded, fixed length |",
             "|---|---|---|---|---|---|---|"]
@@ -214,7 +219,8 @@ def format_isolation_section(result: dict[str, Any]) -> str:
     a, changed = result["users"]["A"]["echo"], result["users"]["A"]["greedy"]
     return "\n".join([
         "**Isolation: does training A's adapter leave B and C bytes-identical?** "
-        f"{machine_line(result['device'], result['dtype'])} `clawrl bench isolation`: `{result['model']}`; a pass "
+        f"{machine_line(result['device'], result['dtype'])} `clawrl bench isolation`: `{result['model']}`, its engine "
+        f"with `[engine] deterministic` on ({invariant}); a pass "
         f"holds every user's requests in flight together (decode batches of up to {result['max_batch_seen']} rows): "
         f"greedy and seeded answers of up to {result['new_tokens']} tokens and echo log-probs of a fixed text, then "
         f"the answers again at their full length (`ignore_eos`: the same rows in every decode step). Between the "

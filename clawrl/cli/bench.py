@@ -127,7 +127,8 @@ def bench_isolation(
 ) -> None:
     """Whether training user A's adapter and loading A's new version into the running engine leaves what it
     serves user B (own adapter) and user C (base) bytes-identical, greedy, seeded and echo, with A's requests
-    in the same batches; writes the isolation part of the LoRA section of docs/benchmarks.md."""
+    in the same batches; writes the isolation part of the LoRA section of docs/benchmarks.md. The engine runs with
+    [engine] deterministic on (batch-invariant decode): bytes-identical is what that setting promises."""
     from clawrl.bench.isolation import format_isolation_section, run_isolation_bench
 
     s = settings_or_exit(config)

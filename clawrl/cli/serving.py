@@ -119,7 +119,7 @@ def engine(
     """Serve the embedded engine over SGLang's native HTTP API (weight_version starts at "0", or with
     --resume at the last version synced successfully)."""
     from clawrl.models import resolve_device, resolve_dtype
-    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
+    from clawrl.engine.embedded import ENGINE_KEYS, EmbeddedEngine
     from clawrl.engine.server import serve_engine
     from clawrl.models import ModelNotFoundError, resolve_model_dir
     from clawrl.ports import listen_problem
@@ -152,7 +152,7 @@ def engine(
     dtype = resolve_dtype(s.model.dtype, device)
     try:
         eng = EmbeddedEngine(model_dir, dtype=dtype, device=device, weight_version=version,
-                             served_model_name=s.server.served_model_name, **s.engine.model_dump(include=LIMIT_KEYS))
+                             served_model_name=s.server.served_model_name, **s.engine.model_dump(include=ENGINE_KEYS))
     except ConfigError as e:
         fail(f"config error: {e}")
     console.print(f"engine on http://{s.server.host}:{port} (SGLang API; model: {model_dir}, "

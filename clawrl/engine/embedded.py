@@ -27,6 +27,10 @@ adapter it is served with, and one batch mixes the base rows and up to ``max_lor
 (clawrl/engine/lora_step.py); at most ``max_loaded_loras`` adapters are held in memory (0: LoRA off).
 Registering or unloading one pauses nobody.
 
+``deterministic`` (``[engine] deterministic``) makes the CPU's decode steps batch-invariant: a request's
+tokens and log-probs are the same bits whatever else is decoded beside it, at some decode speed
+(clawrl/engine/modeling.py says how and how much).
+
 A prefix cache (clawrl/engine/prefix_cache.py) keeps the K/V of what finished requests computed,
 in blocks of 64 tokens, up to ``prefix_cache_tokens``: a request that starts the same way prefills
 only the rest, and reports the tokens it reused as ``cached_tokens``. A weight update or
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -79,8 +84,9 @@ from clawrl.engine.weights import WeightLoadError, check_weights, load_checkpoin
 from clawrl.models import load_causal_lm, load_tokenizer, resolve_context_len
 
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+log = logging.getLogger("clawrl.engine")
 # the [engine] keys that are EmbeddedEngine's keyword arguments too
-LIMIT_KEYS = {"max_batch_size", "max_context_len", "max_total_tokens", "max_loaded_loras"}
+ENGINE_KEYS = {"max_batch_size", "max_context_len", "max_total_tokens", "max_loaded_loras", "deterministic"}
 # Distinct LoRA adapters one decode step computes (SGLang's --max-loras-per-batch default); the rows of more wait
 # a step. Each adapter in a step adds its weights to what the step reads (8 rank-16 adapters over all seven
 # projections: +29% for smollm2), so more at once gains a step little; it stays an argument for benchmarks.
@@ -98,7 +104,7 @@ class EmbeddedEngine:
                  chunked_prefill_size: int = 0, max_total_tokens: int = 0,
                  max_queued_requests: int = MAX_QUEUED_REQUESTS,
                  prefix_cache_tokens: int = -1, cuda_graphs: bool = True, max_loaded_loras: int = 32,
-                 max_loras_per_batch: int = MAX_LORAS_PER_BATCH):
+                 max_loras_per_batch: int = MAX_LORAS_PER_BATCH, deterministic: bool = False):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         max_context_len = resolve_context_len(Path(model_dir), max_context_len)
@@ -107,7 +113,11 @@ class EmbeddedEngine:
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.model = load_causal_lm(Path(model_dir), dtype=dtype, device=device)
         self._served_cache: tuple[dict[str, Tensor], dict[str, str]] | None = None
-        self._runner = CausalLMRunner(self.model, max_context_len)
+        self.deterministic = deterministic
+        self._runner = CausalLMRunner(self.model, max_context_len, deterministic=deterministic)
+        if deterministic and self._runner.device.type != "cpu":
+            log.warning("[engine] deterministic: only the CPU's decode is batch-invariant; on %s a request's "
+                        "log-probs may still move with its batch mates", self._runner.device.type)
         self.vocab_size: int = int(self.model.config.vocab_size)
         self.eos_token_ids: frozenset[int] = self._find_eos_ids()
         self.max_batch_size = max_batch_size

@@ -36,6 +36,12 @@ from torch import Tensor
 
 from clawrl.engine.lora import LORA_TARGETS, LoRAWeights
 
+# Rows a CPU matmul's kernels take at a time: MKL's sgemm computes a row of a partial block of 4 (M = 1..3, or the tail
+# of 5..11 rows) with other kernels, which round differently (up to ~1e-6), and a batched matmul of m < 4 rows likewise
+# (torch 2.13, MKL 2024.2, 1 to 8 threads). A step padded to a multiple of it gives each row the same bits whatever its
+# batch mates (clawrl/engine/modeling.py).
+GEMM_ROW_BLOCK = 4
+
 
 def add_dense(x: Tensor, y: Tensor, a: Tensor, b: Tensor, mask: Tensor, has: Tensor | None) -> Tensor:
     """``y + ((x·Aᵀ) ⊙ mask)·Bᵀ`` where ``has``, ``y`` itself elsewhere. A (S·R, in) and B (out, S·R): every
@@ -156,15 +162,17 @@ class LoRASlots:
 
 class GroupedStep:
     """A decode step's deltas by batched matmuls over the rows grouped by slot (module docstring).
-    ``row_slots[b]``: row b's slot, or None (no adapter: nothing is added to it)."""
+    ``row_slots[b]``: row b's slot, or None (no adapter: nothing is added to it). ``block``: each group padded
+    to a multiple of it (:data:`GEMM_ROW_BLOCK`: a row's delta is then the same whatever the other groups' size)."""
 
-    def __init__(self, pool: LoRASlots, row_slots: list[int | None], targets: frozenset[str]):
+    def __init__(self, pool: LoRASlots, row_slots: list[int | None], targets: frozenset[str], block: int = 1):
         self.pool, self.targets = pool, targets
         device = pool.device
         used = sorted({s for s in row_slots if s is not None})
         self.n = len(used)  # slots 0..n-1 (LoRASlots.assign)
         members = [[b for b, s in enumerate(row_slots) if s == slot] for slot in range(self.n)]
-        self.m = max(len(rows) for rows in members)
+        most = max(len(rows) for rows in members)
+        self.m = most + -most % block
         # rows gathered slot by slot, each group padded to m with its first row (its result is never read)
         gather = [rows[i] if i < len(rows) else rows[0] for rows in members for i in range(self.m)]
         where = {b: slot * self.m + i for slot, rows in enumerate(members) for i, b in enumerate(rows)}
@@ -237,14 +245,16 @@ class RowAdapters:
         n = 1 + max(s for s in self.row_slots if s is not None)
         return min(self.pool.slots, 1 << (n - 1).bit_length())
 
-    def step(self, rows: int | None = None, *, static: bool = False, width: int = 1) -> GroupedStep | DenseStep:
+    def step(self, rows: int | None = None, *, static: bool = False, width: int = 1,
+             block: int = 1) -> GroupedStep | DenseStep:
         """The step over ``rows`` rows (the padded batch; default: these rows), in the pool's layout; ``width``
         positions a row (a prefill's padded length). ``static``: a :class:`DenseStep` over every target whose
         ``has`` is a tensor even when every row has an adapter (what a CUDA graph captures: the next replay's
-        rows may not)."""
-        if not self.pool.dense:  # its rows: each position of each row
-            return GroupedStep(self.pool, [s for s in self.row_slots for _ in range(width)], self.targets)
+        rows may not). ``block``: a :class:`GroupedStep`'s groups padded to a multiple of it (the CPU's
+        batch-invariant decode: :data:`GEMM_ROW_BLOCK`)."""
         row_slots = self.row_slots + [None] * ((rows or len(self.row_slots)) - len(self.row_slots))
+        if not self.pool.dense:  # its rows: each position of each row
+            return GroupedStep(self.pool, [s for s in row_slots for _ in range(width)], self.targets, block)
         mask, has = DenseStep.inputs(self.pool, row_slots, len(row_slots), self.slots_used)
         every = not static and all(s is not None for s in row_slots)
         return DenseStep(self.pool, mask.to(self.pool.device), None if every else has.to(self.pool.device),

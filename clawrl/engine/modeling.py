@@ -15,6 +15,26 @@ Two entry points share the layer code:
 * :meth:`CausalLMRunner.decode` feeds one token to each of the first B cache rows, each at its own
   position, attending over its own cached length through a key mask.
 
+With ``deterministic`` (``[engine] deterministic``), a row's decode logits are bit-identical whatever
+else is in its step (which rows, how many, how long, on which adapters): a user's seeded answer does
+not move when another user's answers change. The kernels keep that only at some shapes, so
+:meth:`CausalLMRunner.decode` pads to them (measured on the CPU, torch 2.13 with MKL 2024.2, 1 to 8
+threads):
+
+* MKL's sgemm computes a row that falls in a partial block of 4 rows (M = 1, 2, 3, or a tail of 5..11
+  rows) with other kernels than a full block: that row's outputs move by up to ~1e-6. The step's rows
+  are padded to a multiple of :data:`~clawrl.engine.lora_step.GEMM_ROW_BLOCK` (a padded row is token 0
+  at position 0 that never reads or writes the cache), and so are the LM head's;
+* SDPA's CPU kernel rounds a row differently with the batch size (:func:`attend_one` says why), so a
+  decode step's attention is written out instead; its sums over the key span still depend on the span's
+  tail when it is not a multiple of 16 (the step's span is its longest row's): the span is rounded up
+  to a multiple of :data:`DECODE_SPAN_MULTIPLE` within the cache's capacity (the extra keys are masked).
+
+The padding costs a decode step of 1 row ~40% more time, of 16 rows 6-10% (2 CPU cores, smollm2-135m
+shapes), so it is off by default: a step then runs at its own shapes through SDPA, and a row's logits
+may move by ~1e-6 with its batch mates. The CUDA path pads to its own buckets
+(clawrl/engine/cuda_graphs.py), and the fused decode compiles its own kernels: neither is covered.
+
 A third, :meth:`CausalLMRunner.extend`, runs one chunk of a long prompt in one row after the
 chunks before it (chunked prefill: the engine bounds the tokens a step computes).
 
@@ -35,10 +55,13 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from transformers.models.llama.modeling_llama import rotate_half
 
-from clawrl.engine.lora_step import DenseStep, RowAdapters
+from clawrl.engine.lora_step import GEMM_ROW_BLOCK, DenseStep, RowAdapters
 from clawrl.engine.memory import give_back, memory_held
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+# A decode step's key span is a multiple of this (module docstring): the CPU's softmax and matmuls give a row the same
+# sums for every span that is a multiple of 16 (measured for spans up to 2,200); 64 leaves room for wider vectors.
+DECODE_SPAN_MULTIPLE = 64
 
 log = logging.getLogger("clawrl.engine")
 
@@ -62,6 +85,19 @@ def build_model_spec(config) -> ModelSpec:
         raise ValueError("sliding-window attention is not supported")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelSpec(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=head_dim)
+
+
+def attend_one(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """Attention of one query a row, q (B, heads, 1, hd), over keys and values (B, kv_heads, span, hd) where
+    ``mask`` (B, 1, 1, span) is True: softmax(q·kᵀ/√hd)·v written out, each kv head's query group one matmul.
+    Not SDPA's CPU kernel: that one splits the keys over threads when B x heads is small next to the thread
+    count, so a row's rounding changed with how many rows shared its step (B = 1 vs 2 on 2 threads, up to
+    B = 13 on 16); this form gives a row the same bits for any B and thread count (1 to 16 measured)."""
+    b, heads, _, hd = q.shape
+    kv = keys.shape[1]
+    scores = torch.matmul(q.view(b, kv, heads // kv, hd), keys.transpose(-1, -2)) * hd ** -0.5  # (B, kv, g, span)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(weights, values).view(b, heads, 1, hd)
 
 
 class KVBudgetError(RuntimeError):
@@ -161,8 +197,9 @@ class KVCache:
 class CausalLMRunner:
     """Prefill and decode over a KV cache for an HF ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``."""
 
-    def __init__(self, hf_model, max_positions: int):
+    def __init__(self, hf_model, max_positions: int, *, deterministic: bool = False):
         self.hf = hf_model
+        self.deterministic = deterministic  # unfused decode at padded shapes: batch-invariant (module docstring)
         self.spec = build_model_spec(hf_model.config)
         param = next(hf_model.parameters())
         self.dtype, self.device = param.dtype, param.device
@@ -187,6 +224,12 @@ class CausalLMRunner:
             return False
         self.fused = FusedDecode(self.hf, self.spec.head_dim)
         return True
+
+    @property
+    def row_block(self) -> int:
+        """What a :class:`~clawrl.engine.lora_step.GroupedStep` pads its groups to: full blocks of rows when
+        ``deterministic`` (module docstring), else 1 (no padding)."""
+        return GEMM_ROW_BLOCK if self.deterministic else 1
 
     @staticmethod
     def rows(n: int) -> int:
@@ -249,24 +292,35 @@ class CausalLMRunner:
     def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache, lora: RowAdapters | None = None) -> Tensor:
         """One step for cache rows ``0..B-1``: ``tokens[b]`` sits at ``positions[b]`` and attends
         to that row's cached positions ``0..positions[b]``; ``lora``: each row's adapter
-        (clawrl/engine/lora_step.py). Returns fp32 logits (B, vocab)."""
-        span = int(positions.max()) + 1
-        cache.ensure(tokens.shape[0], span)
+        (clawrl/engine/lora_step.py). Returns fp32 logits (B, vocab). With ``deterministic`` and unfused, at
+        padded shapes (module docstring): each row's logits are the same bits whatever the other rows are."""
+        b, need = tokens.shape[0], int(positions.max()) + 1
+        cache.ensure(b, need)
+        if self.fused is not None or not self.deterministic:  # at its own shapes (the fused kernels: their own)
+            return self.decode_rows(tokens.to(self.device), positions.to(self.device), cache, need,
+                                    None if lora is None else lora.step())
+        span = min(cache.capacity, -(-need // DECODE_SPAN_MULTIPLE) * DECODE_SPAN_MULTIPLE)
+        pad = -b % GEMM_ROW_BLOCK
+        tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
         return self.decode_rows(tokens.to(self.device), positions.to(self.device), cache, span,
-                                None if lora is None else lora.step())
+                                None if lora is None else lora.step(b + pad, block=self.row_block), live=b)[:b]
 
     @torch.inference_mode()
-    def decode_rows(self, tokens: Tensor, positions: Tensor, cache: KVCache, span: int, lora=None) -> Tensor:
+    def decode_rows(self, tokens: Tensor, positions: Tensor, cache: KVCache, span: int, lora=None,
+                    live: int | None = None) -> Tensor:
         """:meth:`decode` on device tensors over the first ``span`` cached positions (at least
         ``positions.max() + 1``; the cache holds ``len(tokens)`` rows and ``span`` positions), ``lora`` a
         step of clawrl/engine/lora_step.py. No host synchronisation and no shapes that depend on values
-        (with a :class:`DenseStep`, or none): a CUDA graph can capture it."""
+        (with a :class:`DenseStep`, or none): a CUDA graph can capture it. ``live``: only the first ``live``
+        rows are cache rows; the others pad the batch, attend to nothing (their attention output is 0) and
+        write no K/V (unfused only)."""
         b = tokens.shape[0]
-        rows = torch.arange(b, device=self.device)
+        n = b if live is None else live
+        rows = torch.arange(n, device=self.device)
         cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # (B, 1, 1, hd)
         # key j of row b is visible iff j <= positions[b]: the row's own history plus this token
-        mask = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        if self.fused is not None and (lora is None or isinstance(lora, DenseStep)):  # GroupedStep: the CPU's
+        mask = (torch.arange(span, device=self.device)[None, :] <= positions[:n, None])[:, None, None, :]
+        if self.fused is not None and live is None and (lora is None or isinstance(lora, DenseStep)):
             try:
                 return self.lm_head(self.fused.forward(tokens, positions, cos[:, 0], sin[:, 0], mask, cache, span,
                                                        lora))
@@ -278,10 +332,13 @@ class CausalLMRunner:
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[layer], cache.v[layer]
-            kc[rows, :, positions] = k[:, :, 0]
-            vc[rows, :, positions] = v[:, :, 0]
-            return F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask,
-                                                  enable_gqa=True)
+            kc[rows, :, positions[:n]] = k[:n, :, 0]
+            vc[rows, :, positions[:n]] = v[:n, :, 0]
+            if live is None:
+                return F.scaled_dot_product_attention(q, kc[:b, :, :span], vc[:b, :, :span], attn_mask=mask,
+                                                      enable_gqa=True)
+            out = attend_one(q[:n], kc[:n, :, :span], vc[:n, :, :span], mask)
+            return out if n == b else F.pad(out, (0, 0, 0, 0, 0, 0, 0, b - n))  # the padding rows: 0
 
         hidden = self._forward(tokens[:, None], cos, sin, attend, lora)  # (B, 1, D)
         return self.lm_head(hidden[:, 0])
@@ -315,5 +372,10 @@ class CausalLMRunner:
 
     @torch.inference_mode()
     def lm_head(self, hidden: Tensor) -> Tensor:
-        """Final-norm hidden states (..., hidden) -> fp32 logits (..., vocab)."""
-        return self.hf.lm_head(hidden).float()
+        """Final-norm hidden states (..., hidden) -> fp32 logits (..., vocab). With ``deterministic``, (n, hidden)
+        padded to full blocks of rows (module docstring): it adds no dependence of a row's logits on the rows
+        computed with it (the first tokens of the prompts a prefill step completes together)."""
+        if not self.deterministic or hidden.dim() != 2 or hidden.shape[0] % GEMM_ROW_BLOCK == 0:
+            return self.hf.lm_head(hidden).float()
+        n = hidden.shape[0]
+        return self.hf.lm_head(F.pad(hidden, (0, 0, 0, -n % GEMM_ROW_BLOCK))).float()[:n]

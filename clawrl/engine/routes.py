@@ -234,6 +234,7 @@ async def server_info(srv: Srv) -> Response:
         "max_running_requests": srv.max_running_requests, "weight_version": info.get("weight_version"),
         "max_total_num_tokens": getattr(srv.engine, "max_total_tokens", None)  # the KV cache's token slots
         or srv.max_running_requests * srv.max_context_len,
+        "enable_deterministic_inference": getattr(srv.engine, "deterministic", False) is True,  # [engine] deterministic
         "startup_time": srv.started_at, "version": SERVER_VERSION, "frontend": "python",
         "internal_states": [dict(srv.stats())],  # SGLang: one per DP rank; here the engine's counters
         **srv.lora_info(),

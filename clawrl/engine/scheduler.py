@@ -339,7 +339,7 @@ class Scheduler(ControlCalls):
             return OneAdapter(adapters[0].weights)
         if not any(adapters):
             return None
-        return self.adapters.rows(adapters).step(width=max(len(s.tokens) for s in group))
+        return self.adapters.rows(adapters).step(width=max(len(s.tokens) for s in group), block=self.runner.row_block)
 
     def _first_tokens(self, done: list[tuple[Sequence, Tensor]]) -> None:
         seqs = [s for s, _ in done]

@@ -190,7 +190,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
 
         return RoutedEngines(settings.engine.url, timeout_s=settings.engine.stall_timeout_s), load_tokenizer(model_dir)
     from clawrl.models import resolve_device, resolve_dtype
-    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
+    from clawrl.engine.embedded import ENGINE_KEYS, EmbeddedEngine
 
     version = "0"
     intact = _checkpoint_to_serve(settings)
@@ -199,7 +199,7 @@ def build_engine(settings: Settings) -> tuple[Engine, Any]:
     device, _ = resolve_device(settings.model.device)
     engine = EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                             weight_version=version, served_model_name=settings.server.served_model_name,
-                            **settings.engine.model_dump(include=LIMIT_KEYS))
+                            **settings.engine.model_dump(include=ENGINE_KEYS))
     return engine, engine.tokenizer
 
 

@@ -29,14 +29,14 @@ def load_frozen_engine(settings: Settings, name: str | None = None) -> Engine:
     over HTTP."""
     if settings.prm.engine_url and (name or settings.model.name) == settings.model.name:
         return _http_engine(settings, settings.prm.engine_url)
-    from clawrl.engine.embedded import LIMIT_KEYS, EmbeddedEngine
+    from clawrl.engine.embedded import ENGINE_KEYS, EmbeddedEngine
     from clawrl.models import resolve_model_dir
 
     model_dir = resolve_model_dir(name or settings.model.name, settings.storage.models_dir, settings.model.seed)
     device, _ = resolve_device(settings.model.device)
     return EmbeddedEngine(model_dir, dtype=resolve_dtype(settings.model.dtype, device), device=device,
                           weight_version="frozen", served_model_name="clawrl-frozen",
-                          **settings.engine.model_dump(include=LIMIT_KEYS))
+                          **settings.engine.model_dump(include=ENGINE_KEYS))
 
 
 def uses_frozen_model(settings: Settings) -> bool:

@@ -63,6 +63,7 @@ def test_section_states_the_verdict_and_a_row_for_b_and_for_c():
     assert "Target: B and C bytes-identical: NOT MET (not bytes-identical: B greedy; at fixed length every kind is)." in text
     assert "A's echo log-probs moved by 0.0123 on average (max 0.05), 0 of its 4 greedy answers changed" in text
     assert "`A@v1` is synced into the running engine (42 ms)" in text
+    assert "its engine with `[engine] deterministic` on (batch-invariant decode steps)" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| user")]
     assert rows == ["| B | `B@v1` | **no**: 1 of 4 answers' tokens changed, max 2.5e-07 | yes | yes | yes | yes |",
                     "| C | base | yes | yes | yes | yes | yes |"]

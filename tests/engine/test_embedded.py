@@ -4,13 +4,15 @@ pause modes and weight updates. Each test drives the engine from plain ``asyncio
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from clawrl.engine.embedded import EmbeddedEngine
+from clawrl.config_sections import EngineSettings
+from clawrl.engine.embedded import ENGINE_KEYS, EmbeddedEngine
 from clawrl.engine.sequence import build_version_spans
 from clawrl.engine.types import BadRequestError, Engine, GenerateRequest, SamplingParams
 from clawrl.models import load_causal_lm
@@ -210,6 +212,37 @@ def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(engine):
     alone, in_batch, other_seed = run(scenario())
     assert alone.output_ids == in_batch.output_ids
     assert other_seed.output_ids != alone.output_ids
+
+
+def test_a_deterministic_engine_s_seeded_answer_is_bit_identical_whatever_decodes_beside_it(tiny_dir):
+    """[engine] deterministic: a seeded request decoded alone, then again while three others (one long enough that
+    the step's attention span crosses 64) join after its prefill and end at other steps, gives the same tokens and
+    log-probs bit for bit."""
+    eng = EmbeddedEngine(tiny_dir, max_batch_size=8, max_context_len=256, deterministic=True)
+    prompt = prompts_of([20], eng.vocab_size, seed=21)[0]  # under a prefix-cache block: prefilled anew each time
+    seeded = GenerateRequest(input_ids=prompt, return_logprob=True,
+                             sampling_params=SamplingParams(max_new_tokens=40, sampling_seed=7, ignore_eos=True))
+    mates = [GenerateRequest(input_ids=p, sampling_params=greedy(n))
+             for p, n in zip(prompts_of((3, 70, 9), eng.vocab_size, seed=22), (5, 12, 20))]
+
+    async def scenario():
+        async with eng:
+            alone = await eng.generate(seeded)
+            task = asyncio.create_task(eng.generate(seeded))
+            await wait_until(lambda: eng.stats["tokens_generated"] >= 40 + 3)  # decoding: its prefill was alone
+            await asyncio.gather(*(eng.generate(r) for r in mates))
+            assert not task.done()
+            return alone, await task
+
+    alone, beside = run(scenario())
+    assert eng.stats["max_batch_seen"] == 4
+    assert beside.output_ids == alone.output_ids
+    assert beside.output_logprobs == alone.output_logprobs  # float ==: no tolerance
+
+
+def test_every_engine_setting_the_embedded_engine_takes_reaches_it():
+    """The entry points build the embedded engine with ``settings.engine.model_dump(include=ENGINE_KEYS)``."""
+    assert ENGINE_KEYS == set(EngineSettings.model_fields) & set(inspect.signature(EmbeddedEngine).parameters)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import struct
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from clawrl.engine.lora import (Adapter, AdapterError, AdapterStore, projection_
                                write_random_adapters)
 from clawrl.engine.lora_step import LoRASlots, OneAdapter, RowAdapters
 from clawrl.engine.modeling import CausalLMRunner
+from clawrl.engine.sampling import RowSampling, sample_next_tokens
 from clawrl.engine.types import BadRequestError, GenerateRequest, SamplingParams
 from clawrl.models import load_causal_lm
 from tests.engine.test_embedded import assert_lp_close, greedy, prompts_of, run, wait_until
@@ -109,8 +111,9 @@ def test_an_adapter_read_where_it_serves_is_registered_without_a_copy(tiny_hf, a
     store.close()
 
 
-def _one_step(runner, prompts, adapters, *, dense: bool, lora: bool = True) -> torch.Tensor:
-    """Prefill each prompt with its adapter, then one decode step of all of them: logits (rows, vocab)."""
+def _one_step(runner, prompts, adapters, *, dense: bool, lora: bool = True, exact: bool = False) -> torch.Tensor:
+    """Prefill each prompt with its adapter, then one decode step of all of them: logits (rows, vocab). ``exact``:
+    ``decode_rows`` at the step's own shapes (no padded rows or span, SDPA), as the default decode runs it."""
     cache = runner.new_cache(8)  # room for a padded batch
     for row, (p, a) in enumerate(zip(prompts, adapters)):
         runner.prefill([p], [row], cache, [len(p) - 1], None if a is None else OneAdapter(a.weights))
@@ -121,8 +124,11 @@ def _one_step(runner, prompts, adapters, *, dense: bool, lora: bool = True) -> t
         slot = dict(zip((a.uid for a in distinct), pool.assign(distinct)))
         step = RowAdapters(pool, [None if a is None else slot[a.uid] for a in adapters],
                            frozenset().union(*(a.weights.targets for a in distinct)))
-    tokens = torch.tensor([7] * len(prompts))
-    return runner.decode(tokens, torch.tensor([len(p) for p in prompts]), cache, step)
+    tokens, positions = torch.tensor([7] * len(prompts)), torch.tensor([len(p) for p in prompts])
+    if exact:
+        cache.ensure(len(prompts), int(positions.max()) + 1)
+        return runner.decode_rows(tokens, positions, cache, int(positions.max()) + 1, step and step.step())
+    return runner.decode(tokens, positions, cache, step)
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["grouped", "dense"])  # the CPU's way and CUDA's
@@ -140,6 +146,61 @@ def test_a_mixed_decode_step_gives_each_row_what_it_gets_alone(tiny_hf, adapter_
             assert torch.equal(mixed[b], base[b])
         else:
             assert (mixed[b] - base[b]).abs().max() > 1e-3  # the adapter changed something
+
+
+def _seeded_row(runner, prompts, adapters, mates: list[int]) -> list[tuple[torch.Tensor, int, float]]:
+    """Row 0 decoded with a seeded sampler for ``len(mates)`` steps, step s beside the first ``mates[s]`` of the
+    other rows (greedy; each prompt prefilled alone, so row 0's cache is the same whatever its mates): per step
+    row 0's logits, token and log-prob."""
+    cache = runner.new_cache(8)
+    for row, (p, a) in enumerate(zip(prompts, adapters)):
+        runner.prefill([p], [row], cache, [len(p) - 1], None if a is None else OneAdapter(a.weights))
+    pool = LoRASlots(projection_shapes(runner.hf), 2, 4, torch.float32, "cpu", dense=False)
+    tokens, positions = torch.full((len(prompts),), 7), torch.tensor([len(p) for p in prompts])
+    seeded = RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(3))
+    out = []
+    for live in mates:
+        b = 1 + live
+        distinct = list({a.uid: a for a in adapters[:b] if a}.values())
+        slot = dict(zip((a.uid for a in distinct), pool.assign(distinct)))
+        step = RowAdapters(pool, [None if a is None else slot[a.uid] for a in adapters[:b]],
+                           frozenset().union(*(a.weights.targets for a in distinct)))
+        logits = runner.decode(tokens[:b], positions[:b], cache, step)
+        sampled = sample_next_tokens(logits, [seeded] + [RowSampling(temperature=0.0)] * live)
+        out.append((logits[0], sampled.token_ids[0], sampled.logprobs[0]))
+        tokens[:b], positions[:b] = torch.tensor(sampled.token_ids), positions[:b] + 1
+    return out
+
+
+def test_a_rows_seeded_logprobs_are_bit_identical_whatever_its_batch_mates(tiny_hf, adapter_dirs):
+    """The isolation the engine promises per user: row 0 (its own adapter, a seeded sampler) alone, and beside
+    rows of another adapter, of its own and of none that end at other steps - one of them long enough that the
+    step's attention span crosses 64 - gives the same logits, tokens and log-probs, bit for bit. (On the CPU this
+    takes padded shapes: MKL rounds a row of a partial 4-row block otherwise, the attention its span's tail.)"""
+    runner = CausalLMRunner(tiny_hf, 256, deterministic=True)
+    a0, a1, _, _ = _adapters(tiny_hf, adapter_dirs)
+    prompts = prompts_of([20, 9, 5, 100, 3, 12], 49152, seed=4)
+    adapters = [a0, a1, None, a1, a0, a1]
+    alone = _seeded_row(runner, prompts[:1], adapters[:1], [0] * 7)
+    for mates in ([5, 5, 4, 2, 1, 0, 0], [1, 2, 3, 4, 5, 5, 3], [2, 2, 2, 2, 2, 2, 2]):
+        beside = _seeded_row(runner, prompts, adapters, mates)
+        for step, ((logits, token, lp), (ref_logits, ref_token, ref_lp)) in enumerate(zip(beside, alone)):
+            assert torch.equal(logits, ref_logits), f"mates {mates}, step {step}: " \
+                f"{(logits - ref_logits).abs().max().item():.2g} apart"
+            assert (token, struct.pack("<d", lp)) == (ref_token, struct.pack("<d", ref_lp))
+
+
+def test_without_deterministic_a_decode_step_runs_at_its_own_shapes(tiny_hf, adapter_dirs):
+    """The default ([engine] deterministic off): the step is ``decode_rows`` at its rows and span (SDPA, groups
+    unpadded), bit for bit, and the LM head computes the rows it is given, no more."""
+    runner = CausalLMRunner(tiny_hf, 256)
+    a0, a1, _, _ = _adapters(tiny_hf, adapter_dirs)
+    rows, prompts = [a0, None, a1], prompts_of([5, 70, 3], 49152, seed=14)  # 3 rows, a span of 71
+    assert torch.equal(_one_step(runner, prompts, rows, dense=False),
+                       _one_step(runner, prompts, rows, dense=False, exact=True))
+    hidden = torch.randn(3, tiny_hf.config.hidden_size)
+    assert torch.equal(runner.lm_head(hidden), tiny_hf.lm_head(hidden).float())
+    assert runner.row_block == 1 and CausalLMRunner(tiny_hf, 256, deterministic=True).row_block == 4
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["grouped", "dense"])
