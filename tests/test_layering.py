@@ -146,3 +146,12 @@ def test_files_and_functions_stay_small(name):
     long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(text))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{MODULES[name]}: functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (no __init__.py in tests/): two files of one name in different
+    folders stop the whole run at collection ("import file mismatch")."""
+    names: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {n: paths for n, paths in names.items() if len(paths) > 1} == {}
