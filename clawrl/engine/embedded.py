@@ -113,7 +113,6 @@ class EmbeddedEngine:
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.model = load_causal_lm(Path(model_dir), dtype=dtype, device=device)
         self._served_cache: tuple[dict[str, Tensor], dict[str, str]] | None = None
-        self.deterministic = deterministic
         self._runner = CausalLMRunner(self.model, max_context_len, deterministic=deterministic)
         if deterministic and self._runner.device.type != "cpu":
             log.warning("[engine] deterministic: only the CPU's decode is batch-invariant; on %s a request's "
@@ -182,6 +181,11 @@ class EmbeddedEngine:
     @property
     def weight_version(self) -> str:
         return self._sched.weight_version
+
+    @property
+    def deterministic(self) -> bool:
+        """``[engine] deterministic``: the runner's batch-invariant decode (module docstring)."""
+        return self._runner.deterministic
 
     @property
     def stats(self) -> dict[str, Any]:
