@@ -44,7 +44,7 @@ def test_an_empty_list_is_allowed_where_it_means_skip():
 
 @pytest.mark.parametrize("args,says", [
     (["--persona", "nosuch"], "Invalid value for --persona: 'nosuch'; valid: concise, signoff, lowercase, bullets, "
-                              "french"),
+                              "french, detailed, paragraphs, plain"),
     (["--model", "nosuch"], "Invalid value for --model: model 'nosuch': not a known name"),
     (["--scenario", "nosuch"], "Invalid value for --scenario: 'nosuch'; valid: persona, tools, users"),
 ])

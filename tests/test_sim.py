@@ -17,6 +17,11 @@ def test_persona_checks():
     assert PERSONAS["bullets"].satisfied("- one\n- two") and not PERSONAS["bullets"].satisfied("- only one")
     assert PERSONAS["french"].satisfied("La capitale de la France est Paris.")
     assert not PERSONAS["french"].satisfied("The capital of France is Paris.")
+    assert PERSONAS["detailed"].satisfied(" ".join(["word"] * 30)) and not PERSONAS["detailed"].satisfied(
+        " ".join(["word"] * 29))  # at least 30 words
+    assert PERSONAS["paragraphs"].satisfied("Paris.\n\nIt is in France.")
+    assert not PERSONAS["paragraphs"].satisfied("Paris.\nIt is in France.\n\n  ")  # one break and a blank tail
+    assert PERSONAS["plain"].satisfied("  Paris, in France.\n") and not PERSONAS["plain"].satisfied("Paris.\nFrance.")
     assert not PERSONAS["concise"].satisfied("   ")  # an empty answer satisfies nobody
     with pytest.raises(ValueError, match="valid: concise"):
         get_persona("pirate")

@@ -42,7 +42,7 @@ def demo(
     steps: Annotated[Optional[int], typer.Option(min=1, help="Training steps (weight versions; users: rounds). "
                                                  "Default 16; users: 5.")] = None,
     users: Annotated[int, typer.Option(min=1, help="Simulated users per step.")] = 16,
-    persona: Annotated[str, typer.Option(help="concise | signoff | lowercase | bullets | french")] = "concise",
+    persona: Annotated[str, typer.Option(help=" | ".join(PERSONAS))] = "concise",
     max_tokens: Annotated[Optional[int], typer.Option(
         min=1, help="Answer budget per turn (default 48; tools: 64).")] = None,
     run_dir: Annotated[Optional[Path], typer.Option(help="Data root of this run (default: a new one).")] = None,

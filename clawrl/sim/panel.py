@@ -17,7 +17,7 @@ from typing import Any
 from clawrl.ids import namespace_for_key
 from clawrl.sim.personas import PERSONAS
 
-DEFAULT_PANEL = ("concise", "french", "bullets", "signoff")
+DEFAULT_PANEL = ("concise", "detailed", "paragraphs", "plain")  # two pairs of opposite wishes (personas.py)
 KEY_PREFIX = "demo-user-"
 
 

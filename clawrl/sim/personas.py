@@ -36,6 +36,18 @@ def _concise(limit: int) -> Callable[[str], bool]:
     return lambda text: len(words(text)) <= limit
 
 
+def _detailed(least: int) -> Callable[[str], bool]:
+    return lambda text: len(words(text)) >= least
+
+
+def _paragraphs(text: str) -> bool:
+    return sum(1 for part in re.split(r"\n\s*\n", text) if part.strip()) >= 2
+
+
+def _plain(text: str) -> bool:
+    return "\n" not in text.strip()
+
+
 def _signoff(text: str) -> bool:
     return text.rstrip().rstrip("!. ").lower().endswith("cheers")
 
@@ -63,6 +75,15 @@ PERSONAS: dict[str, Persona] = {
     "bullets": Persona("bullets", "wants answers as a bullet list", _bullets,
                        "no, answer as a bullet list with '- ' at the start of each line please."),
     "french": Persona("french", "wants answers in French", _french, "no, answer in French please."),
+    # the users demo's panel: two pairs of opposite wishes the served model meets some of the time (SmolLM2-135M,
+    # 48 tokens: 6% of its answers are concise, 90% detailed, 6% in paragraphs, 93% plain), where French, bullets
+    # and the sign-off are met by none of them and so give its learner no contrast
+    "detailed": Persona("detailed", "wants answers of at least 30 words", _detailed(30),
+                        "no, that's too short. explain in at least 30 words please."),
+    "paragraphs": Persona("paragraphs", "wants answers in two paragraphs or more", _paragraphs,
+                          "no, split your answer into two paragraphs please."),
+    "plain": Persona("plain", "wants one paragraph without line breaks", _plain,
+                     "no, answer in one paragraph without line breaks please."),
 }
 
 THANKS = "thanks, that's great!"

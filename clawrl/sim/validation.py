@@ -1,6 +1,6 @@
 """The demos' ``[gate] evaluator``s.
 
-``clawrl.sim.validation:<persona>`` (concise, signoff, lowercase, bullets, french) returns the
+``clawrl.sim.validation:<persona>`` (any of :data:`clawrl.sim.personas.PERSONAS`) returns the
 questions of :func:`clawrl.sim.prompts.validation_questions` as chat prompts and a scorer that gives
 an answer 1 when it satisfies the persona AND is on topic (the held-out score's rule), else 0.
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from clawrl.chat import TOOL_CALL_OPEN, tool_calls_in
 from clawrl.sim import bfcl
-from clawrl.sim.personas import get_persona, on_topic
+from clawrl.sim.personas import PERSONAS, get_persona, on_topic
 from clawrl.sim.prompts import validation_questions
 from clawrl.sim.tools import SYSTEM_PROMPT, TOOLS, ToolTask, gate_tasks, run_tool
 
@@ -71,24 +71,20 @@ def panel_evaluator(panel: list[str]) -> Evaluator:
 
 
 def __getattr__(name: str) -> Evaluator:
-    """``users_<persona>_<persona>...``: :func:`panel_evaluator` of those personas, so a config names the panel
-    in its ``[gate] evaluator`` path (``clawrl.sim.validation:users_concise_french``)."""
+    """``<persona>``: :func:`persona_evaluator` of it; ``users_<persona>_<persona>...``: :func:`panel_evaluator` of
+    those personas, so a config names the panel in its ``[gate] evaluator`` path
+    (``clawrl.sim.validation:users_concise_french``)."""
     if name.startswith("users_"):
         from clawrl.sim.panel import parse_panel
 
         return panel_evaluator(parse_panel(name.removeprefix("users_").replace("_", ",")))
+    if name in PERSONAS:
+        return persona_evaluator(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def panel_evaluator_path(panel: list[str]) -> str:
     return f"{__name__}:users_{'_'.join(panel)}"
-
-
-concise = persona_evaluator("concise")
-signoff = persona_evaluator("signoff")
-lowercase = persona_evaluator("lowercase")
-bullets = persona_evaluator("bullets")
-french = persona_evaluator("french")
 
 
 _TOOL_NAMES = {t["function"]["name"] for t in TOOLS}

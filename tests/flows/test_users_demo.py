@@ -97,14 +97,14 @@ def test_the_users_demo_trains_one_shared_policy_and_one_adapter_per_user_on_the
             assert shown == [round(metrics[f"{p}_score"][k], 3) for k in range(3)], (arm, p, shown)
             assert shown == [round(r["scores"][p], 3) for r in report["rows"][arm]]
         assert metrics["concise_persona_rate"] == {0: 1.0, 1: 1.0, 2: 1.0}
-        assert metrics["bullets_persona_rate"] == {0: 0.0, 1: 0.0, 2: 0.0}
+        assert metrics["detailed_persona_rate"] == {0: 0.0, 1: 0.0, 2: 0.0}  # 8 tokens: never 30 words
         assert metrics["turns"] == {0: 0.0, 1: 2.0, 2: 4.0}
-    assert set(report["summary"]) == set(panel) and "per-user_turns_to_shared_final" in report["summary"]["french"]
+    assert set(report["summary"]) == set(panel) and "per-user_turns_to_shared_final" in report["summary"]["detailed"]
 
 
 @pytest.mark.parametrize("personas,says", [
     ("concise,nosuch", "Invalid value for --personas: unknown persona 'nosuch'; valid: concise, signoff, lowercase, "
-                       "bullets, french"),
+                       "bullets, french, detailed, paragraphs, plain"),
     ("concise,french,concise", "Invalid value for --personas: persona concise named twice: each user of the panel "
                                "has a persona of its own"),
 ])
