@@ -18,14 +18,19 @@ T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+# How long exit waits for the loop's thread to end: a callback still running when the loop is told to stop
+# finishes first (seconds at most; the engines' work runs on threads of their own)
+EXIT_JOIN_S = 30.0
 
 
 def background_loop() -> asyncio.AbstractEventLoop:
-    global _loop
+    global _loop, _thread
     with _lock:
         if _loop is None or _loop.is_closed():
             _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="clawrl-runtime-loop", daemon=True).start()
+            _thread = threading.Thread(target=_loop.run_forever, name="clawrl-runtime-loop", daemon=True)
+            _thread.start()
         return _loop
 
 
@@ -47,9 +52,16 @@ def is_running() -> bool:
     return loop is not None and loop.is_running()
 
 
-def _shutdown() -> None:  # pragma: no cover - interpreter exit
+def _shutdown() -> None:
+    """Stop the loop and wait for its thread to end. A daemon thread still ending when the interpreter
+    finalizes is killed as it next takes the GIL, and where that happens inside a C++ destructor (torch's
+    thread-local state, run as the thread exits) the process aborts ("terminate called without an active
+    exception", exit status 134) after every line of its work was done."""
+    thread = _thread
     if is_running():
         _loop.call_soon_threadsafe(_loop.stop)
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(EXIT_JOIN_S)
 
 
 atexit.register(_shutdown)

@@ -25,8 +25,10 @@ others' rows by a step, a prefill batches them apart).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +46,9 @@ from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, 
 from clawrl.engine.sequence import DecodeText, Sequence, abort_reason, plan_prefill_groups
 from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError
 
+# How long exit waits for a worker to end the step it is in (a long prefill chunk on a busy CPU: seconds)
+EXIT_JOIN_S = 30.0
+_started: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # schedulers whose worker may still run
 PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
 PREFIX_BLOCK = 64  # tokens per block of the prefix cache
 
@@ -95,17 +100,23 @@ class Scheduler(ControlCalls):
             self.closing = False
             self._thread = threading.Thread(target=self._worker, name="clawrl-engine", daemon=True)
             self._thread.start()
+            _started.add(self)
 
     async def stop(self) -> None:
         """End the worker: requests still queued or running fail with EngineError."""
+        thread = self._close()
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+            self._thread = None
+
+    def _close(self) -> threading.Thread | None:
+        """Tell the worker to end after its current step; its thread, or None if none was started."""
         thread = self._thread
-        if thread is None:
-            return
-        with self.cv:
-            self.closing = True
-            self.cv.notify_all()
-        await asyncio.to_thread(thread.join)
-        self._thread = None
+        if thread is not None:
+            with self.cv:
+                self.closing = True
+                self.cv.notify_all()
+        return thread
 
     def submit(self, seq: Sequence) -> None:
         self.start()
@@ -485,3 +496,15 @@ class Scheduler(ControlCalls):
         self.paused, self.pause_mode = False, None
 
 
+def _stop_workers_at_exit() -> None:
+    """End every engine worker of the process before the interpreter finalizes. A daemon thread still
+    in a torch call then is killed as the call returns and takes the GIL back, inside torch's C++ frames,
+    which aborts the process ("terminate called without an active exception", exit status 134) after all
+    its work was done: a command that exits while its engine decodes (the demo's last answers, a Ctrl-C)
+    would fail. Requests still running fail with EngineError, as on :meth:`Scheduler.stop`."""
+    threads = [t for t in (s._close() for s in list(_started)) if t is not None]
+    for thread in threads:
+        thread.join(EXIT_JOIN_S)
+
+
+atexit.register(_stop_workers_at_exit)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,9 @@ from clawrl.engine.embedded import ENGINE_KEYS, EmbeddedEngine
 from clawrl.engine.sequence import build_version_spans
 from clawrl.engine.types import BadRequestError, Engine, GenerateRequest, SamplingParams
 from clawrl.models import load_causal_lm
-from tests.utils.waiting import join, wait_until_async
+from tests.utils.waiting import join, run_to_end, wait_until_async
 
+ROOT = Path(__file__).resolve().parents[2]
 LP_TOL = 1e-4  # fp32 log-prob agreement between the engine and a teacher-forced HF forward
 
 
@@ -850,3 +853,36 @@ def test_a_failing_prefill_fails_only_the_new_requests(engine, monkeypatch):
         return await ok
 
     assert len(run(scenario()).output_ids) == 60  # the running request was not disturbed
+
+
+EXIT_WHILE_DECODING = """
+import asyncio, sys
+from clawrl import runtime
+from clawrl.engine.embedded import EmbeddedEngine
+from clawrl.engine.types import GenerateRequest, SamplingParams
+
+engine = EmbeddedEngine(sys.argv[1], max_batch_size=8, max_context_len=4096)
+pending = []
+
+async def start():
+    await engine.start()
+    request = GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4000, ignore_eos=True))
+    pending.append(asyncio.ensure_future(engine.generate(request)))
+    while engine.stats["tokens_generated"] < 16:
+        await asyncio.sleep(0.01)
+
+runtime.run(start())
+print("exiting while decoding", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_its_engine_decodes_exits_0(tiny_dir):
+    """The engine's worker is a daemon thread: left in a torch call at interpreter exit, it was killed as the
+    call took the GIL back, inside torch's C++ frames, and the process aborted (exit status 134, "terminate
+    called without an active exception") after all its work was done - a demo run failed so in CI. Exit now
+    ends the worker first: the request still running fails, the process exits 0."""
+    out = run_to_end([sys.executable, "-c", EXIT_WHILE_DECODING, str(tiny_dir)], cwd=ROOT,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "exiting while decoding" in out.stdout
+    assert "terminate called" not in out.stderr
