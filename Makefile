@@ -59,7 +59,7 @@ demo: install
 	@$(BYTECODE)
 	$(VENV)/bin/clawrl demo
 
-# four users with their own keys and personas: one shared policy vs one adapter each (docs/demo.md, ~45 min)
+# four users with their own keys and personas: one shared policy vs one adapter each (docs/demo.md, ~15 min alone on 2 cores)
 demo-users: install
 	@$(BYTECODE)
 	$(VENV)/bin/clawrl demo --scenario users

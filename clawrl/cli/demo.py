@@ -27,7 +27,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 TOOLS_EVALUATORS = ("clawrl.sim.validation:tools", "clawrl.sim.validation:tools_bfcl")  # tool calls judged
 DEMO_CONFIGS = {"persona": CONF_DIR / "demo.toml", "tools": CONF_DIR / "demo-tools.toml",
                 "users": CONF_DIR / "demo-users.toml"}
-STEPS = {"persona": 16, "tools": 16, "users": 5}  # users: both arms in ~45 min on 2 cores (docs/demo.md)
+STEPS = {"persona": 16, "tools": 16, "users": 5}  # users: both arms in ~15 min alone on 2 cores (docs/demo.md)
 USERS_HELDOUT = 12  # answered once: 12 per user a round, 48 for four (the persona demo scores 48)
 
 
