@@ -3,7 +3,8 @@
 Prefect tasks are synchronous functions running in worker threads; the engines are asyncio
 objects. :func:`run` executes a coroutine on one shared background loop (started on first use), so
 every engine call of a process goes through one loop whatever thread asks, and an HTTP client made
-on that loop is always used on it.
+on that loop is always used on it. At exit it ends, and the threads of the engines' workers with it,
+before the interpreter finalizes (:func:`end_at_exit`).
 """
 
 from __future__ import annotations
@@ -11,17 +12,26 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
+import weakref
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
-# How long exit waits for the loop's thread to end: a callback still running when the loop is told to stop
-# finishes first (seconds at most; the engines' work runs on threads of their own)
+# How long exit waits for a thread to end: an engine worker finishes the step it is in first (a long prefill
+# chunk on a busy CPU: seconds)
 EXIT_JOIN_S = 30.0
+
+
+class Worker(Protocol):
+    def end_thread(self) -> threading.Thread | None:
+        """Tell the worker's thread to end soon; return it (None: none runs)."""
+
+
+_workers: weakref.WeakSet[Worker] = weakref.WeakSet()
 
 
 def background_loop() -> asyncio.AbstractEventLoop:
@@ -52,16 +62,23 @@ def is_running() -> bool:
     return loop is not None and loop.is_running()
 
 
+def end_at_exit(worker: Worker) -> None:
+    """End ``worker``'s thread at interpreter exit, before the interpreter finalizes (an engine's worker)."""
+    _workers.add(worker)
+
+
 def _shutdown() -> None:
-    """Stop the loop and wait for its thread to end. A daemon thread still ending when the interpreter
-    finalizes is killed as it next takes the GIL, and where that happens inside a C++ destructor (torch's
-    thread-local state, run as the thread exits) the process aborts ("terminate called without an active
-    exception", exit status 134) after every line of its work was done."""
-    thread = _thread
+    """End the workers' threads and the loop's, and wait for them. A daemon thread still in a torch call when
+    the interpreter finalizes is killed as the call takes the GIL back, inside torch's C++ frames, and the
+    process aborts ("terminate called without an active exception", exit status 134) after all its work was
+    done: a command that exits while its engine decodes would fail. The requests still running fail."""
+    threads = [w.end_thread() for w in list(_workers)]
     if is_running():
         _loop.call_soon_threadsafe(_loop.stop)
-    if thread is not None and thread is not threading.current_thread():
-        thread.join(EXIT_JOIN_S)
+        threads.append(_thread)
+    for thread in threads:
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(EXIT_JOIN_S)
 
 
 atexit.register(_shutdown)

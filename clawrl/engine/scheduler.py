@@ -25,10 +25,8 @@ others' rows by a step, a prefill batches them apart).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from clawrl import runtime
 from clawrl.engine.control import ControlCalls, PendingUpdate
 from clawrl.engine.cuda_graphs import GraphedDecode
 from clawrl.engine.lora import AdapterError
@@ -46,9 +45,6 @@ from clawrl.engine.sampling import compute_prompt_logprobs, sample_next_tokens, 
 from clawrl.engine.sequence import DecodeText, Sequence, abort_reason, plan_prefill_groups
 from clawrl.engine.types import BadRequestError, EngineError, EngineOverloadedError
 
-# How long exit waits for a worker to end the step it is in (a long prefill chunk on a busy CPU: seconds)
-EXIT_JOIN_S = 30.0
-_started: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # schedulers whose worker may still run
 PROMPT_LOGITS_CHUNK = 256  # positions per LM-head call when scoring a prompt: bounds memory at ~chunk·vocab floats
 PREFIX_BLOCK = 64  # tokens per block of the prefix cache
 
@@ -100,16 +96,16 @@ class Scheduler(ControlCalls):
             self.closing = False
             self._thread = threading.Thread(target=self._worker, name="clawrl-engine", daemon=True)
             self._thread.start()
-            _started.add(self)
+            runtime.end_at_exit(self)
 
     async def stop(self) -> None:
         """End the worker: requests still queued or running fail with EngineError."""
-        thread = self._close()
+        thread = self.end_thread()
         if thread is not None:
             await asyncio.to_thread(thread.join)
             self._thread = None
 
-    def _close(self) -> threading.Thread | None:
+    def end_thread(self) -> threading.Thread | None:
         """Tell the worker to end after its current step; its thread, or None if none was started."""
         thread = self._thread
         if thread is not None:
@@ -494,17 +490,3 @@ class Scheduler(ControlCalls):
             u.done.set_exception(exc)
         self._updates.clear()
         self.paused, self.pause_mode = False, None
-
-
-def _stop_workers_at_exit() -> None:
-    """End every engine worker of the process before the interpreter finalizes. A daemon thread still
-    in a torch call then is killed as the call returns and takes the GIL back, inside torch's C++ frames,
-    which aborts the process ("terminate called without an active exception", exit status 134) after all
-    its work was done: a command that exits while its engine decodes (the demo's last answers, a Ctrl-C)
-    would fail. Requests still running fail with EngineError, as on :meth:`Scheduler.stop`."""
-    threads = [t for t in (s._close() for s in list(_started)) if t is not None]
-    for thread in threads:
-        thread.join(EXIT_JOIN_S)
-
-
-atexit.register(_stop_workers_at_exit)
