@@ -242,10 +242,13 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
     rows[0]["candidate_score"] = rows[0]["served_score"]
     log.info("base model: %s", _row_line(rows[0], scenario))
     for step in range(1, steps + 1):
+        runtime.stop_if_ctrl_c()  # before each piece of work: a Ctrl-C swallowed where it landed stops here
         rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size,
                                 scenario, plain_share)
         judged = judge_flow(config_path=config_path)
+        runtime.stop_if_ctrl_c()
         trained = train_flow(config_path=config_path, max_steps=1)
+        runtime.stop_if_ctrl_c()
         row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples,
                               scenario)
         gate = {**trained["steps"][0]["gate"], "candidate_version": trained["steps"][0]["weight_version"]} \

@@ -135,9 +135,12 @@ def users_loop(config_path: str | None, gateway_url: str, arm: str, panel: list[
                                            eval_samples))]
     log.info("%s, base model: %s", arm, _line(rows[0]))
     for round_no in range(1, rounds + 1):
+        runtime.stop_if_ctrl_c()  # before each piece of work: a Ctrl-C swallowed where it landed stops here
         asked = simulate_panel(config_path, gateway_url, round_no, panel, turns, max_tokens, seed, heldout)
         judge_flow(config_path=config_path)
+        runtime.stop_if_ctrl_c()
         trained = train_flow(config_path=config_path, max_steps=1)
+        runtime.stop_if_ctrl_c()
         evaluated = evaluate_panel(config_path, gateway_url, round_no, panel, max_tokens, seed, heldout, eval_samples)
         rows.append(panel_row(round_no, round_no * turns, evaluated, _gates(trained, panel), asked))
         print(f"{arm} round {round_no:2d} ({round_no * turns} turns each): {_line(rows[-1])}")

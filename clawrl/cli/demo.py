@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
-import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from clawrl.cli.common import FLOW_LOG, app, console, data_root_prefect, setting
 from clawrl.cli.data import status
 from clawrl.cli.demo_users import ADAPTER_LR, run_users_demo
 from clawrl.config import Settings, dump_toml
+from clawrl.runtime import ctrl_c_noted
 from clawrl.sim.panel import DEFAULT_PANEL
 from clawrl.sim.personas import PERSONAS
 from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS
@@ -187,23 +187,19 @@ def _print_rows(rows: list[dict], scenario: str, persona: str) -> None:
 def ctrl_c_exits(message: str) -> Iterator[None]:
     """Ctrl-C ends the block with ``message`` and exit code 130 (what a shell reports for SIGINT), not a
     traceback. DuckDB catches the KeyboardInterrupt a Ctrl-C raises mid-query and raises RuntimeError("Query
-    interrupted") instead, so whatever the block raises after a SIGINT counts as the interruption."""
-    seen: list[int] = []
-
-    def on_sigint(signum, frame) -> None:
-        seen.append(signum)
-        signal.default_int_handler(signum, frame)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    except BaseException as e:
-        if not (isinstance(e, KeyboardInterrupt) or seen):
-            raise
-        console.print(message, markup=False, soft_wrap=True)
-        raise typer.Exit(130) from None
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    interrupted") instead, so whatever the block raises after a SIGINT counts as the interruption; a block that
+    ends normally after one (its KeyboardInterrupt swallowed to the end) is interrupted too."""
+    with ctrl_c_noted() as ctrl_c_came:
+        try:
+            yield
+        except BaseException as e:
+            if not (isinstance(e, KeyboardInterrupt) or ctrl_c_came()):
+                raise
+        else:
+            if not ctrl_c_came():
+                return
+    console.print(message, markup=False, soft_wrap=True)
+    raise typer.Exit(130)
 
 
 def _run_loop(s: Settings, run_conf: Path, **loop_args) -> dict:
