@@ -5,20 +5,15 @@ objects. :func:`run` executes a coroutine on one shared background loop (started
 every engine call of a process goes through one loop whatever thread asks, and an HTTP client made
 on that loop is always used on it. At exit it ends, and the threads of the engines' workers with it,
 before the interpreter finalizes (:func:`end_at_exit`).
-
-A Ctrl-C stops a long command even where a library swallows its KeyboardInterrupt (:func:`ctrl_c_noted`,
-:func:`stop_if_ctrl_c`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import signal
 import threading
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -87,32 +82,3 @@ def _shutdown() -> None:
 
 
 atexit.register(_shutdown)
-
-# Set by a Ctrl-C inside ctrl_c_noted(). The KeyboardInterrupt it raises can be lost: Prefect drops one that lands
-# after a subflow's own code returned (while the engine reports the run's final state), and DuckDB turns one
-# mid-query into a RuntimeError that a report's broad handler catches. The work then went on to its end.
-_ctrl_c = threading.Event()
-
-
-@contextmanager
-def ctrl_c_noted() -> Iterator[Callable[[], bool]]:
-    """Within the block (main thread), a Ctrl-C raises KeyboardInterrupt as always and is also noted, so that
-    :func:`stop_if_ctrl_c` raises it again where it was swallowed. Yields whether one came."""
-    def on_sigint(signum, frame) -> None:
-        _ctrl_c.set()
-        signal.default_int_handler(signum, frame)
-
-    _ctrl_c.clear()
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield _ctrl_c.is_set
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        _ctrl_c.clear()
-
-
-def stop_if_ctrl_c() -> None:
-    """Raise KeyboardInterrupt if a Ctrl-C came inside :func:`ctrl_c_noted`: long loops call it before each new
-    piece of work, so a swallowed Ctrl-C stops them there."""
-    if _ctrl_c.is_set():
-        raise KeyboardInterrupt

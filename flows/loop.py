@@ -30,7 +30,7 @@ from openai import AsyncOpenAI
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from clawrl import runtime
+from clawrl import interrupts, runtime
 from clawrl.flows.common import (base_model_dir, data_store, eval_adapter, eval_engine, frozen_engine,
                                  load_flow_settings, policy_engine, prefect_tags)
 from clawrl.flows.judge import judge_flow
@@ -242,13 +242,13 @@ def learning_loop(config_path: str | None, gateway_url: str, steps: int = 16, us
     rows[0]["candidate_score"] = rows[0]["served_score"]
     log.info("base model: %s", _row_line(rows[0], scenario))
     for step in range(1, steps + 1):
-        runtime.stop_if_ctrl_c()  # before each piece of work: a Ctrl-C swallowed where it landed stops here
+        interrupts.stop_if_ctrl_c()  # before each piece of work: a Ctrl-C swallowed where it landed stops here
         rounds = simulate_users(config_path, gateway_url, step, persona, users, max_tokens, seed, heldout, group_size,
                                 scenario, plain_share)
         judged = judge_flow(config_path=config_path)
-        runtime.stop_if_ctrl_c()
+        interrupts.stop_if_ctrl_c()
         trained = train_flow(config_path=config_path, max_steps=1)
-        runtime.stop_if_ctrl_c()
+        interrupts.stop_if_ctrl_c()
         row = evaluate_policy(config_path, gateway_url, step, persona, max_tokens, seed, heldout, eval_samples,
                               scenario)
         gate = {**trained["steps"][0]["gate"], "candidate_version": trained["steps"][0]["weight_version"]} \

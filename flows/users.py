@@ -24,7 +24,7 @@ from openai import AsyncOpenAI
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from clawrl import runtime
+from clawrl import interrupts, runtime
 from clawrl.flows.common import data_store, load_flow_settings
 from clawrl.flows.judge import judge_flow
 from clawrl.flows.train import train_flow
@@ -135,12 +135,12 @@ def users_loop(config_path: str | None, gateway_url: str, arm: str, panel: list[
                                            eval_samples))]
     log.info("%s, base model: %s", arm, _line(rows[0]))
     for round_no in range(1, rounds + 1):
-        runtime.stop_if_ctrl_c()  # before each piece of work: a Ctrl-C swallowed where it landed stops here
+        interrupts.stop_if_ctrl_c()  # before each piece of work: a Ctrl-C swallowed where it landed stops here
         asked = simulate_panel(config_path, gateway_url, round_no, panel, turns, max_tokens, seed, heldout)
         judge_flow(config_path=config_path)
-        runtime.stop_if_ctrl_c()
+        interrupts.stop_if_ctrl_c()
         trained = train_flow(config_path=config_path, max_steps=1)
-        runtime.stop_if_ctrl_c()
+        interrupts.stop_if_ctrl_c()
         evaluated = evaluate_panel(config_path, gateway_url, round_no, panel, max_tokens, seed, heldout, eval_samples)
         rows.append(panel_row(round_no, round_no * turns, evaluated, _gates(trained, panel), asked))
         print(f"{arm} round {round_no:2d} ({round_no * turns} turns each): {_line(rows[-1])}")

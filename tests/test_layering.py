@@ -20,7 +20,7 @@ FLOORS: list[tuple[str, ...]] = [
      "clawrl.config_sections", "clawrl.config_removed"),
     ("clawrl.storage",),
     ("clawrl.engine", "clawrl.models", "clawrl.algo", "clawrl.gate", "clawrl.chat", "clawrl.checkpoint", "clawrl.mix",
-     "clawrl.hooks", "clawrl.runtime", "clawrl.ports", "clawrl.adapters"),
+     "clawrl.hooks", "clawrl.runtime", "clawrl.interrupts", "clawrl.ports", "clawrl.adapters"),
     ("clawrl.gateway", "clawrl.judge", "clawrl.train", "clawrl.sync", "clawrl.sim", "clawrl.lineage", "clawrl.doctor",
      "clawrl.evaluation"),
     ("clawrl.trainer_service", "clawrl.replay", "clawrl.supervisor", "clawrl.serving", "clawrl.promotion"),

@@ -17,7 +17,7 @@ from clawrl.cli.common import FLOW_LOG, app, console, data_root_prefect, setting
 from clawrl.cli.data import status
 from clawrl.cli.demo_users import ADAPTER_LR, run_users_demo
 from clawrl.config import Settings, dump_toml
-from clawrl.runtime import ctrl_c_noted
+from clawrl.interrupts import ctrl_c_noted
 from clawrl.sim.panel import DEFAULT_PANEL
 from clawrl.sim.personas import PERSONAS
 from clawrl.sim.prompts import QUESTIONS, VALIDATION_QUESTIONS

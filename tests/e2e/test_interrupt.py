@@ -102,7 +102,7 @@ def test_a_ctrl_c_prefect_drops_as_a_subflow_ends_still_stops_the_loop(prefect_h
     import typer
     from prefect import flow
 
-    from clawrl import runtime
+    from clawrl import interrupts
     from clawrl.cli.demo import ctrl_c_exits
 
     @flow(on_completion=[lambda *_: os.kill(os.getpid(), signal.SIGINT)])
@@ -115,7 +115,7 @@ def test_a_ctrl_c_prefect_drops_as_a_subflow_ends_still_stops_the_loop(prefect_h
     def loop(stop: bool) -> None:
         for step in range(1, 3):
             if stop:
-                runtime.stop_if_ctrl_c()
+                interrupts.stop_if_ctrl_c()
             child()
             done.append(f"step {step}")
 
@@ -128,4 +128,4 @@ def test_a_ctrl_c_prefect_drops_as_a_subflow_ends_still_stops_the_loop(prefect_h
         assert done == steps  # without the check the loop went on to its end: Prefect swallowed the interrupt
         assert capsys.readouterr().out.strip().endswith("interrupted")
     assert signal.getsignal(signal.SIGINT) is before
-    runtime.stop_if_ctrl_c()  # noted only inside the block: raises nothing after it
+    interrupts.stop_if_ctrl_c()  # noted only inside the block: raises nothing after it
